@@ -1,0 +1,3 @@
+from hpctrain.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""checkpoint part of hpctrain (see DESIGN.md)."""

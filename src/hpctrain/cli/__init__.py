@@ -1,0 +1,1 @@
+"""`hpctrain <verb>`: thin argument parsing that calls the parts."""

@@ -1,0 +1,26 @@
+"""`hpctrain bench <what>`: benchmarks that print ratios measured side by side in one run."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+HELP = "run a benchmark (ratios measured side by side in one run)"
+EPILOG = "example: hpctrain bench convert --help"
+
+# name -> module with HELP, add_arguments(parser), run(args) -> int
+BENCHES: dict[str, str] = {}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    benches = parser.add_subparsers(dest="bench", metavar="WHAT")
+    benches.required = True
+    for name, module_path in BENCHES.items():
+        module = importlib.import_module(module_path)
+        sub = benches.add_parser(name, help=module.HELP, description=module.HELP)
+        module.add_arguments(sub)
+        sub.set_defaults(_bench_run=module.run)
+
+
+def run(args: argparse.Namespace) -> int:
+    return int(args._bench_run(args))

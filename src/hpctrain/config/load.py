@@ -1,0 +1,239 @@
+"""YAML + `a.b=c` overrides → a validated, frozen `Config`.
+
+Every mistake is reported as one line that names the dotted key, where the value came from
+(the file or the command line) and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from hpctrain.config.schema import Config
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A bad config key or value; the message is one line naming the key and its source."""
+
+
+def _yaml_key(f: dataclasses.Field[Any]) -> str:
+    return str(f.metadata.get("key", f.name))
+
+
+def _fields_by_key(cls: type) -> dict[str, dataclasses.Field[Any]]:
+    return {_yaml_key(f): f for f in dataclasses.fields(cls)}
+
+
+def _describe(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
+
+
+def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
+    """Check `value` against the annotation `tp`; ints are accepted where floats are expected."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key, source)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}={value!r} ({source}): expected {_describe(tp)}")
+    if origin is list:
+        (item_tp,) = typing.get_args(tp) or (Any,)
+        if isinstance(value, str) or not isinstance(value, Sequence):
+            raise ConfigError(f"{key}={value!r} ({source}): expected a list")
+        return [_coerce(v, item_tp, f"{key}[{i}]", source) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}={value!r} ({source}): expected a mapping")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}={value!r} ({source}): expected true or false")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}={value!r} ({source}): expected an integer")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}={value!r} ({source}): expected a number")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key}={value!r} ({source}): expected a string")
+    raise AssertionError(f"unsupported config annotation {tp!r} for {key}")
+
+
+def _check(value: Any, f: dataclasses.Field[Any], key: str, source: str) -> None:
+    choices = f.metadata.get("choices")
+    if choices is not None and value not in choices:
+        raise ConfigError(f"{key}={value!r} ({source}): must be one of {'|'.join(map(str, choices))}")
+    low = f.metadata.get("min")
+    if low is not None and value < low:
+        raise ConfigError(f"{key}={value!r} ({source}): must be >= {low}")
+
+
+def _build(cls: type[T], raw: Mapping[str, Any], sources: Mapping[str, str], prefix: str) -> T:
+    fields = _fields_by_key(cls)
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        dotted = f"{prefix}{key}"
+        source = sources.get(dotted, sources.get("", "defaults"))
+        if key not in fields:
+            allowed = ", ".join(sorted(fields))
+            raise ConfigError(f"unknown key {dotted!r} ({source}); allowed here: {allowed}")
+        f = fields[key]
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{dotted}={value!r} ({source}): expected a mapping of {key}.* keys")
+            kwargs[f.name] = _build(tp, value, sources, f"{dotted}.")  # type: ignore[arg-type]
+            continue
+        coerced = _coerce(value, tp, dotted, source)
+        _check(coerced, f, dotted, source)
+        kwargs[f.name] = coerced
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    node = tree
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[parts[-1]] = value
+
+
+def _collect_sources(tree: Mapping[str, Any], source: str, prefix: str, out: dict[str, str]) -> None:
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        out[dotted] = source
+        if isinstance(value, Mapping):
+            _collect_sources(value, source, f"{dotted}.", out)
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`a.b=c` → ("a.b", c), with c parsed as a YAML scalar (`7` → 7, `true` → True)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r} (command line): expected key.sub=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Load a config file (or the defaults), apply overrides and validate everything.
+
+    Args:
+        path: a YAML file whose keys mirror `Config`; None uses the defaults alone.
+        overrides: `dotted.key=value` strings, applied in order after the file.
+
+    Raises:
+        ConfigError: one line naming the dotted key, its source and the allowed values.
+    """
+    tree: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark is not None else ""
+            raise ConfigError(f"{path}{where}: not valid YAML") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of keys")
+        tree = loaded
+        _collect_sources(tree, str(path), "", sources)
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(tree, key, value)
+        sources[key] = "command line"
+    return _build(Config, tree, sources, "")
+
+
+def config_to_dict(obj: Any) -> Any:
+    """The config tree as plain dicts/lists, with YAML key names (`checkpoint.async`)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {_yaml_key(f): config_to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [config_to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: config_to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def config_to_yaml(cfg: Config) -> str:
+    """The resolved config as YAML, loadable again with `load_config`."""
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False)
+
+
+def config_from_dict(tree: Mapping[str, Any], source: str = "saved config") -> Config:
+    """Rebuild a `Config` from `config_to_dict` output (e.g. the copy saved in a run folder)."""
+    sources: dict[str, str] = {"": source}
+    return _build(Config, tree, sources, "")
+
+
+def with_overrides(cfg: Config, overrides: Sequence[str]) -> Config:
+    """A copy of `cfg` with `dotted.key=value` overrides applied and validated."""
+    tree = config_to_dict(cfg)
+    sources: dict[str, str] = {"": "resolved config"}
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(tree, key, value)
+        sources[key] = "command line"
+    return _build(Config, tree, sources, "")
+
+
+def reference_rows() -> list[tuple[str, str, str]]:
+    """(dotted key, default, help) for every key: the README's config reference."""
+    rows: list[tuple[str, str, str]] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            dotted = f"{prefix}{_yaml_key(f)}"
+            if dataclasses.is_dataclass(tp):
+                walk(tp, f"{dotted}.")  # type: ignore[arg-type]
+                continue
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            help_text = str(f.metadata.get("help", ""))
+            if "choices" in f.metadata:
+                help_text += f" ({'|'.join(f.metadata['choices'])})"
+            rows.append((dotted, yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("..."), help_text))
+
+    walk(Config, "")
+    return rows

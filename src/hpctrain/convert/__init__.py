@@ -1,0 +1,1 @@
+"""convert part of hpctrain (see DESIGN.md)."""

@@ -1,0 +1,1 @@
+"""Shard index, epoch plan and the per-rank streaming loader."""

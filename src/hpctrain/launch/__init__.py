@@ -1,0 +1,1 @@
+"""launch part of hpctrain (see DESIGN.md)."""

@@ -1,0 +1,1 @@
+"""train part of hpctrain (see DESIGN.md)."""
