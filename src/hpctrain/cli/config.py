@@ -13,7 +13,12 @@ EPILOG = "example: hpctrain config show configs/demo.yaml train.max_steps=7"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=["show"], help="what to do with the config")
     parser.add_argument("config", help="YAML config file")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. data.batch_size=32")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="dotted overrides, e.g. data.batch_size=32",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -16,8 +16,9 @@ from hpctrain.config import ConfigError
 
 # Order is the order shown in `hpctrain --help`.
 VERBS = [
-
+    "train",
     "config",
+    "plot",
 ]
 
 

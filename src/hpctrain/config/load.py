@@ -86,7 +86,9 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
 def _check(value: Any, f: dataclasses.Field[Any], key: str, source: str) -> None:
     choices = f.metadata.get("choices")
     if choices is not None and value not in choices:
-        raise ConfigError(f"{key}={value!r} ({source}): must be one of {'|'.join(map(str, choices))}")
+        raise ConfigError(
+            f"{key}={value!r} ({source}): must be one of {'|'.join(map(str, choices))}"
+        )
     low = f.metadata.get("min")
     if low is not None and value < low:
         raise ConfigError(f"{key}={value!r} ({source}): must be >= {low}")
@@ -106,7 +108,9 @@ def _build(cls: type[T], raw: Mapping[str, Any], sources: Mapping[str, str], pre
         tp = hints[f.name]
         if dataclasses.is_dataclass(tp):
             if not isinstance(value, Mapping):
-                raise ConfigError(f"{dotted}={value!r} ({source}): expected a mapping of {key}.* keys")
+                raise ConfigError(
+                    f"{dotted}={value!r} ({source}): expected a mapping of {key}.* keys"
+                )
             kwargs[f.name] = _build(tp, value, sources, f"{dotted}.")  # type: ignore[arg-type]
             continue
         coerced = _coerce(value, tp, dotted, source)
@@ -127,7 +131,9 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _collect_sources(tree: Mapping[str, Any], source: str, prefix: str, out: dict[str, str]) -> None:
+def _collect_sources(
+    tree: Mapping[str, Any], source: str, prefix: str, out: dict[str, str]
+) -> None:
     for key, value in tree.items():
         dotted = f"{prefix}{key}"
         out[dotted] = source
@@ -229,11 +235,19 @@ def reference_rows() -> list[tuple[str, str, str]]:
             if dataclasses.is_dataclass(tp):
                 walk(tp, f"{dotted}.")  # type: ignore[arg-type]
                 continue
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            default = (
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            )
             help_text = str(f.metadata.get("help", ""))
             if "choices" in f.metadata:
                 help_text += f" ({'|'.join(f.metadata['choices'])})"
-            rows.append((dotted, yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("..."), help_text))
+            rows.append(
+                (
+                    dotted,
+                    yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("..."),
+                    help_text,
+                )
+            )
 
     walk(Config, "")
     return rows

@@ -21,7 +21,10 @@ def _f(default: Any, help: str, **checks: Any) -> Any:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    name: str = _f("small_cnn", "model for the built-in image_classification task: small_cnn or a torchvision model name (resnet18, resnet50, vit_b_16, ...)")
+    name: str = _f(
+        "small_cnn",
+        "model for the built-in image_classification task: small_cnn or a torchvision model name (resnet18, resnet50, vit_b_16, ...)",
+    )
     num_classes: int = _f(0, "number of classes; 0 takes it from the training index", min=0)
     image_size: int = _f(64, "side of the square crop fed to the model, in pixels", min=8)
     channels_last: bool = _f(False, "use the channels_last memory format (CNNs on GPUs)")
@@ -29,62 +32,108 @@ class ModelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    train: str = _f("", "training shards: an index.json path/URL or a shard pattern (dir/train-{000000..000009}.tar)")
+    train: str = _f(
+        "",
+        "training shards: an index.json path/URL or a shard pattern (dir/train-{000000..000009}.tar)",
+    )
     val: str = _f("", "validation shards, same forms as data.train; empty disables evaluation")
     batch_size: int = _f(64, "samples per batch on each rank", min=1)
-    workers_per_rank: int = _f(2, "loader worker processes per rank (0: load in the training process)", min=0)
-    shuffle_buffer: int = _f(1000, "samples held in each worker's shuffle buffer (0 or 1: no sample shuffle)", min=0)
-    remainder: str = _f("drop", "training samples that do not fill equal batches on every rank", choices=("drop", "pad"))
-    on_error: str = _f("fail", "a shard that cannot be read after retries: fail the run, or skip and count", choices=("fail", "skip"))
-    max_retries: int = _f(5, "retries of a failed shard read (connection reset, 5xx) before on_error applies", min=0)
+    workers_per_rank: int = _f(
+        2, "loader worker processes per rank (0: load in the training process)", min=0
+    )
+    shuffle_buffer: int = _f(
+        1000, "samples held in each worker's shuffle buffer (0 or 1: no sample shuffle)", min=0
+    )
+    remainder: str = _f(
+        "drop",
+        "training samples that do not fill equal batches on every rank",
+        choices=("drop", "pad"),
+    )
+    on_error: str = _f(
+        "fail",
+        "a shard that cannot be read after retries: fail the run, or skip and count",
+        choices=("fail", "skip"),
+    )
+    max_retries: int = _f(
+        5, "retries of a failed shard read (connection reset, 5xx) before on_error applies", min=0
+    )
     prefetch_factor: int = _f(4, "batches prefetched by each worker", min=1)
     pin_memory: bool = _f(True, "pin host memory of batches (GPUs only)")
     persistent_workers: bool = _f(True, "keep loader workers alive across epochs")
-    sample_log: bool = _f(False, "append the keys of every trained sample to RUN_DIR/samples/rank-<r>.jsonl")
+    sample_log: bool = _f(
+        False, "append the keys of every trained sample to RUN_DIR/samples/rank-<r>.jsonl"
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     max_steps: int = _f(0, "optimizer steps to run; 0: run train.max_epochs epochs", min=0)
     max_epochs: int = _f(0, "epochs to run when train.max_steps is 0", min=0)
-    strategy: str = _f("ddp", "data parallelism over ranks; a single process is never wrapped", choices=("none", "ddp", "fsdp"))
-    precision: str = _f("auto", "auto: bf16 on GPUs that support it, fp32 elsewhere", choices=("auto", "fp32", "bf16", "fp16"))
+    strategy: str = _f(
+        "ddp",
+        "data parallelism over ranks; a single process is never wrapped",
+        choices=("none", "ddp", "fsdp"),
+    )
+    precision: str = _f(
+        "auto",
+        "auto: bf16 on GPUs that support it, fp32 elsewhere",
+        choices=("auto", "fp32", "bf16", "fp16"),
+    )
     optimizer: str = _f("adamw", "optimizer", choices=("adamw", "sgd"))
     lr: float = _f(1e-3, "peak learning rate", min=0.0)
     weight_decay: float = _f(0.05, "weight decay (not applied to norms and biases)", min=0.0)
     momentum: float = _f(0.9, "SGD momentum", min=0.0)
-    schedule: str = _f("cosine", "learning-rate schedule after warmup", choices=("cosine", "constant"))
+    schedule: str = _f(
+        "cosine", "learning-rate schedule after warmup", choices=("cosine", "constant")
+    )
     warmup_steps: int = _f(0, "linear warmup steps", min=0)
     grad_accum_steps: int = _f(1, "micro-batches per optimizer step", min=1)
     grad_clip: float = _f(0.0, "clip gradients to this global norm; 0 disables", min=0.0)
     log_every: int = _f(10, "steps between metric lines", min=1)
     eval_every: int = _f(0, "steps between evaluations over data.val; 0: only at the end", min=0)
     compile: bool = _f(False, "torch.compile the model")
-    activation_checkpointing: bool = _f(False, "recompute activations of each block in the backward pass")
+    activation_checkpointing: bool = _f(
+        False, "recompute activations of each block in the backward pass"
+    )
     reshard_after_forward: bool = _f(True, "FSDP2: free gathered parameters after forward")
     deterministic: bool = _f(False, "deterministic algorithms (bitwise-repeatable runs on CPU)")
-    overfit_batches: int = _f(0, "train on the first N batches only (a sanity check before a long job)", min=0)
-    debug: bool = _f(False, "debug mode: one process, in-process loading, anomaly detection, errors raised at once")
+    overfit_batches: int = _f(
+        0, "train on the first N batches only (a sanity check before a long job)", min=0
+    )
+    debug: bool = _f(
+        False,
+        "debug mode: one process, in-process loading, anomaly detection, errors raised at once",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
-    dir: str = _f("", "where checkpoints go: a local path or an fsspec URL; empty: RUN_DIR/checkpoints")
+    dir: str = _f(
+        "", "where checkpoints go: a local path or an fsspec URL; empty: RUN_DIR/checkpoints"
+    )
     every_steps: int = _f(0, "save every N optimizer steps; 0 disables", min=0)
     every_minutes: float = _f(0.0, "save every N minutes of training; 0 disables", min=0.0)
     keep_last: int = _f(3, "committed checkpoints kept, newest first", min=1)
-    keep_every: int = _f(0, "also keep every checkpoint whose step is a multiple of N; 0 disables", min=0)
+    keep_every: int = _f(
+        0, "also keep every checkpoint whose step is a multiple of N; 0 disables", min=0
+    )
     async_save: bool = _f(False, "save in the background with dcp.async_save", key="async")
     verify: str = _f("size", "how a load verifies a checkpoint's files", choices=("size", "sha256"))
     resume: str = _f("latest", "latest, none, or a checkpoint path to resume from")
     signals: list[str] = _f(["USR2", "TERM"], "signals that request checkpoint-and-requeue")
-    deadline_margin_s: float = _f(180.0, "save this long before SLURM_JOB_END_TIME; 0 disables", min=0.0)
+    deadline_margin_s: float = _f(
+        180.0, "save this long before SLURM_JOB_END_TIME; 0 disables", min=0.0
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
 class LoggingConfig:
     tensorboard: bool = _f(False, "write TensorBoard event files (needs the tensorboard extra)")
-    progress: str = _f("auto", "progress bar in a terminal, plain lines elsewhere", choices=("auto", "bar", "lines"))
+    progress: str = _f(
+        "auto",
+        "progress bar in a terminal, plain lines elsewhere",
+        choices=("auto", "bar", "lines"),
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,7 +148,9 @@ class SlurmConfig:
     cpus_per_task: int = _f(0, "CPUs per task; 0 takes the profile's", min=0)
     time: str = _f("", "wall time (HH:MM:SS or minutes); empty takes the profile's default")
     max_requeues: int = _f(3, "automatic requeues after a time limit or preemption", min=0)
-    signal_margin_s: int = _f(120, "seconds before the time limit when SLURM sends the signal", min=1)
+    signal_margin_s: int = _f(
+        120, "seconds before the time limit when SLURM sends the signal", min=1
+    )
     setup: list[str] = _f([], "shell lines run before training (module load ...)")
     folder: str = _f("", "where job scripts and logs go; empty: RUN_DIR/slurm")
 
@@ -108,7 +159,9 @@ class SlurmConfig:
 class Config:
     run_dir: str = _f("runs/default", "run folder: resolved config, metrics, checkpoints, logs")
     seed: int = _f(0, "seeds model init, data order and augmentations", min=0)
-    task: str = _f("image_classification", "built-in task name or module.path:ClassName of your own")
+    task: str = _f(
+        "image_classification", "built-in task name or module.path:ClassName of your own"
+    )
     task_options: dict[str, Any] = _f({}, "free-form options handed to a custom task")
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -71,7 +71,12 @@ class ShardIndex:
             "num_bytes": self.num_bytes,
             "class_names": list(self.class_names),
             "shards": [
-                {"url": s.url, "num_samples": s.num_samples, "num_bytes": s.num_bytes, "sha256": s.sha256}
+                {
+                    "url": s.url,
+                    "num_samples": s.num_samples,
+                    "num_bytes": s.num_bytes,
+                    "sha256": s.sha256,
+                }
                 for s in self.shards
             ],
             "command": self.command,
@@ -86,15 +91,21 @@ def is_absolute_url(url: str) -> bool:
 def join_url(base: str, url: str) -> str:
     if not base or is_absolute_url(url):
         return url
-    return posixpath.join(base.rstrip("/"), url) if "://" in base else str(posixpath.join(base, url))
+    return (
+        posixpath.join(base.rstrip("/"), url) if "://" in base else str(posixpath.join(base, url))
+    )
 
 
 def parse_index(data: Any, index_url: str) -> ShardIndex:
     """Validate the decoded JSON of an index; errors name `index_url`."""
     if not isinstance(data, dict) or data.get("format") != INDEX_FORMAT:
-        raise ShardIndexError(f"{index_url}: not an hpctrain shard index (missing format={INDEX_FORMAT!r})")
+        raise ShardIndexError(
+            f"{index_url}: not an hpctrain shard index (missing format={INDEX_FORMAT!r})"
+        )
     if data.get("version") != INDEX_VERSION:
-        raise ShardIndexError(f"{index_url}: unsupported index version {data.get('version')!r} (this hpctrain reads {INDEX_VERSION})")
+        raise ShardIndexError(
+            f"{index_url}: unsupported index version {data.get('version')!r} (this hpctrain reads {INDEX_VERSION})"
+        )
     shards = []
     for i, entry in enumerate(data.get("shards", [])):
         try:

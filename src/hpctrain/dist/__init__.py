@@ -1,0 +1,26 @@
+"""Distributed environment: who am I in the job, and the process group."""
+
+from hpctrain.dist.env import DistEnv, expand_hostlist, port_from_job_id, resolve_env
+from hpctrain.dist.group import (
+    all_reduce_max,
+    all_reduce_sum,
+    backend_for,
+    choose_device,
+    destroy_process_group,
+    init_process_group,
+    process_group,
+)
+
+__all__ = [
+    "DistEnv",
+    "all_reduce_max",
+    "all_reduce_sum",
+    "backend_for",
+    "choose_device",
+    "destroy_process_group",
+    "expand_hostlist",
+    "init_process_group",
+    "port_from_job_id",
+    "process_group",
+    "resolve_env",
+]

@@ -1,0 +1,118 @@
+from pathlib import Path
+
+import pytest
+
+from hpctrain.config import (
+    ConfigError,
+    config_from_dict,
+    config_to_dict,
+    config_to_yaml,
+    load_config,
+    with_overrides,
+)
+from hpctrain.config.load import reference_rows
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_and_file_and_override(tmp_path: Path) -> None:
+    path = write(tmp_path, "seed: 3\ndata:\n  batch_size: 16\ntrain:\n  strategy: fsdp\n")
+    cfg = load_config(
+        path, ["train.max_steps=7", "data.train=/x/index.json", "checkpoint.async=true"]
+    )
+    assert cfg.seed == 3
+    assert cfg.data.batch_size == 16
+    assert cfg.train.strategy == "fsdp"
+    assert cfg.train.max_steps == 7
+    assert cfg.data.train == "/x/index.json"
+    assert cfg.checkpoint.async_save is True
+    assert cfg.train.lr == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize(
+    ("override", "fragment"),
+    [
+        ("data.batch_size=-1", "data.batch_size=-1 (command line): must be >= 1"),
+        ("train.strategy=foo", "train.strategy='foo' (command line): must be one of none|ddp|fsdp"),
+        ("train.precision=fp8", "must be one of auto|fp32|bf16|fp16"),
+        ("train.max_steps=abc", "train.max_steps='abc' (command line): expected an integer"),
+        ("train.nope=1", "unknown key 'train.nope' (command line)"),
+        ("data.pin_memory=3", "expected true or false"),
+        ("nokey", "expected key.sub=value"),
+        ("train=3", "train=3 (command line): expected a mapping"),
+    ],
+)
+def test_bad_overrides_name_the_key(override: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert fragment in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_bad_file_value_names_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "data:\n  workers_per_rank: -2\n")
+    with pytest.raises(ConfigError, match=rf"data.workers_per_rank=-2 \({path}\): must be >= 0"):
+        load_config(path)
+
+
+def test_unknown_file_key_lists_allowed(tmp_path: Path) -> None:
+    path = write(tmp_path, "data:\n  batchsize: 3\n")
+    with pytest.raises(
+        ConfigError, match=r"unknown key 'data.batchsize' .*allowed here: .*batch_size"
+    ):
+        load_config(path)
+
+
+def test_invalid_yaml_and_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, "a: [1,\n"))
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_yaml_round_trip_is_identity() -> None:
+    cfg = load_config(
+        REPO / "configs" / "demo.yaml", ["checkpoint.async=true", "slurm.setup=[module load x]"]
+    )
+    assert load_config_from_yaml(config_to_yaml(cfg)) == cfg
+    assert config_from_dict(config_to_dict(cfg)) == cfg
+
+
+def load_config_from_yaml(text: str):  # type: ignore[no-untyped-def]
+    import yaml
+
+    return config_from_dict(yaml.safe_load(text))
+
+
+def test_with_overrides_validates() -> None:
+    cfg = load_config(None, [])
+    assert with_overrides(cfg, ["train.max_steps=3"]).train.max_steps == 3
+    with pytest.raises(ConfigError):
+        with_overrides(cfg, ["train.max_steps=-3"])
+
+
+def test_every_key_has_help() -> None:
+    rows = reference_rows()
+    keys = {key for key, _, _ in rows}
+    for required in (
+        "run_dir",
+        "seed",
+        "data.train",
+        "data.val",
+        "data.batch_size",
+        "data.workers_per_rank",
+        "train.max_steps",
+        "train.strategy",
+        "train.precision",
+        "checkpoint.every_steps",
+        "checkpoint.keep_last",
+        "checkpoint.async",
+    ):
+        assert required in keys
+    assert all(help_text for _, _, help_text in rows)
