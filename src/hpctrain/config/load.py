@@ -7,6 +7,7 @@ Every mistake is reported as one line that names the dotted key, where the value
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -244,7 +245,7 @@ def reference_rows() -> list[tuple[str, str, str]]:
             rows.append(
                 (
                     dotted,
-                    yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("..."),
+                    json.dumps(default),
                     help_text,
                 )
             )

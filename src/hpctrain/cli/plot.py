@@ -1,0 +1,26 @@
+"""`hpctrain plot RUN_DIR`: PNG plots next to the run's metrics."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+HELP = "write PNG plots (loss, accuracy, throughput, data wait) from RUN_DIR/metrics.jsonl"
+EPILOG = "example: hpctrain plot runs/demo"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", help="run folder holding metrics.jsonl")
+
+
+def run(args: argparse.Namespace) -> int:
+    from hpctrain.train.plot import plot_run
+
+    try:
+        paths = plot_run(Path(args.run_dir))
+    except FileNotFoundError as exc:
+        print(f"hpctrain plot: {exc}")
+        return 1
+    for path in paths:
+        print(f"plot: {path}")
+    return 0

@@ -1,0 +1,84 @@
+"""`hpctrain train CONFIG [overrides] [--nproc N] [--debug]`."""
+
+from __future__ import annotations
+
+import argparse
+
+from hpctrain.config import load_config, with_overrides
+
+HELP = "train a model from a config (one process, N local processes, or as a SLURM task)"
+EPILOG = """examples:
+  hpctrain train configs/demo.yaml
+  hpctrain train configs/demo.yaml --nproc 2 train.max_steps=50 run_dir=runs/try2
+  hpctrain train configs/demo.yaml --debug            # one process, errors raised at once
+  hpctrain train configs/demo.yaml --overfit-batches 1 train.max_steps=100
+Under srun every task runs this same command; ranks come from SLURM_PROCID/SLURM_NTASKS."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="YAML config file")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="dotted overrides, e.g. train.max_steps=100",
+    )
+    parser.add_argument(
+        "--nproc", type=int, default=1, help="start N local processes (gloo on CPU, NCCL on GPUs)"
+    )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="one process, in-process loading, anomaly detection, small limits",
+    )
+    parser.add_argument(
+        "--overfit-batches",
+        type=int,
+        default=0,
+        metavar="N",
+        help="train on the first N batches only (loss must reach ~0)",
+    )
+    parser.add_argument(
+        "--resume",
+        default=None,
+        metavar="PATH|latest|none",
+        help="checkpoint to resume from (default: latest in the run folder)",
+    )
+
+
+def resolve(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """The config these arguments describe (file, overrides, then the flags)."""
+    cfg = load_config(args.config, args.overrides)
+    extra: list[str] = []
+    if args.resume is not None:
+        extra.append(f"checkpoint.resume={args.resume}")
+    if args.overfit_batches:
+        extra.append(f"train.overfit_batches={args.overfit_batches}")
+    if args.debug:
+        max_steps = min(cfg.train.max_steps or 20, 20)
+        extra += [
+            "train.debug=true",
+            "data.workers_per_rank=0",
+            "data.on_error=fail",
+            f"train.max_steps={max_steps}",
+            "train.log_every=1",
+        ]
+    return with_overrides(cfg, extra) if extra else cfg
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = resolve(args)  # validate before starting any process
+    if args.nproc < 1:
+        raise SystemExit("hpctrain train: --nproc must be >= 1")
+    if args.nproc > 1 and not args.debug:
+        from hpctrain.launch.local import run_local
+
+        forwarded = [args.config, *args.overrides]
+        if args.resume is not None:
+            forwarded += ["--resume", args.resume]
+        if args.overfit_batches:
+            forwarded += ["--overfit-batches", str(args.overfit_batches)]
+        return run_local(forwarded, args.nproc)
+    from hpctrain.train import run_training
+
+    return run_training(cfg)

@@ -1,0 +1,145 @@
+"""The built-in image classification task: torchvision models by name, or a small CNN for CPUs."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchvision.transforms import v2
+
+from hpctrain.config import Config, ConfigError
+from hpctrain.data.index import ShardIndex
+
+# ImageNet statistics; images arrive as uint8 and are normalized on the device.
+MEAN = (0.485, 0.456, 0.406)
+STD = (0.229, 0.224, 0.225)
+
+
+class SmallCNN(nn.Module):
+    """Four conv blocks and a linear head: trains in minutes on a CPU at 32–64 px."""
+
+    def __init__(self, num_classes: int, width: int = 16) -> None:
+        super().__init__()
+        channels = [3, width, 2 * width, 4 * width, 4 * width]
+        self.blocks = nn.ModuleList(
+            nn.Sequential(
+                nn.Conv2d(cin, cout, 3, padding=1, bias=False),
+                nn.BatchNorm2d(cout),
+                nn.ReLU(inplace=True),
+                nn.MaxPool2d(2) if i < 3 else nn.Identity(),
+            )
+            for i, (cin, cout) in enumerate(itertools.pairwise(channels))
+        )
+        self.head = nn.Linear(channels[-1], num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+def build_classifier(name: str, num_classes: int) -> nn.Module:
+    """`small_cnn` or any torchvision classification model, randomly initialised.
+
+    No pretrained weights: compute nodes have no internet. Load weights from a checkpoint instead.
+    """
+    if name == "small_cnn":
+        return SmallCNN(num_classes)
+    import torchvision
+
+    available = torchvision.models.list_models(module=torchvision.models)
+    if name not in available:
+        raise ConfigError(
+            f"model.name={name!r}: not small_cnn nor a torchvision model (e.g. resnet18, resnet50, vit_b_16)"
+        )
+    return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+
+
+class TrainTransform:
+    """Random resized crop + horizontal flip on uint8 tensors (tensor-first: faster than PIL)."""
+
+    def __init__(self, size: int) -> None:
+        self.transform = v2.Compose(
+            [
+                v2.RandomResizedCrop(size, scale=(0.5, 1.0), antialias=True),
+                v2.RandomHorizontalFlip(),
+            ]
+        )
+
+    def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
+        sample["image"] = self.transform(sample["image"])
+        return sample
+
+
+class EvalTransform:
+    """Resize the short side then center-crop, deterministic."""
+
+    def __init__(self, size: int) -> None:
+        self.transform = v2.Compose([v2.Resize(size, antialias=True), v2.CenterCrop(size)])
+
+    def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
+        sample["image"] = self.transform(sample["image"])
+        return sample
+
+
+def normalize(images: torch.Tensor, channels_last: bool = False) -> torch.Tensor:
+    """uint8 NCHW → float normalized with the ImageNet statistics, on the images' device."""
+    mean = torch.tensor(MEAN, device=images.device).view(1, 3, 1, 1) * 255
+    std = torch.tensor(STD, device=images.device).view(1, 3, 1, 1) * 255
+    x = (images.float() - mean) / std
+    return x.contiguous(memory_format=torch.channels_last) if channels_last else x
+
+
+class ImageClassification:
+    """Cross-entropy classification with top-1/top-5 accuracy."""
+
+    def __init__(self, cfg: Config, index: ShardIndex) -> None:
+        self.cfg = cfg
+        num_classes = cfg.model.num_classes or len(index.class_names)
+        if num_classes < 2:
+            raise ConfigError(
+                f"model.num_classes=0: the index {index.base_url or '(pattern)'} names no classes; set model.num_classes"
+            )
+        self.num_classes = num_classes
+
+    def build_model(self) -> nn.Module:
+        return build_classifier(self.cfg.model.name, self.num_classes)
+
+    def train_transform(self) -> TrainTransform:
+        return TrainTransform(self.cfg.model.image_size)
+
+    def eval_transform(self) -> EvalTransform:
+        return EvalTransform(self.cfg.model.image_size)
+
+    def _logits(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        logits: torch.Tensor = model(normalize(batch["image"], self.cfg.model.channels_last))
+        return logits
+
+    def loss(
+        self, model: nn.Module, batch: dict[str, Any]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        logits = self._logits(model, batch)
+        labels = batch["label"]
+        loss = F.cross_entropy(logits.float(), labels)
+        with torch.no_grad():
+            accuracy = (logits.argmax(dim=1) == labels).float().mean()
+        return loss, {"accuracy": accuracy}
+
+    def eval_metrics(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        logits = self._logits(model, batch).float()
+        labels = batch["label"]
+        valid = batch["valid"].float()
+        losses = F.cross_entropy(logits, labels, reduction="none")
+        k = min(5, logits.shape[1])
+        topk = logits.topk(k, dim=1).indices
+        top1 = (topk[:, 0] == labels).float()
+        top5 = (topk == labels[:, None]).any(dim=1).float()
+        return {
+            "loss": (losses * valid).sum(),
+            "accuracy": (top1 * valid).sum(),
+            "top5": (top5 * valid).sum(),
+            "count": valid.sum(),
+        }

@@ -1,0 +1,153 @@
+"""Metrics that show where the time goes: `RUN_DIR/metrics.jsonl`, console lines or a bar."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpctrain.dist import all_reduce_max, all_reduce_sum
+
+log = logging.getLogger("hpctrain")
+
+
+class IntervalMeter:
+    """Sums over the steps since the last log line: step time, data wait, loss, samples."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.steps = 0
+        self.samples = 0
+        self.step_time = 0.0
+        self.data_wait = 0.0
+        self.sums: dict[str, float] = {}
+
+    def add(
+        self, *, samples: int, step_time: float, data_wait: float, values: dict[str, float]
+    ) -> None:
+        self.steps += 1
+        self.samples += samples
+        self.step_time += step_time
+        self.data_wait += data_wait
+        for name, value in values.items():
+            self.sums[name] = self.sums.get(name, 0.0) + value
+
+    def summarize(self, device: torch.device, world_size: int) -> dict[str, float]:
+        """Reduce over ranks (one all-reduce of sums, one of the worst data wait)."""
+        steps = max(1, self.steps)
+        local_wait = self.data_wait / self.step_time if self.step_time > 0 else 0.0
+        names = sorted(self.sums)
+        totals = all_reduce_sum(
+            [float(self.samples), self.step_time, local_wait, *(self.sums[n] for n in names)],
+            device,
+        )
+        samples, step_time_sum, wait_sum = totals[:3]
+        worst = all_reduce_max(local_wait, device)
+        out = {
+            name: total / (steps * world_size)
+            for name, total in zip(names, totals[3:], strict=True)
+        }
+        mean_step_time = step_time_sum / (steps * world_size)
+        out.update(
+            {
+                "samples_per_s": samples / max(1e-9, step_time_sum / world_size),
+                "step_time_s": mean_step_time,
+                "data_wait_fraction": min(1.0, wait_sum / world_size),
+                "data_wait_fraction_worst": min(1.0, worst),
+            }
+        )
+        return out
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak allocated accelerator memory, or the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+class MetricsWriter:
+    """Rank 0 appends one JSON object per logged step; the console gets a line or a bar."""
+
+    def __init__(
+        self, run_dir: Path, *, enabled: bool, progress: str, total_steps: int, tensorboard: bool
+    ) -> None:
+        self.enabled = enabled
+        self.path = run_dir / "metrics.jsonl"
+        self.bar: Any = None
+        self.tb: Any = None
+        if not enabled:
+            return
+        use_bar = progress == "bar" or (progress == "auto" and sys.stderr.isatty())
+        if use_bar:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise RuntimeError(
+                    "logging.tensorboard=true needs the tensorboard extra: pip install 'hpctrain[tensorboard]'"
+                ) from None
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+        self._file = self.path.open("a")
+        self.start = time.monotonic()
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self.tb is not None:
+            for name, value in record.items():
+                if isinstance(value, (int, float)) and name != "step":
+                    self.tb.add_scalar(
+                        f"{record.get('kind', 'train')}/{name}", value, record["step"]
+                    )
+        if record.get("kind") == "eval":
+            line = " ".join(f"{k}={_fmt(v)}" for k, v in record.items() if k != "kind")
+            self._print(f"eval {line}")
+            return
+        if self.bar is not None:
+            self.bar.n = record["step"]
+            self.bar.set_postfix(
+                loss=f"{record['loss']:.4f}",
+                img_s=f"{record['samples_per_s']:.0f}",
+                wait=f"{record['data_wait_fraction']:.0%}",
+            )
+            self.bar.refresh()
+            return
+        self._print(
+            f"step {record['step']} epoch {record['epoch']} loss {record['loss']:.4f} lr {record['lr']:.2e} "
+            f"{record['samples_per_s']:.1f} samples/s data-wait {record['data_wait_fraction']:.1%} "
+            f"(worst {record['data_wait_fraction_worst']:.1%}) step {record['step_time_s'] * 1000:.0f} ms"
+        )
+
+    def _print(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+        self._file.close()
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4f}" if isinstance(value, float) else str(value)

@@ -1,0 +1,73 @@
+"""PNG plots of a run's `metrics.jsonl`: loss, accuracy, throughput, data wait."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+PLOTS = {
+    # file name: (title, [(record kind, field, label)], y label)
+    "loss.png": ("Loss", [("train", "loss", "train"), ("eval", "val_loss", "validation")], "loss"),
+    "accuracy.png": (
+        "Accuracy",
+        [("train", "accuracy", "train (batch)"), ("eval", "val_accuracy", "validation")],
+        "accuracy",
+    ),
+    "throughput.png": (
+        "Throughput",
+        [("train", "samples_per_s", "samples/s (all ranks)")],
+        "samples/s",
+    ),
+    "data_wait.png": (
+        "Time blocked on the loader",
+        [
+            ("train", "data_wait_fraction", "mean over ranks"),
+            ("train", "data_wait_fraction_worst", "worst rank"),
+        ],
+        "fraction of step time",
+    ),
+}
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no metrics (has this run logged a step yet?)")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_run(run_dir: str | Path) -> list[Path]:
+    """Write one PNG per plot that has data next to `metrics.jsonl`; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    records = read_metrics(run_dir)
+    written = []
+    for name, (title, series, ylabel) in PLOTS.items():
+        fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+        drawn = False
+        for kind, field, label in series:
+            points = [
+                (r["step"], r[field])
+                for r in records
+                if r.get("kind", "train") == kind and field in r
+            ]
+            if points:
+                steps, values = zip(*points, strict=True)
+                ax.plot(steps, values, marker="o" if len(points) < 20 else None, label=label)
+                drawn = True
+        if drawn:
+            ax.set_title(title)
+            ax.set_xlabel("step")
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+            ax.legend()
+            fig.tight_layout()
+            fig.savefig(run_dir / name)
+            written.append(run_dir / name)
+        plt.close(fig)
+    return written

@@ -1,0 +1,416 @@
+"""The Trainer: builds everything from the config, then runs one readable loop (`fit`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hpctrain.checkpoint import CheckpointManager, ModelOptimizerState, PerRankState
+from hpctrain.config import Config, ConfigError, config_to_yaml
+from hpctrain.data import ShardedLoader, open_index
+from hpctrain.dist import DistEnv, all_reduce_sum
+from hpctrain.train.metrics import IntervalMeter, MetricsWriter, peak_memory_mb
+from hpctrain.train.optim import build_optimizer, build_scheduler
+from hpctrain.train.parallel import no_gradient_sync, parallelize
+from hpctrain.train.precision import make_grad_scaler, resolve_precision
+from hpctrain.train.preemption import REQUEUE_EXIT_CODE, PreemptionFlag
+from hpctrain.train.task import Batch, load_task
+
+log = logging.getLogger("hpctrain")
+
+
+class TrainState:
+    """Counters that make a run resumable: optimizer steps, epoch, samples trained on."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.epoch = 0
+        self.samples_seen = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "epoch": self.epoch, "samples_seen": self.samples_seen}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.epoch, self.samples_seen = (
+            int(state["step"]),
+            int(state["epoch"]),
+            int(state["samples_seen"]),
+        )
+
+
+class RNGState:
+    """This rank's RNG streams (torch, CUDA, Python, NumPy) as tensors (loadable weights-only)."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        version, internal, gauss = random.getstate()
+        _, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]
+        state = {
+            "torch": torch.get_rng_state(),
+            "python": torch.tensor([version, *internal], dtype=torch.int64),
+            "python_gauss": torch.tensor(
+                [math.nan if gauss is None else gauss], dtype=torch.float64
+            ),
+            "numpy": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "numpy_extra": torch.tensor([pos, has_gauss, cached], dtype=torch.float64),
+        }
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state()
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        torch.set_rng_state(state["torch"])
+        python = state["python"].tolist()
+        gauss = float(state["python_gauss"][0])
+        random.setstate((python[0], tuple(python[1:]), None if math.isnan(gauss) else gauss))
+        pos, has_gauss, cached = state["numpy_extra"].tolist()
+        np.random.set_state(
+            ("MT19937", state["numpy"].numpy().astype(np.uint32), int(pos), int(has_gauss), cached)
+        )
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    return {
+        k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+        for k, v in batch.items()
+    }
+
+
+class Trainer:
+    """Everything a run needs, built once from the config, and the training loop."""
+
+    def __init__(self, cfg: Config, env: DistEnv, device: torch.device) -> None:
+        self.cfg, self.env, self.device = cfg, env, device
+        self.run_dir = Path(cfg.run_dir)
+        if not cfg.data.train:
+            raise ConfigError("data.train is empty: give an index.json path/URL or a shard pattern")
+        if cfg.train.deterministic:
+            torch.use_deterministic_algorithms(True)
+            torch.backends.cudnn.benchmark = False
+        seed_everything(cfg.seed)
+
+        train_index = open_index(cfg.data.train)
+        self.task = load_task(cfg, train_index)
+        sharded = cfg.train.strategy == "fsdp" and env.is_distributed
+        self.precision = resolve_precision(cfg.train.precision, device, sharded)
+        torch.manual_seed(cfg.seed)  # identical initial weights on every rank (FSDP2 needs it)
+        self.model = parallelize(self.task.build_model(), cfg.train, env, device, self.precision)
+        self.optimizer = build_optimizer(self.model, cfg.train)
+        self.scaler = make_grad_scaler(self.precision)
+
+        loader_args = {
+            "rank": env.rank,
+            "world_size": env.world_size,
+            "seed": cfg.seed,
+            "device": device,
+        }
+        self.loader = ShardedLoader(
+            train_index, cfg.data, transform=self.task.train_transform(), train=True, **loader_args
+        )
+        self.val_loader = None
+        if cfg.data.val:
+            val_index = open_index(cfg.data.val)
+            self.val_loader = ShardedLoader(
+                val_index,
+                cfg.data,
+                transform=self.task.eval_transform(),
+                train=False,
+                **loader_args,
+            )
+
+        self.loader.set_epoch(0)
+        self.steps_per_epoch = len(self.loader) // cfg.train.grad_accum_steps
+        if cfg.train.overfit_batches:
+            self.steps_per_epoch = max(1, cfg.train.overfit_batches // cfg.train.grad_accum_steps)
+        if self.steps_per_epoch == 0:
+            raise ConfigError(
+                f"data.batch_size={cfg.data.batch_size}: {cfg.data.train} gives each of {env.world_size} ranks "
+                f"fewer than train.grad_accum_steps={cfg.train.grad_accum_steps} batches per epoch"
+            )
+        self.total_steps = cfg.train.max_steps or cfg.train.max_epochs * self.steps_per_epoch
+        if self.total_steps == 0:
+            raise ConfigError("train.max_steps=0 and train.max_epochs=0: set one of them")
+        self.scheduler = build_scheduler(self.optimizer, cfg.train, self.total_steps)
+
+        self.state = TrainState()
+        self.checkpoints = CheckpointManager(
+            cfg.checkpoint.dir or str(self.run_dir / "checkpoints"),
+            keep_last=cfg.checkpoint.keep_last,
+            keep_every=cfg.checkpoint.keep_every,
+            async_save=cfg.checkpoint.async_save,
+            verify=cfg.checkpoint.verify,
+        )
+        self.preemption = PreemptionFlag(cfg.checkpoint.signals, cfg.checkpoint.deadline_margin_s)
+        self.meter = IntervalMeter()
+        self.last_save = time.monotonic()
+        self.resumed_loader = False
+
+    # ---------------------------------------------------------------- the loop
+    def fit(self) -> int:
+        """Train to `total_steps`; returns 0, or REQUEUE_EXIT_CODE after a preemption save."""
+        self.prepare_run_dir()
+        self.preemption.install()
+        self.resume()
+        metrics = MetricsWriter(
+            self.run_dir,
+            enabled=self.env.is_main,
+            progress=self.cfg.logging.progress,
+            total_steps=self.total_steps,
+            tensorboard=self.cfg.logging.tensorboard,
+        )
+        batches = self.batch_stream()
+        self.model.train()
+        try:
+            while self.state.step < self.total_steps:
+                self.train_step(batches)
+                step = self.state.step
+                if step % self.cfg.train.log_every == 0 or step == self.total_steps:
+                    metrics.write(self.log_record())
+                if (
+                    self.val_loader is not None
+                    and self.cfg.train.eval_every
+                    and step % self.cfg.train.eval_every == 0
+                ):
+                    metrics.write(self.evaluate())
+                stop_requested, time_due = self.agree_on_flags()
+                if stop_requested:
+                    log.warning(
+                        "preemption requested: saving step %d, then exiting for requeue", step
+                    )
+                    self.save()
+                    self.checkpoints.wait()
+                    return REQUEUE_EXIT_CODE
+                if time_due or (
+                    self.cfg.checkpoint.every_steps and step % self.cfg.checkpoint.every_steps == 0
+                ):
+                    self.save()
+            final_eval = self.evaluate() if self.val_loader is not None else None
+            if final_eval is not None:
+                metrics.write(final_eval)
+            if self.checkpoints.latest_step() != self.state.step:
+                self.save()
+            self.checkpoints.wait()
+            if self.env.is_main:
+                self.print_summary(final_eval)
+            return 0
+        finally:
+            metrics.close()
+            self.checkpoints.close()
+
+    def train_step(self, batches: Iterator[Batch]) -> None:
+        """One optimizer step over `grad_accum_steps` micro-batches."""
+        start = time.perf_counter()
+        accum = self.cfg.train.grad_accum_steps
+        data_wait, num_samples = 0.0, 0
+        loss_sum = torch.zeros((), device=self.device)
+        metric_sums: dict[str, torch.Tensor] = {}
+        self.optimizer.zero_grad(set_to_none=True)
+        for micro in range(accum):
+            wait_start = time.perf_counter()
+            batch = next(batches)
+            data_wait += time.perf_counter() - wait_start
+            self.log_samples(batch)
+            num_samples += len(batch["key"])
+            batch = to_device(batch, self.device)
+            with no_gradient_sync(self.model, skip=micro < accum - 1):
+                with self.precision.autocast():
+                    loss, values = self.task.loss(self.model, batch)
+                scaled = loss / accum
+                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+            loss_sum += loss.detach().float() / accum
+            for name, value in values.items():
+                metric_sums[name] = metric_sums.get(name, 0) + value.detach().float() / accum
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), self.cfg.train.grad_clip or math.inf
+        )
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor of the global norm
+            grad_norm = grad_norm.full_tensor()
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.state.step += 1
+        self.state.samples_seen += num_samples * self.env.world_size
+        values = {"loss": loss_sum, "grad_norm": grad_norm.detach().float(), **metric_sums}
+        self.meter.add(
+            samples=num_samples,
+            step_time=time.perf_counter() - start,
+            data_wait=data_wait,
+            values=values,
+        )
+
+    def batch_stream(self) -> Iterator[Batch]:
+        """Batches across epochs; after a resume the first epoch continues where it stopped."""
+        if self.cfg.train.overfit_batches:
+            yield from self.overfit_stream()
+            return
+        while True:
+            if not self.resumed_loader:
+                self.loader.set_epoch(self.state.epoch)
+            self.resumed_loader = False
+            yield from self.loader
+            self.state.epoch += 1
+
+    def overfit_stream(self) -> Iterator[Batch]:
+        """The first `train.overfit_batches` batches, repeated: the loss must go to ~0."""
+        self.loader.set_epoch(0)
+        cached: list[Batch] = []
+        for batch in self.loader:
+            cached.append(batch)
+            if len(cached) == self.cfg.train.overfit_batches:
+                break
+        while True:
+            yield from cached
+
+    # ---------------------------------------------------------------- evaluation and logging
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, Any]:
+        """Metrics over all of `data.val` (padded samples are masked out, so counted once)."""
+        assert self.val_loader is not None
+        self.model.eval()
+        self.val_loader.set_epoch(0)
+        sums: dict[str, torch.Tensor] = {}
+        for batch in self.val_loader:
+            with self.precision.autocast():
+                values = self.task.eval_metrics(self.model, to_device(batch, self.device))
+            for name, value in values.items():
+                sums[name] = sums.get(name, 0) + value.detach().double()
+        self.model.train()
+        names = sorted(sums)
+        totals = dict(
+            zip(names, all_reduce_sum([float(sums[n]) for n in names], self.device), strict=True)
+        )
+        count = max(1.0, totals.pop("count", 0.0))
+        record: dict[str, Any] = {
+            "kind": "eval",
+            "step": self.state.step,
+            "epoch": self.state.epoch,
+        }
+        record.update({f"val_{name}": total / count for name, total in totals.items()})
+        record["val_samples"] = int(count)
+        return record
+
+    def log_record(self) -> dict[str, Any]:
+        summary = self.meter.summarize(self.device, self.env.world_size)
+        self.meter.reset()
+        record: dict[str, Any] = {
+            "kind": "train",
+            "step": self.state.step,
+            "epoch": self.state.epoch,
+        }
+        record.update(summary)
+        record["lr"] = self.scheduler.get_last_lr()[0]
+        record["peak_memory_mb"] = peak_memory_mb(self.device)
+        record["samples_seen"] = self.state.samples_seen
+        for name, value in self.loader.stats().items():
+            record[f"loader_{name}"] = value
+        return record
+
+    def log_samples(self, batch: Batch) -> None:
+        """The audit trail of `data.sample_log`: which keys this rank trained on at which step."""
+        if not self.cfg.data.sample_log:
+            return
+        keys = [k for k, ok in zip(batch["key"], batch["valid"].tolist(), strict=True) if ok]
+        with self.sample_log_path().open("a") as f:
+            f.write(
+                json.dumps({"step": self.state.step + 1, "epoch": self.state.epoch, "keys": keys})
+                + "\n"
+            )
+
+    def sample_log_path(self) -> Path:
+        return self.run_dir / "samples" / f"rank-{self.env.rank}.jsonl"
+
+    # ---------------------------------------------------------------- checkpoints
+    def checkpoint_states(self) -> dict[str, Any]:
+        states: dict[str, Any] = {
+            "app": ModelOptimizerState(self.model, self.optimizer),
+            "scheduler": self.scheduler,
+            "trainer": self.state,
+            "loader": PerRankState(self.loader),
+            "rng": PerRankState(RNGState()),
+        }
+        if self.scaler is not None:
+            states["scaler"] = self.scaler
+        return states
+
+    def save(self) -> None:
+        self.checkpoints.save(
+            self.state.step, self.checkpoint_states(), metadata={"config": config_to_yaml(self.cfg)}
+        )
+        self.last_save = time.monotonic()
+
+    def resume(self) -> None:
+        step = self.checkpoints.load(self.checkpoint_states(), which=self.cfg.checkpoint.resume)
+        if step is None:
+            return
+        self.resumed_loader = True
+        log.info("resumed from step %d (epoch %d)", self.state.step, self.state.epoch)
+        if self.cfg.data.sample_log:
+            self.truncate_sample_log()
+
+    def truncate_sample_log(self) -> None:
+        """Drop audit lines of steps after the checkpoint: they are trained again."""
+        path = self.sample_log_path()
+        if not path.exists():
+            return
+        kept = [
+            line
+            for line in path.read_text().splitlines()
+            if json.loads(line)["step"] <= self.state.step
+        ]
+        path.write_text("".join(line + "\n" for line in kept))
+
+    def agree_on_flags(self) -> tuple[bool, bool]:
+        """One all-reduce at the step boundary: does any rank want to stop, is a timed save due?
+
+        Signals reach ranks at different moments and clocks differ, so every rank must act on
+        the same answer, or some would enter a collective save that others never join.
+        """
+        minutes = self.cfg.checkpoint.every_minutes
+        time_due = bool(minutes) and time.monotonic() - self.last_save >= minutes * 60
+        stop, due = all_reduce_sum([float(self.preemption.requested), float(time_due)], self.device)
+        return stop > 0, due > 0
+
+    def print_summary(self, final_eval: dict[str, Any] | None) -> None:
+        lines = [
+            f"finished {self.state.step} steps ({self.state.samples_seen} samples, epoch {self.state.epoch})"
+        ]
+        if final_eval is not None:
+            lines.append(
+                f"validation accuracy: {final_eval['val_accuracy']:.2%} "
+                f"(top-5 {final_eval.get('val_top5', float('nan')):.2%}, loss {final_eval['val_loss']:.4f}, "
+                f"{final_eval['val_samples']} samples)"
+                if "val_accuracy" in final_eval
+                else "validation: "
+                + ", ".join(f"{k}={v}" for k, v in final_eval.items() if k.startswith("val_"))
+            )
+        lines.append(f"run folder: {self.run_dir}")
+        lines.append(f"checkpoint: {self.checkpoints.root}/step-{self.state.step}")
+        print("\n".join(lines), flush=True)
+
+    def prepare_run_dir(self) -> None:
+        if self.env.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            (self.run_dir / "config.yaml").write_text(config_to_yaml(self.cfg))
+        if self.cfg.data.sample_log:
+            self.sample_log_path().parent.mkdir(parents=True, exist_ok=True)

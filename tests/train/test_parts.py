@@ -1,0 +1,114 @@
+"""Unit tests of the trainer's parts that need no loader or process group."""
+
+import math
+
+import pytest
+import torch
+
+from hpctrain.config import ConfigError, load_config
+from hpctrain.data.index import ShardIndex, ShardInfo
+from hpctrain.train.image_classification import (
+    ImageClassification,
+    SmallCNN,
+    build_classifier,
+    normalize,
+)
+from hpctrain.train.optim import build_optimizer, lr_factor
+from hpctrain.train.parallel import find_blocks
+from hpctrain.train.precision import make_grad_scaler, resolve_precision
+from hpctrain.train.task import load_task
+
+INDEX = ShardIndex(shards=(ShardInfo("a.tar", 10),), class_names=tuple("abcdefghij"))
+CPU = torch.device("cpu")
+
+
+def test_precision_auto_is_fp32_on_cpu_and_bf16_autocasts() -> None:
+    assert resolve_precision("auto", CPU, sharded=False).name == "fp32"
+    bf16 = resolve_precision("bf16", CPU, sharded=False)
+    with bf16.autocast():
+        out = torch.nn.Linear(4, 4)(torch.randn(2, 4))
+    assert out.dtype == torch.bfloat16
+    with resolve_precision("bf16", CPU, sharded=True).autocast():  # FSDP2 casts params itself
+        assert torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype == torch.float32
+
+
+def test_fp16_scaler_only_for_fp16() -> None:
+    assert make_grad_scaler(resolve_precision("fp32", CPU, sharded=False)) is None
+    scaler = make_grad_scaler(resolve_precision("fp16", CPU, sharded=False))
+    assert isinstance(scaler, torch.amp.GradScaler)
+    with pytest.raises(ConfigError, match="train.precision=fp16 with train.strategy=fsdp"):
+        resolve_precision("fp16", CPU, sharded=True)
+
+
+def test_lr_schedule_warmup_then_cosine_to_zero() -> None:
+    assert lr_factor(0, 100, 10, "cosine") == pytest.approx(0.1)
+    assert lr_factor(9, 100, 10, "cosine") == pytest.approx(1.0)
+    assert lr_factor(10, 100, 10, "cosine") == pytest.approx(1.0)
+    assert lr_factor(55, 100, 10, "cosine") == pytest.approx(0.5)
+    assert lr_factor(100, 100, 10, "cosine") == pytest.approx(0.0, abs=1e-12)
+    assert lr_factor(70, 100, 10, "constant") == 1.0
+
+
+def test_no_weight_decay_on_norms_and_biases() -> None:
+    model = SmallCNN(10)
+    cfg = load_config(None, ["train.weight_decay=0.1"])
+    opt = build_optimizer(model, cfg.train)
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.ndim > 1 for p in decay["params"]) and all(p.ndim == 1 for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_blocks_found_for_known_layouts() -> None:
+    assert len(find_blocks(SmallCNN(3))) == 4
+    assert [name for _, name, _ in find_blocks(build_classifier("resnet18", 3))] == [
+        "layer1",
+        "layer2",
+        "layer3",
+        "layer4",
+    ]
+
+
+def test_unknown_model_and_task_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="model.name='nope'"):
+        build_classifier("nope", 3)
+    with pytest.raises(ConfigError, match="task='no.such.module:Task'"):
+        load_task(load_config(None, ["task=no.such.module:Task"]), INDEX)
+    with pytest.raises(ConfigError, match="expected one of image_classification"):
+        load_task(load_config(None, ["task=whatever"]), INDEX)
+
+
+def test_eval_metrics_ignore_padded_samples() -> None:
+    task = ImageClassification(load_config(None, ["model.image_size=16"]), INDEX)
+    model = task.build_model().eval()
+    images = torch.randint(0, 255, (4, 3, 16, 16), dtype=torch.uint8)
+    labels = torch.tensor([1, 2, 3, 4])
+    full = task.eval_metrics(
+        model, {"image": images, "label": labels, "valid": torch.ones(4, dtype=torch.bool)}
+    )
+    padded = task.eval_metrics(
+        model,
+        {
+            "image": torch.cat([images, images[:2]]),
+            "label": torch.cat([labels, labels[:2]]),
+            "valid": torch.tensor([True] * 4 + [False] * 2),
+        },
+    )
+    assert padded["count"] == 4
+    for name in ("loss", "accuracy", "top5"):
+        assert math.isclose(float(full[name]), float(padded[name]), rel_tol=1e-5)
+
+
+def test_transforms_give_fixed_size_uint8() -> None:
+    task = ImageClassification(load_config(None, ["model.image_size=24"]), INDEX)
+    sample = {
+        "image": torch.randint(0, 255, (3, 40, 60), dtype=torch.uint8),
+        "label": 1,
+        "key": "k",
+        "meta": {},
+    }
+    for transform in (task.train_transform(), task.eval_transform()):
+        out = transform(dict(sample))
+        assert out["image"].shape == (3, 24, 24) and out["image"].dtype == torch.uint8
+    x = normalize(torch.full((1, 3, 2, 2), 255, dtype=torch.uint8))
+    assert x.dtype == torch.float32 and x.max() > 2
