@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from config_reference import render  # noqa: E402
+from config_reference import render
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
