@@ -27,17 +27,18 @@ class IntervalMeter:
         self.samples = 0
         self.step_time = 0.0
         self.data_wait = 0.0
-        self.sums: dict[str, float] = {}
+        # Tensors, summed on the device: reading them (a sync) happens only at log steps.
+        self.sums: dict[str, torch.Tensor] = {}
 
     def add(
-        self, *, samples: int, step_time: float, data_wait: float, values: dict[str, float]
+        self, *, samples: int, step_time: float, data_wait: float, values: dict[str, torch.Tensor]
     ) -> None:
         self.steps += 1
         self.samples += samples
         self.step_time += step_time
         self.data_wait += data_wait
         for name, value in values.items():
-            self.sums[name] = self.sums.get(name, 0.0) + value
+            self.sums[name] = self.sums[name] + value if name in self.sums else value.clone()
 
     def summarize(self, device: torch.device, world_size: int) -> dict[str, float]:
         """Reduce over ranks (one all-reduce of sums, one of the worst data wait)."""
@@ -45,7 +46,7 @@ class IntervalMeter:
         local_wait = self.data_wait / self.step_time if self.step_time > 0 else 0.0
         names = sorted(self.sums)
         totals = all_reduce_sum(
-            [float(self.samples), self.step_time, local_wait, *(self.sums[n] for n in names)],
+            [float(self.samples), self.step_time, local_wait, *(float(self.sums[n]) for n in names)],
             device,
         )
         samples, step_time_sum, wait_sum = totals[:3]

@@ -12,7 +12,8 @@ from hpctrain.config import TrainConfig
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """AdamW or SGD; no weight decay on norms and biases (parameters with one dimension)."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for param in model.parameters():
         if param.requires_grad:
             (no_decay if param.ndim <= 1 else decay).append(param)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -91,16 +92,17 @@ def no_gradient_sync(model: nn.Module, skip: bool) -> Iterator[None]:
     if not skip:
         yield
         return
-    if hasattr(model, "no_sync"):  # DDP
-        with model.no_sync():
+    wrapped: Any = model
+    if hasattr(wrapped, "no_sync"):  # DDP
+        with wrapped.no_sync():
             yield
         return
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(False)
+    if hasattr(wrapped, "set_requires_gradient_sync"):  # FSDP2
+        wrapped.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            model.set_requires_gradient_sync(True)
+            wrapped.set_requires_gradient_sync(True)
         return
     yield
 
