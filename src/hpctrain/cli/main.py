@@ -19,6 +19,11 @@ VERBS = [
     "train",
     "config",
     "plot",
+    "convert",
+    "submit",
+    "sbatch",
+    "preflight",
+    "status",
 ]
 
 

@@ -1,0 +1,389 @@
+"""`convert(options)`: list, plan, write shards (in parallel), then the index, last.
+
+Order of effects on DEST, which is what makes a killed conversion safe:
+
+1. a small state file (`.hpctrain-convert.json`) with the plan's fingerprint;
+2. shards, each appearing under its final name only once complete;
+3. `skipped.txt` (when samples were skipped), then the index(es);
+4. the state file is removed.
+
+A run killed before step 3 leaves no index, so nothing lies about what is there; `--resume`
+checks the fingerprint, keeps the committed shards and writes the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import posixpath
+import shlex
+from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from hpctrain.convert.plan import assign_shards, order_samples, plan_fingerprint, split_train_val
+from hpctrain.convert.progress import Progress
+from hpctrain.convert.sources import ConvertError, SampleRef, list_source
+from hpctrain.convert.writer import (
+    TEMP_MARKER,
+    EncodeOptions,
+    ShardResult,
+    ShardTask,
+    scan_committed_shard,
+    write_shard,
+)
+from hpctrain.data.index import (
+    INDEX_NAME,
+    ShardIndex,
+    ShardInfo,
+    index_to_bytes,
+    read_index,
+    redact_url,
+)
+
+STATE_NAME = ".hpctrain-convert.json"
+SKIPPED_NAME = "skipped.txt"
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """Everything `hpctrain convert` takes (see `hpctrain convert --help`)."""
+
+    src: str
+    dest: str
+    source_kind: str = "auto"
+    samples_per_shard: int | None = None
+    shard_size: int | None = None
+    shuffle: bool = False
+    seed: int = 0
+    val_fraction: float = 0.0
+    max_side: int | None = None
+    quality: int | None = None
+    on_error: str = "fail"
+    prefix: str = "shard"
+    path_column: str = "path"
+    label_column: str = "label"
+    # How to run, not what to write: never part of the index or the plan fingerprint.
+    workers: int = 1
+    resume: bool = False
+    overwrite: bool = False
+    progress: str = "auto"
+
+
+@dataclass
+class ConvertResult:
+    indexes: dict[str, ShardIndex]  # split ("" without --val-fraction) -> index
+    index_urls: dict[str, str]
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    num_resumed_shards: int = 0
+
+
+def _settings(options: ConvertOptions, kind: str) -> dict[str, object]:
+    """What determines the output bytes (for the fingerprint and the index's `extra`)."""
+    return {
+        "source": redact_url(options.src),
+        "source_kind": kind,
+        "samples_per_shard": options.samples_per_shard,
+        "shard_size": options.shard_size,
+        "shuffle": options.shuffle,
+        "seed": options.seed,
+        "val_fraction": options.val_fraction,
+        "max_side": options.max_side,
+        "quality": options.quality,
+        "on_error": options.on_error,
+        "prefix": options.prefix,
+    }
+
+
+def command_line(options: ConvertOptions) -> str:
+    """The canonical command that reproduces the output (without run-only flags like --workers)."""
+    words = ["hpctrain", "convert", redact_url(options.src), redact_url(options.dest)]
+    defaults = ConvertOptions(src="", dest="")
+    for name in (
+        "source_kind",
+        "samples_per_shard",
+        "shard_size",
+        "seed",
+        "val_fraction",
+        "max_side",
+        "quality",
+        "on_error",
+        "prefix",
+        "path_column",
+        "label_column",
+    ):
+        value = getattr(options, name)
+        if value != getattr(defaults, name):
+            flag = "--source" if name == "source_kind" else "--" + name.replace("_", "-")
+            words += [flag, str(value)]
+    if options.shuffle:
+        words.append("--shuffle")
+    return shlex.join(words)
+
+
+def _join(base: str, name: str) -> str:
+    return posixpath.join(base.rstrip("/"), name) if base else name
+
+
+def _exists(url: str) -> bool:
+    fs, path = fsspec.core.url_to_fs(url)
+    return bool(fs.exists(path))
+
+
+def _write_bytes(url: str, data: bytes) -> None:
+    """Write a small file atomically where the filesystem allows (temp + rename locally)."""
+    fs, path = fsspec.core.url_to_fs(url)
+    if isinstance(fs, LocalFileSystem):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        temp = f"{path}{TEMP_MARKER}{os.getpid()}"
+        with open(temp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+    else:
+        fs.pipe_file(path, data)
+
+
+def _remove(url: str) -> None:
+    fs, path = fsspec.core.url_to_fs(url)
+    if fs.exists(path):
+        fs.rm(path)
+
+
+def _remove_stale(folder: str, prefix: str) -> None:
+    """Delete our own leftovers in `folder`: temp files of killed writers, and (overwrite) old shards."""
+    fs, path = fsspec.core.url_to_fs(folder)
+    if not fs.isdir(path):
+        return
+    for entry in fs.ls(path, detail=False):
+        name = posixpath.basename(entry)
+        if name.startswith(f".{prefix}-") and TEMP_MARKER in name:
+            fs.rm(entry)
+
+
+def _split_layout(options: ConvertOptions, splits: list[str]) -> dict[str, tuple[str, str]]:
+    """split -> (folder URL, shard name prefix)."""
+    if splits == [""]:
+        return {"": (options.dest.rstrip("/"), options.prefix)}
+    return {split: (_join(options.dest, split), split) for split in splits}
+
+
+def convert(options: ConvertOptions) -> ConvertResult:
+    """Convert `options.src` into shards and index(es) under `options.dest` (see module doc)."""
+    if options.on_error not in ("fail", "skip"):
+        raise ConvertError(f"--on-error {options.on_error!r}: expected fail or skip")
+    if options.workers < 1:
+        raise ConvertError("--workers must be >= 1")
+    if options.samples_per_shard is not None and options.shard_size is not None:
+        raise ConvertError("give --samples-per-shard or --shard-size, not both")
+    for name in ("max_side", "quality"):
+        value = getattr(options, name)
+        if value is not None and not (1 <= value <= (100 if name == "quality" else 1 << 16)):
+            raise ConvertError(f"--{name.replace('_', '-')} {value}: out of range")
+
+    state_url = _join(options.dest, STATE_NAME)
+    splits = ["train", "val"] if options.val_fraction > 0 else [""]
+    index_urls = {
+        split: _join(folder, INDEX_NAME)
+        for split, (folder, _) in _split_layout(options, splits).items()
+    }
+    if (
+        options.resume
+        and not _exists(state_url)
+        and all(_exists(url) for url in index_urls.values())
+    ):
+        # Finished already (e.g. a requeued job running the same command again): nothing to do.
+        indexes = {split: read_index(url) for split, url in index_urls.items()}
+        return ConvertResult(indexes, index_urls, [], sum(len(i.shards) for i in indexes.values()))
+
+    source = list_source(
+        options.src,
+        options.source_kind,
+        path_column=options.path_column,
+        label_column=options.label_column,
+    )
+    if options.val_fraction > 0:
+        train, val = split_train_val(source.samples, options.val_fraction, options.seed)
+        if not val or not train:
+            raise ConvertError(
+                f"--val-fraction {options.val_fraction}: leaves an empty split for {len(source.samples)} samples"
+            )
+        by_split: dict[str, list[SampleRef]] = {"train": train, "val": val}
+    else:
+        split_train_val(
+            source.samples, options.val_fraction, options.seed
+        )  # validates the fraction
+        by_split = {"": list(source.samples)}
+    plans = {
+        split: assign_shards(
+            order_samples(
+                samples, shuffle=options.shuffle, seed=options.seed, split=split or "all"
+            ),
+            samples_per_shard=options.samples_per_shard,
+            shard_size=options.shard_size,
+        )
+        for split, samples in by_split.items()
+    }
+    layout = _split_layout(options, list(plans))
+    settings = _settings(options, source.kind)
+    fingerprint = plan_fingerprint(plans, settings)
+    encode = EncodeOptions(options.max_side, options.quality)
+
+    tasks = {
+        split: [
+            ShardTask(
+                _join(layout[split][0], f"{layout[split][1]}-{i:06d}.tar"),
+                tuple(samples),
+                encode,
+                options.on_error,
+            )
+            for i, samples in enumerate(plan)
+        ]
+        for split, plan in plans.items()
+    }
+    _prepare_destination(options, state_url, index_urls, tasks, fingerprint, layout)
+
+    all_tasks = [task for split in tasks for task in tasks[split]]
+    results: dict[str, ShardResult] = {}
+    todo = []
+    for task in all_tasks:
+        if options.resume and _exists(task.url):
+            results[task.url] = scan_committed_shard(task)
+        else:
+            todo.append(task)
+    num_resumed = len(results)
+    progress = Progress(sum(len(t.samples) for t in all_tasks), options.progress)
+    progress.update(sum(len(t.samples) for t in all_tasks if t.url in results))
+    try:
+        results.update(_run_tasks(todo, options.workers, progress))
+    finally:
+        progress.close()
+
+    skipped = [item for task in all_tasks for item in results[task.url].skipped]
+    skipped_url = _join(options.dest, SKIPPED_NAME)
+    if skipped:
+        _write_bytes(skipped_url, "".join(f"{url}\t{reason}\n" for url, reason in skipped).encode())
+    else:
+        _remove(skipped_url)
+    command = command_line(options)
+    indexes = {}
+    for split, split_tasks in tasks.items():
+        folder = layout[split][0]
+        shards = tuple(
+            ShardInfo(
+                url=posixpath.basename(r.url),
+                num_samples=r.num_samples,
+                num_bytes=r.num_bytes,
+                sha256=r.sha256,
+            )
+            for r in (results[t.url] for t in split_tasks)
+            if r.num_samples > 0
+        )
+        extra = {
+            **settings,
+            "split": split or None,
+            "num_skipped": sum(len(results[t.url].skipped) for t in split_tasks),
+        }
+        indexes[split] = ShardIndex(
+            shards=shards,
+            base_url=folder,
+            class_names=source.class_names,
+            command=command,
+            extra=extra,
+        )
+    for split, index in indexes.items():
+        _write_bytes(index_urls[split], index_to_bytes(index))
+    _remove(state_url)
+    return ConvertResult(indexes, index_urls, skipped, num_resumed)
+
+
+def _prepare_destination(
+    options: ConvertOptions,
+    state_url: str,
+    index_urls: dict[str, str],
+    tasks: dict[str, list[ShardTask]],
+    fingerprint: str,
+    layout: dict[str, tuple[str, str]],
+) -> None:
+    """Refuse to mix runs, check `--resume` continues the same plan, record the plan."""
+    dest = redact_url(options.dest)
+    if _exists(state_url):
+        fs, path = fsspec.core.url_to_fs(state_url)
+        state = json.loads(fs.cat_file(path))
+        if options.resume and state.get("fingerprint") != fingerprint:
+            raise ConvertError(
+                f"{dest}: --resume with a different source or options than the interrupted run ({state.get('command')})"
+            )
+        if not options.resume and not options.overwrite:
+            raise ConvertError(
+                f"{dest}: holds an interrupted conversion; use --resume to finish it or --overwrite"
+            )
+    elif not options.overwrite:
+        existing = [u for u in index_urls.values() if _exists(u)]
+        existing += [t.url for ts in tasks.values() for t in ts[:1] if _exists(t.url)]
+        if existing:
+            if options.resume:
+                raise ConvertError(
+                    f"{dest}: no interrupted conversion to resume (finished already, or not ours)"
+                )
+            raise ConvertError(
+                f"{dest}: already holds shards or an index; use --overwrite to replace them"
+            )
+    if options.overwrite and not options.resume:
+        for url in index_urls.values():
+            _remove(url)  # first: no index may describe shards while they are rewritten
+        for folder, prefix in layout.values():
+            fs, path = fsspec.core.url_to_fs(folder)
+            if fs.isdir(path):
+                for entry in fs.glob(posixpath.join(path, f"{prefix}-*.tar")):
+                    fs.rm(entry)
+    for folder, prefix in layout.values():
+        _remove_stale(folder, prefix)
+    fs, path = fsspec.core.url_to_fs(options.dest)
+    fs.makedirs(path, exist_ok=True)
+    state = {"fingerprint": fingerprint, "command": command_line(options)}
+    _write_bytes(state_url, (json.dumps(state, indent=1) + "\n").encode())
+
+
+def _run_tasks(tasks: list[ShardTask], workers: int, progress: Progress) -> dict[str, ShardResult]:
+    if workers == 1 or len(tasks) <= 1:
+        return {task.url: write_shard(task, on_sample=progress.update) for task in tasks}
+    results: dict[str, ShardResult] = {}
+    # spawn, not fork: the parent may hold fsspec's async event loop thread (s3fs) and locks that
+    # a forked child would inherit in an undefined state.
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        pending: set[Future[ShardResult]] = {pool.submit(write_shard, task) for task in tasks}
+        sizes = {task.url: len(task.samples) for task in tasks}
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+            for future in done:
+                if future.exception() is not None:
+                    for other in pending:
+                        other.cancel()
+                    raise future.exception()  # type: ignore[misc]
+                result = future.result()
+                results[result.url] = result
+                progress.update(sizes[result.url])
+    return results
+
+
+def result_summary(result: ConvertResult) -> str:
+    """Human-readable lines about a finished conversion."""
+    lines = []
+    for split, index in result.indexes.items():
+        lines.append(
+            f"{split or 'shards'}: {index.num_samples} samples in {len(index.shards)} shards, "
+            f"{index.num_bytes / 1e6:.1f} MB -> {redact_url(result.index_urls[split])}"
+        )
+    if result.num_resumed_shards:
+        lines.append(
+            f"resumed: kept {result.num_resumed_shards} shards written by the interrupted run"
+        )
+    if result.skipped:
+        lines.append(f"skipped {len(result.skipped)} samples (listed in {SKIPPED_NAME})")
+    return "\n".join(lines)

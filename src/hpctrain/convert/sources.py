@@ -1,0 +1,382 @@
+"""Where samples come from: image folders, CSV/JSONL manifests and existing shards.
+
+Listing a source gives `SampleRef`s in a stable order (the order keys are derived from);
+reading one gives its tar members. Listing runs once in the main process; reading runs in the
+shard writers (possibly other processes), so refs are small picklable records.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import posixpath
+import tarfile
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from hpctrain.data.index import INDEX_NAME, read_index, redact_url
+
+# Extensions of members treated as the sample's image when re-sharding.
+IMAGE_EXTENSIONS = frozenset(
+    {"jpg", "jpeg", "png", "webp", "ppm", "pgm", "pbm", "bmp", "tif", "tiff", "gif"}
+)
+
+
+class ConvertError(ValueError):
+    """A user-facing conversion error (names the file or URL, never a credential)."""
+
+
+class SampleError(Exception):
+    """One sample cannot be read or is not an image (skipped under `--on-error skip`)."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        super().__init__(f"{redact_url(url)}: {reason}")
+        self.url = url
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class SampleRef:
+    """One sample to write.
+
+    Attributes:
+        key: the sample key in the output shard (stable: derived from the source order).
+        url: the image file, or for re-sharding the shard holding the sample.
+        size: estimated bytes of the sample's members (plans `--shard-size`).
+        label: integer label (`.cls` member), or None for no label.
+        meta: JSON text of the `.json` member, or None.
+        members: re-sharding only: (extension, data offset, size) of each member in `url`.
+    """
+
+    key: str
+    url: str
+    size: int
+    label: int | None = None
+    meta: str | None = None
+    members: tuple[tuple[str, int, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class Source:
+    """A listed source: its samples in source order, and class names when known."""
+
+    kind: str  # "folder" | "manifest" | "shards"
+    samples: tuple[SampleRef, ...]
+    class_names: tuple[str, ...] = ()
+
+
+def sample_key(position: int) -> str:
+    """Key of the sample at `position` in source order: fixed width, so keys sort like positions."""
+    return f"{position:09d}"
+
+
+def _fs_and_path(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    fs, path = fsspec.core.url_to_fs(url)
+    return fs, path
+
+
+def _full_url(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    return path if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(path)
+
+
+def detect_kind(src: str) -> str:
+    """Guess the source kind from the URL and what is there."""
+    lowered = src.lower().split("?", 1)[0]
+    if lowered.endswith((".csv", ".jsonl", ".ndjson")):
+        return "manifest"
+    if lowered.endswith(".tar") or "{" in src or lowered.endswith(INDEX_NAME):
+        return "shards"
+    fs, path = _fs_and_path(src)
+    if not fs.isdir(path):
+        if fs.exists(path):
+            raise ConvertError(
+                f"{redact_url(src)}: not a folder, manifest (.csv/.jsonl) or shard (.tar)"
+            )
+        raise ConvertError(f"{redact_url(src)}: source not found")
+    if fs.exists(posixpath.join(path, INDEX_NAME)):
+        return "shards"
+    entries = fs.ls(path, detail=True)
+    has_dirs = any(e["type"] == "directory" for e in entries)
+    has_tars = any(e["name"].endswith(".tar") for e in entries)
+    return "shards" if has_tars and not has_dirs else "folder"
+
+
+def list_source(
+    src: str, kind: str = "auto", *, path_column: str = "path", label_column: str = "label"
+) -> Source:
+    """List the samples of `src` (see module doc) in source order."""
+    if kind == "auto":
+        kind = detect_kind(src)
+    if kind == "folder":
+        return list_image_folder(src)
+    if kind == "manifest":
+        return list_manifest(src, path_column=path_column, label_column=label_column)
+    if kind == "shards":
+        return list_shards(src)
+    raise ConvertError(f"unknown source kind {kind!r} (folder, manifest, shards)")
+
+
+def list_image_folder(src: str) -> Source:
+    """`src/<class>/**/<file>`: classes sorted by name give labels 0..C-1 (as torchvision's ImageFolder).
+
+    Files are sorted by path within a class; hidden files (".name") and files directly in
+    `src` are ignored. Files that are not images are kept here and rejected when read, so
+    `--on-error` decides what happens to them.
+    """
+    fs, root = _fs_and_path(src)
+    if not fs.isdir(root):
+        raise ConvertError(f"{redact_url(src)}: source folder not found")
+    root = root.rstrip("/")
+    class_dirs = sorted(
+        posixpath.basename(e["name"].rstrip("/"))
+        for e in fs.ls(root, detail=True)
+        if e["type"] == "directory"
+        and not posixpath.basename(e["name"].rstrip("/")).startswith(".")
+    )
+    if not class_dirs:
+        raise ConvertError(f"{redact_url(src)}: no class folders (expected SRC/<class>/<image>)")
+    samples: list[SampleRef] = []
+    for label, name in enumerate(class_dirs):
+        found = fs.find(posixpath.join(root, name), detail=True)
+        for path in sorted(found):
+            info = found[path]
+            if info["type"] == "directory" or posixpath.basename(path).startswith("."):
+                continue
+            samples.append(
+                SampleRef(
+                    key=sample_key(len(samples)),
+                    url=_full_url(fs, path),
+                    size=int(info.get("size") or 0),
+                    label=label,
+                )
+            )
+    if not samples:
+        raise ConvertError(f"{redact_url(src)}: no files under the class folders")
+    return Source("folder", tuple(samples), tuple(class_dirs))
+
+
+def _read_manifest_rows(src: str) -> list[dict[str, Any]]:
+    try:
+        with fsspec.open(src, "rt", encoding="utf-8", newline="") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise ConvertError(f"{redact_url(src)}: manifest not found") from None
+    if src.lower().split("?", 1)[0].endswith(".csv"):
+        return list(csv.DictReader(io.StringIO(text)))
+    rows = []
+    for line_number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            raise ConvertError(f"{redact_url(src)}:{line_number}: not a JSON object") from None
+        if not isinstance(row, dict):
+            raise ConvertError(f"{redact_url(src)}:{line_number}: not a JSON object")
+        rows.append(row)
+    return rows
+
+
+def list_manifest(src: str, *, path_column: str = "path", label_column: str = "label") -> Source:
+    """A CSV (header row) or JSONL manifest: a path column, an optional label, extra fields.
+
+    Relative paths are resolved against the manifest's folder; paths may be fsspec URLs.
+    Labels that are all integers are used as they are; otherwise the sorted distinct values
+    become class names. Every other field goes into the sample's `.json` member.
+    """
+    rows = _read_manifest_rows(src)
+    if not rows:
+        raise ConvertError(f"{redact_url(src)}: empty manifest")
+    base = src.rsplit("/", 1)[0] if "/" in src else "."
+    labels: list[Any] = []
+    for line, row in enumerate(rows, 1):
+        if path_column not in row:
+            raise ConvertError(f"{redact_url(src)}: row {line} has no {path_column!r} column")
+        labels.append(row.get(label_column))
+    class_names: tuple[str, ...] = ()
+    label_of: dict[Any, int | None]
+    present = [v for v in labels if v not in (None, "")]
+    if not present:
+        label_of = {}
+    elif all(
+        isinstance(v, int) or (isinstance(v, str) and v.strip().lstrip("-").isdigit())
+        for v in present
+    ):
+        label_of = {v: int(v) for v in present}
+    else:
+        class_names = tuple(sorted({str(v) for v in present}))
+        position = {name: i for i, name in enumerate(class_names)}
+        label_of = {v: position[str(v)] for v in present}
+    urls = []
+    for row in rows:
+        path = str(row[path_column])
+        urls.append(path if "://" in path or path.startswith("/") else posixpath.join(base, path))
+    sizes = _file_sizes(urls)
+    samples = []
+    for i, (row, url) in enumerate(zip(rows, urls, strict=True)):
+        extra = {k: v for k, v in row.items() if k not in (path_column, label_column)}
+        meta = json.dumps(extra, sort_keys=True, separators=(",", ":")) if extra else None
+        samples.append(
+            SampleRef(
+                key=sample_key(i), url=url, size=sizes[i], label=label_of.get(labels[i]), meta=meta
+            )
+        )
+    return Source("manifest", tuple(samples), class_names)
+
+
+def _file_sizes(urls: list[str]) -> list[int]:
+    """Sizes for planning `--shard-size` (0 where unknown: the file is then judged when read)."""
+    sizes = []
+    for url in urls:
+        if "://" not in url:
+            try:
+                sizes.append(os.stat(url).st_size)
+            except OSError:
+                sizes.append(0)
+            continue
+        try:
+            fs, path = _fs_and_path(url)
+            sizes.append(int(fs.size(path) or 0))
+        except (OSError, ValueError):
+            sizes.append(0)
+    return sizes
+
+
+def _split_member_name(name: str) -> tuple[str | None, str]:
+    """(key, extension) as webdataset splits a member name: at the first dot of the basename."""
+    slash = name.rfind("/") + 1
+    dot = name.find(".", slash)
+    if dot < 0:
+        return None, ""
+    return name[:dot], name[dot + 1 :]
+
+
+def shard_urls(src: str) -> tuple[list[str], tuple[str, ...]]:
+    """Shard URLs of a shard source (index, folder of .tar, brace pattern or one .tar), and class names."""
+    import braceexpand  # a webdataset dependency; imported here so listing folders does not need it
+
+    fs, path = _fs_and_path(src)
+    if src.endswith(INDEX_NAME) or (fs.isdir(path) and fs.exists(posixpath.join(path, INDEX_NAME))):
+        index_url = src if src.endswith(INDEX_NAME) else src.rstrip("/") + "/" + INDEX_NAME
+        index = read_index(index_url)
+        return [index.shard_url(i) for i in range(len(index.shards))], index.class_names
+    if "{" in src:
+        return list(braceexpand.braceexpand(src)), ()
+    if fs.isdir(path):
+        tars = sorted(p for p in fs.ls(path, detail=False) if p.endswith(".tar"))
+        if not tars:
+            raise ConvertError(f"{redact_url(src)}: no .tar shards")
+        return [_full_url(fs, p) for p in tars], ()
+    return [src], ()
+
+
+def list_shards(src: str) -> Source:
+    """Samples of existing WebDataset shards (for re-sharding), keys kept, members located by offset."""
+    urls, class_names = shard_urls(src)
+    samples: list[SampleRef] = []
+    for url in urls:
+        try:
+            with fsspec.open(url, "rb") as f, tarfile.open(fileobj=f, mode="r:") as tar:
+                members = [(m.name, m.offset_data, m.size) for m in tar if m.isreg()]
+        except FileNotFoundError:
+            raise ConvertError(f"{redact_url(url)}: shard not found") from None
+        except tarfile.TarError as exc:
+            raise ConvertError(f"{redact_url(url)}: not a readable tar: {exc}") from None
+        current: str | None = None
+        group: list[tuple[str, int, int]] = []
+        for name, offset, size in [*members, (None, 0, 0)]:
+            key, ext = _split_member_name(name) if name is not None else (None, "")
+            if name is not None and key is None:
+                continue
+            if key != current or name is None:
+                if current is not None and group:
+                    samples.append(
+                        SampleRef(
+                            key=current.removeprefix("./"),
+                            url=url,
+                            size=sum(s + 512 for _, _, s in group),
+                            members=tuple(group),
+                        )
+                    )
+                current, group = key, []
+            if name is not None:
+                group.append((ext.lower(), offset, size))
+    if not samples:
+        raise ConvertError(f"{redact_url(src)}: no samples in the shards")
+    return Source("shards", tuple(samples), class_names)
+
+
+# --- reading ---------------------------------------------------------------------------------
+
+# Leading bytes of the formats PIL reads that image datasets use, with their member extension.
+_MAGIC: tuple[tuple[bytes, str], ...] = (
+    (b"\xff\xd8\xff", "jpg"),
+    (b"\x89PNG\r\n\x1a\n", "png"),
+    (b"GIF87a", "gif"),
+    (b"GIF89a", "gif"),
+    (b"BM", "bmp"),
+    (b"II*\x00", "tiff"),
+    (b"MM\x00*", "tiff"),
+    (b"P6", "ppm"),
+    (b"P5", "pgm"),
+    (b"P4", "pbm"),
+)
+
+
+def image_extension(data: bytes) -> str | None:
+    """The member extension for image bytes, from their signature; None when not an image.
+
+    A signature check, not a decode: copying stays as fast as a plain tar writer. Truncated or
+    corrupt image bodies are caught by `hpctrain inspect --verify`, which decodes everything.
+    """
+    for magic, ext in _MAGIC:
+        if data.startswith(magic):
+            return ext
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "webp"
+    try:  # a rarer format PIL knows (JPEG 2000, ICO, ...)
+        from PIL import Image
+
+        with Image.open(io.BytesIO(data)) as image:
+            return (image.format or "").lower() or None
+    except Exception:
+        return None
+
+
+def read_url(url: str) -> bytes:
+    """All bytes of a file or URL (local paths bypass fsspec: it costs 2x the syscall time here)."""
+    if "://" not in url:
+        with open(url, "rb") as f:
+            return f.read()
+    with fsspec.open(url, "rb") as f:
+        return f.read()
+
+
+class ShardReader:
+    """Reads members of re-sharded samples, keeping the last shard open (samples come in runs)."""
+
+    def __init__(self) -> None:
+        self._url: str | None = None
+        self._file: Any = None
+
+    def read(self, url: str, offset: int, size: int) -> bytes:
+        if url != self._url:
+            self.close()
+            self._file = fsspec.open(url, "rb").open()
+            self._url = url
+        self._file.seek(offset)
+        data = self._file.read(size)
+        if len(data) != size:
+            raise SampleError(url, f"truncated member at offset {offset}")
+        return bytes(data)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        self._file = None
+        self._url = None

@@ -1,0 +1,243 @@
+"""Writing one shard: read its planned samples, write the tar, commit it under its final name.
+
+`write_shard` is what a worker process runs. It depends only on its `ShardTask`, so any number
+of workers, in any order, produce the same bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import posixpath
+import tarfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from hpctrain.convert.sources import (
+    IMAGE_EXTENSIONS,
+    ConvertError,
+    SampleError,
+    SampleRef,
+    ShardReader,
+    image_extension,
+    read_url,
+)
+from hpctrain.convert.tar import ShardTarWriter
+from hpctrain.data.index import redact_url
+
+TEMP_MARKER = ".tmp-"
+
+
+@dataclass(frozen=True)
+class EncodeOptions:
+    """Optional re-encoding.
+
+    `max_side` alone: images whose longer side exceeds it are downscaled and re-encoded as
+    JPEG (quality 90); smaller ones keep their original bytes. `quality` (with or without
+    `max_side`): every image is re-encoded as JPEG at that quality.
+    """
+
+    max_side: int | None = None
+    quality: int | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.max_side is not None or self.quality is not None
+
+
+@dataclass(frozen=True)
+class ShardTask:
+    url: str  # final URL or path of the shard
+    samples: tuple[SampleRef, ...]
+    encode: EncodeOptions
+    on_error: str  # "fail" | "skip"
+
+
+@dataclass(frozen=True)
+class ShardResult:
+    url: str
+    num_samples: int
+    num_bytes: int
+    sha256: str
+    skipped: tuple[tuple[str, str], ...]  # (source URL, reason)
+
+
+def reencode(data: bytes, encode: EncodeOptions, url: str) -> tuple[bytes, str] | None:
+    """JPEG bytes of the resized image, or None when the original bytes should be kept."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            too_big = encode.max_side is not None and max(image.size) > encode.max_side
+            if not too_big and encode.quality is None:
+                return None
+            if too_big and encode.max_side is not None:
+                # draft() lets libjpeg decode at 1/2, 1/4 or 1/8 scale: most of the resize for free.
+                image.draft("RGB", (encode.max_side, encode.max_side))
+            converted = image.convert("RGB") if image.mode not in ("RGB", "L") else image
+            if too_big and encode.max_side is not None:
+                scale = encode.max_side / max(converted.size)
+                size = (
+                    max(1, round(converted.width * scale)),
+                    max(1, round(converted.height * scale)),
+                )
+                converted = converted.resize(size, Image.Resampling.BICUBIC, reducing_gap=None)
+            out = io.BytesIO()
+            converted.save(out, format="JPEG", quality=encode.quality or 90)
+    except Exception as exc:  # PIL raises many types for bad data
+        raise SampleError(url, f"cannot decode image: {exc}") from None
+    return out.getvalue(), "jpg"
+
+
+def sample_members(
+    sample: SampleRef, reader: ShardReader, encode: EncodeOptions
+) -> list[tuple[str, bytes]]:
+    """The (member name, bytes) of one sample, in the order they are written."""
+    if sample.members:  # re-sharding: copy members, maybe re-encode the image
+        members = []
+        found_image = False
+        for ext, offset, size in sample.members:
+            data = reader.read(sample.url, offset, size)
+            if ext in IMAGE_EXTENSIONS and not found_image:
+                found_image = True
+                if image_extension(data) is None:
+                    raise SampleError(f"{sample.url}#{sample.key}.{ext}", "not an image")
+                if encode.active:
+                    new = reencode(data, encode, f"{sample.url}#{sample.key}.{ext}")
+                    if new is not None:
+                        data, ext = new
+            members.append((f"{sample.key}.{ext}", data))
+        if not found_image:
+            raise SampleError(f"{sample.url}#{sample.key}", "sample has no image member")
+        return members
+    try:
+        data = read_url(sample.url)
+    except OSError as exc:
+        raise SampleError(sample.url, f"cannot read: {exc.strerror or exc}") from None
+    detected = image_extension(data)
+    if detected is None:
+        raise SampleError(sample.url, "not an image")
+    ext = detected
+    if encode.active:
+        new = reencode(data, encode, sample.url)
+        if new is not None:
+            data, ext = new
+    members = [(f"{sample.key}.{ext}", data)]
+    if sample.label is not None:
+        members.append((f"{sample.key}.cls", str(sample.label).encode()))
+    if sample.meta is not None:
+        members.append((f"{sample.key}.json", sample.meta.encode()))
+    return members
+
+
+def is_local(url: str) -> bool:
+    fs, _ = fsspec.core.url_to_fs(url)
+    return isinstance(fs, LocalFileSystem)
+
+
+class _Output:
+    """A shard's output file that only shows up under its final name once committed.
+
+    Local files: written to a hidden temporary name in the same folder, fsynced, renamed.
+    Object stores (and memory://): the object appears when the upload completes on close,
+    so a failed write is discarded, never closed (closing would publish a partial shard).
+    """
+
+    def __init__(self, url: str) -> None:
+        self.fs, self.path = fsspec.core.url_to_fs(url)
+        self.local = isinstance(self.fs, LocalFileSystem)
+        self.file: BinaryIO
+        if self.local:
+            folder, name = os.path.split(self.path)
+            os.makedirs(folder, exist_ok=True)
+            self.temp = os.path.join(folder, f".{name}{TEMP_MARKER}{os.getpid()}")
+            self.file = open(self.temp, "wb", buffering=1 << 20)  # noqa: SIM115 (committed below)
+        else:
+            self.file = self.fs.open(self.path, "wb")
+
+    def commit(self) -> None:
+        if self.local:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.file.close()
+            os.replace(self.temp, self.path)
+        else:
+            self.file.close()
+
+    def discard(self) -> None:
+        if self.local:
+            self.file.close()
+            with contextlib.suppress(OSError):
+                os.unlink(self.temp)
+        else:
+            discard = getattr(self.file, "discard", None)
+            if discard is not None:
+                discard()
+
+
+def write_shard(task: ShardTask, on_sample: Callable[[], Any] | None = None) -> ShardResult:
+    """Write one shard (see module doc). Raises `ConvertError` on a bad sample under `fail`."""
+    output = _Output(task.url)
+    reader = ShardReader()
+    skipped: list[tuple[str, str]] = []
+    num_samples = 0
+    try:
+        writer = ShardTarWriter(output.file)
+        for sample in task.samples:
+            try:
+                members = sample_members(sample, reader, task.encode)
+            except SampleError as exc:
+                if task.on_error == "fail":
+                    raise ConvertError(
+                        f"{exc} (use --on-error skip to skip and list such samples)"
+                    ) from None
+                skipped.append((sample.url, exc.reason))
+                members = []
+            for name, data in members:
+                writer.add(name, data)
+            num_samples += bool(members)
+            if on_sample is not None:
+                on_sample()
+        sha256 = writer.finish()
+        if num_samples == 0:  # every sample skipped: no empty shard in the index
+            output.discard()
+        else:
+            output.commit()
+    except BaseException:
+        output.discard()
+        raise
+    finally:
+        reader.close()
+    return ShardResult(task.url, num_samples, writer.num_bytes, sha256, tuple(skipped))
+
+
+def scan_committed_shard(task: ShardTask) -> ShardResult:
+    """Describe a shard an interrupted run already committed (for `--resume`)."""
+    import hashlib
+
+    try:
+        with fsspec.open(task.url, "rb") as f:
+            data = f.read()
+        keys = set()
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+            for member in tar:
+                name = posixpath.basename(member.name)
+                if member.isreg() and "." in name:
+                    keys.add(member.name[: len(member.name) - len(name) + name.index(".")])
+    except (OSError, tarfile.TarError) as exc:
+        raise ConvertError(
+            f"{redact_url(task.url)}: cannot read a committed shard to resume: {exc}"
+        ) from None
+    skipped = tuple(
+        (s.url, "skipped by the interrupted run") for s in task.samples if s.key not in keys
+    )
+    if len(keys) + len(skipped) != len(task.samples):
+        raise ConvertError(
+            f"{redact_url(task.url)}: holds samples this plan does not put there; rerun without --resume"
+        )
+    return ShardResult(task.url, len(keys), len(data), hashlib.sha256(data).hexdigest(), skipped)
