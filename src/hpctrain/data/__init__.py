@@ -1,1 +1,50 @@
-"""Shard index, epoch plan and the per-rank streaming loader."""
+"""Shard index, epoch plan and the per-rank streaming loader.
+
+The loader names are imported lazily: `hpctrain plan` and `hpctrain inspect` should not pay
+for `import torch` (2-6 s here).
+"""
+
+from typing import Any
+
+from hpctrain.data.index import (
+    INDEX_NAME,
+    ShardIndex,
+    ShardIndexError,
+    ShardInfo,
+    read_index,
+    redact_url,
+)
+from hpctrain.data.planning import EpochPlan, PlanError, Segment, StageParams, plan
+from hpctrain.data.source import expand_braces, open_index
+from hpctrain.data.stream import ReadStats, ShardReadError
+
+__all__ = [
+    "INDEX_NAME",
+    "EpochPlan",
+    "LoaderStateError",
+    "PlanError",
+    "ReadStats",
+    "Segment",
+    "ShardIndex",
+    "ShardIndexError",
+    "ShardInfo",
+    "ShardReadError",
+    "ShardedLoader",
+    "StageParams",
+    "decode_sample",
+    "expand_braces",
+    "open_index",
+    "plan",
+    "read_index",
+    "redact_url",
+]
+
+_LAZY = {"LoaderStateError", "ShardedLoader", "decode_sample"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from hpctrain.data import loader
+
+        return getattr(loader, name)
+    raise AttributeError(f"module 'hpctrain.data' has no attribute {name!r}")

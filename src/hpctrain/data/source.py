@@ -1,0 +1,92 @@
+"""`open_index(spec)`: a shard index from an index.json, a folder, or a shard pattern."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import fsspec
+
+from hpctrain.data.index import INDEX_NAME, ShardIndex, ShardIndexError, ShardInfo, read_index
+from hpctrain.data.stream import (
+    CorruptShardError,
+    ShardReadError,
+    iter_members,
+    open_shard,
+    split_key,
+)
+
+_BRACE = re.compile(r"\{([^{}]*)\}")
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """`a-{000..002}.tar` -> a-000.tar a-001.tar a-002.tar; `{x,y}` lists work too.
+
+    Zero padding follows the first bound's width, as in bash and webdataset.
+    """
+    match = _BRACE.search(pattern)
+    if match is None:
+        return [pattern]
+    head, tail = pattern[: match.start()], pattern[match.end() :]
+    body = match.group(1)
+    if ".." in body:
+        lo, _, hi = body.partition("..")
+        if not (lo.isdigit() and hi.isdigit()):
+            raise ShardIndexError(f"{pattern}: brace range {{{body}}} is not numeric")
+        width = len(lo) if lo.startswith("0") else 0
+        items = [str(i).zfill(width) for i in range(int(lo), int(hi) + 1)]
+    else:
+        items = body.split(",")
+    return [f"{head}{item}{rest}" for item in items for rest in expand_braces(tail)]
+
+
+def count_samples(url: str, storage_options: dict[str, Any] | None = None) -> int:
+    """Samples in a tar shard (headers only; data is skipped, by seeking where possible)."""
+    count, key = 0, None
+    try:
+        with open_shard(url, storage_options=storage_options) as f:
+            for member, _read in iter_members(f):
+                k, _ext = split_key(member.name)
+                if k != key:
+                    count, key = count + 1, k
+    except CorruptShardError as exc:
+        raise ShardReadError(url, str(exc)) from exc
+    return count
+
+
+def open_index(spec: str, storage_options: dict[str, Any] | None = None) -> ShardIndex:
+    """The shard index that `spec` names.
+
+    Args:
+        spec: an `index.json` path/URL; a folder or URL holding `index.json`; or a shard
+            pattern such as `dir/train-{000000..000009}.tar` (or one `.tar`), whose shards
+            are then read once to count their samples.
+        storage_options: fsspec options (credentials, endpoint_url) for remote specs.
+
+    Raises:
+        ShardIndexError: no index there, or an unreadable one (the message names the URL).
+    """
+    if spec.endswith(".json"):
+        return read_index(spec, storage_options)
+    if spec.endswith(".tar") or _BRACE.search(spec):
+        urls = expand_braces(spec)
+        shards = []
+        for url in urls:
+            try:
+                num_samples = count_samples(url, storage_options)
+                size = _size(url, storage_options)
+            except ShardReadError as exc:
+                raise ShardIndexError(str(exc)) from None
+            shards.append(ShardInfo(url=url, num_samples=num_samples, num_bytes=size))
+        return ShardIndex(shards=tuple(shards), command=f"pattern {spec}")
+    return read_index(f"{spec.rstrip('/')}/{INDEX_NAME}", storage_options)
+
+
+def _size(url: str, storage_options: dict[str, Any] | None) -> int:
+    if url.startswith("pipe:"):
+        return 0
+    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    try:
+        return int(fs.size(path) or 0)
+    except Exception:  # some servers do not report sizes; the size only guards truncation
+        return 0

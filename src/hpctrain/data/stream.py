@@ -1,0 +1,451 @@
+"""Reading shards: fsspec/`pipe:` byte streams with retries, and a lean tar sample reader.
+
+Why not webdataset's readers: webdataset 1.0.2 does not open URLs through fsspec, its tar
+iteration (`tarfile` based) cannot skip members without reading them, and one `ReadError`
+ends the loader (webdataset#142). Here a shard is a byte stream that
+
+- reopens after a transient fault (connection reset, 5xx, short body) with exponential
+  backoff, at the byte offset already read: a `Range` request for HTTP, `seek` for seekable
+  filesystems (file, s3, gs), re-reading and discarding for `pipe:` commands;
+- fails at once on 404/403 (`FileNotFoundError`/`PermissionError`): retrying cannot help;
+- skips samples by seeking past their members without reading (local disk, s3), or by
+  discarding bytes without decoding them (HTTP streams, pipes).
+
+Tar format handled: USTAR, GNU long names (`L`), PAX headers (`x`; `g` ignored). Samples are
+consecutive members sharing a key (the member path up to the first dot of its base name),
+the WebDataset convention.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+
+from hpctrain.data.index import redact_url
+
+BLOCK = 512
+
+
+class ShardReadError(ValueError):
+    """A shard that cannot be read: missing, forbidden, corrupt, or still failing after retries.
+
+    The message names the shard URL (credentials stripped).
+    """
+
+    def __init__(self, url: str, reason: str) -> None:
+        super().__init__(f"{redact_url(url)}: {reason}")
+        self.url = redact_url(url)
+        self.reason = reason
+
+
+class TransientReadError(OSError):
+    """A read failure worth retrying (short body, reset connection, 5xx)."""
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for faults that a retry can cure; 404/403 and corrupt data are not."""
+    if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError)):
+        return False
+    status = getattr(exc, "status", None)  # aiohttp.ClientResponseError
+    if isinstance(status, int):
+        return status >= 500 or status in (408, 429)
+    if isinstance(exc, (OSError, TimeoutError, ConnectionError)):
+        return True
+    # aiohttp.ClientPayloadError / ServerDisconnectedError... derive from aiohttp.ClientError,
+    # botocore's from BotoCoreError; import-free check keeps aiohttp/botocore optional.
+    names = {c.__name__ for c in type(exc).__mro__}
+    return bool(names & {"ClientError", "BotoCoreError", "IncompleteReadError", "ReadTimeoutError"})
+
+
+@dataclass
+class ReadStats:
+    """Counters of one worker's shard reads (summed over workers by the loader)."""
+
+    retries: int = 0
+    shards_failed: int = 0
+    samples_lost: int = 0
+    bytes_read: int = 0
+    bytes_skipped: int = 0
+    failures: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "retries": self.retries,
+            "shards_failed": self.shards_failed,
+            "samples_lost": self.samples_lost,
+            "bytes_read": self.bytes_read,
+            "bytes_skipped": self.bytes_skipped,
+        }
+
+
+class ShardStream:
+    """A shard's bytes, read sequentially, that survives transient faults.
+
+    Args:
+        url: local path, fsspec URL (`http(s)://`, `s3://`, `file://`...) or `pipe:COMMAND`.
+        size: the shard's size in bytes when known (from the index; 0: unknown). Reaching EOF
+            before it counts as a short body and is retried.
+        max_retries: reopen attempts after transient faults, per shard.
+        backoff_s: first wait before a retry; doubles each time (capped at 5 s).
+        stats: counters to update.
+        storage_options: passed to fsspec (credentials, endpoint_url...).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        size: int = 0,
+        max_retries: int = 5,
+        backoff_s: float = 0.05,
+        stats: ReadStats | None = None,
+        storage_options: dict[str, Any] | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.url = url
+        self.size = size
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.stats = stats if stats is not None else ReadStats()
+        self.storage_options = storage_options or {}
+        self.pos = 0
+        self.retries_left = max_retries
+        self._sleep = sleep
+        self._file: Any = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._seekable = False
+        self._open_at(0)
+
+    # -- opening -------------------------------------------------------------------------
+
+    def _open_at(self, offset: int) -> None:
+        """(Re)open the shard positioned at `offset`; errors propagate to the retry loop."""
+        self._close_file()
+        url = self.url
+        if url.startswith("pipe:"):
+            self._proc = subprocess.Popen(url[5:], shell=True, stdout=subprocess.PIPE)
+            assert self._proc.stdout is not None
+            self._file = self._proc.stdout
+            self._seekable = False
+            self._discard(offset)
+        elif url.startswith(("http://", "https://")):
+            fs = fsspec.filesystem(url.split("://", 1)[0], **self.storage_options)
+            headers = {"Range": f"bytes={offset}-"} if offset else {}
+            # block_size=0: stream (fsspec's default needs range support, fails without it);
+            # a size stops fsspec from sending a HEAD request first (one more round trip).
+            f = fs.open(url, "rb", block_size=0, size=self.size or 1, headers=headers)
+            self._file = f
+            self._seekable = False
+            status = getattr(getattr(f, "r", None), "status", 200)
+            if offset and status != 206:  # the server ignored the range: skip what we have
+                self._discard(offset)
+        else:
+            fs, path = fsspec.core.url_to_fs(url, **self.storage_options)
+            self._file = fs.open(path, "rb")
+            self._seekable = True
+            if offset:
+                self._file.seek(offset)
+        self.pos = offset
+
+    def _discard(self, n: int) -> None:
+        while n > 0:
+            chunk = self._file.read(min(n, 1 << 20))
+            if not chunk:
+                raise TransientReadError(f"stream ended while skipping to offset {self.pos}")
+            n -= len(chunk)
+
+    def _close_file(self) -> None:
+        if self._file is not None:
+            # closing a broken connection may fail again; there is nothing left to save
+            with contextlib.suppress(Exception):
+                self._file.close()
+            self._file = None
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                self._proc.kill()
+            self._proc.wait()
+            self._proc = None
+
+    def close(self) -> None:
+        self._close_file()
+
+    def __enter__(self) -> ShardStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- reading -------------------------------------------------------------------------
+
+    def _retry(self, exc: BaseException) -> None:
+        """Reopen at the current offset after a transient fault, or raise `ShardReadError`."""
+        if not is_transient(exc):
+            raise ShardReadError(self.url, _describe(exc)) from exc
+        if self.retries_left <= 0:
+            raise ShardReadError(
+                self.url, f"still failing after {self.max_retries} retries: {_describe(exc)}"
+            ) from exc
+        attempt = self.max_retries - self.retries_left
+        self.retries_left -= 1
+        self.stats.retries += 1
+        self._sleep(min(self.backoff_s * (2**attempt), 5.0))
+        try:
+            self._open_at(self.pos)
+        except Exception as again:
+            self._retry(again)
+
+    def read(self, n: int) -> bytes:
+        """Exactly `n` bytes, or fewer only at the real end of the shard."""
+        parts = []
+        want = n
+        while want > 0:
+            try:
+                chunk = self._file.read(want)
+                if not chunk:
+                    self._check_eof()
+                    break
+            except Exception as exc:
+                self._retry(exc)
+                continue
+            parts.append(chunk)
+            self.pos += len(chunk)
+            self.stats.bytes_read += len(chunk)
+            want -= len(chunk)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _check_eof(self) -> None:
+        """At EOF: a short body (before the index's size, or a failed pipe) is a fault."""
+        if self._proc is not None:
+            code = self._proc.wait()
+            if code != 0:
+                raise TransientReadError(f"pipe command exited with status {code}")
+        if self.size and self.pos < self.size:
+            raise TransientReadError(f"body ended at byte {self.pos} of {self.size}")
+
+    def skip(self, n: int) -> None:
+        """Advance `n` bytes without returning them (a seek where the file allows)."""
+        if n <= 0:
+            return
+        self.stats.bytes_skipped += n
+        if self._seekable:
+            target = self.pos + n
+            try:
+                self._file.seek(target)
+                self.pos = target
+                return
+            except Exception as exc:
+                self._retry(exc)
+                # `_retry` reopened at self.pos; fall through to seek again below
+                self._file.seek(target)
+                self.pos = target
+                return
+        while n > 0:
+            chunk = self.read(min(n, 1 << 20))
+            if not chunk:
+                return
+            self.stats.bytes_read -= len(chunk)
+            n -= len(chunk)
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, FileNotFoundError):
+        return "not found"
+    if isinstance(exc, PermissionError):
+        return "permission denied"
+    status = getattr(exc, "status", None)
+    if isinstance(status, int):
+        return f"HTTP {status}"
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+# -- tar ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Member:
+    name: str
+    size: int
+
+
+class CorruptShardError(ValueError):
+    """Bytes that are not a tar archive (bad checksum, truncated member)."""
+
+
+def _parse_number(field_: bytes) -> int:
+    if field_ and field_[0] & 0x80:  # GNU base-256 for sizes >= 8 GiB
+        return int.from_bytes(field_[1:], "big")
+    text = field_.split(b"\0", 1)[0].strip()
+    return int(text, 8) if text else 0
+
+
+def _parse_pax(data: bytes) -> dict[str, str]:
+    out = {}
+    pos = 0
+    while pos < len(data):
+        space = data.index(b" ", pos)
+        length = int(data[pos:space])
+        key, _, value = data[space + 1 : pos + length - 1].partition(b"=")
+        out[key.decode("utf-8", "replace")] = value.decode("utf-8", "replace")
+        pos += length
+    return out
+
+
+def iter_members(stream: ShardStream) -> Iterator[tuple[Member, Callable[[], bytes]]]:
+    """Regular-file members of a tar stream, each with a reader of its data.
+
+    The reader must be called before advancing, or not at all (then the data is skipped
+    without being read where the stream can seek).
+    """
+    long_name: str | None = None
+    pax: dict[str, str] = {}
+    while True:
+        header = stream.read(BLOCK)
+        if len(header) < BLOCK:
+            if not header:
+                return  # archive without end blocks: accepted, as tar does
+            raise CorruptShardError("truncated tar header")
+        if header == b"\0" * BLOCK:
+            return
+        stored = _parse_number(header[148:156])
+        if stored != sum(header[:148]) + 256 + sum(header[156:]):
+            raise CorruptShardError(f"bad tar header checksum at byte {stream.pos - BLOCK}")
+        size = _parse_number(header[124:136])
+        kind = header[156:157]
+        padded = -(-size // BLOCK) * BLOCK
+        if kind in (b"x", b"L", b"g"):
+            data = stream.read(padded)[:size]
+            if len(data) < size:
+                raise CorruptShardError("truncated tar member")
+            if kind == b"x":
+                pax = _parse_pax(data)
+            elif kind == b"L":
+                long_name = data.rstrip(b"\0").decode("utf-8", "replace")
+            continue
+        if long_name is not None:
+            name = long_name
+        elif "path" in pax:
+            name = pax["path"]
+        else:
+            name = header[:100].split(b"\0", 1)[0].decode("utf-8", "replace")
+            if header[257:262] == b"ustar":
+                prefix = header[345:500].split(b"\0", 1)[0].decode("utf-8", "replace")
+                if prefix:
+                    name = f"{prefix}/{name}"
+        if "size" in pax:
+            size = int(pax["size"])
+            padded = -(-size // BLOCK) * BLOCK
+        long_name, pax = None, {}
+        if kind not in (b"0", b"\0", b"7"):
+            stream.skip(padded)
+            continue
+        state = {"done": False}
+
+        def read_data(size: int = size, padded: int = padded, state: dict = state) -> bytes:
+            state["done"] = True
+            data = stream.read(padded)
+            if len(data) < size:
+                raise CorruptShardError("truncated tar member")
+            return data[:size]
+
+        yield Member(name, size), read_data
+        if not state["done"]:
+            stream.skip(padded)
+
+
+def split_key(name: str) -> tuple[str, str]:
+    """`dir/abc.seg.jpg` -> (`dir/abc`, `seg.jpg`): the WebDataset key/extension split."""
+    slash = name.rfind("/")
+    dot = name.find(".", slash + 1)
+    if dot < 0:
+        return name, ""
+    return name[:dot], name[dot + 1 :].lower()
+
+
+def iter_samples(
+    stream: ShardStream, *, want: Callable[[int], bool] | None = None, stop: int | None = None
+) -> Iterator[tuple[int, str, dict[str, bytes]]]:
+    """Samples of a tar stream as (index in shard, key, {extension: bytes}).
+
+    Args:
+        stream: the shard.
+        want: called with a sample's index; False skips the sample's bytes without reading
+            them where possible (and never decodes them). Skipped samples are not yielded.
+        stop: stop after sample index `stop - 1` (no need to read further).
+    """
+    index = -1
+    key: str | None = None
+    members: dict[str, bytes] = {}
+    wanted = True
+    for member, read_data in iter_members(stream):
+        k, ext = split_key(member.name)
+        if k != key:
+            if key is not None and wanted:
+                yield index, key, members
+            index += 1
+            if stop is not None and index >= stop:
+                return
+            key, members = k, {}
+            wanted = want is None or want(index)
+        if wanted:
+            if ext in members:
+                # webdataset#205: a duplicate member would silently replace the first one
+                raise CorruptShardError(f"duplicate member {member.name!r}")
+            members[ext] = read_data()
+    if key is not None and wanted:
+        yield index, key, members
+
+
+def open_shard(
+    url: str,
+    *,
+    size: int = 0,
+    max_retries: int = 5,
+    stats: ReadStats | None = None,
+    storage_options: dict[str, Any] | None = None,
+    backoff_s: float = 0.05,
+) -> ShardStream:
+    """Open a shard for sequential reading (`ShardReadError` when it cannot be opened)."""
+    try:
+        return _open_with_retries(url, size, max_retries, stats, storage_options, backoff_s)
+    except ShardReadError:
+        raise
+    except Exception as exc:
+        raise ShardReadError(url, _describe(exc)) from exc
+
+
+def _open_with_retries(
+    url: str,
+    size: int,
+    max_retries: int,
+    stats: ReadStats | None,
+    storage_options: dict[str, Any] | None,
+    backoff_s: float,
+) -> ShardStream:
+    attempt = 0
+    while True:
+        try:
+            return ShardStream(
+                url,
+                size=size,
+                max_retries=max_retries,
+                stats=stats,
+                storage_options=storage_options,
+                backoff_s=backoff_s,
+            )
+        except Exception as exc:
+            if not is_transient(exc) or attempt >= max_retries:
+                reason = _describe(exc)
+                if attempt:
+                    reason = f"still failing after {attempt} retries: {reason}"
+                raise ShardReadError(url, reason) from exc
+            if stats is not None:
+                stats.retries += 1
+            time.sleep(min(backoff_s * (2**attempt), 5.0))
+            attempt += 1
