@@ -1,0 +1,78 @@
+"""`hpctrain sbatch CONFIG [overrides] [--profile P]`: print a job script for plain `sbatch`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from hpctrain.launch.preflight import failed, format_checks, preflight
+from hpctrain.launch.prepare import prepare, train_overrides
+from hpctrain.launch.profiles import LaunchError
+from hpctrain.launch.sbatch import render_sbatch
+from hpctrain.launch.submit import private_dir
+
+HELP = "print an sbatch script (one task per GPU, requeue on preemption) for a config"
+EPILOG = """examples:
+  hpctrain sbatch configs/demo.yaml --profile jean-zay-a100 slurm.account=abc@a100 > job.sbatch
+  sbatch job.sbatch"""
+
+
+def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="YAML config file")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="dotted overrides, e.g. slurm.time=02:00:00",
+    )
+    parser.add_argument(
+        "--profile",
+        default=None,
+        help="cluster profile (configs/clusters/NAME.yaml); default: slurm.profile",
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_profile_arguments(parser)
+    parser.add_argument(
+        "-o", "--output", default="", help="write the script here instead of stdout"
+    )
+    parser.add_argument(
+        "--no-preflight", action="store_true", help="skip the checks of data, run folder and task"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        prep = prepare(args.config, args.overrides, args.profile)
+        if not args.no_preflight:
+            checks = preflight(prep.cfg, prep.profile)
+            if failed(checks):
+                print(format_checks(checks), file=sys.stderr)
+                print("hpctrain sbatch: preflight failed; nothing written", file=sys.stderr)
+                return 2
+        log_dir = ""
+        if "$" not in prep.cfg.run_dir:
+            log_dir = str(private_dir(Path(prep.cfg.run_dir) / "slurm"))
+        script = render_sbatch(
+            prep.job,
+            config_path=str(Path(args.config).resolve()),
+            overrides=train_overrides(args.overrides),
+            run_dir=prep.cfg.run_dir,
+            python=sys.executable,
+            log_dir=log_dir,
+            description=f"rendered by `hpctrain sbatch` from {Path(args.config).name}",
+        )
+    except LaunchError as exc:
+        print(f"hpctrain sbatch: {exc}", file=sys.stderr)
+        return 2
+    if args.output:
+        Path(args.output).write_text(script)
+        print(
+            f"hpctrain sbatch: wrote {args.output}; submit with: sbatch {args.output}",
+            file=sys.stderr,
+        )
+    else:
+        sys.stdout.write(script)
+    return 0

@@ -1,0 +1,73 @@
+"""`hpctrain submit CONFIG [overrides] [--profile P] [--dry-run] [--sweep KEY=V1,V2]`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hpctrain.cli.sbatch import add_profile_arguments
+from hpctrain.launch.preflight import failed, format_checks, preflight
+from hpctrain.launch.prepare import prepare
+from hpctrain.launch.profiles import LaunchError
+from hpctrain.launch.submit import (
+    check_submission,
+    make_executor,
+    parse_sweep,
+    submission_script,
+    submit,
+)
+
+HELP = "submit a training job to SLURM with submitit (requeued on time limit or preemption)"
+EPILOG = """examples:
+  hpctrain submit configs/demo.yaml --profile jean-zay-h100 slurm.account=abc@h100 slurm.nodes=2
+  hpctrain submit configs/demo.yaml --profile local-dev --dry-run
+  hpctrain submit configs/demo.yaml --profile local-dev --sweep train.lr=0.001,0.003
+  hpctrain status runs/demo"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_profile_arguments(parser)
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print and check the sbatch script; submit nothing"
+    )
+    parser.add_argument(
+        "--sweep",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="a job array over these values (repeat for a grid); one run folder each",
+    )
+    parser.add_argument(
+        "--no-preflight", action="store_true", help="skip the checks of data, run folder and task"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        prep = prepare(args.config, args.overrides, args.profile)
+        parse_sweep(args.sweep)
+        check_submission(prep.cfg, prep.job)
+        if not args.no_preflight:
+            checks = preflight(prep.cfg, prep.profile)
+            if failed(checks) or args.dry_run:
+                print(format_checks(checks), file=sys.stderr)
+            if failed(checks):
+                print("hpctrain submit: preflight failed; nothing submitted", file=sys.stderr)
+                return 2
+        if args.dry_run:
+            from pathlib import Path
+
+            executor = make_executor(prep.job, Path(prep.cfg.run_dir) / "slurm" / "submitit")
+            sys.stdout.write(submission_script(executor))
+            return 0
+        submitted = submit(prep.cfg, prep.job, sweep=args.sweep)
+    except LaunchError as exc:
+        print(f"hpctrain submit: {exc}", file=sys.stderr)
+        return 2
+    for sub in submitted:
+        print(f"job {sub.job_id}")
+        print(f"  run folder: {sub.run_dir}")
+        print(f"  log:        {sub.stderr}")
+        print(f"  stdout:     {sub.stdout}")
+        print(f"  status:     hpctrain status {sub.run_dir}")
+    return 0

@@ -1,0 +1,193 @@
+"""Checks run before a job is queued: what would fail on a compute node after hours of wait.
+
+Each check gives a `Check(name, ok, message)`; `preflight` runs them all (it does not stop at
+the first failure) so the user fixes everything in one round.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import ipaddress
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+from hpctrain.config import Config
+from hpctrain.launch.profiles import ClusterProfile, LaunchError, resolve_job
+from hpctrain.launch.safety import check_no_credential
+
+SAMPLE_SHARDS = 3
+SAMPLE_BYTES = 512  # a tar header: enough to prove the shard opens
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    message: str
+    warning: bool = False  # reported, but does not fail the preflight
+
+
+def _is_local_host(host: str) -> bool:
+    if host in ("", "localhost") or host.endswith((".local", ".internal", ".lan")):
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return "." not in host  # a bare cluster host name
+    return address.is_private or address.is_loopback or address.is_link_local
+
+
+def check_profile(cfg: Config, profile: ClusterProfile) -> Check:
+    try:
+        job = resolve_job(cfg, profile)
+    except LaunchError as exc:
+        return Check("profile", False, str(exc))
+    return Check(
+        "profile",
+        True,
+        f"{profile.name}: {job.nodes} node(s) x {job.tasks_per_node} task(s), {job.time}, qos {job.qos or '-'}",
+    )
+
+
+def check_credentials(cfg: Config) -> Check:
+    for key, value in (
+        ("data.train", cfg.data.train),
+        ("data.val", cfg.data.val),
+        ("checkpoint.dir", cfg.checkpoint.dir),
+    ):
+        try:
+            check_no_credential(value, key)
+        except LaunchError as exc:
+            return Check("credentials", False, str(exc))
+    return Check("credentials", True, "no credential in data or checkpoint URLs")
+
+
+def check_data(cfg: Config) -> list[Check]:
+    """The index opens and a sample of shards can be read (from here, as from the job)."""
+    from hpctrain.data import open_index, redact_url
+
+    checks = []
+    for key, spec in (("data.train", cfg.data.train), ("data.val", cfg.data.val)):
+        if not spec:
+            if key == "data.train":
+                checks.append(Check(key, False, "data.train is empty"))
+            continue
+        scheme = urlparse(spec).scheme
+        if scheme in ("http", "https") and not _is_local_host(urlparse(spec).hostname or ""):
+            checks.append(
+                Check(
+                    f"{key} offline",
+                    True,
+                    f"{redact_url(spec)} is on the internet: compute nodes usually cannot reach it",
+                    warning=True,
+                )
+            )
+        try:
+            index = open_index(spec)
+        except Exception as exc:  # any failure here is the user's to see, in one line
+            checks.append(Check(key, False, f"{redact_url(spec)}: {str(exc).splitlines()[0]}"))
+            continue
+        failures = []
+        num_shards = len(index.shards)
+        for i in sorted({0, num_shards // 2, num_shards - 1})[:SAMPLE_SHARDS]:
+            url = index.shard_url(i)
+            try:
+                import fsspec
+
+                with fsspec.open(url, "rb") as f:
+                    f.read(SAMPLE_BYTES)
+            except Exception as exc:
+                failures.append(f"{redact_url(url)}: {str(exc).splitlines()[0]}")
+        if failures:
+            checks.append(Check(key, False, f"shard unreadable: {failures[0]}"))
+        else:
+            checks.append(
+                Check(
+                    key,
+                    True,
+                    f"{num_shards} shards, {index.num_samples} samples; sample shards open",
+                )
+            )
+    return checks
+
+
+def check_run_dir(cfg: Config) -> Check:
+    if "$" in cfg.run_dir:
+        return Check(
+            "run_dir",
+            True,
+            f"{cfg.run_dir} is expanded on the node; not checked here",
+            warning=True,
+        )
+    path = Path(cfg.run_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".preflight-"):
+            pass
+    except OSError as exc:
+        return Check("run_dir", False, f"{cfg.run_dir} is not writable: {exc.strerror or exc}")
+    return Check("run_dir", True, f"{path.resolve()} writable")
+
+
+def check_task(cfg: Config) -> Check:
+    """The task and model modules import in this Python environment."""
+    from hpctrain.train.task import BUILTIN_TASKS
+
+    target = BUILTIN_TASKS.get(cfg.task, cfg.task)
+    module_name = target.partition(":")[0]
+    try:
+        found = importlib.util.find_spec(module_name) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        return Check(
+            "task",
+            False,
+            f"task={cfg.task!r}: module {module_name} not importable with {sys.executable}",
+        )
+    try:
+        importlib.import_module(module_name)
+    except Exception as exc:
+        return Check("task", False, f"task={cfg.task!r}: importing {module_name} failed: {exc}")
+    if cfg.task in BUILTIN_TASKS and not cfg.model.name.startswith("small_"):
+        import torchvision.models
+
+        if cfg.model.name not in torchvision.models.list_models():
+            return Check("model", False, f"model.name={cfg.model.name!r}: not a torchvision model")
+    return Check("task", True, f"{target} imports")
+
+
+def check_python() -> Check:
+    """The job runs the interpreter that runs this (submitit and the rendered script use it)."""
+    in_venv = sys.prefix != sys.base_prefix or "CONDA_PREFIX" in os.environ
+    note = (
+        ""
+        if in_venv
+        else " (not a virtual environment: make sure compute nodes see the same packages)"
+    )
+    return Check("python", True, f"{sys.executable}{note}", warning=not in_venv)
+
+
+def preflight(cfg: Config, profile: ClusterProfile, *, data: bool = True) -> list[Check]:
+    """All checks for `cfg` on `profile`; `data=False` skips reading the index and shards."""
+    checks = [check_profile(cfg, profile), check_credentials(cfg), check_run_dir(cfg)]
+    if data:
+        checks += check_data(cfg)
+    checks += [check_task(cfg), check_python()]
+    return checks
+
+
+def format_checks(checks: list[Check]) -> str:
+    lines = []
+    for c in checks:
+        mark = "ok  " if c.ok and not c.warning else ("warn" if c.ok else "FAIL")
+        lines.append(f"{mark} {c.name}: {c.message}")
+    return "\n".join(lines)
+
+
+def failed(checks: list[Check]) -> list[Check]:
+    return [c for c in checks if not c.ok]

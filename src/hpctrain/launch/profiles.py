@@ -1,0 +1,299 @@
+"""Cluster profiles (configs/clusters/*.yaml) and the job they give with a config's `slurm.*`.
+
+A profile is data: partitions (with their constraint, GPUs and CPUs per node and allowed QoS),
+QoS time limits, account notation, modules and precision limits. `resolve_job` merges it with
+the config's `slurm.*` overrides into a `JobSpec` and checks it, so a job that a site would
+reject (or run wrong) fails here, in one line, before a queue wait of hours.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hpctrain.config import Config
+
+PROFILES_ENV = "HPCTRAIN_CLUSTERS_DIR"
+
+
+class LaunchError(ValueError):
+    """A job that cannot be submitted as configured; the message is one line."""
+
+
+@dataclass(frozen=True)
+class PartitionSpec:
+    """One kind of node of a cluster."""
+
+    name: str
+    partition: str  # the --partition value; empty: the site's default partition
+    constraint: str  # the -C value; empty: none
+    gpus_per_node: int
+    cpus_per_task: int
+    qos: tuple[str, ...]  # QoS allowed on it; empty: any, unchecked
+
+
+@dataclass(frozen=True)
+class ClusterProfile:
+    """What a cluster accepts, as its documentation states it."""
+
+    name: str
+    description: str
+    account_suffix: str
+    hint: str
+    request_gpus: bool
+    default_partition: str
+    partitions: dict[str, PartitionSpec]
+    qos_max_minutes: dict[str, int]
+    default_qos: str
+    default_time: str
+    precisions: tuple[str, ...]
+    setup: tuple[str, ...]
+    run_root: str
+    cache_root: str
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A fully resolved SLURM job: what `sbatch` rendering and submitit both use."""
+
+    profile: str
+    job_name: str
+    account: str
+    partition: str
+    constraint: str
+    qos: str
+    nodes: int
+    tasks_per_node: int
+    gpus_per_node: int  # GPUs requested per node (0: none, e.g. the CPU dev cluster)
+    cpus_per_task: int
+    hint: str
+    time_minutes: int
+    signal_margin_s: int
+    max_requeues: int
+    setup: tuple[str, ...] = field(default_factory=tuple)
+    cache_root: str = ""
+
+    @property
+    def time(self) -> str:
+        """The wall time as SLURM's HH:MM:SS."""
+        return format_minutes(self.time_minutes)
+
+
+_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+
+
+def parse_time(text: str, what: str = "slurm.time") -> int:
+    """SLURM wall-time forms (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S) → whole minutes (rounded up)."""
+    match = _TIME.match(str(text).strip())
+    if match is None:
+        raise LaunchError(f"{what}={text!r}: not a SLURM time (MM, HH:MM:SS, D-HH, D-HH:MM:SS)")
+    days, a, b, c = match.groups()
+    if days is not None:  # D-H[:M[:S]]
+        seconds = int(days) * 86400 + int(a) * 3600 + int(b or 0) * 60 + int(c or 0)
+    elif c is not None:  # H:M:S
+        seconds = int(a) * 3600 + int(b) * 60 + int(c)
+    elif b is not None:  # M:S
+        seconds = int(a) * 60 + int(b)
+    else:  # M
+        seconds = int(a) * 60
+    if seconds <= 0:
+        raise LaunchError(f"{what}={text!r}: the wall time must be positive")
+    return math.ceil(seconds / 60)
+
+
+def format_minutes(minutes: int) -> str:
+    return f"{minutes // 60:02d}:{minutes % 60:02d}:00"
+
+
+def profile_dirs() -> list[Path]:
+    """Where profiles are looked up: $HPCTRAIN_CLUSTERS_DIR, ./configs/clusters, the repo's."""
+    dirs = []
+    if os.environ.get(PROFILES_ENV):
+        dirs.append(Path(os.environ[PROFILES_ENV]))
+    dirs.append(Path.cwd() / "configs" / "clusters")
+    dirs.append(Path(__file__).resolve().parents[3] / "configs" / "clusters")
+    return dirs
+
+
+def available_profiles() -> list[str]:
+    names: set[str] = set()
+    for folder in profile_dirs():
+        if folder.is_dir():
+            names.update(p.stem for p in folder.glob("*.yaml"))
+    return sorted(names)
+
+
+def _need(data: dict[str, Any], key: str, tp: type, source: str) -> Any:
+    if key not in data:
+        raise LaunchError(f"{source}: missing key {key!r}")
+    value = data[key]
+    if tp is int and isinstance(value, bool):
+        raise LaunchError(f"{source}: {key}={value!r} is not an integer")
+    if not isinstance(value, tp):
+        raise LaunchError(f"{source}: {key}={value!r} is not a {tp.__name__}")
+    return value
+
+
+def parse_profile(data: Any, source: str) -> ClusterProfile:
+    """Check a profile's YAML data; errors name the file and key."""
+    if not isinstance(data, dict):
+        raise LaunchError(f"{source}: a profile is a mapping")
+    known = {
+        "name", "description", "account_suffix", "hint", "request_gpus", "default_partition",
+        "partitions", "qos", "default_qos", "default_time", "precisions", "setup", "run_root",
+        "cache_root",
+    }  # fmt: skip
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise LaunchError(
+            f"{source}: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})"
+        )
+    partitions: dict[str, PartitionSpec] = {}
+    for name, part in _need(data, "partitions", dict, source).items():
+        where = f"{source}: partitions.{name}"
+        if not isinstance(part, dict):
+            raise LaunchError(f"{where}: a partition is a mapping")
+        partitions[str(name)] = PartitionSpec(
+            name=str(name),
+            partition=str(part.get("partition", "") or ""),
+            constraint=str(part.get("constraint", "") or ""),
+            gpus_per_node=_need(part, "gpus_per_node", int, where),
+            cpus_per_task=_need(part, "cpus_per_task", int, where),
+            qos=tuple(str(q) for q in part.get("qos", []) or []),
+        )
+    qos_max = {
+        str(k): parse_time(str(v), f"{source}: qos.{k}") for k, v in (data.get("qos") or {}).items()
+    }
+    profile = ClusterProfile(
+        name=str(_need(data, "name", str, source)),
+        description=str(data.get("description", "")),
+        account_suffix=str(data.get("account_suffix", "") or ""),
+        hint=str(data.get("hint", "") or ""),
+        request_gpus=bool(data.get("request_gpus", True)),
+        default_partition=str(_need(data, "default_partition", str, source)),
+        partitions=partitions,
+        qos_max_minutes=qos_max,
+        default_qos=str(data.get("default_qos", "") or ""),
+        default_time=str(_need(data, "default_time", str, source)),
+        precisions=tuple(str(p) for p in _need(data, "precisions", list, source)),
+        setup=tuple(str(s) for s in data.get("setup", []) or []),
+        run_root=str(data.get("run_root", "") or ""),
+        cache_root=str(data.get("cache_root", "") or ""),
+        source=source,
+    )
+    if profile.default_partition not in partitions:
+        raise LaunchError(
+            f"{source}: default_partition={profile.default_partition!r} is not one of {sorted(partitions)}"
+        )
+    for part in partitions.values():
+        for qos in part.qos:
+            if qos_max and qos not in qos_max:
+                raise LaunchError(
+                    f"{source}: partitions.{part.name} lists QoS {qos!r} missing from qos"
+                )
+    parse_time(profile.default_time, f"{source}: default_time")
+    return profile
+
+
+def load_profile(name: str) -> ClusterProfile:
+    """A profile by name (configs/clusters/<name>.yaml) or by path to a YAML file."""
+    path = Path(name)
+    if not (name.endswith((".yaml", ".yml")) and path.is_file()):
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+            raise LaunchError(f"slurm.profile={name!r}: not a profile name or a .yaml file")
+        for folder in profile_dirs():
+            candidate = folder / f"{name}.yaml"
+            if candidate.is_file():
+                path = candidate
+                break
+        else:
+            raise LaunchError(
+                f"slurm.profile={name!r}: no such cluster profile (available: {', '.join(available_profiles())})"
+            )
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = yaml.safe_load(f)
+        except yaml.YAMLError as exc:
+            raise LaunchError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    return parse_profile(data, str(path))
+
+
+def job_name_for(cfg: Config) -> str:
+    """hpctrain-<run folder name>, with characters SLURM and shells take without quoting."""
+    base = Path(cfg.run_dir.rstrip("/")).name or "run"
+    return "hpctrain-" + re.sub(r"[^A-Za-z0-9_.-]", "_", base)[:64]
+
+
+def resolve_job(cfg: Config, profile: ClusterProfile) -> JobSpec:
+    """Merge the profile with `cfg.slurm` overrides and check the result against the profile.
+
+    Raises:
+        LaunchError: one line naming the key, the value and what is allowed.
+    """
+    s = cfg.slurm
+    part_name = s.partition or profile.default_partition
+    part = profile.partitions.get(part_name)
+    if part is None:
+        # A raw SLURM partition name is accepted when it matches one of the profile's.
+        by_sbatch_name = {p.partition: p for p in profile.partitions.values() if p.partition}
+        part = by_sbatch_name.get(part_name)
+    if part is None:
+        raise LaunchError(
+            f"slurm.partition={part_name!r}: profile {profile.name} has {', '.join(sorted(profile.partitions))}"
+        )
+    gpus = s.gpus_per_node or part.gpus_per_node
+    if gpus > part.gpus_per_node:
+        raise LaunchError(
+            f"slurm.gpus_per_node={gpus}: {profile.name} partition {part.name} has {part.gpus_per_node} GPUs per node (allowed: 1-{part.gpus_per_node})"
+        )
+    qos = s.qos or profile.default_qos
+    if qos and part.qos and qos not in part.qos:
+        raise LaunchError(
+            f"slurm.qos={qos!r}: {profile.name} partition {part.name} allows {', '.join(part.qos)}"
+        )
+    time_text = s.time or profile.default_time
+    minutes = parse_time(time_text)
+    if qos and qos in profile.qos_max_minutes and minutes > profile.qos_max_minutes[qos]:
+        limits = ", ".join(f"{q} ≤ {format_minutes(m)}" for q, m in profile.qos_max_minutes.items())
+        raise LaunchError(
+            f"slurm.time={time_text!r}: above the {qos} limit of {format_minutes(profile.qos_max_minutes[qos])} on {profile.name} ({limits})"
+        )
+    precision = cfg.train.precision
+    if precision != "auto" and precision not in profile.precisions:
+        raise LaunchError(
+            f"train.precision={precision!r}: not supported on {profile.name} (allowed: auto, {', '.join(profile.precisions)})"
+        )
+    account = s.account
+    if account and profile.account_suffix and not account.endswith(profile.account_suffix):
+        raise LaunchError(
+            f"slurm.account={account!r}: {profile.name} accounts look like <project>{profile.account_suffix}"
+        )
+    if s.signal_margin_s >= minutes * 60:
+        raise LaunchError(
+            f"slurm.signal_margin_s={s.signal_margin_s}: must be below the wall time ({minutes * 60} s)"
+        )
+    return JobSpec(
+        profile=profile.name,
+        job_name=job_name_for(cfg),
+        account=account,
+        partition=part.partition,
+        constraint=s.constraint or part.constraint,
+        qos=qos,
+        nodes=s.nodes,
+        tasks_per_node=gpus,
+        gpus_per_node=gpus if profile.request_gpus else 0,
+        cpus_per_task=s.cpus_per_task or part.cpus_per_task,
+        hint=profile.hint,
+        time_minutes=minutes,
+        signal_margin_s=s.signal_margin_s,
+        max_requeues=s.max_requeues,
+        setup=tuple(profile.setup) + tuple(s.setup),
+        cache_root=profile.cache_root,
+    )

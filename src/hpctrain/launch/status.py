@@ -1,0 +1,143 @@
+"""`hpctrain status RUN_DIR`: the job's state (sacct), requeue count, last step, log tail.
+
+The job id comes from RUN_DIR/slurm/job.json (written by `hpctrain submit`) or
+RUN_DIR/slurm/job_id (written by the sbatch script when it starts).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# States after which the job will not run again by itself.
+DONE_STATES = frozenset({"COMPLETED"})
+FAILED_STATES = frozenset(
+    {"FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE",
+     "PREEMPTED", "REVOKED"}
+)  # fmt: skip
+SACCT_TIMEOUT_S = 30
+
+
+@dataclass
+class RunStatus:
+    """What `hpctrain status` reports."""
+
+    run_dir: str
+    job_id: str = ""
+    state: str = "UNKNOWN"
+    exit_code: str = ""
+    requeues: int = 0
+    last_step: int | None = None
+    log_path: str = ""
+    log_tail: list[str] = field(default_factory=list)
+
+    @property
+    def failed(self) -> bool:
+        return self.state in FAILED_STATES
+
+    @property
+    def finished(self) -> bool:
+        return self.state in DONE_STATES or self.failed
+
+
+def read_job_record(run_dir: Path) -> dict[str, str]:
+    """Job id and log paths recorded for this run folder ({} when none)."""
+    slurm = run_dir / "slurm"
+    record: dict[str, str] = {}
+    if (slurm / "job.json").is_file():
+        record = {k: str(v) for k, v in json.loads((slurm / "job.json").read_text()).items()}
+    if (slurm / "job_id").is_file():
+        job_id = (slurm / "job_id").read_text().strip()
+        # The sbatch script writes job_id when it starts; it is the newest record.
+        if job_id and job_id != record.get("job_id"):
+            record = {"job_id": job_id}
+    if record.get("job_id") and "stdout" not in record:
+        record["stdout"] = str(slurm / f"{record['job_id']}.out")
+    return record
+
+
+def parse_sacct(text: str) -> tuple[str, str, int]:
+    """`sacct -D -X -n -P -o JobID,State,ExitCode` lines → (state, exit code, requeue count).
+
+    With -D every requeue leaves a row (state REQUEUED, or PREEMPTED/NODE_FAIL before a
+    requeue); the last row is the current run.
+    """
+    rows = [line.split("|") for line in text.splitlines() if line.strip()]
+    if not rows:
+        return "UNKNOWN", "", 0
+    states = [row[1].split()[0] if len(row) > 1 and row[1] else "UNKNOWN" for row in rows]
+    exit_code = rows[-1][2] if len(rows[-1]) > 2 else ""
+    return states[-1], exit_code, len(rows) - 1
+
+
+def query_state(job_id: str) -> tuple[str, str, int]:
+    """(state, exit code, requeues) from sacct, else from scontrol; UNKNOWN when neither knows."""
+    try:
+        done = subprocess.run(
+            ["sacct", "-D", "-X", "-n", "-P", "-j", job_id, "-o", "JobID,State,ExitCode"],
+            capture_output=True,
+            text=True,
+            timeout=SACCT_TIMEOUT_S,
+        )
+        if done.returncode == 0 and done.stdout.strip():
+            return parse_sacct(done.stdout)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    try:
+        done = subprocess.run(
+            ["scontrol", "show", "job", "-o", job_id],
+            capture_output=True,
+            text=True,
+            timeout=SACCT_TIMEOUT_S,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "UNKNOWN", "", 0
+    fields = dict(part.split("=", 1) for part in done.stdout.split() if "=" in part)
+    return (
+        fields.get("JobState", "UNKNOWN"),
+        fields.get("ExitCode", ""),
+        int(fields.get("Restarts", "0") or 0),
+    )
+
+
+def last_step(run_dir: Path) -> int | None:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    step = None
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a line cut by a kill
+            if isinstance(record, dict) and isinstance(record.get("step"), int):
+                step = record["step"] if step is None else max(step, record["step"])
+    return step
+
+
+def tail(path: Path, num_lines: int) -> list[str]:
+    if not path.is_file():
+        return []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return [line.rstrip("\n") for line in deque(f, maxlen=num_lines)]
+
+
+def run_status(run_dir: str, *, num_lines: int = 10) -> RunStatus:
+    """The status of the job that trains into `run_dir`."""
+    folder = Path(run_dir)
+    record = read_job_record(folder)
+    status = RunStatus(run_dir=run_dir, last_step=last_step(folder))
+    if not record.get("job_id"):
+        return status
+    status.job_id = record["job_id"]
+    status.state, status.exit_code, status.requeues = query_state(status.job_id)
+    for key in ("stderr", "stdout"):
+        lines = tail(Path(record.get(key, "")), num_lines) if record.get(key) else []
+        if lines:
+            status.log_path, status.log_tail = record[key], lines
+            break
+    return status

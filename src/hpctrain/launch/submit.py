@@ -1,0 +1,239 @@
+"""Submission through submitit: a checkpointable job whose every task runs `run_training`.
+
+Requeueing follows the trainer's flag path, not submitit's handler: the trainer installs its
+own USR2/TERM handlers (they only set a flag), saves with all ranks at a step boundary and
+returns `REQUEUE_EXIT_CODE`; rank 0 then runs `scontrol requeue` and every task exits without
+a result, so submitit sees the job as still running. If a signal arrives before the trainer
+has installed its handlers, submitit's own handler requeues the job through
+`TrainingJob.checkpoint` and the resumed job continues from the latest checkpoint all the same.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import submitit
+
+from hpctrain.config import Config, with_overrides
+from hpctrain.launch.profiles import JobSpec, LaunchError
+from hpctrain.launch.safety import check_no_credential, check_setup_line
+from hpctrain.launch.sbatch import OFFLINE_ENV, sbatch_options
+
+JOB_FILE = "job.json"
+
+
+class TrainingJob(submitit.helpers.Checkpointable):
+    """The callable submitit pickles: `run_training(cfg)` in every task of the job."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+
+    def __call__(self) -> int:
+        from hpctrain.train import run_training
+        from hpctrain.train.preemption import REQUEUE_EXIT_CODE
+
+        code = run_training(self.cfg)
+        if code == REQUEUE_EXIT_CODE:
+            requeue_this_job(self.cfg.slurm.max_requeues)
+        if code != 0:
+            raise RuntimeError(f"training exited with status {code}")
+        return code
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
+        """Called by submitit's own signal handler: resubmit as is (resume=latest)."""
+        return submitit.helpers.DelayedSubmission(TrainingJob(self.cfg))
+
+
+def requeue_this_job(max_requeues: int, environ: dict[str, str] | None = None) -> None:
+    """Requeue the current SLURM job from rank 0 and exit every task without a result.
+
+    Raises:
+        SystemExit: after a successful requeue (rank 0) or on other ranks, so that submitit
+            writes no result and its client keeps waiting for the requeued job.
+        RuntimeError: when `max_requeues` requeues were already done, or scontrol failed.
+    """
+    from hpctrain.train.preemption import REQUEUE_EXIT_CODE
+
+    env = os.environ if environ is None else environ
+    rank = int(env.get("SLURM_PROCID", "0"))
+    restarts = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
+    if restarts >= max_requeues:
+        if rank == 0:
+            raise RuntimeError(
+                f"checkpoint saved but slurm.max_requeues={max_requeues} requeues are done; resubmit to continue"
+            )
+        raise SystemExit(REQUEUE_EXIT_CODE)
+    if rank == 0:
+        job_id = env["SLURM_JOB_ID"]
+        done = subprocess.run(
+            ["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"scontrol requeue {job_id} failed: {done.stderr.strip()}")
+        print(f"hpctrain: checkpoint saved; requeued job {job_id}", file=sys.stderr, flush=True)
+    raise SystemExit(REQUEUE_EXIT_CODE)
+
+
+def check_submission(cfg: Config, job: JobSpec) -> None:
+    """Every value that reaches the script or the pickled job is safe and credential-free."""
+    sbatch_options(job, log_path="x")
+    for i, line in enumerate(job.setup):
+        check_setup_line(line, f"slurm.setup[{i}]")
+    for key, value in (
+        ("data.train", cfg.data.train),
+        ("data.val", cfg.data.val),
+        ("checkpoint.dir", cfg.checkpoint.dir),
+        ("run_dir", cfg.run_dir),
+    ):
+        check_no_credential(value, key)
+    for key, value in cfg.task_options.items():
+        if isinstance(value, str):
+            check_no_credential(value, f"task_options.{key}")
+
+
+def executor_parameters(job: JobSpec) -> dict[str, Any]:
+    """AutoExecutor parameters for `job` (the same #SBATCH lines as the rendered script)."""
+    params: dict[str, Any] = {
+        "name": job.job_name,
+        "nodes": job.nodes,
+        "tasks_per_node": job.tasks_per_node,
+        "cpus_per_task": job.cpus_per_task,
+        "timeout_min": job.time_minutes,
+        "slurm_signal_delay_s": job.signal_margin_s,
+        "slurm_setup": [
+            "export " + " ".join(f"{k}={v}" for k, v in OFFLINE_ENV),
+            *job.setup,
+        ],
+        "slurm_additional_parameters": {"requeue": True},
+    }
+    if job.gpus_per_node:
+        params["slurm_gres"] = f"gpu:{job.gpus_per_node}"
+    if job.hint:
+        params["slurm_additional_parameters"]["hint"] = job.hint
+    for key, value in (
+        ("slurm_partition", job.partition),
+        ("slurm_account", job.account),
+        ("slurm_qos", job.qos),
+        ("slurm_constraint", job.constraint),
+    ):
+        if value:
+            params[key] = value
+    return params
+
+
+def make_executor(job: JobSpec, folder: Path) -> submitit.AutoExecutor:
+    executor = submitit.AutoExecutor(
+        folder=folder, cluster="slurm", slurm_max_num_timeout=job.max_requeues
+    )
+    executor.update_parameters(**executor_parameters(job))
+    return executor
+
+
+def submission_script(executor: Any) -> str:
+    """The sbatch script submitit would submit (for --dry-run)."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    inner = executor._executor
+    return str(
+        _make_sbatch_string(
+            command=inner._submitit_command_str, folder=inner.folder, **inner.parameters
+        )
+    )
+
+
+def parse_sweep(specs: Sequence[str]) -> list[list[str]]:
+    """`["a.b=1,2", "c=x,y"]` → one override list per combination (cartesian product)."""
+    axes: list[list[str]] = []
+    for spec in specs:
+        key, sep, values = spec.partition("=")
+        if not sep or not key or not values:
+            raise LaunchError(f"--sweep {spec!r}: expected KEY=V1,V2,...")
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.]*", key):
+            raise LaunchError(f"--sweep {spec!r}: {key!r} is not a dotted config key")
+        axes.append([f"{key}={v}" for v in values.split(",")])
+    return [list(combo) for combo in itertools.product(*axes)] if axes else [[]]
+
+
+def sweep_run_dir(run_dir: str, overrides: Sequence[str]) -> str:
+    """runs/x + [train.lr=0.1, seed=2] → runs/x/lr-0.1_seed-2."""
+    parts = []
+    for item in overrides:
+        key, _, value = item.partition("=")
+        parts.append(f"{key.rsplit('.', 1)[-1]}-{value}")
+    name = re.sub(r"[^A-Za-z0-9_.=+-]", "_", "_".join(parts))
+    return f"{run_dir.rstrip('/')}/{name}"
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """One submitted run."""
+
+    job_id: str
+    run_dir: str
+    stdout: str
+    stderr: str
+
+
+def private_dir(path: Path) -> Path:
+    """Create `path` (and parents) with the leaf readable by the user only."""
+    path.mkdir(parents=True, exist_ok=True)
+    path.chmod(0o700)
+    return path
+
+
+def submit(cfg: Config, job: JobSpec, *, sweep: Sequence[str] = ()) -> list[Submitted]:
+    """Submit `cfg` as `job` (one job, or a job array with one run folder per sweep point).
+
+    Raises:
+        LaunchError: an unsafe value or a bad sweep, before anything is submitted.
+    """
+    combos = parse_sweep(sweep)
+    configs = []
+    for combo in combos:
+        run_cfg = cfg
+        if combo != []:
+            run_cfg = with_overrides(cfg, [*combo, f"run_dir={sweep_run_dir(cfg.run_dir, combo)}"])
+        check_submission(run_cfg, job)
+        configs.append(run_cfg)
+    root = Path(cfg.run_dir)
+    folder = private_dir(root / "slurm") / "submitit"
+    executor = make_executor(job, folder)
+    if len(configs) == 1:
+        jobs = [executor.submit(TrainingJob(configs[0]))]
+    else:
+        with executor.batch():
+            jobs = [executor.submit(TrainingJob(c)) for c in configs]
+    results = []
+    for run_cfg, sjob in zip(configs, jobs, strict=True):
+        paths = sjob.paths
+        sub = Submitted(
+            job_id=str(sjob.job_id),
+            run_dir=run_cfg.run_dir,
+            stdout=str(paths.stdout),
+            stderr=str(paths.stderr),
+        )
+        write_job_file(Path(run_cfg.run_dir), sub, job)
+        results.append(sub)
+    return results
+
+
+def write_job_file(run_dir: Path, sub: Submitted, job: JobSpec) -> None:
+    slurm_dir = private_dir(run_dir / "slurm")
+    record = {
+        "job_id": sub.job_id,
+        "stdout": sub.stdout,
+        "stderr": sub.stderr,
+        "profile": job.profile,
+        "max_requeues": job.max_requeues,
+    }
+    (slurm_dir / JOB_FILE).write_text(json.dumps(record, indent=1) + "\n")
+    (slurm_dir / "job_id").write_text(sub.job_id + "\n")
