@@ -20,6 +20,7 @@ VERBS = [
     "config",
     "plot",
     "convert",
+    "inspect",
     "submit",
     "sbatch",
     "preflight",

@@ -1,0 +1,53 @@
+"""`hpctrain inspect DEST [--verify] [--json]`: describe and check shards."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from hpctrain.convert.sources import ConvertError
+from hpctrain.convert.verify import format_report, inspect_dataset
+from hpctrain.data.index import ShardIndexError
+
+HELP = "show totals, shards, classes and keys of a shard set; --verify decodes every sample"
+EPILOG = """\
+examples:
+  hpctrain inspect data/shards                 # train/ and val/ when convert used --val-fraction
+  hpctrain inspect s3://bucket/shards/index.json --verify --json
+  hpctrain inspect 'old/shard-{000000..000009}.tar' --verify
+
+Reads every shard once, checking the tar structure and, with an index, each shard's size,
+sample count and sha256. Exit code 1 when anything is wrong; every problem names its shard
+and member.
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "dest",
+        help="index.json, a folder holding one (or train/ and val/), a .tar folder, a brace pattern",
+    )
+    parser.add_argument(
+        "--verify", action="store_true", help="also decode every image, .cls and .json member"
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object (a list for train/ + val/)"
+    )
+    parser.add_argument(
+        "--keys", type=int, default=5, metavar="N", help="sample keys to show (default 5)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        reports = inspect_dataset(args.dest, verify=args.verify, num_keys=args.keys)
+    except (ConvertError, ShardIndexError) as exc:
+        print(f"hpctrain inspect: error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        data = [r.to_json() for r in reports]
+        print(json.dumps(data[0] if len(data) == 1 else data, indent=1))
+    else:
+        print("\n\n".join(format_report(r) for r in reports))
+    return 1 if any(r.errors for r in reports) else 0
