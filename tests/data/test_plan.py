@@ -162,3 +162,14 @@ def test_elastic_replan_sees_every_remaining_sample_exactly_once(
     assert set(both) | set() <= kept
     # everything the first stage kept is either seen, re-planned, or dropped by the second
     assert len(kept) - len(seen) == len(rest) + second.num_dropped
+
+
+@settings(max_examples=60, deadline=None)
+@given(plan_args)
+def test_vectorised_segments_equal_per_stream_ones(args):
+    p = plan(**args)
+    fast = p.all_segments()
+    slow = [p.stream_segments(r, w) for r in range(p.world_size) for w in range(p.streams_per_rank)]
+    assert fast == slow
+    table = p.stream_table()
+    assert [sum(len(s) for s in segs) for segs in fast] == table["samples"].tolist()

@@ -21,10 +21,12 @@ VERBS = [
     "plot",
     "convert",
     "inspect",
+    "plan",
     "submit",
     "sbatch",
     "preflight",
     "status",
+    "bench",
 ]
 
 

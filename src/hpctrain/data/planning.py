@@ -346,6 +346,67 @@ class EpochPlan:
 
     # -- reporting -----------------------------------------------------------------------
 
+    def stream_table(self) -> dict[str, np.ndarray]:
+        """Per-stream figures for all (rank, worker), vectorised (W=4096, K=8 in milliseconds).
+
+        Keys: rank, worker, batches, samples, shards (shards the stream opens, padding
+        excluded), partial (shards of which it reads only a part).
+        """
+        k, nb, bsz = self.streams_per_rank, self.batches_per_rank, self.batch_size
+        rank = np.repeat(np.arange(self.world_size), k)
+        worker = np.tile(np.arange(k), self.world_size)
+        batches = nb // k + (worker < nb % k)
+        before = worker * (nb // k) + np.minimum(worker, nb % k)
+        a = (rank * nb + before) * bsz
+        b = a + batches * bsz
+        n = self.num_samples
+        va, vb = np.minimum(a, n), np.minimum(b, n)
+        offsets = self.sequence.offsets
+        first = np.searchsorted(offsets, va, side="right") - 1
+        last = np.searchsorted(offsets, vb, side="left")
+        shards = np.where(vb > va, last - first, 0)
+        cut_start = (vb > va) & (offsets[np.clip(first, 0, len(offsets) - 1)] != va)
+        cut_end = (vb > va) & (offsets[np.clip(last, 0, len(offsets) - 1)] != vb)
+        partial = cut_start.astype(np.int64) + cut_end.astype(np.int64)
+        partial = np.minimum(partial, shards)
+        return {
+            "rank": rank,
+            "worker": worker,
+            "batches": batches,
+            "samples": batches * bsz,
+            "shards": shards,
+            "partial": partial,
+        }
+
+    def all_segments(self) -> list[list[Segment]]:
+        """`stream_segments` of every stream (rank-major), vectorised for big plans."""
+        table = self.stream_table()
+        k, bsz = self.streams_per_rank, self.batch_size
+        nb = self.batches_per_rank
+        before = table["worker"] * (nb // k) + np.minimum(table["worker"], nb % k)
+        a = (table["rank"] * nb + before) * bsz
+        b = a + table["samples"]
+        n = self.num_samples
+        seq = self.sequence
+        # cut the valid part of the sequence at every segment and stream boundary
+        cuts = np.unique(np.concatenate([seq.offsets, np.minimum(a, n), np.minimum(b, n)]))
+        lo, hi = cuts[:-1], cuts[1:]
+        seg = np.searchsorted(seq.offsets, lo, side="right") - 1
+        stream = np.searchsorted(a, lo, side="right") - 1
+        inside = (lo < np.minimum(b[stream], n)) & (lo >= a[stream])
+        lo, hi, seg, stream = lo[inside], hi[inside], seg[inside], stream[inside]
+        shard = seq.shard[seg]
+        start = seq.start[seg] + (lo - seq.offsets[seg])
+        end = start + (hi - lo)
+        out: list[list[Segment]] = [[] for _ in range(len(a))]
+        for s, sh, st, en in zip(
+            stream.tolist(), shard.tolist(), start.tolist(), end.tolist(), strict=True
+        ):
+            out[s].append(Segment(sh, st, en))
+        for s in np.nonzero(b > n)[0].tolist():  # padded streams: the slow path, few of them
+            out[s] = self._slot_segments(int(a[s]), int(b[s]))
+        return out
+
     @cached_property
     def summary(self) -> dict[str, Any]:
         return {

@@ -1,0 +1,129 @@
+"""`hpctrain plan DATA ...`: print the epoch plan (batches per rank, drops, shards per stream)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from hpctrain.data import ShardIndexError, open_index, plan
+
+HELP = "show the epoch plan: batches per rank, samples dropped or padded, shards per worker"
+EPILOG = (
+    "example: hpctrain plan data/shards/train --world-size 8 --workers-per-rank 4 "
+    "--batch-size 64 --epoch 3"
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "data", help="index.json path/URL, a folder holding one, or a shard pattern"
+    )
+    parser.add_argument("--world-size", type=int, required=True, help="ranks (GPUs) in the job")
+    parser.add_argument("--workers-per-rank", type=int, default=2, help="loader workers per rank")
+    parser.add_argument("--batch-size", type=int, required=True, help="samples per batch per rank")
+    parser.add_argument("--epoch", type=int, default=0, help="epoch to plan (default: 0)")
+    parser.add_argument("--seed", type=int, default=0, help="run seed (default: 0)")
+    parser.add_argument("--remainder", choices=("drop", "pad"), default="drop")
+    parser.add_argument(
+        "--eval", action="store_true", help="evaluation order: shards in index order, no shuffle"
+    )
+    parser.add_argument(
+        "--rank",
+        type=int,
+        action="append",
+        default=None,
+        help="list the shards of this rank's streams (repeatable)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="machine-readable: summary and every stream's segments"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.world_size < 1 or args.batch_size < 1 or args.workers_per_rank < 0:
+        print(
+            "hpctrain plan: --world-size and --batch-size must be >= 1, --workers-per-rank >= 0",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        index = open_index(args.data)
+    except ShardIndexError as exc:
+        print(f"hpctrain plan: {exc}", file=sys.stderr)
+        return 2
+    p = plan(
+        [s.num_samples for s in index.shards],
+        world_size=args.world_size,
+        workers_per_rank=args.workers_per_rank,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        epoch=args.epoch,
+        remainder=args.remainder,
+        shuffle_shards=not args.eval,
+    )
+    table = p.stream_table()
+    summary = {
+        **p.summary,
+        "epoch": args.epoch,
+        "seed": args.seed,
+        "num_shards": len(index.shards),
+        "streams": len(table["rank"]),
+        "shards_per_stream": _spread(table["shards"]),
+        "partial_shards_per_stream": _spread(table["partial"]),
+    }
+    ranks = args.rank if args.rank is not None else []
+    if args.json:
+        out = dict(summary)
+        urls = [s.url for s in index.shards]
+        out["stream_segments"] = [
+            {
+                "rank": r,
+                "worker": w,
+                "batches": nb,
+                "segments": [[urls[s.shard], s.start, s.end, s.valid] for s in segments],
+            }
+            for r, w, nb, segments in zip(
+                table["rank"].tolist(),
+                table["worker"].tolist(),
+                table["batches"].tolist(),
+                p.all_segments(),
+                strict=True,
+            )
+            if not ranks or r in ranks
+        ]
+        json.dump(out, sys.stdout)
+        print()
+        return 0
+    print(
+        f"{len(index.shards)} shards, {p.num_samples} samples; epoch {args.epoch}, seed {args.seed}"
+    )
+    print(
+        f"{p.world_size} ranks x {p.streams_per_rank} streams, batch {p.batch_size}: "
+        f"{p.batches_per_rank} batches per rank (every rank), "
+        f"{p.batches_per_rank * p.batch_size} samples per rank"
+    )
+    print(f"remainder {args.remainder}: {p.num_dropped} samples dropped, {p.num_padded} padded")
+    s, q = summary["shards_per_stream"], summary["partial_shards_per_stream"]
+    print(f"shards per stream: min {s['min']}, mean {s['mean']:.2f}, max {s['max']}")
+    print(f"partly read shards per stream: min {q['min']}, mean {q['mean']:.2f}, max {q['max']}")
+    for r in ranks:
+        if not 0 <= r < p.world_size:
+            print(
+                f"hpctrain plan: --rank {r} is outside world size {p.world_size}", file=sys.stderr
+            )
+            return 2
+        for w in range(p.streams_per_rank):
+            parts = [
+                f"{index.shards[seg.shard].url}[{seg.start}:{seg.end}]"
+                + ("" if seg.valid else " (pad)")
+                for seg in p.stream_segments(r, w)
+            ]
+            print(f"rank {r} worker {w}: {p.stream_batches(w)} batches: {' '.join(parts)}")
+    return 0
+
+
+def _spread(values) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    if len(values) == 0:
+        return {"min": 0, "mean": 0.0, "max": 0}
+    return {"min": int(values.min()), "mean": float(values.mean()), "max": int(values.max())}
