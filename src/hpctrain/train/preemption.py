@@ -1,0 +1,123 @@
+"""Preemption and time limits: a signal or a deadline sets a flag; ranks agree at a step boundary.
+
+The signal handler only records the signal (checkpointing inside a handler can deadlock:
+Lightning#21406). The training loop calls `should_stop(device)` at each step boundary on every
+rank: one all-reduce (max) makes every rank take the same decision at the same step, even
+when the signal reached only some of them. Then the trainer saves a checkpoint with all ranks
+and exits with `REQUEUE_EXIT_CODE`, which the launcher reads as "requeue me".
+
+The default signals are USR2 (submitit's and hpctrain's pre-timeout signal; USR1 clashes with
+NCCL, Lightning#14610) and TERM (sent by SLURM at the time limit and on preemption). With
+`deadline_margin_s` > 0 and `SLURM_JOB_END_TIME` set, the flag also rises that many seconds
+before the job's end, even if no signal arrives.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from types import FrameType
+from typing import Any
+
+import torch
+
+from hpctrain.dist import all_reduce_max
+
+REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"
+
+
+def parse_signal(name: str) -> signal.Signals:
+    """`USR2`, `SIGUSR2` or `12` → `signal.SIGUSR2` (ValueError naming checkpoint.signals)."""
+    text = name.strip().upper()
+    try:
+        if text.isdigit():
+            return signal.Signals(int(text))
+        return signal.Signals[text if text.startswith("SIG") else f"SIG{text}"]
+    except (KeyError, ValueError):
+        raise ValueError(f"checkpoint.signals: unknown signal {name!r}") from None
+
+
+def job_deadline(environ: Mapping[str, str], margin_s: float) -> float | None:
+    """Unix time at which to stop: `SLURM_JOB_END_TIME - margin_s`, or None."""
+    if margin_s <= 0:
+        return None
+    end = environ.get("SLURM_JOB_END_TIME", "")
+    try:
+        end_time = float(end)
+    except ValueError:
+        return None
+    return end_time - margin_s if end_time > 0 else None
+
+
+class PreemptionFlag:
+    """Records preemption signals and the job deadline; ranks agree with `should_stop`.
+
+    Args:
+        signal_names: signals that request checkpoint-and-requeue (`checkpoint.signals`).
+        deadline_margin_s: stop this long before `SLURM_JOB_END_TIME`; 0 disables.
+        environ: environment to read `SLURM_JOB_END_TIME` from (default `os.environ`).
+        clock: time source (Unix seconds), for tests.
+    """
+
+    def __init__(
+        self,
+        signal_names: Sequence[str] = ("USR2", "TERM"),
+        deadline_margin_s: float = 0.0,
+        *,
+        environ: Mapping[str, str] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.signals = [parse_signal(n) for n in signal_names]
+        self.deadline = job_deadline(os.environ if environ is None else environ, deadline_margin_s)
+        self._clock = clock
+        self._received: signal.Signals | None = None
+        self._agreed = False
+        self._previous: dict[signal.Signals, Any] = {}
+
+    def install(self) -> None:
+        """Install the handlers (main thread only); `uninstall` restores the previous ones."""
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("PreemptionFlag.install() must run in the main thread")
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        # Only record: no I/O, no locks, no collectives in a signal handler. A second signal
+        # (during the save) lands here too and changes nothing.
+        if self._received is None:
+            self._received = signal.Signals(signum)
+
+    @property
+    def requested(self) -> bool:
+        """This rank saw a signal, or the deadline has passed (local; no communication)."""
+        return self._received is not None or (
+            self.deadline is not None and self._clock() >= self.deadline
+        )
+
+    @property
+    def reason(self) -> str:
+        """Why the flag is up, for the log line: `signal SIGUSR2`, `deadline` or ``."""
+        if self._received is not None:
+            return f"signal {self._received.name}"
+        if self.requested:
+            return "deadline (SLURM_JOB_END_TIME minus checkpoint.deadline_margin_s)"
+        return "another rank's signal or deadline" if self._agreed else ""
+
+    def should_stop(self, device: torch.device) -> bool:
+        """Whether any rank wants to stop (one all-reduce; call on every rank at a step boundary).
+
+        Once True it stays True, so a caller may ask again after the save without another
+        collective.
+        """
+        if self._agreed:
+            return True
+        self._agreed = all_reduce_max(1.0 if self.requested else 0.0, device) > 0.0
+        return self._agreed

@@ -1,0 +1,59 @@
+"""PreemptionFlag: the handler only records; the deadline; agreement without a group."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from hpctrain.train.preemption import (
+    REQUEUE_EXIT_CODE,
+    PreemptionFlag,
+    job_deadline,
+    parse_signal,
+)
+
+
+def test_parse_signal():
+    assert parse_signal("USR2") is signal.SIGUSR2
+    assert parse_signal("sigterm") is signal.SIGTERM
+    assert parse_signal("10") is signal.SIGUSR1
+    with pytest.raises(ValueError, match=r"checkpoint\.signals: unknown signal 'NOPE'"):
+        parse_signal("NOPE")
+    assert REQUEUE_EXIT_CODE == 75
+
+
+def test_signal_sets_the_flag_and_a_second_one_changes_nothing():
+    flag = PreemptionFlag(["USR2", "TERM"])
+    before = signal.getsignal(signal.SIGUSR2)
+    flag.install()
+    try:
+        assert not flag.requested and flag.reason == ""
+        assert not flag.should_stop(torch.device("cpu"))
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert flag.requested and flag.reason == "signal SIGUSR2"
+        os.kill(os.getpid(), signal.SIGTERM)  # e.g. during the save: still only a flag
+        assert flag.reason == "signal SIGUSR2"
+        assert flag.should_stop(torch.device("cpu"))
+        assert flag.should_stop(torch.device("cpu"))  # sticky
+    finally:
+        flag.uninstall()
+    assert signal.getsignal(signal.SIGUSR2) is before
+
+
+def test_deadline_from_slurm_job_end_time():
+    assert job_deadline({"SLURM_JOB_END_TIME": "1000"}, 180) == 820
+    assert job_deadline({"SLURM_JOB_END_TIME": "1000"}, 0) is None
+    assert job_deadline({}, 180) is None
+    assert job_deadline({"SLURM_JOB_END_TIME": "0"}, 180) is None
+    assert job_deadline({"SLURM_JOB_END_TIME": "soon"}, 180) is None
+    now = [800.0]
+    flag = PreemptionFlag(
+        ["USR2"], 180, environ={"SLURM_JOB_END_TIME": "1000"}, clock=lambda: now[0]
+    )
+    assert not flag.requested
+    now[0] = 821.0
+    assert flag.requested and flag.reason.startswith("deadline")
+    assert flag.should_stop(torch.device("cpu"))
