@@ -304,3 +304,36 @@ def test_bad_arguments_and_unserializable_metadata(tmp_path):
     manager = CheckpointManager(str(tmp_path / "ck"), keep_last=1)
     with pytest.raises(TypeError):
         manager.save(1, {"x": {"a": 1}}, metadata={"bad": object()})
+
+
+class _Stages:
+    """A loader-like state whose list grows over a run (re-planned stages)."""
+
+    def __init__(self, stages: list[dict]) -> None:
+        self.stages = stages
+
+    def state_dict(self) -> dict:
+        return {"stages": self.stages, "rng": torch.arange(3)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stages = state["stages"]
+        assert torch.equal(state["rng"], torch.arange(3))
+
+
+def test_per_rank_state_loads_exactly_what_was_saved_whatever_its_shape(tmp_path):
+    manager = CheckpointManager(str(tmp_path / "ck"), keep_last=1)
+    saved = [{"world": 2, "consumed": 5}, {"world": 1, "consumed": 7}]
+    manager.save(1, {"loader": PerRankState(_Stages(saved))})
+    fresh = _Stages([{"world": 1, "consumed": 0}])  # a fresh loader has one stage
+    assert manager.load({"loader": PerRankState(fresh)}) == 1
+    assert fresh.stages == saved
+
+
+def test_latest_step_counts_the_save_in_flight(tmp_path):
+    manager = CheckpointManager(str(tmp_path / "ck"), keep_last=2, async_save=True)
+    assert manager.latest_step() is None
+    manager.save(3, {"x": {"w": torch.zeros(1000)}})
+    assert manager.latest_step() == 3  # the same on every rank, committed or not yet
+    manager.wait()
+    assert manager.latest_step() == 3
+    manager.close()

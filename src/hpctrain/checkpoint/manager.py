@@ -222,6 +222,7 @@ class CheckpointManager:
         self._stager = _ReusedBufferStager() if async_save else None
         self._pending: Future[None] | None = None
         self._pending_where = ""
+        self._pending_step: int | None = None
         if self._rank == 0:
             self._store.makedirs()
             self._remove_leftovers()
@@ -268,6 +269,7 @@ class CheckpointManager:
         assert isinstance(upload, Future)
         self._pending = self._executor.submit(self._finish_async, upload, step, manifest)
         self._pending_where = where
+        self._pending_step = step
 
     def wait(self) -> None:
         """Finish an in-flight save; raise `CheckpointSaveError` if it failed on any rank."""
@@ -279,6 +281,7 @@ class CheckpointManager:
                 error = _describe(exc)
                 log.error("checkpoint save to %s failed: %s", self._pending_where, error)
         where, self._pending, self._pending_where = self._pending_where, None, ""
+        self._pending_step = None
         errors = self._gather(error)
         failed = [(r, e) for r, e in enumerate(errors) if e]
         if failed:
@@ -347,9 +350,15 @@ class CheckpointManager:
         return int(manifest["step"])
 
     def latest_step(self) -> int | None:
-        """The newest committed step under the root (not verified; local, not collective)."""
+        """The newest step committed under the root or being saved by this manager.
+
+        Local (not collective) and not verified. An async save in flight counts as its step,
+        so every rank gives the same answer although rank 0 commits in the background.
+        """
         steps = committed_steps(self._store)
-        return steps[-1] if steps else None
+        if self._pending_step is not None:
+            steps.append(self._pending_step)
+        return max(steps) if steps else None
 
     def close(self) -> None:
         """Finish an in-flight save (raising its error) and release threads and buffers."""

@@ -9,6 +9,7 @@ FSDP2, so a checkpoint written under one strategy or world size loads under anot
 
 from __future__ import annotations
 
+import io
 import random
 from collections.abc import Iterable
 from typing import Any
@@ -67,13 +68,19 @@ class ModelOptimizerState:
 class PerRankState:
     """Keeps a rank-local state under the key `rank<r>` so DCP stores every rank's copy.
 
+    The state is stored as one opaque blob (`torch.save` bytes, read back with
+    `weights_only=True`): DCP loads into the structure of the *current* state dict, so a state
+    whose lists or keys change length over a run (a loader's re-planned stages, per-worker
+    entries) would otherwise be loaded only where its fresh shape happens to match.
+
     Resuming at a larger world size, a rank with no saved entry loads the entry of
     `fallback_rank` (right for loader positions, which are the same on every rank and let the
     loader re-plan), or keeps its fresh state when `fallback_rank` is None. The checkpoint
     manager sets which saved rank to read before a load (`source_rank`).
 
     Args:
-        obj: anything with `state_dict()` and `load_state_dict()`.
+        obj: anything with `state_dict()` and `load_state_dict()`; its state may hold
+            tensors and plain data (what `torch.load(weights_only=True)` accepts).
         fallback_rank: the saved rank to read when this rank has no entry.
     """
 
@@ -88,10 +95,13 @@ class PerRankState:
         return f"rank{dist.get_rank() if dist.is_initialized() else 0}"
 
     def state_dict(self) -> dict[str, Any]:
-        return {self._key(): self.obj.state_dict()}
+        buffer = io.BytesIO()
+        torch.save(self.obj.state_dict(), buffer)
+        return {self._key(): buffer.getvalue()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.obj.load_state_dict(state_dict[self._key()])
+        blob = state_dict[self._key()]
+        self.obj.load_state_dict(torch.load(io.BytesIO(blob), weights_only=True))
 
 
 class RNGState:
