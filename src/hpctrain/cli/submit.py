@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from hpctrain.cli.sbatch import add_profile_arguments
 from hpctrain.launch.preflight import failed, format_checks, preflight
@@ -11,7 +12,6 @@ from hpctrain.launch.prepare import prepare
 from hpctrain.launch.profiles import LaunchError
 from hpctrain.launch.submit import (
     check_submission,
-    make_executor,
     parse_sweep,
     submission_script,
     submit,
@@ -55,10 +55,8 @@ def run(args: argparse.Namespace) -> int:
                 print("hpctrain submit: preflight failed; nothing submitted", file=sys.stderr)
                 return 2
         if args.dry_run:
-            from pathlib import Path
-
-            executor = make_executor(prep.job, Path(prep.cfg.run_dir) / "slurm" / "submitit")
-            sys.stdout.write(submission_script(executor))
+            folder = Path(prep.cfg.run_dir) / "slurm" / "submitit"
+            sys.stdout.write(submission_script(prep.job, folder))
             return 0
         submitted = submit(prep.cfg, prep.job, sweep=args.sweep)
     except LaunchError as exc:

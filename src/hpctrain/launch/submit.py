@@ -14,6 +14,7 @@ import itertools
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -138,16 +139,28 @@ def make_executor(job: JobSpec, folder: Path) -> submitit.AutoExecutor:
     return executor
 
 
-def submission_script(executor: Any) -> str:
-    """The sbatch script submitit would submit (for --dry-run)."""
+# AutoExecutor's generic names → SlurmExecutor's (submitit.slurm.SlurmExecutor._equivalence_dict).
+_GENERIC_TO_SLURM = {
+    "name": "job_name",
+    "timeout_min": "time",
+    "nodes": "nodes",
+    "cpus_per_task": "cpus_per_task",
+    "tasks_per_node": "ntasks_per_node",
+}
+
+
+def submission_script(job: JobSpec, folder: Path, python: str = sys.executable) -> str:
+    """The sbatch script submitit writes for `job` (for --dry-run; needs no SLURM binaries)."""
     from submitit.slurm.slurm import _make_sbatch_string
 
-    inner = executor._executor
-    return str(
-        _make_sbatch_string(
-            command=inner._submitit_command_str, folder=inner.folder, **inner.parameters
-        )
+    params = {}
+    for key, value in executor_parameters(job).items():
+        name = key[len("slurm_") :] if key.startswith("slurm_") else _GENERIC_TO_SLURM[key]
+        params[name] = value
+    command = " ".join(
+        [shlex.quote(python), "-u -m submitit.core._submit", shlex.quote(str(folder))]
     )
+    return str(_make_sbatch_string(command=command, folder=folder, **params))
 
 
 def parse_sweep(specs: Sequence[str]) -> list[list[str]]:

@@ -1,0 +1,127 @@
+"""Cluster profiles: every shipped profile loads; limits are enforced with one-line errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpctrain.config import Config, with_overrides
+from hpctrain.launch.profiles import (
+    LaunchError,
+    available_profiles,
+    load_profile,
+    parse_profile,
+    parse_time,
+    resolve_job,
+)
+
+SHIPPED = ["generic", "jean-zay-a100", "jean-zay-h100", "jean-zay-v100", "local-dev"]
+
+
+def job_for(profile: str, *overrides: str):  # type: ignore[no-untyped-def]
+    cfg = with_overrides(Config(), [f"slurm.profile={profile}", *overrides])
+    return resolve_job(cfg, load_profile(profile))
+
+
+def test_shipped_profiles_load_and_resolve_with_defaults() -> None:
+    assert set(SHIPPED) <= set(available_profiles())
+    for name in SHIPPED:
+        job = job_for(name)
+        assert job.tasks_per_node >= 1 and job.cpus_per_task >= 1 and job.time_minutes > 0
+
+
+def test_jean_zay_profiles_hold_the_idris_facts() -> None:
+    v100, a100, h100 = (load_profile(f"jean-zay-{g}") for g in ("v100", "a100", "h100"))
+    assert v100.partitions["gpu_p13"].constraint == "v100-32g"
+    assert v100.partitions["gpu_p13"].gpus_per_node == 4
+    assert a100.partitions["gpu_p5"].constraint == "a100"
+    assert a100.partitions["gpu_p5"].gpus_per_node == 8
+    assert h100.partitions["gpu_p6"].constraint == "h100"
+    assert h100.partitions["gpu_p6"].gpus_per_node == 4
+    assert "qos_gpu-t4" not in a100.qos_max_minutes  # A100 has no t4
+    assert v100.qos_max_minutes == {"qos_gpu-t3": 1200, "qos_gpu-t4": 6000, "qos_gpu-dev": 120}
+    assert "bf16" not in v100.precisions and "bf16" in a100.precisions
+    assert {p.account_suffix for p in (v100, a100, h100)} == {"@v100", "@a100", "@h100"}
+    assert all(p.hint == "nomultithread" for p in (v100, a100, h100))
+
+
+def test_overrides_replace_profile_values() -> None:
+    job = job_for(
+        "jean-zay-v100",
+        "slurm.account=abc@v100",
+        "slurm.nodes=3",
+        "slurm.gpus_per_node=2",
+        "slurm.qos=qos_gpu-dev",
+        "slurm.time='01:30:00'",
+        "slurm.partition=gpu_p2",
+    )
+    assert (job.account, job.nodes, job.tasks_per_node, job.gpus_per_node) == ("abc@v100", 3, 2, 2)
+    assert (job.qos, job.time, job.partition, job.constraint) == (
+        "qos_gpu-dev",
+        "01:30:00",
+        "gpu_p2",
+        "",
+    )
+
+
+@pytest.mark.parametrize(
+    ("profile", "overrides", "expected"),
+    [
+        ("jean-zay-a100", ["slurm.time='30:00:00'"], "above the qos_gpu-t3 limit of 20:00:00"),
+        ("jean-zay-v100", ["slurm.qos=qos_gpu-dev", "slurm.time=180"], "qos_gpu-dev ≤ 02:00:00"),
+        ("jean-zay-a100", ["slurm.qos=qos_gpu-t4"], "allows qos_gpu-t3, qos_gpu-dev"),
+        ("jean-zay-h100", ["slurm.gpus_per_node=8"], "allowed: 1-4"),
+        ("jean-zay-v100", ["train.precision=bf16"], "allowed: auto, fp32, fp16"),
+        ("jean-zay-a100", ["slurm.account=abc@v100"], "<project>@a100"),
+        ("jean-zay-a100", ["slurm.partition=gpu_p13"], "has gpu_p5"),
+        ("local-dev", ["slurm.time=1", "slurm.signal_margin_s=90"], "below the wall time"),
+    ],
+)
+def test_violations_are_one_line_errors_with_allowed_values(
+    profile: str, overrides: list[str], expected: str
+) -> None:
+    with pytest.raises(LaunchError) as info:
+        job_for(profile, *overrides)
+    assert expected in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_unknown_profile_lists_the_available_ones() -> None:
+    with pytest.raises(LaunchError, match="available: .*jean-zay-a100"):
+        load_profile("jean-zay-x")
+    with pytest.raises(LaunchError, match="not a profile name"):
+        load_profile("../etc/passwd")
+
+
+def test_profile_file_errors_name_the_file_and_key() -> None:
+    good = {
+        "name": "x",
+        "default_partition": "p",
+        "partitions": {"p": {"gpus_per_node": 4, "cpus_per_task": 8, "qos": ["q"]}},
+        "qos": {"q": "01:00:00"},
+        "default_time": "10",
+        "precisions": ["fp32"],
+    }
+    assert parse_profile(good, "x.yaml").partitions["p"].qos == ("q",)
+    with pytest.raises(LaunchError, match=r"x.yaml: unknown key 'gpus'"):
+        parse_profile({**good, "gpus": 4}, "x.yaml")
+    with pytest.raises(LaunchError, match=r"partitions.p lists QoS 'z'"):
+        parse_profile(
+            {**good, "partitions": {"p": {"gpus_per_node": 4, "cpus_per_task": 8, "qos": ["z"]}}},
+            "x.yaml",
+        )
+    with pytest.raises(LaunchError, match="missing key 'default_time'"):
+        parse_profile({k: v for k, v in good.items() if k != "default_time"}, "x.yaml")
+
+
+@pytest.mark.parametrize(
+    ("text", "minutes"),
+    [("10", 10), ("90:30", 91), ("20:00:00", 1200), ("1-00", 1440), ("2-03:04:05", 3065)],
+)
+def test_parse_time_reads_slurm_forms(text: str, minutes: int) -> None:
+    assert parse_time(text) == minutes
+
+
+@pytest.mark.parametrize("text", ["", "1h", "0", "12:xx", "-1"])
+def test_parse_time_refuses_other_forms(text: str) -> None:
+    with pytest.raises(LaunchError, match="slurm.time"):
+        parse_time(text)

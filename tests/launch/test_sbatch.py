@@ -1,0 +1,153 @@
+"""sbatch rendering: golden scripts, the requeue logic, and refusal of unsafe values."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hpctrain.config import Config, with_overrides
+from hpctrain.launch.profiles import LaunchError, load_profile, resolve_job
+from hpctrain.launch.sbatch import render_profile_template, render_sbatch
+
+HERE = Path(__file__).parent
+REPO = HERE.parents[1]
+UPDATE = os.environ.get("HPCTRAIN_UPDATE_GOLDEN") == "1"
+
+
+def golden(path: Path, text: str) -> None:
+    """Compare with a golden file; HPCTRAIN_UPDATE_GOLDEN=1 rewrites it."""
+    if UPDATE:
+        path.write_text(text)
+    assert path.exists(), f"missing golden file {path}; run with HPCTRAIN_UPDATE_GOLDEN=1"
+    assert text == path.read_text(), (
+        f"{path} differs; rerun with HPCTRAIN_UPDATE_GOLDEN=1 if intended"
+    )
+
+
+def a100_job(*overrides: str):  # type: ignore[no-untyped-def]
+    cfg = with_overrides(
+        Config(),
+        ["run_dir=/scratch/u/runs/demo", "slurm.profile=jean-zay-a100", "slurm.account=abc@a100",
+         "slurm.nodes=2", *overrides],
+    )  # fmt: skip
+    return resolve_job(cfg, load_profile("jean-zay-a100"))
+
+
+def render(job, overrides=("train.max_steps=100",), **kwargs):  # type: ignore[no-untyped-def]
+    args = {
+        "config_path": "/work/u/hpctrain/configs/demo.yaml",
+        "overrides": list(overrides),
+        "run_dir": "/scratch/u/runs/demo",
+        "python": "/work/u/venv/bin/python",
+        "log_dir": "/scratch/u/runs/demo/slurm",
+        "description": "rendered by `hpctrain sbatch` from demo.yaml",
+    }
+    args.update(kwargs)
+    return render_sbatch(job, **args)
+
+
+def test_rendered_script_matches_golden() -> None:
+    golden(HERE / "golden" / "jean-zay-a100-2nodes.sbatch", render(a100_job()))
+
+
+@pytest.mark.parametrize("name", ["generic", "jean-zay-a100", "jean-zay-h100", "jean-zay-v100"])
+def test_slurm_templates_are_current(name: str) -> None:
+    """slurm/*.sbatch are what the renderer gives for each profile (never stale)."""
+    golden(REPO / "slurm" / f"{name}.sbatch", render_profile_template(load_profile(name)))
+
+
+def test_script_is_valid_bash_with_the_key_lines() -> None:
+    script = render(a100_job())
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+    for line in (
+        "#SBATCH --signal=USR2@120",
+        "#SBATCH --requeue",
+        "#SBATCH --ntasks-per-node=8",
+        "#SBATCH --gres=gpu:8",
+        "#SBATCH --hint=nomultithread",
+        "#SBATCH --constraint=a100",
+        "REQUEUE_EXIT_CODE=75",
+        'scontrol requeue "$SLURM_JOB_ID"',
+        'srun "$PYTHON" -m hpctrain train "$CONFIG" "run_dir=$RUN_DIR" train.max_steps=100',
+        "module load arch/a100",
+        "HF_HUB_OFFLINE=1",
+    ):
+        assert line in script, line
+
+
+def test_requeue_constant_matches_the_trainer() -> None:
+    from hpctrain.train.preemption import REQUEUE_EXIT_CODE
+
+    assert f"REQUEUE_EXIT_CODE={REQUEUE_EXIT_CODE} " in render(a100_job())
+
+
+def test_free_arguments_are_shell_quoted() -> None:
+    script = render(a100_job(), overrides=["data.train=/data/my shards/index.json", "seed=$(id)"])
+    assert "'data.train=/data/my shards/index.json' 'seed=$(id)'" in script
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "slurm.account=x; rm -rf ~",
+        "slurm.account=x\nrm -rf ~",
+        "slurm.account=`id`@a100",
+        "slurm.qos=qos_gpu-t3 --wrap=id",
+        "slurm.constraint=a100$(id)",
+    ],
+)
+def test_injection_in_sbatch_fields_is_refused(override: str) -> None:
+    job = a100_job()
+    key, _, value = override.partition("=")
+    job = dataclasses.replace(job, **{key.split(".")[1]: value})
+    with pytest.raises(LaunchError) as info:
+        render(job)
+    assert key in str(info.value) and "\n" not in str(info.value).replace("\\n", "")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("run_dir", "/scratch/$(rm -rf ~)", "only letters"),
+        ("run_dir", "/scratch/`id`", "only letters"),
+        ("run_dir", '/scratch/a"b', "only letters"),
+        ("run_dir", "$AWS_SECRET_ACCESS_KEY/x", "is not allowed in a path"),
+        ("config_path", "/a\n/b", "newlines"),
+        ("python", "python; id", "only letters"),
+    ],
+)
+def test_unsafe_paths_are_refused(field: str, value: str, message: str) -> None:
+    with pytest.raises(LaunchError, match=message):
+        render(a100_job(), **{field: value})
+
+
+def test_scratch_variables_in_paths_are_kept_for_the_node() -> None:
+    script = render(a100_job(), run_dir="$SCRATCH/runs/${SLURM_JOB_NAME}", log_dir="$SCRATCH/x")
+    assert 'RUN_DIR="$SCRATCH/runs/${SLURM_JOB_NAME}"' in script
+    assert "#SBATCH --output=%x-%j.out" in script  # #SBATCH cannot expand variables
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "data.train=https://user:s3cret@example.org/shards/index.json",
+        "data.train=https://example.org/index.json?X-Amz-Signature=s3cret",
+        "data.train=https://example.org/index.json?token=s3cret",
+    ],
+)
+def test_credentials_never_reach_the_script(override: str) -> None:
+    with pytest.raises(LaunchError) as info:
+        render(a100_job(), overrides=[override])
+    assert "s3cret" not in str(info.value)
+
+
+def test_setup_lines_with_newlines_or_secrets_are_refused() -> None:
+    with pytest.raises(LaunchError, match="newlines"):
+        render(dataclasses.replace(a100_job(), setup=("module load a\nid",)))
+    with pytest.raises(LaunchError, match="secret environment variable") as info:
+        render(a100_job("slurm.setup=['export HF_TOKEN=s3cret']"))
+    assert "s3cret" not in str(info.value)
