@@ -12,9 +12,9 @@ Why not `tarfile.TarFile` or `webdataset.ShardWriter`:
   times cheaper and keeps `--workers 1` at least as fast as a bare `tarfile` loop.
 
 Members get fixed metadata (mtime 0, uid/gid 0, no user/group names, mode 0644): shards are a
-pure function of their samples. A name that does not fit USTAR (over 100 bytes and not
-splittable at a slash, or non-ASCII) falls back to `tarfile`'s own PAX encoding for that member
-only, so every name stays readable by GNU tar and Python.
+pure function of their samples. Names are stored as UTF-8 bytes (as `tarfile` does in USTAR);
+a name that does not fit USTAR (over 100 bytes and not splittable at a slash) falls back to
+`tarfile`'s own PAX encoding for that member only, so every name stays readable by GNU tar.
 """
 
 from __future__ import annotations

@@ -11,9 +11,10 @@ import io
 import os
 import posixpath
 import tarfile
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -144,21 +145,24 @@ class _Output:
     """A shard's output file that only shows up under its final name once committed.
 
     Local files: written to a hidden temporary name in the same folder, fsynced, renamed.
-    Object stores (and memory://): the object appears when the upload completes on close,
-    so a failed write is discarded, never closed (closing would publish a partial shard).
+    Other filesystems: spooled to a local temporary file, then uploaded in one `put_file`
+    (a single PUT or a completed multipart upload on object stores). Streaming through
+    `fs.open(..., "wb")` is not safe everywhere: memory:// publishes the file when it is
+    opened, and a discarded s3fs file still tries to flush when garbage-collected.
     """
 
     def __init__(self, url: str) -> None:
         self.fs, self.path = fsspec.core.url_to_fs(url)
         self.local = isinstance(self.fs, LocalFileSystem)
-        self.file: BinaryIO
+        self.file: Any
         if self.local:
             folder, name = os.path.split(self.path)
             os.makedirs(folder, exist_ok=True)
             self.temp = os.path.join(folder, f".{name}{TEMP_MARKER}{os.getpid()}")
             self.file = open(self.temp, "wb", buffering=1 << 20)  # noqa: SIM115 (committed below)
         else:
-            self.file = self.fs.open(self.path, "wb")
+            self.temp = ""
+            self.file = tempfile.NamedTemporaryFile(prefix="hpctrain-shard-", suffix=".tar")  # noqa: SIM115
 
     def commit(self) -> None:
         if self.local:
@@ -167,7 +171,9 @@ class _Output:
             self.file.close()
             os.replace(self.temp, self.path)
         else:
-            self.file.close()
+            self.file.flush()
+            self.fs.put_file(self.file.name, self.path)
+            self.file.close()  # deletes the spool file
 
     def discard(self) -> None:
         if self.local:
@@ -175,9 +181,7 @@ class _Output:
             with contextlib.suppress(OSError):
                 os.unlink(self.temp)
         else:
-            discard = getattr(self.file, "discard", None)
-            if discard is not None:
-                discard()
+            self.file.close()
 
 
 def write_shard(task: ShardTask, on_sample: Callable[[], Any] | None = None) -> ShardResult:
