@@ -80,7 +80,7 @@ def test_unknown_model_and_task_are_config_errors() -> None:
 
 def test_eval_metrics_ignore_padded_samples() -> None:
     task = ImageClassification(load_config(None, ["model.image_size=16"]), INDEX)
-    model = task.build_model().eval()
+    model = task.build_model().eval().requires_grad_(False)
     images = torch.randint(0, 255, (4, 3, 16, 16), dtype=torch.uint8)
     labels = torch.tensor([1, 2, 3, 4])
     full = task.eval_metrics(

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hpctrain.checkpoint import CheckpointManager, ModelOptimizerState, PerRankState
+from hpctrain.checkpoint import CheckpointManager, ModelOptimizerState, PerRankState, RNGState
 from hpctrain.config import Config, ConfigError, config_to_yaml
 from hpctrain.data import ShardedLoader, open_index
 from hpctrain.dist import DistEnv, all_reduce_sum
@@ -45,38 +45,6 @@ class TrainState:
             int(state["epoch"]),
             int(state["samples_seen"]),
         )
-
-
-class RNGState:
-    """This rank's RNG streams (torch, CUDA, Python, NumPy) as tensors (loadable weights-only)."""
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        version, internal, gauss = random.getstate()
-        _, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]
-        state = {
-            "torch": torch.get_rng_state(),
-            "python": torch.tensor([version, *internal], dtype=torch.int64),
-            "python_gauss": torch.tensor(
-                [math.nan if gauss is None else gauss], dtype=torch.float64
-            ),
-            "numpy": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
-            "numpy_extra": torch.tensor([pos, has_gauss, cached], dtype=torch.float64),
-        }
-        if torch.cuda.is_available():
-            state["cuda"] = torch.cuda.get_rng_state()
-        return state
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        torch.set_rng_state(state["torch"])
-        python = state["python"].tolist()
-        gauss = float(state["python_gauss"][0])
-        random.setstate((python[0], tuple(python[1:]), None if math.isnan(gauss) else gauss))
-        pos, has_gauss, cached = state["numpy_extra"].tolist()
-        np.random.set_state(
-            ("MT19937", state["numpy"].numpy().astype(np.uint32), int(pos), int(has_gauss), cached)
-        )
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state(state["cuda"])
 
 
 def seed_everything(seed: int) -> None:
