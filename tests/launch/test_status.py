@@ -1,0 +1,62 @@
+"""`hpctrain status`: sacct parsing, last step, job records, exit codes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hpctrain.cli.main import main
+from hpctrain.launch import status as status_mod
+from hpctrain.launch.status import last_step, parse_sacct, read_job_record
+
+
+def test_parse_sacct_counts_requeues_and_takes_the_last_row() -> None:
+    text = "7|REQUEUED|0:0\n7|REQUEUED|0:0\n7|COMPLETED|0:0\n"
+    assert parse_sacct(text) == ("COMPLETED", "0:0", 2)
+    assert parse_sacct("8|CANCELLED by 0|0:15\n") == ("CANCELLED", "0:15", 0)
+    assert parse_sacct("") == ("UNKNOWN", "", 0)
+
+
+def test_last_step_skips_a_line_cut_by_a_kill(tmp_path: Path) -> None:
+    assert last_step(tmp_path) is None
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"kind": "train", "step": 5}\n{"kind": "eval", "step": 5}\n{"kind": "train", "step": 6}\n{"kind": "tr'
+    )
+    assert last_step(tmp_path) == 6
+
+
+def test_job_record_from_submit_or_from_the_sbatch_script(tmp_path: Path) -> None:
+    slurm = tmp_path / "slurm"
+    slurm.mkdir()
+    assert read_job_record(tmp_path) == {}
+    (slurm / "job_id").write_text("12\n")
+    assert read_job_record(tmp_path) == {"job_id": "12", "stdout": str(slurm / "12.out")}
+    (slurm / "job.json").write_text(json.dumps({"job_id": "12", "stderr": "/x/12_0_log.err"}))
+    assert read_job_record(tmp_path)["stderr"] == "/x/12_0_log.err"
+
+
+@pytest.mark.parametrize(
+    ("state", "code"), [("COMPLETED", 0), ("RUNNING", 0), ("CANCELLED", 1), ("TIMEOUT", 1)]
+)
+def test_status_exit_code_says_failed(
+    state: str,
+    code: int,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    (tmp_path / "slurm").mkdir()
+    (tmp_path / "slurm" / "job_id").write_text("3\n")
+    (tmp_path / "slurm" / "3.out").write_text("line 1\nline 2\n")
+    monkeypatch.setattr(status_mod, "query_state", lambda job_id: (state, "0:0", 1))
+    assert main(["status", str(tmp_path)]) == code
+    out = capsys.readouterr().out
+    assert f"state:     {state}" in out and "requeues:  1" in out and "| line 2" in out
+    assert ("(failed)" in out) == (code == 1)
+
+
+def test_status_without_a_job(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["status", str(tmp_path)]) == 3
+    assert "no SLURM job recorded" in capsys.readouterr().out

@@ -1,0 +1,176 @@
+"""submitit submission without a cluster: parameters, sweeps, requeue decision, refusals."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hpctrain.cli.main import main
+from hpctrain.config import Config, with_overrides
+from hpctrain.launch import submit as submit_mod
+from hpctrain.launch.profiles import LaunchError, load_profile, resolve_job
+from hpctrain.launch.submit import (
+    executor_parameters,
+    parse_sweep,
+    requeue_this_job,
+    submission_script,
+    sweep_run_dir,
+)
+from hpctrain.train.preemption import REQUEUE_EXIT_CODE
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = str(REPO / "configs" / "demo.yaml")
+
+
+def v100_job():  # type: ignore[no-untyped-def]
+    cfg = with_overrides(Config(), ["slurm.profile=jean-zay-v100", "slurm.account=abc@v100"])
+    return resolve_job(cfg, load_profile("jean-zay-v100"))
+
+
+def test_executor_parameters_follow_the_profile() -> None:
+    params = executor_parameters(v100_job())
+    assert params["tasks_per_node"] == 4 and params["cpus_per_task"] == 10
+    assert params["slurm_gres"] == "gpu:4" and params["slurm_constraint"] == "v100-32g"
+    assert params["slurm_account"] == "abc@v100" and params["slurm_qos"] == "qos_gpu-t3"
+    assert params["slurm_additional_parameters"] == {"requeue": True, "hint": "nomultithread"}
+    assert params["slurm_signal_delay_s"] == 120 and params["timeout_min"] == 120
+    assert "slurm_partition" not in params  # gpu_p13 is picked by the constraint
+
+
+def test_dry_run_script_is_submitits(tmp_path: Path) -> None:
+    script = submission_script(v100_job(), tmp_path / "submitit", python="/venv/bin/python")
+    for line in (
+        "#SBATCH --signal=USR2@120",
+        "#SBATCH --requeue",
+        "#SBATCH --ntasks-per-node=4",
+        "#SBATCH --gres=gpu:4",
+        "module load pytorch-gpu/py3/2.3.0",
+        "/venv/bin/python -u -m submitit.core._submit",
+    ):
+        assert line in script, line
+
+
+def test_sweep_is_a_cartesian_product_with_one_folder_each() -> None:
+    combos = parse_sweep(["train.lr=0.1,0.2", "seed=1,2"])
+    assert combos == [
+        ["train.lr=0.1", "seed=1"],
+        ["train.lr=0.1", "seed=2"],
+        ["train.lr=0.2", "seed=1"],
+        ["train.lr=0.2", "seed=2"],
+    ]
+    assert parse_sweep([]) == [[]]
+    assert sweep_run_dir("runs/x/", ["train.lr=0.1", "seed=1"]) == "runs/x/lr-0.1_seed-1"
+    for bad in ("train.lr", "=1,2", "a b=1", "x;id=1"):
+        with pytest.raises(LaunchError, match="--sweep"):
+            parse_sweep([bad])
+
+
+def test_requeue_from_rank_zero_only_and_within_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[list[str]] = []
+
+    def fake_run(cmd, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(submit_mod.subprocess, "run", fake_run)
+    env = {"SLURM_JOB_ID": "42", "SLURM_PROCID": "0", "SLURM_RESTART_COUNT": "1"}
+    with pytest.raises(SystemExit) as info:
+        requeue_this_job(3, env)
+    assert info.value.code == REQUEUE_EXIT_CODE and calls == [["scontrol", "requeue", "42"]]
+
+    calls.clear()
+    with pytest.raises(SystemExit):
+        requeue_this_job(3, {**env, "SLURM_PROCID": "1"})
+    assert calls == []  # other ranks only exit
+
+    with pytest.raises(RuntimeError, match="max_requeues=1"):
+        requeue_this_job(1, env)
+    assert calls == []
+
+
+def _no_submission(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    submitted: list[str] = []
+
+    def refuse(*args, **kwargs):  # type: ignore[no-untyped-def]
+        submitted.append("submitted")
+        raise AssertionError("nothing may be submitted")
+
+    monkeypatch.setattr("hpctrain.cli.submit.submit", refuse)
+    monkeypatch.setattr(submit_mod, "make_executor", refuse)
+    return submitted
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "slurm.account=x; rm -rf ~",
+        "slurm.account=x\nrm -rf ~",
+        "slurm.partition=debug\n#SBATCH --uid=0",
+        "slurm.qos=$(id)",
+        "data.train=https://user:s3cret@example.org/index.json",
+        "slurm.time='30:00:00'",
+        "slurm.gpus_per_node=9",
+    ],
+)
+def test_submit_refuses_before_anything_is_submitted(
+    override: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    submitted = _no_submission(monkeypatch)
+    code = main(
+        [
+            "submit",
+            DEMO,
+            f"run_dir={tmp_path / 'run'}",
+            override,
+            "--profile",
+            "jean-zay-h100",
+            "--no-preflight",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and submitted == []
+    assert err.startswith("hpctrain submit: ") and err.count("\n") == 1
+    assert "s3cret" not in err
+    assert not (tmp_path / "run" / "slurm").exists()
+
+
+def test_sbatch_verb_refuses_injection(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(
+        [
+            "sbatch",
+            DEMO,
+            f"run_dir={tmp_path}",
+            "slurm.account=x; rm -rf ~",
+            "--profile",
+            "generic",
+            "--no-preflight",
+        ]
+    )
+    assert code == 2
+    assert "slurm.account='x; rm -rf ~': only letters" in capsys.readouterr().err
+
+
+def test_dry_run_prints_the_script_and_submits_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    submitted = _no_submission(monkeypatch)
+    code = main(
+        [
+            "submit",
+            DEMO,
+            f"run_dir={tmp_path / 'run'}",
+            "--profile",
+            "local-dev",
+            "--dry-run",
+            "--no-preflight",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0 and submitted == []
+    assert "#SBATCH --partition=debug" in out and "#SBATCH --ntasks-per-node=2" in out
+    assert "--gres" not in out  # local-dev: tasks stand in for GPUs
