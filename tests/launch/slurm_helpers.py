@@ -1,0 +1,116 @@
+"""Helpers of the SLURM tier: submit like a user, wait with a bound, clean up."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from hpctrain.launch.status import RunStatus, run_status
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = str(REPO / "configs" / "demo.yaml")
+T = TypeVar("T")
+
+
+def train_overrides(shards: Path, run_dir: Path, *extra: str) -> list[str]:
+    """A tiny CPU run of the demo config on `shards` (fp32, one loader worker)."""
+    return [
+        f"run_dir={run_dir}",
+        f"data.train={shards / 'train' / 'index.json'}",
+        f"data.val={shards / 'val' / 'index.json'}",
+        "data.batch_size=16",
+        "data.workers_per_rank=1",
+        "data.shuffle_buffer=32",
+        "model.image_size=16",
+        "train.precision=fp32",
+        "train.log_every=1",
+        "train.warmup_steps=0",
+        "checkpoint.every_steps=0",
+        "slurm.profile=local-dev",
+        *extra,
+    ]
+
+
+def hpctrain(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpctrain", *args], capture_output=True, text=True, timeout=timeout
+    )
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"hpctrain {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+        )
+    return proc
+
+
+def submit(*args: str) -> list[str]:
+    """`hpctrain submit` → the job ids it printed."""
+    out = hpctrain("submit", DEMO, *args).stdout
+    return re.findall(r"^job (\S+)$", out, re.MULTILINE)
+
+
+def wait_for(what: str, check: Callable[[], T | None], timeout: float, poll: float = 0.5) -> T:
+    """Poll `check` until it returns a truthy value; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def wait_finished(run_dir: Path, timeout: float) -> RunStatus:
+    def finished() -> RunStatus | None:
+        status = run_status(str(run_dir), num_lines=40)
+        return status if status.finished else None
+
+    try:
+        return wait_for(f"the job of {run_dir} to finish", finished, timeout, poll=1.0)
+    except AssertionError:
+        status = run_status(str(run_dir), num_lines=40)
+        raise AssertionError(
+            f"job {status.job_id} of {run_dir} still {status.state} after {timeout:.0f} s (step {status.last_step})\n"
+            + "\n".join(status.log_tail)
+        ) from None
+
+
+def wait_step(run_dir: Path, at_least: int, timeout: float) -> int:
+    def reached() -> int | None:
+        step = run_status(str(run_dir)).last_step
+        return step if step is not None and step >= at_least else None
+
+    return wait_for(f"step {at_least} in {run_dir}", reached, timeout)
+
+
+def read_metrics(run_dir: Path, kind: str = "train") -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [
+        m for m in (json.loads(line) for line in lines if line.strip()) if m.get("kind") == kind
+    ]
+
+
+def log_text(run_dir: Path) -> str:
+    """Everything the job wrote (submitit's per-task logs, or the sbatch script's log)."""
+    texts = [p.read_text(errors="replace") for p in sorted((run_dir / "slurm").rglob("*.out"))]
+    texts += [p.read_text(errors="replace") for p in sorted((run_dir / "slurm").rglob("*.err"))]
+    return "\n".join(texts)
+
+
+def scancel(*args: str) -> None:
+    subprocess.run(["scancel", *args], check=True, timeout=30)
+
+
+def sacct_nodes(job_id: str) -> str:
+    out = subprocess.run(
+        ["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "NodeList"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout
+    return out.strip().splitlines()[-1] if out.strip() else ""

@@ -1,0 +1,242 @@
+"""The SLURM tier: real jobs on the local dev cluster (tools/dev-cluster), CPU and gloo.
+
+Every wait is bounded; every job a test starts is cancelled when the test ends.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import submitit
+
+from hpctrain.launch.status import run_status
+from tests.launch.slurm_helpers import (
+    DEMO,
+    hpctrain,
+    log_text,
+    read_metrics,
+    sacct_nodes,
+    scancel,
+    submit,
+    train_overrides,
+    wait_finished,
+    wait_for,
+    wait_step,
+)
+
+pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
+HERE = Path(__file__).parent
+
+
+@pytest.fixture
+def jobs() -> Iterator[list[str]]:
+    """Job ids to cancel after the test, whatever happened."""
+    ids: list[str] = []
+    yield ids
+    for job_id in ids:
+        subprocess.run(["scancel", job_id.split("_")[0]], capture_output=True, timeout=30)
+
+
+def test_plumbing_sbatch_two_tasks_allreduce(tmp_path: Path, jobs: list[str]) -> None:
+    out = tmp_path / "out.txt"
+    job_id = subprocess.run(
+        ["sbatch", "--parsable", "--ntasks=2", "--time=2", f"--output={out}",
+         f"--wrap=srun {sys.executable} {HERE / 'allreduce_task.py'}"],
+        capture_output=True, text=True, check=True, timeout=30,
+    ).stdout.strip()  # fmt: skip
+    jobs.append(job_id)
+    wait_for(
+        "the all-reduce job's output",
+        lambda: out.exists() and out.read_text().count("sum=3") == 2,
+        90,
+    )
+    assert "rank=0 world=2" in out.read_text() and "rank=1 world=2" in out.read_text()
+
+
+def test_plumbing_submitit_two_nodes(tmp_path: Path, jobs: list[str]) -> None:
+    executor = submitit.AutoExecutor(folder=tmp_path / "submitit", cluster="slurm")
+    executor.update_parameters(nodes=2, tasks_per_node=1, timeout_min=5, cpus_per_task=1)
+    job = executor.submit(
+        submitit.helpers.CommandFunction([sys.executable, str(HERE / "allreduce_task.py")])
+    )
+    jobs.append(job.job_id)
+    outputs = wait_for("both submitit tasks", lambda: job.done() and job.results(), 90)
+    text = "".join(str(o) for o in outputs)
+    assert text.count("sum=3") == 2 and "host=" in text
+    assert sacct_nodes(job.job_id) == "n[1-2]"
+
+
+def test_submit_one_node_two_tasks_completes(
+    tiny_shards: Path, tmp_path: Path, jobs: list[str]
+) -> None:
+    run_dir = tmp_path / "run"
+    jobs += submit(
+        *train_overrides(tiny_shards, run_dir, "train.max_steps=6", "checkpoint.every_steps=3")
+    )
+    status = wait_finished(run_dir, 120)
+    assert status.state == "COMPLETED", status
+    assert [m["step"] for m in read_metrics(run_dir)] == list(range(1, 7))
+    assert (run_dir / "checkpoints" / "step-6").is_dir()
+    out = hpctrain("status", str(run_dir)).stdout
+    assert "state:     COMPLETED" in out and "last step: 6" in out
+    assert "rank 0/2" in log_text(run_dir)
+    assert (run_dir / "slurm").stat().st_mode & 0o077 == 0  # private job folder
+
+
+def test_submit_two_nodes_one_task_each(tiny_shards: Path, tmp_path: Path, jobs: list[str]) -> None:
+    run_dir = tmp_path / "run"
+    jobs += submit(
+        *train_overrides(
+            tiny_shards, run_dir, "train.max_steps=4", "slurm.nodes=2", "slurm.gpus_per_node=1"
+        )
+    )
+    status = wait_finished(run_dir, 120)
+    assert status.state == "COMPLETED", status
+    assert sacct_nodes(status.job_id) == "n[1-2]"
+    assert [m["step"] for m in read_metrics(run_dir)][-1] == 4
+
+
+def test_preemption_requeues_and_resumes_to_the_same_weights(
+    tiny_shards: Path, tmp_path: Path, jobs: list[str]
+) -> None:
+    """USR2 from scancel, then submitit's own interrupt: two requeues, one uninterrupted result."""
+    steps = "train.max_steps=500"
+    preempted, straight = tmp_path / "preempted", tmp_path / "straight"
+    jobs += submit(*train_overrides(tiny_shards, preempted, steps, "train.deterministic=true"))
+    job_id = jobs[-1]
+
+    first = wait_step(preempted, 20, 120)
+    scancel("--signal=USR2", job_id)
+    wait_for("a requeue", lambda: run_status(str(preempted)).requeues >= 1, 60)
+    assert "preemption requested" in log_text(preempted)
+
+    wait_step(preempted, first + 60, 120)  # training again, past the first save
+    submitit.SlurmJob(folder=preempted / "slurm" / "submitit", job_id=job_id)._interrupt()
+    status = wait_finished(preempted, 240)
+    assert status.state == "COMPLETED", status
+    assert status.requeues == 2, status
+    log = log_text(preempted)
+    assert log.count("resumed from step") >= 2, log[-3000:]
+    steps_seen = [m["step"] for m in read_metrics(preempted)]
+    assert steps_seen[-1] == 500 and sorted(set(steps_seen)) == list(range(1, 501))
+
+    jobs += submit(*train_overrides(tiny_shards, straight, steps, "train.deterministic=true"))
+    assert wait_finished(straight, 180).state == "COMPLETED"
+    assert_same_weights(
+        preempted / "checkpoints" / "step-500", straight / "checkpoints" / "step-500", tmp_path
+    )
+
+
+def assert_same_weights(a: Path, b: Path, tmp_path: Path) -> None:
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(a, tmp_path / "a.pt")
+    dcp_to_torch_save(b, tmp_path / "b.pt")
+    sa = torch.load(tmp_path / "a.pt", weights_only=True)
+    sb = torch.load(tmp_path / "b.pt", weights_only=True)
+
+    def tensors(tree: object, prefix: str = "") -> dict[str, torch.Tensor]:
+        if isinstance(tree, torch.Tensor):
+            return {prefix: tree}
+        if isinstance(tree, dict):
+            return {
+                k: v
+                for key, sub in tree.items()
+                for k, v in tensors(sub, f"{prefix}/{key}").items()
+            }
+        return {}
+
+    ta, tb = tensors(sa), tensors(sb)
+    model_keys = [k for k in ta if "model" in k and "rank" not in k]
+    assert model_keys and set(model_keys) <= set(tb)
+    for key in model_keys:
+        assert torch.equal(ta[key], tb[key]), (
+            f"{key} differs between the preempted and the straight run"
+        )
+
+
+def test_time_limit_completes_over_several_requeues(
+    tiny_shards: Path, tmp_path: Path, jobs: list[str]
+) -> None:
+    run_dir = tmp_path / "run"
+    jobs += submit(
+        *train_overrides(
+            tiny_shards, run_dir, "train.max_steps=2500", "data.batch_size=32",
+            "slurm.time=1", "slurm.signal_margin_s=10", "slurm.max_requeues=6",
+            "checkpoint.deadline_margin_s=25",
+        )
+    )  # fmt: skip
+    status = wait_finished(run_dir, 420)
+    assert status.state == "COMPLETED", status
+    assert status.requeues >= 2, status
+    assert [m["step"] for m in read_metrics(run_dir)][-1] == 2500
+
+
+def test_plain_sbatch_script_trains_and_requeues(
+    tiny_shards: Path, tmp_path: Path, jobs: list[str]
+) -> None:
+    run_dir = tmp_path / "run"
+    script = tmp_path / "job.sbatch"
+    hpctrain(
+        "sbatch",
+        DEMO,
+        *train_overrides(tiny_shards, run_dir, "train.max_steps=300"),
+        "-o",
+        str(script),
+    )
+    job_id = subprocess.run(
+        ["sbatch", "--parsable", str(script)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout.strip()
+    jobs.append(job_id)
+    wait_step(run_dir, 20, 120)
+    scancel("--signal=USR2", job_id)
+    status = wait_finished(run_dir, 180)
+    assert status.state == "COMPLETED", status
+    log = (run_dir / "slurm" / f"{job_id}.out").read_text()
+    assert "requeueing job" in log and "(restart 1)" in log and "resumed from step" in log
+    assert status.requeues == 1 and [m["step"] for m in read_metrics(run_dir)][-1] == 300
+
+
+def test_sweep_gives_an_array_and_a_run_folder_per_value(
+    tiny_shards: Path, tmp_path: Path, jobs: list[str]
+) -> None:
+    run_dir = tmp_path / "sweep"
+    ids = submit(
+        *train_overrides(tiny_shards, run_dir, "train.max_steps=3"),
+        "--sweep",
+        "train.lr=0.001,0.002",
+    )
+    jobs += ids
+    assert len(ids) == 2 and {i.split("_")[1] for i in ids} == {"0", "1"}
+    assert len({i.split("_")[0] for i in ids}) == 1  # one array job
+    for lr in ("0.001", "0.002"):
+        folder = run_dir / f"lr-{lr}"
+        assert wait_finished(folder, 180).state == "COMPLETED"
+        assert f"lr: {lr}" in (folder / "config.yaml").read_text()
+
+
+def test_cancelled_job_is_reported_failed(
+    tiny_shards: Path, tmp_path: Path, jobs: list[str]
+) -> None:
+    run_dir = tmp_path / "run"
+    jobs += submit(*train_overrides(tiny_shards, run_dir, "train.max_steps=100000"))
+    wait_step(run_dir, 3, 120)
+    scancel(jobs[-1])
+    status = wait_finished(run_dir, 60)
+    assert status.state == "CANCELLED" and status.failed
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpctrain", "status", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 1 and "(failed)" in proc.stdout
