@@ -11,6 +11,7 @@ epochs, so `set_epoch` on the main process's copy alone would never reach them.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -23,7 +24,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from hpctrain.config.schema import DataConfig
-from hpctrain.data.index import ShardIndex
+from hpctrain.data.index import ShardIndex, redact_url
 from hpctrain.data.planning import EpochPlan, Segment, StageParams, derive_seed, plan
 from hpctrain.data.stream import (
     CorruptShardError,
@@ -219,13 +220,16 @@ class _StreamDataset(IterableDataset):
             yield from self._read_range(segments, skip, length, stats)
             return
         first_block = skip // block
+        # one reader for the whole rest of the stream: a shard that spans two blocks stays
+        # open between them instead of being reopened and re-skipped
+        items = self._read_range(segments, first_block * block, length, stats)
         for b in range(first_block, math.ceil(length / block)):
             lo, hi = b * block, min(length, (b + 1) * block)
-            items = list(self._read_range(segments, lo, hi, stats))
+            chunk = list(itertools.islice(items, hi - lo))
             order = the_plan.shuffle_order(self.rank, stream, b, hi - lo)
             start = skip - lo if b == first_block else 0
             for j in order[start:]:
-                yield items[j]
+                yield chunk[j]
 
     def _read_range(
         self, segments: list[Segment], lo: int, hi: int, stats: ReadStats
@@ -294,6 +298,27 @@ class _StreamDataset(IterableDataset):
 
     # -- batching ------------------------------------------------------------------------
 
+    def _filler(self, epoch: int, avoid: int) -> dict[str, Any]:
+        """A stand-in for lost samples when a worker has read nothing yet: the first readable
+        sample of another shard (flagged invalid like any filler), so the rank is not short."""
+        for shard in [*range(avoid + 1, len(self.urls)), *range(avoid)]:
+            try:
+                with open_shard(
+                    self.urls[shard],
+                    size=self.byte_sizes[shard],
+                    max_retries=0,
+                    storage_options=self.storage_options,
+                ) as f:
+                    for index, key, members in iter_samples(f, stop=1):
+                        sample = decode_sample(key, members)
+                        if self.transform is not None:
+                            torch.manual_seed(derive_seed(self.seed, epoch, shard, index))
+                            sample = self.transform(sample)
+                        return sample
+            except Exception as exc:
+                log.warning("no filler sample from %s: %s", redact_url(self.urls[shard]), exc)
+        raise ShardReadError(self.urls[avoid], "no readable shard left to fill batches with")
+
     def _make_batch(
         self, raw: list[Any], epoch: int, last_good: dict[str, Any] | None
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -323,9 +348,7 @@ class _StreamDataset(IterableDataset):
             valid.append(seg.valid)
         good = next((s for s in samples if s is not None), last_good)
         if good is None:
-            raise ShardReadError(
-                self.urls[raw[0][0].shard], "no readable sample to fill a batch with"
-            )
+            good = self._filler(epoch, avoid=raw[0][0].shard)
         filled = [s if s is not None else good for s in samples]
         try:
             images = torch.stack([s["image"] for s in filled])

@@ -38,10 +38,11 @@ class ShardReadError(ValueError):
     The message names the shard URL (credentials stripped).
     """
 
-    def __init__(self, url: str, reason: str) -> None:
-        super().__init__(f"{redact_url(url)}: {reason}")
-        self.url = redact_url(url)
-        self.reason = reason
+    def __init__(self, url: str, reason: str | None = None) -> None:
+        # one-argument form: a whole message, as torch's DataLoader re-raises worker errors
+        super().__init__(url if reason is None else f"{redact_url(url)}: {reason}")
+        self.url = redact_url(url) if reason is not None else ""
+        self.reason = reason or ""
 
 
 class TransientReadError(OSError):
