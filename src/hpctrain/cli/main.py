@@ -19,6 +19,7 @@ VERBS = [
     "train",
     "config",
     "plot",
+    "export",
     "convert",
     "inspect",
     "plan",
