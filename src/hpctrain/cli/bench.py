@@ -9,7 +9,9 @@ HELP = "run a benchmark (ratios measured side by side in one run)"
 EPILOG = "example: hpctrain bench convert --help"
 
 # name -> module with HELP, add_arguments(parser), run(args) -> int
-BENCHES: dict[str, str] = {}
+BENCHES: dict[str, str] = {
+    "convert": "hpctrain.convert.bench",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
