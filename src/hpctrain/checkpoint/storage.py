@@ -168,7 +168,8 @@ class LocalStore(Store):
         return open(self.path(name), "rb")
 
     def writer(self, name: str) -> StorageWriter:
-        return FileSystemWriter(self.path(name), sync_files=True, overwrite=True)
+        # Two writer threads (one file each per rank) overlap serialization with I/O.
+        return FileSystemWriter(self.path(name), sync_files=True, overwrite=True, thread_count=2)
 
     def reader(self, name: str) -> StorageReader:
         return SafeFileSystemReader(self.path(name))

@@ -10,6 +10,7 @@ EPILOG = "example: hpctrain bench convert --help"
 
 # name -> module with HELP, add_arguments(parser), run(args) -> int
 BENCHES: dict[str, str] = {
+    "checkpoint": "hpctrain.checkpoint.bench",
     "convert": "hpctrain.convert.bench",
 }
 

@@ -1,0 +1,32 @@
+"""`hpctrain bench checkpoint` runs end to end on a tiny state."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_bench_checkpoint_tiny(tmp_path):
+    args = ["--params", "2e5", "--rounds", "1", "--dir", str(tmp_path), "--json"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpctrain", "bench", "checkpoint", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads(proc.stdout)
+    assert results["bytes"] == 3 * 200_000 * 4
+    methods = results["methods"]
+    assert set(methods) == {
+        "dd",
+        "torch.save+fsync",
+        "dcp.save",
+        "dcp.async_save",
+        "hpctrain sync",
+        "hpctrain async",
+    }
+    assert methods["dd"]["ratio_to_dd"] == 1.0
+    assert methods["hpctrain async"]["blocked_ratio_to_sync"] > 0
+    assert list(tmp_path.iterdir()) == []  # the scratch folder is removed
