@@ -311,3 +311,59 @@ def test_reshard_existing_shards(image_folder: Path, tmp_path: Path) -> None:
     assert [s.num_samples for s in index.shards] == [10, 10, 5]
     assert index.class_names == CLASSES  # carried over from the source index
     assert samples_of(tmp_path / "b") == samples_of(tmp_path / "a")
+
+
+def test_manifest_with_fsspec_urls(tmp_path: Path) -> None:
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    try:
+        for i in range(3):
+            fs.pipe_file(f"/manifest-test/img{i}.jpg", image_bytes(i))
+        lines = [
+            json.dumps({"path": f"memory://manifest-test/img{i}.jpg", "label": i % 2})
+            for i in range(3)
+        ]
+        fs.pipe_file("/manifest-test/list.jsonl", ("\n".join(lines) + "\n").encode())
+        convert_args = [
+            "convert",
+            "memory://manifest-test/list.jsonl",
+            str(tmp_path / "out"),
+            "--progress",
+            "none",
+        ]
+        assert main(convert_args) == 0
+        samples = samples_of(tmp_path / "out")
+        assert [s["jpg"] for s in samples.values()] == [image_bytes(i) for i in range(3)]
+        assert [s["cls"] for s in samples.values()] == [b"0", b"1", b"0"]
+        assert "json" not in samples["000000000"]  # no extra fields, no .json member
+    finally:
+        fs.rm("/manifest-test", recursive=True)
+
+
+def test_memory_destination_needs_one_worker(
+    image_folder: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert (
+        main(["convert", str(image_folder), "memory://x/y", "--workers", "2", "--progress", "none"])
+        == 1
+    )
+    assert "--workers 1" in capsys.readouterr().err
+
+
+def test_plain_progress_lines() -> None:
+    import io
+
+    from hpctrain.convert.progress import Progress
+
+    stream = io.StringIO()
+    progress = Progress(10, "auto", interval=0.0, stream=stream)  # StringIO is no terminal: plain
+    progress.update(4)
+    progress.close()
+    lines = stream.getvalue().splitlines()
+    assert (
+        lines[0].startswith("convert: 4/10 samples (40%)")
+        and "img/s" in lines[0]
+        and "ETA" in lines[0]
+    )
+    assert lines[-1].startswith("convert: 4/10 samples")

@@ -101,3 +101,12 @@ def test_verify_reports_truncated_and_missing_shards(
 def test_inspect_missing_source(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", str(tmp_path / "nothing")]) == 1
     assert "not found" in capsys.readouterr().err
+
+
+def test_inspect_brace_pattern_without_index(
+    shards: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (shards / "index.json").unlink()
+    assert main(["inspect", str(shards / "shard-{000000..000001}.tar"), "--verify", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["index"] is None and report["num_samples"] == 20 and report["num_shards"] == 2

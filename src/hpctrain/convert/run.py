@@ -200,6 +200,10 @@ def convert(options: ConvertOptions) -> ConvertResult:
         indexes = {split: read_index(url) for split, url in index_urls.items()}
         return ConvertResult(indexes, index_urls, [], sum(len(i.shards) for i in indexes.values()))
 
+    if options.workers > 1 and options.dest.startswith("memory://"):
+        raise ConvertError(
+            "memory:// lives inside one process: use --workers 1 with a memory:// destination"
+        )
     source = list_source(
         options.src,
         options.source_kind,
