@@ -103,10 +103,16 @@ def test_submit_two_nodes_one_task_each(tiny_shards: Path, tmp_path: Path, jobs:
 def test_preemption_requeues_and_resumes_to_the_same_weights(
     tiny_shards: Path, tmp_path: Path, jobs: list[str]
 ) -> None:
-    """USR2 from scancel, then submitit's own interrupt: two requeues, one uninterrupted result."""
-    steps = "train.max_steps=500"
+    """USR2 from scancel, then submitit's own interrupt: two requeues, one uninterrupted result.
+
+    In-process loading (workers_per_rank=0): submitit's interrupt sends SIGTERM to every
+    process of the step, and torch's DataLoader workers die of it (see the xfail test below).
+    """
+    steps = "train.max_steps=300"
     preempted, straight = tmp_path / "preempted", tmp_path / "straight"
-    jobs += submit(*train_overrides(tiny_shards, preempted, steps, "train.deterministic=true"))
+    same = ("train.deterministic=true", "data.workers_per_rank=0")
+    jobs += submit(*train_overrides(tiny_shards, straight, steps, *same))  # runs meanwhile
+    jobs += submit(*train_overrides(tiny_shards, preempted, steps, *same))
     job_id = jobs[-1]
 
     first = wait_step(preempted, 20, 120)
@@ -114,7 +120,7 @@ def test_preemption_requeues_and_resumes_to_the_same_weights(
     wait_for("a requeue", lambda: run_status(str(preempted)).requeues >= 1, 60)
     assert "preemption requested" in log_text(preempted)
 
-    wait_step(preempted, first + 60, 120)  # training again, past the first save
+    wait_step(preempted, first + 30, 120)  # training again, past the first save
     submitit.SlurmJob(folder=preempted / "slurm" / "submitit", job_id=job_id)._interrupt()
     status = wait_finished(preempted, 240)
     assert status.state == "COMPLETED", status
@@ -124,11 +130,29 @@ def test_preemption_requeues_and_resumes_to_the_same_weights(
     steps_seen = [m["step"] for m in read_metrics(preempted)]
     assert steps_seen[-1] == 500 and sorted(set(steps_seen)) == list(range(1, 501))
 
-    jobs += submit(*train_overrides(tiny_shards, straight, steps, "train.deterministic=true"))
+    jobs += submit(*train_overrides(tiny_shards, straight, steps, *same))
     assert wait_finished(straight, 180).state == "COMPLETED"
     assert_same_weights(
         preempted / "checkpoints" / "step-500", straight / "checkpoints" / "step-500", tmp_path
     )
+
+
+@pytest.mark.xfail(
+    reason="torch DataLoader workers die of the SIGTERM SLURM sends to every step process on "
+    "preemption; the loader's worker init must ignore SIGTERM (reported to the data owner)",
+    strict=False,
+)
+def test_sigterm_to_all_step_processes_with_loader_workers(
+    tiny_shards: Path, tmp_path: Path, jobs: list[str]
+) -> None:
+    run_dir = tmp_path / "run"
+    jobs += submit(
+        *train_overrides(tiny_shards, run_dir, "train.max_steps=300", "data.workers_per_rank=1")
+    )
+    wait_step(run_dir, 20, 120)
+    scancel("--signal=TERM", jobs[-1])
+    status = wait_finished(run_dir, 150)
+    assert status.state == "COMPLETED" and status.requeues == 1, status
 
 
 def assert_same_weights(a: Path, b: Path, tmp_path: Path) -> None:
