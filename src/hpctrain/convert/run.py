@@ -137,8 +137,9 @@ def _write_bytes(url: str, data: bytes) -> None:
     """Write a small file atomically where the filesystem allows (temp + rename locally)."""
     fs, path = fsspec.core.url_to_fs(url)
     if isinstance(fs, LocalFileSystem):
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        temp = f"{path}{TEMP_MARKER}{os.getpid()}"
+        folder, name = os.path.split(path)
+        os.makedirs(folder or ".", exist_ok=True)
+        temp = os.path.join(folder, f".{name}{TEMP_MARKER}{os.getpid()}")
         with open(temp, "wb") as f:
             f.write(data)
             f.flush()
@@ -154,14 +155,14 @@ def _remove(url: str) -> None:
         fs.rm(path)
 
 
-def _remove_stale(folder: str, prefix: str) -> None:
-    """Delete our own leftovers in `folder`: temp files of killed writers, and (overwrite) old shards."""
+def _remove_stale(folder: str) -> None:
+    """Delete temp files killed writers left in `folder` (hidden names with the temp marker)."""
     fs, path = fsspec.core.url_to_fs(folder)
     if not fs.isdir(path):
         return
     for entry in fs.ls(path, detail=False):
-        name = posixpath.basename(entry)
-        if name.startswith(f".{prefix}-") and TEMP_MARKER in name:
+        name = posixpath.basename(entry.rstrip("/"))
+        if name.startswith(".") and TEMP_MARKER in name:
             fs.rm(entry)
 
 
@@ -345,8 +346,8 @@ def _prepare_destination(
             if fs.isdir(path):
                 for entry in fs.glob(posixpath.join(path, f"{prefix}-*.tar")):
                     fs.rm(entry)
-    for folder, prefix in layout.values():
-        _remove_stale(folder, prefix)
+    for folder in {options.dest, *(folder for folder, _ in layout.values())}:
+        _remove_stale(folder)
     fs, path = fsspec.core.url_to_fs(options.dest)
     fs.makedirs(path, exist_ok=True)
     state = {"fingerprint": fingerprint, "command": command_line(options)}
