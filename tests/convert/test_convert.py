@@ -367,3 +367,12 @@ def test_plain_progress_lines() -> None:
         and "ETA" in lines[0]
     )
     assert lines[-1].startswith("convert: 4/10 samples")
+
+
+def test_split_output_as_source_names_the_split(
+    image_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    convert_args = ["--val-fraction", "0.2", "--progress", "none"]
+    assert main(["convert", str(image_folder), str(tmp_path / "a"), *convert_args]) == 0
+    assert main(["convert", str(tmp_path / "a"), str(tmp_path / "b"), "--progress", "none"]) == 1
+    assert f"{tmp_path / 'a'}/train" in capsys.readouterr().err

@@ -100,6 +100,10 @@ def detect_kind(src: str) -> str:
         raise ConvertError(f"{redact_url(src)}: source not found")
     if fs.exists(posixpath.join(path, INDEX_NAME)):
         return "shards"
+    if fs.exists(posixpath.join(path, "train", INDEX_NAME)):
+        raise ConvertError(
+            f"{redact_url(src)}: holds train/ and val/ shard sets; convert one: {redact_url(src)}/train"
+        )
     entries = fs.ls(path, detail=True)
     has_dirs = any(e["type"] == "directory" for e in entries)
     has_tars = any(e["name"].endswith(".tar") for e in entries)
