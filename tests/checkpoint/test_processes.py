@@ -24,10 +24,9 @@ from hpctrain.checkpoint import (
     verify_checkpoint,
 )
 from hpctrain.checkpoint.storage import open_store
+from tests.checkpoint._workers import Counter, assert_equal_nested, full_state, make_model
 
 WORKERS = str(Path(__file__).with_name("_workers.py"))
-sys.path.insert(0, str(Path(__file__).parent))
-from _workers import Counter, assert_equal_nested, full_state, make_model  # noqa: E402
 
 
 def free_port() -> int:

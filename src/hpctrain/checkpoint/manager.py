@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager
 
 import hpctrain
@@ -66,6 +67,15 @@ def _describe(exc: BaseException) -> str:
         exc = inner
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def _planner() -> DefaultSavePlanner:
+    # A value under the same key on every rank is written once. DCP's default picks the rank
+    # with the least to write, but "replicated" values can differ: BatchNorm running stats
+    # under DDP are updated from each rank's batch and made equal again only by the broadcast
+    # from rank 0 at the next forward. Saving rank 0's copy is what makes a resume bitwise
+    # identical; sharded (FSDP2) tensors are unaffected, each rank still writes its shards.
+    return DefaultSavePlanner(dedup_save_to_lowest_rank=True)
 
 
 def step_dir_name(step: int) -> str:
@@ -255,7 +265,9 @@ class CheckpointManager:
         if self._executor is None:
             self._pending = Future()
             try:
-                dcp.save(states, storage_writer=writer, process_group=self._group)
+                dcp.save(
+                    states, storage_writer=writer, planner=_planner(), process_group=self._group
+                )
                 self._commit(step, manifest)
                 self._pending.set_result(None)
             except (Exception, CheckpointException) as exc:
@@ -264,7 +276,11 @@ class CheckpointManager:
             self.wait()
             return
         upload = dcp.async_save(
-            states, storage_writer=writer, process_group=self._group, async_stager=self._stager
+            states,
+            storage_writer=writer,
+            planner=_planner(),
+            process_group=self._group,
+            async_stager=self._stager,
         )
         assert isinstance(upload, Future)
         self._pending = self._executor.submit(self._finish_async, upload, step, manifest)
