@@ -317,7 +317,9 @@ class _StreamDataset(IterableDataset):
                     for index, key, members in iter_samples(f, stop=1):
                         sample = decode_sample(key, members)
                         if self.transform is not None:
-                            torch.manual_seed(derive_seed(self.seed, epoch, shard, index))
+                            torch.default_generator.manual_seed(
+                                derive_seed(self.seed, epoch, shard, index)
+                            )
                             sample = self.transform(sample)
                         return sample
             except Exception as exc:
@@ -347,7 +349,7 @@ class _StreamDataset(IterableDataset):
             if self.transform is not None:
                 # per-sample seed: augmentations repeat across runs, resumes and world sizes,
                 # and differ across samples, workers and ranks (pytorch#5059)
-                torch.manual_seed(derive_seed(self.seed, epoch, seg.shard, index))
+                torch.default_generator.manual_seed(derive_seed(self.seed, epoch, seg.shard, index))
                 sample = self.transform(sample)
             samples.append(sample)
             valid.append(seg.valid)
@@ -356,7 +358,7 @@ class _StreamDataset(IterableDataset):
             good = self._filler(epoch, avoid=raw[0][0].shard)
         filled = [s if s is not None else good for s in samples]
         try:
-            images = torch.stack([s["image"] for s in filled])
+            images = _stack([s["image"] for s in filled], shared=not self.in_process)
         except RuntimeError as exc:
             shapes = sorted({tuple(s["image"].shape) for s in filled})
             raise ValueError(
@@ -370,6 +372,19 @@ class _StreamDataset(IterableDataset):
             "valid": torch.tensor(valid, dtype=torch.bool),
         }
         return batch, good
+
+
+def _stack(images: list[torch.Tensor], *, shared: bool) -> torch.Tensor:
+    """Stack a batch; in a worker, straight into shared memory (as torch's default_collate
+    does), which saves the copy the queue would otherwise make of every batch."""
+    if not shared:
+        return torch.stack(images)
+    first = images[0]
+    if any(x.shape != first.shape for x in images):
+        raise RuntimeError("shapes differ")
+    storage = first._typed_storage()._new_shared(len(images) * first.numel(), device=first.device)
+    out = first.new(storage).resize_(len(images), *first.shape)
+    return torch.stack(images, out=out)
 
 
 class ShardedLoader:

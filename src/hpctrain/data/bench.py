@@ -1,0 +1,337 @@
+"""`hpctrain bench loader`: hpctrain's loader against the decode limit, ImageFolder, webdataset.
+
+Cases, interleaved round by round on the same images (rotating order), medians reported:
+
+1. limit: decode + the transform in a tight loop, one process, one thread;
+2. ImageFolder + DataLoader (K workers, default collate, uint8 batches);
+3. plain webdataset `WebDataset(urls).decode("pil")` + DataLoader (what a stock user writes);
+4. hpctrain's `ShardedLoader`;
+and with `--remote`, over an HTTP server on loopback adding `--latency-ms` to every request:
+5. hpctrain's loader streaming the shards;
+6. per-file reads of the image folder (one request per image: the small-files problem).
+
+Figures: wall images/s and images per CPU-second (main process + workers, from getrusage; the
+loopback server runs in this process too and is counted in the remote cases). CPU efficiency
+is stable on a shared machine, wall time is not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import resource
+import statistics
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from torch.utils.data import Dataset
+
+HELP = "loader throughput: decode limit vs ImageFolder vs webdataset vs hpctrain (images/CPU-s)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "data",
+        nargs="?",
+        default="",
+        help="shards (index.json, folder or pattern); empty: synthetic JPEGs (--images)",
+    )
+    parser.add_argument("--workers", type=int, default=2, help="DataLoader workers (default 2)")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--images", type=int, default=800, help="images per case per round")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median)")
+    parser.add_argument("--crop", type=int, default=224, help="RandomResizedCrop size")
+    parser.add_argument("--remote", action="store_true", help="add the loopback HTTP cases")
+    parser.add_argument("--latency-ms", type=float, default=20.0, help="added per HTTP request")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
+def _cpu_seconds() -> float:
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)  # workers, once joined
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _synthetic_images(n: int, root: Path) -> list[tuple[bytes, int]]:
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    out = []
+    base = np.linspace(0, 255, 400, dtype=np.float32)[None, :, None]
+    for i in range(n):
+        noise = rng.normal(0, 20, (300, 400, 3)).astype(np.float32)
+        pixels = np.clip(base + noise + (i * 37) % 100, 0, 255).astype(np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(pixels).save(buf, format="JPEG", quality=90)
+        out.append((buf.getvalue(), i % 10))
+    return out
+
+
+def _images_from_shards(spec: str, n: int) -> list[tuple[bytes, int]]:
+    from hpctrain.data import open_index
+    from hpctrain.data.stream import iter_samples, open_shard
+
+    index = open_index(spec)
+    out: list[tuple[bytes, int]] = []
+    for i in range(len(index.shards)):
+        with open_shard(index.shard_url(i)) as f:
+            for _idx, _key, members in iter_samples(f):
+                image = members.get("jpg") or members.get("jpeg") or members.get("png")
+                if image is not None:
+                    out.append((image, int(members.get("cls", b"0").strip() or 0)))
+                if len(out) >= n:
+                    return out
+    return out
+
+
+def _write_layouts(images: list[tuple[bytes, int]], root: Path, per_shard: int = 100) -> None:
+    """The same images as an ImageFolder (root/folder/<cls>/<i>.jpg) and as USTAR shards."""
+    from hpctrain.data.index import ShardIndex, ShardInfo, index_to_bytes
+
+    for i, (data, label) in enumerate(images):
+        d = root / "folder" / f"c{label:03d}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"{i:06d}.jpg").write_bytes(data)
+    shard_dir = root / "shards"
+    shard_dir.mkdir()
+    infos = []
+    for s, lo in enumerate(range(0, len(images), per_shard)):
+        name = f"bench-{s:06d}.tar"
+        with tarfile.open(shard_dir / name, "w", format=tarfile.USTAR_FORMAT) as tar:
+            for i in range(lo, min(lo + per_shard, len(images))):
+                data, label = images[i]
+                for ext, payload in (("jpg", data), ("cls", str(label).encode())):
+                    info = tarfile.TarInfo(f"{i:06d}.{ext}")
+                    info.size = len(payload)
+                    tar.addfile(info, io.BytesIO(payload))
+        size = (shard_dir / name).stat().st_size
+        infos.append(
+            ShardInfo(url=name, num_samples=min(per_shard, len(images) - lo), num_bytes=size)
+        )
+    (shard_dir / "index.json").write_bytes(index_to_bytes(ShardIndex(shards=tuple(infos))))
+
+
+def _tensor_transform(crop: int) -> Callable[[Any], Any]:
+    from torchvision.transforms import v2
+
+    return v2.Compose([v2.RandomResizedCrop(crop, antialias=True), v2.RandomHorizontalFlip()])
+
+
+class _Sample:  # picklable transform wrappers (DataLoader workers may be spawned)
+    def __init__(self, crop: int) -> None:
+        self.crop = crop
+        self.t: Callable[[Any], Any] | None = None
+
+    def _transform(self) -> Callable[[Any], Any]:
+        if self.t is None:
+            self.t = _tensor_transform(self.crop)
+        return self.t
+
+
+class HpctrainTransform(_Sample):
+    def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
+        sample["image"] = self._transform()(sample["image"])
+        return sample
+
+
+class PilTransform(_Sample):
+    """PIL image -> uint8 tensor -> crop + flip (tensor-first, the faster order here)."""
+
+    def __call__(self, image: Any) -> Any:
+        from torchvision.transforms.v2 import functional as F
+
+        return self._transform()(F.pil_to_tensor(image.convert("RGB")))
+
+
+class _HttpFiles(Dataset):
+    """Map-style dataset reading each image with its own HTTP request (fsspec)."""
+
+    def __init__(self, urls: list[str], labels: list[int], crop: int) -> None:
+        self.urls, self.labels, self.t = urls, labels, HpctrainTransform(crop)
+
+    def __len__(self) -> int:
+        return len(self.urls)
+
+    def __getitem__(self, i: int) -> tuple[Any, int]:
+        import fsspec
+
+        from hpctrain.data.loader import decode_image
+
+        data = fsspec.filesystem("http").cat_file(self.urls[i])
+        return self.t({"image": decode_image(data)})["image"], self.labels[i]
+
+
+def _count(loader: Any) -> int:
+    n = 0
+    for batch in loader:
+        images = batch["image"] if isinstance(batch, dict) else batch[0]
+        n += len(images)
+    return n
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from torch.utils.data import DataLoader
+
+    torch.set_num_threads(1)
+    from hpctrain.config.schema import DataConfig
+    from hpctrain.data import ShardedLoader, open_index
+    from hpctrain.data.loader import decode_image, worker_start_method
+
+    with tempfile.TemporaryDirectory(prefix="hpctrain-bench-") as tmp:
+        root = Path(tmp)
+        if args.data:
+            images = _images_from_shards(args.data, args.images)
+        else:
+            images = _synthetic_images(args.images, root)
+        _write_layouts(images, root)
+        n = len(images)
+        b, k = args.batch_size, args.workers
+        ctx = worker_start_method() if k else None
+        dl_kw: dict[str, Any] = {"num_workers": k, "multiprocessing_context": ctx}
+        shard_index = open_index(str(root / "shards"))
+        cfg = DataConfig(
+            batch_size=b, workers_per_rank=k, shuffle_buffer=0, persistent_workers=False
+        )
+
+        def limit() -> int:
+            t = HpctrainTransform(args.crop)
+            for data, _label in images:
+                t({"image": decode_image(data)})
+            return n
+
+        def image_folder() -> int:
+            from torchvision.datasets import ImageFolder
+
+            ds = ImageFolder(str(root / "folder"), transform=PilTransform(args.crop))
+            return _count(DataLoader(ds, batch_size=b, shuffle=False, **dl_kw))
+
+        def webdataset() -> int:
+            import webdataset as wds
+
+            urls = [shard_index.shard_url(i) for i in range(len(shard_index.shards))]
+            ds = (
+                wds.WebDataset(urls, shardshuffle=False, empty_check=False)
+                .decode("pil")
+                .to_tuple("jpg", "cls")
+                .map_tuple(PilTransform(args.crop), lambda x: x)
+            )
+            return _count(DataLoader(ds, batch_size=b, **dl_kw))
+
+        def hpctrain_local() -> int:
+            loader = ShardedLoader(
+                shard_index,
+                cfg,
+                rank=0,
+                world_size=1,
+                seed=0,
+                transform=HpctrainTransform(args.crop),
+            )
+            return _count(loader) + 0 * len(loader)
+
+        cases: dict[str, Callable[[], int]] = {
+            "limit (decode+transform, 1 thread)": limit,
+            "ImageFolder + DataLoader": image_folder,
+            "webdataset + DataLoader": webdataset,
+            "hpctrain ShardedLoader": hpctrain_local,
+        }
+        server = None
+        if args.remote:
+            from hpctrain.data.loopback import serve_http
+
+            server = serve_http(root, delay_s=args.latency_ms / 1000)
+            url, _log = server.__enter__()
+            remote_index = open_index(f"{url}/shards/index.json")
+            files = sorted((root / "folder").rglob("*.jpg"))
+            file_urls = [f"{url}/{p.relative_to(root).as_posix()}" for p in files]
+            labels = [int(p.parent.name[1:]) for p in files]
+
+            def hpctrain_http() -> int:
+                loader = ShardedLoader(
+                    remote_index,
+                    cfg,
+                    rank=0,
+                    world_size=1,
+                    seed=0,
+                    transform=HpctrainTransform(args.crop),
+                )
+                return _count(loader)
+
+            def per_file_http() -> int:
+                ds = _HttpFiles(file_urls, labels, args.crop)
+                return _count(DataLoader(ds, batch_size=b, **dl_kw))
+
+            cases[f"hpctrain over HTTP (+{args.latency_ms:g} ms/request)"] = hpctrain_http
+            cases[f"per-file HTTP reads (+{args.latency_ms:g} ms/request)"] = per_file_http
+
+        results: dict[str, dict[str, list[float]]] = {
+            name: {"wall": [], "cpu": []} for name in cases
+        }
+        names = list(cases)
+        try:
+            for r in range(args.rounds):
+                order = names[r % len(names) :] + names[: r % len(names)]
+                for name in order:
+                    cpu0, t0 = _cpu_seconds(), time.perf_counter()
+                    count = cases[name]()
+                    wall, cpu = time.perf_counter() - t0, _cpu_seconds() - cpu0
+                    if count != n and not name.startswith("limit"):
+                        print(f"warning: {name} gave {count} of {n} images", file=sys.stderr)
+                    results[name]["wall"].append(count / wall)
+                    results[name]["cpu"].append(count / cpu)
+        finally:
+            if server is not None:
+                server.__exit__(None, None, None)
+
+    summary = {
+        name: {
+            "images_per_s": statistics.median(v["wall"]),
+            "images_per_cpu_s": statistics.median(v["cpu"]),
+        }
+        for name, v in results.items()
+    }
+    lim = summary[names[0]]
+    ours = summary["hpctrain ShardedLoader"]
+    ratios = {
+        "hpctrain cpu-efficiency / limit": ours["images_per_cpu_s"] / lim["images_per_cpu_s"],
+        "hpctrain / ImageFolder (images per CPU-s)": ours["images_per_cpu_s"]
+        / summary["ImageFolder + DataLoader"]["images_per_cpu_s"],
+        "hpctrain / webdataset (images per CPU-s)": ours["images_per_cpu_s"]
+        / summary["webdataset + DataLoader"]["images_per_cpu_s"],
+        f"hpctrain wall / (limit x {k})": ours["images_per_s"] / (lim["images_per_s"] * max(k, 1)),
+    }
+    if args.remote:
+        remote = summary[names[4]]
+        ratios["hpctrain HTTP / local (wall)"] = remote["images_per_s"] / ours["images_per_s"]
+        ratios["per-file HTTP / hpctrain HTTP (wall)"] = (
+            summary[names[5]]["images_per_s"] / remote["images_per_s"]
+        )
+    meta = {
+        "images": n,
+        "workers": k,
+        "batch_size": b,
+        "rounds": args.rounds,
+        "crop": args.crop,
+        "load_average": os.getloadavg()[0],
+    }
+    if args.json:
+        print(json.dumps({"meta": meta, "cases": summary, "ratios": ratios}, indent=1))
+        return 0
+    print(
+        f"{n} images, {k} workers, batch {b}, RandomResizedCrop({args.crop}) + flip, uint8 "
+        f"batches; medians of {args.rounds} interleaved rounds; load average {meta['load_average']:.1f}"
+    )
+    print(f"{'case':<48} {'images/s':>10} {'images/CPU-s':>13}")
+    for name, v in summary.items():
+        print(f"{name:<48} {v['images_per_s']:>10.0f} {v['images_per_cpu_s']:>13.0f}")
+    for name, value in ratios.items():
+        print(f"{name}: {value:.2f}")
+    return 0
