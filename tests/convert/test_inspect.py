@@ -44,6 +44,9 @@ def test_inspect_reports_totals_histogram_and_keys(
     assert main(["inspect", str(shards / "index.json")]) == 0
     text = capsys.readouterr().out
     assert "samples: 25 in 3 shards" in text and "OK:" in text
+    # Two reader processes: the same report.
+    assert main(["inspect", str(shards), "--verify", "--json", "--workers", "2"]) == 0
+    assert json.loads(capsys.readouterr().out) == report
 
 
 def test_inspect_split_layout(

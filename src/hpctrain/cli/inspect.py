@@ -35,13 +35,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--json", action="store_true", help="print one JSON object (a list for train/ + val/)"
     )
     parser.add_argument(
+        "--workers", type=int, default=1, metavar="K", help="read shards in K processes (default 1)"
+    )
+    parser.add_argument(
         "--keys", type=int, default=5, metavar="N", help="sample keys to show (default 5)"
     )
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        reports = inspect_dataset(args.dest, verify=args.verify, num_keys=args.keys)
+        reports = inspect_dataset(
+            args.dest, verify=args.verify, num_keys=args.keys, workers=args.workers
+        )
     except (ConvertError, ShardIndexError) as exc:
         print(f"hpctrain inspect: error: {exc}", file=sys.stderr)
         return 1

@@ -14,16 +14,16 @@ checks the fingerprint, keeps the committed shards and writes the rest.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import posixpath
 import shlex
-from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass, field
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from hpctrain.convert.parallel import process_pool
 from hpctrain.convert.plan import assign_shards, order_samples, plan_fingerprint, split_train_val
 from hpctrain.convert.progress import Progress
 from hpctrain.convert.sources import ConvertError, SampleRef, list_source
@@ -358,17 +358,7 @@ def _run_tasks(tasks: list[ShardTask], workers: int, progress: Progress) -> dict
     if workers == 1 or len(tasks) <= 1:
         return {task.url: write_shard(task, on_sample=progress.update) for task in tasks}
     results: dict[str, ShardResult] = {}
-    # fork where available: a spawned worker pays ~0.3 s of interpreter start and imports, which
-    # ate most of the gain of --workers 2 on small jobs. The one thread a convert process may
-    # run, fsspec's event loop (s3fs), is reset in children by fsspec's own at-fork hook, and its
-    # cached filesystem instances are dropped when the pid changes. Workers import no torch.
-    if any(task.encode.active for task in tasks):
-        from PIL import Image
-
-        Image.preinit()  # import PIL and its common format plugins once, before forking, not per worker
-    methods = multiprocessing.get_all_start_methods()
-    context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+    with process_pool(workers, preload_pil=any(task.encode.active for task in tasks)) as pool:
         pending: set[Future[ShardResult]] = {pool.submit(write_shard, task) for task in tasks}
         sizes = {task.url: len(task.samples) for task in tasks}
         while pending:

@@ -18,6 +18,7 @@ from typing import Any
 
 import fsspec
 
+from hpctrain.convert.parallel import process_pool
 from hpctrain.convert.sources import IMAGE_EXTENSIONS, ConvertError, shard_urls
 from hpctrain.data.index import INDEX_NAME, ShardIndex, read_index, redact_url
 
@@ -31,6 +32,8 @@ class ShardReport:
     num_samples: int = 0
     num_bytes: int = 0
     errors: list[str] = field(default_factory=list)
+    class_histogram: Counter[int] = field(default_factory=Counter)
+    sample_keys: list[str] = field(default_factory=list)  # the first few
 
 
 @dataclass
@@ -150,26 +153,19 @@ def _check_member(
     return None
 
 
-def inspect_shard(
-    url: str,
-    shown: str,
-    report: ShardReport,
-    dataset: DatasetReport,
-    *,
-    verify: bool,
-    num_keys: int,
-) -> None:
-    """Read one shard with webdataset's tar iterator, filling `report` and the dataset totals."""
+def inspect_shard(url: str, report: ShardReport, *, verify: bool, num_keys: int) -> ShardReport:
+    """Read one shard with webdataset's tar iterator, filling and returning `report`."""
     from webdataset.tariterators import base_plus_ext, tar_file_iterator
 
+    shown = report.url
     try:
         raw = fsspec.open(url, "rb").open()
     except FileNotFoundError:
         report.errors.append(f"{shown}: shard not found")
-        return
+        return report
     except OSError as exc:
         report.errors.append(f"{shown}: cannot open: {exc}")
-        return
+        return report
     stream = _HashingReader(raw)
     seen_keys: set[str] = set()
     current_key: str | None = None
@@ -209,14 +205,14 @@ def inspect_shard(
                 seen_keys.add(key)
                 current_key, current_exts = key, set()
                 report.num_samples += 1
-                if len(dataset.sample_keys) < num_keys:
-                    dataset.sample_keys.append(key)
+                if len(report.sample_keys) < num_keys:
+                    report.sample_keys.append(key)
             elif ext in current_exts:
                 report.errors.append(f"{shown}: {name}: duplicate member")
             current_exts.add(ext)
             label = _check_member(shown, name, ext, data, report, verify)
             if label is not None:
-                dataset.class_histogram[label] += 1
+                report.class_histogram[label] += 1
         close_sample()
         stream.drain()
     except Exception as exc:
@@ -244,10 +240,20 @@ def inspect_shard(
         report.errors.append(
             f"{shown}: {report.num_samples} samples, index says {report.expected_samples}"
         )
+    return report
 
 
-def inspect_dataset(spec: str, *, verify: bool = False, num_keys: int = 5) -> list[DatasetReport]:
+def _inspect_shard_task(task: tuple[str, ShardReport, bool, int]) -> ShardReport:
+    url, report, verify, num_keys = task
+    return inspect_shard(url, report, verify=verify, num_keys=num_keys)
+
+
+def inspect_dataset(
+    spec: str, *, verify: bool = False, num_keys: int = 5, workers: int = 1
+) -> list[DatasetReport]:
     """Read every shard `spec` names once, checking structure, sizes and sha256; `verify` also decodes.
+
+    `workers` > 1 reads shards in that many processes (results are the same, in shard order).
 
     Raises:
         ConvertError / ShardIndexError: `spec` names nothing readable.
@@ -261,17 +267,25 @@ def inspect_dataset(spec: str, *, verify: bool = False, num_keys: int = 5) -> li
             shards=[],
             verified=verify,
         )
+        tasks = []
         for i, url in enumerate(urls):
             if index is not None:
                 info = index.shards[i]
-                shown = info.url
-                report = ShardReport(shown, info.num_samples, info.num_bytes, info.sha256)
+                report = ShardReport(info.url, info.num_samples, info.num_bytes, info.sha256)
             else:
-                shown = redact_url(url)
-                report = ShardReport(shown, None, None)
-            inspect_shard(url, shown, report, dataset, verify=verify, num_keys=num_keys)
-            dataset.shards.append(report)
+                report = ShardReport(redact_url(url), None, None)
+            tasks.append((url, report, verify, num_keys))
+        if workers > 1 and len(tasks) > 1:
+            import webdataset.tariterators  # noqa: F401  (once, before forking)
+
+            with process_pool(workers, preload_pil=verify) as pool:
+                dataset.shards = list(pool.map(_inspect_shard_task, tasks))
+        else:
+            dataset.shards = [_inspect_shard_task(task) for task in tasks]
+        for report in dataset.shards:
             dataset.errors.extend(report.errors)
+            dataset.class_histogram.update(report.class_histogram)
+            dataset.sample_keys.extend(report.sample_keys[: num_keys - len(dataset.sample_keys)])
         reports.append(dataset)
     return reports
 
