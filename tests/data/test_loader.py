@@ -219,3 +219,39 @@ def test_corrupt_shard_fails_or_is_skipped_and_counted(tmp_path):
     valid = [k for b in batches for k, ok in zip(b["key"], b["valid"], strict=True) if ok]
     assert len(valid) == 13  # sample 0 of shard 1 was read before the damage
     assert loader.stats()["samples_lost"] == 5 and loader.stats()["shards_failed"] == 1
+
+
+def test_resume_skips_without_decoding(shards):
+    root, _ = shards
+    index = open_index(str(root))
+    c = cfg(shuffle_buffer=6)
+    first = ShardedLoader(index, c, rank=0, world_size=1, seed=4)
+    it = iter(first)
+    for _ in range(4):
+        next(it)
+    calls = []
+
+    def count(sample):
+        calls.append(sample["key"])
+        return sample
+
+    resumed = ShardedLoader(index, c, rank=0, world_size=1, seed=4, transform=count)
+    resumed.load_state_dict(first.state_dict())
+    rest = keys_of(resumed)
+    assert calls == rest  # only the samples handed out were decoded and transformed
+    assert len(rest) == (len(resumed) - 4) * 4
+
+
+def test_breaking_out_and_iterating_again_continues_with_persistent_workers(shards):
+    root, _ = shards
+    index = open_index(str(root))
+    c = cfg(workers_per_rank=2, shuffle_buffer=3, persistent_workers=True)
+    full = keys_of(ShardedLoader(index, c, rank=0, world_size=1, seed=8))
+    loader = ShardedLoader(index, c, rank=0, world_size=1, seed=8)
+    got = []
+    for i, batch in enumerate(loader):  # e.g. an evaluation interrupts the epoch
+        got += batch["key"]
+        if i == 2:
+            break
+    got += keys_of(loader)
+    assert got == full
