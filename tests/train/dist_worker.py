@@ -27,8 +27,9 @@ CASES = {
     # name: overrides
     "ddp-fp32": ["train.strategy=ddp", "train.precision=fp32"],
     "fsdp-fp32": ["train.strategy=fsdp", "train.precision=fp32"],
-    "ddp-bf16": ["train.strategy=ddp", "train.precision=bf16"],
-    "fsdp-bf16": ["train.strategy=fsdp", "train.precision=bf16"],
+    # batch 12: 40 validation samples per rank fill 4 batches only with 8 padded samples
+    "ddp-bf16": ["train.strategy=ddp", "train.precision=bf16", "data.batch_size=12"],
+    "fsdp-bf16": ["train.strategy=fsdp", "train.precision=bf16", "data.batch_size=12"],
     "ddp-fp32-accum": [
         "train.strategy=ddp",
         "train.precision=fp32",

@@ -5,6 +5,7 @@ One 2-rank job (`dist_worker.py`) runs every case in-process; the assertions liv
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -84,7 +85,13 @@ def test_bf16_runs_are_finite_and_near_fp32(trained: Path) -> None:
             # bf16 compute differs from fp32 but must train the same model, not diverge
             torch.testing.assert_close(value, reference[name], rtol=0, atol=0.1)
         metrics = (trained / case / "metrics.jsonl").read_text()
-        assert '"loss": NaN' not in metrics and "Infinity" not in metrics
+        assert "NaN" not in metrics and "Infinity" not in metrics
+        records = [json.loads(line) for line in metrics.splitlines()]
+        evals = [r for r in records if r["kind"] == "eval"]
+        assert evals[-1]["val_samples"] == 80, "padded validation samples counted"
+        for r in records:
+            if r["kind"] == "train":
+                assert 0.0 <= r["data_wait_fraction"] <= r["data_wait_fraction_worst"] <= 1.0
 
 
 @pytest.mark.distributed

@@ -35,8 +35,6 @@ def run_training(cfg: Config) -> int:
     env = resolve_env()
     setup_logging(env)
     device = choose_device(env)
-    if cfg.train.debug:
-        torch.autograd.set_detect_anomaly(True)
     # Loader workers are processes; one intra-op thread per rank avoids oversubscribing the
     # node's cores (IDRIS runs one task per GPU with its own cpus-per-task).
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ and env.local_world_size > 1:
@@ -49,6 +47,8 @@ def run_training(cfg: Config) -> int:
         env.source,
         cfg.run_dir,
     )
-    with process_group(env, device):
+    # Anomaly detection names the forward op that made a NaN gradient (slow: debug mode only);
+    # as a context it is switched off again when an in-process run returns.
+    with process_group(env, device), torch.autograd.set_detect_anomaly(cfg.train.debug):
         trainer = Trainer(cfg, env, device)
         return trainer.fit()

@@ -50,13 +50,19 @@ def parallelize(
     env: DistEnv,
     device: torch.device,
     precision: Precision,
+    *,
+    channels_last: bool = False,
 ) -> nn.Module:
     """Move `model` to `device` and apply activation checkpointing, compile and DDP/FSDP2.
 
     Every rank must have built the model from the same seed: FSDP2 does not broadcast initial
     weights (DDP does, but starting equal keeps the two strategies bitwise comparable).
+    With `channels_last`, 4-d weights are stored NHWC too, so convolutions on channels_last
+    inputs need no layout conversion (cuDNN's fast path for tensor cores).
     """
     model.to(device)
+    if channels_last:
+        model.to(memory_format=torch.channels_last)
     if cfg.activation_checkpointing:
         for parent, name, block in find_blocks(model):
             setattr(parent, name, checkpoint_wrapper(block))

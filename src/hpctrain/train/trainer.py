@@ -53,6 +53,17 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def require_tensorboard() -> None:
+    """Fail before any work when `logging.tensorboard` is on but tensorboard is missing."""
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "logging.tensorboard=true needs the tensorboard package: "
+            "pip install 'hpctrain[tensorboard]' (or set logging.tensorboard=false)"
+        ) from None
+
+
 def to_device(batch: Batch, device: torch.device) -> Batch:
     return {
         k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
@@ -68,6 +79,8 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         if not cfg.data.train:
             raise ConfigError("data.train is empty: give an index.json path/URL or a shard pattern")
+        if cfg.logging.tensorboard and env.is_main:
+            require_tensorboard()
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True)
             torch.backends.cudnn.benchmark = False
@@ -78,7 +91,14 @@ class Trainer:
         sharded = cfg.train.strategy == "fsdp" and env.is_distributed
         self.precision = resolve_precision(cfg.train.precision, device, sharded)
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank (FSDP2 needs it)
-        self.model = parallelize(self.task.build_model(), cfg.train, env, device, self.precision)
+        self.model = parallelize(
+            self.task.build_model(),
+            cfg.train,
+            env,
+            device,
+            self.precision,
+            channels_last=cfg.model.channels_last,
+        )
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.scaler = make_grad_scaler(self.precision)
 
@@ -126,6 +146,7 @@ class Trainer:
         )
         self.preemption = PreemptionFlag(cfg.checkpoint.signals, cfg.checkpoint.deadline_margin_s)
         self.meter = IntervalMeter()
+        self.lr = 0.0
         self.last_save = time.monotonic()
         self.resumed_loader = False
 
@@ -180,6 +201,7 @@ class Trainer:
         finally:
             metrics.close()
             self.checkpoints.close()
+            self.preemption.uninstall()
 
     def train_step(self, batches: Iterator[Batch]) -> None:
         """One optimizer step over `grad_accum_steps` micro-batches."""
@@ -216,6 +238,7 @@ class Trainer:
             self.scaler.update()
         else:
             self.optimizer.step()
+        self.lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used
         self.scheduler.step()
         self.state.step += 1
         self.state.samples_seen += num_samples * self.env.world_size
@@ -287,7 +310,7 @@ class Trainer:
             "epoch": self.state.epoch,
         }
         record.update(summary)
-        record["lr"] = self.scheduler.get_last_lr()[0]
+        record["lr"] = self.lr
         record["peak_memory_mb"] = peak_memory_mb(self.device)
         record["samples_seen"] = self.state.samples_seen
         for name, value in self.loader.stats().items():
@@ -364,10 +387,10 @@ class Trainer:
             f"finished {self.state.step} steps ({self.state.samples_seen} samples, epoch {self.state.epoch})"
         ]
         if final_eval is not None:
+            top5 = f"top-5 {final_eval['val_top5']:.2%}, " if "val_top5" in final_eval else ""
             lines.append(
                 f"validation accuracy: {final_eval['val_accuracy']:.2%} "
-                f"(top-5 {final_eval.get('val_top5', float('nan')):.2%}, loss {final_eval['val_loss']:.4f}, "
-                f"{final_eval['val_samples']} samples)"
+                f"({top5}loss {final_eval['val_loss']:.4f}, {final_eval['val_samples']} samples)"
                 if "val_accuracy" in final_eval
                 else "validation: "
                 + ", ".join(f"{k}={v}" for k, v in final_eval.items() if k.startswith("val_"))
