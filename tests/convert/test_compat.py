@@ -291,3 +291,37 @@ def test_s3_destination_on_local_moto_server(
         with tarfile.open(fileobj=io.BytesIO(data)) as tar:
             names = tar.getnames()
         assert len(names) == 50 and all(n.endswith((".jpg", ".cls")) for n in names)
+
+
+def test_loader_reads_shardwriter_and_gnu_tar_shards(tmp_path: Path) -> None:
+    import webdataset as wds
+
+    from hpctrain.config.schema import DataConfig
+    from hpctrain.data import ShardedLoader, open_index
+
+    wds_dir = tmp_path / "wds"
+    wds_dir.mkdir()
+    with wds.ShardWriter(str(wds_dir / "part-%06d.tar"), maxcount=4, verbose=0) as sink:
+        for i in range(10):
+            sink.write({"__key__": f"s{i:03d}", "jpg": image_bytes(i), "cls": str(i % 3).encode()})
+    files = tmp_path / "files"
+    files.mkdir()
+    for i in range(6):
+        (files / f"key{i}.jpg").write_bytes(image_bytes(i))
+        (files / f"key{i}.cls").write_text(str(i % 2))
+    subprocess.run(
+        ["tar", "--sort=name", "-cf", str(tmp_path / "gnu.tar"), "-C", str(files), "."], check=True
+    )
+    cfg = DataConfig(batch_size=4, workers_per_rank=0)
+    for spec, expected in (
+        (str(wds_dir / "part-{000000..000002}.tar"), 10),
+        (str(tmp_path / "gnu.tar"), 6),
+    ):
+        index = open_index(spec)
+        assert index.num_samples == expected
+        loader = ShardedLoader(index, cfg, rank=0, world_size=1, seed=0, train=False)
+        labels = []
+        for batch in loader:
+            assert batch["image"].shape[1:] == (3, 16, 16)
+            labels += batch["label"][batch["valid"]].tolist()
+        assert len(labels) == expected
