@@ -181,6 +181,8 @@ def convert(options: ConvertOptions) -> ConvertResult:
         raise ConvertError("--workers must be >= 1")
     if options.samples_per_shard is not None and options.shard_size is not None:
         raise ConvertError("give --samples-per-shard or --shard-size, not both")
+    if not 0.0 <= options.val_fraction < 1.0:
+        raise ConvertError(f"--val-fraction {options.val_fraction}: must be in [0, 1)")
     for name in ("max_side", "quality"):
         value = getattr(options, name)
         if value is not None and not (1 <= value <= (100 if name == "quality" else 1 << 16)):
@@ -219,9 +221,6 @@ def convert(options: ConvertOptions) -> ConvertResult:
             )
         by_split: dict[str, list[SampleRef]] = {"train": train, "val": val}
     else:
-        split_train_val(
-            source.samples, options.val_fraction, options.seed
-        )  # validates the fraction
         by_split = {"": list(source.samples)}
     plans = {
         split: assign_shards(
@@ -271,7 +270,10 @@ def convert(options: ConvertOptions) -> ConvertResult:
     skipped = [item for task in all_tasks for item in results[task.url].skipped]
     skipped_url = _join(options.dest, SKIPPED_NAME)
     if skipped:
-        _write_bytes(skipped_url, "".join(f"{url}\t{reason}\n" for url, reason in skipped).encode())
+        _write_bytes(
+            skipped_url,
+            "".join(f"{redact_url(url)}\t{reason}\n" for url, reason in skipped).encode(),
+        )
     else:
         _remove(skipped_url)
     command = command_line(options)
