@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -107,24 +108,34 @@ def common_args(shards: Path, run_dir: Path, *extra: str) -> list[str]:
     )
 
 
+@pytest.fixture(scope="module")
+def straight(shapes_shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted reference: DDP, 2 ranks, with an extra save at step 4.
+
+    DDP fp32 and FSDP2 fp32 give bitwise-equal weights here, so one reference serves both.
+    """
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    args = common_args(shapes_shards, run_dir, "checkpoint.every_steps=4")
+    run_hpctrain("train", *args, "--nproc", "2")
+    return run_dir
+
+
 @pytest.mark.parametrize(
     ("strategy", "async_save"),
     [("ddp", "false"), ("fsdp", "true")],
     ids=["ddp-sync", "fsdp-async"],
 )
-def test_signal_then_resume_is_bitwise_identical(shapes_shards, tmp_path, strategy, async_save):
-    extra = (f"train.strategy={strategy}", f"checkpoint.async={async_save}")
-    straight = tmp_path / "straight"
-    run_hpctrain("train", *common_args(shapes_shards, straight, *extra), "--nproc", "2")
-
+def test_signal_then_resume_is_bitwise_identical(
+    shapes_shards, straight, tmp_path, strategy, async_save
+):
     interrupted = tmp_path / "interrupted"
-    args = common_args(shapes_shards, interrupted, *extra)
+    args = common_args(
+        shapes_shards, interrupted, f"train.strategy={strategy}", f"checkpoint.async={async_save}"
+    )
     signal_step = random.Random(strategy).randint(2, MAX_STEPS - 3)
     train_with_signal_at(args, interrupted, signal_step)
-    stopped = sorted(
-        p.name for p in (interrupted / "checkpoints").iterdir() if p.name[:5] == "step-"
-    )
-    assert stopped, "no checkpoint after the signal"
+    stopped = [p.name for p in (interrupted / "checkpoints").iterdir() if p.name[:5] == "step-"]
+    assert stopped and f"step-{MAX_STEPS}" not in stopped, stopped
     resumed = run_hpctrain("train", *args, "--nproc", "2")
     assert "resumed from step" in resumed.stderr
 
@@ -135,14 +146,20 @@ def test_signal_then_resume_is_bitwise_identical(shapes_shards, tmp_path, strate
     assert sample_logs(straight, 2) == sample_logs(interrupted, 2)
 
 
-def test_reshard_two_ranks_to_one_sees_every_sample_once(shapes_shards, tmp_path):
+def test_reshard_two_ranks_to_one_sees_every_sample_once(shapes_shards, straight, tmp_path):
     """DCP reshards model and optimizer (bitwise at the resume point: test_processes.py); here
     the run goes on at world size 1 and the loader re-plans the rest of the epoch."""
+    # The 2-rank run as it was at step 4 (as if preempted there): checkpoint and audit logs.
     run_dir = tmp_path / "run"
-    # 320 training samples, batch 16: 10 steps per epoch at 2 ranks, 20 at 1 rank.
-    args = common_args(shapes_shards, run_dir, "train.max_steps=4")
-    run_hpctrain("train", *args, "--nproc", "2")
+    (run_dir / "checkpoints").mkdir(parents=True)
+    shutil.copytree(straight / "checkpoints" / "step-4", run_dir / "checkpoints" / "step-4")
+    (run_dir / "samples").mkdir()
+    for rank, log in enumerate(sample_logs(straight, 2)):
+        kept = [line for line in log.splitlines() if json.loads(line)["step"] <= 4]
+        (run_dir / "samples" / f"rank-{rank}.jsonl").write_text("\n".join(kept) + "\n")
 
+    # 320 training samples, batch 16: 10 steps per epoch at 2 ranks; 4 done (128 samples),
+    # the other 192 are 12 steps at 1 rank.
     args = common_args(shapes_shards, run_dir, "train.max_steps=16")
     resumed = run_hpctrain("train", *args)  # one process
     assert "resumed from step 4" in resumed.stderr
@@ -150,7 +167,6 @@ def test_reshard_two_ranks_to_one_sees_every_sample_once(shapes_shards, tmp_path
     assert manifest["world_size"] == 1
 
     keys = []
-    for rank in range(2):
-        for line in sample_logs(run_dir, 2)[rank].splitlines():
-            keys.extend(json.loads(line)["keys"])
+    for log in sample_logs(run_dir, 2):
+        keys.extend(k for line in log.splitlines() for k in json.loads(line)["keys"])
     assert len(keys) == len(set(keys)) == 320, "every sample of the epoch exactly once"
