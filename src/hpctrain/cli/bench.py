@@ -12,6 +12,7 @@ EPILOG = "example: hpctrain bench convert --help"
 BENCHES: dict[str, str] = {
     "checkpoint": "hpctrain.checkpoint.bench",
     "convert": "hpctrain.convert.bench",
+    "trainer": "hpctrain.train.bench",
     "loader": "hpctrain.data.bench",
 }
 

@@ -46,7 +46,12 @@ class IntervalMeter:
         local_wait = self.data_wait / self.step_time if self.step_time > 0 else 0.0
         names = sorted(self.sums)
         totals = all_reduce_sum(
-            [float(self.samples), self.step_time, local_wait, *(float(self.sums[n]) for n in names)],
+            [
+                float(self.samples),
+                self.step_time,
+                local_wait,
+                *(float(self.sums[n]) for n in names),
+            ],
             device,
         )
         samples, step_time_sum, wait_sum = totals[:3]

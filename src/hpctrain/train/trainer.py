@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import random
 import time
 from collections.abc import Iterator
@@ -13,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from hpctrain.checkpoint import CheckpointManager, ModelOptimizerState, PerRankState, RNGState
 from hpctrain.config import Config, ConfigError, config_to_yaml
@@ -147,6 +147,14 @@ class Trainer:
         self.preemption = PreemptionFlag(cfg.checkpoint.signals, cfg.checkpoint.deadline_margin_s)
         self.meter = IntervalMeter()
         self.lr = 0.0
+        self.grad_norm = torch.zeros(())
+        # Ranks agree on preemption flags every step. On a CPU (gloo) group, reading the result
+        # never waits for the GPU; on the NCCL group it would sync the host with the device.
+        self.flag_group: Any = None
+        if env.is_distributed:
+            self.flag_group = (
+                dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD
+            )
         self.last_save = time.monotonic()
         self.resumed_loader = False
 
@@ -168,27 +176,8 @@ class Trainer:
         try:
             while self.state.step < self.total_steps:
                 self.train_step(batches)
-                step = self.state.step
-                if step % self.cfg.train.log_every == 0 or step == self.total_steps:
-                    metrics.write(self.log_record())
-                if (
-                    self.val_loader is not None
-                    and self.cfg.train.eval_every
-                    and step % self.cfg.train.eval_every == 0
-                ):
-                    metrics.write(self.evaluate())
-                stop_requested, time_due = self.agree_on_flags()
-                if stop_requested:
-                    log.warning(
-                        "preemption requested: saving step %d, then exiting for requeue", step
-                    )
-                    self.save()
-                    self.checkpoints.wait()
+                if self.step_boundary(metrics):
                     return REQUEUE_EXIT_CODE
-                if time_due or (
-                    self.cfg.checkpoint.every_steps and step % self.cfg.checkpoint.every_steps == 0
-                ):
-                    self.save()
             final_eval = self.evaluate() if self.val_loader is not None else None
             if final_eval is not None:
                 metrics.write(final_eval)
@@ -208,7 +197,7 @@ class Trainer:
         start = time.perf_counter()
         accum = self.cfg.train.grad_accum_steps
         data_wait, num_samples = 0.0, 0
-        loss_sum = torch.zeros((), device=self.device)
+        loss_sum: torch.Tensor | float = 0.0
         metric_sums: dict[str, torch.Tensor] = {}
         self.optimizer.zero_grad(set_to_none=True)
         for micro in range(accum):
@@ -221,18 +210,12 @@ class Trainer:
             with no_gradient_sync(self.model, skip=micro < accum - 1):
                 with self.precision.autocast():
                     loss, values = self.task.loss(self.model, batch)
-                scaled = loss / accum
+                scaled = loss / accum if accum > 1 else loss
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-            loss_sum += loss.detach().float() / accum
+            loss_sum = loss_sum + loss.detach().float() / accum
             for name, value in values.items():
                 metric_sums[name] = metric_sums.get(name, 0) + value.detach().float() / accum
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), self.cfg.train.grad_clip or math.inf
-        )
-        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor of the global norm
-            grad_norm = grad_norm.full_tensor()
+        self.clip_and_measure_gradients()
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -242,13 +225,56 @@ class Trainer:
         self.scheduler.step()
         self.state.step += 1
         self.state.samples_seen += num_samples * self.env.world_size
-        values = {"loss": loss_sum, "grad_norm": grad_norm.detach().float(), **metric_sums}
+        assert isinstance(loss_sum, torch.Tensor)
         self.meter.add(
             samples=num_samples,
             step_time=time.perf_counter() - start,
             data_wait=data_wait,
-            values=values,
+            values={"loss": loss_sum, **metric_sums},
         )
+
+    def clip_and_measure_gradients(self) -> None:
+        """Clip to `train.grad_clip`, and keep the global gradient norm for the next log line.
+
+        Without clipping the norm is computed only before a logged step: it reads every
+        gradient once more (a few % of a small model's step on a CPU), for a number that is
+        only ever logged.
+        """
+        clip = self.cfg.train.grad_clip
+        if not clip and not self.is_log_step(self.state.step + 1):
+            return
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # the norm of the true gradients
+        if clip:
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        else:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads)
+        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor of the global norm
+            norm = norm.full_tensor()
+        self.grad_norm = norm.detach().float()
+
+    def is_log_step(self, step: int) -> bool:
+        return step % self.cfg.train.log_every == 0 or step == self.total_steps
+
+    def step_boundary(self, metrics: MetricsWriter) -> bool:
+        """Log, evaluate and save as due after a step; True once saved for a preemption."""
+        step = self.state.step
+        if self.is_log_step(step):
+            metrics.write(self.log_record())
+        eval_every = self.cfg.train.eval_every
+        if self.val_loader is not None and eval_every and step % eval_every == 0:
+            metrics.write(self.evaluate())
+        stop_requested, time_due = self.agree_on_flags()
+        if stop_requested:
+            log.warning("preemption requested: saving step %d, then exiting for requeue", step)
+            self.save()
+            self.checkpoints.wait()
+            return True
+        every_steps = self.cfg.checkpoint.every_steps
+        if time_due or (every_steps and step % every_steps == 0):
+            self.save()
+        return False
 
     def batch_stream(self) -> Iterator[Batch]:
         """Batches across epochs; after a resume the first epoch continues where it stopped."""
@@ -311,6 +337,7 @@ class Trainer:
         }
         record.update(summary)
         record["lr"] = self.lr
+        record["grad_norm"] = float(self.grad_norm)  # of the logged step
         record["peak_memory_mb"] = peak_memory_mb(self.device)
         record["samples_seen"] = self.state.samples_seen
         for name, value in self.loader.stats().items():
@@ -379,7 +406,13 @@ class Trainer:
         """
         minutes = self.cfg.checkpoint.every_minutes
         time_due = bool(minutes) and time.monotonic() - self.last_save >= minutes * 60
-        stop, due = all_reduce_sum([float(self.preemption.requested), float(time_due)], self.device)
+        if self.flag_group is None:
+            return self.preemption.requested, time_due
+        flags = torch.tensor(
+            [float(self.preemption.requested), float(time_due)], dtype=torch.float64
+        )
+        dist.all_reduce(flags, group=self.flag_group)
+        stop, due = flags.tolist()
         return stop > 0, due > 0
 
     def print_summary(self, final_eval: dict[str, Any] | None) -> None:

@@ -1,0 +1,340 @@
+"""`hpctrain bench trainer`: the Trainer's step against a hand-written PyTorch loop.
+
+Both loops run the same model (resnet18 at 64 px, batch 32; and a tiny MLP) on the same
+in-memory batches in one process with one thread. Segments of a few steps alternate
+(reference A, reference B, Trainer, in a rotating order) over many pairs; the report is the
+median of the paired ratios Trainer/A, and the A/A control B/A, which says how much two
+identical loops differ on this machine right now (if it strays beyond 1.00 ± 0.03 the run is
+too noisy to read a 2% overhead from). On the MLP, whose step is a fraction of a
+millisecond, the median paired difference per step is the Trainer's fixed overhead.
+
+The Trainer is built from a config as for a real run (its loader is never iterated: the
+batches come from memory), with logging and checkpointing off, and steps through the same
+`train_step` + `step_boundary` as `fit`. A last part runs the demo config with 2 loader
+workers for real and reports its data-wait fraction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import itertools
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hpctrain.config import Config, load_config
+from hpctrain.data.index import ShardIndex, ShardInfo, index_to_bytes
+from hpctrain.dist import resolve_env
+
+HELP = "Trainer step vs a hand-written PyTorch loop (paired ratios, A/A control), data wait"
+REPO = Path(__file__).resolve().parents[3]
+NOISE_LIMIT = 0.03
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pairs", type=int, default=8, help="interleaved pairs per model")
+    parser.add_argument(
+        "--resnet-steps", type=int, default=2, help="resnet18 steps per timed segment"
+    )
+    parser.add_argument("--mlp-steps", type=int, default=300, help="MLP steps per timed segment")
+    parser.add_argument(
+        "--demo-shards",
+        default=str(REPO / "data" / "demo" / "shards"),
+        help="demo shards (make demo); generated in a temporary folder when missing",
+    )
+    parser.add_argument(
+        "--demo-steps", type=int, default=60, help="steps of the data-wait run (0 skips it)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
+class FeatureMLP:
+    """A task on float feature vectors: the smallest step, so the loop's own cost shows."""
+
+    def __init__(self, cfg: Config, index: ShardIndex) -> None:
+        self.num_classes = len(index.class_names)
+
+    def build_model(self) -> nn.Module:
+        return nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, self.num_classes))
+
+    def train_transform(self) -> Callable[[dict[str, Any]], dict[str, Any]]:
+        return _identity
+
+    def eval_transform(self) -> Callable[[dict[str, Any]], dict[str, Any]]:
+        return _identity
+
+    def loss(
+        self, model: nn.Module, batch: dict[str, Any]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return F.cross_entropy(model(batch["image"]), batch["label"]), {}
+
+    def eval_metrics(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        return {"count": batch["valid"].float().sum()}
+
+
+def _identity(sample: dict[str, Any]) -> dict[str, Any]:
+    return sample
+
+
+def make_batches(kind: str, count: int, batch_size: int = 32) -> list[dict[str, Any]]:
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for i in range(count):
+        if kind == "resnet18":
+            image = torch.randint(
+                0, 256, (batch_size, 3, 64, 64), dtype=torch.uint8, generator=generator
+            )
+        else:
+            image = torch.randn(batch_size, 32, generator=generator)
+        batches.append(
+            {
+                "image": image,
+                "label": torch.randint(0, 10, (batch_size,), generator=generator),
+                "key": [f"{i}-{j}" for j in range(batch_size)],
+                "valid": torch.ones(batch_size, dtype=torch.bool),
+            }
+        )
+    return batches
+
+
+def bench_config(kind: str, work: Path) -> Config:
+    """A run config whose index names 10 classes and plenty of samples (never read)."""
+    index = ShardIndex(
+        shards=(ShardInfo("unused.tar", 1_000_000),), class_names=tuple(f"c{i}" for i in range(10))
+    )
+    (work / "index.json").write_bytes(index_to_bytes(index))
+    task = "image_classification" if kind == "resnet18" else f"{__name__}:FeatureMLP"
+    return load_config(
+        None,
+        [
+            f"run_dir={work / kind}",
+            f"task={task}",
+            "model.name=resnet18",
+            "model.image_size=64",
+            f"data.train={work / 'index.json'}",
+            "data.batch_size=32",
+            "data.workers_per_rank=0",
+            "train.max_steps=1000000",
+            "train.log_every=1000000",  # logging off
+            "train.precision=fp32",
+            "train.strategy=none",
+            "train.lr=0.0001",
+            "train.warmup_steps=10",
+            "checkpoint.every_steps=0",  # checkpointing off
+            "checkpoint.deadline_margin_s=0",
+            "logging.progress=lines",
+        ],
+    )
+
+
+class ReferenceLoop:
+    """The hand-written loop a user would write: forward, backward, AdamW, cosine schedule."""
+
+    def __init__(self, trainer: Any, seed: int) -> None:
+        torch.manual_seed(seed)
+        self.task = trainer.task
+        self.model = trainer.task.build_model()
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, foreach=False)
+        total = 1_000_000
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda s: min(1.0, (s + 1) / 10) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total))),
+        )
+
+    def run(self, batches: Iterator[dict[str, Any]], steps: int) -> float:
+        start = time.perf_counter()
+        for _ in range(steps):
+            batch = next(batches)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss, _ = self.task.loss(self.model, batch)
+            loss.backward()
+            self.optimizer.step()
+            self.scheduler.step()
+        return time.perf_counter() - start
+
+
+class TrainerLoop:
+    """hpctrain's Trainer stepping as in `fit`: `train_step` then `step_boundary`."""
+
+    def __init__(self, trainer: Any) -> None:
+        from hpctrain.train.metrics import MetricsWriter
+
+        self.trainer = trainer
+        self.metrics = MetricsWriter(
+            trainer.run_dir, enabled=False, progress="lines", total_steps=0, tensorboard=False
+        )
+        trainer.model.train()
+
+    def run(self, batches: Iterator[dict[str, Any]], steps: int) -> float:
+        trainer, metrics = self.trainer, self.metrics
+        start = time.perf_counter()
+        for _ in range(steps):
+            trainer.train_step(batches)
+            trainer.step_boundary(metrics)
+        return time.perf_counter() - start
+
+
+def compare(kind: str, pairs: int, steps: int, work: Path) -> dict[str, Any]:
+    """Median paired ratios Trainer/reference and reference/reference over `pairs` rounds."""
+    from hpctrain.train.trainer import Trainer
+
+    trainer = Trainer(bench_config(kind, work), resolve_env({}), torch.device("cpu"))
+    loops: dict[str, Any] = {
+        "ref_a": ReferenceLoop(trainer, seed=0),
+        "ref_b": ReferenceLoop(trainer, seed=0),
+        "trainer": TrainerLoop(trainer),
+    }
+    streams = {name: itertools.cycle(make_batches(kind, 4)) for name in loops}
+    for name, loop in loops.items():  # warm-up: allocator, autograd graph, lazy inits
+        loop.run(streams[name], max(1, steps // 4))
+    times: dict[str, list[float]] = {name: [] for name in loops}
+    names = list(loops)
+    for i in range(pairs):
+        order = names[i % 3 :] + names[: i % 3]  # rotate so no loop always runs first
+        for name in order:
+            times[name].append(loops[name].run(streams[name], steps))
+    ratios = [t / a for t, a in zip(times["trainer"], times["ref_a"], strict=True)]
+    aa = [b / a for b, a in zip(times["ref_b"], times["ref_a"], strict=True)]
+    overhead = [
+        (t - a) / steps * 1000 for t, a in zip(times["trainer"], times["ref_a"], strict=True)
+    ]
+    return {
+        "model": kind,
+        "pairs": pairs,
+        "steps_per_segment": steps,
+        "reference_step_ms": statistics.median(times["ref_a"]) / steps * 1000,
+        "trainer_step_ms": statistics.median(times["trainer"]) / steps * 1000,
+        "ratio": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "aa_ratio": statistics.median(aa),
+        "aa_min": min(aa),
+        "aa_max": max(aa),
+        "overhead_ms": statistics.median(overhead),
+        "noisy": abs(statistics.median(aa) - 1.0) > NOISE_LIMIT,
+    }
+
+
+def demo_shards(path: str, work: Path) -> Path | None:
+    """`path` if it holds train/ and val/ shards, else a small demo set made in `work`."""
+    if (Path(path) / "train" / "index.json").exists():
+        return Path(path)
+    tool = REPO / "tools" / "make_demo_data.py"
+    if not tool.exists():
+        return None
+    images, shards = work / "demo-images", work / "demo-shards"
+    subprocess.run(
+        [sys.executable, str(tool), str(images), "--num-images", "1500", "--size", "64"],
+        check=True,
+        capture_output=True,
+    )
+    subprocess.run(
+        [
+            *(sys.executable, "-m", "hpctrain", "convert", str(images), str(shards)),
+            *("--val-fraction", "0.1", "--samples-per-shard", "128", "--shuffle"),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return shards
+
+
+def data_wait(shards: Path, steps: int, work: Path) -> dict[str, Any]:
+    """The demo config with 2 loader workers: data-wait fraction per logged interval."""
+    from hpctrain.train.trainer import Trainer
+
+    cfg = load_config(
+        str(REPO / "configs" / "demo.yaml"),
+        [
+            f"run_dir={work / 'demo-run'}",
+            f"data.train={shards / 'train' / 'index.json'}",
+            "data.val=",
+            "data.workers_per_rank=2",
+            f"train.max_steps={steps}",
+            "train.log_every=10",
+            "checkpoint.every_steps=0",
+            "logging.progress=lines",
+        ],
+    )
+    trainer = Trainer(cfg, resolve_env({}), torch.device("cpu"))
+    with contextlib.redirect_stdout(io.StringIO()):
+        trainer.fit()
+    records = [
+        json.loads(line)
+        for line in (work / "demo-run" / "metrics.jsonl").read_text().splitlines()
+        if '"kind": "train"' in line
+    ]
+    steady = records[1:] or records  # the first interval includes worker start-up
+    return {
+        "steps": steps,
+        "workers_per_rank": 2,
+        "batch_size": cfg.data.batch_size,
+        "image_size": cfg.model.image_size,
+        "first_interval": records[0]["data_wait_fraction"],
+        "data_wait_fraction": statistics.median(r["data_wait_fraction"] for r in steady),
+        "step_time_ms": statistics.median(r["step_time_s"] for r in steady) * 1000,
+        "samples_per_s": statistics.median(r["samples_per_s"] for r in steady),
+    }
+
+
+def format_results(results: dict[str, Any]) -> str:
+    lines = []
+    for r in results["compare"]:
+        verdict = "TOO NOISY (A/A outside 1.00 ± 0.03)" if r["noisy"] else "ok"
+        lines.append(
+            f"{r['model']:>8}: trainer/reference {r['ratio']:.3f} "
+            f"(pairs {r['ratio_min']:.3f}..{r['ratio_max']:.3f}), "
+            f"A/A {r['aa_ratio']:.3f} ({r['aa_min']:.3f}..{r['aa_max']:.3f}) [{verdict}]; "
+            f"step {r['reference_step_ms']:.3f} ms vs {r['trainer_step_ms']:.3f} ms, "
+            f"overhead {r['overhead_ms']:.3f} ms/step "
+            f"({r['pairs']} pairs x {r['steps_per_segment']} steps)"
+        )
+    d = results.get("data_wait")
+    if d:
+        lines.append(
+            f"demo data wait (2 workers, batch {d['batch_size']}, {d['image_size']} px): "
+            f"{d['data_wait_fraction']:.1%} of step time (first interval {d['first_interval']:.1%}), "
+            f"step {d['step_time_ms']:.1f} ms, {d['samples_per_s']:.0f} samples/s"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+
+    logging.getLogger("hpctrain").setLevel(logging.WARNING)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    results: dict[str, Any] = {"threads": 1, "torch": torch.__version__, "compare": []}
+    with tempfile.TemporaryDirectory(prefix="hpctrain-bench-trainer-") as tmp:
+        work = Path(tmp)
+        for kind, steps in (("mlp", args.mlp_steps), ("resnet18", args.resnet_steps)):
+            results["compare"].append(compare(kind, args.pairs, steps, work))
+        if args.demo_steps:
+            torch.set_num_threads(threads)
+            shards = demo_shards(args.demo_shards, work)
+            if shards is None:
+                print(
+                    "demo data wait: skipped (no data/demo/shards and no tools/)", file=sys.stderr
+                )
+            else:
+                results["data_wait"] = data_wait(shards, args.demo_steps, work)
+                results["data_wait"]["shards"] = str(shards)
+    results["cpu_count"] = os.cpu_count()
+    print(json.dumps(results, indent=2) if args.json else format_results(results))
+    return 0
