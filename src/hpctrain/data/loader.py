@@ -11,12 +11,14 @@ epochs, so `set_epoch` on the main process's copy alone would never reach them.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import logging
 import math
 import warnings
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -30,6 +32,7 @@ from hpctrain.data.stream import (
     CorruptShardError,
     ReadStats,
     ShardReadError,
+    ShardStream,
     iter_samples,
     open_shard,
 )
@@ -153,6 +156,10 @@ class _StreamDataset(IterableDataset):
         self.control = loader.control
         self.backoff_s = loader.backoff_s
         self._plan_cache: tuple[Any, EpochPlan] | None = None
+        self._pool: ThreadPoolExecutor | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_pool": None}  # threads do not cross process boundaries
 
     def _plan(self, epoch: int, stages: tuple[StageParams, ...]) -> EpochPlan:
         key = (epoch, stages)
@@ -258,10 +265,37 @@ class _StreamDataset(IterableDataset):
                 g.append(seg)
             else:
                 groups.append([seg])
-        for group in groups:
-            yield from self._read_group(group, stats)
+        # Remote shards: open the next one (request sent, headers awaited) in a thread while
+        # this one is read, which hides a request's latency behind the decoding.
+        ahead: Future[ShardStream] | None = None
+        try:
+            for i, group in enumerate(groups):
+                opened, ahead = ahead, None
+                if i + 1 < len(groups) and is_remote(self.urls[groups[i + 1][0].shard]):
+                    ahead = self._opener().submit(self._open, groups[i + 1][0].shard, stats)
+                yield from self._read_group(group, stats, opened)
+        finally:
+            if ahead is not None:
+                ahead.add_done_callback(_close_opened)
 
-    def _read_group(self, group: list[Segment], stats: ReadStats) -> Iterator[Any]:
+    def _opener(self) -> ThreadPoolExecutor:
+        if self._pool is None:  # made in the worker, after the fork
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="hpctrain-open")
+        return self._pool
+
+    def _open(self, shard: int, stats: ReadStats) -> ShardStream:
+        return open_shard(
+            self.urls[shard],
+            size=self.byte_sizes[shard],
+            max_retries=self.max_retries,
+            stats=stats,
+            storage_options=self.storage_options,
+            backoff_s=self.backoff_s,
+        )
+
+    def _read_group(
+        self, group: list[Segment], stats: ReadStats, opened: Future[ShardStream] | None = None
+    ) -> Iterator[Any]:
         shard = group[0].shard
         url = self.urls[shard]
         valid_of: dict[int, Segment] = {}
@@ -271,14 +305,7 @@ class _StreamDataset(IterableDataset):
         expected = sorted(valid_of)
         got = 0
         try:
-            with open_shard(
-                url,
-                size=self.byte_sizes[shard],
-                max_retries=self.max_retries,
-                stats=stats,
-                storage_options=self.storage_options,
-                backoff_s=self.backoff_s,
-            ) as f:
+            with opened.result() if opened is not None else self._open(shard, stats) as f:
                 for index, key, members in iter_samples(
                     f, want=valid_of.__contains__, stop=expected[-1] + 1
                 ):
@@ -372,6 +399,15 @@ class _StreamDataset(IterableDataset):
             "valid": torch.tensor(valid, dtype=torch.bool),
         }
         return batch, good
+
+
+def is_remote(url: str) -> bool:
+    return url.startswith("pipe:") or ("://" in url and not url.startswith("file://"))
+
+
+def _close_opened(future: Future[ShardStream]) -> None:
+    if future.exception() is None:
+        future.result().close()
 
 
 def _stack(images: list[torch.Tensor], *, shared: bool) -> torch.Tensor:
@@ -511,7 +547,14 @@ class ShardedLoader:
         if self._dataloader is None:
             self._dataloader = self._make_dataloader()
         remaining = the_plan.batches_per_rank - self._consumed
-        for batch in self._dataloader:
+        # Workers fork here. Freezing the GC first keeps the children's collector off the
+        # parent's objects, whose refcount/GC writes would otherwise copy their pages.
+        gc.freeze()
+        try:
+            batches = iter(self._dataloader)
+        finally:
+            gc.unfreeze()
+        for batch in batches:
             for name, value in zip(_STAT_FIELDS, batch.pop("_stats").tolist(), strict=True):
                 self._stats[name] += value
             self._consumed += 1

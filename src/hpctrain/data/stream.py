@@ -30,6 +30,7 @@ import fsspec
 from hpctrain.data.index import redact_url
 
 BLOCK = 512
+READ_CHUNK = 1 << 20
 
 
 class ShardReadError(ValueError):
@@ -115,7 +116,9 @@ class ShardStream:
         self.backoff_s = backoff_s
         self.stats = stats if stats is not None else ReadStats()
         self.storage_options = storage_options or {}
-        self.pos = 0
+        self.raw_pos = 0  # bytes received from the file
+        self._buf = b""
+        self._buf_pos = 0
         self.retries_left = max_retries
         self._sleep = sleep
         self._file: Any = None
@@ -152,13 +155,13 @@ class ShardStream:
             self._seekable = True
             if offset:
                 self._file.seek(offset)
-        self.pos = offset
+        self.raw_pos = offset
 
     def _discard(self, n: int) -> None:
         while n > 0:
             chunk = self._file.read(min(n, 1 << 20))
             if not chunk:
-                raise TransientReadError(f"stream ended while skipping to offset {self.pos}")
+                raise TransientReadError(f"stream ended while skipping {n} bytes")
             n -= len(chunk)
 
     def _close_file(self) -> None:
@@ -197,27 +200,47 @@ class ShardStream:
         self.stats.retries += 1
         self._sleep(min(self.backoff_s * (2**attempt), 5.0))
         try:
-            self._open_at(self.pos)
+            self._open_at(self.raw_pos)
         except Exception as again:
             self._retry(again)
 
-    def read(self, n: int) -> bytes:
-        """Exactly `n` bytes, or fewer only at the real end of the shard."""
-        parts = []
-        want = n
-        while want > 0:
+    @property
+    def pos(self) -> int:
+        """Bytes of the shard consumed by the caller (the buffer's unread part excluded)."""
+        return self.raw_pos - (len(self._buf) - self._buf_pos)
+
+    def _read_raw(self, n: int) -> bytes:
+        """Up to `n` bytes from the file (b"" at the real end), retrying transient faults."""
+        while True:
             try:
-                chunk = self._file.read(want)
+                chunk = self._file.read(n)
                 if not chunk:
                     self._check_eof()
-                    break
             except Exception as exc:
                 self._retry(exc)
                 continue
-            parts.append(chunk)
-            self.pos += len(chunk)
+            self.raw_pos += len(chunk)
             self.stats.bytes_read += len(chunk)
-            want -= len(chunk)
+            return chunk
+
+    def read(self, n: int) -> bytes:
+        """Exactly `n` bytes, or fewer only at the real end of the shard.
+
+        Reads go to the file in chunks of at least `READ_CHUNK`: a tar sample takes 4+ small
+        reads, and each read of an fsspec HTTP stream is a round trip to its event-loop thread.
+        """
+        parts = []
+        want = n
+        while want > 0:
+            if self._buf_pos >= len(self._buf):
+                self._buf = self._read_raw(max(want, READ_CHUNK))
+                self._buf_pos = 0
+                if not self._buf:
+                    break
+            take = self._buf[self._buf_pos : self._buf_pos + want]
+            self._buf_pos += len(take)
+            parts.append(take)
+            want -= len(take)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def _check_eof(self) -> None:
@@ -226,28 +249,31 @@ class ShardStream:
             code = self._proc.wait()
             if code != 0:
                 raise TransientReadError(f"pipe command exited with status {code}")
-        if self.size and self.pos < self.size:
-            raise TransientReadError(f"body ended at byte {self.pos} of {self.size}")
+        if self.size and self.raw_pos < self.size:
+            raise TransientReadError(f"body ended at byte {self.raw_pos} of {self.size}")
 
     def skip(self, n: int) -> None:
         """Advance `n` bytes without returning them (a seek where the file allows)."""
         if n <= 0:
             return
         self.stats.bytes_skipped += n
+        buffered = len(self._buf) - self._buf_pos
+        if n <= buffered:
+            self._buf_pos += n
+            return
+        n -= buffered
+        self._buf, self._buf_pos = b"", 0
         if self._seekable:
-            target = self.pos + n
+            target = self.raw_pos + n
             try:
                 self._file.seek(target)
-                self.pos = target
-                return
             except Exception as exc:
-                self._retry(exc)
-                # `_retry` reopened at self.pos; fall through to seek again below
+                self._retry(exc)  # reopened at raw_pos; seek again there
                 self._file.seek(target)
-                self.pos = target
-                return
+            self.raw_pos = target
+            return
         while n > 0:
-            chunk = self.read(min(n, 1 << 20))
+            chunk = self._read_raw(min(n, 1 << 20))
             if not chunk:
                 return
             self.stats.bytes_read -= len(chunk)
