@@ -140,10 +140,16 @@ def test_damaged_latest_falls_back_and_says_why(tmp_path, caplog):
     assert all(torch.equal(saved[k], v) for k, v in fresh.state_dict().items())
     assert states["trainer"]["step"] == 1
 
+    # Set aside, so that training through step 2 again saves a good one.
+    assert sorted(os.listdir(root)) == [".damaged-step-2", "latest", "step-1"]
+    assert manager.latest_step() == 1
     # The damaged one named explicitly is refused, not silently replaced.
     with pytest.raises(CheckpointError, match="manifest says"):
-        manager.load(states_of(fresh, fresh_opt), which=str(root / "step-2"))
+        manager.load(states_of(fresh, fresh_opt), which=str(root / ".damaged-step-2"))
+    manager.save(2, states_of(model, optimizer, 2))
+    assert manager.load(states_of(fresh, fresh_opt)) == 2
     # Everything damaged: a clear error, not a fresh start.
+    (root / "step-2" / "manifest.json").unlink()
     (root / "step-1" / "manifest.json").unlink()
     with pytest.raises(CheckpointError, match="no loadable checkpoint"):
         manager.load(states_of(fresh, fresh_opt))

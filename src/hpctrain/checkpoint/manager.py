@@ -6,6 +6,7 @@ Layout of a checkpoint root (`checkpoint.dir`, default `RUN_DIR/checkpoints`):
       manifest.json      step, world size, versions, user metadata, size (+ sha256) per file
     latest               "step-<N>": the newest committed checkpoint, written last
     .tmp-step-<N>/       a save in progress (or killed); never loaded, removed on restart
+    .damaged-step-<N>/   a checkpoint that failed verification when an older one was loaded
 
 Commit protocol (rank 0, after every rank's DCP write returned, which DCP reports only once
 all ranks' files are written and fsynced): write `manifest.json` inside `.tmp-step-<N>/`,
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 STEP_PREFIX = "step-"
 TMP_PREFIX = ".tmp-step-"
 TRASH_PREFIX = ".trash-step-"
+DAMAGED_PREFIX = ".damaged-step-"
 LATEST_NAME = "latest"
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 1
@@ -471,7 +473,7 @@ class CheckpointManager:
         if not steps:
             return None
         pointer = self._read_latest(store)
-        problems = []
+        problems, damaged = [], []
         for step in reversed(steps):
             name = step_dir_name(step)
             try:
@@ -481,6 +483,7 @@ class CheckpointManager:
             except CheckpointError as exc:
                 log.warning("checkpoint %s is damaged, trying an older one: %s", name, exc)
                 problems.append(str(exc))
+                damaged.append(step)
                 continue
             if pointer is not None and pointer != name:
                 log.info("%s names %s; %s is newer and complete", LATEST_NAME, pointer, name)
@@ -488,11 +491,28 @@ class CheckpointManager:
                 log.warning(
                     "falling back to %s (%d newer damaged)", store.path(name), len(problems)
                 )
+            if store.root == self._store.root:
+                self._set_aside(damaged)
             return store.root, name, manifest
         raise CheckpointError(
             f"{store.root}: no loadable checkpoint ({'; '.join(problems)}); "
             "use --resume none to start over or --resume PATH"
         )
+
+    def _set_aside(self, steps: list[int]) -> None:
+        """Rename damaged checkpoints newer than the one loaded to `.damaged-step-<N>`.
+
+        Training redoes those steps: a damaged `step-<N>` left in place would make the next
+        save of step N a no-op and `latest_step()` name a checkpoint that cannot load. The
+        files stay for inspection; retention ignores them.
+        """
+        for step in steps:
+            target = f"{DAMAGED_PREFIX}{step}"
+            suffix = 1
+            while self._store.exists(target):
+                target, suffix = f"{DAMAGED_PREFIX}{step}.{suffix}", suffix + 1
+            self._store.rename_dir(step_dir_name(step), target)
+            log.warning("set aside %s as %s", step_dir_name(step), self._store.path(target))
 
     @staticmethod
     def _read_latest(store: Store) -> str | None:
