@@ -7,7 +7,9 @@ and optimizer state, and with equal sample audit logs. Also: resharding 2 ranks 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import random
 import shutil
 import signal
@@ -76,6 +78,17 @@ def last_logged_step(run_dir: Path) -> int:
     return max(steps, default=0)
 
 
+def child_pids(pid: int) -> list[int]:
+    """Direct children of `pid`, from /proc/<pid>/stat (field 4 is the parent's pid)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                pids.append(int(stat.parent.name))
+    return pids
+
+
 def train_with_signal_at(args: list[str], run_dir: Path, step: int) -> int:
     """Start a 2-rank run, send SIGUSR2 to the launcher once `step` is logged; return the code."""
     proc = subprocess.Popen(
@@ -89,7 +102,13 @@ def train_with_signal_at(args: list[str], run_dir: Path, step: int) -> int:
     while proc.poll() is None and last_logged_step(run_dir) < step:
         assert time.monotonic() < deadline, "the run made no progress"
         time.sleep(0.05)
-    proc.send_signal(signal.SIGUSR2)
+    proc.send_signal(signal.SIGUSR2)  # the launcher forwards it to both ranks
+    # A second signal straight to the ranks, while they step or save: it must change nothing
+    # (the handler only records the first one; no save is cut short or started twice).
+    time.sleep(0.05)
+    for pid in child_pids(proc.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == REQUEUE_EXIT_CODE, f"exit {proc.returncode}\n{out}\n{err[-3000:]}"
     assert "preemption requested" in err
@@ -170,3 +189,21 @@ def test_reshard_two_ranks_to_one_sees_every_sample_once(shapes_shards, straight
     for log in sample_logs(run_dir, 2):
         keys.extend(k for line in log.splitlines() for k in json.loads(line)["keys"])
     assert len(keys) == len(set(keys)) == 320, "every sample of the epoch exactly once"
+
+
+def test_deadline_saves_and_asks_for_requeue(shapes_shards, tmp_path):
+    """No signal at all: SLURM_JOB_END_TIME minus the margin has passed → save, exit 75."""
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, SLURM_JOB_END_TIME=str(int(time.time()) + 60))
+    margin = "checkpoint.deadline_margin_s=120"
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpctrain", "train", *common_args(shapes_shards, run_dir, margin)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == REQUEUE_EXIT_CODE, proc.stderr[-3000:]
+    assert (run_dir / "checkpoints" / "step-1").is_dir()
+    assert not (run_dir / "checkpoints" / f"step-{MAX_STEPS}").exists()
