@@ -18,6 +18,14 @@ from hpctrain.launch.profiles import ClusterProfile, JobSpec, resolve_job
 from hpctrain.launch.safety import check_argument, check_path, check_setup_line, check_token
 from hpctrain.train.preemption import REQUEUE_EXIT_CODE
 
+# SLURM before 23.02 does not export the job's end time; the trainer's deadline check
+# (checkpoint.deadline_margin_s) reads it. Refreshed on every (re)start of the job.
+END_TIME_LINES = (
+    'if [ -z "${SLURM_JOB_END_TIME:-}" ]; then',
+    '    SLURM_JOB_END_TIME=$(date -d "$(squeue -h -j "$SLURM_JOB_ID" -o %e)" +%s 2>/dev/null) && export SLURM_JOB_END_TIME',
+    "fi",
+)
+
 # Hugging Face, W&B and friends must never try the network from a compute node.
 OFFLINE_ENV = (
     ("HF_HUB_OFFLINE", "1"),
@@ -144,6 +152,8 @@ def render_sbatch(
         'mkdir -p "$RUN_DIR/slurm" && chmod 700 "$RUN_DIR/slurm"',
         'echo "$SLURM_JOB_ID" > "$RUN_DIR/slurm/job_id"',
         'echo "hpctrain: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST"',
+        "# SLURM before 23.02 does not export the end time the trainer's deadline check reads.",
+        *END_TIME_LINES,
         "",
         "# One task per GPU, all running the same command; ranks come from SLURM_PROCID/LOCALID.",
         'srun "$PYTHON" -m hpctrain train "$CONFIG" "run_dir=$RUN_DIR"'

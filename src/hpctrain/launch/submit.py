@@ -27,7 +27,7 @@ import submitit
 from hpctrain.config import Config, with_overrides
 from hpctrain.launch.profiles import JobSpec, LaunchError
 from hpctrain.launch.safety import check_no_credential, check_setup_line
-from hpctrain.launch.sbatch import OFFLINE_ENV, sbatch_options
+from hpctrain.launch.sbatch import END_TIME_LINES, OFFLINE_ENV, sbatch_options
 
 JOB_FILE = "job.json"
 
@@ -112,6 +112,7 @@ def executor_parameters(job: JobSpec) -> dict[str, Any]:
         "slurm_signal_delay_s": job.signal_margin_s,
         "slurm_setup": [
             "export " + " ".join(f"{k}={v}" for k, v in OFFLINE_ENV),
+            *END_TIME_LINES,
             *job.setup,
         ],
         "slurm_additional_parameters": {"requeue": True},
