@@ -85,10 +85,22 @@ class EvalTransform:
         return sample
 
 
+_STATS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _stats(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and std (0-255 scale) on `device`, made once: a `torch.tensor(list, device=cuda)`
+    per step is a blocking host-to-device copy."""
+    if device not in _STATS:
+        mean = torch.tensor(MEAN).view(1, 3, 1, 1) * 255
+        std = torch.tensor(STD).view(1, 3, 1, 1) * 255
+        _STATS[device] = (mean.to(device), std.to(device))
+    return _STATS[device]
+
+
 def normalize(images: torch.Tensor, channels_last: bool = False) -> torch.Tensor:
     """uint8 NCHW → float normalized with the ImageNet statistics, on the images' device."""
-    mean = torch.tensor(MEAN, device=images.device).view(1, 3, 1, 1) * 255
-    std = torch.tensor(STD, device=images.device).view(1, 3, 1, 1) * 255
+    mean, std = _stats(images.device)
     x = (images.float() - mean) / std
     return x.contiguous(memory_format=torch.channels_last) if channels_last else x
 

@@ -1,0 +1,334 @@
+"""The Python half of `tools/gpu_bench.sh`: plan, data, config, and the report.
+
+The shell script is the entry point on a GPU node (a Jean Zay node inside a job, or a single
+H200 machine); this module holds the parts that can be tested on a CPU:
+
+    python -m hpctrain.train.gpu_bench plan --num-gpus N            # workers, batch, precision
+    python -m hpctrain.train.gpu_bench data DIR --num-images N --size PX
+    python -m hpctrain.train.gpu_bench config DIR ...               # DIR/config.yaml
+    python -m hpctrain.train.gpu_bench report RUN_DIR --num-gpus N ...
+
+MFU counts the model's FLOPs per trained image (forward measured with
+`torch.utils.flop_counter` on the meta device, backward = 2 x forward) against the GPU's
+published dense bf16 (fp16 on V100) tensor-core peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[3]
+
+# Published dense (no sparsity) tensor-core peaks in TFLOP/s, bf16 (fp16 for V100, which has
+# no bf16). First match wins, so specific names come before the names they contain.
+PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("GH200", 989.0),
+    ("H200", 989.0),
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.0),  # SXM (Jean Zay gpu_p6: "NVIDIA H100 80GB HBM3")
+    ("B200", 2250.0),
+    ("A100", 312.0),  # SXM4 and PCIe (Jean Zay gpu_p5)
+    ("L40S", 362.0),
+    ("A40", 150.0),
+    ("L4", 121.0),
+    ("A10", 125.0),
+    ("V100S", 130.0),
+    ("V100-PCIE", 112.0),
+    ("V100", 125.0),  # SXM2, fp16 (Jean Zay gpu_p13, gpu_p2)
+)
+
+
+def peak_tflops(gpu_name: str) -> float | None:
+    """The published peak of `gpu_name`, or None; `HPCTRAIN_PEAK_TFLOPS` overrides."""
+    override = os.environ.get("HPCTRAIN_PEAK_TFLOPS")
+    if override:
+        return float(override)
+    upper = gpu_name.upper()
+    for key, value in PEAK_TFLOPS:
+        if key.upper() in upper:
+            return value
+    return None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the benchmark runs on this node."""
+
+    num_gpus: int
+    gpu_name: str
+    precision: str  # bf16 on compute capability >= 8, fp16 before (V100)
+    batch_size: int  # per GPU
+    workers_per_rank: int
+    cpus: int
+    peak_tflops: float | None
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (the job's allocation under SLURM, cgroup-aware)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def make_plan(
+    num_gpus: int,
+    gpu_name: str,
+    capability_major: int,
+    memory_gib: float,
+    cpus: int,
+    batch_size: int = 0,
+    workers_per_rank: int = 0,
+) -> Plan:
+    """Loader workers: every CPU of the node but one per rank for its training process."""
+    ranks = max(1, num_gpus)
+    if not workers_per_rank:
+        workers_per_rank = max(1, min(32, cpus // ranks - 1))
+    if not batch_size:
+        # ResNet-50 at 224 px in mixed precision needs about 0.1 GiB per image in training.
+        batch_size = 256 if memory_gib >= 40 else 128 if memory_gib >= 24 else 64
+    return Plan(
+        num_gpus=num_gpus,
+        gpu_name=gpu_name,
+        precision="bf16" if capability_major >= 8 else "fp16",
+        batch_size=batch_size,
+        workers_per_rank=workers_per_rank,
+        cpus=cpus,
+        peak_tflops=peak_tflops(gpu_name),
+    )
+
+
+def detect_plan(batch_size: int = 0, workers_per_rank: int = 0) -> Plan:
+    """The plan for the GPUs visible here (none: a dry-run plan for one pretend A100)."""
+    import torch
+
+    cpus = usable_cpus()
+    if not torch.cuda.is_available():
+        return make_plan(0, "none (dry run)", 8, 80, cpus, batch_size, workers_per_rank)
+    props = torch.cuda.get_device_properties(0)
+    return make_plan(
+        torch.cuda.device_count(),
+        props.name,
+        props.major,
+        props.total_memory / 2**30,
+        cpus,
+        batch_size,
+        workers_per_rank,
+    )
+
+
+def make_data(out: Path, num_images: int, size: int, jobs: int) -> Path:
+    """JPEG shards of generated images in `out/shards` (reused when the count matches).
+
+    `jobs` generator processes each write a part with its own seed; the parts are merged
+    into one class folder tree and converted with `jobs` writer processes.
+    """
+    shards = out / "shards"
+    if (shards / "index.json").exists():
+        index = json.loads((shards / "index.json").read_text())
+        if sum(shard["num_samples"] for shard in index["shards"]) == num_images:
+            return shards
+        shutil.rmtree(shards)
+    images = out / "images"
+    shutil.rmtree(images, ignore_errors=True)
+    jobs = max(1, min(jobs, num_images))
+    per_job = [num_images // jobs + (1 if i < num_images % jobs else 0) for i in range(jobs)]
+    tool = REPO / "tools" / "make_demo_data.py"
+
+    def generate(part: int) -> None:
+        subprocess.run(
+            [
+                *(sys.executable, str(tool), str(out / f"part-{part}")),
+                *("--num-images", str(per_job[part]), "--size", str(size), "--seed", str(part)),
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+
+    with ThreadPoolExecutor(jobs) as pool:
+        list(pool.map(generate, range(jobs)))
+    for part in range(jobs):
+        part_dir = out / f"part-{part}"
+        for class_dir in sorted(p for p in part_dir.iterdir() if p.is_dir()):
+            target = images / class_dir.name
+            target.mkdir(parents=True, exist_ok=True)
+            for image in class_dir.iterdir():
+                image.rename(target / f"p{part}-{image.name}")
+        shutil.rmtree(part_dir)
+    subprocess.run(
+        [
+            *(sys.executable, "-m", "hpctrain", "convert", str(images), str(shards)),
+            *("--samples-per-shard", "256", "--shuffle", "--workers", str(jobs)),
+            *("--progress", "plain", "--overwrite"),
+        ],
+        check=True,
+    )
+    shutil.rmtree(images)
+    return shards
+
+
+def config_overrides(
+    plan: Plan, shards: Path, run_dir: Path, steps: int, compile: bool
+) -> list[str]:
+    """Overrides of configs/demo.yaml for the benchmark run."""
+    return [
+        f"run_dir={run_dir}",
+        "task=image_classification",
+        "model.name=resnet50",
+        "model.image_size=224",
+        "model.channels_last=true",
+        f"data.train={shards / 'index.json'}",
+        "data.val=",
+        f"data.batch_size={plan.batch_size}",
+        f"data.workers_per_rank={plan.workers_per_rank}",
+        "data.shuffle_buffer=1000",
+        "data.prefetch_factor=4",
+        "data.pin_memory=true",
+        "data.persistent_workers=true",
+        f"train.max_steps={steps}",
+        "train.max_epochs=0",
+        "train.strategy=ddp",
+        f"train.precision={plan.precision}",
+        "train.optimizer=sgd",
+        "train.lr=0.1",
+        "train.warmup_steps=0",
+        "train.log_every=10",
+        "train.eval_every=0",
+        f"train.compile={'true' if compile else 'false'}",
+        "checkpoint.every_steps=0",
+        "checkpoint.keep_last=1",
+        "logging.progress=lines",
+    ]
+
+
+def write_config(plan: Plan, shards: Path, work: Path, steps: int, compile: bool) -> Path:
+    from hpctrain.config import config_to_yaml, load_config
+
+    cfg = load_config(
+        str(REPO / "configs" / "demo.yaml"),
+        config_overrides(plan, shards, work / "run", steps, compile),
+    )
+    path = work / "config.yaml"
+    path.write_text(config_to_yaml(cfg))
+    return path
+
+
+def train_flops_per_image(model_name: str = "resnet50", image_size: int = 224) -> float:
+    """FLOPs of one training sample: forward counted on the meta device, backward = 2x."""
+    import torch
+    import torchvision
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.device("meta"):
+        model = torchvision.models.get_model(model_name, weights=None, num_classes=1000)
+        x = torch.empty(1, 3, image_size, image_size)
+    with FlopCounterMode(display=False) as counter:
+        model(x)
+    return 3.0 * counter.get_total_flops()
+
+
+def report(
+    run_dir: Path, plan: Plan, flops_per_image: float, skip_intervals: int = 2
+) -> dict[str, Any]:
+    """Steady-state figures from `run_dir/metrics.jsonl` (the first intervals are warm-up)."""
+    records = [
+        json.loads(line)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
+    train = [r for r in records if r.get("kind") == "train"]
+    if not train:
+        raise ValueError(f"{run_dir}/metrics.jsonl: no training records")
+    steady = train[skip_intervals:] or train[-1:]
+    first_step = train[len(train) - len(steady) - 1]["step"] if len(steady) < len(train) else 0
+    images_per_s = statistics.median(r["samples_per_s"] for r in steady)
+    out: dict[str, Any] = {
+        "plan": asdict(plan),
+        "steps_measured": steady[-1]["step"] - first_step,
+        "images_per_s": images_per_s,
+        "images_per_s_per_gpu": images_per_s / max(1, plan.num_gpus),
+        "step_time_ms": statistics.median(r["step_time_s"] for r in steady) * 1000,
+        "data_wait_fraction": statistics.median(r["data_wait_fraction"] for r in steady),
+        "data_wait_fraction_worst": max(r["data_wait_fraction_worst"] for r in steady),
+        "peak_memory_mb": max(r["peak_memory_mb"] for r in train),
+        "train_gflops_per_image": flops_per_image / 1e9,
+        "mfu": None,
+    }
+    if plan.peak_tflops:
+        achieved = images_per_s * flops_per_image / max(1, plan.num_gpus)
+        out["achieved_tflops_per_gpu"] = achieved / 1e12
+        out["mfu"] = achieved / (plan.peak_tflops * 1e12)
+    return out
+
+
+def format_report(r: dict[str, Any]) -> str:
+    plan = r["plan"]
+    mfu = (
+        f"{r['mfu']:.1%} ({r['achieved_tflops_per_gpu']:.0f} of {plan['peak_tflops']:.0f} "
+        f"TFLOP/s {plan['precision']} peak per GPU)"
+        if r["mfu"] is not None
+        else "n/a (unknown GPU: set HPCTRAIN_PEAK_TFLOPS)"
+    )
+    return "\n".join(
+        [
+            f"gpu_bench: ResNet-50 224 px, {plan['precision']}, channels_last, DDP on "
+            f"{plan['num_gpus']} x {plan['gpu_name']}, batch {plan['batch_size']}/GPU, "
+            f"{plan['workers_per_rank']} loader workers/GPU ({plan['cpus']} CPUs)",
+            f"images/s:        {r['images_per_s']:.0f} ({r['images_per_s_per_gpu']:.0f} per GPU), "
+            f"step {r['step_time_ms']:.1f} ms",
+            f"data wait:       {r['data_wait_fraction']:.2%} of step time "
+            f"(worst rank {r['data_wait_fraction_worst']:.2%})",
+            f"peak memory:     {r['peak_memory_mb'] / 1024:.1f} GiB (rank 0, allocated)",
+            f"MFU:             {mfu}; {r['train_gflops_per_image']:.1f} GFLOP per trained image",
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hpctrain.train.gpu_bench")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_plan = sub.add_parser("plan")
+    p_data = sub.add_parser("data")
+    p_data.add_argument("work", type=Path)
+    p_data.add_argument("--num-images", type=int, required=True)
+    p_data.add_argument("--size", type=int, default=320)
+    p_config = sub.add_parser("config")
+    p_config.add_argument("work", type=Path)
+    p_config.add_argument("--steps", type=int, default=300)
+    p_config.add_argument("--compile", action="store_true")
+    p_report = sub.add_parser("report")
+    p_report.add_argument("work", type=Path)
+    for p in (p_plan, p_data, p_config, p_report):
+        p.add_argument("--batch-size", type=int, default=0, help="per GPU (0: from GPU memory)")
+        p.add_argument("--workers", type=int, default=0, help="per GPU (0: CPUs/GPU - 1)")
+    args = parser.parse_args(argv)
+    plan = detect_plan(args.batch_size, args.workers)
+    if args.command == "plan":
+        print(json.dumps(asdict(plan)))
+    elif args.command == "data":
+        args.work.mkdir(parents=True, exist_ok=True)
+        shards = make_data(args.work, args.num_images, args.size, jobs=plan.cpus)
+        print(f"shards: {shards}")
+    elif args.command == "config":
+        path = write_config(plan, args.work / "shards", args.work, args.steps, args.compile)
+        print(f"config: {path}")
+    else:
+        result = report(args.work / "run", plan, train_flops_per_image())
+        (args.work / "report.json").write_text(json.dumps(result, indent=2))
+        print(format_report(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,107 @@
+"""`tools/gpu_bench.sh` without a GPU: the plan, the peak table, FLOPs, the report, a dry run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpctrain.config import load_config
+from hpctrain.train import gpu_bench
+from tests.train.helpers import REPO
+
+
+@pytest.mark.parametrize(
+    ("name", "peak"),
+    [
+        ("NVIDIA H200", 989.0),
+        ("NVIDIA H100 80GB HBM3", 989.0),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("Tesla V100-SXM2-32GB", 125.0),
+        ("NVIDIA A10", 125.0),
+        ("Some Future GPU", None),
+    ],
+)
+def test_peak_table(name: str, peak: float | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HPCTRAIN_PEAK_TFLOPS", raising=False)
+    assert gpu_bench.peak_tflops(name) == peak
+
+
+def test_plan_uses_the_node_cpus_and_the_gpu_generation() -> None:
+    h200 = gpu_bench.make_plan(1, "NVIDIA H200", 9, 139, cpus=16)
+    assert (h200.precision, h200.batch_size, h200.workers_per_rank) == ("bf16", 256, 15)
+    jean_zay_v100 = gpu_bench.make_plan(4, "Tesla V100-SXM2-32GB", 7, 32, cpus=40)
+    assert jean_zay_v100.precision == "fp16"  # V100 has no bf16
+    assert (jean_zay_v100.batch_size, jean_zay_v100.workers_per_rank) == (128, 9)
+    assert gpu_bench.make_plan(8, "x", 8, 16, cpus=4, workers_per_rank=3).workers_per_rank == 3
+
+
+def test_resnet50_training_flops_and_report(tmp_path: Path) -> None:
+    flops = gpu_bench.train_flops_per_image("resnet50", 224)
+    assert 23e9 < flops < 26e9  # 3 x 4.1 GMAC x 2
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = [
+        {
+            "kind": "train",
+            "step": s,
+            "samples_per_s": 2500.0 + s,
+            "step_time_s": 0.1,
+            "data_wait_fraction": 0.01,
+            "data_wait_fraction_worst": 0.02,
+            "peak_memory_mb": 30000.0,
+        }
+        for s in range(10, 60, 10)
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    plan = gpu_bench.make_plan(1, "NVIDIA H200", 9, 139, cpus=16)
+    result = gpu_bench.report(run, plan, flops)
+    assert result["steps_measured"] == 30 and result["images_per_s"] == 2540.0
+    assert result["mfu"] == pytest.approx(2540.0 * flops / 989e12)
+    text = gpu_bench.format_report(result)
+    assert "images/s" in text and "data wait" in text and "MFU" in text and "GiB" in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is for machines without GPUs")
+def test_dry_run_generates_shards_and_a_valid_config(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            *(str(REPO / "tools" / "gpu_bench.sh"), "--dry-run", "--images", "30"),
+            *("--image-size", "32", "--steps", "7", "--work", str(tmp_path)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "dry run: config valid" in proc.stdout and "--nproc 1" in proc.stdout
+    index = json.loads((tmp_path / "shards" / "index.json").read_text())
+    assert sum(s["num_samples"] for s in index["shards"]) == 30
+    cfg = load_config(str(tmp_path / "config.yaml"))
+    assert (cfg.model.name, cfg.model.channels_last, cfg.train.strategy) == (
+        "resnet50",
+        True,
+        "ddp",
+    )
+    assert cfg.train.max_steps == 7 and cfg.data.workers_per_rank >= 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_bench_runs_on_this_gpu(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            *(str(REPO / "tools" / "gpu_bench.sh"), "--steps", "40", "--images", "4000"),
+            *("--work", str(tmp_path)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["images_per_s"] > 0 and 0 <= report["data_wait_fraction"] <= 1

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# ResNet-50 throughput on the GPUs of this node: bf16 (fp16 on V100), channels_last, DDP,
+# fed from JPEG shards generated on local disk with as many loader workers as the node allows.
+# Prints images/s, the data-wait fraction, peak memory and MFU against the GPU's published
+# dense bf16 peak. Runs the same on one H200 machine and on a Jean Zay node, from inside the
+# job (one task; the script starts one process per GPU itself):
+#
+#   tools/gpu_bench.sh                       # everything with defaults
+#   tools/gpu_bench.sh --steps 500 --images 50000 --workers 8 --batch-size 192
+#   tools/gpu_bench.sh --dry-run --images 200   # no GPU needed: plan, data, config, command
+#   srun --ntasks=1 --gres=gpu:4 --cpus-per-task=40 --hint=nomultithread tools/gpu_bench.sh
+#
+# Environment: GPU_BENCH_DIR (work folder, default /tmp/hpctrain-gpu-bench-$USER: local disk),
+# PYTHON (default: the repo's .venv if present, else python3), HPCTRAIN_PEAK_TFLOPS (peak of
+# a GPU the table does not know). No network access is needed.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [[ -z "${PYTHON:-}" ]]; then
+  if [[ -x "$REPO/.venv/bin/python" ]]; then PYTHON="$REPO/.venv/bin/python"; else PYTHON=python3; fi
+fi
+if ! "$PYTHON" -c "import hpctrain" 2>/dev/null; then
+  export PYTHONPATH="$REPO/src${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+DRY_RUN=0
+STEPS=300
+IMAGES=""
+IMAGE_SIZE=320
+BATCH_SIZE=0
+WORKERS=0
+COMPILE=""
+WORK="${GPU_BENCH_DIR:-/tmp/hpctrain-gpu-bench-${USER:-$(id -un)}}"
+
+usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --dry-run) DRY_RUN=1 ;;
+    --steps) STEPS="$2"; shift ;;
+    --images) IMAGES="$2"; shift ;;
+    --image-size) IMAGE_SIZE="$2"; shift ;;
+    --batch-size) BATCH_SIZE="$2"; shift ;;
+    --workers) WORKERS="$2"; shift ;;
+    --compile) COMPILE="--compile" ;;
+    --work) WORK="$2"; shift ;;
+    -h|--help) usage 0 ;;
+    *) echo "gpu_bench.sh: unknown argument $1" >&2; usage 2 ;;
+  esac
+  shift
+done
+
+bench() { "$PYTHON" -m hpctrain.train.gpu_bench "$@" --batch-size "$BATCH_SIZE" --workers "$WORKERS"; }
+
+mkdir -p "$WORK"
+PLAN="$(bench plan)"
+NUM_GPUS="$("$PYTHON" -c 'import json,sys; print(json.loads(sys.argv[1])["num_gpus"])' "$PLAN")"
+echo "plan: $PLAN"
+if [[ "$NUM_GPUS" -eq 0 && "$DRY_RUN" -eq 0 ]]; then
+  echo "gpu_bench.sh: no CUDA GPU visible (CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-unset}); use --dry-run to check the rest" >&2
+  exit 1
+fi
+# Enough images that an epoch is many steps long on every GPU (epoch starts are not steady state).
+: "${IMAGES:=$(( NUM_GPUS > 2 ? 10000 * NUM_GPUS : 20000 ))}"
+
+echo "data: $IMAGES JPEG images of ${IMAGE_SIZE} px -> shards in $WORK/shards"
+bench data "$WORK" --num-images "$IMAGES" --size "$IMAGE_SIZE"
+bench config "$WORK" --steps "$STEPS" $COMPILE
+NPROC=$(( NUM_GPUS > 0 ? NUM_GPUS : 1 ))
+CMD=("$PYTHON" -m hpctrain train "$WORK/config.yaml" --nproc "$NPROC" --resume none)
+echo "train: ${CMD[*]}"
+if [[ "$DRY_RUN" -eq 1 ]]; then
+  "$PYTHON" -m hpctrain config show "$WORK/config.yaml" >/dev/null
+  echo "dry run: config valid; not training"
+  exit 0
+fi
+
+rm -rf "$WORK/run"
+if [[ "$NPROC" -eq 1 ]]; then
+  # One process: inside a job step with several tasks, SLURM_NTASKS would make it wait for
+  # ranks that never come; say explicitly that this is a world of one.
+  export RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 LOCAL_WORLD_SIZE=1
+fi
+# One intra-op thread per rank: the loader workers get the cores.
+OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "${CMD[@]}"
+bench report "$WORK"
+echo "report: $WORK/report.json"
