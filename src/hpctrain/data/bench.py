@@ -193,8 +193,9 @@ def run(args: argparse.Namespace) -> int:
         else:
             images = _synthetic_images(args.images, root)
         _write_layouts(images, root)
-        n = len(images)
         b, k = args.batch_size, args.workers
+        images = images[: max(len(images) // b, 1) * b]  # whole batches: every case reads all
+        n = len(images)
         ctx = worker_start_method() if k else None
         dl_kw: dict[str, Any] = {"num_workers": k, "multiprocessing_context": ctx}
         shard_index = open_index(str(root / "shards"))
@@ -291,10 +292,12 @@ def run(args: argparse.Namespace) -> int:
             if server is not None:
                 server.__exit__(None, None, None)
 
-    summary = {
+    summary: dict[str, dict[str, Any]] = {
         name: {
             "images_per_s": statistics.median(v["wall"]),
             "images_per_cpu_s": statistics.median(v["cpu"]),
+            "images_per_s_range": [min(v["wall"]), max(v["wall"])],
+            "images_per_cpu_s_range": [min(v["cpu"]), max(v["cpu"])],
         }
         for name, v in results.items()
     }
@@ -329,9 +332,14 @@ def run(args: argparse.Namespace) -> int:
         f"{n} images, {k} workers, batch {b}, RandomResizedCrop({args.crop}) + flip, uint8 "
         f"batches; medians of {args.rounds} interleaved rounds; load average {meta['load_average']:.1f}"
     )
-    print(f"{'case':<48} {'images/s':>10} {'images/CPU-s':>13}")
+    print(f"{'case':<48} {'images/s (range)':>18} {'images/CPU-s (range)':>22}")
     for name, v in summary.items():
-        print(f"{name:<48} {v['images_per_s']:>10.0f} {v['images_per_cpu_s']:>13.0f}")
+        lo, hi = v["images_per_s_range"]
+        clo, chi = v["images_per_cpu_s_range"]
+        print(
+            f"{name:<48} {v['images_per_s']:>6.0f} ({lo:.0f}-{hi:.0f}) "
+            f"{v['images_per_cpu_s']:>9.0f} ({clo:.0f}-{chi:.0f})"
+        )
     for name, value in ratios.items():
         print(f"{name}: {value:.2f}")
     return 0
