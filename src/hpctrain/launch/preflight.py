@@ -46,11 +46,15 @@ def check_profile(cfg: Config, profile: ClusterProfile) -> Check:
         job = resolve_job(cfg, profile)
     except LaunchError as exc:
         return Check("profile", False, str(exc))
-    return Check(
-        "profile",
-        True,
-        f"{profile.name}: {job.nodes} node(s) x {job.tasks_per_node} task(s), {job.time}, qos {job.qos or '-'}",
-    )
+    summary = f"{profile.name}: {job.nodes} node(s) x {job.tasks_per_node} task(s), {job.time}, qos {job.qos or '-'}"
+    if profile.account_suffix and not job.account:
+        return Check(
+            "profile",
+            True,
+            f"{summary}; slurm.account is empty (expected <project>{profile.account_suffix} when you have several projects)",
+            warning=True,
+        )
+    return Check("profile", True, summary)
 
 
 def check_credentials(cfg: Config) -> Check:
