@@ -4,7 +4,7 @@ The loader names are imported lazily: `hpctrain plan` and `hpctrain inspect` sho
 for `import torch` (2-6 s here).
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpctrain.data.index import (
     INDEX_NAME,
@@ -38,6 +38,9 @@ __all__ = [
     "read_index",
     "redact_url",
 ]
+
+if TYPE_CHECKING:  # the real types for type checkers; at run time they load on first use
+    from hpctrain.data.loader import LoaderStateError, ShardedLoader, decode_sample
 
 _LAZY = {"LoaderStateError", "ShardedLoader", "decode_sample"}
 
