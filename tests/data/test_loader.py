@@ -255,3 +255,29 @@ def test_breaking_out_and_iterating_again_continues_with_persistent_workers(shar
             break
     got += keys_of(loader)
     assert got == full
+
+
+@pytest.mark.parametrize("new_workers", [0, 1])
+def test_state_saved_after_the_last_batch_resumes_into_the_next_epoch(shards, new_workers):
+    root, _ = shards
+    index = open_index(str(root))
+    loader = ShardedLoader(index, cfg(), rank=0, world_size=1, seed=1)
+    loader.set_epoch(3)
+    epoch3 = keys_of(loader)
+    state = loader.state_dict()
+    resumed = ShardedLoader(index, cfg(workers_per_rank=new_workers), rank=0, world_size=1, seed=1)
+    resumed.load_state_dict(state)
+    assert resumed.epoch == 3 and resumed.position == len(resumed)
+    assert keys_of(resumed) == []  # epoch 3 is done: a trainer moves on
+    resumed.set_epoch(4)
+    epoch4 = keys_of(resumed)
+    assert len(epoch4) == len(epoch3) and epoch4 != epoch3
+
+
+def test_evaluation_loader_reruns_the_same_epoch(shards):
+    root, _ = shards
+    loader = ShardedLoader(open_index(str(root)), cfg(), rank=0, world_size=1, seed=1, train=False)
+    loader.set_epoch(0)
+    first = keys_of(loader)
+    loader.set_epoch(0)  # as a trainer does before each evaluation
+    assert keys_of(loader) == first and len(first) > 0

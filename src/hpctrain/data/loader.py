@@ -484,6 +484,7 @@ class ShardedLoader:
         self._stages: tuple[StageParams, ...] = ()  # earlier stages of this epoch
         self._consumed = 0  # batches of the current stage handed out
         self._stats = dict.fromkeys(_STAT_FIELDS, 0)
+        self._finished_on_load = False
         self.control = torch.zeros(3 + MAX_STAGES * _STAGE_INTS, dtype=torch.int64)
         self.control.share_memory_()
         self._dataset = _StreamDataset(self)
@@ -511,6 +512,7 @@ class ShardedLoader:
             self.epoch = epoch
             self._stages = ()
             self._consumed = 0
+            self._finished_on_load = False
 
     # -- iteration -----------------------------------------------------------------------
 
@@ -532,6 +534,11 @@ class ShardedLoader:
         )
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        if self._finished_on_load:
+            # resumed from a checkpoint taken after the epoch's last batch: nothing is left of
+            # it (a trainer then moves to the next epoch; iterating again restarts this one)
+            self._finished_on_load = False
+            return
         the_plan = self.plan()
         if self._consumed >= the_plan.batches_per_rank:
             # a finished epoch iterated again (no set_epoch): the same epoch from its start
@@ -606,6 +613,7 @@ class ShardedLoader:
             # stages that consumed nothing need no re-plan (and must not drop twice)
             self._stages = tuple(s for s in stages if s.consumed > 0)
             self._consumed = 0
+        self._finished_on_load = self.position >= len(self)
 
 
 def worker_start_method() -> str:
