@@ -343,3 +343,32 @@ def test_latest_step_counts_the_save_in_flight(tmp_path):
     manager.wait()
     assert manager.latest_step() == 3
     manager.close()
+
+
+@pytest.mark.network
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_s3_url_roundtrip_with_retention(async_save):
+    fsspec = pytest.importorskip("fsspec")
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto")
+    from tests.servers import moto_s3_server, s3_environment
+
+    with moto_s3_server() as endpoint, s3_environment(endpoint):
+        bucket = f"ckpt-{uuid.uuid4().hex[:12]}"  # moto's state outlives one server
+        fsspec.filesystem("s3").mkdir(bucket)
+        url = f"s3://{bucket}/run/checkpoints"
+        model, optimizer = make_model()
+        manager = CheckpointManager(url, keep_last=1, async_save=async_save, verify="sha256")
+        manager.save(1, states_of(model, optimizer, 1))
+        train_steps(model, optimizer, 1)
+        manager.save(2, states_of(model, optimizer, 2))
+        manager.wait()
+        store = open_store(url)
+        assert committed_steps(store) == [2]
+        assert store.read_bytes("latest") == b"step-2\n"
+        fresh, fresh_opt = make_model(seed=5)
+        states = states_of(fresh, fresh_opt)
+        assert manager.load(states) == 2
+        assert_same(model, optimizer, fresh, fresh_opt)
+        assert states["trainer"]["step"] == 2
+        manager.close()

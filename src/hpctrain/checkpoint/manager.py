@@ -41,7 +41,7 @@ from hpctrain.checkpoint.safety import (
     load_metadata_bytes,
 )
 from hpctrain.checkpoint.state import PerRankState
-from hpctrain.checkpoint.storage import Store, open_store
+from hpctrain.checkpoint.storage import LAST_FILE, Store, open_store
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ TMP_PREFIX = ".tmp-step-"
 TRASH_PREFIX = ".trash-step-"
 DAMAGED_PREFIX = ".damaged-step-"
 LATEST_NAME = "latest"
-MANIFEST_NAME = "manifest.json"
+MANIFEST_NAME = LAST_FILE
 MANIFEST_FORMAT = 1
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -442,10 +442,9 @@ class CheckpointManager:
             keep_every=self.keep_every,
             protect={protect},
         ):
-            # Rename first so a kill during the removal never leaves a half-deleted step-<N>.
-            trash = f"{TRASH_PREFIX}{step}"
-            store.rename_dir(step_dir_name(step), trash)
-            store.rmtree(trash)
+            # Never a half-deleted step-<N> after a kill: rename first (local) or remove the
+            # manifest first (object stores).
+            store.remove_dir(step_dir_name(step), f"{TRASH_PREFIX}{step}")
 
     def _remove_leftovers(self) -> None:
         for entry in self._store.listdir():

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from hpctrain.checkpoint.safety import SafeFileSystemReader, SafeFsspecReader, check_trusted
 
 _HASH_CHUNK = 8 << 20
+LAST_FILE = "manifest.json"  # written last into a checkpoint folder, removed first from it
 
 
 def is_local(root: str) -> bool:
@@ -71,6 +72,10 @@ class Store:
 
     def rmtree(self, name: str) -> None:
         """Remove a folder and its files, or a single file."""
+        raise NotImplementedError
+
+    def remove_dir(self, name: str, trash: str) -> None:
+        """Remove a committed folder so that a kill midway never leaves a half of it."""
         raise NotImplementedError
 
     def sync_dir(self, name: str) -> None:
@@ -153,6 +158,10 @@ class LocalStore(Store):
         else:
             os.remove(path)
 
+    def remove_dir(self, name: str, trash: str) -> None:
+        self.rename_dir(name, trash)  # atomic: the folder is gone from its name at once
+        self.rmtree(trash)
+
     def sync_dir(self, name: str) -> None:
         folder = self.path(name)
         for entry in os.listdir(folder):
@@ -207,7 +216,22 @@ class FsspecStore(Store):
         self.fs.pipe_file(self.path(name), data)  # one PUT: atomic on object stores
 
     def rename_dir(self, src: str, dst: str) -> None:
-        self.fs.mv(self.path(src), self.path(dst), recursive=True)
+        # Object stores have no folder rename: copy file by file, the manifest last, so a copy
+        # cut short leaves a `step-<N>/` without a manifest, which no load accepts. (fsspec's
+        # recursive `mv` also fails on s3fs trying to copy the folder's own key.)
+        source = self.path(src)
+        base = self.fs._strip_protocol(source).rstrip("/")
+        files = sorted(self.fs.find(source), key=lambda f: f.endswith("/" + LAST_FILE))
+        for path in files:
+            assert path.startswith(base + "/"), (path, base)
+            self.fs.copy(path, self.path(dst, path[len(base) + 1 :]))
+        self.fs.rm(source, recursive=True)
+
+    def remove_dir(self, name: str, trash: str) -> None:
+        manifest = self.path(name, LAST_FILE)
+        if self.fs.exists(manifest):
+            self.fs.rm(manifest)  # uncommitted from here on, whatever happens next
+        self.fs.rm(self.path(name), recursive=True)
 
     def rmtree(self, name: str) -> None:
         self.fs.rm(self.path(name), recursive=True)
