@@ -65,6 +65,8 @@ def require_tensorboard() -> None:
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
+    if device.type == "cpu":  # the loader's tensors are on the CPU already
+        return batch
     return {
         k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
         for k, v in batch.items()
@@ -106,7 +108,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.scaler = make_grad_scaler(self.precision)
 
-        loader_args = {
+        loader_args: dict[str, Any] = {
             "rank": env.rank,
             "world_size": env.world_size,
             "seed": cfg.seed,
@@ -216,9 +218,12 @@ class Trainer:
                     loss, values = self.task.loss(self.model, batch)
                 scaled = loss / accum if accum > 1 else loss
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-            loss_sum = loss_sum + loss.detach().float() / accum
+            # Sums stay on the device: nothing waits for them until a log step.
+            detached = loss.detach().float()  # float(): a no-op unless a task returns bf16
+            loss_sum = detached if micro == 0 else loss_sum + detached
             for name, value in values.items():
-                metric_sums[name] = metric_sums.get(name, 0) + value.detach().float() / accum
+                value = value.detach().float()
+                metric_sums[name] = value if micro == 0 else metric_sums[name] + value
         self.clip_and_measure_gradients()
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
@@ -230,11 +235,14 @@ class Trainer:
         self.state.step += 1
         self.state.samples_seen += num_samples * self.env.world_size
         assert isinstance(loss_sum, torch.Tensor)
+        values = {"loss": loss_sum, **metric_sums}
+        if accum > 1:
+            values = {name: value / accum for name, value in values.items()}
         self.meter.add(
             samples=num_samples,
             step_time=time.perf_counter() - start,
             data_wait=data_wait,
-            values={"loss": loss_sum, **metric_sums},
+            values=values,
         )
 
     def clip_and_measure_gradients(self) -> None:
