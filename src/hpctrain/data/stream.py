@@ -233,7 +233,9 @@ class ShardStream:
         want = n
         while want > 0:
             if self._buf_pos >= len(self._buf):
-                self._buf = self._read_raw(max(want, READ_CHUNK))
+                # read ahead on streams only: on seekable files it would read what `skip`
+                # is meant to seek past (their own buffers serve the small reads)
+                self._buf = self._read_raw(want if self._seekable else max(want, READ_CHUNK))
                 self._buf_pos = 0
                 if not self._buf:
                     break

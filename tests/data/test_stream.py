@@ -1,0 +1,86 @@
+"""The tar reader: formats, skipping without reading, corrupt input, short bodies."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+
+import pytest
+
+from hpctrain.data.stream import (
+    CorruptShardError,
+    ReadStats,
+    ShardReadError,
+    ShardStream,
+    iter_samples,
+    open_shard,
+    split_key,
+)
+
+
+def write_tar(path, members, fmt=tarfile.USTAR_FORMAT):
+    with tarfile.open(path, "w", format=fmt) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def samples(path, **kw):
+    with open_shard(str(path)) as f:
+        return [(i, k, dict(m)) for i, k, m in iter_samples(f, **kw)]
+
+
+@pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_long_names_in_every_tar_format(tmp_path, fmt):
+    deep = "d" * 90 + "/" + "e" * 80  # needs the USTAR prefix, a GNU long name or PAX
+    members = [(f"{deep}/k1.jpg", b"a"), (f"{deep}/k1.cls", b"1"), (f"{deep}/k2.jpg", b"b")]
+    got = samples(write_tar(tmp_path / "x.tar", members, fmt))
+    assert got == [(0, f"{deep}/k1", {"jpg": b"a", "cls": b"1"}), (1, f"{deep}/k2", {"jpg": b"b"})]
+
+
+def test_skipped_samples_are_not_read(tmp_path):
+    members = [(f"{i:03d}.bin", bytes([i]) * 100_000) for i in range(10)]
+    path = write_tar(tmp_path / "x.tar", members)
+    stats = ReadStats()
+    with open_shard(str(path), stats=stats) as f:
+        got = [
+            (i, m["bin"][:1]) for i, _k, m in iter_samples(f, want=lambda i: i in (3, 7), stop=8)
+        ]
+    assert got == [(3, b"\x03"), (7, b"\x07")]
+    assert stats.bytes_skipped >= 6 * 100_000  # seeks, not reads, on a local file
+    assert stats.bytes_read < 5 * 100_000
+
+
+def test_split_key_follows_webdataset():
+    assert split_key("a/b.c/key.seg.JPG") == ("a/b.c/key", "seg.jpg")
+    assert split_key("noext") == ("noext", "")
+
+
+def test_corrupt_and_duplicate_members(tmp_path):
+    dup = write_tar(tmp_path / "dup.tar", [("k.jpg", b"a"), ("k.jpg", b"b")])
+    with pytest.raises(CorruptShardError, match="duplicate member 'k.jpg'"):
+        samples(dup)
+    good = write_tar(tmp_path / "good.tar", [("k.jpg", b"x" * 2000), ("k.cls", b"1")])
+    data = good.read_bytes()
+    (tmp_path / "cut.tar").write_bytes(data[:1000])  # inside the first member's data
+    with pytest.raises(CorruptShardError, match="truncated tar member"):
+        samples(tmp_path / "cut.tar")
+    (tmp_path / "noend.tar").write_bytes(data[:3584])  # both members, no end-of-archive blocks
+    assert [k for _i, k, _m in samples(tmp_path / "noend.tar")] == ["k"]
+
+
+def test_short_body_is_retried_then_reported(tmp_path):
+    path = write_tar(tmp_path / "x.tar", [("k.jpg", b"x" * 5000)])
+    size = path.stat().st_size
+    stream = ShardStream(str(path), size=size + 512, max_retries=2, sleep=lambda _s: None)
+    with pytest.raises(ShardReadError, match="still failing after 2 retries: TransientReadError"):
+        stream.read(size + 512)
+    assert stream.stats.retries == 2
+
+
+def test_pipe_failure_is_an_error(tmp_path):
+    with pytest.raises(ShardReadError, match="pipe command exited with status 3"):
+        samples_of = open_shard("pipe:exit 3", max_retries=1, backoff_s=0)
+        samples_of.read(10)
