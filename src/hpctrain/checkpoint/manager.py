@@ -290,23 +290,36 @@ class CheckpointManager:
         self._pending_step = step
 
     def wait(self) -> None:
-        """Finish an in-flight save; raise `CheckpointSaveError` if it failed on any rank."""
-        error = ""
-        if self._pending is not None:
-            try:
-                self._pending.result()
-            except (Exception, CheckpointException) as exc:
-                error = _describe(exc)
-                log.error("checkpoint save to %s failed: %s", self._pending_where, error)
-        where, self._pending, self._pending_where = self._pending_where, None, ""
-        self._pending_step = None
-        errors = self._gather(error)
+        """Finish an in-flight save; raise `CheckpointSaveError` if it failed on any rank.
+
+        Collective when a save is in flight (then it is in flight on every rank: saves are
+        collective); returns at once otherwise.
+        """
+        error = self._finish_local()
+        if error is None:
+            return
+        where, message = error
+        errors = self._gather(message)
         failed = [(r, e) for r, e in enumerate(errors) if e]
         if failed:
             ranks = ",".join(str(r) for r, _ in failed)
             raise CheckpointSaveError(
-                f"checkpoint save to {where or self.root} failed on rank {ranks}: {failed[0][1]}"
+                f"checkpoint save to {where} failed on rank {ranks}: {failed[0][1]}"
             )
+
+    def _finish_local(self) -> tuple[str, str] | None:
+        """Wait for this rank's save in flight: None if there was none, else (path, error)."""
+        if self._pending is None:
+            return None
+        error = ""
+        try:
+            self._pending.result()
+        except (Exception, CheckpointException) as exc:
+            error = _describe(exc)
+            log.error("checkpoint save to %s failed: %s", self._pending_where, error)
+        where = self._pending_where
+        self._pending, self._pending_where, self._pending_step = None, "", None
+        return where, error
 
     def load(self, states: dict[str, Any], which: str = "latest") -> int | None:
         """Load a checkpoint into `states` (collective); return its step, or None.
@@ -379,9 +392,16 @@ class CheckpointManager:
         return max(steps) if steps else None
 
     def close(self) -> None:
-        """Finish an in-flight save (raising its error) and release threads and buffers."""
+        """Finish this rank's save in flight, release threads, buffers and the group.
+
+        Not collective, so that it is safe in a `finally` after an error on one rank (call
+        `wait()` first on the normal path to learn about failures on other ranks). Raises
+        `CheckpointSaveError` when this rank's save failed.
+        """
         try:
-            self.wait()
+            error = self._finish_local()
+            if error is not None and error[1]:
+                raise CheckpointSaveError(f"checkpoint save to {error[0]} failed: {error[1]}")
         finally:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
