@@ -22,7 +22,7 @@ import contextlib
 import subprocess
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import fsspec
@@ -74,7 +74,6 @@ class ReadStats:
     samples_lost: int = 0
     bytes_read: int = 0
     bytes_skipped: int = 0
-    failures: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, int]:
         return {
