@@ -46,7 +46,7 @@ NOISE_LIMIT = 0.03
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--pairs", type=int, default=8, help="interleaved resnet18 pairs")
+    parser.add_argument("--pairs", type=int, default=12, help="interleaved resnet18 pairs")
     parser.add_argument("--mlp-pairs", type=int, default=24, help="interleaved MLP pairs")
     parser.add_argument(
         "--resnet-steps", type=int, default=2, help="resnet18 steps per timed segment"
