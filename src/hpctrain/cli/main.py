@@ -31,7 +31,8 @@ VERBS = [
 ]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(verbs_to_load: Sequence[str] = VERBS) -> argparse.ArgumentParser:
+    """The parser with the given verbs (all of them for `hpctrain --help`)."""
     parser = argparse.ArgumentParser(
         prog="hpctrain",
         description="Train PyTorch models on SLURM clusters from WebDataset shards.",
@@ -41,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"hpctrain {__version__}")
     verbs = parser.add_subparsers(dest="verb", metavar="VERB")
     verbs.required = True
-    for name in VERBS:
+    for name in verbs_to_load:
         module = importlib.import_module(f"hpctrain.cli.{name.replace('-', '_')}")
         sub = verbs.add_parser(
             name,
@@ -55,8 +56,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def requested_verb(argv: Sequence[str]) -> str | None:
+    """The verb on the command line, if it is one we know (the first non-option word)."""
+    first = next((arg for arg in argv if not arg.startswith("-")), None)
+    return first if first in VERBS else None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Import only the verb asked for: some verbs import torch (2-6 s here), and
+    # `hpctrain plan` or `hpctrain inspect` should not pay for it.
+    verb = requested_verb(argv)
+    parser = build_parser([verb] if verb is not None else VERBS)
     args = parser.parse_args(argv)
     try:
         return int(args._run(args))
