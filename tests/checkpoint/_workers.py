@@ -52,8 +52,10 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int, 
 def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    # Without cpu_offload every rank gets the full state (with it, only rank 0 does).
+    options = StateDictOptions(full_state_dict=True)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    assert model_sd and optim_sd["state"], "an empty state would compare equal to anything"
     # Clone: unsharded values (AdamW's `step`) are the live tensors, which training mutates.
     return _clone({"model": model_sd, "optim": optim_sd})
 
@@ -90,6 +92,30 @@ def scenario_two_ranks(out: str) -> None:
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+
+    # 1 -> 2: the test saved a plain model at world size 1; both ranks load it into DDP and
+    # FSDP2 models, and rank 1, which has no saved entry, gets rank 0's per-rank state.
+    expected_single = torch.load(f"{out}/expected-single.pt", weights_only=True)
+    single = CheckpointManager(f"{out}/single", keep_last=1)
+    for wrap in ("ddp", "fsdp"):
+        grown = make_model(5)
+        if wrap == "ddp":
+            grown = DistributedDataParallel(grown)
+        else:
+            for layer in grown:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer)
+            fully_shard(grown)
+        grown_opt = torch.optim.AdamW(grown.parameters(), lr=0.01)
+        grown_counter = Counter(-1)
+        states = {
+            "model": ModelOptimizerState(grown, grown_opt),
+            "loader": PerRankState(grown_counter),
+        }
+        assert single.load(states) == 1
+        assert_equal_nested(expected_single, full_state(grown, grown_opt), f"1->2 {wrap}")
+        assert grown_counter.value == 42, grown_counter.value
+    single.close()
 
     # DDP, synchronous save.
     model = DistributedDataParallel(make_model(0))

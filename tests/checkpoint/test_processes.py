@@ -43,7 +43,19 @@ def child_env(**extra: str) -> dict[str, str]:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_two_ranks_ddp_and_fsdp2_then_reshard_to_one(tmp_path):
+def test_two_ranks_ddp_and_fsdp2_reshard_one_to_two_and_two_to_one(tmp_path):
+    # A world-size-1 checkpoint for the ranks to load (1 -> 2).
+    model = make_model(4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    loss = model(torch.randn(4, 8)).square().mean()
+    loss.backward()
+    optimizer.step()
+    single = CheckpointManager(str(tmp_path / "single"), keep_last=1)
+    single.save(
+        1, {"model": ModelOptimizerState(model, optimizer), "loader": PerRankState(Counter(42))}
+    )
+    torch.save(full_state(model, optimizer), tmp_path / "expected-single.pt")
+
     port = str(free_port())
     procs = [
         subprocess.Popen(
@@ -62,8 +74,9 @@ def test_two_ranks_ddp_and_fsdp2_then_reshard_to_one(tmp_path):
         for rank in range(2)
     ]
     outputs = [p.communicate(timeout=240)[0] for p in procs]
-    for rank, (proc, output) in enumerate(zip(procs, outputs, strict=True)):
-        assert proc.returncode == 0, f"rank {rank}:\n{output[-4000:]}"
+    codes = [p.returncode for p in procs]
+    assert codes == [0, 0], "\n".join(f"rank {r}:\n{o[-3000:]}" for r, o in enumerate(outputs))
+    for rank, output in enumerate(outputs):
         assert f"rank {rank} ok" in output
 
     # Both ranks' per-rank entries are in the world-2 checkpoint, once each.
