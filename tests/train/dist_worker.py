@@ -30,6 +30,18 @@ CASES = {
     # batch 12: 40 validation samples per rank fill 4 batches only with 8 padded samples
     "ddp-bf16": ["train.strategy=ddp", "train.precision=bf16", "data.batch_size=12"],
     "fsdp-bf16": ["train.strategy=fsdp", "train.precision=bf16", "data.batch_size=12"],
+    # A CNN under FSDP2 with activation checkpointing and channels_last inputs (FSDP2 keeps
+    # its parameters contiguous), exported below into the plain SmallCNN.
+    "fsdp-cnn": [
+        "train.strategy=fsdp",
+        "train.precision=fp32",
+        "task=image_classification",
+        "model.name=small_cnn",
+        "model.image_size=16",
+        "model.channels_last=true",
+        "train.activation_checkpointing=true",
+        "train.max_steps=2",
+    ],
     "ddp-fp32-accum": [
         "train.strategy=ddp",
         "train.precision=fp32",

@@ -128,3 +128,21 @@ def test_export_from_ddp_and_fsdp2_checkpoints_loads_into_the_plain_model(
         for name, value in model.state_dict().items():
             assert torch.equal(value, expected[name]), f"{case}: {name}"
     assert main(["export", str(tmp_path), str(tmp_path / "x.pt")]) == 1
+
+
+@pytest.mark.distributed
+def test_fsdp2_cnn_with_activation_checkpointing_exports_to_the_plain_model(
+    trained: Path, tmp_path: Path
+) -> None:
+    from hpctrain.cli.main import main
+    from hpctrain.train.image_classification import SmallCNN
+
+    out = tmp_path / "cnn.pt"
+    assert main(["export", str(trained / "fsdp-cnn" / "checkpoints"), str(out)]) == 0
+    model = SmallCNN(10)
+    model.load_state_dict(torch.load(out, weights_only=True))  # no wrapper names left
+    expected = load(trained / "fsdp-cnn.pt")
+    for name, value in model.state_dict().items():
+        assert torch.isfinite(value.float()).all()
+        if name in expected:
+            assert torch.equal(value, expected[name]), name

@@ -61,7 +61,10 @@ def parallelize(
     inputs need no layout conversion (cuDNN's fast path for tensor cores).
     """
     model.to(device)
-    if channels_last:
+    sharded = env.is_distributed and cfg.strategy == "fsdp"
+    if channels_last and not sharded:
+        # FSDP2 refuses non-contiguous parameters ("does not support non-contiguous
+        # parameters yet", torch 2.14); under it only the inputs are channels_last.
         model.to(memory_format=torch.channels_last)
     if cfg.activation_checkpointing:
         for parent, name, block in find_blocks(model):
