@@ -21,15 +21,12 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    # On CPU, foreach=False keeps the update bitwise identical between DDP (plain tensors) and
-    # FSDP2 (DTensor shards): the foreach kernels group tensors differently. On GPUs the
-    # default (foreach: a few kernels for all parameters instead of several per parameter)
-    # matters for speed: ResNet-50 has 161 parameter tensors.
-    on_cpu = all(p.device.type == "cpu" for p in decay + no_decay)
-    foreach = False if on_cpu else None
+    # PyTorch's default implementation: foreach (a few kernels for all parameters) on GPUs,
+    # per-tensor on CPUs. Both gave DDP and FSDP2 bitwise-equal weights on CPU (torch 2.14.1,
+    # measured with foreach=False and True), so there is nothing to pin here.
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, foreach=foreach)
-    return torch.optim.AdamW(groups, lr=cfg.lr, foreach=foreach)
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+    return torch.optim.AdamW(groups, lr=cfg.lr)
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str) -> float:
