@@ -372,3 +372,41 @@ def test_s3_url_roundtrip_with_retention(async_save):
         assert_same(model, optimizer, fresh, fresh_opt)
         assert states["trainer"]["step"] == 2
         manager.close()
+
+
+def test_rollback_then_preemption_resumes_the_new_branch(tmp_path):
+    """--resume an older step (after a loss spike, say): later checkpoints are set aside, the
+    new branch's saves are real (not skipped as existing), and an automatic resume continues
+    the new branch, not the abandoned one."""
+    root = tmp_path / "ck"
+    model, optimizer = make_model()
+    manager = CheckpointManager(str(root), keep_last=5)
+    for step in (2, 4, 6):
+        train_steps(model, optimizer, 2)
+        manager.save(step, states_of(model, optimizer, step))
+
+    assert manager.load(states_of(model, optimizer), which=str(root / "step-2")) == 2
+    assert sorted(os.listdir(root)) == [
+        ".abandoned-step-4",
+        ".abandoned-step-6",
+        "latest",
+        "step-2",
+    ]
+    torch.manual_seed(123)  # a different branch
+    train_steps(model, optimizer, 2)
+    manager.save(4, states_of(model, optimizer, 4))
+    branch = {k: v.clone() for k, v in model.state_dict().items()}
+
+    fresh, fresh_opt = make_model(seed=9)
+    assert manager.load(states_of(fresh, fresh_opt)) == 4
+    assert all(torch.equal(branch[k], v) for k, v in fresh.state_dict().items())
+
+
+def test_newest_written_wins_over_highest_step(tmp_path):
+    root = tmp_path / "ck"
+    manager = CheckpointManager(str(root), keep_last=5)
+    manager.save(9, {"x": {"w": torch.full((3,), 9.0)}})
+    manager.save(3, {"x": {"w": torch.full((3,), 3.0)}})  # written after step 9
+    states = {"x": {"w": torch.zeros(3)}}
+    assert manager.load(states) == 3
+    assert sorted(os.listdir(root)) == [".abandoned-step-9", "latest", "step-3"]

@@ -7,6 +7,7 @@ Layout of a checkpoint root (`checkpoint.dir`, default `RUN_DIR/checkpoints`):
     latest               "step-<N>": the newest committed checkpoint, written last
     .tmp-step-<N>/       a save in progress (or killed); never loaded, removed on restart
     .damaged-step-<N>/   a checkpoint that failed verification when an older one was loaded
+    .abandoned-step-<N>/ a checkpoint past the step a run resumed from (e.g. a rollback)
 
 Commit protocol (rank 0, after every rank's DCP write returned, which DCP reports only once
 all ranks' files are written and fsynced): write `manifest.json` inside `.tmp-step-<N>/`,
@@ -49,6 +50,7 @@ STEP_PREFIX = "step-"
 TMP_PREFIX = ".tmp-step-"
 TRASH_PREFIX = ".trash-step-"
 DAMAGED_PREFIX = ".damaged-step-"
+ABANDONED_PREFIX = ".abandoned-step-"
 LATEST_NAME = "latest"
 MANIFEST_NAME = LAST_FILE
 MANIFEST_FORMAT = 1
@@ -78,6 +80,14 @@ def _planner() -> DefaultSavePlanner:
     # from rank 0 at the next forward. Saving rank 0's copy is what makes a resume bitwise
     # identical; sharded (FSDP2) tensors are unaffected, each rank still writes its shards.
     return DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+
+
+def _written_at(store: Store, step: int) -> float:
+    """When checkpoint `step` was saved (its manifest's time); -inf when unreadable."""
+    try:
+        return float(json.loads(store.read_bytes(f"{step_dir_name(step)}/{MANIFEST_NAME}"))["time"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return float("-inf")
 
 
 def step_dir_name(step: int) -> str:
@@ -343,6 +353,8 @@ class CheckpointManager:
         if self._rank == 0:
             try:
                 choice = self._choose(which)
+                if choice is not None:
+                    self._set_aside_newer(*choice)
             except CheckpointError as exc:
                 choice = f"{type(exc).__name__}\t{exc}"
         choice = self._broadcast(choice)
@@ -493,7 +505,9 @@ class CheckpointManager:
             return None
         pointer = self._read_latest(store)
         problems, damaged = [], []
-        for step in reversed(steps):
+        # Most recently written first, not highest step: after a resume from an older step
+        # (`--resume PATH` to roll back), the new branch's checkpoints are the current ones.
+        for step in sorted(steps, key=lambda s: (_written_at(store, s), s), reverse=True):
             name = step_dir_name(step)
             try:
                 manifest = verify_checkpoint(store, name, self.verify)
@@ -511,27 +525,41 @@ class CheckpointManager:
                     "falling back to %s (%d newer damaged)", store.path(name), len(problems)
                 )
             if store.root == self._store.root:
-                self._set_aside(damaged)
+                self._set_aside(damaged, DAMAGED_PREFIX, "damaged")
             return store.root, name, manifest
         raise CheckpointError(
             f"{store.root}: no loadable checkpoint ({'; '.join(problems)}); "
             "use --resume none to start over or --resume PATH"
         )
 
-    def _set_aside(self, steps: list[int]) -> None:
-        """Rename damaged checkpoints newer than the one loaded to `.damaged-step-<N>`.
-
-        Training redoes those steps: a damaged `step-<N>` left in place would make the next
-        save of step N a no-op and `latest_step()` name a checkpoint that cannot load. The
-        files stay for inspection; retention ignores them.
-        """
+    def _set_aside(self, steps: list[int], prefix: str, why: str) -> None:
+        """Rename own `step-<N>` folders to `<prefix><N>`: kept for inspection, never loaded,
+        never removed by retention."""
         for step in steps:
-            target = f"{DAMAGED_PREFIX}{step}"
+            target = f"{prefix}{step}"
             suffix = 1
             while self._store.exists(target):
-                target, suffix = f"{DAMAGED_PREFIX}{step}.{suffix}", suffix + 1
+                target, suffix = f"{prefix}{step}.{suffix}", suffix + 1
             self._store.rename_dir(step_dir_name(step), target)
-            log.warning("set aside %s as %s", step_dir_name(step), self._store.path(target))
+            log.warning(
+                "set aside %s (%s) as %s", step_dir_name(step), why, self._store.path(target)
+            )
+
+    def _set_aside_newer(self, root: str, name: str, manifest: dict[str, Any]) -> None:
+        """Set aside own checkpoints at or past the step being resumed, other than itself.
+
+        Training redoes those steps. Left in place, a damaged or abandoned `step-<N>` would
+        turn the next save of step N into a no-op, make `latest_step()` name it, and come
+        back on the next automatic resume.
+        """
+        step = int(manifest["step"])
+        chosen = open_store(root).path(name)
+        newer = [
+            s
+            for s in committed_steps(self._store)
+            if s > step or (s == step and self._store.path(step_dir_name(s)) != chosen)
+        ]
+        self._set_aside(newer, ABANDONED_PREFIX, f"newer than the resumed step {step}")
 
     @staticmethod
     def _read_latest(store: Store) -> str | None:
