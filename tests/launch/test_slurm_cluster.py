@@ -128,12 +128,11 @@ def test_preemption_requeues_and_resumes_to_the_same_weights(
     log = log_text(preempted)
     assert log.count("resumed from step") >= 2, log[-3000:]
     steps_seen = [m["step"] for m in read_metrics(preempted)]
-    assert steps_seen[-1] == 500 and sorted(set(steps_seen)) == list(range(1, 501))
+    assert steps_seen[-1] == 300 and sorted(set(steps_seen)) == list(range(1, 301))
 
-    jobs += submit(*train_overrides(tiny_shards, straight, steps, *same))
-    assert wait_finished(straight, 180).state == "COMPLETED"
+    assert wait_finished(straight, 120).state == "COMPLETED"
     assert_same_weights(
-        preempted / "checkpoints" / "step-500", straight / "checkpoints" / "step-500", tmp_path
+        preempted / "checkpoints" / "step-300", straight / "checkpoints" / "step-300", tmp_path
     )
 
 
