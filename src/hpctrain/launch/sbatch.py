@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from hpctrain.config import Config, with_overrides
 from hpctrain.launch.profiles import ClusterProfile, JobSpec, resolve_job
 from hpctrain.launch.safety import check_argument, check_path, check_setup_line, check_token
-from hpctrain.train.preemption import REQUEUE_EXIT_CODE
 
 # SLURM before 23.02 does not export the job's end time; the trainer's deadline check
 # (checkpoint.deadline_margin_s) reads it. Refreshed on every (re)start of the job.
@@ -98,6 +97,9 @@ def render_sbatch(
     Raises:
         LaunchError: a value that cannot be written into a script safely.
     """
+    # Imported here: hpctrain.train imports torch (seconds), which `--help` need not pay.
+    from hpctrain.train.preemption import REQUEUE_EXIT_CODE
+
     check_path(config_path, "config path")
     check_path(run_dir, "run_dir")
     check_path(python, "python")
