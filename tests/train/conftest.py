@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -52,3 +53,13 @@ def shapes_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     assert (shards / "train" / "index.json").exists() and (shards / "val" / "index.json").exists()
     return shards
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_globals() -> Iterator[None]:
+    """In-process trainers switch on process-wide modes (deterministic algorithms)."""
+    import torch
+
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    yield
+    torch.use_deterministic_algorithms(deterministic)

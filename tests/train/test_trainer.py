@@ -281,3 +281,33 @@ def test_debug_flag_loads_in_process_with_anomaly_detection(
     assert tasks.SEEN["transform_pids"] == {os.getpid()}, "debug mode must load in-process"
     assert not torch.is_anomaly_enabled(), "anomaly detection must end with the run"
     assert len(train_records(tmp_path)) == 3
+
+
+def test_tensorboard_scalars_when_installed(
+    shapes_shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer's calls, through a stand-in `torch.utils.tensorboard` (not installed here)."""
+    import sys
+    import types
+
+    calls: list[tuple[str, float, int]] = []
+
+    class SummaryWriter:
+        def __init__(self, log_dir: str) -> None:
+            assert log_dir.endswith("tensorboard")
+            calls.append(("dir", 0.0, 0))
+
+        def add_scalar(self, tag: str, value: float, step: int) -> None:
+            calls.append((tag, value, step))
+
+        def close(self) -> None:
+            calls.append(("closed", 0.0, 0))
+
+    module = types.ModuleType("torch.utils.tensorboard")
+    module.SummaryWriter = SummaryWriter  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", module)
+    cfg = make_config(shapes_shards, tmp_path, "logging.tensorboard=true", "train.max_steps=2")
+    assert build(cfg).fit() == 0
+    tags = {tag for tag, _, _ in calls}
+    assert {"dir", "closed", "train/loss", "train/data_wait_fraction", "eval/val_loss"} <= tags
+    assert [step for tag, _, step in calls if tag == "train/loss"] == [1, 2]
