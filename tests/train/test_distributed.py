@@ -72,6 +72,17 @@ def test_ddp_and_fsdp2_fp32_end_bitwise_equal(trained: Path) -> None:
     assert ddp.keys() == fsdp.keys() and ddp
     for name in ddp:
         assert torch.equal(ddp[name], fsdp[name]), f"{name} differs between DDP and FSDP2"
+    # The logged global gradient norm: a plain tensor under DDP, a DTensor reduced under FSDP2.
+    norms = {
+        case: [
+            json.loads(line)["grad_norm"]
+            for line in (trained / case / "metrics.jsonl").read_text().splitlines()
+            if '"kind": "train"' in line
+        ]
+        for case in ("ddp-fp32", "fsdp-fp32")
+    }
+    assert len(norms["ddp-fp32"]) == 3 and all(n > 0 for n in norms["ddp-fp32"])
+    assert norms["ddp-fp32"] == pytest.approx(norms["fsdp-fp32"], rel=1e-5)
 
 
 @pytest.mark.distributed
