@@ -206,6 +206,33 @@ def scenario_save_loop(root: str, async_save: str) -> None:
         step += 1
 
 
+def scenario_save_loop_two_ranks(root: str) -> None:
+    """Both ranks save steps 1, 2, ... (each rank its own shard) until one is killed."""
+    dist.init_process_group("gloo")
+    manager = CheckpointManager(root, keep_last=2)
+    state = {"a": torch.zeros(1 << 20), "b": torch.zeros(1 << 19)}
+    step = 1
+    while True:
+        for tensor in state.values():
+            tensor.fill_(float(step))
+        manager.save(step, {"weights": PerRankState(_Tensors(state))})
+        if step == 1:
+            print("READY", flush=True)
+        step += 1
+
+
+class _Tensors:
+    def __init__(self, tensors: dict) -> None:
+        self.tensors = tensors
+
+    def state_dict(self) -> dict:
+        return dict(self.tensors)
+
+    def load_state_dict(self, sd: dict) -> None:
+        for key, value in sd.items():
+            self.tensors[key].copy_(value)
+
+
 def scenario_read_only(root: str) -> None:
     """Lose write permission, then save: sync raises at once, async fails at wait/close."""
     model = torch.nn.Linear(4, 3)
@@ -230,5 +257,6 @@ if __name__ == "__main__":
     {
         "two_ranks": scenario_two_ranks,
         "save_loop": scenario_save_loop,
+        "save_loop_two_ranks": scenario_save_loop_two_ranks,
         "read_only": scenario_read_only,
     }[scenario](*sys.argv[2:])

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from hpctrain.checkpoint import (
     CheckpointManager,
@@ -23,8 +24,15 @@ from hpctrain.checkpoint import (
     committed_steps,
     verify_checkpoint,
 )
+from hpctrain.checkpoint.safety import SafeLoadPlanner
 from hpctrain.checkpoint.storage import open_store
-from tests.checkpoint._workers import Counter, assert_equal_nested, full_state, make_model
+from tests.checkpoint._workers import (
+    Counter,
+    _Tensors,
+    assert_equal_nested,
+    full_state,
+    make_model,
+)
 
 WORKERS = str(Path(__file__).with_name("_workers.py"))
 
@@ -145,6 +153,52 @@ def test_sigkill_during_saves_never_leaves_a_half_written_step(tmp_path, async_s
         for tensor in states["weights"].values():
             assert bool((tensor == float(loaded)).all()), where
         assert not [n for n in os.listdir(root) if ".tmp-" in n], where
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_sigkill_of_one_rank_during_saves_never_commits_a_partial_step(tmp_path):
+    root = tmp_path / "ck"
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, WORKERS, "save_loop_two_ranks", str(root)],
+            env=child_env(
+                RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    assert procs[0].stdout is not None
+    assert procs[0].stdout.readline().strip() == "READY"
+    delay = random.Random(7).uniform(0.1, 0.8)
+    time.sleep(delay)
+    procs[1].kill()  # rank 1 dies; rank 0 must fail its save, not commit half of it
+    procs[1].wait()
+    _, err = procs[0].communicate(timeout=120)
+    assert procs[0].returncode != 0, err[-2000:]
+
+    store = open_store(str(root))
+    steps = committed_steps(store)
+    assert steps, f"kill after {delay:.3f}s"
+    for step in steps:
+        manifest = verify_checkpoint(store, f"step-{step}")
+        assert manifest["world_size"] == 2
+        # Both ranks' shards are in every committed checkpoint.
+        for rank in range(2):
+            tensors = {"a": torch.zeros(1 << 20), "b": torch.zeros(1 << 19)}
+            per_rank = PerRankState(_Tensors(tensors))
+            per_rank.source_rank = rank
+            dcp.load(
+                {"weights": per_rank},
+                storage_reader=store.reader(f"step-{step}"),
+                planner=SafeLoadPlanner(),
+                no_dist=True,
+            )
+            assert all(bool((t == float(step)).all()) for t in tensors.values())
 
 
 @pytest.mark.slow
