@@ -3,16 +3,18 @@
 # fed from JPEG shards generated on local disk with as many loader workers as the node allows.
 # Prints images/s, the data-wait fraction, peak memory and MFU against the GPU's published
 # dense bf16 peak. Runs the same on one H200 machine and on a Jean Zay node, from inside the
-# job (one task; the script starts one process per GPU itself):
+# job as ONE task (the script starts one process per visible GPU itself):
 #
-#   tools/gpu_bench.sh                       # everything with defaults
+#   tools/gpu_bench.sh                            # everything with defaults
 #   tools/gpu_bench.sh --steps 500 --images 50000 --workers 8 --batch-size 192
-#   tools/gpu_bench.sh --dry-run --images 200   # no GPU needed: plan, data, config, command
-#   srun --ntasks=1 --gres=gpu:4 --cpus-per-task=40 --hint=nomultithread tools/gpu_bench.sh
+#   tools/gpu_bench.sh --dry-run --images 200     # no GPU needed: plan, data, config, command
+#   srun -A abc@h100 -C h100 --nodes=1 --ntasks=1 --gres=gpu:4 --cpus-per-task=96 \
+#        --hint=nomultithread -t 00:30:00 tools/gpu_bench.sh          # a Jean Zay H100 node
 #
-# Environment: GPU_BENCH_DIR (work folder, default /tmp/hpctrain-gpu-bench-$USER: local disk),
-# PYTHON (default: the repo's .venv if present, else python3), HPCTRAIN_PEAK_TFLOPS (peak of
-# a GPU the table does not know). No network access is needed.
+# Needs hpctrain's dependencies in $PYTHON (pip install -e . on a login node; no network is
+# used on the compute node). Environment: GPU_BENCH_DIR (work folder, default
+# /tmp/hpctrain-gpu-bench-$USER: local disk), PYTHON (default: the repo's .venv if present,
+# else python3), HPCTRAIN_PEAK_TFLOPS (the peak of a GPU the table does not know).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -38,6 +38,10 @@ def test_plan_uses_the_node_cpus_and_the_gpu_generation() -> None:
     assert jean_zay_v100.precision == "fp16"  # V100 has no bf16
     assert (jean_zay_v100.batch_size, jean_zay_v100.workers_per_rank) == (128, 9)
     assert gpu_bench.make_plan(8, "x", 8, 16, cpus=4, workers_per_rank=3).workers_per_rank == 3
+    # 4 H100 x 23 workers: 368 workers, 40,000 images -> 108 per shard, 371 shards
+    assert gpu_bench.samples_per_shard(40_000, 4 * 23) == 108
+    assert gpu_bench.samples_per_shard(20_000, 15) == 256
+    assert gpu_bench.samples_per_shard(30, 1) == 16
 
 
 def test_resnet50_training_flops_and_report(tmp_path: Path) -> None:

@@ -128,11 +128,12 @@ def detect_plan(batch_size: int = 0, workers_per_rank: int = 0) -> Plan:
     )
 
 
-def make_data(out: Path, num_images: int, size: int, jobs: int) -> Path:
+def make_data(out: Path, num_images: int, size: int, jobs: int, num_workers: int = 1) -> Path:
     """JPEG shards of generated images in `out/shards` (reused when the count matches).
 
     `jobs` generator processes each write a part with its own seed; the parts are merged
-    into one class folder tree and converted with `jobs` writer processes.
+    into one class folder tree and converted with `jobs` writer processes. Shards are small
+    enough that each of the node's `num_workers` loader workers gets about four.
     """
     shards = out / "shards"
     if (shards / "index.json").exists():
@@ -169,13 +170,19 @@ def make_data(out: Path, num_images: int, size: int, jobs: int) -> Path:
     subprocess.run(
         [
             *(sys.executable, "-m", "hpctrain", "convert", str(images), str(shards)),
-            *("--samples-per-shard", "256", "--shuffle", "--workers", str(jobs)),
+            *("--samples-per-shard", str(samples_per_shard(num_images, num_workers))),
+            *("--shuffle", "--workers", str(jobs)),
             *("--progress", "plain", "--overwrite"),
         ],
         check=True,
     )
     shutil.rmtree(images)
     return shards
+
+
+def samples_per_shard(num_images: int, num_workers: int) -> int:
+    """At least 4 shards per loader worker of the node, 16 to 256 samples each."""
+    return max(16, min(256, num_images // (4 * max(1, num_workers))))
 
 
 def config_overrides(
@@ -318,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(asdict(plan)))
     elif args.command == "data":
         args.work.mkdir(parents=True, exist_ok=True)
-        shards = make_data(args.work, args.num_images, args.size, jobs=plan.cpus)
+        workers = max(1, plan.num_gpus) * plan.workers_per_rank
+        shards = make_data(args.work, args.num_images, args.size, plan.cpus, workers)
         print(f"shards: {shards}")
     elif args.command == "config":
         path = write_config(plan, args.work / "shards", args.work, args.steps, args.compile)
