@@ -27,9 +27,20 @@ CASES = {
     # name: overrides
     "ddp-fp32": ["train.strategy=ddp", "train.precision=fp32"],
     "fsdp-fp32": ["train.strategy=fsdp", "train.precision=fp32"],
-    # batch 12: 40 validation samples per rank fill 4 batches only with 8 padded samples
-    "ddp-bf16": ["train.strategy=ddp", "train.precision=bf16", "data.batch_size=12"],
-    "fsdp-bf16": ["train.strategy=fsdp", "train.precision=bf16", "data.batch_size=12"],
+    # batch 12: 40 validation samples per rank fill 4 batches only with 8 padded samples;
+    # grad_clip: clipping by the global norm of plain and of sharded (DTensor) gradients
+    "ddp-bf16": [
+        "train.strategy=ddp",
+        "train.precision=bf16",
+        "data.batch_size=12",
+        "train.grad_clip=0.1",
+    ],
+    "fsdp-bf16": [
+        "train.strategy=fsdp",
+        "train.precision=bf16",
+        "data.batch_size=12",
+        "train.grad_clip=0.1",
+    ],
     # A CNN under FSDP2 with activation checkpointing and channels_last inputs (FSDP2 keeps
     # its parameters contiguous), exported below into the plain SmallCNN.
     "fsdp-cnn": [

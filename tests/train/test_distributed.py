@@ -103,6 +103,7 @@ def test_bf16_runs_are_finite_and_near_fp32(trained: Path) -> None:
         for r in records:
             if r["kind"] == "train":
                 assert 0.0 <= r["data_wait_fraction"] <= r["data_wait_fraction_worst"] <= 1.0
+                assert r["grad_norm"] > 0.1, "the norm before clipping to 0.1: clipping acted"
 
 
 @pytest.mark.distributed

@@ -112,3 +112,13 @@ def test_transforms_give_fixed_size_uint8() -> None:
         assert out["image"].shape == (3, 24, 24) and out["image"].dtype == torch.uint8
     x = normalize(torch.full((1, 3, 2, 2), 255, dtype=torch.uint8))
     assert x.dtype == torch.float32 and x.max() > 2
+
+
+def test_bf16_on_a_v100_is_refused_before_any_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-32GB")
+    gpu = torch.device("cuda", 0)
+    with pytest.raises(ConfigError, match=r"train.precision=bf16: Tesla V100.*has no bf16"):
+        resolve_precision("bf16", gpu, sharded=False)
+    assert resolve_precision("auto", gpu, sharded=False).name == "fp32"
+    assert resolve_precision("fp16", gpu, sharded=True).name == "fp16"
