@@ -281,3 +281,35 @@ def test_evaluation_loader_reruns_the_same_epoch(shards):
     first = keys_of(loader)
     loader.set_epoch(0)  # as a trainer does before each evaluation
     assert keys_of(loader) == first and len(first) > 0
+
+
+def _child_pids() -> list[int]:
+    import os
+    from pathlib import Path
+
+    pids = []
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        pids += [int(p) for p in (task / "children").read_text().split()]
+    return pids
+
+
+def test_workers_survive_the_job_signals_slurm_sends_to_every_step_process(shards):
+    """SLURM sends USR2/TERM to every process of a step; the training process handles them."""
+    import os
+    import signal
+
+    root, sizes = shards
+    loader = ShardedLoader(
+        open_index(str(root / "index.json")), cfg(workers_per_rank=2), rank=0, world_size=1, seed=0
+    )
+    loader.set_epoch(0)
+    it = iter(loader)
+    batches = [next(it)]
+    workers = _child_pids()
+    assert len(workers) == 2
+    for pid in workers:
+        os.kill(pid, signal.SIGUSR2)
+        os.kill(pid, signal.SIGTERM)
+    batches += list(it)
+    assert len(batches) == len(loader)
+    assert keys_of(batches) == expected_keys(loader)

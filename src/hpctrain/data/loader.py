@@ -16,6 +16,7 @@ import itertools
 import json
 import logging
 import math
+import signal
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -523,6 +524,7 @@ class ShardedLoader:
             kwargs["prefetch_factor"] = self.cfg.prefetch_factor
             kwargs["persistent_workers"] = self.cfg.persistent_workers
             kwargs["multiprocessing_context"] = worker_start_method()
+            kwargs["worker_init_fn"] = ignore_job_signals
         return DataLoader(
             self._dataset,
             batch_size=None,  # workers batch themselves
@@ -614,6 +616,19 @@ class ShardedLoader:
             self._stages = tuple(s for s in stages if s.consumed > 0)
             self._consumed = 0
         self._finished_on_load = self.position >= len(self)
+
+
+def ignore_job_signals(_worker_id: int) -> None:
+    """Loader workers leave job signals to the training process.
+
+    SLURM delivers the pre-timeout/preemption signal (and scancel's TERM) to every process of
+    the step, workers included; a worker killed by it takes the DataLoader down before the
+    training process can reach its step boundary and save. The training process owns the
+    preemption flag and stops the workers itself; a real kill still ends them (SIGKILL, or
+    the parent's death, which DataLoader workers watch for).
+    """
+    for name in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"):
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
 def worker_start_method() -> str:
