@@ -17,6 +17,7 @@ from torchvision.transforms import v2
 
 from hpctrain.config import Config
 from hpctrain.data.index import ShardIndex
+from hpctrain.train.task import masked_mean
 
 
 class Thumbnail:
@@ -64,8 +65,9 @@ class ThumbnailMLP:
         self, model: nn.Module, batch: dict[str, Any]
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         logits = self._logits(model, batch)
-        loss = F.cross_entropy(logits, batch["label"])
-        return loss, {"accuracy": (logits.argmax(1) == batch["label"]).float().mean()}
+        valid = batch["valid"]  # False for padding/fillers: keep them out of the loss
+        loss = masked_mean(F.cross_entropy(logits, batch["label"], reduction="none"), valid)
+        return loss, {"accuracy": masked_mean((logits.argmax(1) == batch["label"]).float(), valid)}
 
     def eval_metrics(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         logits = self._logits(model, batch)

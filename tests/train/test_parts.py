@@ -122,3 +122,26 @@ def test_bf16_on_a_v100_is_refused_before_any_work(monkeypatch: pytest.MonkeyPat
         resolve_precision("bf16", gpu, sharded=False)
     assert resolve_precision("auto", gpu, sharded=False).name == "fp32"
     assert resolve_precision("fp16", gpu, sharded=True).name == "fp16"
+
+
+def test_training_loss_leaves_out_invalid_samples() -> None:
+    """Fillers (on_error=skip) and re-plan padding must not pull the loss."""
+    task = ImageClassification(load_config(None, ["model.image_size=16"]), INDEX)
+    model = task.build_model().eval().requires_grad_(False)
+    images = torch.randint(0, 255, (4, 3, 16, 16), dtype=torch.uint8)
+    labels = torch.tensor([1, 2, 3, 4])
+    clean, clean_metrics = task.loss(
+        model, {"image": images, "label": labels, "valid": torch.ones(4, dtype=torch.bool)}
+    )
+    junk = torch.randint(0, 255, (2, 3, 16, 16), dtype=torch.uint8)
+    mixed, mixed_metrics = task.loss(
+        model,
+        {
+            "image": torch.cat([images, junk]),
+            "label": torch.cat([labels, torch.tensor([7, 8])]),
+            "valid": torch.tensor([True] * 4 + [False] * 2),
+        },
+    )
+    assert torch.allclose(clean, mixed) and torch.allclose(
+        clean_metrics["accuracy"], mixed_metrics["accuracy"]
+    )

@@ -12,6 +12,7 @@ from torchvision.transforms import v2
 
 from hpctrain.config import Config, ConfigError
 from hpctrain.data.index import ShardIndex
+from hpctrain.train.task import masked_mean
 
 # ImageNet statistics; images arrive as uint8 and are normalized on the device.
 MEAN = (0.485, 0.456, 0.406)
@@ -135,9 +136,10 @@ class ImageClassification:
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         logits = self._logits(model, batch)
         labels = batch["label"]
-        loss = F.cross_entropy(logits.float(), labels)
+        valid = batch["valid"]
+        loss = masked_mean(F.cross_entropy(logits.float(), labels, reduction="none"), valid)
         with torch.no_grad():
-            accuracy = (logits.argmax(dim=1) == labels).float().mean()
+            accuracy = masked_mean((logits.argmax(dim=1) == labels).float(), valid)
         return loss, {"accuracy": accuracy}
 
     def eval_metrics(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:

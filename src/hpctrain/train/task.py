@@ -42,7 +42,12 @@ class Task(Protocol):
         ...
 
     def loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Mean loss over the batch, and metrics to log (already averaged over the batch)."""
+        """Mean loss over the valid samples of the batch, and metrics to log (averaged too).
+
+        Training batches can hold samples flagged `batch["valid"] == False`: padding after an
+        elastic re-plan, or fillers for samples lost under `data.on_error=skip`. Leave them
+        out of the loss (`masked_mean` does it).
+        """
         ...
 
     def eval_metrics(self, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
@@ -52,6 +57,12 @@ class Task(Protocol):
         never count twice.
         """
         ...
+
+
+def masked_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Mean of per-sample `values` over the samples where `valid` is True."""
+    weights = valid.to(values.dtype)
+    return (values * weights).sum() / weights.sum().clamp(min=1)
 
 
 BUILTIN_TASKS = {
