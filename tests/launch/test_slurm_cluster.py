@@ -192,15 +192,15 @@ def test_time_limit_completes_over_several_requeues(
     run_dir = tmp_path / "run"
     jobs += submit(
         *train_overrides(
-            tiny_shards, run_dir, "train.max_steps=1000", "data.batch_size=32",
-            "slurm.time=1", "slurm.signal_margin_s=5", "slurm.max_requeues=10",
+            tiny_shards, run_dir, "train.max_steps=1150", "data.batch_size=32",
+            "slurm.time=1", "slurm.signal_margin_s=5", "slurm.max_requeues=12",
             "checkpoint.deadline_margin_s=40",
         )
     )  # fmt: skip
-    status = wait_finished(run_dir, 480)
+    status = wait_finished(run_dir, 540)
     assert status.state == "COMPLETED", status
     assert status.requeues >= 2, status
-    assert [m["step"] for m in read_metrics(run_dir)][-1] == 1000
+    assert [m["step"] for m in read_metrics(run_dir)][-1] == 1150
 
 
 def test_plain_sbatch_script_trains_and_requeues(
