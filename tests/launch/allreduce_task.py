@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 
 import torch
@@ -18,10 +19,11 @@ def main() -> None:
         rank=env.rank,
         world_size=env.world_size,
     )
+    node = os.environ.get("SLURMD_NODENAME", socket.gethostname())
     value = torch.tensor([env.rank + 1.0])
     dist.all_reduce(value)
     print(
-        f"allreduce rank={env.rank} world={env.world_size} sum={value.item():g} host={socket.gethostname()}",
+        f"allreduce rank={env.rank} world={env.world_size} sum={value.item():g} node={os.environ.get('SLURMD_NODENAME', socket.gethostname())}",
         flush=True,
     )
     dist.destroy_process_group()

@@ -66,8 +66,8 @@ def test_plumbing_submitit_two_nodes(tmp_path: Path, jobs: list[str]) -> None:
     jobs.append(job.job_id)
     outputs = wait_for("both submitit tasks", lambda: job.done() and job.results(), 90)
     text = "".join(str(o) for o in outputs)
-    assert text.count("sum=3") == 2 and "host=" in text
-    assert sacct_nodes(job.job_id) == "n[1-2]"
+    assert text.count("sum=3") == 2
+    assert "node=n1" in text and "node=n2" in text
 
 
 def test_submit_one_node_two_tasks_completes(
@@ -96,7 +96,8 @@ def test_submit_two_nodes_one_task_each(tiny_shards: Path, tmp_path: Path, jobs:
     )
     status = wait_finished(run_dir, 120)
     assert status.state == "COMPLETED", status
-    assert sacct_nodes(status.job_id) == "n[1-2]"
+    # the accounting record may name only the first node for a moment
+    wait_for("sacct to list both nodes", lambda: sacct_nodes(status.job_id) == "n[1-2]", 30)
     assert [m["step"] for m in read_metrics(run_dir)][-1] == 4
 
 
