@@ -23,7 +23,7 @@ def main() -> None:
     value = torch.tensor([env.rank + 1.0])
     dist.all_reduce(value)
     print(
-        f"allreduce rank={env.rank} world={env.world_size} sum={value.item():g} node={os.environ.get('SLURMD_NODENAME', socket.gethostname())}",
+        f"allreduce rank={env.rank} world={env.world_size} sum={value.item():g} node={node}",
         flush=True,
     )
     dist.destroy_process_group()
