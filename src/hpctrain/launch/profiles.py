@@ -262,8 +262,10 @@ def resolve_job(cfg: Config, profile: ClusterProfile) -> JobSpec:
     minutes = parse_time(time_text)
     if qos and qos in profile.qos_max_minutes and minutes > profile.qos_max_minutes[qos]:
         limits = ", ".join(f"{q} ≤ {format_minutes(m)}" for q, m in profile.qos_max_minutes.items())
+        # YAML 1.1 reads an unquoted 20:00:00 as the integer 72000 (seconds, base 60).
+        hint = "; quote HH:MM:SS values in YAML" if str(time_text).isdigit() else ""
         raise LaunchError(
-            f"slurm.time={time_text!r}: above the {qos} limit of {format_minutes(profile.qos_max_minutes[qos])} on {profile.name} ({limits})"
+            f"slurm.time={time_text!r}: above the {qos} limit of {format_minutes(profile.qos_max_minutes[qos])} on {profile.name} ({limits}){hint}"
         )
     precision = cfg.train.precision
     if precision != "auto" and precision not in profile.precisions:
