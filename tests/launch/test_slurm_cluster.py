@@ -106,8 +106,8 @@ def test_preemption_requeues_and_resumes_to_the_same_weights(
 ) -> None:
     """USR2 from scancel, then submitit's own interrupt: two requeues, one uninterrupted result.
 
-    In-process loading (workers_per_rank=0): submitit's interrupt sends SIGTERM to every
-    process of the step, and torch's DataLoader workers die of it (see the xfail test below).
+    In-process loading (workers_per_rank=0) for a bitwise comparison without worker timing;
+    the test below covers SIGTERM reaching loader workers.
     """
     steps = "train.max_steps=300"
     preempted, straight = tmp_path / "preempted", tmp_path / "straight"
@@ -137,14 +137,10 @@ def test_preemption_requeues_and_resumes_to_the_same_weights(
     )
 
 
-@pytest.mark.xfail(
-    reason="torch DataLoader workers die of the SIGTERM SLURM sends to every step process on "
-    "preemption; the loader's worker init must ignore SIGTERM (reported to the data owner)",
-    strict=False,
-)
 def test_sigterm_to_all_step_processes_with_loader_workers(
     tiny_shards: Path, tmp_path: Path, jobs: list[str]
 ) -> None:
+    """SLURM signals every process of the step (as on preemption): loader workers survive."""
     run_dir = tmp_path / "run"
     jobs += submit(
         *train_overrides(tiny_shards, run_dir, "train.max_steps=300", "data.workers_per_rank=1")

@@ -75,6 +75,7 @@ def test_requeue_from_rank_zero_only_and_within_the_limit(monkeypatch: pytest.Mo
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
     monkeypatch.setattr(submit_mod.subprocess, "run", fake_run)
+    monkeypatch.setattr(submit_mod, "job_state", lambda job_id: "RUNNING")
     env = {"SLURM_JOB_ID": "42", "SLURM_PROCID": "0", "SLURM_RESTART_COUNT": "1"}
     with pytest.raises(SystemExit) as info:
         requeue_this_job(3, env)
@@ -174,3 +175,13 @@ def test_dry_run_prints_the_script_and_submits_nothing(
     assert code == 0 and submitted == []
     assert "#SBATCH --partition=debug" in out and "#SBATCH --ntasks-per-node=2" in out
     assert "--gres" not in out  # local-dev: tasks stand in for GPUs
+
+
+def test_no_requeue_of_a_job_cancelled_from_outside(monkeypatch: pytest.MonkeyPatch) -> None:
+    """scancel sends TERM too; the trainers save and exit 75, but the job must stay cancelled."""
+    calls: list[list[str]] = []
+    monkeypatch.setattr(submit_mod.subprocess, "run", lambda cmd, **kw: calls.append(cmd))
+    monkeypatch.setattr(submit_mod, "job_state", lambda job_id: "CANCELLED")
+    with pytest.raises(SystemExit):
+        requeue_this_job(3, {"SLURM_JOB_ID": "42", "SLURM_PROCID": "0"})
+    assert calls == []

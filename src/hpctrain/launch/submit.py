@@ -75,6 +75,16 @@ def requeue_this_job(max_requeues: int, environ: dict[str, str] | None = None) -
         raise SystemExit(REQUEUE_EXIT_CODE)
     if rank == 0:
         job_id = env["SLURM_JOB_ID"]
+        state = job_state(job_id)
+        if state != "RUNNING":
+            # scancel also sends TERM, and `scontrol requeue` would bring a cancelled (or
+            # already requeued, or timed-out) job back: only a running job requeues itself.
+            print(
+                f"hpctrain: checkpoint saved; job {job_id} is {state}, not requeueing",
+                file=sys.stderr,
+                flush=True,
+            )
+            raise SystemExit(REQUEUE_EXIT_CODE)
         done = subprocess.run(
             ["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60
         )
@@ -82,6 +92,18 @@ def requeue_this_job(max_requeues: int, environ: dict[str, str] | None = None) -
             raise RuntimeError(f"scontrol requeue {job_id} failed: {done.stderr.strip()}")
         print(f"hpctrain: checkpoint saved; requeued job {job_id}", file=sys.stderr, flush=True)
     raise SystemExit(REQUEUE_EXIT_CODE)
+
+
+def job_state(job_id: str) -> str:
+    """The job's state from squeue (RUNNING, CANCELLED, COMPLETING...); UNKNOWN on failure."""
+    try:
+        done = subprocess.run(
+            ["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=60
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "UNKNOWN"
+    lines = done.stdout.split()
+    return lines[0] if done.returncode == 0 and lines else "UNKNOWN"
 
 
 def check_submission(cfg: Config, job: JobSpec) -> None:
