@@ -116,3 +116,12 @@ def test_every_key_has_help() -> None:
     ):
         assert required in keys
     assert all(help_text for _, _, help_text in rows)
+
+
+def test_times_stay_text_and_exponents_are_numbers(tmp_path: Path) -> None:
+    """YAML 1.1 would read 20:00:00 as 72000 (base 60), which SLURM takes as minutes."""
+    path = write(tmp_path, "slurm:\n  time: 20:00:00\ntrain:\n  lr: 1e-3\n")
+    cfg = load_config(path, [])
+    assert cfg.slurm.time == "20:00:00"
+    assert cfg.train.lr == pytest.approx(1e-3)
+    assert load_config(None, ["slurm.time=1:30:00", "train.lr=3e-4"]).slurm.time == "1:30:00"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -19,6 +20,39 @@ import yaml
 from hpctrain.config.schema import Config
 
 T = TypeVar("T")
+
+
+class _ConfigYamlLoader(yaml.SafeLoader):
+    """YAML without 1.1's base-60 numbers: `time: 20:00:00` stays the string "20:00:00".
+
+    PyYAML follows YAML 1.1, where `20:00:00` is the integer 72000 (and SLURM would read
+    "72000" as minutes). Exponents without a dot (`lr: 1e-3`) are floats here, as in YAML 1.2.
+    """
+
+
+_INT_TAG, _FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+_ConfigYamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_INT_TAG, _FLOAT_TAG)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_ConfigYamlLoader.add_implicit_resolver(
+    _INT_TAG,
+    re.compile(r"^[-+]?(?:0|[1-9][0-9_]*|0x[0-9a-fA-F_]+|0o?[0-7_]+|0b[01_]+)$"),
+    list("-+0123456789"),
+)
+_ConfigYamlLoader.add_implicit_resolver(
+    _FLOAT_TAG,
+    re.compile(
+        r"^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+"
+        r"|[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
+    list("-+0123456789."),
+)
+
+
+def load_yaml(text: str) -> Any:
+    """Parse config YAML (safe: no Python objects; no base-60 numbers)."""
+    return yaml.load(text, Loader=_ConfigYamlLoader)  # a SafeLoader subclass: no Python objects
 
 
 class ConfigError(ValueError):
@@ -148,7 +182,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {text!r} (command line): expected key.sub=value")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = load_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return key, value
@@ -173,7 +207,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         except OSError as exc:
             raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
         try:
-            loaded = yaml.safe_load(text)
+            loaded = load_yaml(text)
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" line {mark.line + 1}" if mark is not None else ""

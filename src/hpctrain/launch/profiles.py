@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from hpctrain.config import Config
+from hpctrain.config.load import load_yaml
 
 PROFILES_ENV = "HPCTRAIN_CLUSTERS_DIR"
 
@@ -219,7 +220,7 @@ def load_profile(name: str) -> ClusterProfile:
             )
     with open(path, encoding="utf-8") as f:
         try:
-            data = yaml.safe_load(f)
+            data = load_yaml(f.read())
         except yaml.YAMLError as exc:
             raise LaunchError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
     return parse_profile(data, str(path))
@@ -262,10 +263,8 @@ def resolve_job(cfg: Config, profile: ClusterProfile) -> JobSpec:
     minutes = parse_time(time_text)
     if qos and qos in profile.qos_max_minutes and minutes > profile.qos_max_minutes[qos]:
         limits = ", ".join(f"{q} ≤ {format_minutes(m)}" for q, m in profile.qos_max_minutes.items())
-        # YAML 1.1 reads an unquoted 20:00:00 as the integer 72000 (seconds, base 60).
-        hint = "; quote HH:MM:SS values in YAML" if str(time_text).isdigit() else ""
         raise LaunchError(
-            f"slurm.time={time_text!r}: above the {qos} limit of {format_minutes(profile.qos_max_minutes[qos])} on {profile.name} ({limits}){hint}"
+            f"slurm.time={time_text!r}: above the {qos} limit of {format_minutes(profile.qos_max_minutes[qos])} on {profile.name} ({limits})"
         )
     precision = cfg.train.precision
     if precision != "auto" and precision not in profile.precisions:
