@@ -298,7 +298,7 @@ def test_workers_survive_the_job_signals_slurm_sends_to_every_step_process(shard
     import os
     import signal
 
-    root, sizes = shards
+    root, _sizes = shards
     loader = ShardedLoader(
         open_index(str(root / "index.json")), cfg(workers_per_rank=2), rank=0, world_size=1, seed=0
     )
