@@ -303,9 +303,10 @@ def test_workers_survive_the_job_signals_slurm_sends_to_every_step_process(shard
         open_index(str(root / "index.json")), cfg(workers_per_rank=2), rank=0, world_size=1, seed=0
     )
     loader.set_epoch(0)
+    before = set(_child_pids())  # other tests may have left servers running
     it = iter(loader)
     batches = [next(it)]
-    workers = _child_pids()
+    workers = sorted(set(_child_pids()) - before)
     assert len(workers) == 2
     for pid in workers:
         os.kill(pid, signal.SIGUSR2)
