@@ -214,7 +214,7 @@ class _StreamDataset(IterableDataset):
             else:
                 batch, last_good = self._make_batch(raw, epoch, last_good)
             now = stats.as_dict()
-            batch["_stats"] = torch.tensor([now[f] - sent[f] for f in _STAT_FIELDS])
+            batch["_stats"] = [now[f] - sent[f] for f in _STAT_FIELDS]
             sent = now
             yield batch
 
@@ -393,11 +393,15 @@ class _StreamDataset(IterableDataset):
                 f"images of one batch differ in shape {shapes[:3]}: the transform must return "
                 "one size (e.g. a crop or resize)"
             ) from exc
+        # Labels and flags travel as lists; the training process makes the tensors. Every
+        # tensor a worker sends is a shared-memory segment of its own whose descriptor is
+        # handed over on a fresh authenticated connection (torch's file_descriptor sharing):
+        # three more per batch for a few bytes each.
         batch = {
             "image": images,
-            "label": torch.tensor([int(s["label"]) for s in filled], dtype=torch.int64),
+            "label": [int(s["label"]) for s in filled],
             "key": [str(s["key"]) for s in filled],
-            "valid": torch.tensor(valid, dtype=torch.bool),
+            "valid": valid,
         }
         return batch, good
 
@@ -563,9 +567,15 @@ class ShardedLoader:
             batches = iter(self._dataloader)
         finally:
             gc.unfreeze()
+        pin = self._dataloader.pin_memory
         for batch in batches:
-            for name, value in zip(_STAT_FIELDS, batch.pop("_stats").tolist(), strict=True):
+            for name, value in zip(_STAT_FIELDS, batch.pop("_stats"), strict=True):
                 self._stats[name] += value
+            batch["label"] = torch.tensor(batch["label"], dtype=torch.int64)
+            batch["valid"] = torch.tensor(batch["valid"], dtype=torch.bool)
+            if pin:  # as the DataLoader's pinning thread pins the image
+                batch["label"] = batch["label"].pin_memory()
+                batch["valid"] = batch["valid"].pin_memory()
             self._consumed += 1
             remaining -= 1
             yield batch
