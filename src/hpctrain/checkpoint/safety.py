@@ -2,7 +2,7 @@
 
 DCP stores three kinds of bytes: tensor data (read by DCP with `torch.load(weights_only=True)`),
 non-tensor values such as counters and RNG tuples (read by `DefaultLoadPlanner.load_bytes`
-with `weights_only=False` in torch 2.14), and the `.metadata` file (read with a bare
+with full unpickling in torch 2.14), and the `.metadata` file (read with a bare
 `pickle.load`). The last two would run whatever a crafted file asks for, so hpctrain replaces
 both readers:
 
@@ -15,8 +15,8 @@ both readers:
   accepts tensors, primitive types, tuples, lists, dicts and `OrderedDict`.
 
 Local checkpoint folders are further trusted only when the user owns them and others cannot
-write them (`check_trusted`). Many projects set `weights_only=False` again after torch 2.6
-made it the default; hpctrain never does.
+write them (`check_trusted`). Many projects switch weights-only loading off again after torch
+2.6 made it the default; hpctrain never does.
 """
 
 from __future__ import annotations
