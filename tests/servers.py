@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from collections.abc import Iterator
 
 S3_KEY = "testing"
@@ -20,23 +19,16 @@ S3_SECRET = "testing"
 S3_REGION = "us-east-1"
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextlib.contextmanager
 def moto_s3_server() -> Iterator[str]:
     """Run moto's S3-protocol server in a thread; yield its endpoint URL (http://127.0.0.1:PORT)."""
     from moto.server import ThreadedMotoServer
 
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)  # 0: no port race
     server.start()
+    host, port = server.get_host_and_port()
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://{host}:{port}"
     finally:
         server.stop()
 

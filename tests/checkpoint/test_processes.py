@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from hpctrain.checkpoint import (
 )
 from hpctrain.checkpoint.safety import SafeLoadPlanner
 from hpctrain.checkpoint.storage import open_store
+from hpctrain.launch.local import free_port
 from tests.checkpoint._workers import (
     Counter,
     _Tensors,
@@ -35,12 +35,6 @@ from tests.checkpoint._workers import (
 )
 
 WORKERS = str(Path(__file__).with_name("_workers.py"))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def child_env(**extra: str) -> dict[str, str]:

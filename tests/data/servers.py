@@ -3,12 +3,12 @@ faults on demand) and S3 (moto's `ThreadedMotoServer`, with fsspec options for i
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from hpctrain.data.loopback import HttpLog, serve_http
+from tests.servers import moto_s3_server, s3_storage_options
 
 __all__ = ["HttpLog", "make_bucket", "serve_http", "serve_s3"]
 
@@ -16,21 +16,8 @@ __all__ = ["HttpLog", "make_bucket", "serve_http", "serve_s3"]
 @contextmanager
 def serve_s3() -> Iterator[dict[str, Any]]:
     """moto's S3 server on loopback; yields fsspec `storage_options` pointing at it."""
-    from moto.server import ThreadedMotoServer
-
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
-        os.environ.setdefault(name, "testing")
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    try:
-        yield {
-            "key": "testing",
-            "secret": "testing",
-            "client_kwargs": {"endpoint_url": f"http://{host}:{port}", "region_name": "us-east-1"},
-        }
-    finally:
-        server.stop()
+    with moto_s3_server() as endpoint:
+        yield s3_storage_options(endpoint)
 
 
 def make_bucket(options: dict[str, Any], name: str) -> None:

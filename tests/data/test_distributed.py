@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import torch.multiprocessing as mp
 
 from hpctrain.config.schema import DataConfig
 from hpctrain.data import ShardedLoader, open_index
+from hpctrain.launch.local import free_port
 from tests.data.loader_testkit import all_keys, make_shards
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -24,12 +24,6 @@ SCENARIOS = {
     "fewer_shards_than_workers": ([5, 4], 2, True),  # 2 shards, 4 streams
     "eval_pad": ([3, 17, 8, 1, 11], 4, False),
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def rank_main(rank: int, world_size: int, port: int, root: str) -> None:
