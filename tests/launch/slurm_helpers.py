@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from hpctrain.launch.status import RunStatus, run_status
+from tests.train.helpers import tiny_run_overrides
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = str(REPO / "configs" / "demo.yaml")
@@ -20,21 +21,14 @@ T = TypeVar("T")
 
 def train_overrides(shards: Path, run_dir: Path, *extra: str) -> list[str]:
     """A tiny CPU run of the demo config on `shards` (fp32, one loader worker)."""
-    return [
-        f"run_dir={run_dir}",
-        f"data.train={shards / 'train' / 'index.json'}",
-        f"data.val={shards / 'val' / 'index.json'}",
-        "data.batch_size=16",
-        "data.workers_per_rank=1",
-        "data.shuffle_buffer=32",
-        "model.image_size=16",
+    return tiny_run_overrides(
+        shards,
+        run_dir,
         "train.precision=fp32",
-        "train.log_every=1",
-        "train.warmup_steps=0",
         "checkpoint.every_steps=0",
         "slurm.profile=local-dev",
         *extra,
-    ]
+    )
 
 
 def hpctrain(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

@@ -11,8 +11,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 def train_args(shards: Path, run_dir: Path, *overrides: str) -> list[str]:
     """`hpctrain train` arguments for a tiny, fast CPU run on `shards`."""
+    return [str(REPO / "configs" / "demo.yaml"), *tiny_run_overrides(shards, run_dir, *overrides)]
+
+
+def tiny_run_overrides(shards: Path, run_dir: Path, *overrides: str) -> list[str]:
+    """Overrides of the demo config for a tiny, fast CPU run on `shards` (DIR/train, DIR/val)."""
     return [
-        str(REPO / "configs" / "demo.yaml"),
         f"run_dir={run_dir}",
         f"data.train={shards / 'train' / 'index.json'}",
         f"data.val={shards / 'val' / 'index.json'}",

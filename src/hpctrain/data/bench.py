@@ -248,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
                 seed=0,
                 transform=HpctrainTransform(args.crop),
             )
-            return _count(loader) + 0 * len(loader)
+            return _count(loader)
 
         def hpctrain_steady() -> tuple[int, float, float]:
             """Second epoch with persistent workers: no fork or start-up in the figures.
