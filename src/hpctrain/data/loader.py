@@ -11,6 +11,7 @@ epochs, so `set_epoch` on the main process's copy alone would never reach them.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import itertools
 import json
@@ -575,6 +576,7 @@ class ShardedLoader:
         self.control.share_memory_()
         self._dataset = _StreamDataset(self)
         self._dataloader: DataLoader | None = None
+        self._workers_iter: Any = None  # the DataLoader iterator that owns the workers
         self._plan_cache: tuple[Any, EpochPlan] | None = None
 
     # -- the plan ------------------------------------------------------------------------
@@ -648,6 +650,9 @@ class ShardedLoader:
             batches = iter(self._dataloader)
         finally:
             gc.unfreeze()
+        if self.cfg.workers_per_rank > 0:
+            self._workers_iter = batches
+            _stop_at_exit(batches)
         pin = self._dataloader.pin_memory
         pooled = self._dataset.pool_batches
         for batch in batches:
@@ -666,6 +671,16 @@ class ShardedLoader:
         # a worker dying or a planning bug must not leave this rank short: DDP would hang
         if remaining:
             raise RuntimeError(f"loader ended {remaining} batches early on rank {self.rank}")
+
+    def close(self) -> None:
+        """Stop the worker processes now (persistent ones included); iterating starts new ones.
+
+        Also done at interpreter exit for every loader still holding workers.
+        """
+        if self._workers_iter is not None:
+            stop_workers(self._workers_iter)
+            self._workers_iter = None
+        self._dataloader = None
 
     def stats(self) -> dict[str, int]:
         """Counters since the loader was built: retries, shards_failed, samples_lost, bytes."""
@@ -723,6 +738,46 @@ def ignore_job_signals(_worker_id: int) -> None:
     """
     for name in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"):
         signal.signal(getattr(signal, name), signal.SIG_IGN)
+
+
+_live_worker_iters: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _stop_at_exit(batches: Any) -> None:
+    """Stop these workers at interpreter exit, if nothing has stopped them before.
+
+    Needed because workers ignore SIGTERM (`ignore_job_signals`): at exit, multiprocessing
+    stops daemonic children with SIGTERM and then waits for them, forever here, whenever a
+    DataLoader iterator is still alive then (a loader held by a module global, or by the
+    traceback of an exception: a crashed run would hang instead of exiting). atexit runs its
+    functions last-registered first, so this one, registered after multiprocessing's, runs
+    before it.
+    """
+    if not _live_worker_iters:
+        atexit.unregister(_stop_all_workers)
+        atexit.register(_stop_all_workers)
+    _live_worker_iters.add(batches)
+
+
+def _stop_all_workers() -> None:
+    for batches in list(_live_worker_iters):
+        stop_workers(batches)
+
+
+def stop_workers(batches: Any) -> None:
+    """Shut a DataLoader iterator's workers down: politely, then SIGKILL for any still alive
+    (they ignore SIGTERM, which is what `Process.terminate` sends)."""
+    _live_worker_iters.discard(batches)
+    workers = list(getattr(batches, "_workers", ()))
+    try:
+        shutdown = getattr(batches, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+    finally:
+        for w in workers:
+            if w.is_alive():
+                w.kill()
+                w.join(timeout=10)
 
 
 def worker_start_method() -> str:

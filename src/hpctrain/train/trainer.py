@@ -197,6 +197,9 @@ class Trainer:
             metrics.close()
             self.checkpoints.close()
             self.preemption.uninstall()
+            for loader in (self.loader, self.val_loader):
+                if loader is not None:
+                    loader.close()  # its workers too, now rather than at exit
 
     def train_step(self, batches: Iterator[Batch]) -> None:
         """One optimizer step over `grad_accum_steps` micro-batches."""
