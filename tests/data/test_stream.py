@@ -29,7 +29,7 @@ def write_tar(path, members, fmt=tarfile.USTAR_FORMAT):
 
 def samples(path, **kw):
     with open_shard(str(path)) as f:
-        return [(i, k, dict(m)) for i, k, m in iter_samples(f, **kw)]
+        return [(i, k, {e: bytes(v) for e, v in m.items()}) for i, k, m in iter_samples(f, **kw)]
 
 
 @pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
@@ -40,13 +40,15 @@ def test_long_names_in_every_tar_format(tmp_path, fmt):
     assert got == [(0, f"{deep}/k1", {"jpg": b"a", "cls": b"1"}), (1, f"{deep}/k2", {"jpg": b"b"})]
 
 
-def test_skipped_samples_are_not_read(tmp_path):
+@pytest.mark.parametrize("views", [False, True])
+def test_skipped_samples_are_not_read(tmp_path, views):
     members = [(f"{i:03d}.bin", bytes([i]) * 100_000) for i in range(10)]
     path = write_tar(tmp_path / "x.tar", members)
     stats = ReadStats()
     with open_shard(str(path), stats=stats) as f:
         got = [
-            (i, m["bin"][:1]) for i, _k, m in iter_samples(f, want=lambda i: i in (3, 7), stop=8)
+            (i, bytes(m["bin"][:1]))
+            for i, _k, m in iter_samples(f, want=lambda i: i in (3, 7), stop=8, views=views)
         ]
     assert got == [(3, b"\x03"), (7, b"\x07")]
     assert stats.bytes_skipped >= 6 * 100_000  # seeks, not reads, on a local file
@@ -58,17 +60,33 @@ def test_split_key_follows_webdataset():
     assert split_key("noext") == ("noext", "")
 
 
-def test_corrupt_and_duplicate_members(tmp_path):
+@pytest.mark.parametrize("views", [False, True])
+def test_corrupt_and_duplicate_members(tmp_path, views):
     dup = write_tar(tmp_path / "dup.tar", [("k.jpg", b"a"), ("k.jpg", b"b")])
     with pytest.raises(CorruptShardError, match="duplicate member 'k.jpg'"):
-        samples(dup)
+        samples(dup, views=views)
     good = write_tar(tmp_path / "good.tar", [("k.jpg", b"x" * 2000), ("k.cls", b"1")])
     data = good.read_bytes()
     (tmp_path / "cut.tar").write_bytes(data[:1000])  # inside the first member's data
     with pytest.raises(CorruptShardError, match="truncated tar member"):
-        samples(tmp_path / "cut.tar")
+        samples(tmp_path / "cut.tar", views=views)
     (tmp_path / "noend.tar").write_bytes(data[:3584])  # both members, no end-of-archive blocks
-    assert [k for _i, k, _m in samples(tmp_path / "noend.tar")] == ["k"]
+    assert [k for _i, k, _m in samples(tmp_path / "noend.tar", views=views)] == ["k"]
+    (tmp_path / "empty.tar").write_bytes(b"")  # cannot be mapped: read as a file
+    assert samples(tmp_path / "empty.tar", views=views) == []
+
+
+def test_local_members_are_views_of_the_map_that_outlive_the_stream(tmp_path):
+    members = [(f"{i}.jpg", bytes([i]) * (700 + i)) for i in range(3)]
+    path = write_tar(tmp_path / "x.tar", members)
+    expected = samples(path)
+    for url in (str(path), f"file://{path}"):
+        with open_shard(url) as f:
+            got = list(iter_samples(f, views=True))
+        assert all(isinstance(m["jpg"], memoryview) for _i, _k, m in got)  # no copies
+        assert [(i, k, {"jpg": bytes(m["jpg"])}) for i, k, m in got] == expected
+    with open_shard(f"pipe:cat {path}") as f:  # a stream: bytes, as without views
+        assert [(i, k, m) for i, k, m in iter_samples(f, views=True)] == expected
 
 
 def test_short_body_is_retried_then_reported(tmp_path):
@@ -78,6 +96,7 @@ def test_short_body_is_retried_then_reported(tmp_path):
     with pytest.raises(ShardReadError, match="still failing after 2 retries: TransientReadError"):
         stream.read(size + 512)
     assert stream.stats.retries == 2
+    assert stream._map is not None  # the same through the local file's map
 
 
 def test_pipe_failure_is_an_error(tmp_path):

@@ -17,13 +17,14 @@ import itertools
 import json
 import logging
 import math
+import os
 import signal
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
@@ -64,24 +65,25 @@ class LoaderStateError(ValueError):
     """A loader state that does not belong to this data (other shards or another seed)."""
 
 
-def decode_image(data: bytes) -> torch.Tensor:
-    """Encoded image bytes -> uint8 RGB tensor [3, H, W].
+def decode_image(data: bytes | memoryview) -> torch.Tensor:
+    """Encoded image bytes (or a view of them) -> uint8 RGB tensor [3, H, W].
 
     torchvision.io.decode_image rather than PIL: 1,600 vs 1,280 JPEG/s (400x300, one core,
     libjpeg-turbo in both) on this project's machine, and it gives the CHW tensor that
     `transforms.v2` wants without a copy. torchvision 0.29 warns on every call that these
     decoders move to torchcodec (not installed here); PIL takes over once they are gone.
+    The encoded bytes are read in place: torch warns that the tensor over a read-only buffer
+    must not be written to, and the decoder only reads it.
     """
     if tv_decode is None:
         return _decode_with_pil(data)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        return tv_decode(
-            torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB
-        )
+        warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+        return tv_decode(torch.frombuffer(data, dtype=torch.uint8), mode=ImageReadMode.RGB)
 
 
-def _decode_with_pil(data: bytes) -> torch.Tensor:
+def _decode_with_pil(data: bytes | memoryview) -> torch.Tensor:
     import io
 
     import numpy as np
@@ -104,8 +106,8 @@ def decode_sample(key: str, members: dict[str, bytes]) -> dict[str, Any]:
         raise CorruptShardError(f"sample {key!r} has no image member (got {sorted(members)})")
     label = -1
     if "cls" in members:
-        label = int(members["cls"].strip() or -1)
-    meta = json.loads(members["json"]) if "json" in members else {}
+        label = int(bytes(members["cls"]).strip() or -1)
+    meta = json.loads(bytes(members["json"])) if "json" in members else {}
     return {"image": image, "label": label, "key": key, "meta": meta}
 
 
@@ -315,7 +317,7 @@ class _StreamDataset(IterableDataset):
         try:
             with opened.result() if opened is not None else self._open(shard, stats) as f:
                 for index, key, members in iter_samples(
-                    f, want=valid_of.__contains__, stop=expected[-1] + 1
+                    f, want=valid_of.__contains__, stop=expected[-1] + 1, views=True
                 ):
                     if index != expected[got]:  # cannot happen: `want` filters
                         raise AssertionError((index, expected[got]))
@@ -392,6 +394,7 @@ class _StreamDataset(IterableDataset):
         if good is None:
             good = self._filler(epoch, avoid=raw[0][0].shard)
         filled = [s if s is not None else good for s in samples]
+        images: torch.Tensor | PooledBatch
         try:
             if self.in_process:
                 images = torch.stack([s["image"] for s in filled])
@@ -438,76 +441,115 @@ def _stack_shared(images: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(images, out=out)
 
 
+class PooledBatch(NamedTuple):
+    """What a worker sends for a batch stacked into one of its reused buffers.
+
+    `buffer` (the shared-memory tensor) travels only until the training process has mapped
+    it; after that the batch is named by (owner, serial) alone. torch passes a shared tensor
+    as a file descriptor over a fresh authenticated connection to a thread of the sender,
+    then maps it again: ~0.6 ms of CPU per batch (training process and worker) against a
+    few microseconds for this tuple, and the training process keeps the pages it mapped.
+    """
+
+    owner: int  # the worker's pid
+    serial: int  # which of its buffers
+    shape: tuple[int, ...]
+    live: tuple[int, ...]  # the owner's buffers still in use: the receiver forgets the rest
+    buffer: torch.Tensor | None
+
+
 class BatchBuffers:
     """A worker's shared-memory batch buffers, reused once the training process let go.
 
     Stacking each batch into a new shared-memory segment costs more than the stacking: its
     pages are allocated, zeroed and faulted in one by one in the worker, and freed again in
     the training process (2.9 ms against 0.4 ms for a 32x3x224x224 uint8 batch here, i.e.
-    ~0.08 ms per image beside ~1.2 ms of decode + crop). So each buffer carries one element
-    more than the batch: a flag that the training process sets (`release`) once nothing of the
-    batch is left there (`lend`). A worker never waits for a buffer: with none released it
-    makes a new one, and it forgets the oldest beyond `keep`, so a batch the training process
-    keeps is never overwritten. Not used when the DataLoader pins batches (its copies replace
-    the originals before the training process could release them).
+    ~0.08 ms per image beside ~1.2 ms of decode + crop). So each buffer carries two elements
+    more than the batch, flags that only the training process sets: [n] once nothing of the
+    batch is left there (the buffer is free again), [n + 1] once it has mapped the buffer (the
+    worker then sends a `PooledBatch` without it). A worker never waits for a buffer: with
+    none released it makes a new one, and it forgets the oldest beyond `keep`, so a batch the
+    training process keeps is never overwritten. Not used when the DataLoader pins batches
+    (its copies replace the originals before the training process could release them).
     """
 
     def __init__(self, keep: int = 8) -> None:
         self.keep = keep
-        self.buffers: list[torch.Tensor] = []  # flat: batch elements, then the flag
+        self.buffers: list[tuple[int, torch.Tensor]] = []  # (serial, flat buffer)
+        self.serial = 0
 
-    def stack(self, images: list[torch.Tensor]) -> torch.Tensor:
+    def stack(self, images: list[torch.Tensor]) -> PooledBatch:
         """`torch.stack(images)` into a released (or new) shared buffer, flagged in use."""
         first = images[0]
         if any(x.shape != first.shape for x in images):
             raise RuntimeError("shapes differ")
         n = len(images) * first.numel()
-        flat = next(
+        found = next(
             (
-                b
-                for b in self.buffers
-                if b.numel() == n + 1 and b.dtype == first.dtype and b[n].item() == 1
+                (serial, b)
+                for serial, b in self.buffers
+                if b.numel() == n + 2 and b.dtype == first.dtype and b[n].item() == 1
             ),
             None,
         )
-        if flat is None:
-            storage = first._typed_storage()._new_shared(n + 1, device=first.device)
+        if found is None:
+            storage = first._typed_storage()._new_shared(n + 2, device=first.device)
             flat = first.new(storage)
-            self.buffers.append(flat)
+            flat[n + 1] = 0
+            self.serial += 1
+            found = (self.serial, flat)
+            self.buffers.append(found)
             del self.buffers[: -self.keep]
+        serial, flat = found
         flat[n] = 0
-        return torch.stack(images, out=flat[:n].view(len(images), *first.shape))
+        shape = (len(images), *first.shape)
+        torch.stack(images, out=flat[:n].view(shape))
+        mapped = flat[n + 1].item() == 1
+        live = tuple(s for s, _ in self.buffers)
+        return PooledBatch(os.getpid(), serial, shape, live, None if mapped else flat)
 
-    @staticmethod
-    def is_pooled(images: torch.Tensor) -> bool:
-        """True for a batch stacked by `stack` (its storage holds the flag after it)."""
-        size = (images.numel() + 1) * images.element_size()
-        return bool(
-            images.is_shared()
-            and images.untyped_storage().nbytes() == size
-            and images.storage_offset() == 0
-            and images.is_contiguous()
-        )
 
-    @staticmethod
-    def lend(images: torch.Tensor) -> torch.Tensor:
-        """The training process's view of a pooled batch: the same memory, released to the
-        worker when the last tensor or view of it is gone (not before: no copy, and nothing
-        the trainer still holds is overwritten)."""
-        try:
-            array = images.numpy()  # a buffer object whose life torch.frombuffer extends
-        except TypeError:  # a dtype numpy lacks (bfloat16): copy out and release now
-            copy = images.clone()
-            BatchBuffers.release(images)
-            return copy
-        weakref.finalize(array, BatchBuffers.release, images)
-        return torch.frombuffer(array, dtype=images.dtype).view(images.shape)
+class MappedBuffers:
+    """The training process's side: workers' buffers mapped once, batches lent out of them."""
 
-    @staticmethod
-    def release(images: torch.Tensor) -> None:
-        """Hand the buffer back to its worker (call once nothing reads `images` any more)."""
-        n = images.numel()
-        torch.empty(0, dtype=images.dtype).set_(images.untyped_storage(), 0, (n + 1,), (1,))[n] = 1
+    def __init__(self) -> None:
+        self.mapped: dict[tuple[int, int], torch.Tensor] = {}
+
+    def clear(self) -> None:
+        """Forget every mapping (new workers; lent batches keep their own reference)."""
+        self.mapped.clear()
+
+    def receive(self, ref: PooledBatch) -> torch.Tensor:
+        """The batch `ref` names, lent: released to its worker when its last view is gone."""
+        key = (ref.owner, ref.serial)
+        n = math.prod(ref.shape)
+        if ref.buffer is not None:
+            self.mapped[key] = ref.buffer
+            ref.buffer[n + 1] = 1  # written before any release, so seen by the worker first
+        flat = self.mapped.get(key)
+        if flat is None:  # a worker sends the buffer until it sees the flag: cannot happen
+            raise RuntimeError(f"batch buffer {key} of a loader worker was never received")
+        for stale in [k for k in self.mapped if k[0] == ref.owner and k[1] not in ref.live]:
+            del self.mapped[stale]
+        return lend(flat, n, ref.shape)
+
+
+def lend(flat: torch.Tensor, n: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """A view of `flat[:n]` that frees the buffer (flag `flat[n]`) when its last tensor or
+    view is gone, not before: no copy, and nothing the trainer still holds is overwritten."""
+    try:
+        array = flat[:n].numpy()  # a buffer object whose life torch.frombuffer extends
+    except TypeError:  # a dtype numpy lacks (bfloat16): copy out and release now
+        copy = flat[:n].view(shape).clone()
+        release(flat, n)
+        return copy
+    weakref.finalize(array, release, flat, n)
+    return torch.frombuffer(array, dtype=flat.dtype).view(shape)
+
+
+def release(flat: torch.Tensor, n: int) -> None:
+    """Hand a buffer back to its worker (once nothing reads its batch any more)."""
+    flat[n] = 1
 
 
 class ShardedLoader:
@@ -577,6 +619,7 @@ class ShardedLoader:
         self._dataset = _StreamDataset(self)
         self._dataloader: DataLoader | None = None
         self._workers_iter: Any = None  # the DataLoader iterator that owns the workers
+        self._mapped = MappedBuffers()  # the workers' batch buffers
         self._plan_cache: tuple[Any, EpochPlan] | None = None
 
     # -- the plan ------------------------------------------------------------------------
@@ -650,14 +693,14 @@ class ShardedLoader:
             batches = iter(self._dataloader)
         finally:
             gc.unfreeze()
-        if self.cfg.workers_per_rank > 0:
+        if self.cfg.workers_per_rank > 0 and batches is not self._workers_iter:
+            self._mapped.clear()  # other workers (persistent ones keep their iterator)
             self._workers_iter = batches
             _stop_at_exit(batches)
         pin = self._dataloader.pin_memory
-        pooled = self._dataset.pool_batches
         for batch in batches:
-            if pooled and BatchBuffers.is_pooled(batch["image"]):
-                batch["image"] = BatchBuffers.lend(batch["image"])
+            if isinstance(batch["image"], PooledBatch):
+                batch["image"] = self._mapped.receive(batch["image"])
             for name, value in zip(_STAT_FIELDS, batch.pop("_stats"), strict=True):
                 self._stats[name] += value
             batch["label"] = torch.tensor(batch["label"], dtype=torch.int64)
@@ -680,6 +723,7 @@ class ShardedLoader:
         if self._workers_iter is not None:
             stop_workers(self._workers_iter)
             self._workers_iter = None
+        self._mapped.clear()
         self._dataloader = None
 
     def stats(self) -> dict[str, int]:

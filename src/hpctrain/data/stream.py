@@ -19,6 +19,7 @@ the WebDataset convention.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
 from hpctrain.data.index import redact_url
 
@@ -116,11 +118,12 @@ class ShardStream:
         self.stats = stats if stats is not None else ReadStats()
         self.storage_options = storage_options or {}
         self.raw_pos = 0  # bytes received from the file
-        self._buf = b""
+        self._buf: bytes | memoryview = b""
         self._buf_pos = 0
         self.retries_left = max_retries
         self._sleep = sleep
         self._file: Any = None
+        self._map: memoryview | None = None  # a local shard, mapped: reads are slices
         self._proc: subprocess.Popen[bytes] | None = None
         self._seekable = False
         self._open_at(0)
@@ -150,10 +153,13 @@ class ShardStream:
                 self._discard(offset)
         else:
             fs, path = fsspec.core.url_to_fs(url, **self.storage_options)
-            self._file = fs.open(path, "rb")
             self._seekable = True
-            if offset:
-                self._file.seek(offset)
+            if isinstance(fs, LocalFileSystem):
+                self._map = _map_file(path)
+            if self._map is None:
+                self._file = fs.open(path, "rb")
+                if offset:
+                    self._file.seek(offset)
         self.raw_pos = offset
 
     def _discard(self, n: int) -> None:
@@ -164,6 +170,8 @@ class ShardStream:
             n -= len(chunk)
 
     def _close_file(self) -> None:
+        # not mmap.close(): samples still hold views of the map; it goes with the last one
+        self._map = None
         if self._file is not None:
             # closing a broken connection may fail again; there is nothing left to save
             with contextlib.suppress(Exception):
@@ -208,11 +216,14 @@ class ShardStream:
         """Bytes of the shard consumed by the caller (the buffer's unread part excluded)."""
         return self.raw_pos - (len(self._buf) - self._buf_pos)
 
-    def _read_raw(self, n: int) -> bytes:
+    def _read_raw(self, n: int) -> bytes | memoryview:
         """Up to `n` bytes from the file (b"" at the real end), retrying transient faults."""
         while True:
             try:
-                chunk = self._file.read(n)
+                if self._map is not None:
+                    chunk: bytes | memoryview = self._map[self.raw_pos : self.raw_pos + n]
+                else:
+                    chunk = self._file.read(n)
                 if not chunk:
                     self._check_eof()
             except Exception as exc:
@@ -228,7 +239,12 @@ class ShardStream:
         Reads go to the file in chunks of at least `READ_CHUNK`: a tar sample takes 4+ small
         reads, and each read of an fsspec HTTP stream is a round trip to its event-loop thread.
         """
-        parts = []
+        data = self.read_view(n)
+        return data if isinstance(data, bytes) else bytes(data)
+
+    def read_view(self, n: int) -> bytes | memoryview:
+        """As `read`, but a local shard's bytes come as a view of its map, not a copy."""
+        parts: list[bytes | memoryview] = []
         want = n
         while want > 0:
             if self._buf_pos >= len(self._buf):
@@ -264,6 +280,9 @@ class ShardStream:
             return
         n -= buffered
         self._buf, self._buf_pos = b"", 0
+        if self._map is not None:
+            self.raw_pos += n
+            return
         if self._seekable:
             target = self.raw_pos + n
             try:
@@ -279,6 +298,20 @@ class ShardStream:
                 return
             self.stats.bytes_read -= len(chunk)
             n -= len(chunk)
+
+
+def _map_file(path: str) -> memoryview | None:
+    """A local file mapped read-only (None for an empty file, which cannot be mapped).
+
+    Why a map: samples are then slices of the page cache that the decoder reads in place,
+    where reads copied every member twice (kernel -> buffer -> bytes). Shards are never
+    rewritten in place (`hpctrain convert` renames finished files over old ones), so a map
+    cannot see a file shrink under it.
+    """
+    with open(path, "rb") as f:
+        if not f.seek(0, 2):
+            return None
+        return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
 
 
 def _describe(exc: BaseException) -> str:
@@ -325,12 +358,16 @@ def _parse_pax(data: bytes) -> dict[str, str]:
     return out
 
 
-def iter_members(stream: ShardStream) -> Iterator[tuple[Member, Callable[[], bytes]]]:
+def iter_members(
+    stream: ShardStream, *, views: bool = False
+) -> Iterator[tuple[Member, Callable[[], bytes]]]:
     """Regular-file members of a tar stream, each with a reader of its data.
 
     The reader must be called before advancing, or not at all (then the data is skipped
-    without being read where the stream can seek).
+    without being read where the stream can seek). `views=True`: a local shard's data come
+    as memoryviews of its map (no copy; the map lives as long as they do).
     """
+    read = stream.read_view if views else stream.read
     long_name: str | None = None
     pax: dict[str, str] = {}
     while True:
@@ -377,10 +414,10 @@ def iter_members(stream: ShardStream) -> Iterator[tuple[Member, Callable[[], byt
 
         def read_data(size: int = size, padded: int = padded, state: dict = state) -> bytes:
             state["done"] = True
-            data = stream.read(padded)
+            data = read(padded)
             if len(data) < size:
                 raise CorruptShardError("truncated tar member")
-            return data[:size]
+            return data[:size]  # type: ignore[return-value]  # a memoryview only when asked for
 
         yield Member(name, size), read_data
         if not state["done"]:
@@ -397,7 +434,11 @@ def split_key(name: str) -> tuple[str, str]:
 
 
 def iter_samples(
-    stream: ShardStream, *, want: Callable[[int], bool] | None = None, stop: int | None = None
+    stream: ShardStream,
+    *,
+    want: Callable[[int], bool] | None = None,
+    stop: int | None = None,
+    views: bool = False,
 ) -> Iterator[tuple[int, str, dict[str, bytes]]]:
     """Samples of a tar stream as (index in shard, key, {extension: bytes}).
 
@@ -406,12 +447,14 @@ def iter_samples(
         want: called with a sample's index; False skips the sample's bytes without reading
             them where possible (and never decodes them). Skipped samples are not yielded.
         stop: stop after sample index `stop - 1` (no need to read further).
+        views: members of a local shard as memoryviews of its map instead of bytes copies
+            (see `iter_members`).
     """
     index = -1
     key: str | None = None
     members: dict[str, bytes] = {}
     wanted = True
-    for member, read_data in iter_members(stream):
+    for member, read_data in iter_members(stream, views=views):
         k, ext = split_key(member.name)
         if k != key:
             if key is not None and wanted:
