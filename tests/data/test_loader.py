@@ -314,3 +314,42 @@ def test_workers_survive_the_job_signals_slurm_sends_to_every_step_process(shard
     batches += list(it)
     assert len(batches) == len(loader)
     assert keys_of(batches) == expected_keys(loader)
+
+
+def test_a_worker_with_nothing_readable_fills_its_batches_from_another_shard(tmp_path):
+    make_shards(tmp_path, [6, 6])
+    path = tmp_path / "train-000000.tar"
+    data = bytearray(path.read_bytes())
+    data[10] ^= 0xFF  # the first header: nothing of shard 0 can be read
+    path.write_bytes(bytes(data))
+    c = cfg(batch_size=3, workers_per_rank=2, on_error="skip")
+    loader = ShardedLoader(open_index(str(tmp_path)), c, rank=0, world_size=1, seed=0)
+    batches = list(loader)
+    assert len(batches) == 4 and loader.stats()["samples_lost"] == 6
+    lost = [b for b in batches if not any(b["valid"])]
+    assert len(lost) == 2  # shard 0's worker: a stand-in sample, flagged invalid
+    assert all(k == sample_key(1, 0) for b in lost for k in b["key"])
+    filler = next(b for b in batches if sample_key(1, 0) in b["key"] and any(b["valid"]))
+    first = filler["image"][filler["key"].index(sample_key(1, 0))]
+    assert all(torch.equal(image, first) for b in lost for image in b["image"])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_transform_returning_several_sizes_is_a_clear_error(shards, workers):
+    root, _ = shards
+
+    def uneven(sample):
+        side = 4 + int(sample["key"][-1]) % 2
+        sample["image"] = sample["image"][:, :side, :side]
+        return sample
+
+    loader = ShardedLoader(
+        open_index(str(root)),
+        cfg(workers_per_rank=workers),
+        rank=0,
+        world_size=1,
+        seed=0,
+        transform=uneven,
+    )
+    with pytest.raises(ValueError, match=r"images of one batch differ: \[3, \d, \d\]"):
+        list(loader)
