@@ -16,6 +16,6 @@ def test_bench_loader_runs_all_cases(capsys):
         == 0
     )
     out = json.loads(capsys.readouterr().out)
-    assert len(out["cases"]) == 8
+    assert len(out["cases"]) == 9
     assert all(v["images_per_cpu_s"] > 0 for v in out["cases"].values())
     assert "hpctrain / webdataset (images per CPU-s)" in out["ratios"]
