@@ -103,3 +103,17 @@ def test_pipe_failure_is_an_error(tmp_path):
     with pytest.raises(ShardReadError, match="pipe command exited with status 3"):
         samples_of = open_shard("pipe:exit 3", max_retries=1, backoff_s=0)
         samples_of.read(10)
+
+
+def test_a_file_that_cannot_be_mapped_is_read_as_a_file(tmp_path, monkeypatch):
+    import mmap
+
+    def no_mmap(*_args, **_kwargs):
+        raise OSError(19, "No such device")  # what mmap gives on filesystems without it
+
+    path = write_tar(tmp_path / "x.tar", [("k.jpg", b"x" * 700), ("k.cls", b"3")])
+    monkeypatch.setattr(mmap, "mmap", no_mmap)
+    with open_shard(str(path)) as f:
+        got = list(iter_samples(f, views=True))
+        assert f._map is None
+    assert got == [(0, "k", {"jpg": b"x" * 700, "cls": b"3"})]

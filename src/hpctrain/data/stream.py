@@ -301,7 +301,8 @@ class ShardStream:
 
 
 def _map_file(path: str) -> memoryview | None:
-    """A local file mapped read-only (None for an empty file, which cannot be mapped).
+    """A local file mapped read-only; None where it cannot be (an empty file, or a filesystem
+    without mmap support such as some FUSE mounts): the caller then reads it as a file.
 
     Why a map: samples are then slices of the page cache that the decoder reads in place,
     where reads copied every member twice (kernel -> buffer -> bytes). Shards are never
@@ -311,7 +312,10 @@ def _map_file(path: str) -> memoryview | None:
     with open(path, "rb") as f:
         if not f.seek(0, 2):
             return None
-        return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+        try:
+            return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+        except (OSError, ValueError):
+            return None
 
 
 def _describe(exc: BaseException) -> str:
