@@ -120,6 +120,8 @@ def common_args(shards: Path, run_dir: Path, *extra: str) -> list[str]:
         shards,
         run_dir,
         f"train.max_steps={MAX_STEPS}",
+        "task=tests.slow_task:SlowImageClassification",  # >= 0.2 s a step: the signal
+        "task_options.step_s=0.2",  # reaches the run before its last step on any machine
         "train.deterministic=true",
         "data.sample_log=true",
         "data.val=",

@@ -33,7 +33,7 @@ def train_overrides(shards: Path, run_dir: Path, *extra: str) -> list[str]:
 
 def hpctrain(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """`hpctrain ARGS` run from the repository root: jobs start there too (SLURM's default
-    working directory), so test tasks (`tests.launch.slow_task`) are importable in them."""
+    working directory), so test tasks (`tests.slow_task`) are importable in them."""
     proc = subprocess.run(
         [sys.executable, "-m", "hpctrain", *args],
         capture_output=True,

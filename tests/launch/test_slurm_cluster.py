@@ -16,6 +16,7 @@ import submitit
 from hpctrain.launch.status import run_status
 from tests.launch.slurm_helpers import (
     DEMO,
+    REPO,
     hpctrain,
     log_text,
     read_metrics,
@@ -30,6 +31,10 @@ from tests.launch.slurm_helpers import (
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
 HERE = Path(__file__).parent
+
+# Tests that signal a run once it reached step 20 need the rest of the run to outlast the
+# signal's way there on any machine: a floor of 30 ms a step (see tests/slow_task.py).
+SLOW_STEPS = ("task=tests.slow_task:SlowImageClassification", "task_options.step_s=0.03")
 
 
 @pytest.fixture
@@ -111,7 +116,7 @@ def test_preemption_requeues_and_resumes_to_the_same_weights(
     """
     steps = "train.max_steps=300"
     preempted, straight = tmp_path / "preempted", tmp_path / "straight"
-    same = ("train.deterministic=true", "data.workers_per_rank=0")
+    same = ("train.deterministic=true", "data.workers_per_rank=0", *SLOW_STEPS)
     jobs += submit(*train_overrides(tiny_shards, straight, steps, *same))  # runs meanwhile
     jobs += submit(*train_overrides(tiny_shards, preempted, steps, *same))
     job_id = jobs[-1]
@@ -143,7 +148,9 @@ def test_sigterm_to_all_step_processes_with_loader_workers(
     """SLURM signals every process of the step (as on preemption): loader workers survive."""
     run_dir = tmp_path / "run"
     jobs += submit(
-        *train_overrides(tiny_shards, run_dir, "train.max_steps=300", "data.workers_per_rank=1")
+        *train_overrides(
+            tiny_shards, run_dir, "train.max_steps=300", "data.workers_per_rank=1", *SLOW_STEPS
+        )
     )
     wait_step(run_dir, 20, 120)
     scancel("--signal=TERM", jobs[-1])
@@ -193,7 +200,7 @@ def test_time_limit_completes_over_several_requeues(
     jobs += submit(
         *train_overrides(
             tiny_shards, run_dir, "train.max_steps=300", "data.batch_size=32",
-            "task=tests.launch.slow_task:SlowImageClassification", "task_options.step_s=0.15",
+            "task=tests.slow_task:SlowImageClassification", "task_options.step_s=0.15",
             "slurm.time=1", "slurm.signal_margin_s=5", "slurm.max_requeues=12",
             "checkpoint.deadline_margin_s=40",
         )
@@ -212,7 +219,7 @@ def test_plain_sbatch_script_trains_and_requeues(
     hpctrain(
         "sbatch",
         DEMO,
-        *train_overrides(tiny_shards, run_dir, "train.max_steps=150"),
+        *train_overrides(tiny_shards, run_dir, "train.max_steps=150", *SLOW_STEPS),
         "-o",
         str(script),
     )
@@ -222,6 +229,7 @@ def test_plain_sbatch_script_trains_and_requeues(
         text=True,
         check=True,
         timeout=30,
+        cwd=REPO,  # the job's working directory: tests.slow_task importable
     ).stdout.strip()
     jobs.append(job_id)
     wait_step(run_dir, 20, 120)

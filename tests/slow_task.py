@@ -1,8 +1,10 @@
 """A task whose training steps last at least `task_options.step_s` seconds.
 
-The time-limit test needs a run that outlasts several allocations on any machine: with a
-floor on the step time, the number of requeues no longer shrinks as the loader or the machine
-gets faster (it did: 1150 plain steps once fit in two allocations instead of three).
+Tests that act while a run trains (a signal at step N, a time limit over several allocations)
+need steps that cannot outrun them on a fast machine: both kinds failed once the loader got
+faster (1150 plain steps fit in two allocations instead of three; a signal sent once step 3
+was logged arrived after the last step, 8). The sleep changes no numbers: runs with and
+without it train bitwise alike.
 """
 
 from __future__ import annotations
