@@ -434,9 +434,15 @@ class _StreamDataset(IterableDataset):
             return plain, lambda: plain
         if self.pool_batches:
             return self._buffers.acquire(shape, first.dtype)
-        storage = first._typed_storage()._new_shared(math.prod(shape), device=first.device)
-        shared = first.new(storage).view(shape)
+        shared = new_shared(math.prod(shape), first.dtype).view(shape)
         return shared, lambda: shared
+
+
+def new_shared(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A flat tensor in a new shared-memory segment (uninitialised; torch's sharing strategy),
+    which the DataLoader's queue passes without a copy."""
+    empty = torch.empty(0, dtype=dtype)
+    return empty.new(empty._typed_storage()._new_shared(numel, device=empty.device))
 
 
 def _put(out: torch.Tensor, pos: int, image: torch.Tensor) -> None:
@@ -510,8 +516,7 @@ class BatchBuffers:
             None,
         )
         if found is None:
-            flat = torch.empty(0, dtype=dtype)
-            flat = flat.new(flat._typed_storage()._new_shared(n + 2, device=flat.device))
+            flat = new_shared(n + 2, dtype)
             flat[n + 1] = 0
             self.serial += 1
             found = (self.serial, flat)
@@ -526,15 +531,6 @@ class BatchBuffers:
             return PooledBatch(os.getpid(), serial, shape, live, None if mapped else flat)
 
         return flat[:n].view(shape), send
-
-    def stack(self, images: list[torch.Tensor]) -> PooledBatch:
-        """`torch.stack(images)` into a pooled buffer, ready to send."""
-        first = images[0]
-        if any(x.shape != first.shape for x in images):
-            raise RuntimeError("shapes differ")
-        out, send = self.acquire((len(images), *first.shape), first.dtype)
-        torch.stack(images, out=out)
-        return send()
 
 
 class MappedBuffers:
