@@ -264,41 +264,27 @@ def run(args: argparse.Namespace) -> int:
             )
             return _count(DataLoader(ds, batch_size=b, **dl_kw))
 
+        def our_loader(index: Any, data: DataConfig) -> ShardedLoader:
+            transform = HpctrainTransform(args.crop)
+            return ShardedLoader(index, data, rank=0, world_size=1, seed=0, transform=transform)
+
         def hpctrain_local() -> int:
-            loader = ShardedLoader(
-                shard_index,
-                cfg,
-                rank=0,
-                world_size=1,
-                seed=0,
-                transform=HpctrainTransform(args.crop),
-            )
-            return _count(loader)
+            return _count(our_loader(shard_index, cfg))
 
         def hpctrain_steady() -> tuple[int, float, float]:
             """Second epoch with persistent workers: no fork or start-up in the figures.
 
             Workers' CPU comes from /proc (getrusage sees workers only once they exit)."""
-            steady = replace(cfg, persistent_workers=True)
-            loader = ShardedLoader(
-                shard_index,
-                steady,
-                rank=0,
-                world_size=1,
-                seed=0,
-                transform=HpctrainTransform(args.crop),
-            )
+            loader = our_loader(shard_index, replace(cfg, persistent_workers=True))
             _count(loader)  # warm-up epoch: starts the workers
-            workers = loader._dataloader._iterator._workers if k else []  # type: ignore[union-attr]
-            pids = [w.pid for w in workers]
+            pids = [w.pid for w in loader._workers_iter._workers] if k else []
             loader.set_epoch(1)
             cpu0 = _self_cpu() + sum(_proc_cpu(p) for p in pids)
             t0 = time.perf_counter()
             count = _count(loader)
             wall = time.perf_counter() - t0
             cpu = _self_cpu() + sum(_proc_cpu(p) for p in pids) - cpu0
-            if k:  # join the workers now, so that no later case counts their exit
-                loader._dataloader._iterator._shutdown_workers()  # type: ignore[union-attr]
+            loader.close()  # join the workers now, so that no later case counts their exit
             return count, wall, cpu
 
         side_by_side = f"limit x{max(k, 1)}, forked, side by side"
@@ -322,15 +308,7 @@ def run(args: argparse.Namespace) -> int:
             labels = [int(p.parent.name[1:]) for p in files]
 
             def hpctrain_http() -> int:
-                loader = ShardedLoader(
-                    remote_index,
-                    cfg,
-                    rank=0,
-                    world_size=1,
-                    seed=0,
-                    transform=HpctrainTransform(args.crop),
-                )
-                return _count(loader)
+                return _count(our_loader(remote_index, cfg))
 
             def hpctrain_http_no_delay() -> int:
                 """The same without the added latency: what HTTP itself costs here (the
