@@ -32,33 +32,15 @@ def test_only_the_requested_verb_is_loaded() -> None:
     assert parser.parse_args(["config", "show", "c.yaml"]).verb == "config"
 
 
+def config_show(override: str) -> subprocess.CompletedProcess[str]:
+    """`python -m hpctrain config show configs/demo.yaml OVERRIDE` (the module entry point)."""
+    command = [sys.executable, "-m", "hpctrain", "config", "show", "configs/demo.yaml", override]
+    return subprocess.run(command, capture_output=True, text=True)
+
+
 def test_module_entry_point_and_config_errors_exit_2() -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hpctrain",
-            "config",
-            "show",
-            "configs/demo.yaml",
-            "train.max_steps=7",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    proc = config_show("train.max_steps=7")
+    assert proc.returncode == 0, proc.stderr
     assert "max_steps: 7" in proc.stdout
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hpctrain",
-            "config",
-            "show",
-            "configs/demo.yaml",
-            "data.batch_size=-1",
-        ],
-        capture_output=True,
-        text=True,
-    )
+    proc = config_show("data.batch_size=-1")
     assert proc.returncode == 2 and "data.batch_size=-1" in proc.stderr
