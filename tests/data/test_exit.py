@@ -3,8 +3,9 @@
 Workers ignore SIGTERM (SLURM signals every process of a step; the training process decides),
 and multiprocessing stops daemonic children at exit with SIGTERM and then waits for them: a
 loader still alive at exit (a module global, or in the traceback of a crash) hung the process
-for ever. Each case runs in its own interpreter; the timeout is a hang detector, not a speed
-check.
+for ever; so did a multiprocessing child (a rank of mp.spawn) ending with a loader alive,
+where atexit hooks do not run. Each case runs in its own interpreter; the timeout is a hang
+detector, not a speed check.
 """
 
 from __future__ import annotations
@@ -37,8 +38,21 @@ SCRIPT = textwrap.dedent(
             pass
         return batches
 
+    if mode == "child":  # a loader alive at the end of a multiprocessing child (mp.spawn ranks)
+        import multiprocessing
+
+        def child():
+            global held
+            held = run()
+
+        proc = multiprocessing.get_context("fork").Process(target=child)
+        proc.start()
+        proc.join(120)
+        assert proc.exitcode == 0, proc.exitcode
+        print("child exited", flush=True)
+        sys.exit(0)
     held = run()
-    pids = [w.pid for w in loader._workers_iter._workers]
+    pids = loader._pool.pids
     print("workers", *pids, flush=True)
     if mode == "close":
         loader.close()
@@ -50,7 +64,8 @@ SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.parametrize(
-    ("mode", "rc"), [("global", 0), ("crash", 1), ("mid-epoch", 1), ("close", 0)]
+    ("mode", "rc"),
+    [("global", 0), ("crash", 1), ("mid-epoch", 1), ("close", 0), ("child", 0)],
 )
 def test_the_process_exits_with_its_workers(tmp_path, mode, rc):
     make_shards(tmp_path / "shards", [8, 8, 8])
@@ -63,5 +78,5 @@ def test_the_process_exits_with_its_workers(tmp_path, mode, rc):
     assert proc.returncode == rc, proc.stderr[-2000:]
     if rc:
         assert "RuntimeError: boom" in proc.stderr
-    if mode == "close":
-        assert "closed" in proc.stdout
+    if mode in ("close", "child"):
+        assert ("closed" if mode == "close" else "child exited") in proc.stdout

@@ -72,7 +72,6 @@ def test_two_workers_round_robin_matches_plan_and_epochs_differ(shards):
     assert len(first) == len(second) == (sum(sizes) // 8) * 4
 
 
-@pytest.mark.filterwarnings("ignore:This DataLoader will create")  # 3 workers on 2 cores
 @pytest.mark.parametrize(("workers", "stop"), [(0, 5), (0, 1), (0, 11), (2, 5), (2, 6), (3, 4)])
 def test_exact_resume_gives_identical_remaining_batches(shards, workers, stop):
     root, _ = shards

@@ -197,7 +197,8 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     from hpctrain.config.schema import DataConfig
     from hpctrain.data import ShardedLoader, open_index
-    from hpctrain.data.loader import decode_image, worker_start_method
+    from hpctrain.data.loader import decode_image
+    from hpctrain.data.workers import worker_start_method
 
     with tempfile.TemporaryDirectory(prefix="hpctrain-bench-") as tmp:
         root = Path(tmp)
@@ -277,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
             Workers' CPU comes from /proc (getrusage sees workers only once they exit)."""
             loader = our_loader(shard_index, replace(cfg, persistent_workers=True))
             _count(loader)  # warm-up epoch: starts the workers
-            pids = [w.pid for w in loader._workers_iter._workers] if k else []
+            pids = loader._pool.pids if loader._pool is not None else []
             loader.set_epoch(1)
             cpu0 = _self_cpu() + sum(_proc_cpu(p) for p in pids)
             t0 = time.perf_counter()

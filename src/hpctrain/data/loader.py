@@ -1,8 +1,9 @@
 """`ShardedLoader`: the per-rank loader over an epoch plan, with exact and elastic resume.
 
-Each DataLoader worker reads one stream of the plan (see `hpctrain.data.planning`), decodes,
-transforms and batches its samples itself, and hands uint8 batches to the training process
-(normalisation belongs on the device: 4x fewer bytes between processes than float32).
+Each worker process (`hpctrain.data.workers`) reads one stream of the plan (see
+`hpctrain.data.planning`), decodes, transforms and batches its samples itself, and hands uint8
+batches to the training process (normalisation belongs on the device: 4x fewer bytes between
+processes than float32).
 
 Where the epoch and resume position live: in a small shared-memory tensor the workers read
 each time an iteration starts. Persistent workers keep their copy of the dataset across
@@ -11,14 +12,12 @@ epochs, so `set_epoch` on the main process's copy alone would never reach them.
 
 from __future__ import annotations
 
-import atexit
 import gc
 import itertools
 import json
 import logging
 import math
 import os
-import signal
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -27,7 +26,6 @@ from dataclasses import replace
 from typing import Any, NamedTuple
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from hpctrain.config.schema import DataConfig
 from hpctrain.data.index import ShardIndex, redact_url
@@ -40,6 +38,7 @@ from hpctrain.data.stream import (
     iter_samples,
     open_shard,
 )
+from hpctrain.data.workers import WorkerPool, run_ahead, seed_worker_globals, worker_start_method
 
 try:
     # imported here, not in the workers: forked workers then share it instead of each paying
@@ -142,7 +141,7 @@ def _decode_stage(v: list[int]) -> StageParams:
     )
 
 
-class _StreamDataset(IterableDataset):
+class _StreamDataset:
     """What a worker runs: its stream of the plan, read, decoded, transformed and batched."""
 
     def __init__(self, loader: ShardedLoader) -> None:
@@ -162,10 +161,8 @@ class _StreamDataset(IterableDataset):
         self.backoff_s = loader.backoff_s
         self._plan_cache: tuple[Any, EpochPlan] | None = None
         self._pool: ThreadPoolExecutor | None = None
-        # set by the loader: pooled buffers need the training process to release them, which
-        # it cannot do for batches the DataLoader's pinning thread replaced with copies
-        self.pool_batches = False
         self._buffers = BatchBuffers(keep=loader.cfg.prefetch_factor + 2)
+        self.worker_id = 0
 
     def __getstate__(self) -> dict[str, Any]:
         # threads do not cross process boundaries; each worker keeps buffers of its own
@@ -192,6 +189,11 @@ class _StreamDataset(IterableDataset):
             )
         return self._plan_cache[1]
 
+    def batches(self, worker_id: int) -> Iterator[dict[str, Any]]:
+        """What worker `worker_id` of the pool runs: its stream's batches of the pass."""
+        self.worker_id = worker_id
+        return iter(self)
+
     def __iter__(self) -> Iterator[dict[str, Any]]:
         control = self.control.tolist()
         epoch, num_stages, start = control[0], control[1], control[2]
@@ -200,16 +202,16 @@ class _StreamDataset(IterableDataset):
             for i in range(num_stages)
         )
         the_plan = self._plan(epoch, stages)
-        info = get_worker_info()
-        worker_id = info.id if info is not None else 0
         k = the_plan.streams_per_rank
-        # The DataLoader restarts its round-robin at worker 0; rotating which stream each
-        # worker reads makes the batch after `start` come first, as in an unbroken run.
-        stream = (worker_id + start) % k
+        # The pool restarts its round-robin at worker 0; rotating which stream each worker
+        # reads makes the batch after `start` come first, as in an unbroken run.
+        stream = (self.worker_id + start) % k
         done = the_plan.consumed_batches(stream, start)
         num_batches = the_plan.stream_batches(stream) - done
         if num_batches <= 0:
             return
+        if not self.in_process:
+            seed_worker_globals(derive_seed(self.seed, epoch, self.rank, stream, start))
         stats = ReadStats()
         samples = self._iter_stream(the_plan, stream, done * the_plan.batch_size, stats)
         last_good: dict[str, Any] | None = None
@@ -425,22 +427,17 @@ class _StreamDataset(IterableDataset):
         self, first: torch.Tensor, size: int
     ) -> tuple[torch.Tensor, Callable[[], torch.Tensor | PooledBatch]]:
         """Where a batch of `size` images like `first` goes, and what to send once it is full:
-        a plain tensor in-process, a pooled shared buffer from workers, or (when the
-        DataLoader pins batches) a new shared-memory segment, which the queue then passes
-        without a copy."""
+        a plain tensor in-process, one of the worker's reused shared buffers otherwise."""
         shape = (size, *first.shape)
         if self.in_process:
             plain = torch.empty(shape, dtype=first.dtype)
             return plain, lambda: plain
-        if self.pool_batches:
-            return self._buffers.acquire(shape, first.dtype)
-        shared = new_shared(math.prod(shape), first.dtype).view(shape)
-        return shared, lambda: shared
+        return self._buffers.acquire(shape, first.dtype)
 
 
 def new_shared(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A flat tensor in a new shared-memory segment (uninitialised; torch's sharing strategy),
-    which the DataLoader's queue passes without a copy."""
+    which a pipe passes as a file descriptor, without a copy."""
     empty = torch.empty(0, dtype=dtype)
     return empty.new(empty._typed_storage()._new_shared(numel, device=empty.device))
 
@@ -492,8 +489,8 @@ class BatchBuffers:
     batch is left there (the buffer is free again), [n + 1] once it has mapped the buffer (the
     worker then sends a `PooledBatch` without it). A worker never waits for a buffer: with
     none released it makes a new one, and it forgets the oldest beyond `keep`, so a batch the
-    training process keeps is never overwritten. Not used when the DataLoader pins batches
-    (its copies replace the originals before the training process could release them).
+    training process keeps is never overwritten. When batches are pinned, the pinned copy is
+    made from the lent view, which is then dropped: the buffer goes back at once.
     """
 
     def __init__(self, keep: int = 8) -> None:
@@ -556,6 +553,11 @@ class MappedBuffers:
         for stale in [k for k in self.mapped if k[0] == ref.owner and k[1] not in ref.live]:
             del self.mapped[stale]
         return lend(flat, n, ref.shape)
+
+    def drop(self, batch: dict[str, Any]) -> None:
+        """A batch nobody will see (its pass was called off): its buffer goes back at once."""
+        if isinstance(batch.get("image"), PooledBatch):
+            self.receive(batch["image"])
 
 
 def lend(flat: torch.Tensor, n: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -641,8 +643,7 @@ class ShardedLoader:
         self.control = torch.zeros(3 + MAX_STAGES * _STAGE_INTS, dtype=torch.int64)
         self.control.share_memory_()
         self._dataset = _StreamDataset(self)
-        self._dataloader: DataLoader | None = None
-        self._workers_iter: Any = None  # the DataLoader iterator that owns the workers
+        self._pool: WorkerPool | None = None  # the worker processes, while they run
         self._mapped = MappedBuffers()  # the workers' batch buffers
         self._plan_cache: tuple[Any, EpochPlan] | None = None
 
@@ -671,23 +672,50 @@ class ShardedLoader:
 
     # -- iteration -----------------------------------------------------------------------
 
-    def _make_dataloader(self) -> DataLoader:
-        workers = self.cfg.workers_per_rank
-        kwargs: dict[str, Any] = {}
-        if workers > 0:
-            kwargs["prefetch_factor"] = self.cfg.prefetch_factor
-            kwargs["persistent_workers"] = self.cfg.persistent_workers
-            kwargs["multiprocessing_context"] = worker_start_method()
-            kwargs["worker_init_fn"] = ignore_job_signals
-        pin = bool(self.cfg.pin_memory and self.device is not None and self.device.type == "cuda")
-        self._dataset.pool_batches = workers > 0 and not pin
-        return DataLoader(
-            self._dataset,
-            batch_size=None,  # workers batch themselves
-            num_workers=workers,
-            pin_memory=pin,
-            **kwargs,
-        )
+    def _start_workers(self) -> WorkerPool:
+        self._mapped.clear()  # other workers: their buffers are other ones
+        # Workers fork here. Freezing the GC first keeps the children's collector off the
+        # parent's objects, whose refcount/GC writes would otherwise copy their pages.
+        gc.freeze()
+        try:
+            return WorkerPool(
+                self._dataset,
+                self.cfg.workers_per_rank,
+                prefetch=self.cfg.prefetch_factor,
+                context=worker_start_method(),
+                discard=self._mapped.drop,
+            )
+        finally:
+            gc.unfreeze()
+
+    def _raw_batches(self) -> Iterator[dict[str, Any]]:
+        """The pass's batches as the workers send them (or as made here, without workers)."""
+        if self.cfg.workers_per_rank == 0:
+            yield from self._dataset.batches(0)
+            return
+        persistent = self.cfg.persistent_workers
+        if self._pool is not None and (self._pool.broken or not persistent):
+            self.close()
+        if self._pool is None:
+            self._pool = self._start_workers()
+        pool = self._pool
+        try:
+            yield from pool.run()
+        finally:
+            if not persistent or pool.broken:
+                pool.close()
+                if self._pool is pool:
+                    self._pool = None
+
+    def _receive(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """A batch from a worker as the trainer gets it: tensors, stats counted."""
+        if isinstance(batch["image"], PooledBatch):
+            batch["image"] = self._mapped.receive(batch["image"])
+        for name, value in zip(_STAT_FIELDS, batch.pop("_stats"), strict=True):
+            self._stats[name] += value
+        batch["label"] = torch.tensor(batch["label"], dtype=torch.int64)
+        batch["valid"] = torch.tensor(batch["valid"], dtype=torch.bool)
+        return batch
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         if self._finished_on_load:
@@ -707,31 +735,14 @@ class ShardedLoader:
         for s in self._stages:
             values.extend(_encode_stage(s))
         self.control[: len(values)] = torch.tensor(values, dtype=torch.int64)
-        if self._dataloader is None:
-            self._dataloader = self._make_dataloader()
         remaining = the_plan.batches_per_rank - self._consumed
-        # Workers fork here. Freezing the GC first keeps the children's collector off the
-        # parent's objects, whose refcount/GC writes would otherwise copy their pages.
-        gc.freeze()
-        try:
-            batches = iter(self._dataloader)
-        finally:
-            gc.unfreeze()
-        if self.cfg.workers_per_rank > 0 and batches is not self._workers_iter:
-            self._mapped.clear()  # other workers (persistent ones keep their iterator)
-            self._workers_iter = batches
-            _stop_at_exit(batches)
-        pin = self._dataloader.pin_memory
+        batches: Iterator[dict[str, Any]] = map(self._receive, self._raw_batches())
+        pin = self.cfg.pin_memory and self.device is not None and self.device.type == "cuda"
+        if pin:
+            # a thread makes the pinned copies (the copy releases the GIL, so it overlaps the
+            # training step), up to prefetch_factor batches ahead
+            batches = run_ahead(batches, pin_batch, self.cfg.prefetch_factor, "hpctrain-pin")
         for batch in batches:
-            if isinstance(batch["image"], PooledBatch):
-                batch["image"] = self._mapped.receive(batch["image"])
-            for name, value in zip(_STAT_FIELDS, batch.pop("_stats"), strict=True):
-                self._stats[name] += value
-            batch["label"] = torch.tensor(batch["label"], dtype=torch.int64)
-            batch["valid"] = torch.tensor(batch["valid"], dtype=torch.bool)
-            if pin:  # as the DataLoader's pinning thread pins the image
-                batch["label"] = batch["label"].pin_memory()
-                batch["valid"] = batch["valid"].pin_memory()
             self._consumed += 1
             remaining -= 1
             yield batch
@@ -744,11 +755,10 @@ class ShardedLoader:
 
         Also done at interpreter exit for every loader still holding workers.
         """
-        if self._workers_iter is not None:
-            stop_workers(self._workers_iter)
-            self._workers_iter = None
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
         self._mapped.clear()
-        self._dataloader = None
 
     def stats(self) -> dict[str, int]:
         """Counters since the loader was built: retries, shards_failed, samples_lost, bytes."""
@@ -795,66 +805,7 @@ class ShardedLoader:
         self._finished_on_load = self.position >= len(self)
 
 
-def ignore_job_signals(_worker_id: int) -> None:
-    """Loader workers leave job signals to the training process.
-
-    SLURM delivers the pre-timeout/preemption signal (and scancel's TERM) to every process of
-    the step, workers included; a worker killed by it takes the DataLoader down before the
-    training process can reach its step boundary and save. The training process owns the
-    preemption flag and stops the workers itself; a real kill still ends them (SIGKILL, or
-    the parent's death, which DataLoader workers watch for).
-    """
-    for name in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"):
-        signal.signal(getattr(signal, name), signal.SIG_IGN)
-
-
-_live_worker_iters: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-def _stop_at_exit(batches: Any) -> None:
-    """Stop these workers at interpreter exit, if nothing has stopped them before.
-
-    Needed because workers ignore SIGTERM (`ignore_job_signals`): at exit, multiprocessing
-    stops daemonic children with SIGTERM and then waits for them, forever here, whenever a
-    DataLoader iterator is still alive then (a loader held by a module global, or by the
-    traceback of an exception: a crashed run would hang instead of exiting). atexit runs its
-    functions last-registered first, so this one, registered after multiprocessing's, runs
-    before it.
-    """
-    if not _live_worker_iters:
-        atexit.unregister(_stop_all_workers)
-        atexit.register(_stop_all_workers)
-    _live_worker_iters.add(batches)
-
-
-def _stop_all_workers() -> None:
-    for batches in list(_live_worker_iters):
-        stop_workers(batches)
-
-
-def stop_workers(batches: Any) -> None:
-    """Shut a DataLoader iterator's workers down: politely, then SIGKILL for any still alive
-    (they ignore SIGTERM, which is what `Process.terminate` sends)."""
-    _live_worker_iters.discard(batches)
-    workers = list(getattr(batches, "_workers", ()))
-    try:
-        shutdown = getattr(batches, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
-    finally:
-        for w in workers:
-            if w.is_alive():
-                w.kill()
-                w.join(timeout=10)
-
-
-def worker_start_method() -> str:
-    """'fork' unless CUDA is initialised; then 'forkserver'.
-
-    Fork is the cheapest start (no re-import of torch: 2-6 s per worker here) and is safe on
-    Linux CPU processes; a forked child of a process with an initialised CUDA context cannot
-    use CUDA and may deadlock in the driver, so then workers start from a clean server.
-    """
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return "forkserver"
-    return "fork"
+def pin_batch(batch: dict[str, Any]) -> dict[str, Any]:
+    """The batch's tensors copied into page-locked memory (fast, asynchronous host-to-GPU
+    copies); the originals, lent buffers included, are dropped."""
+    return {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

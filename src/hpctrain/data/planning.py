@@ -21,8 +21,9 @@ How it works:
    worker, block). The output order is thus a pure function of the plan, which makes resume
    exact and cheap: recompute, jump to the block, skip without decoding.
 
-The DataLoader takes batches from its workers round-robin, so rank-level batch `j` is batch
-`j // K` of logical stream `j % K`; workers with fewer batches are the last ones.
+The loader takes batches from its workers round-robin (`hpctrain.data.workers`), so rank-level
+batch `j` is batch `j // K` of logical stream `j % K`; workers with fewer batches are the last
+ones.
 
 Elastic resume: after `consumed` batches per rank, the samples not yet emitted by any stream
 are gathered (in stream order) into the sequence of a new *stage*, which is planned again for
@@ -52,7 +53,7 @@ class StageParams:
 
     Attributes:
         world_size: ranks.
-        workers_per_rank: DataLoader workers per rank (0: one in-process stream).
+        workers_per_rank: loader worker processes per rank (0: one in-process stream).
         batch_size: samples per batch.
         remainder: "drop" or "pad".
         shuffle_buffer: block size of the in-stream sample shuffle (0 or 1: none).

@@ -42,10 +42,16 @@ class ShardReadError(ValueError):
     """
 
     def __init__(self, url: str, reason: str | None = None) -> None:
-        # one-argument form: a whole message, as torch's DataLoader re-raises worker errors
+        # one-argument form: a whole message (how exceptions are rebuilt by default)
         super().__init__(url if reason is None else f"{redact_url(url)}: {reason}")
         self.url = redact_url(url) if reason is not None else ""
         self.reason = reason or ""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # from a loader worker to the training process with its url and reason intact
+        if self.url:
+            return (type(self), (self.url, self.reason))
+        return (type(self), self.args)
 
 
 class TransientReadError(OSError):

@@ -1,0 +1,369 @@
+"""The loader's worker processes: hpctrain's own pool, not torch's DataLoader.
+
+Each worker reads its own stream of the epoch plan, so it needs no indices from the training
+process: a pass is one order ("run pass g"), then batches come back on the worker's own pipe,
+and a semaphore per worker bounds the batches in flight (`prefetch`). The training process
+takes them round-robin, worker 0 first, skipping workers whose stream has ended: the order a
+DataLoader gives an IterableDataset, which the plan's resume arithmetic relies on.
+
+Why not DataLoader: for every batch it sends an index through one queue and the batch back
+through another, each `put` handing the message to a feeder thread: four thread wake-ups per
+batch, on machines whose cores are all busy decoding. Measured here side by side (2 workers,
+960 images of the loader benchmark, 8 interleaved epochs, the same dataset code in both):
+this pool 1.035x (1.02-1.11x paired) the images per CPU-second of the DataLoader's workers,
+the same in wall time.
+
+A worker that dies is noticed at once (its process sentinel is polled with its pipe); an
+exception in a worker is re-raised in the training process with the worker's traceback as a
+note. Workers watch for their parent's death and exit; they ignore job signals (see
+`ignore_job_signals`), so the pool stops them itself, at the latest when the process exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import pickle
+import random
+import select
+import signal
+import sys
+import traceback
+from collections.abc import Callable, Iterable, Iterator
+from multiprocessing import util as mp_util
+from multiprocessing.connection import Connection
+from typing import Any, NamedTuple
+
+import torch
+
+_DONE = object()
+POLL_S = 1.0  # how often a waiting worker checks that its parent is alive
+STOP_TIMEOUT_S = 5.0  # a polite stop's wait before SIGKILL
+
+
+class WorkerDiedError(RuntimeError):
+    """A loader worker process ended without being asked to (killed, crashed, out of memory)."""
+
+
+class _End(NamedTuple):
+    """A worker's last message of pass `generation`."""
+
+    generation: int
+
+
+class _Failure(NamedTuple):
+    """An exception raised in a worker: pickled if it can be, and its traceback as text."""
+
+    worker: int
+    pid: int
+    exception: bytes | None
+    text: str
+
+    def error(self) -> BaseException:
+        where = f"in loader worker {self.worker} (pid {self.pid})"
+        exc: BaseException | None = None
+        if self.exception is not None:
+            try:
+                exc = pickle.loads(self.exception)
+            except Exception:
+                exc = None
+        if exc is None:
+            return RuntimeError(f"{where}:\n{self.text}")
+        # shown above the re-raised exception, as concurrent.futures does for its processes
+        exc.__cause__ = WorkerTraceback(f"raised {where}:\n{self.text}")
+        return exc
+
+
+class WorkerTraceback(Exception):
+    """The traceback of an exception raised in a loader worker (its `__cause__` here)."""
+
+
+def _failure(worker: int, exc: BaseException) -> _Failure:
+    text = "".join(traceback.format_exception(exc))
+    data: bytes | None = None
+    try:
+        data = pickle.dumps(exc)
+        pickle.loads(data)  # an exception whose constructor takes other arguments fails here
+    except Exception:
+        data = None
+    return _Failure(worker, os.getpid(), data, text)
+
+
+def ignore_job_signals() -> None:
+    """Loader workers leave job signals to the training process.
+
+    SLURM delivers the pre-timeout/preemption signal (and scancel's TERM) to every process of
+    the step, workers included; a worker killed by it takes the loader down before the
+    training process can reach its step boundary and save. The training process owns the
+    preemption flag and stops the workers itself; a real kill still ends them (SIGKILL, or
+    the parent's death, which workers watch for).
+    """
+    for name in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"):
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
+
+
+def worker_start_method() -> str:
+    """'fork' unless CUDA is initialised; then 'forkserver'.
+
+    Fork is the cheapest start (no re-import of torch: 2-6 s per worker here) and is safe on
+    Linux CPU processes; a forked child of a process with an initialised CUDA context cannot
+    use CUDA and may deadlock in the driver, so then workers start from a clean server.
+    """
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return "forkserver"
+    return "fork"
+
+
+def _parent_gone(parent: int) -> bool:
+    return os.getppid() != parent
+
+
+def _work(
+    source: Any,
+    worker: int,
+    results: Connection,
+    orders: Connection,
+    credits: Any,
+    cancelled: Any,
+) -> None:
+    """A worker's life: wait for an order, run a pass of `source.batches(worker)`, repeat."""
+    ignore_job_signals()
+    torch.set_num_threads(1)  # as DataLoader workers: one core each, no oversubscription
+    parent = os.getppid()
+    while True:
+        while not orders.poll(POLL_S):
+            if _parent_gone(parent):
+                return
+        try:
+            generation = orders.recv()
+            if generation is None:
+                return
+            batches = iter(source.batches(worker))
+            while True:
+                try:
+                    batch = next(batches, _DONE)
+                except Exception as exc:
+                    results.send(_failure(worker, exc))
+                    break
+                if batch is _DONE or not _slot(credits, cancelled, generation, parent):
+                    break
+                results.send(batch)
+            del batches  # closes the pass's files before the next order
+            results.send(_End(generation))
+        except (EOFError, BrokenPipeError):  # the training process is gone: so is the work
+            return
+
+
+def _slot(credits: Any, cancelled: Any, generation: int, parent: int) -> bool:
+    """Wait for room for one more batch in flight; False once the pass is called off."""
+    while cancelled.value < generation:
+        if credits.acquire(timeout=POLL_S):
+            if cancelled.value < generation:
+                return True
+            credits.release()  # called off meanwhile: the slot stays free for the next pass
+            return False
+        if _parent_gone(parent):
+            os._exit(0)
+    return False
+
+
+class _Processes:
+    """What stopping a pool's workers needs, apart from the pool (so that a pool dropped
+    without `close()` is still stopped, by its finalizer)."""
+
+    def __init__(self, cancelled: Any) -> None:
+        self.cancelled = cancelled
+        self.processes: list[Any] = []
+        self.orders: list[Connection] = []
+        self.results: list[Connection] = []
+        self.credits: list[Any] = []
+
+    def stop(self) -> None:
+        """Ask every worker to stop, then SIGKILL any still alive after a while."""
+        self.cancelled.value = sys.maxsize
+        for orders in self.orders:
+            with contextlib.suppress(OSError):
+                orders.send(None)
+        for credits in self.credits:
+            credits.release()  # wakes a worker waiting for a slot; it sees the call-off
+        for process in self.processes:
+            process.join(timeout=STOP_TIMEOUT_S)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=10)
+        for conn in (*self.results, *self.orders):
+            conn.close()
+        self.processes, self.orders, self.results, self.credits = [], [], [], []
+
+
+class WorkerPool:
+    """`num_workers` processes, each running passes of `source.batches(worker)`.
+
+    `source` is copied into the workers when they start (forked, or pickled for
+    forkserver); `source.batches(worker)` yields that worker's batches of the current pass,
+    whatever shared state tells it which. `discard(batch)` is called on batches of an
+    abandoned pass that arrive after it was called off.
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        num_workers: int,
+        *,
+        prefetch: int,
+        context: str,
+        discard: Callable[[Any], None] = lambda batch: None,
+    ) -> None:
+        ctx: Any = mp.get_context(context)
+        self.discard = discard
+        self.generation = 0
+        self.unfinished: set[int] = set()  # workers that have not ended the last pass
+        self.broken = False
+        self.pollers: list[select.poll] = []
+        self.workers = workers = _Processes(ctx.RawValue("q", 0))  # cancelled: passes <= it
+        # Stops the workers when the pool is dropped, and at exit before multiprocessing
+        # stops daemonic children: it sends SIGTERM, which workers ignore (see
+        # `ignore_job_signals`), then waits for them for ever. Finalizers with an exit
+        # priority run first, at interpreter exit and at the end of a multiprocessing child
+        # (where atexit hooks do not run): a loader alive then (a module global, the
+        # traceback of a crash, a rank process of mp.spawn) would hang the process.
+        mp_util.Finalize(self, workers.stop, exitpriority=100)
+        for worker in range(num_workers):
+            results_in, results_out = ctx.Pipe(duplex=False)
+            orders_in, orders_out = ctx.Pipe(duplex=False)
+            credits = ctx.Semaphore(prefetch)
+            process = ctx.Process(
+                target=_work,
+                args=(source, worker, results_out, orders_in, credits, workers.cancelled),
+                name=f"hpctrain-loader-{worker}",
+                daemon=True,
+            )
+            workers.results.append(results_in)
+            workers.orders.append(orders_out)
+            workers.credits.append(credits)
+            try:
+                process.start()
+            finally:
+                results_out.close()  # the worker's ends: its pipe reads EOF once it is gone
+                orders_in.close()
+            workers.processes.append(process)
+            poller = select.poll()
+            poller.register(results_in.fileno(), select.POLLIN)
+            poller.register(process.sentinel, select.POLLIN)
+            self.pollers.append(poller)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.workers.processes]
+
+    def run(self) -> Iterator[Any]:
+        """One pass: every worker's batches, round-robin from worker 0, until all have ended.
+
+        A pass left unfinished (the consumer stopped) is called off when the next one starts.
+        """
+        self._settle()
+        self.generation += 1
+        generation = self.generation
+        for orders in self.workers.orders:
+            orders.send(generation)
+        count = len(self.workers.processes)
+        self.unfinished = set(range(count))
+        worker = 0
+        while self.unfinished:
+            if self.generation != generation:
+                raise RuntimeError("this loader pass was called off: a newer one started")
+            if worker in self.unfinished:
+                message = self._receive(worker)
+                if isinstance(message, _End):
+                    self.unfinished.discard(worker)
+                elif isinstance(message, _Failure):
+                    raise message.error()
+                else:
+                    yield message
+            worker = (worker + 1) % count
+
+    def _receive(self, worker: int) -> Any:
+        """The worker's next message; a worker that died instead fails the pool."""
+        results = self.workers.results[worker]
+        try:
+            if not results.poll():
+                self.pollers[worker].poll()  # a message, or the process's end
+            if results.poll():
+                message = results.recv()
+                if not isinstance(message, (_End, _Failure)):
+                    self.workers.credits[worker].release()
+                return message
+        except (EOFError, OSError):
+            pass
+        self.broken = True
+        process = self.workers.processes[worker]
+        process.join(timeout=1)
+        raise WorkerDiedError(
+            f"loader worker {worker} (pid {process.pid}) exited unexpectedly "
+            f"({_describe_exit(process.exitcode)})"
+        )
+
+    def _settle(self) -> None:
+        """Call off the pass in progress, if any: drain each worker up to its end."""
+        if self.broken:
+            raise WorkerDiedError("a loader worker died earlier; this pool cannot run again")
+        if not self.unfinished:
+            return
+        self.workers.cancelled.value = self.generation
+        for worker in sorted(self.unfinished):
+            while True:
+                message = self._receive(worker)
+                if isinstance(message, _End):
+                    break
+                if not isinstance(message, _Failure):
+                    self.discard(message)
+        self.unfinished = set()
+
+    def close(self) -> None:
+        """Stop the workers (see `_Processes.stop`)."""
+        self.workers.stop()
+        self.unfinished = set()
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def seed_worker_globals(seed: int) -> None:
+    """Seed Python's and NumPy's global RNGs in a worker (a user's transform may draw from
+    them): forked workers would otherwise all repeat the training process's draws."""
+    random.seed(seed)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(seed % 2**32)
+
+
+def run_ahead(
+    items: Iterable[Any], work: Callable[[Any], Any], depth: int, name: str
+) -> Iterator[Any]:
+    """`work(item)` for each item in a thread of its own, up to `depth` items ahead of the
+    consumer, in order. For copies that release the GIL (pinning batches), so they overlap
+    the training step instead of adding to it."""
+    from collections import deque
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    pending: deque[Future[Any]] = deque()
+    with ThreadPoolExecutor(1, thread_name_prefix=name) as pool:
+        try:
+            for item in items:
+                pending.append(pool.submit(work, item))
+                if len(pending) > depth:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for future in pending:
+                future.cancel()
