@@ -12,6 +12,7 @@ epochs, so `set_epoch` on the main process's copy alone would never reach them.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import json
@@ -25,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, NamedTuple
 
+import fsspec
 import torch
 
 from hpctrain.config.schema import DataConfig
@@ -457,6 +459,20 @@ def _close_opened(future: Future[ShardStream]) -> None:
         future.result().close()
 
 
+def import_filesystems(urls: list[str]) -> None:
+    """Import the fsspec filesystems the shards need here, before the workers start.
+
+    Forked workers then share the modules instead of each importing them again whenever
+    it starts: fsspec's HTTP filesystem (aiohttp) costs 0.13 s of CPU per import here, ~20%
+    of a worker's CPU for a 960-image epoch when workers start each epoch. An unknown
+    protocol is left to fail when its shard is read, with the shard's URL.
+    """
+    protocols = {u.split("://", 1)[0] for u in urls if is_remote(u) and "://" in u}
+    for protocol in protocols - {"pipe"}:
+        with contextlib.suppress(ImportError, ValueError):
+            fsspec.get_filesystem_class(protocol)
+
+
 def is_remote(url: str) -> bool:
     return url.startswith("pipe:") or ("://" in url and not url.startswith("file://"))
 
@@ -628,6 +644,7 @@ class ShardedLoader:
         self.urls = [index.shard_url(i) for i in range(len(index.shards))]
         self.shard_sizes = [s.num_samples for s in index.shards]
         self.byte_sizes = [s.num_bytes for s in index.shards]
+        import_filesystems(self.urls)
         self.params = StageParams(
             world_size=world_size,
             workers_per_rank=cfg.workers_per_rank,

@@ -1,6 +1,7 @@
 """A folder served over HTTP on loopback, with added latency and injected faults on demand.
 
-Used by `hpctrain bench loader --remote` and by the remote-storage tests. Supports `Range`
+Used by `hpctrain bench loader --remote` (in a process of its own: `serve_http_process`) and
+by the remote-storage tests (in a thread, where they can schedule faults). Supports `Range`
 requests; per-path fault schedules make the next requests of a file fail in chosen ways:
 "503"/"403" (status), "reset" (headers with the full Content-Length, half the body, then a
 TCP reset), "short" (no Content-Length, half the body, clean close: a silent truncation unless
@@ -9,8 +10,11 @@ the reader knows the size).
 
 from __future__ import annotations
 
+import argparse
 import http.server
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -116,3 +120,44 @@ def serve_http(root: Path, *, delay_s: float = 0.0) -> Iterator[tuple[str, HttpL
         server.shutdown()
         server.server_close()
         thread.join()
+
+
+@contextmanager
+def serve_http_process(root: Path, *, delay_s: float = 0.0) -> Iterator[tuple[str, int]]:
+    """`serve_http` in a process of its own, as a storage server is: yields (base URL, pid).
+
+    It serves until its standard input closes, so it never outlives this process."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hpctrain.data.loopback", str(root), "--delay-s", str(delay_s)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        url = proc.stdout.readline().strip()
+        if not url.startswith("http://"):
+            raise RuntimeError(f"the loopback HTTP server did not start (got {url!r})")
+        yield url, proc.pid
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="serve a folder over HTTP on 127.0.0.1")
+    parser.add_argument("root", type=Path)
+    parser.add_argument("--delay-s", type=float, default=0.0, help="added to every GET")
+    args = parser.parse_args(argv)
+    with serve_http(args.root, delay_s=args.delay_s) as (url, _log):
+        print(url, flush=True)
+        sys.stdin.read()  # until the parent closes it (or ends)
+
+
+if __name__ == "__main__":
+    main()
