@@ -380,6 +380,8 @@ def run(args: argparse.Namespace) -> int:
         "hpctrain / webdataset (images per CPU-s)": ours["images_per_cpu_s"]
         / summary["webdataset + DataLoader"]["images_per_cpu_s"],
         f"hpctrain wall / (limit x {k})": ours["images_per_s"] / (lim["images_per_s"] * max(k, 1)),
+        f"hpctrain steady-state wall / (limit x {k})": steady["images_per_s"]
+        / (lim["images_per_s"] * max(k, 1)),
     }
     if args.remote:
         no_delay, remote, per_file = (summary[name] for name in names[-3:])

@@ -8,14 +8,16 @@ DataLoader gives an IterableDataset, which the plan's resume arithmetic relies o
 
 Why not DataLoader: for every batch it sends an index through one queue and the batch back
 through another, each `put` handing the message to a feeder thread: four thread wake-ups per
-batch, on machines whose cores are all busy decoding. Measured here side by side (2 workers,
-960 images of the loader benchmark, 8 interleaved epochs, the same dataset code in both):
-this pool 1.035x (1.02-1.11x paired) the images per CPU-second of the DataLoader's workers,
-the same in wall time.
+batch, on machines whose cores are all busy decoding. Measured here against the same dataset
+code under DataLoader (`tools/loader_ab.py`, 2 workers, paired epochs): 1.006-1.035x the images
+per CPU-second, medians of five runs; see BENCHMARKS.md. Beyond that: the loader's pooled
+buffers now serve pinned (GPU) batches too, and workers are stopped at the end of a
+multiprocessing child as well, where DataLoader's daemonic workers, which ignore SIGTERM here,
+hung it.
 
 A worker that dies is noticed at once (its process sentinel is polled with its pipe); an
-exception in a worker is re-raised in the training process with the worker's traceback as a
-note. Workers watch for their parent's death and exit; they ignore job signals (see
+exception in a worker is re-raised in the training process with the worker's traceback as its
+cause. Workers watch for their parent's death and exit; they ignore job signals (see
 `ignore_job_signals`), so the pool stops them itself, at the latest when the process exits.
 """
 

@@ -1,0 +1,145 @@
+"""Paired A/B of the loader: this checkout against another git revision, in one process.
+
+    .venv/bin/python tools/loader_ab.py REV [--workers K] [--epochs N] [--images N]
+
+The other revision's `src/hpctrain` is exported to a temporary folder as package
+`hpctrain_ab`; both loaders read the same shards with persistent workers, epoch by epoch in
+alternating order, with the limit's loop (decode + transform in this process) between them.
+Prints the medians and the per-epoch ratios of images per CPU-second (training process +
+workers, from /proc), which a shared machine's drift affects far less than two separate runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def export(rev: str, dest: Path) -> None:
+    """`rev`'s src/hpctrain as dest/hpctrain_ab, its imports renamed."""
+    archive = dest / "src.tar"
+    with archive.open("wb") as f:
+        subprocess.run(
+            ["git", "-C", str(REPO), "archive", rev, "src/hpctrain"], stdout=f, check=True
+        )
+    with tarfile.open(archive) as tar:
+        tar.extractall(dest, filter="data")
+    package = dest / "hpctrain_ab"
+    (dest / "src" / "hpctrain").rename(package)
+    for path in package.rglob("*.py"):
+        text = path.read_text()
+        path.write_text(re.sub(r"\bhpctrain(?=[. ]|$)", "hpctrain_ab", text, flags=re.M))
+
+
+def children_cpu() -> float:
+    """CPU seconds of this process's live children (the loaders' workers)."""
+    total = 0.0
+    me = os.getpid()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me:
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def self_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("rev", help="the git revision to compare this checkout with")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=12)
+    parser.add_argument("--images", type=int, default=960)
+    args = parser.parse_args()
+
+    import torch
+
+    torch.set_num_threads(1)
+    tmp = Path(tempfile.mkdtemp(prefix="hpctrain-ab-"))
+    export(args.rev, tmp)
+    sys.path.insert(0, str(tmp))
+    import hpctrain_ab.config.schema as schema_b  # type: ignore[import-not-found]
+    import hpctrain_ab.data as data_b  # type: ignore[import-not-found]
+
+    from hpctrain.config.schema import DataConfig
+    from hpctrain.data import ShardedLoader, bench, open_index
+    from hpctrain.data.loader import decode_image
+
+    images = bench._synthetic_images(args.images, tmp)
+    bench._write_layouts(images, tmp)
+    shards = str(tmp / "shards")
+    kw = dict(batch_size=32, workers_per_rank=args.workers, shuffle_buffer=0)
+    transform = bench.HpctrainTransform(224)
+    loaders = {
+        "this checkout": ShardedLoader(
+            open_index(shards), DataConfig(**kw), rank=0, world_size=1, seed=0, transform=transform
+        ),
+        args.rev: data_b.ShardedLoader(
+            data_b.open_index(shards),
+            schema_b.DataConfig(**kw),
+            rank=0,
+            world_size=1,
+            seed=0,
+            transform=transform,
+        ),
+    }
+    for loader in loaders.values():
+        bench._count(loader)  # starts the persistent workers
+
+    def epoch(loader: object, number: int) -> tuple[float, float]:
+        loader.set_epoch(number)  # type: ignore[attr-defined]
+        cpu0, t0 = self_cpu() + children_cpu(), time.perf_counter()
+        n = bench._count(loader)
+        return n / (self_cpu() + children_cpu() - cpu0), n / (time.perf_counter() - t0)
+
+    def limit() -> float:
+        cpu0 = self_cpu()
+        for data, _label in images:
+            transform({"image": decode_image(data)})
+        return len(images) / (self_cpu() - cpu0)
+
+    names = list(loaders)
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
+    limits = []
+    for number in range(1, args.epochs + 1):
+        limits.append(limit())
+        for name in names if number % 2 else names[::-1]:
+            results[name].append(epoch(loaders[name], number))
+    for loader in loaders.values():
+        loader.close()  # type: ignore[attr-defined]
+
+    lim = statistics.median(limits)
+    print(
+        f"{args.images} images, {args.workers} workers, {args.epochs} epochs; limit {lim:.0f} img/CPU-s"
+    )
+    for name in names:
+        cpu = statistics.median(r[0] for r in results[name])
+        wall = statistics.median(r[1] for r in results[name])
+        print(f"{name:>20}: {cpu:.0f} img/CPU-s ({cpu / lim:.3f} x limit), {wall:.0f} img/s")
+    paired = [a[0] / b[0] for a, b in zip(*results.values(), strict=True)]
+    print(
+        f"this checkout / {args.rev}, images per CPU-s, paired by epoch: median "
+        f"{statistics.median(paired):.3f} (range {min(paired):.3f}-{max(paired):.3f})"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
