@@ -105,7 +105,7 @@ def test_a_killed_worker_fails_the_pass_at_once_and_the_loader_starts_new_ones(t
     finally:
         pool.close()
 
-    make_shards(tmp_path, [8, 8])
+    make_shards(tmp_path, [40, 40])  # 20 batches per worker: more than it sends ahead
     data = DataConfig(batch_size=2, workers_per_rank=2, shuffle_buffer=0, persistent_workers=True)
     loader = ShardedLoader(open_index(str(tmp_path)), data, rank=0, world_size=1, seed=0)
     full = [b["key"] for b in loader]
@@ -118,6 +118,18 @@ def test_a_killed_worker_fails_the_pass_at_once_and_the_loader_starts_new_ones(t
     assert 1 <= done < len(full)
     assert [b["key"] for b in loader] == full[done:]  # the rest of the epoch, new workers
     loader.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_pass_read_after_close_fails_clearly():
+    pool = make_pool(Counting([5, 5]), 2)
+    batches = pool.run()
+    next(batches)
+    pool.close()
+    with pytest.raises(RuntimeError, match=r"called off \(a newer one, or close\(\)\)"):
+        next(batches)
+    with pytest.raises(WorkerDiedError, match="cannot run again"):
+        next(pool.run())
 
 
 @pytest.mark.timeout(180)

@@ -272,9 +272,11 @@ class WorkerPool:
         count = len(self.workers.processes)
         self.unfinished = set(range(count))
         worker = 0
-        while self.unfinished:
+        while True:
             if self.generation != generation:
-                raise RuntimeError("this loader pass was called off: a newer one started")
+                raise RuntimeError("this loader pass was called off (a newer one, or close())")
+            if not self.unfinished:
+                return
             if worker in self.unfinished:
                 message = self._receive(worker)
                 if isinstance(message, _End):
@@ -309,7 +311,7 @@ class WorkerPool:
     def _settle(self) -> None:
         """Call off the pass in progress, if any: drain each worker up to its end."""
         if self.broken:
-            raise WorkerDiedError("a loader worker died earlier; this pool cannot run again")
+            raise WorkerDiedError("this pool's workers died or were stopped; it cannot run again")
         if not self.unfinished:
             return
         self.workers.cancelled.value = self.generation
@@ -323,7 +325,10 @@ class WorkerPool:
         self.unfinished = set()
 
     def close(self) -> None:
-        """Stop the workers (see `_Processes.stop`)."""
+        """Stop the workers (see `_Processes.stop`); a pass still being read ends with an
+        error."""
+        self.generation += 1
+        self.broken = True
         self.workers.stop()
         self.unfinished = set()
 
