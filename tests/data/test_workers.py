@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from hpctrain.config.schema import DataConfig
-from hpctrain.data import ShardedLoader, ShardReadError, open_index
+from hpctrain.data import ShardedLoader, ShardReadError, WorkerDiedError, open_index
 from hpctrain.data import loader as loader_module
-from hpctrain.data.workers import WorkerDiedError, WorkerPool, WorkerTraceback, run_ahead
+from hpctrain.data.workers import WorkerPool, WorkerTraceback, run_ahead
 from tests.data.loader_testkit import make_shards
 
 

@@ -31,6 +31,7 @@ __all__ = [
     "ShardReadError",
     "ShardedLoader",
     "StageParams",
+    "WorkerDiedError",
     "decode_sample",
     "expand_braces",
     "open_index",
@@ -41,6 +42,7 @@ __all__ = [
 
 if TYPE_CHECKING:  # the real types for type checkers; at run time they load on first use
     from hpctrain.data.loader import LoaderStateError, ShardedLoader, decode_sample
+    from hpctrain.data.workers import WorkerDiedError
 
 _LAZY = {"LoaderStateError", "ShardedLoader", "decode_sample"}
 
@@ -50,4 +52,8 @@ def __getattr__(name: str) -> Any:
         from hpctrain.data import loader
 
         return getattr(loader, name)
+    if name == "WorkerDiedError":
+        from hpctrain.data import workers
+
+        return workers.WorkerDiedError
     raise AttributeError(f"module 'hpctrain.data' has no attribute {name!r}")
