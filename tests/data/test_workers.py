@@ -272,3 +272,20 @@ def test_workers_started_from_a_forkserver(tmp_path, monkeypatch):
     loader = ShardedLoader(index, data, rank=0, world_size=1, seed=2)
     assert [b["key"] for b in loader] == forked
     loader.close()
+
+
+def which_worker(sample):
+    info = torch.utils.data.get_worker_info()  # as a user's transform might ask
+    sample["label"] = -1 if info is None else info.id * 10 + info.num_workers
+    return sample
+
+
+@pytest.mark.timeout(120)
+def test_get_worker_info_answers_in_the_workers(tmp_path):
+    make_shards(tmp_path, [8, 8])
+    data = DataConfig(batch_size=2, workers_per_rank=2, shuffle_buffer=0)
+    index = open_index(str(tmp_path))
+    loader = ShardedLoader(index, data, rank=0, world_size=1, seed=5, transform=which_worker)
+    labels = [b["label"].tolist() for b in loader]
+    loader.close()
+    assert labels[0] == [2, 2] and labels[1] == [12, 12]  # worker 0, then worker 1, of 2

@@ -121,9 +121,24 @@ def _parent_gone(parent: int) -> bool:
     return os.getppid() != parent
 
 
+def _announce(source: Any, worker: int, num_workers: int) -> None:
+    """Make `torch.utils.data.get_worker_info()` answer in these workers as in DataLoader's
+    (a user's transform may ask which worker it runs in). Through torch's private module:
+    skipped, not failed, if a torch release moves it."""
+    try:
+        from torch.utils.data._utils import worker as torch_worker
+
+        torch_worker._worker_info = torch_worker.WorkerInfo(
+            id=worker, num_workers=num_workers, seed=getattr(source, "seed", 0), dataset=source
+        )
+    except (ImportError, AttributeError, TypeError):
+        pass
+
+
 def _work(
     source: Any,
     worker: int,
+    num_workers: int,
     results: Connection,
     orders: Connection,
     credits: Any,
@@ -132,6 +147,7 @@ def _work(
     """A worker's life: wait for an order, run a pass of `source.batches(worker)`, repeat."""
     ignore_job_signals()
     torch.set_num_threads(1)  # as DataLoader workers: one core each, no oversubscription
+    _announce(source, worker, num_workers)
     parent = os.getppid()
     while True:
         while not orders.poll(POLL_S):
@@ -237,7 +253,15 @@ class WorkerPool:
             credits = ctx.Semaphore(prefetch)
             process = ctx.Process(
                 target=_work,
-                args=(source, worker, results_out, orders_in, credits, workers.cancelled),
+                args=(
+                    source,
+                    worker,
+                    num_workers,
+                    results_out,
+                    orders_in,
+                    credits,
+                    workers.cancelled,
+                ),
                 name=f"hpctrain-loader-{worker}",
                 daemon=True,
             )
