@@ -467,8 +467,8 @@ def import_filesystems(urls: list[str]) -> None:
     of a worker's CPU for a 960-image epoch when workers start each epoch. An unknown
     protocol is left to fail when its shard is read, with the shard's URL.
     """
-    protocols = {u.split("://", 1)[0] for u in urls if is_remote(u) and "://" in u}
-    for protocol in protocols - {"pipe"}:
+    remote = (u for u in urls if is_remote(u) and not u.startswith("pipe:"))
+    for protocol in {u.split("://", 1)[0] for u in remote}:
         with contextlib.suppress(ImportError, ValueError):
             fsspec.get_filesystem_class(protocol)
 
@@ -690,7 +690,6 @@ class ShardedLoader:
     # -- iteration -----------------------------------------------------------------------
 
     def _start_workers(self) -> WorkerPool:
-        self._mapped.clear()  # other workers: their buffers are other ones
         # Workers fork here. Freezing the GC first keeps the children's collector off the
         # parent's objects, whose refcount/GC writes would otherwise copy their pages.
         gc.freeze()
@@ -712,7 +711,7 @@ class ShardedLoader:
             return
         persistent = self.cfg.persistent_workers
         if self._pool is not None and (self._pool.broken or not persistent):
-            self.close()
+            self._stop(self._pool)
         if self._pool is None:
             self._pool = self._start_workers()
         pool = self._pool
@@ -720,9 +719,15 @@ class ShardedLoader:
             yield from pool.run()
         finally:
             if not persistent or pool.broken:
-                pool.close()
-                if self._pool is pool:
-                    self._pool = None
+                self._stop(pool)
+
+    def _stop(self, pool: WorkerPool) -> None:
+        """Stop `pool`'s workers; the current pool's buffers are forgotten with it (an
+        older pool, stopped late by its abandoned iterator, leaves the current one alone)."""
+        pool.close()
+        if self._pool is pool:
+            self._pool = None
+            self._mapped.clear()
 
     def _receive(self, batch: dict[str, Any]) -> dict[str, Any]:
         """A batch from a worker as the trainer gets it: tensors, stats counted."""
@@ -773,9 +778,7 @@ class ShardedLoader:
         Also done at interpreter exit for every loader still holding workers.
         """
         if self._pool is not None:
-            self._pool.close()
-            self._pool = None
-        self._mapped.clear()
+            self._stop(self._pool)
 
     def stats(self) -> dict[str, int]:
         """Counters since the loader was built: retries, shards_failed, samples_lost, bytes."""

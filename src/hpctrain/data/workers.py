@@ -32,7 +32,9 @@ import select
 import signal
 import sys
 import traceback
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing import util as mp_util
 from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
@@ -315,9 +317,10 @@ class WorkerPool:
         """The worker's next message; a worker that died instead fails the pool."""
         results = self.workers.results[worker]
         try:
-            if not results.poll():
-                self.pollers[worker].poll()  # a message, or the process's end
-            if results.poll():
+            # one wait for a message or the process's end; a message left by a worker that
+            # then died is still read first
+            ready = {fd for fd, _event in self.pollers[worker].poll()}
+            if results.fileno() in ready:
                 message = results.recv()
                 if not isinstance(message, (_End, _Failure)):
                     self.workers.credits[worker].release()
@@ -383,9 +386,6 @@ def run_ahead(
     """`work(item)` for each item in a thread of its own, up to `depth` items ahead of the
     consumer, in order. For copies that release the GIL (pinning batches), so they overlap
     the training step instead of adding to it."""
-    from collections import deque
-    from concurrent.futures import Future, ThreadPoolExecutor
-
     pending: deque[Future[Any]] = deque()
     with ThreadPoolExecutor(1, thread_name_prefix=name) as pool:
         try:
