@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import resource
 import statistics
 import subprocess
 import sys
@@ -42,23 +41,16 @@ def export(rev: str, dest: Path) -> None:
         path.write_text(re.sub(r"\bhpctrain(?=[. ]|$)", "hpctrain_ab", text, flags=re.M))
 
 
-def children_cpu() -> float:
-    """CPU seconds of this process's live children (the loaders' workers)."""
-    total = 0.0
-    me = os.getpid()
+def children() -> list[int]:
+    """This process's live children: the loaders' workers (pids from /proc)."""
+    me, pids = os.getpid(), []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == me:
+                pids.append(int(stat.parent.name))
+        except (OSError, ValueError):
             continue
-        if int(fields[1]) == me:
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
-
-
-def self_cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+    return pids
 
 
 def main() -> int:
@@ -103,17 +95,22 @@ def main() -> int:
     for loader in loaders.values():
         bench._count(loader)  # starts the persistent workers
 
+    workers = children()  # persistent: the same processes in every epoch
+
+    def cpu_seconds() -> float:
+        return bench._self_cpu() + sum(bench._proc_cpu(p) for p in workers)
+
     def epoch(loader: object, number: int) -> tuple[float, float]:
         loader.set_epoch(number)  # type: ignore[attr-defined]
-        cpu0, t0 = self_cpu() + children_cpu(), time.perf_counter()
+        cpu0, t0 = cpu_seconds(), time.perf_counter()
         n = bench._count(loader)
-        return n / (self_cpu() + children_cpu() - cpu0), n / (time.perf_counter() - t0)
+        return n / (cpu_seconds() - cpu0), n / (time.perf_counter() - t0)
 
     def limit() -> float:
-        cpu0 = self_cpu()
+        cpu0 = bench._self_cpu()
         for data, _label in images:
             transform({"image": decode_image(data)})
-        return len(images) / (self_cpu() - cpu0)
+        return len(images) / (bench._self_cpu() - cpu0)
 
     names = list(loaders)
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
