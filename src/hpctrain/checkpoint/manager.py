@@ -43,6 +43,7 @@ from hpctrain.checkpoint.safety import (
 )
 from hpctrain.checkpoint.state import PerRankState
 from hpctrain.checkpoint.storage import LAST_FILE, Store, open_store
+from hpctrain.errors import CheckpointFailure
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
 
 
-class CheckpointSaveError(RuntimeError):
+class CheckpointSaveError(CheckpointFailure, RuntimeError):
     """A save failed (in the background for async saves); the message names the path."""
 
 

@@ -35,8 +35,10 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
+from hpctrain.errors import CheckpointFailure
 
-class CheckpointError(ValueError):
+
+class CheckpointError(CheckpointFailure, ValueError):
     """A checkpoint cannot be used: missing, damaged, untrusted or unsafe."""
 
 

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from hpctrain import __version__
-from hpctrain.config import ConfigError
+from hpctrain.errors import HpctrainError
 
 # Order is the order shown in `hpctrain --help`.
 VERBS = [
@@ -71,9 +71,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args._run(args))
-    except ConfigError as exc:
-        print(f"hpctrain {args.verb}: config error: {exc}", file=sys.stderr)
-        return 2
+    except HpctrainError as exc:
+        # a mistake the user can fix: one line and the kind's exit code (hpctrain.errors)
+        print(f"hpctrain {args.verb}: {exc.label}: {exc}", file=sys.stderr)
+        return exc.exit_code
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import yaml
 
 from hpctrain.config.schema import Config
+from hpctrain.errors import EXIT_CONFIG, HpctrainError
 
 T = TypeVar("T")
 
@@ -55,8 +56,11 @@ def load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_ConfigYamlLoader)  # a SafeLoader subclass: no Python objects
 
 
-class ConfigError(ValueError):
+class ConfigError(HpctrainError, ValueError):
     """A bad config key or value; the message is one line naming the key and its source."""
+
+    exit_code = EXIT_CONFIG
+    label = "config error"
 
 
 def _yaml_key(f: dataclasses.Field[Any]) -> str:

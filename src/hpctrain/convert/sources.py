@@ -20,6 +20,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from hpctrain.data.index import INDEX_NAME, read_index, redact_url
+from hpctrain.errors import DataError
 
 # Extensions of members treated as the sample's image when re-sharding.
 IMAGE_EXTENSIONS = frozenset(
@@ -27,7 +28,7 @@ IMAGE_EXTENSIONS = frozenset(
 )
 
 
-class ConvertError(ValueError):
+class ConvertError(DataError, ValueError):
     """A user-facing conversion error (names the file or URL, never a credential)."""
 
 

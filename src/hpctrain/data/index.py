@@ -26,12 +26,14 @@ from typing import Any
 
 import fsspec
 
+from hpctrain.errors import DataError
+
 INDEX_FORMAT = "hpctrain-shards"
 INDEX_VERSION = 1
 INDEX_NAME = "index.json"
 
 
-class ShardIndexError(ValueError):
+class ShardIndexError(DataError, ValueError):
     """An index that cannot be read or does not describe shards (names the URL)."""
 
 

@@ -41,6 +41,7 @@ from hpctrain.data.stream import (
     open_shard,
 )
 from hpctrain.data.workers import WorkerPool, run_ahead, seed_worker_globals, worker_start_method
+from hpctrain.errors import DataError
 
 try:
     # imported here, not in the workers: forked workers then share it instead of each paying
@@ -62,7 +63,7 @@ _STAT_FIELDS = ("retries", "shards_failed", "samples_lost", "bytes_read", "bytes
 STATE_VERSION = 1
 
 
-class LoaderStateError(ValueError):
+class LoaderStateError(DataError, ValueError):
     """A loader state that does not belong to this data (other shards or another seed)."""
 
 

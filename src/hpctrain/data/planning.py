@@ -40,10 +40,12 @@ from typing import Any
 
 import numpy as np
 
+from hpctrain.errors import DataError
+
 REMAINDER_POLICIES = ("drop", "pad")
 
 
-class PlanError(ValueError):
+class PlanError(DataError, ValueError):
     """Plan parameters that cannot work (no samples, bad remainder policy...)."""
 
 

@@ -30,12 +30,13 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from hpctrain.data.index import redact_url
+from hpctrain.errors import DataError
 
 BLOCK = 512
 READ_CHUNK = 1 << 20
 
 
-class ShardReadError(ValueError):
+class ShardReadError(DataError, ValueError):
     """A shard that cannot be read: missing, forbidden, corrupt, or still failing after retries.
 
     The message names the shard URL (credentials stripped).
@@ -345,7 +346,7 @@ class Member:
     size: int
 
 
-class CorruptShardError(ValueError):
+class CorruptShardError(DataError, ValueError):
     """Bytes that are not a tar archive (bad checksum, truncated member)."""
 
 

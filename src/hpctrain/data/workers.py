@@ -41,12 +41,14 @@ from typing import Any, NamedTuple
 
 import torch
 
+from hpctrain.errors import DataError
+
 _DONE = object()
 POLL_S = 1.0  # how often a waiting worker checks that its parent is alive
 STOP_TIMEOUT_S = 5.0  # a polite stop's wait before SIGKILL
 
 
-class WorkerDiedError(RuntimeError):
+class WorkerDiedError(DataError, RuntimeError):
     """A loader worker process ended without being asked to (killed, crashed, out of memory)."""
 
 

@@ -19,11 +19,12 @@ import yaml
 
 from hpctrain.config import Config
 from hpctrain.config.load import load_yaml
+from hpctrain.errors import LaunchFailure
 
 PROFILES_ENV = "HPCTRAIN_CLUSTERS_DIR"
 
 
-class LaunchError(ValueError):
+class LaunchError(LaunchFailure, ValueError):
     """A job that cannot be submitted as configured; the message is one line."""
 
 

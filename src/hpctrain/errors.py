@@ -1,0 +1,62 @@
+"""The errors a user can cause or fix, and the exit code of each kind.
+
+The CLI prints an `HpctrainError` as one line (`hpctrain VERB: <label>: <message>`) and exits
+with its kind's code; any other exception is a bug in hpctrain or in the user's code and keeps
+its traceback. `--debug` shows the traceback of every error. Each part keeps its own error
+classes (`ShardReadError` in `data`, `CheckpointError` in `checkpoint`, ...); they derive from
+one of the kinds below, so the CLI needs to know only these.
+
+| exit code | kind                                                                   |
+|-----------|------------------------------------------------------------------------|
+| 1         | an unexpected error (a bug): printed with its traceback                |
+| 2         | config or command line: a bad key, value, option or file               |
+| 3         | data: index, shards, manifest, loader workers                          |
+| 4         | checkpoint: missing, damaged, untrusted, or a failed save              |
+| 5         | the run folder is locked by another run                                |
+| 6         | launch: cluster profile, preflight, submission                         |
+| 75        | not an error: saved after a preemption signal, requeue me (EX_TEMPFAIL)|
+"""
+
+from __future__ import annotations
+
+EXIT_BUG = 1
+EXIT_CONFIG = 2
+EXIT_DATA = 3
+EXIT_CHECKPOINT = 4
+EXIT_LOCKED = 5
+EXIT_LAUNCH = 6
+
+
+class HpctrainError(Exception):
+    """An error with a one-line message naming the key, file or URL at fault."""
+
+    exit_code = EXIT_BUG
+    label = "error"
+
+
+class DataError(HpctrainError):
+    """Data that cannot be used: an index, a shard, a manifest, a loader worker."""
+
+    exit_code = EXIT_DATA
+    label = "data error"
+
+
+class CheckpointFailure(HpctrainError):
+    """A checkpoint that cannot be loaded or saved."""
+
+    exit_code = EXIT_CHECKPOINT
+    label = "checkpoint error"
+
+
+class RunLockedError(HpctrainError):
+    """Another run holds the run folder's lock (the message names its host, pid and job)."""
+
+    exit_code = EXIT_LOCKED
+    label = "run folder locked"
+
+
+class LaunchFailure(HpctrainError):
+    """A job that cannot be launched as configured."""
+
+    exit_code = EXIT_LAUNCH
+    label = "launch error"
