@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import types
 import typing
@@ -21,6 +22,9 @@ from hpctrain.config.schema import Config
 from hpctrain.errors import EXIT_CONFIG, HpctrainError
 
 T = TypeVar("T")
+
+# Every integer key: what a signed 64-bit C integer holds (torch, numpy and SLURM take no more).
+INT_RANGE = (-(2**63), 2**63 - 1)
 
 
 class _ConfigYamlLoader(yaml.SafeLoader):
@@ -107,11 +111,21 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
         raise ConfigError(f"{key}={value!r} ({source}): expected true or false")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if not INT_RANGE[0] <= value <= INT_RANGE[1]:
+                # numbers reach C APIs (torch, numpy, SLURM) that take at most 64 bits
+                raise ConfigError(f"{key}={value!r} ({source}): out of range for a 64-bit integer")
             return value
         raise ConfigError(f"{key}={value!r} ({source}): expected an integer")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                number = float(value)
+            except OverflowError:  # an integer literal beyond any float
+                number = math.inf
+            if not math.isfinite(number):
+                # NaN passes every `min` check (nan < 0 is False) and inf never ends a wait
+                raise ConfigError(f"{key}={value!r} ({source}): expected a finite number")
+            return number
         raise ConfigError(f"{key}={value!r} ({source}): expected a number")
     if tp is str:
         if isinstance(value, str):
@@ -131,6 +145,12 @@ def _check(value: Any, f: dataclasses.Field[Any], key: str, source: str) -> None
     low = f.metadata.get("min")
     if low is not None and value < low:
         raise ConfigError(f"{key}={value!r} ({source}): must be >= {low}")
+    high = f.metadata.get("max")
+    if high is not None and value > high:
+        reason = f.metadata.get("max_reason", "")
+        raise ConfigError(
+            f"{key}={value!r} ({source}): must be <= {high}" + (f" ({reason})" if reason else "")
+        )
 
 
 def _build(cls: type[T], raw: Mapping[str, Any], sources: Mapping[str, str], prefix: str) -> T:

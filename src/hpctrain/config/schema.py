@@ -1,7 +1,7 @@
 """The typed config tree. YAML files and `a.b=c` overrides only fill these dataclasses.
 
 Each field may carry metadata that the loader checks before any work starts:
-`choices` (allowed values), `min` (lowest allowed number), `key` (the YAML name when it is a
+`choices` (allowed values), `min` and `max` (the allowed range; `max_reason` says why), `key` (the YAML name when it is a
 Python keyword, e.g. `checkpoint.async`), and `help` (shown in the README's reference).
 """
 
@@ -149,7 +149,11 @@ class SlurmConfig:
     time: str = _f("", "wall time (HH:MM:SS or minutes); empty takes the profile's default")
     max_requeues: int = _f(3, "automatic requeues after a time limit or preemption", min=0)
     signal_margin_s: int = _f(
-        120, "seconds before the time limit when SLURM sends the signal", min=1
+        120,
+        "seconds before the time limit when SLURM sends the signal",
+        min=1,
+        max=65535,
+        max_reason="sbatch --signal takes at most 65535 s",
     )
     setup: list[str] = _f([], "shell lines run before training (module load ...)")
     folder: str = _f("", "where job scripts and logs go; empty: RUN_DIR/slurm")
@@ -158,6 +162,8 @@ class SlurmConfig:
 @dataclass(frozen=True, kw_only=True)
 class Config:
     run_dir: str = _f("runs/default", "run folder: resolved config, metrics, checkpoints, logs")
+    # below 2**63 like every integer key (config.load.INT_RANGE): torch and the data plan
+    # take signed 64-bit seeds; numpy's global seed takes seed % 2**32
     seed: int = _f(0, "seeds model init, data order and augmentations", min=0)
     task: str = _f(
         "image_classification", "built-in task name or module.path:ClassName of your own"
