@@ -66,3 +66,99 @@ def test_a_nan_in_the_config_file_names_the_file(
     path.write_text("train:\n  lr: .NaN\n")
     assert main(["config", "show", str(path)]) == EXIT_CONFIG
     assert f"train.lr=nan ({path}): expected a finite number" in one_error_line(capsys)
+
+
+# -- values that reach a job script (item 7) -------------------------------------------------
+
+
+def _fail_if_submitted(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("nothing may be submitted")
+
+    monkeypatch.setattr("hpctrain.launch.submit.make_executor", refuse)
+
+
+@pytest.mark.parametrize("verb", ["submit", "sbatch"])
+@pytest.mark.parametrize("key", ["run_dir", "slurm.folder"])
+def test_a_newline_in_a_path_never_reaches_a_job_script(
+    verb: str,
+    key: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _fail_if_submitted(monkeypatch)
+    config = tmp_path / "run.yaml"
+    section, _, name = key.rpartition(".")
+    line = f'{name}: "{tmp_path}/run\\nhostname"'  # a YAML escape: a real newline
+    config.write_text(f"{section}:\n  {line}\n" if section else line + "\n")
+    extra = ["--dry-run"] if verb == "submit" else []
+    code = main([verb, str(config), "--profile", "local-dev", "--no-preflight", *extra])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == ""  # no script printed
+    assert "Traceback" not in captured.err and captured.err.count("\n") == 1
+    assert f"{key}='{tmp_path}/run\\nhostname': newlines" in captured.err
+
+
+def test_sbatch_writes_its_log_into_slurm_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)  # a relative slurm.folder is made absolute, like run_dir
+    code = main(["sbatch", DEMO, "run_dir=run", "slurm.folder=logs", "--no-preflight"])
+    script = capsys.readouterr().out
+    assert code == 0
+    assert f"#SBATCH --output={tmp_path}/logs/%j.out" in script
+    assert f"slurm.folder={tmp_path}/logs" in script  # in config.yaml, for `hpctrain status`
+    assert (tmp_path / "logs").is_dir() and not (tmp_path / "run" / "slurm").exists()
+
+
+class _FakeJob:
+    def __init__(self, folder: Path) -> None:
+        self.job_id = "42"
+        self.paths = type(
+            "Paths", (), {"stdout": folder / "42_0_log.out", "stderr": folder / "42_0_log.err"}
+        )
+
+
+def test_submit_puts_submitit_files_into_slurm_folder_and_status_finds_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folders: list[Path] = []
+
+    class FakeExecutor:
+        def __init__(self, job: object, folder: Path) -> None:
+            folders.append(folder)
+
+        def submit(self, fn: object) -> _FakeJob:
+            return _FakeJob(folders[0])
+
+    monkeypatch.setattr("hpctrain.launch.submit.make_executor", FakeExecutor)
+    monkeypatch.setattr("hpctrain.launch.status.query_state", lambda job_id: ("RUNNING", "", 0))
+    run, logs = tmp_path / "run", tmp_path / "logs"
+    args = [DEMO, f"run_dir={run}", f"slurm.folder={logs}", "--profile", "local-dev"]
+    assert main(["submit", *args, "--dry-run", "--no-preflight"]) == 0
+    assert f"#SBATCH --output={logs}/submitit/%j_0_log.out" in capsys.readouterr().out
+    assert main(["submit", *args, "--no-preflight"]) == 0
+    assert folders == [logs / "submitit"]
+    (logs / "submitit").mkdir()  # submitit's executor would have made it
+    (logs / "submitit" / "42_0_log.err").write_text("hello from the job\n")
+    assert main(["status", str(run)]) == 0
+    assert "| hello from the job" in capsys.readouterr().out
+
+
+def test_status_finds_an_sbatch_log_in_slurm_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hpctrain.config import config_to_yaml, load_config
+
+    run, logs = tmp_path / "run", tmp_path / "logs"
+    (run / "slurm").mkdir(parents=True)
+    logs.mkdir()
+    # what the trainer saves from the rendered script's `slurm.folder=<absolute>` override
+    (run / "config.yaml").write_text(config_to_yaml(load_config(None, [f"slurm.folder={logs}"])))
+    (run / "slurm" / "job_id").write_text("7\n")
+    (logs / "7.out").write_text("step 3\n")
+    monkeypatch.setattr("hpctrain.launch.status.query_state", lambda job_id: ("RUNNING", "", 0))
+    assert main(["status", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert f"log:       {logs}/7.out" in out and "| step 3" in out

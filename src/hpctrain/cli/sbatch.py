@@ -9,8 +9,9 @@ from pathlib import Path
 from hpctrain.launch.preflight import failed, format_checks, preflight
 from hpctrain.launch.prepare import prepare, train_overrides
 from hpctrain.launch.profiles import LaunchError
+from hpctrain.launch.safety import check_path
 from hpctrain.launch.sbatch import render_sbatch
-from hpctrain.launch.submit import private_dir
+from hpctrain.launch.submit import log_folder
 
 HELP = "print an sbatch script (one task per GPU, requeue on preemption) for a config"
 EPILOG = """examples:
@@ -52,13 +53,18 @@ def run(args: argparse.Namespace) -> int:
                 print(format_checks(checks), file=sys.stderr)
                 print("hpctrain sbatch: preflight failed; nothing written", file=sys.stderr)
                 return 2
+        check_path(prep.cfg.slurm.folder, "slurm.folder")  # before it is created
         log_dir = ""
-        if "$" not in prep.cfg.run_dir:
-            log_dir = str(private_dir(Path(prep.cfg.run_dir) / "slurm"))
+        if "$" not in (prep.cfg.slurm.folder or prep.cfg.run_dir):
+            log_dir = str(log_folder(prep.cfg))
+        overrides = train_overrides(args.overrides)
+        if prep.cfg.slurm.folder:
+            # absolute in the run's config.yaml, where `hpctrain status` looks for the log
+            overrides.append(f"slurm.folder={prep.cfg.slurm.folder}")
         script = render_sbatch(
             prep.job,
             config_path=str(Path(args.config).resolve()),
-            overrides=train_overrides(args.overrides),
+            overrides=overrides,
             run_dir=prep.cfg.run_dir,
             python=sys.executable,
             log_dir=log_dir,

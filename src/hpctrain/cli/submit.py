@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from hpctrain.cli.sbatch import add_profile_arguments
 from hpctrain.launch.preflight import failed, format_checks, preflight
-from hpctrain.launch.prepare import prepare
+from hpctrain.launch.prepare import prepare, slurm_folder
 from hpctrain.launch.profiles import LaunchError
 from hpctrain.launch.submit import (
     check_submission,
@@ -55,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
                 print("hpctrain submit: preflight failed; nothing submitted", file=sys.stderr)
                 return 2
         if args.dry_run:
-            folder = Path(prep.cfg.run_dir) / "slurm" / "submitit"
+            folder = slurm_folder(prep.cfg) / "submitit"
             sys.stdout.write(submission_script(prep.job, folder))
             return 0
         submitted = submit(prep.cfg, prep.job, sweep=args.sweep)

@@ -18,10 +18,18 @@ class Prepared:
 
 
 def absolute_run_dir(cfg: Config) -> Config:
-    """Make run_dir absolute (relative to here): the job may start in another folder."""
-    if "$" in cfg.run_dir or Path(cfg.run_dir).is_absolute():
-        return cfg
-    return with_overrides(cfg, [f"run_dir={Path(cfg.run_dir).resolve()}"])
+    """Make run_dir and slurm.folder absolute (relative to here): the job may start elsewhere."""
+    overrides = [
+        f"{key}={Path(value).resolve()}"
+        for key, value in (("run_dir", cfg.run_dir), ("slurm.folder", cfg.slurm.folder))
+        if value and "$" not in value and not Path(value).is_absolute()
+    ]
+    return with_overrides(cfg, overrides) if overrides else cfg
+
+
+def slurm_folder(cfg: Config) -> Path:
+    """Where job scripts and logs go: `slurm.folder`, or RUN_DIR/slurm when it is empty."""
+    return Path(cfg.slurm.folder) if cfg.slurm.folder else Path(cfg.run_dir) / "slurm"
 
 
 def prepare(config_path: str, overrides: Sequence[str], profile: str | None = None) -> Prepared:

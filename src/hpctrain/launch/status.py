@@ -1,7 +1,9 @@
 """`hpctrain status RUN_DIR`: the job's state (sacct), requeue count, last step, log tail.
 
 The job id comes from RUN_DIR/slurm/job.json (written by `hpctrain submit`) or
-RUN_DIR/slurm/job_id (written by the sbatch script when it starts).
+RUN_DIR/slurm/job_id (written by the sbatch script when it starts). The sbatch script's log is
+`<slurm.folder>/<job id>.out`, with `slurm.folder` read from the run's config.yaml
+(RUN_DIR/slurm when it is empty).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import subprocess
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import yaml
 
 # States after which the job will not run again by itself.
 DONE_STATES = frozenset({"COMPLETED"})
@@ -55,8 +59,18 @@ def read_job_record(run_dir: Path) -> dict[str, str]:
         if job_id and job_id != record.get("job_id"):
             record = {"job_id": job_id}
     if record.get("job_id") and "stdout" not in record:
-        record["stdout"] = str(slurm / f"{record['job_id']}.out")
+        record["stdout"] = str(log_folder(run_dir) / f"{record['job_id']}.out")
     return record
+
+
+def log_folder(run_dir: Path) -> Path:
+    """`slurm.folder` of the run's saved config.yaml, or RUN_DIR/slurm."""
+    try:
+        saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+        folder = saved["slurm"]["folder"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        folder = ""
+    return Path(folder) if isinstance(folder, str) and folder else run_dir / "slurm"
 
 
 def parse_sacct(text: str) -> tuple[str, str, int]:

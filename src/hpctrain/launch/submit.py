@@ -25,8 +25,9 @@ from typing import Any
 import submitit
 
 from hpctrain.config import Config, with_overrides
+from hpctrain.launch.prepare import slurm_folder
 from hpctrain.launch.profiles import JobSpec, LaunchError
-from hpctrain.launch.safety import check_no_credential, check_setup_line
+from hpctrain.launch.safety import check_no_credential, check_path, check_setup_line
 from hpctrain.launch.sbatch import END_TIME_LINES, OFFLINE_ENV, sbatch_options
 
 JOB_FILE = "job.json"
@@ -109,6 +110,9 @@ def job_state(job_id: str) -> str:
 def check_submission(cfg: Config, job: JobSpec) -> None:
     """Every value that reaches the script or the pickled job is safe and credential-free."""
     sbatch_options(job, log_path="x")
+    # Both end up in submitit's #SBATCH lines and command (the submitit folder is inside).
+    check_path(cfg.run_dir, "run_dir")
+    check_path(cfg.slurm.folder, "slurm.folder")
     for i, line in enumerate(job.setup):
         check_setup_line(line, f"slurm.setup[{i}]")
     for key, value in (
@@ -226,6 +230,15 @@ def private_dir(path: Path) -> Path:
     return path
 
 
+def log_folder(cfg: Config) -> Path:
+    """The folder for job scripts and logs (`slurm_folder`), created; private when created here.
+
+    A `slurm.folder` that already exists keeps its permissions: it may be a shared folder.
+    """
+    folder = slurm_folder(cfg)
+    return folder if folder.is_dir() and cfg.slurm.folder else private_dir(folder)
+
+
 def submit(cfg: Config, job: JobSpec, *, sweep: Sequence[str] = ()) -> list[Submitted]:
     """Submit `cfg` as `job` (one job, or a job array with one run folder per sweep point).
 
@@ -240,8 +253,7 @@ def submit(cfg: Config, job: JobSpec, *, sweep: Sequence[str] = ()) -> list[Subm
             run_cfg = with_overrides(cfg, [*combo, f"run_dir={sweep_run_dir(cfg.run_dir, combo)}"])
         check_submission(run_cfg, job)
         configs.append(run_cfg)
-    root = Path(cfg.run_dir)
-    folder = private_dir(root / "slurm") / "submitit"
+    folder = log_folder(cfg) / "submitit"
     executor = make_executor(job, folder)
     if len(configs) == 1:
         jobs = [executor.submit(TrainingJob(configs[0]))]
