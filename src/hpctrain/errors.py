@@ -2,14 +2,15 @@
 
 The CLI prints an `HpctrainError` as one line (`hpctrain VERB: <label>: <message>`) and exits
 with its kind's code; any other exception is a bug in hpctrain or in the user's code and keeps
-its traceback. `--debug` shows the traceback of every error. Each part keeps its own error
+its traceback. `hpctrain --debug VERB` (or HPCTRAIN_DEBUG=1, or `hpctrain train --debug`)
+shows the traceback of every error. Each part keeps its own error
 classes (`ShardReadError` in `data`, `CheckpointError` in `checkpoint`, ...); they derive from
 one of the kinds below, so the CLI needs to know only these.
 
 | exit code | kind                                                                   |
 |-----------|------------------------------------------------------------------------|
 | 1         | an unexpected error (a bug): printed with its traceback                |
-| 2         | config or command line: a bad key, value, option or file               |
+| 2         | config or command line: a bad key, value, option, or argument path     |
 | 3         | data: index, shards, manifest, loader workers                          |
 | 4         | checkpoint: missing, damaged, untrusted, or a failed save              |
 | 5         | the run folder is locked by another run                                |
@@ -32,6 +33,13 @@ class HpctrainError(Exception):
 
     exit_code = EXIT_BUG
     label = "error"
+
+
+class UsageError(HpctrainError):
+    """A bad command-line option or argument (a path that is not what the verb needs)."""
+
+    exit_code = EXIT_CONFIG
+    label = "usage error"
 
 
 class DataError(HpctrainError):

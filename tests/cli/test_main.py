@@ -1,11 +1,15 @@
 """`hpctrain --help` and every verb's `--help` work and show an example."""
 
+import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from hpctrain.cli.main import VERBS, build_parser, main, requested_verb
+from hpctrain.cli.main import DEBUG_ENV, VERBS, build_parser, main, requested_verb
+from hpctrain.errors import EXIT_CONFIG, EXIT_DATA
 
 
 def test_top_level_help_lists_every_verb(capsys: pytest.CaptureFixture[str]) -> None:
@@ -44,3 +48,60 @@ def test_module_entry_point_and_config_errors_exit_2() -> None:
     assert "max_steps: 7" in proc.stdout
     proc = config_show("data.batch_size=-1")
     assert proc.returncode == 2 and "data.batch_size=-1" in proc.stderr
+
+
+def _missing_index_plan(tmp_path: Path) -> list[str]:
+    return ["plan", str(tmp_path / "nowhere"), "--world-size", "1", "--batch-size", "1"]
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_debug_shows_the_traceback_of_a_user_error(
+    how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv(DEBUG_ENV, "1" if how == "env" else "0")  # restored after the test
+    argv = _missing_index_plan(tmp_path)
+    assert main(["--debug", *argv] if how == "flag" else argv) == EXIT_DATA
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback") and "ShardIndexError" in err
+    assert err.splitlines()[-1].startswith("hpctrain plan: data error: ")
+    assert os.environ[DEBUG_ENV] == "1"  # `train --nproc` ranks inherit it
+
+
+def test_without_debug_a_user_error_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    assert main(_missing_index_plan(tmp_path)) == EXIT_DATA
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_train_debug_mode_shows_tracebacks_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    assert main(["train", str(tmp_path / "nope.yaml"), "--debug"]) == EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "ConfigError" in err
+
+
+def test_an_unexpected_error_keeps_its_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def bug(*args: object) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr("hpctrain.cli.plan.open_index", bug)
+    with pytest.raises(RuntimeError, match="a bug"):  # Python prints it and exits 1
+        main(_missing_index_plan(tmp_path))
+
+
+def test_readme_exit_codes_match_hpctrain_errors() -> None:
+    from hpctrain.config import ConfigError
+    from hpctrain.errors import CheckpointFailure, DataError, LaunchFailure, RunLockedError
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = readme.split("### Errors and exit codes", 1)[1]
+    rows = dict(re.findall(r"^\| (\d+) \| ([^|]+) \|", table, re.MULTILINE))
+    for kind in (ConfigError, DataError, CheckpointFailure, RunLockedError, LaunchFailure):
+        assert rows[str(kind.exit_code)].split()[0] == kind.label.split()[0], kind
+    assert rows["1"].startswith("a bug") and rows["75"].startswith("not an error")

@@ -167,7 +167,7 @@ def test_non_image_fails_with_path_or_is_skipped(
                 "none",
             ]
         )
-        == 1
+        == 3  # a data error
     )
     err = capsys.readouterr().err
     assert str(bad) in err and "not an image" in err
@@ -197,7 +197,7 @@ def test_refuses_to_overwrite_without_flag(
 ) -> None:
     dest = tmp_path / "shards"
     assert main(["convert", str(image_folder), str(dest), "--progress", "none"]) == 0
-    assert main(["convert", str(image_folder), str(dest), "--progress", "none"]) == 1
+    assert main(["convert", str(image_folder), str(dest), "--progress", "none"]) == 3
     assert "--overwrite" in capsys.readouterr().err
     # A finished conversion run again with --resume (a requeued job) is a no-op success.
     assert main(["convert", str(image_folder), str(dest), "--resume", "--progress", "none"]) == 0
@@ -346,7 +346,7 @@ def test_memory_destination_needs_one_worker(
 ) -> None:
     assert (
         main(["convert", str(image_folder), "memory://x/y", "--workers", "2", "--progress", "none"])
-        == 1
+        == 3
     )
     assert "--workers 1" in capsys.readouterr().err
 
@@ -374,5 +374,5 @@ def test_split_output_as_source_names_the_split(
 ) -> None:
     convert_args = ["--val-fraction", "0.2", "--progress", "none"]
     assert main(["convert", str(image_folder), str(tmp_path / "a"), *convert_args]) == 0
-    assert main(["convert", str(tmp_path / "a"), str(tmp_path / "b"), "--progress", "none"]) == 1
+    assert main(["convert", str(tmp_path / "a"), str(tmp_path / "b"), "--progress", "none"]) == 3
     assert f"{tmp_path / 'a'}/train" in capsys.readouterr().err

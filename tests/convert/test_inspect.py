@@ -78,9 +78,9 @@ def test_verify_names_the_bad_member(shards: Path, capsys: pytest.CaptureFixture
     data[offset : offset + 16] = b"this is no jpeg!"  # same size: only decoding can tell
     shard.write_bytes(bytes(data))
     # Without --verify the digest check still catches it, naming the shard.
-    assert main(["inspect", str(shards)]) == 1
+    assert main(["inspect", str(shards)]) == 3  # a data error
     assert "shard-000001.tar: sha256 differs from the index" in capsys.readouterr().out
-    assert main(["inspect", str(shards), "--verify"]) == 1
+    assert main(["inspect", str(shards), "--verify"]) == 3
     out = capsys.readouterr().out
     assert "shard-000001.tar: 000000012.jpg: cannot decode image" in out
 
@@ -92,7 +92,7 @@ def test_verify_reports_truncated_and_missing_shards(
     offset = _member_offset(shard, "000000023.jpg")
     shard.write_bytes(shard.read_bytes()[: offset + 100])
     (shards / "shard-000000.tar").unlink()
-    assert main(["inspect", str(shards), "--verify", "--json"]) == 1
+    assert main(["inspect", str(shards), "--verify", "--json"]) == 3
     report = json.loads(capsys.readouterr().out)
     assert not report["ok"]
     assert [s["ok"] for s in report["shards"]] == [False, True, False]
@@ -102,7 +102,7 @@ def test_verify_reports_truncated_and_missing_shards(
 
 
 def test_inspect_missing_source(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["inspect", str(tmp_path / "nothing")]) == 1
+    assert main(["inspect", str(tmp_path / "nothing")]) == 3
     assert "not found" in capsys.readouterr().err
 
 

@@ -58,5 +58,5 @@ def test_plan_text_and_rank_detail(tmp_path, capsys):
 
 
 def test_plan_missing_index_names_it(tmp_path, capsys):
-    assert main(["plan", str(tmp_path / "nowhere"), "--world-size", "1", "--batch-size", "1"]) == 2
+    assert main(["plan", str(tmp_path / "nowhere"), "--world-size", "1", "--batch-size", "1"]) == 3
     assert "nowhere/index.json: index not found" in capsys.readouterr().err

@@ -75,4 +75,4 @@ def test_preflight_verb_exit_status(tmp_path: Path, capsys) -> None:  # type: ig
     code = main(["preflight", str(REPO / "configs" / "demo.yaml"), f"run_dir={tmp_path}",
                  f"data.train={tmp_path / 'nope'}", "--profile", "local-dev"])  # fmt: skip
     out = capsys.readouterr().out
-    assert code == 2 and "FAIL data.train" in out and "ok   run_dir" in out
+    assert code == 6 and "FAIL data.train" in out and "ok   run_dir" in out

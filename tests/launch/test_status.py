@@ -58,5 +58,5 @@ def test_status_exit_code_says_failed(
 
 
 def test_status_without_a_job(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["status", str(tmp_path)]) == 3
-    assert "no SLURM job recorded" in capsys.readouterr().out
+    assert main(["status", str(tmp_path)]) == 6  # a launch error
+    assert "no SLURM job recorded" in capsys.readouterr().err

@@ -134,7 +134,7 @@ def test_submit_refuses_before_anything_is_submitted(
         ]
     )
     err = capsys.readouterr().err
-    assert code == 2 and submitted == []
+    assert code == 6 and submitted == []
     assert err.startswith("hpctrain submit: ") and err.count("\n") == 1
     assert "s3cret" not in err
     assert not (tmp_path / "run" / "slurm").exists()
@@ -152,7 +152,7 @@ def test_sbatch_verb_refuses_injection(tmp_path: Path, capsys: pytest.CaptureFix
             "--no-preflight",
         ]
     )
-    assert code == 2
+    assert code == 6
     assert "slurm.account='x; rm -rf ~': only letters" in capsys.readouterr().err
 
 

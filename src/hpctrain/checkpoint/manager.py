@@ -247,7 +247,12 @@ class CheckpointManager:
         self._pending_where = ""
         self._pending_step: int | None = None
         if self._rank == 0:
-            self._store.makedirs()
+            try:
+                self._store.makedirs()
+            except OSError as exc:  # a file in the way, a read-only or unreachable place
+                raise CheckpointError(
+                    f"{root}: cannot create the checkpoint folder: {exc.strerror or exc}"
+                ) from None
             self._remove_leftovers()
         self._barrier()
 

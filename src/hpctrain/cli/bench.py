@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+
+from hpctrain.errors import UsageError
 
 HELP = "run a benchmark (ratios measured side by side in one run)"
 EPILOG = "example: hpctrain bench convert --help"
@@ -28,4 +31,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    for option in ("dir", "workdir"):  # the folders benches write in (checkpoint, convert)
+        folder = getattr(args, option, None)
+        if folder:
+            try:
+                os.makedirs(folder, exist_ok=True)
+            except OSError as exc:
+                raise UsageError(
+                    f"--{option} {folder}: cannot create: {exc.strerror or exc}"
+                ) from None
     return int(args._bench_run(args))

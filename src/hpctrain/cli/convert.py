@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from hpctrain.convert.plan import parse_size
 from hpctrain.convert.run import ConvertOptions, convert, result_summary
-from hpctrain.convert.sources import ConvertError
-from hpctrain.data.index import ShardIndexError
 
 HELP = "convert an image folder, a CSV/JSONL manifest or shards into WebDataset shards + index.json"
 EPILOG = """\
@@ -104,30 +101,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        options = ConvertOptions(
-            src=args.src,
-            dest=args.dest,
-            source_kind=args.source_kind,
-            samples_per_shard=args.samples_per_shard,
-            shard_size=parse_size(args.shard_size) if args.shard_size else None,
-            shuffle=args.shuffle,
-            seed=args.seed,
-            val_fraction=args.val_fraction,
-            max_side=args.max_side,
-            quality=args.quality,
-            on_error=args.on_error,
-            prefix=args.prefix,
-            path_column=args.path_column,
-            label_column=args.label_column,
-            workers=args.workers,
-            resume=args.resume,
-            overwrite=args.overwrite,
-            progress=args.progress,
-        )
-        result = convert(options)
-    except (ConvertError, ShardIndexError) as exc:
-        print(f"hpctrain convert: error: {exc}", file=sys.stderr)
-        return 1
-    print(result_summary(result))
+    options = ConvertOptions(
+        src=args.src,
+        dest=args.dest,
+        source_kind=args.source_kind,
+        samples_per_shard=args.samples_per_shard,
+        shard_size=parse_size(args.shard_size) if args.shard_size else None,
+        shuffle=args.shuffle,
+        seed=args.seed,
+        val_fraction=args.val_fraction,
+        max_side=args.max_side,
+        quality=args.quality,
+        on_error=args.on_error,
+        prefix=args.prefix,
+        path_column=args.path_column,
+        label_column=args.label_column,
+        workers=args.workers,
+        resume=args.resume,
+        overwrite=args.overwrite,
+        progress=args.progress,
+    )
+    print(result_summary(convert(options)))  # ConvertError/ShardIndexError: data errors (3)
     return 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 HELP = "write a checkpoint's model as a consolidated weights-only state dict (DDP or FSDP2)"
 EPILOG = """examples:
@@ -20,14 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpctrain.checkpoint import CheckpointError
     from hpctrain.train.export import export_weights
 
-    try:
-        result = export_weights(args.source, args.out)
-    except CheckpointError as exc:
-        print(f"hpctrain export: {exc}", file=sys.stderr)
-        return 1
+    result = export_weights(args.source, args.out)  # CheckpointError: exit code 4
     print(
         f"exported {result.source} (step {result.step}): {result.num_tensors} tensors, "
         f"{result.num_elements:,} values -> {result.out}"

@@ -6,9 +6,8 @@ import argparse
 import json
 import sys
 
-from hpctrain.convert.sources import ConvertError
 from hpctrain.convert.verify import format_report, inspect_dataset
-from hpctrain.data.index import ShardIndexError
+from hpctrain.errors import EXIT_DATA
 
 HELP = "show totals, shards, classes and keys of a shard set; --verify decodes every sample"
 EPILOG = """\
@@ -18,8 +17,8 @@ examples:
   hpctrain inspect 'old/shard-{000000..000009}.tar' --verify
 
 Reads every shard once, checking the tar structure and, with an index, each shard's size,
-sample count and sha256. Exit code 1 when anything is wrong; every problem names its shard
-and member.
+sample count and sha256. Exit code 3 (a data error) when anything is wrong; every problem
+names its shard and member.
 """
 
 
@@ -43,16 +42,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        reports = inspect_dataset(
-            args.dest, verify=args.verify, num_keys=args.keys, workers=args.workers
-        )
-    except (ConvertError, ShardIndexError) as exc:
-        print(f"hpctrain inspect: error: {exc}", file=sys.stderr)
-        return 1
+    # nothing to inspect (no index, no shards): a DataError, one line and exit code 3
+    reports = inspect_dataset(
+        args.dest, verify=args.verify, num_keys=args.keys, workers=args.workers
+    )
     if args.json:
         data = [r.to_json() for r in reports]
         print(json.dumps(data[0] if len(data) == 1 else data, indent=1))
     else:
         print("\n\n".join(format_report(r) for r in reports))
-    return 1 if any(r.errors for r in reports) else 0
+    problems = sum(len(r.errors) for r in reports)
+    if problems:
+        print(f"hpctrain inspect: data error: {problems} problem(s), listed above", file=sys.stderr)
+        return EXIT_DATA
+    return 0

@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import traceback
 from collections.abc import Sequence
 
 from hpctrain import __version__
 from hpctrain.errors import HpctrainError
+
+# Set by `hpctrain --debug`, so that the ranks `train --nproc` starts inherit it.
+DEBUG_ENV = "HPCTRAIN_DEBUG"
 
 # Order is the order shown in `hpctrain --help`.
 VERBS = [
@@ -40,6 +45,12 @@ def build_parser(verbs_to_load: Sequence[str] = VERBS) -> argparse.ArgumentParse
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"hpctrain {__version__}")
+    parser.add_argument(
+        "--debug",
+        dest="show_tracebacks",
+        action="store_true",
+        help=f"print the traceback of every error (the same as {DEBUG_ENV}=1)",
+    )
     verbs = parser.add_subparsers(dest="verb", metavar="VERB")
     verbs.required = True
     for name in verbs_to_load:
@@ -69,12 +80,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     verb = requested_verb(argv)
     parser = build_parser([verb] if verb is not None else VERBS)
     args = parser.parse_args(argv)
+    if args.show_tracebacks:
+        os.environ[DEBUG_ENV] = "1"
     try:
         return int(args._run(args))
     except HpctrainError as exc:
-        # a mistake the user can fix: one line and the kind's exit code (hpctrain.errors)
-        print(f"hpctrain {args.verb}: {exc.label}: {exc}", file=sys.stderr)
+        # A mistake the user can fix: one line and the kind's exit code (hpctrain.errors).
+        # Any other exception is a bug and keeps its traceback (exit code 1).
+        if show_tracebacks(args):
+            traceback.print_exc()
+        print(f"hpctrain {args.verb}{_rank_tag()}: {exc.label}: {exc}", file=sys.stderr)
         return exc.exit_code
+
+
+def show_tracebacks(args: argparse.Namespace) -> bool:
+    """`hpctrain --debug`, HPCTRAIN_DEBUG=1, or `hpctrain train --debug` (debug mode)."""
+    in_debug_mode = args.verb == "train" and bool(getattr(args, "debug", False))
+    return in_debug_mode or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def _rank_tag() -> str:
+    """` [rank R]` in a rank of a multi-process run, where every rank prints its own error."""
+    if os.environ.get("WORLD_SIZE", "1") not in ("", "1") and "RANK" in os.environ:
+        return f" [rank {os.environ['RANK']}]"
+    return ""
 
 
 if __name__ == "__main__":

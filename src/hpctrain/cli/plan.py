@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 
-from hpctrain.data import ShardIndexError, open_index, plan
+from hpctrain.data import open_index, plan
+from hpctrain.errors import UsageError
 
 HELP = "show the epoch plan: batches per rank, samples dropped or padded, shards per worker"
 EPILOG = (
@@ -42,16 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.world_size < 1 or args.batch_size < 1 or args.workers_per_rank < 0:
-        print(
-            "hpctrain plan: --world-size and --batch-size must be >= 1, --workers-per-rank >= 0",
-            file=sys.stderr,
-        )
-        return 2
-    try:
-        index = open_index(args.data)
-    except ShardIndexError as exc:
-        print(f"hpctrain plan: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError("--world-size and --batch-size must be >= 1, --workers-per-rank >= 0")
+    for r in args.rank or []:
+        if not 0 <= r < args.world_size:
+            raise UsageError(f"--rank {r} is outside world size {args.world_size}")
+    index = open_index(args.data)  # ShardIndexError: a data error, exit code 3
     p = plan(
         [s.num_samples for s in index.shards],
         world_size=args.world_size,
@@ -108,11 +104,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"shards per stream: min {s['min']}, mean {s['mean']:.2f}, max {s['max']}")
     print(f"partly read shards per stream: min {q['min']}, mean {q['mean']:.2f}, max {q['max']}")
     for r in ranks:
-        if not 0 <= r < p.world_size:
-            print(
-                f"hpctrain plan: --rank {r} is outside world size {p.world_size}", file=sys.stderr
-            )
-            return 2
         for w in range(p.streams_per_rank):
             parts = [
                 f"{index.shards[seg.shard].url}[{seg.start}:{seg.end}]"

@@ -6,9 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from hpctrain.launch.preflight import failed, format_checks, preflight
+from hpctrain.errors import UsageError
+from hpctrain.launch.preflight import preflight, raise_if_failed
 from hpctrain.launch.prepare import prepare, train_overrides
-from hpctrain.launch.profiles import LaunchError
 from hpctrain.launch.safety import check_path
 from hpctrain.launch.sbatch import render_sbatch
 from hpctrain.launch.submit import log_folder
@@ -45,36 +45,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        prep = prepare(args.config, args.overrides, args.profile)
-        if not args.no_preflight:
-            checks = preflight(prep.cfg, prep.profile)
-            if failed(checks):
-                print(format_checks(checks), file=sys.stderr)
-                print("hpctrain sbatch: preflight failed; nothing written", file=sys.stderr)
-                return 2
-        check_path(prep.cfg.slurm.folder, "slurm.folder")  # before it is created
-        log_dir = ""
-        if "$" not in (prep.cfg.slurm.folder or prep.cfg.run_dir):
-            log_dir = str(log_folder(prep.cfg))
-        overrides = train_overrides(args.overrides)
-        if prep.cfg.slurm.folder:
-            # absolute in the run's config.yaml, where `hpctrain status` looks for the log
-            overrides.append(f"slurm.folder={prep.cfg.slurm.folder}")
-        script = render_sbatch(
-            prep.job,
-            config_path=str(Path(args.config).resolve()),
-            overrides=overrides,
-            run_dir=prep.cfg.run_dir,
-            python=sys.executable,
-            log_dir=log_dir,
-            description=f"rendered by `hpctrain sbatch` from {Path(args.config).name}",
-        )
-    except LaunchError as exc:
-        print(f"hpctrain sbatch: {exc}", file=sys.stderr)
-        return 2
+    # ConfigError (2) and LaunchError (6, with preflight failures) reach `hpctrain.cli.main`
+    prep = prepare(args.config, args.overrides, args.profile)
+    if not args.no_preflight:
+        raise_if_failed(preflight(prep.cfg, prep.profile), "nothing written")
+    check_path(prep.cfg.slurm.folder, "slurm.folder")  # before it is created
+    log_dir = ""
+    if "$" not in (prep.cfg.slurm.folder or prep.cfg.run_dir):
+        log_dir = str(log_folder(prep.cfg))
+    overrides = train_overrides(args.overrides)
+    if prep.cfg.slurm.folder:
+        # absolute in the run's config.yaml, where `hpctrain status` looks for the log
+        overrides.append(f"slurm.folder={prep.cfg.slurm.folder}")
+    script = render_sbatch(
+        prep.job,
+        config_path=str(Path(args.config).resolve()),
+        overrides=overrides,
+        run_dir=prep.cfg.run_dir,
+        python=sys.executable,
+        log_dir=log_dir,
+        description=f"rendered by `hpctrain sbatch` from {Path(args.config).name}",
+    )
     if args.output:
-        Path(args.output).write_text(script)
+        try:
+            Path(args.output).write_text(script)
+        except OSError as exc:
+            raise UsageError(f"-o {args.output}: cannot write: {exc.strerror or exc}") from None
         print(
             f"hpctrain sbatch: wrote {args.output}; submit with: sbatch {args.output}",
             file=sys.stderr,

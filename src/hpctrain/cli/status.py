@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from pathlib import Path
 
+from hpctrain.errors import UsageError
+from hpctrain.launch.profiles import LaunchError
 from hpctrain.launch.status import run_status
 
 HELP = "show the SLURM job of a run folder: state, requeues, last step, log tail"
@@ -22,12 +25,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Exit status: 0 running or completed, 1 failed/cancelled/timed out, 3 no job found."""
+    """Exit status: 0 running or completed, 1 failed/cancelled/timed out.
+
+    No such folder is a usage error (2); a folder without a SLURM job a launch error (6).
+    """
+    if not Path(args.run_dir).is_dir():
+        raise UsageError(f"{args.run_dir}: not a run folder")
     status = run_status(args.run_dir, num_lines=args.lines)
+    if not status.job_id:
+        raise LaunchError(
+            f"{args.run_dir}: no SLURM job recorded (RUN_DIR/slurm/job.json or job_id)"
+        )
     if args.json:
         print(json.dumps({**dataclasses.asdict(status), "failed": status.failed}))
-    elif not status.job_id:
-        print(f"{args.run_dir}: no SLURM job recorded (RUN_DIR/slurm/job.json or job_id)")
     else:
         verdict = " (failed)" if status.failed else ""
         print(f"job:       {status.job_id}")
@@ -38,6 +48,4 @@ def run(args: argparse.Namespace) -> int:
             print(f"log:       {status.log_path}")
             for line in status.log_tail:
                 print(f"  | {line}")
-    if not status.job_id:
-        return 3
     return 1 if status.failed else 0

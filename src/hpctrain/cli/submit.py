@@ -6,9 +6,8 @@ import argparse
 import sys
 
 from hpctrain.cli.sbatch import add_profile_arguments
-from hpctrain.launch.preflight import failed, format_checks, preflight
+from hpctrain.launch.preflight import format_checks, preflight, raise_if_failed
 from hpctrain.launch.prepare import prepare, slurm_folder
-from hpctrain.launch.profiles import LaunchError
 from hpctrain.launch.submit import (
     check_submission,
     parse_sweep,
@@ -42,26 +41,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        prep = prepare(args.config, args.overrides, args.profile)
-        parse_sweep(args.sweep)
-        check_submission(prep.cfg, prep.job)
-        if not args.no_preflight:
-            checks = preflight(prep.cfg, prep.profile)
-            if failed(checks) or args.dry_run:
-                print(format_checks(checks), file=sys.stderr)
-            if failed(checks):
-                print("hpctrain submit: preflight failed; nothing submitted", file=sys.stderr)
-                return 2
+    # ConfigError (2) and LaunchError (6, with preflight failures) reach `hpctrain.cli.main`
+    prep = prepare(args.config, args.overrides, args.profile)
+    parse_sweep(args.sweep)
+    check_submission(prep.cfg, prep.job)
+    if not args.no_preflight:
+        checks = preflight(prep.cfg, prep.profile)
         if args.dry_run:
-            folder = slurm_folder(prep.cfg) / "submitit"
-            sys.stdout.write(submission_script(prep.job, folder))
-            return 0
-        submitted = submit(prep.cfg, prep.job, sweep=args.sweep)
-    except LaunchError as exc:
-        print(f"hpctrain submit: {exc}", file=sys.stderr)
-        return 2
-    for sub in submitted:
+            print(format_checks(checks), file=sys.stderr)
+        raise_if_failed(checks, "nothing submitted")
+    if args.dry_run:
+        sys.stdout.write(submission_script(prep.job, slurm_folder(prep.cfg) / "submitit"))
+        return 0
+    for sub in submit(prep.cfg, prep.job, sweep=args.sweep):
         print(f"job {sub.job_id}")
         print(f"  run folder: {sub.run_dir}")
         print(f"  log:        {sub.stderr}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from hpctrain.config import load_config, with_overrides
+from hpctrain.errors import UsageError
 
 HELP = "train a model from a config (one process, N local processes, or as a SLURM task)"
 EPILOG = """examples:
@@ -67,9 +68,9 @@ def resolve(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = resolve(args)  # validate before starting any process
     if args.nproc < 1:
-        raise SystemExit("hpctrain train: --nproc must be >= 1")
+        raise UsageError(f"--nproc {args.nproc}: must be >= 1")
+    cfg = resolve(args)  # validate before starting any process
     if args.nproc > 1 and not args.debug:
         from hpctrain.launch.local import run_local
 

@@ -351,7 +351,12 @@ def _prepare_destination(
     for folder in {options.dest, *(folder for folder, _ in layout.values())}:
         _remove_stale(folder)
     fs, path = fsspec.core.url_to_fs(options.dest)
-    fs.makedirs(path, exist_ok=True)
+    try:
+        fs.makedirs(path, exist_ok=True)
+    except OSError as exc:  # a file in the way, a read-only or unreachable place
+        raise ConvertError(
+            f"{options.dest}: cannot create the output folder: {exc.strerror or exc}"
+        ) from None
     state = {"fingerprint": fingerprint, "command": command_line(options)}
     _write_bytes(state_url, (json.dumps(state, indent=1) + "\n").encode())
 

@@ -195,3 +195,15 @@ def format_checks(checks: list[Check]) -> str:
 
 def failed(checks: list[Check]) -> list[Check]:
     return [c for c in checks if not c.ok]
+
+
+def raise_if_failed(checks: list[Check], consequence: str = "") -> None:
+    """Raise one `LaunchError` line naming every failed check, if any failed.
+
+    Args:
+        consequence: what did not happen because of it, e.g. "nothing submitted".
+    """
+    bad = failed(checks)
+    if bad:
+        details = "; ".join(f"{c.name}: {c.message}" for c in bad).replace("\n", " ")
+        raise LaunchError(f"preflight failed{', ' + consequence if consequence else ''}: {details}")

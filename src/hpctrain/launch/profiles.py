@@ -219,11 +219,16 @@ def load_profile(name: str) -> ClusterProfile:
             raise LaunchError(
                 f"slurm.profile={name!r}: no such cluster profile (available: {', '.join(available_profiles())})"
             )
-    with open(path, encoding="utf-8") as f:
-        try:
-            data = load_yaml(f.read())
-        except yaml.YAMLError as exc:
-            raise LaunchError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise LaunchError(
+            f"{path}: cannot read the cluster profile: {exc.strerror or exc}"
+        ) from None
+    try:
+        data = load_yaml(text)
+    except yaml.YAMLError as exc:
+        raise LaunchError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
     return parse_profile(data, str(path))
 
 

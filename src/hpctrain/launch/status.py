@@ -16,6 +16,8 @@ from pathlib import Path
 
 import yaml
 
+from hpctrain.launch.profiles import LaunchError
+
 # States after which the job will not run again by itself.
 DONE_STATES = frozenset({"COMPLETED"})
 FAILED_STATES = frozenset(
@@ -52,7 +54,11 @@ def read_job_record(run_dir: Path) -> dict[str, str]:
     slurm = run_dir / "slurm"
     record: dict[str, str] = {}
     if (slurm / "job.json").is_file():
-        record = {k: str(v) for k, v in json.loads((slurm / "job.json").read_text()).items()}
+        try:
+            saved = json.loads((slurm / "job.json").read_text())
+            record = {k: str(v) for k, v in saved.items()}
+        except (OSError, ValueError, AttributeError) as exc:
+            raise LaunchError(f"{slurm / 'job.json'}: not a job record ({exc})") from None
     if (slurm / "job_id").is_file():
         job_id = (slurm / "job_id").read_text().strip()
         # The sbatch script writes job_id when it starts; it is the newest record.

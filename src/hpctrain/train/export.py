@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from hpctrain.checkpoint import CheckpointError, committed_steps, verify_checkpoint
 from hpctrain.checkpoint.safety import SafeLoadPlanner
 from hpctrain.checkpoint.storage import Store, open_store
+from hpctrain.errors import UsageError
 
 # `Trainer.checkpoint_states` stores ModelOptimizerState under "app", which puts the model under
 # "model": DCP flattens nested keys with dots.
@@ -97,14 +98,16 @@ def export_weights(path: str, out: str | Path) -> ExportResult:
     store, name, manifest = locate_checkpoint(path)
     weights = read_model_weights(store, name)
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
         with tmp.open("wb") as f:
             torch.save(weights, f)
             f.flush()
             os.fsync(f.fileno())
         tmp.replace(out)
+    except OSError as exc:  # a folder in the way, a read-only place, a full disk
+        raise UsageError(f"{out}: cannot write the export: {exc.strerror or exc}") from None
     finally:
         tmp.unlink(missing_ok=True)
     return ExportResult(

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from hpctrain.errors import UsageError
+
 PLOTS = {
     # file name: (title, [(record kind, field, label)], y label)
     "loss.png": ("Loss", [("train", "loss", "train"), ("eval", "val_loss", "validation")], "loss"),
@@ -31,10 +33,27 @@ PLOTS = {
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The records of RUN_DIR/metrics.jsonl (a last line cut by a kill is left out).
+
+    Raises:
+        UsageError: `run_dir` has no readable metrics.jsonl.
+    """
     path = run_dir / "metrics.jsonl"
     if not path.exists():
-        raise FileNotFoundError(f"{path}: no metrics (has this run logged a step yet?)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        raise UsageError(f"{path}: no metrics (has this run logged a step yet?)")
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read metrics: {exc.strerror or exc}") from None
+    records = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # empty, or cut by a kill
+        if isinstance(record, dict) and "step" in record:
+            records.append(record)
+    return records
 
 
 def plot_run(run_dir: str | Path) -> list[Path]:

@@ -454,7 +454,12 @@ class Trainer:
 
     def prepare_run_dir(self) -> None:
         if self.env.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            (self.run_dir / "config.yaml").write_text(config_to_yaml(self.cfg))
+            try:
+                self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+                (self.run_dir / "config.yaml").write_text(config_to_yaml(self.cfg))
+            except OSError as exc:
+                raise ConfigError(
+                    f"run_dir={self.cfg.run_dir!r}: cannot write the run folder: {exc.strerror or exc}"
+                ) from None
         if self.cfg.data.sample_log:
             self.sample_log_path().parent.mkdir(parents=True, exist_ok=True)
