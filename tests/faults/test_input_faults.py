@@ -215,6 +215,7 @@ CASES = {
     "export-missing-checkpoint": (["export", "{root}/nope", "{root}/o.pt"], EXIT_CHECKPOINT, "{root}/nope: no committed checkpoint"),
     "export-damaged-checkpoint": (["export", "{root}/step-dir/checkpoints/step-3", "{root}/o.pt"], EXIT_CHECKPOINT, "{root}/step-dir/checkpoints/step-3/manifest.json: unreadable manifest"),
     "convert-missing-source": (["convert", "{root}/nope", "{root}/out"], EXIT_DATA, "{root}/nope: source not found"),
+    "convert-bad-option": (["convert", "{root}/images", "{root}/out", "--val-fraction", "2"], EXIT_CONFIG, "usage error: --val-fraction 2.0: must be in [0, 1)"),
     "convert-file-as-dest": (["convert", "{root}/images", "{root}/a-file"], EXIT_DATA, "{root}/a-file: cannot create the output folder"),
     "inspect-missing": (["inspect", "{root}/nope"], EXIT_DATA, "{root}/nope: not found"),
     "inspect-unreachable-url": (["inspect", UNREACHABLE], EXIT_DATA, UNREACHABLE),
@@ -259,8 +260,9 @@ TRAIN_CASES = {
     "missing-shard": (["data.train={root}/missing/index.json"], EXIT_DATA, "data error: {root}/missing/shard-000001.tar"),
     "bad-task-module": (["task=nosuch.module:X"], EXIT_CONFIG, "config error: task='nosuch.module:X': cannot import nosuch.module"),
     "missing-resume-checkpoint": (["--resume", "{root}/nope"], EXIT_CHECKPOINT, "checkpoint error: {root}/nope"),
-    "file-as-run-dir": (["run_dir={root}/a-file"], EXIT_CHECKPOINT, "{root}/a-file/checkpoints: cannot create the checkpoint folder"),
-    "file-as-checkpoint-dir": (["checkpoint.dir={root}/a-file"], EXIT_CHECKPOINT, "{root}/a-file: cannot create the checkpoint folder"),
+    "file-as-run-dir": (["run_dir={root}/a-file"], EXIT_CHECKPOINT, "{root}/a-file/checkpoints: cannot use the checkpoint folder"),
+    "file-as-checkpoint-dir": (["checkpoint.dir={root}/a-file"], EXIT_CHECKPOINT, "{root}/a-file: cannot use the checkpoint folder"),
+    "unreachable-checkpoint-dir": (["checkpoint.dir=http://127.0.0.1:9/c"], EXIT_CHECKPOINT, "http://127.0.0.1:9/c: cannot use the checkpoint folder"),
 }  # fmt: skip
 
 

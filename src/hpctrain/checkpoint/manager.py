@@ -249,11 +249,11 @@ class CheckpointManager:
         if self._rank == 0:
             try:
                 self._store.makedirs()
+                self._remove_leftovers()
             except OSError as exc:  # a file in the way, a read-only or unreachable place
                 raise CheckpointError(
-                    f"{root}: cannot create the checkpoint folder: {exc.strerror or exc}"
+                    f"{root}: cannot use the checkpoint folder: {exc.strerror or exc}"
                 ) from None
-            self._remove_leftovers()
         self._barrier()
 
     # -- public API -------------------------------------------------------------------------

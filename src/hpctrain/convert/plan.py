@@ -13,7 +13,7 @@ import random
 import re
 from collections.abc import Sequence
 
-from hpctrain.convert.sources import ConvertError, SampleRef
+from hpctrain.convert.sources import ConvertOptionError, SampleRef
 from hpctrain.convert.tar import BLOCK_SIZE
 
 DEFAULT_SHARD_SIZE = 256 * 10**6  # bytes: ~256 MB streams well and keeps shard counts modest
@@ -37,10 +37,10 @@ def parse_size(text: str) -> int:
     """Parse `512MB`, `1.5GB`, `64MiB`, `1000000` into bytes (MB = 10^6, MiB = 2^20)."""
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     if not match or match.group(2).lower() not in _UNITS:
-        raise ConvertError(f"--shard-size {text!r}: expected a size like 512MB, 1GB or 64MiB")
+        raise ConvertOptionError(f"--shard-size {text!r}: expected a size like 512MB, 1GB or 64MiB")
     size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
     if size <= 0:
-        raise ConvertError(f"--shard-size {text!r}: must be positive")
+        raise ConvertOptionError(f"--shard-size {text!r}: must be positive")
     return size
 
 
@@ -52,7 +52,7 @@ def split_train_val(
     Both parts keep source order (shuffling is a separate step).
     """
     if not 0.0 <= val_fraction < 1.0:
-        raise ConvertError(f"--val-fraction {val_fraction}: must be in [0, 1)")
+        raise ConvertOptionError(f"--val-fraction {val_fraction}: must be in [0, 1)")
     if val_fraction == 0.0:
         return list(samples), []
     by_label: dict[int | None, list[int]] = {}
@@ -107,7 +107,7 @@ def assign_shards(
     """
     if samples_per_shard is not None:
         if samples_per_shard < 1:
-            raise ConvertError("--samples-per-shard must be >= 1")
+            raise ConvertOptionError("--samples-per-shard must be >= 1")
         return [
             list(samples[i : i + samples_per_shard])
             for i in range(0, len(samples), samples_per_shard)

@@ -26,7 +26,7 @@ from fsspec.implementations.local import LocalFileSystem
 from hpctrain.convert.parallel import process_pool
 from hpctrain.convert.plan import assign_shards, order_samples, plan_fingerprint, split_train_val
 from hpctrain.convert.progress import Progress
-from hpctrain.convert.sources import ConvertError, SampleRef, list_source
+from hpctrain.convert.sources import ConvertError, ConvertOptionError, SampleRef, list_source
 from hpctrain.convert.writer import (
     TEMP_MARKER,
     EncodeOptions,
@@ -176,17 +176,17 @@ def _split_layout(options: ConvertOptions, splits: list[str]) -> dict[str, tuple
 def convert(options: ConvertOptions) -> ConvertResult:
     """Convert `options.src` into shards and index(es) under `options.dest` (see module doc)."""
     if options.on_error not in ("fail", "skip"):
-        raise ConvertError(f"--on-error {options.on_error!r}: expected fail or skip")
+        raise ConvertOptionError(f"--on-error {options.on_error!r}: expected fail or skip")
     if options.workers < 1:
-        raise ConvertError("--workers must be >= 1")
+        raise ConvertOptionError("--workers must be >= 1")
     if options.samples_per_shard is not None and options.shard_size is not None:
-        raise ConvertError("give --samples-per-shard or --shard-size, not both")
+        raise ConvertOptionError("give --samples-per-shard or --shard-size, not both")
     if not 0.0 <= options.val_fraction < 1.0:
-        raise ConvertError(f"--val-fraction {options.val_fraction}: must be in [0, 1)")
+        raise ConvertOptionError(f"--val-fraction {options.val_fraction}: must be in [0, 1)")
     for name in ("max_side", "quality"):
         value = getattr(options, name)
         if value is not None and not (1 <= value <= (100 if name == "quality" else 1 << 16)):
-            raise ConvertError(f"--{name.replace('_', '-')} {value}: out of range")
+            raise ConvertOptionError(f"--{name.replace('_', '-')} {value}: out of range")
 
     state_url = _join(options.dest, STATE_NAME)
     splits = ["train", "val"] if options.val_fraction > 0 else [""]

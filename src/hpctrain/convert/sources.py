@@ -20,7 +20,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from hpctrain.data.index import INDEX_NAME, read_index, redact_url
-from hpctrain.errors import DataError
+from hpctrain.errors import DataError, UsageError
 
 # Extensions of members treated as the sample's image when re-sharding.
 IMAGE_EXTENSIONS = frozenset(
@@ -30,6 +30,13 @@ IMAGE_EXTENSIONS = frozenset(
 
 class ConvertError(DataError, ValueError):
     """A user-facing conversion error (names the file or URL, never a credential)."""
+
+
+class ConvertOptionError(ConvertError, UsageError):
+    """A bad `hpctrain convert` option: a command-line mistake (exit code 2), not bad data."""
+
+    exit_code = UsageError.exit_code
+    label = UsageError.label
 
 
 class SampleError(Exception):
