@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.cli.main import DEBUG_ENV, VERBS, build_parser, main, requested_verb
+from hpctrain.cli.main import (
+    DEBUG_ENV,
+    VERBS,
+    build_parser,
+    main,
+    parse_arguments,
+    requested_verb,
+)
 from hpctrain.errors import EXIT_CONFIG, EXIT_DATA
 
 
@@ -105,3 +112,45 @@ def test_readme_exit_codes_match_hpctrain_errors() -> None:
     for kind in (ConfigError, DataError, CheckpointFailure, RunLockedError, LaunchFailure):
         assert rows[str(kind.exit_code)].split()[0] == kind.label.split()[0], kind
     assert rows["1"].startswith("a bug") and rows["75"].startswith("not an error")
+
+
+# Options and `key=value` overrides in any order after the verb (issue #17).
+INTERMIXED = {
+    "train": (["c.yaml", "--nproc", "2", "train.max_steps=7", "--resume", "none", "seed=1"],
+              {"config": "c.yaml", "overrides": ["train.max_steps=7", "seed=1"], "nproc": 2, "resume": "none"}),
+    "config": (["show", "c.yaml", "a.b=1", "c=2"], {"config": "c.yaml", "overrides": ["a.b=1", "c=2"]}),
+    "plot": (["runs/x"], {"run_dir": "runs/x"}),
+    "export": (["runs/x", "out.pt"], {"source": "runs/x", "out": "out.pt"}),
+    "convert": (["--shuffle", "src", "--seed", "3", "dest"], {"src": "src", "dest": "dest", "seed": 3, "shuffle": True}),
+    "inspect": (["--verify", "d", "--keys", "2"], {"dest": "d", "verify": True, "keys": 2}),
+    "plan": (["--world-size", "2", "d", "--batch-size", "3"], {"data": "d", "world_size": 2, "batch_size": 3}),
+    "submit": (["c.yaml", "--dry-run", "slurm.nodes=2", "--sweep", "train.lr=-1,-2", "seed=3"],
+               {"overrides": ["slurm.nodes=2", "seed=3"], "sweep": ["train.lr=-1,-2"], "dry_run": True}),
+    # a value that looks like an option after `=` is still an override
+    "sbatch": (["c.yaml", "-o", "j.sbatch", "slurm.nodes=2", "--profile", "generic", "task_options.flag=--x"],
+               {"overrides": ["slurm.nodes=2", "task_options.flag=--x"], "output": "j.sbatch", "profile": "generic"}),
+    "preflight": (["c.yaml", "--no-data", "slurm.time=1:00:00"], {"overrides": ["slurm.time=1:00:00"], "no_data": True}),
+    "status": (["-n", "3", "runs/x", "--json"], {"run_dir": "runs/x", "lines": 3, "json": True}),
+    "bench": (["loader", "--workers", "1", "d"], {"bench": "loader", "data": "d", "workers": 1}),
+}  # fmt: skip
+
+
+def test_every_verb_is_covered_by_the_intermixed_cases() -> None:
+    assert sorted(INTERMIXED) == sorted(VERBS)
+
+
+@pytest.mark.parametrize("verb", VERBS)
+def test_options_and_overrides_in_any_order(verb: str) -> None:
+    rest, expected = INTERMIXED[verb]
+    args = parse_arguments(build_parser([verb]), ["--debug", verb, *rest])
+    assert args.verb == verb and args.show_tracebacks
+    assert {key: getattr(args, key) for key in expected} == expected
+
+
+def test_an_override_after_an_option_reaches_the_job_script(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    demo = str(Path(__file__).resolve().parents[2] / "configs" / "demo.yaml")
+    argv = ["sbatch", demo, "--no-preflight", "train.max_steps=7", "--profile", "generic"]
+    assert main([*argv, f"run_dir={tmp_path}"]) == 0
+    assert '"run_dir=$RUN_DIR" train.max_steps=7\n' in capsys.readouterr().out

@@ -64,7 +64,32 @@ def build_parser(verbs_to_load: Sequence[str] = VERBS) -> argparse.ArgumentParse
         )
         module.add_arguments(sub)
         sub.set_defaults(_run=module.run)
+    parser.set_defaults(_verb_parsers=verbs.choices)  # for parse_arguments
     return parser
+
+
+def parse_arguments(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """`argv` parsed with options and `key=value` overrides in any order after the verb.
+
+    Plain argparse stops filling a `KEY=VALUE...` list at the first option, so
+    `train CONFIG --nproc 2 train.max_steps=7` would be refused; the verb's own parser reads
+    its arguments intermixed instead.
+    """
+    verb = requested_verb(argv)
+    if verb is None:  # --help, --version, or no verb: plain argparse says what is wrong
+        return parser.parse_args(argv)
+    at = list(argv).index(verb)
+    head = argv[:at]
+    if any(arg != "--debug" for arg in head):  # -h, --version or a mistake before the verb
+        return parser.parse_args(argv)
+    sub: argparse.ArgumentParser = parser.get_default("_verb_parsers")[verb]
+    try:
+        args = sub.parse_intermixed_args(argv[at + 1 :])
+    except TypeError:  # a verb with verbs of its own (bench): argparse cannot intermix those
+        return parser.parse_args(argv)
+    args.verb = verb
+    args.show_tracebacks = bool(head)
+    return args
 
 
 def requested_verb(argv: Sequence[str]) -> str | None:
@@ -79,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # `hpctrain plan` or `hpctrain inspect` should not pay for it.
     verb = requested_verb(argv)
     parser = build_parser([verb] if verb is not None else VERBS)
-    args = parser.parse_args(argv)
+    args = parse_arguments(parser, argv)
     if args.show_tracebacks:
         os.environ[DEBUG_ENV] = "1"
     try:
