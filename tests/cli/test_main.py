@@ -154,3 +154,18 @@ def test_an_override_after_an_option_reaches_the_job_script(
     argv = ["sbatch", demo, "--no-preflight", "train.max_steps=7", "--profile", "generic"]
     assert main([*argv, f"run_dir={tmp_path}"]) == 0
     assert '"run_dir=$RUN_DIR" train.max_steps=7\n' in capsys.readouterr().out
+
+
+def test_a_multi_line_message_is_printed_as_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hpctrain.errors import DataError
+
+    def fail(*args: object) -> None:
+        raise DataError("x.json: bad\nsecond line from a library")
+
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    monkeypatch.setattr("hpctrain.cli.plan.open_index", fail)
+    assert main(_missing_index_plan(tmp_path)) == EXIT_DATA
+    err = capsys.readouterr().err
+    assert err == "hpctrain plan: data error: x.json: bad second line from a library\n"

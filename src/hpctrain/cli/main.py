@@ -114,7 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Any other exception is a bug and keeps its traceback (exit code 1).
         if show_tracebacks(args):
             traceback.print_exc()
-        print(f"hpctrain {args.verb}{_rank_tag()}: {exc.label}: {exc}", file=sys.stderr)
+        message = " ".join(str(exc).splitlines())  # one line, even from a multi-line cause
+        print(f"hpctrain {args.verb}{_rank_tag()}: {exc.label}: {message}", file=sys.stderr)
         return exc.exit_code
 
 
