@@ -93,7 +93,10 @@ def check_data(cfg: Config) -> list[Check]:
         try:
             index = open_index(spec)
         except Exception as exc:  # any failure here is the user's to see, in one line
-            checks.append(Check(key, False, f"{redact_url(spec)}: {str(exc).splitlines()[0]}"))
+            reason = str(exc).splitlines()[0]
+            # the index's own errors already start with the path (spec/index.json)
+            named = reason.startswith(redact_url(spec))
+            checks.append(Check(key, False, reason if named else f"{redact_url(spec)}: {reason}"))
             continue
         failures = []
         num_shards = len(index.shards)
