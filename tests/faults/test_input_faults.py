@@ -100,9 +100,10 @@ def test_a_newline_in_a_path_never_reaches_a_job_script(
     line = f'{name}: "{tmp_path}/run\\nhostname"'  # a YAML escape: a real newline
     config.write_text(f"{section}:\n  {line}\n" if section else line + "\n")
     extra = ["--dry-run"] if verb == "submit" else []
-    code = main([verb, str(config), "--profile", "local-dev", "--no-preflight", *extra])
+    code = main([verb, str(config), "--profile", "local-dev", *extra])
     captured = capsys.readouterr()
     assert code == EXIT_LAUNCH and captured.out == ""  # no script printed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]  # no folder made
     assert "Traceback" not in captured.err and captured.err.count("\n") == 1
     assert f"{key}='{tmp_path}/run\\nhostname': newlines" in captured.err
 

@@ -47,9 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     # ConfigError (2) and LaunchError (6, with preflight failures) reach `hpctrain.cli.main`
     prep = prepare(args.config, args.overrides, args.profile)
+    # before preflight or this verb creates them
+    check_path(prep.cfg.run_dir, "run_dir")
+    check_path(prep.cfg.slurm.folder, "slurm.folder")
     if not args.no_preflight:
         raise_if_failed(preflight(prep.cfg, prep.profile), "nothing written")
-    check_path(prep.cfg.slurm.folder, "slurm.folder")  # before it is created
     log_dir = ""
     if "$" not in (prep.cfg.slurm.folder or prep.cfg.run_dir):
         log_dir = str(log_folder(prep.cfg))
