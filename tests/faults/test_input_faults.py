@@ -260,6 +260,8 @@ TRAIN_CASES = {
     "unreachable-index": ([f"data.train={UNREACHABLE}"], EXIT_DATA, f"data error: {UNREACHABLE}"),
     "missing-shard": (["data.train={root}/missing/index.json"], EXIT_DATA, "data error: {root}/missing/shard-000001.tar"),
     "bad-task-module": (["task=nosuch.module:X"], EXIT_CONFIG, "config error: task='nosuch.module:X': cannot import nosuch.module"),
+    "unknown-signal": (["checkpoint.signals=[FOO]"], EXIT_CONFIG, "config error: checkpoint.signals: unknown signal 'FOO'"),
+    "too-few-classes": (["model.num_classes=2"], EXIT_CONFIG, "config error: model.num_classes=2: the index {root}/shards names 3 classes"),
     "missing-resume-checkpoint": (["--resume", "{root}/nope"], EXIT_CHECKPOINT, "checkpoint error: {root}/nope"),
     "file-as-run-dir": (["run_dir={root}/a-file"], EXIT_CHECKPOINT, "{root}/a-file/checkpoints: cannot use the checkpoint folder"),
     "file-as-checkpoint-dir": (["checkpoint.dir={root}/a-file"], EXIT_CHECKPOINT, "{root}/a-file: cannot use the checkpoint folder"),

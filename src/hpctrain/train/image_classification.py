@@ -116,6 +116,10 @@ class ImageClassification:
             raise ConfigError(
                 f"model.num_classes=0: the index {index.base_url or '(pattern)'} names no classes; set model.num_classes"
             )
+        if num_classes < len(index.class_names):  # a label would index past the model's output
+            raise ConfigError(
+                f"model.num_classes={num_classes}: the index {index.base_url or '(pattern)'} names {len(index.class_names)} classes"
+            )
         self.num_classes = num_classes
 
     def build_model(self) -> nn.Module:

@@ -24,20 +24,21 @@ from typing import Any
 
 import torch
 
+from hpctrain.config import ConfigError
 from hpctrain.dist import all_reduce_max
 
 REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"
 
 
 def parse_signal(name: str) -> signal.Signals:
-    """`USR2`, `SIGUSR2` or `12` → `signal.SIGUSR2` (ValueError naming checkpoint.signals)."""
+    """`USR2`, `SIGUSR2` or `12` → `signal.SIGUSR2` (a ConfigError naming checkpoint.signals)."""
     text = name.strip().upper()
     try:
         if text.isdigit():
             return signal.Signals(int(text))
         return signal.Signals[text if text.startswith("SIG") else f"SIG{text}"]
     except (KeyError, ValueError):
-        raise ValueError(f"checkpoint.signals: unknown signal {name!r}") from None
+        raise ConfigError(f"checkpoint.signals: unknown signal {name!r}") from None
 
 
 def job_deadline(environ: Mapping[str, str], margin_s: float) -> float | None:
