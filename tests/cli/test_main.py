@@ -169,3 +169,21 @@ def test_a_multi_line_message_is_printed_as_one_line(
     assert main(_missing_index_plan(tmp_path)) == EXIT_DATA
     err = capsys.readouterr().err
     assert err == "hpctrain plan: data error: x.json: bad second line from a library\n"
+
+
+@pytest.mark.parametrize(
+    "env", [{"RANK": "1", "WORLD_SIZE": "2"}, {"SLURM_PROCID": "3", "SLURM_NTASKS": "4"}]
+)
+def test_a_rank_of_a_multi_process_run_tags_its_line(
+    env: dict[str, str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for key in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", DEBUG_ENV):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    rank = env.get("RANK", env.get("SLURM_PROCID"))
+    assert main(["train", str(tmp_path / "nope.yaml")]) == EXIT_CONFIG
+    assert capsys.readouterr().err.startswith(f"hpctrain train [rank {rank}]: config error: ")

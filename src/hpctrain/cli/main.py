@@ -115,7 +115,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if show_tracebacks(args):
             traceback.print_exc()
         message = " ".join(str(exc).splitlines())  # one line, even from a multi-line cause
-        print(f"hpctrain {args.verb}{_rank_tag()}: {exc.label}: {message}", file=sys.stderr)
+        tag = _rank_tag() if args.verb == "train" else ""
+        print(f"hpctrain {args.verb}{tag}: {exc.label}: {message}", file=sys.stderr)
         return exc.exit_code
 
 
@@ -126,9 +127,14 @@ def show_tracebacks(args: argparse.Namespace) -> bool:
 
 
 def _rank_tag() -> str:
-    """` [rank R]` in a rank of a multi-process run, where every rank prints its own error."""
-    if os.environ.get("WORLD_SIZE", "1") not in ("", "1") and "RANK" in os.environ:
-        return f" [rank {os.environ['RANK']}]"
+    """` [rank R]` in a rank of a multi-process run, where every rank prints its own error.
+
+    Ranks come from `train --nproc`/torchrun (RANK, WORLD_SIZE) or srun (SLURM_PROCID,
+    SLURM_NTASKS), as in `hpctrain.dist`.
+    """
+    for rank, size in (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS")):
+        if os.environ.get(size, "1") not in ("", "1") and rank in os.environ:
+            return f" [rank {os.environ[rank]}]"
     return ""
 
 
