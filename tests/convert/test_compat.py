@@ -204,8 +204,8 @@ def test_killed_conversion_leaves_no_index_and_resume_equals_uninterrupted(
     fifo.write_bytes(image_bytes(12345))
     assert (
         main(["convert", str(source), str(dest), "--samples-per-shard", "4", "--progress", "none"])
-        == 1
-    )  # no --resume
+        == 3
+    )  # no --resume: a data error
     assert (
         main(
             [
@@ -219,7 +219,7 @@ def test_killed_conversion_leaves_no_index_and_resume_equals_uninterrupted(
                 "none",
             ]
         )
-        == 1
+        == 3
     )
     assert (
         main(
