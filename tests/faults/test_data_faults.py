@@ -219,10 +219,10 @@ BUSY_PARENT = textwrap.dedent(
     from hpctrain.data import ShardedLoader, open_index
 
     def spin(sample):
-        if sys.argv[2] == "python":
-            while True:
-                pass
-        re.fullmatch(r"(a|aa)+b", "a" * 80)  # C code holding the GIL for ever
+        if sys.argv[2] == "c":
+            re.fullmatch(r"(a|aa)+b", "a" * 80)  # C code holding the GIL for ever
+        while True:
+            pass
 
     cfg = DataConfig(batch_size=2, workers_per_rank=1, shuffle_buffer=0, timeout_s=0)
     loader = ShardedLoader(open_index(sys.argv[1]), cfg, rank=0, world_size=1, seed=0, transform=spin)
@@ -234,6 +234,9 @@ BUSY_PARENT = textwrap.dedent(
         print(*loader._pool.pids, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
+    if sys.argv[2] == "thread":  # workers forked by another thread: no parent-death signal
+        threading.Thread(target=lambda: next(iter(loader)), daemon=True).start()
+        kill_me_once_busy()
     threading.Thread(target=kill_me_once_busy, daemon=True).start()
     next(iter(loader))  # waits for ever: the worker never finishes its batch
     """
@@ -242,28 +245,34 @@ BUSY_PARENT = textwrap.dedent(
 
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and prctl are Linux's")
-@pytest.mark.parametrize("busy", ["python", "c"])
+@pytest.mark.parametrize("busy", ["python", "c", "thread"])
 def test_a_busy_worker_dies_with_the_killed_training_process(tmp_path, busy):
     make_shards(tmp_path, SIZES)
     env = {
         **os.environ,
         "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
     }
-    proc = subprocess.run(
-        [sys.executable, "-c", BUSY_PARENT, str(tmp_path), busy],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
-    pids = [int(p) for p in proc.stdout.split()]
-    assert len(pids) == 1
+    out, err = tmp_path / "pids", tmp_path / "stderr"
+    # files, not pipes: a worker that outlived its parent would hold a pipe open for ever
+    with out.open("w") as stdout, err.open("w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", BUSY_PARENT, str(tmp_path), busy],
+            stdout=stdout,
+            stderr=stderr,
+            env=env,
+        )
+        try:
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    pids = [int(p) for p in out.read_text().split()]
     try:
+        assert proc.returncode == -signal.SIGKILL, err.read_text()[-2000:]
+        assert len(pids) == 1
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and any(running(p) for p in pids):
             time.sleep(0.2)
-        print(f"worker gone {30 - (deadline - time.monotonic()):.1f} s after its parent")
         assert not any(running(p) for p in pids), "the busy worker outlived its parent"
     finally:
         for pid in pids:  # never leave a spinning process behind on a shared machine
