@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import io
+import pickle
 import tarfile
 
 import pytest
 
 from hpctrain.data.stream import (
     CorruptShardError,
+    PipeRefusedError,
     ReadStats,
     ShardReadError,
     ShardStream,
@@ -102,3 +104,16 @@ def test_pipe_failure_is_an_error(tmp_path):
     with pytest.raises(ShardReadError, match="pipe command exited with status 3"):
         samples_of = open_shard("pipe:exit 3", max_retries=1, backoff_s=0, allow_pipe=True)
         samples_of.read(10)
+
+
+def test_pipe_commands_run_only_when_allowed(tmp_path):
+    marker = tmp_path / "ran"
+    with pytest.raises(PipeRefusedError, match=r"pipe:touch \.\.\.: pipe: shards run a shell"):
+        open_shard(f"pipe:touch {marker}")
+    with pytest.raises(PipeRefusedError):
+        ShardStream(f"pipe:touch {marker}")
+    assert not marker.exists()
+    # raised in a loader worker, it arrives in the training process as it was, command hidden
+    error = pickle.loads(pickle.dumps(PipeRefusedError("pipe:curl -H 'token: x' https://h/a.tar")))
+    assert isinstance(error, PipeRefusedError) and "token" not in str(error)
+    assert str(error).startswith("pipe:curl ...: ")
