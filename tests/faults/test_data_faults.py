@@ -26,7 +26,7 @@ import pytest
 
 from hpctrain.config import Config, with_overrides
 from hpctrain.config.schema import DataConfig
-from hpctrain.convert.sources import ConvertError
+from hpctrain.convert.sources import ConvertError, list_shards
 from hpctrain.convert.verify import inspect_dataset
 from hpctrain.data import ShardedLoader, ShardIndexError, ShardReadError, open_index
 from hpctrain.data.index import ShardIndex, ShardInfo, parse_index
@@ -92,6 +92,8 @@ def test_an_index_naming_a_pipe_command_is_refused_and_nothing_runs(tmp_path, se
             assert not check.ok and "shards[1].url is a pipe: command" in check.message
         with pytest.raises(ShardIndexError, match=error):
             inspect_dataset(spec)
+        with pytest.raises(ShardIndexError, match=error):
+            list_shards(spec)  # convert's "existing shards" source
     assert not marker.exists()
 
 
