@@ -135,7 +135,7 @@ def test_pipe_urls(shards):
             for s in index.shards
         )
     )
-    batches, _ = run(piped)
+    batches, _ = run(piped, cfg(allow_pipe=True))
     same_batches(local, batches)
     assert all_keys(SIZES) >= {k for b in batches for k in b["key"]}
 
@@ -149,7 +149,7 @@ from hpctrain.data.index import ShardIndex, ShardInfo
 urls = ["http://127.0.0.1:9/a.tar", "nosuchfs://b.tar", "pipe:cat c.tar", "d.tar"]
 index = ShardIndex(shards=tuple(ShardInfo(url=u, num_samples=1, num_bytes=1) for u in urls))
 assert "aiohttp" not in sys.modules
-ShardedLoader(index, DataConfig(batch_size=1), rank=0, world_size=1, seed=0)
+ShardedLoader(index, DataConfig(batch_size=1, allow_pipe=True), rank=0, world_size=1, seed=0)
 print("aiohttp" in sys.modules)
 """
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import io
+import pickle
 import tarfile
 
 import pytest
 
 from hpctrain.data.stream import (
     CorruptShardError,
+    PipeRefusedError,
     ReadStats,
     ShardReadError,
     ShardStream,
@@ -76,16 +78,16 @@ def test_corrupt_and_duplicate_members(tmp_path, views):
     assert samples(tmp_path / "empty.tar", views=views) == []
 
 
-def test_local_members_are_views_of_the_map_that_outlive_the_stream(tmp_path):
+def test_local_members_are_read_once_and_outlive_the_stream(tmp_path):
     members = [(f"{i}.jpg", bytes([i]) * (700 + i)) for i in range(3)]
     path = write_tar(tmp_path / "x.tar", members)
     expected = samples(path)
     for url in (str(path), f"file://{path}"):
         with open_shard(url) as f:
             got = list(iter_samples(f, views=True))
-        assert all(isinstance(m["jpg"], memoryview) for _i, _k, m in got)  # no copies
-        assert [(i, k, {"jpg": bytes(m["jpg"])}) for i, k, m in got] == expected
-    with open_shard(f"pipe:cat {path}") as f:  # a stream: bytes, as without views
+        assert all(isinstance(m["jpg"], bytes) for _i, _k, m in got)  # read, not mapped
+        assert got == expected
+    with open_shard(f"pipe:cat {path}", allow_pipe=True) as f:  # a stream: the same bytes
         assert [(i, k, m) for i, k, m in iter_samples(f, views=True)] == expected
 
 
@@ -96,24 +98,22 @@ def test_short_body_is_retried_then_reported(tmp_path):
     with pytest.raises(ShardReadError, match="still failing after 2 retries: TransientReadError"):
         stream.read(size + 512)
     assert stream.stats.retries == 2
-    assert stream._map is not None  # the same through the local file's map
 
 
 def test_pipe_failure_is_an_error(tmp_path):
     with pytest.raises(ShardReadError, match="pipe command exited with status 3"):
-        samples_of = open_shard("pipe:exit 3", max_retries=1, backoff_s=0)
+        samples_of = open_shard("pipe:exit 3", max_retries=1, backoff_s=0, allow_pipe=True)
         samples_of.read(10)
 
 
-def test_a_file_that_cannot_be_mapped_is_read_as_a_file(tmp_path, monkeypatch):
-    import mmap
-
-    def no_mmap(*_args, **_kwargs):
-        raise OSError(19, "No such device")  # what mmap gives on filesystems without it
-
-    path = write_tar(tmp_path / "x.tar", [("k.jpg", b"x" * 700), ("k.cls", b"3")])
-    monkeypatch.setattr(mmap, "mmap", no_mmap)
-    with open_shard(str(path)) as f:
-        got = list(iter_samples(f, views=True))
-        assert f._map is None
-    assert got == [(0, "k", {"jpg": b"x" * 700, "cls": b"3"})]
+def test_pipe_commands_run_only_when_allowed(tmp_path):
+    marker = tmp_path / "ran"
+    with pytest.raises(PipeRefusedError, match=r"pipe:touch \.\.\.: pipe: shards run a shell"):
+        open_shard(f"pipe:touch {marker}")
+    with pytest.raises(PipeRefusedError):
+        ShardStream(f"pipe:touch {marker}")
+    assert not marker.exists()
+    # raised in a loader worker, it arrives in the training process as it was, command hidden
+    error = pickle.loads(pickle.dumps(PipeRefusedError("pipe:curl -H 'token: x' https://h/a.tar")))
+    assert isinstance(error, PipeRefusedError) and "token" not in str(error)
+    assert str(error).startswith("pipe:curl ...: ")

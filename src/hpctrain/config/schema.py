@@ -63,6 +63,17 @@ class DataConfig:
     sample_log: bool = _f(
         False, "append the keys of every trained sample to RUN_DIR/samples/rank-<r>.jsonl"
     )
+    allow_pipe: bool = _f(
+        False,
+        "run the shell command of a pipe:COMMAND shard pattern given in data.train/data.val "
+        "(never one named by an index)",
+    )
+    timeout_s: float = _f(
+        600.0,
+        "seconds the training process waits for a loader worker's next batch before failing "
+        "the step, naming the worker and the shard it reads; 0: wait for ever",
+        min=0.0,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,6 +21,7 @@ import fsspec
 from hpctrain.convert.parallel import process_pool
 from hpctrain.convert.sources import IMAGE_EXTENSIONS, ConvertError, shard_urls
 from hpctrain.data.index import INDEX_NAME, ShardIndex, read_index, redact_url
+from hpctrain.data.stream import pipe_label
 
 
 @dataclass
@@ -107,8 +108,18 @@ class _HashingReader(io.RawIOBase):
 
 
 def resolve(spec: str) -> list[tuple[str, ShardIndex | None, list[str]]]:
-    """(display name, index or None, absolute shard URLs) for each shard set `spec` names."""
-    if spec.endswith(INDEX_NAME):
+    """(display name, index or None, absolute shard URLs) for each shard set `spec` names.
+
+    Every form the loader reads, and more: an index under any `.json` name, a folder holding
+    one (or `train/` and `val/`), a folder of `.tar` files, a brace pattern, one `.tar`.
+    `pipe:` commands are refused: inspecting reads files and URLs, it runs no command.
+    """
+    if spec.startswith("pipe:"):
+        raise ConvertError(
+            f"{pipe_label(spec)}: inspect does not run pipe: commands; inspect the files or "
+            "URLs the command reads (training runs them with data.allow_pipe: true)"
+        )
+    if spec.endswith(".json"):
         index = read_index(spec)
         return [(spec, index, [index.shard_url(i) for i in range(len(index.shards))])]
     fs, path = fsspec.core.url_to_fs(spec)

@@ -32,6 +32,7 @@ __all__ = [
     "ShardedLoader",
     "StageParams",
     "WorkerDiedError",
+    "WorkerTimeoutError",
     "decode_sample",
     "expand_braces",
     "open_index",
@@ -42,7 +43,7 @@ __all__ = [
 
 if TYPE_CHECKING:  # the real types for type checkers; at run time they load on first use
     from hpctrain.data.loader import LoaderStateError, ShardedLoader, decode_sample
-    from hpctrain.data.workers import WorkerDiedError
+    from hpctrain.data.workers import WorkerDiedError, WorkerTimeoutError
 
 _LAZY = {"LoaderStateError", "ShardedLoader", "decode_sample"}
 
@@ -52,8 +53,8 @@ def __getattr__(name: str) -> Any:
         from hpctrain.data import loader
 
         return getattr(loader, name)
-    if name == "WorkerDiedError":
+    if name in ("WorkerDiedError", "WorkerTimeoutError"):
         from hpctrain.data import workers
 
-        return workers.WorkerDiedError
+        return getattr(workers, name)
     raise AttributeError(f"module 'hpctrain.data' has no attribute {name!r}")

@@ -15,12 +15,20 @@ Format (version 1)::
     }
 
 Shard URLs are relative to the folder holding the index (or absolute URLs).
+
+An index is data, never code, and may come from anyone who can write or serve a dataset:
+`parse_index` refuses `pipe:` entries (a shell command in every loader worker), entries of a
+remote index that leave its filesystem (a local path or another protocol: an HTTP index
+must not make every rank read `/etc/...` or a cloud metadata URL), and values that make no
+sense (negative or non-integer counts, more samples than the bytes can hold), each error
+naming the index and the key.
 """
 
 from __future__ import annotations
 
 import json
 import posixpath
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,36 +106,95 @@ def join_url(base: str, url: str) -> str:
     )
 
 
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+TAR_BLOCK = 512  # the least a sample takes in a tar file: one header
+
+
+def url_protocol(url: str) -> str:
+    """`s3://b/x` -> s3, `/x` or `x` -> file, `pipe:cmd` -> pipe; http and https are one."""
+    if url.lstrip().lower().startswith("pipe:"):
+        return "pipe"
+    last = url.rsplit("::", 1)[-1]  # fsspec chains (simplecache::s3://...): the data's own
+    scheme = last.split("://", 1)[0].lower() if "://" in last else "file"
+    return "http" if scheme == "https" else scheme
+
+
+def _count(value: Any, where: str, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ShardIndexError(f"{where}: {key} = {value!r}: must be a whole number >= 0")
+    return value
+
+
+def _shard_info(entry: Any, i: int, where: str, protocol: str) -> ShardInfo:
+    key = f"shards[{i}]"
+    if not isinstance(entry, dict):
+        raise ShardIndexError(f"{where}: {key} must be an object with url and num_samples")
+    url = entry.get("url")
+    if not isinstance(url, str) or not url.strip() or not url.isprintable():
+        raise ShardIndexError(f"{where}: {key}.url must be a non-empty printable string")
+    if url_protocol(url) == "pipe":
+        # the command is not shown: it is not ours to print (it may hold a token)
+        raise ShardIndexError(
+            f"{where}: {key}.url is a pipe: command; an index may name only files and URLs "
+            "(pipe: shards come only from a pattern in data.train/data.val with "
+            "data.allow_pipe: true)"
+        )
+    absolute = is_absolute_url(url) or "::" in url  # "::" chains another filesystem in
+    if protocol != "file" and absolute and ("::" in url or url_protocol(url) != protocol):
+        raise ShardIndexError(
+            f"{where}: {key}.url = {redact_url(url)!r} leaves the index's filesystem: a "
+            f"{protocol} index may name only relative paths or {protocol} URLs"
+        )
+    if "num_samples" not in entry:
+        raise ShardIndexError(f"{where}: {key} lacks num_samples")
+    num_samples = _count(entry["num_samples"], where, f"{key}.num_samples")
+    num_bytes = _count(entry.get("num_bytes", 0), where, f"{key}.num_bytes")
+    if num_bytes and num_samples * TAR_BLOCK > num_bytes:
+        raise ShardIndexError(
+            f"{where}: {key}.num_samples = {num_samples} cannot fit in its num_bytes = "
+            f"{num_bytes} (a sample takes at least {TAR_BLOCK} bytes)"
+        )
+    sha256 = entry.get("sha256", "")
+    if not isinstance(sha256, str) or (sha256 and not _SHA256.fullmatch(sha256)):
+        raise ShardIndexError(f"{where}: {key}.sha256 must be 64 lowercase hex digits or empty")
+    return ShardInfo(url=url, num_samples=num_samples, num_bytes=num_bytes, sha256=sha256)
+
+
 def parse_index(data: Any, index_url: str) -> ShardIndex:
-    """Validate the decoded JSON of an index; errors name `index_url`."""
+    """Validate the decoded JSON of an index; errors name `index_url` and the key at fault."""
+    where = redact_url(index_url)
     if not isinstance(data, dict) or data.get("format") != INDEX_FORMAT:
         raise ShardIndexError(
-            f"{index_url}: not an hpctrain shard index (missing format={INDEX_FORMAT!r})"
+            f"{where}: not an hpctrain shard index (missing format={INDEX_FORMAT!r})"
         )
     if data.get("version") != INDEX_VERSION:
         raise ShardIndexError(
-            f"{index_url}: unsupported index version {data.get('version')!r} (this hpctrain reads {INDEX_VERSION})"
+            f"{where}: unsupported index version {data.get('version')!r} (this hpctrain reads {INDEX_VERSION})"
         )
-    shards = []
-    for i, entry in enumerate(data.get("shards", [])):
-        try:
-            shards.append(
-                ShardInfo(
-                    url=str(entry["url"]),
-                    num_samples=int(entry["num_samples"]),
-                    num_bytes=int(entry.get("num_bytes", 0)),
-                    sha256=str(entry.get("sha256", "")),
-                )
-            )
-        except (KeyError, TypeError, ValueError):
-            raise ShardIndexError(f"{index_url}: shard entry {i} lacks url/num_samples") from None
+    entries = data.get("shards", [])
+    if not isinstance(entries, list):
+        raise ShardIndexError(f"{where}: shards must be a list")
+    protocol = url_protocol(index_url)
+    shards = [_shard_info(entry, i, where, protocol) for i, entry in enumerate(entries)]
+    for key, total in (
+        ("num_samples", sum(s.num_samples for s in shards)),
+        ("num_bytes", sum(s.num_bytes for s in shards)),
+    ):
+        if key in data and _count(data[key], where, key) != total:
+            raise ShardIndexError(f"{where}: {key} = {data[key]} but its shards add up to {total}")
+    class_names = data.get("class_names", [])
+    if not isinstance(class_names, list) or not all(isinstance(c, str) for c in class_names):
+        raise ShardIndexError(f"{where}: class_names must be a list of strings")
+    extra = data.get("extra", {})
+    if not isinstance(extra, dict):
+        raise ShardIndexError(f"{where}: extra must be an object")
     base = index_url.rsplit("/", 1)[0] if "/" in index_url else ""
     return ShardIndex(
         shards=tuple(shards),
         base_url=base,
-        class_names=tuple(data.get("class_names", ())),
+        class_names=tuple(class_names),
         command=str(data.get("command", "")),
-        extra=dict(data.get("extra", {})),
+        extra=dict(extra),
     )
 
 

@@ -30,9 +30,10 @@ import fsspec
 import torch
 
 from hpctrain.config.schema import DataConfig
-from hpctrain.data.index import ShardIndex, redact_url
+from hpctrain.data.index import ShardIndex, ShardIndexError, redact_url
 from hpctrain.data.planning import EpochPlan, Segment, StageParams, derive_seed, plan
 from hpctrain.data.stream import (
+    PIPE_RULE,
     CorruptShardError,
     ReadStats,
     ShardReadError,
@@ -40,7 +41,13 @@ from hpctrain.data.stream import (
     iter_samples,
     open_shard,
 )
-from hpctrain.data.workers import WorkerPool, run_ahead, seed_worker_globals, worker_start_method
+from hpctrain.data.workers import (
+    WorkerPool,
+    report_activity,
+    run_ahead,
+    seed_worker_globals,
+    worker_start_method,
+)
 from hpctrain.errors import DataError
 
 try:
@@ -158,6 +165,7 @@ class _StreamDataset:
         self.transform = loader.transform
         self.on_error = loader.cfg.on_error
         self.max_retries = loader.cfg.max_retries
+        self.allow_pipe = loader.cfg.allow_pipe
         self.storage_options = loader.storage_options
         self.in_process = loader.cfg.workers_per_rank == 0
         self.control = loader.control
@@ -306,6 +314,7 @@ class _StreamDataset:
             stats=stats,
             storage_options=self.storage_options,
             backoff_s=self.backoff_s,
+            allow_pipe=self.allow_pipe,
         )
 
     def _read_group(
@@ -319,6 +328,7 @@ class _StreamDataset:
                 valid_of[i] = seg
         expected = sorted(valid_of)
         got = 0
+        report_activity(f"reading {redact_url(url)}")
         try:
             with opened.result() if opened is not None else self._open(shard, stats) as f:
                 for index, key, members in iter_samples(
@@ -349,12 +359,14 @@ class _StreamDataset:
         """A stand-in for lost samples when a worker has read nothing yet: the first readable
         sample of another shard (flagged invalid like any filler), so the rank is not short."""
         for shard in [*range(avoid + 1, len(self.urls)), *range(avoid)]:
+            report_activity(f"reading a filler sample from {redact_url(self.urls[shard])}")
             try:
                 with open_shard(
                     self.urls[shard],
                     size=self.byte_sizes[shard],
                     max_retries=0,
                     storage_options=self.storage_options,
+                    allow_pipe=self.allow_pipe,
                 ) as f:
                     for index, key, members in iter_samples(f, stop=1):
                         sample = decode_sample(key, members)
@@ -601,7 +613,9 @@ class ShardedLoader:
     Args:
         index: the shards (see `open_index`).
         cfg: `data.*` config: batch_size, workers_per_rank, shuffle_buffer, remainder,
-            on_error, max_retries, prefetch_factor, pin_memory, persistent_workers.
+            on_error, max_retries, prefetch_factor, pin_memory, persistent_workers,
+            allow_pipe (pipe: shard URLs run only with it), timeout_s (the wait for a
+            worker's next batch).
         rank: this process's rank.
         world_size: ranks in the job.
         seed: run seed (shard permutation, sample shuffle, augmentation seeds).
@@ -645,6 +659,12 @@ class ShardedLoader:
         self.urls = [index.shard_url(i) for i in range(len(index.shards))]
         self.shard_sizes = [s.num_samples for s in index.shards]
         self.byte_sizes = [s.num_bytes for s in index.shards]
+        if not cfg.allow_pipe:
+            # before any worker starts: a pipe: URL here came from code, not from an index
+            # (`parse_index` refuses them), and still runs only with the user's opt-in
+            for i, url in enumerate(self.urls):
+                if url.startswith("pipe:"):
+                    raise ShardIndexError(f"shard {i} of the index is a pipe: command: {PIPE_RULE}")
         import_filesystems(self.urls)
         self.params = StageParams(
             world_size=world_size,
@@ -701,6 +721,7 @@ class ShardedLoader:
                 prefetch=self.cfg.prefetch_factor,
                 context=worker_start_method(),
                 discard=self._mapped.drop,
+                timeout_s=self.cfg.timeout_s,
             )
         finally:
             gc.unfreeze()

@@ -9,10 +9,12 @@ import fsspec
 
 from hpctrain.data.index import INDEX_NAME, ShardIndex, ShardIndexError, ShardInfo, read_index
 from hpctrain.data.stream import (
+    PIPE_RULE,
     CorruptShardError,
     ShardReadError,
     iter_members,
     open_shard,
+    pipe_label,
     split_key,
 )
 
@@ -40,11 +42,13 @@ def expand_braces(pattern: str) -> list[str]:
     return [f"{head}{item}{rest}" for item in items for rest in expand_braces(tail)]
 
 
-def count_samples(url: str, storage_options: dict[str, Any] | None = None) -> int:
+def count_samples(
+    url: str, storage_options: dict[str, Any] | None = None, *, allow_pipe: bool = False
+) -> int:
     """Samples in a tar shard (headers only; data is skipped, by seeking where possible)."""
     count, key = 0, None
     try:
-        with open_shard(url, storage_options=storage_options) as f:
+        with open_shard(url, storage_options=storage_options, allow_pipe=allow_pipe) as f:
             for member, _read in iter_members(f):
                 k, _ext = split_key(member.name)
                 if k != key:
@@ -54,32 +58,50 @@ def count_samples(url: str, storage_options: dict[str, Any] | None = None) -> in
     return count
 
 
-def open_index(spec: str, storage_options: dict[str, Any] | None = None) -> ShardIndex:
+def open_index(
+    spec: str, storage_options: dict[str, Any] | None = None, *, allow_pipe: bool = False
+) -> ShardIndex:
     """The shard index that `spec` names.
 
     Args:
         spec: an `index.json` path/URL; a folder or URL holding `index.json`; or a shard
             pattern such as `dir/train-{000000..000009}.tar` (or one `.tar`), whose shards
-            are then read once to count their samples.
+            are then read once to count their samples. `pipe:COMMAND` (braces expanded,
+            one command per shard) only with `allow_pipe`.
         storage_options: fsspec options (credentials, endpoint_url) for remote specs.
+        allow_pipe: `spec` comes from the user's own config or command line and opted in
+            to shell commands (`data.allow_pipe`). An index's entries never may.
 
     Raises:
         ShardIndexError: no index there, or an unreadable one (the message names the URL).
     """
+    if spec.startswith("pipe:"):
+        if not allow_pipe:
+            raise ShardIndexError(f"{pipe_label(spec)}: {PIPE_RULE}")
+        return _count_pattern(spec, storage_options, allow_pipe=True)
     if spec.endswith(".json"):
         return read_index(spec, storage_options)
     if spec.endswith(".tar") or _BRACE.search(spec):
-        urls = expand_braces(spec)
-        shards = []
-        for url in urls:
-            try:
-                num_samples = count_samples(url, storage_options)
-                size = _size(url, storage_options)
-            except ShardReadError as exc:
-                raise ShardIndexError(str(exc)) from None
-            shards.append(ShardInfo(url=url, num_samples=num_samples, num_bytes=size))
-        return ShardIndex(shards=tuple(shards), command=f"pattern {spec}")
+        return _count_pattern(spec, storage_options, allow_pipe=False)
     return read_index(f"{spec.rstrip('/')}/{INDEX_NAME}", storage_options)
+
+
+def _count_pattern(
+    spec: str, storage_options: dict[str, Any] | None, *, allow_pipe: bool
+) -> ShardIndex:
+    """An index of the shards a pattern names, their samples counted by reading them."""
+    urls = expand_braces(spec)
+    shards = []
+    for url in urls:
+        try:
+            num_samples = count_samples(url, storage_options, allow_pipe=allow_pipe)
+            size = _size(url, storage_options)
+        except ShardReadError as exc:
+            raise ShardIndexError(str(exc)) from None
+        shards.append(ShardInfo(url=url, num_samples=num_samples, num_bytes=size))
+    return ShardIndex(
+        shards=tuple(shards), command=f"pattern {pipe_label(spec) if allow_pipe else spec}"
+    )
 
 
 def _size(url: str, storage_options: dict[str, Any] | None) -> int:

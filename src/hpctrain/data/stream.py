@@ -9,17 +9,22 @@ ends the loader (webdataset#142). Here a shard is a byte stream that
   filesystems (file, s3, gs), re-reading and discarding for `pipe:` commands;
 - fails at once on 404/403 (`FileNotFoundError`/`PermissionError`): retrying cannot help;
 - skips samples by seeking past their members without reading (local disk, s3), or by
-  discarding bytes without decoding them (HTTP streams, pipes).
+  discarding bytes without decoding them (HTTP streams, pipes);
+- runs `pipe:` commands only when its caller says that the command came from the user's own
+  config or command line (`allow_pipe`, from `data.allow_pipe`): never from an index entry.
 
 Tar format handled: USTAR, GNU long names (`L`), PAX headers (`x`; `g` ignored). Samples are
 consecutive members sharing a key (the member path up to the first dot of its base name),
-the WebDataset convention.
+the WebDataset convention. Every way a header can be malformed (bad numbers, PAX records of
+impossible lengths, sizes past the end of the shard) is a `CorruptShardError`: the parser
+never loops, reads more than the shard holds, or raises anything else on hostile bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
-import mmap
+import os
+import re
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -34,6 +39,8 @@ from hpctrain.errors import DataError
 
 BLOCK = 512
 READ_CHUNK = 1 << 20
+MAX_RAW_READ = 64 << 20  # one read's most: a huge size field must not allocate it at once
+MAX_META_BYTES = 1 << 20  # a PAX header or GNU long name beyond this is not a real one
 
 
 class ShardReadError(DataError, ValueError):
@@ -105,6 +112,8 @@ class ShardStream:
         backoff_s: first wait before a retry; doubles each time (capped at 5 s).
         stats: counters to update.
         storage_options: passed to fsspec (credentials, endpoint_url...).
+        allow_pipe: run a `pipe:` URL's command. Only for URLs from the user's own config or
+            command line (`data.allow_pipe`), never for URLs read from an index or a file.
     """
 
     def __init__(
@@ -117,7 +126,10 @@ class ShardStream:
         stats: ReadStats | None = None,
         storage_options: dict[str, Any] | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        allow_pipe: bool = False,
     ) -> None:
+        if url.startswith("pipe:") and not allow_pipe:
+            raise PipeRefusedError(url)
         self.url = url
         self.size = size
         self.max_retries = max_retries
@@ -130,7 +142,7 @@ class ShardStream:
         self.retries_left = max_retries
         self._sleep = sleep
         self._file: Any = None
-        self._map: memoryview | None = None  # a local shard, mapped: reads are slices
+        self.length: int | None = None  # the file's size where the filesystem tells it
         self._proc: subprocess.Popen[bytes] | None = None
         self._seekable = False
         self._open_at(0)
@@ -162,11 +174,21 @@ class ShardStream:
             fs, path = fsspec.core.url_to_fs(url, **self.storage_options)
             self._seekable = True
             if isinstance(fs, LocalFileSystem):
-                self._map = _map_file(path)
-            if self._map is None:
+                # Read, never memory-mapped: a mapped shard truncated while it is read (a
+                # copy in progress, rsync --inplace, a quota) raises SIGBUS in whatever
+                # touches the lost pages (the decoder), which kills the process without a
+                # traceback, and no Python handler can resume after it. A read of a shrunk
+                # file returns short instead: a `CorruptShardError`/`ShardReadError` that
+                # `data.on_error` handles. Each member is read straight into a bytes object
+                # of its own: one copy from the page cache, none after it (`read_view`).
+                self._file = open(path, "rb")  # noqa: SIM115  (closed by _close_file)
+                self.length = os.fstat(self._file.fileno()).st_size
+            else:
                 self._file = fs.open(path, "rb")
-                if offset:
-                    self._file.seek(offset)
+                size = getattr(self._file, "size", None)
+                self.length = size if isinstance(size, int) else None
+            if offset:
+                self._file.seek(offset)
         self.raw_pos = offset
 
     def _discard(self, n: int) -> None:
@@ -177,8 +199,6 @@ class ShardStream:
             n -= len(chunk)
 
     def _close_file(self) -> None:
-        # not mmap.close(): samples still hold views of the map; it goes with the last one
-        self._map = None
         if self._file is not None:
             # closing a broken connection may fail again; there is nothing left to save
             with contextlib.suppress(Exception):
@@ -223,14 +243,11 @@ class ShardStream:
         """Bytes of the shard consumed by the caller (the buffer's unread part excluded)."""
         return self.raw_pos - (len(self._buf) - self._buf_pos)
 
-    def _read_raw(self, n: int) -> bytes | memoryview:
+    def _read_raw(self, n: int) -> bytes:
         """Up to `n` bytes from the file (b"" at the real end), retrying transient faults."""
         while True:
             try:
-                if self._map is not None:
-                    chunk: bytes | memoryview = self._map[self.raw_pos : self.raw_pos + n]
-                else:
-                    chunk = self._file.read(n)
+                chunk = self._file.read(min(n, MAX_RAW_READ))
                 if not chunk:
                     self._check_eof()
             except Exception as exc:
@@ -250,14 +267,23 @@ class ShardStream:
         return data if isinstance(data, bytes) else bytes(data)
 
     def read_view(self, n: int) -> bytes | memoryview:
-        """As `read`, but a local shard's bytes come as a view of its map, not a copy."""
+        """As `read`, without a copy where one can be saved (a view of the read-ahead buffer
+        is never returned: it would keep a whole chunk alive per sample)."""
         parts: list[bytes | memoryview] = []
         want = n
         while want > 0:
             if self._buf_pos >= len(self._buf):
-                # read ahead on streams only: on seekable files it would read what `skip`
-                # is meant to seek past (their own buffers serve the small reads)
-                self._buf = self._read_raw(want if self._seekable else max(want, READ_CHUNK))
+                if self._seekable:
+                    # no read-ahead on seekable files: it would read what `skip` is meant to
+                    # seek past (their own buffers serve the small reads); what is read is
+                    # exactly what was asked for, so it is returned as it is, not sliced
+                    chunk = self._read_raw(want)
+                    if not chunk:
+                        break
+                    parts.append(chunk)
+                    want -= len(chunk)
+                    continue
+                self._buf = self._read_raw(max(want, READ_CHUNK))
                 self._buf_pos = 0
                 if not self._buf:
                     break
@@ -265,6 +291,8 @@ class ShardStream:
             self._buf_pos += len(take)
             parts.append(take)
             want -= len(take)
+        if not parts:
+            return b""
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def _check_eof(self) -> None:
@@ -276,20 +304,24 @@ class ShardStream:
         if self.size and self.raw_pos < self.size:
             raise TransientReadError(f"body ended at byte {self.raw_pos} of {self.size}")
 
-    def skip(self, n: int) -> None:
-        """Advance `n` bytes without returning them (a seek where the file allows)."""
+    def available(self) -> int | None:
+        """Bytes left after `pos` where the file's size is known, else None."""
+        return None if self.length is None else max(0, self.length - self.pos)
+
+    def skip(self, n: int) -> int:
+        """Advance `n` bytes without returning them (a seek where the file allows).
+
+        Returns how many of them were not there (the shard ended first): 0 normally.
+        """
         if n <= 0:
-            return
+            return 0
         self.stats.bytes_skipped += n
         buffered = len(self._buf) - self._buf_pos
         if n <= buffered:
             self._buf_pos += n
-            return
+            return 0
         n -= buffered
         self._buf, self._buf_pos = b"", 0
-        if self._map is not None:
-            self.raw_pos += n
-            return
         if self._seekable:
             target = self.raw_pos + n
             try:
@@ -298,31 +330,14 @@ class ShardStream:
                 self._retry(exc)  # reopened at raw_pos; seek again there
                 self._file.seek(target)
             self.raw_pos = target
-            return
+            return 0 if self.length is None else max(0, target - self.length)
         while n > 0:
             chunk = self._read_raw(min(n, 1 << 20))
             if not chunk:
-                return
+                return n
             self.stats.bytes_read -= len(chunk)
             n -= len(chunk)
-
-
-def _map_file(path: str) -> memoryview | None:
-    """A local file mapped read-only; None where it cannot be (an empty file, or a filesystem
-    without mmap support such as some FUSE mounts): the caller then reads it as a file.
-
-    Why a map: samples are then slices of the page cache that the decoder reads in place,
-    where reads copied every member twice (kernel -> buffer -> bytes). Shards are never
-    rewritten in place (`hpctrain convert` renames finished files over old ones), so a map
-    cannot see a file shrink under it.
-    """
-    with open(path, "rb") as f:
-        if not f.seek(0, 2):
-            return None
-        try:
-            return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
-        except (OSError, ValueError):
-            return None
+        return 0
 
 
 def _describe(exc: BaseException) -> str:
@@ -347,26 +362,84 @@ class Member:
 
 
 class CorruptShardError(DataError, ValueError):
-    """Bytes that are not a tar archive (bad checksum, truncated member)."""
+    """Bytes that are not a tar archive (bad checksum, truncated member, malformed header)."""
 
 
-def _parse_number(field_: bytes) -> int:
-    if field_ and field_[0] & 0x80:  # GNU base-256 for sizes >= 8 GiB
+class PipeRefusedError(ShardReadError):
+    """A `pipe:` shard where no command may run: from an index, or without `data.allow_pipe`.
+
+    Names the command's program only (the rest may hold a token).
+    """
+
+    def __init__(self, url: str, reason: str | None = None) -> None:
+        if reason is None:  # rebuilt from its message after crossing a process boundary
+            if not url.startswith("pipe:"):
+                super().__init__(url)
+                return
+            reason = PIPE_RULE
+        super().__init__(pipe_label(url), reason)
+
+
+PIPE_RULE = (
+    "pipe: shards run a shell command; they are read only with data.allow_pipe: true and a "
+    "shard pattern given in data.train/data.val (never from an index)"
+)
+
+
+def pipe_label(url: str) -> str:
+    """`pipe:curl -s https://...` -> `pipe:curl ...`: a command named without its arguments."""
+    words = url[5:].split()
+    return f"pipe:{words[0]} ..." if words else "pipe:"
+
+
+_OCTAL = re.compile(rb"[0-7]+")
+_DECIMAL = re.compile(r"[0-9]+", re.ASCII)
+
+
+def _parse_number(field_: bytes, what: str, at: int) -> int:
+    """A header's numeric field: octal text, or GNU base-256 for sizes >= 8 GiB."""
+    if field_ and field_[0] & 0x80:
+        if field_[0] != 0x80:  # 0xff: a negative base-256 number
+            raise CorruptShardError(f"negative tar {what} in the header at byte {at}")
         return int.from_bytes(field_[1:], "big")
-    text = field_.split(b"\0", 1)[0].strip()
-    return int(text, 8) if text else 0
+    text = field_.split(b"\0", 1)[0].strip(b" ")
+    if not text:
+        return 0
+    if not _OCTAL.fullmatch(text):
+        raise CorruptShardError(f"tar {what} {text[:20]!r} is not a number at byte {at}")
+    return int(text, 8)
 
 
-def _parse_pax(data: bytes) -> dict[str, str]:
+def _parse_pax(data: bytes, at: int) -> dict[str, str]:
+    """PAX records, `"<length> <key>=<value>\n"` each; any other shape is corrupt (a length
+    of 0 or less once made this loop for ever)."""
     out = {}
     pos = 0
     while pos < len(data):
-        space = data.index(b" ", pos)
-        length = int(data[pos:space])
-        key, _, value = data[space + 1 : pos + length - 1].partition(b"=")
+        space = data.find(b" ", pos, pos + 20)
+        digits = data[pos:space] if space > pos else b""
+        if not digits.isdigit():
+            raise CorruptShardError(f"malformed PAX record at byte {at + pos}")
+        end = pos + int(digits)
+        if end <= space + 1 or end > len(data) or data[end - 1 : end] != b"\n":
+            raise CorruptShardError(
+                f"PAX record of impossible length {int(digits)} at byte {at + pos}"
+            )
+        key, sep, value = data[space + 1 : end - 1].partition(b"=")
+        if not sep:
+            raise CorruptShardError(f"PAX record without '=' at byte {at + pos}")
         out[key.decode("utf-8", "replace")] = value.decode("utf-8", "replace")
-        pos += length
+        pos = end
     return out
+
+
+def _check_size(stream: ShardStream, size: int, at: int) -> None:
+    """A member that cannot fit in what is left of the shard, known before reading it."""
+    left = stream.available()
+    if left is not None and size > left:
+        raise CorruptShardError(
+            f"truncated tar member: header at byte {at} gives {size} bytes, {left} are left"
+        )
 
 
 def iter_members(
@@ -375,13 +448,17 @@ def iter_members(
     """Regular-file members of a tar stream, each with a reader of its data.
 
     The reader must be called before advancing, or not at all (then the data is skipped
-    without being read where the stream can seek). `views=True`: a local shard's data come
-    as memoryviews of its map (no copy; the map lives as long as they do).
+    without being read where the stream can seek). `views=True`: data may come as a
+    memoryview instead of bytes, where that saves a copy.
+
+    Raises:
+        CorruptShardError: anything malformed, named with its byte offset.
     """
     read = stream.read_view if views else stream.read
     long_name: str | None = None
     pax: dict[str, str] = {}
     while True:
+        at = stream.pos
         header = stream.read(BLOCK)
         if len(header) < BLOCK:
             if not header:
@@ -389,18 +466,20 @@ def iter_members(
             raise CorruptShardError("truncated tar header")
         if header == b"\0" * BLOCK:
             return
-        stored = _parse_number(header[148:156])
+        stored = _parse_number(header[148:156], "checksum", at)
         if stored != sum(header[:148]) + 256 + sum(header[156:]):
-            raise CorruptShardError(f"bad tar header checksum at byte {stream.pos - BLOCK}")
-        size = _parse_number(header[124:136])
+            raise CorruptShardError(f"bad tar header checksum at byte {at}")
+        size = _parse_number(header[124:136], "size", at)
         kind = header[156:157]
-        padded = -(-size // BLOCK) * BLOCK
         if kind in (b"x", b"L", b"g"):
-            data = stream.read(padded)[:size]
+            if size > MAX_META_BYTES:
+                raise CorruptShardError(f"tar metadata member of {size} bytes at byte {at}")
+            _check_size(stream, size, at)
+            data = stream.read(-(-size // BLOCK) * BLOCK)[:size]
             if len(data) < size:
                 raise CorruptShardError("truncated tar member")
             if kind == b"x":
-                pax = _parse_pax(data)
+                pax = _parse_pax(data, at + BLOCK)
             elif kind == b"L":
                 long_name = data.rstrip(b"\0").decode("utf-8", "replace")
             continue
@@ -415,11 +494,15 @@ def iter_members(
                 if prefix:
                     name = f"{prefix}/{name}"
         if "size" in pax:
+            if not _DECIMAL.fullmatch(pax["size"]):
+                raise CorruptShardError(f"PAX size {pax['size'][:20]!r} at byte {at}")
             size = int(pax["size"])
-            padded = -(-size // BLOCK) * BLOCK
+        padded = -(-size // BLOCK) * BLOCK
         long_name, pax = None, {}
+        _check_size(stream, size, at)
         if kind not in (b"0", b"\0", b"7"):
-            stream.skip(padded)
+            if stream.skip(padded) > padded - size:
+                raise CorruptShardError("truncated tar member")
             continue
         state = {"done": False}
 
@@ -431,8 +514,8 @@ def iter_members(
             return data[:size]  # type: ignore[return-value]  # a memoryview only when asked for
 
         yield Member(name, size), read_data
-        if not state["done"]:
-            stream.skip(padded)
+        if not state["done"] and stream.skip(padded) > padded - size:
+            raise CorruptShardError("truncated tar member")
 
 
 def split_key(name: str) -> tuple[str, str]:
@@ -458,8 +541,7 @@ def iter_samples(
         want: called with a sample's index; False skips the sample's bytes without reading
             them where possible (and never decodes them). Skipped samples are not yielded.
         stop: stop after sample index `stop - 1` (no need to read further).
-        views: members of a local shard as memoryviews of its map instead of bytes copies
-            (see `iter_members`).
+        views: the caller takes memoryviews as well as bytes (see `iter_members`).
     """
     index = -1
     key: str | None = None
@@ -492,10 +574,18 @@ def open_shard(
     stats: ReadStats | None = None,
     storage_options: dict[str, Any] | None = None,
     backoff_s: float = 0.05,
+    allow_pipe: bool = False,
 ) -> ShardStream:
-    """Open a shard for sequential reading (`ShardReadError` when it cannot be opened)."""
+    """Open a shard for sequential reading (`ShardReadError` when it cannot be opened).
+
+    `allow_pipe`: see `ShardStream`; a `pipe:` URL without it raises `PipeRefusedError`.
+    """
+    if url.startswith("pipe:") and not allow_pipe:
+        raise PipeRefusedError(url)
     try:
-        return _open_with_retries(url, size, max_retries, stats, storage_options, backoff_s)
+        return _open_with_retries(
+            url, size, max_retries, stats, storage_options, backoff_s, allow_pipe
+        )
     except ShardReadError:
         raise
     except Exception as exc:
@@ -509,6 +599,7 @@ def _open_with_retries(
     stats: ReadStats | None,
     storage_options: dict[str, Any] | None,
     backoff_s: float,
+    allow_pipe: bool,
 ) -> ShardStream:
     attempt = 0
     while True:
@@ -520,6 +611,7 @@ def _open_with_retries(
                 stats=stats,
                 storage_options=storage_options,
                 backoff_s=backoff_s,
+                allow_pipe=allow_pipe,
             )
         except Exception as exc:
             if not is_transient(exc) or attempt >= max_retries:

@@ -17,13 +17,16 @@ hung it.
 
 A worker that dies is noticed at once (its process sentinel is polled with its pipe); an
 exception in a worker is re-raised in the training process with the worker's traceback as its
-cause. Workers watch for their parent's death and exit; they ignore job signals (see
+cause; a worker that sends nothing for `timeout_s` (stuck in a read, a transform that loops)
+fails the wait with `WorkerTimeoutError`, naming the shard it was reading. Workers die with
+their parent even while busy (see `die_with_parent`); they ignore job signals (see
 `ignore_job_signals`), so the pool stops them itself, at the latest when the process exits.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import multiprocessing as mp
 import os
 import pickle
@@ -31,6 +34,8 @@ import random
 import select
 import signal
 import sys
+import threading
+import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -46,10 +51,34 @@ from hpctrain.errors import DataError
 _DONE = object()
 POLL_S = 1.0  # how often a waiting worker checks that its parent is alive
 STOP_TIMEOUT_S = 5.0  # a polite stop's wait before SIGKILL
+ACTIVITY_BYTES = 512  # a worker's "what I am reading" text, shared with the training process
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class WorkerDiedError(DataError, RuntimeError):
     """A loader worker process ended without being asked to (killed, crashed, out of memory)."""
+
+
+class WorkerTimeoutError(WorkerDiedError):
+    """A loader worker that sent nothing for `data.timeout_s` (names it and its shard)."""
+
+
+# In a worker: its shared activity text (None in the training process).
+_activity: Any = None
+
+
+def report_activity(text: str) -> None:
+    """Tell the training process what this worker is reading (shown if it dies or stalls).
+
+    A no-op outside loader workers. One small write to shared memory: cheap enough per shard.
+    """
+    if _activity is not None:
+        data = text.encode("utf-8", "replace")[: ACTIVITY_BYTES - 1]
+        _activity[: len(data) + 1] = data + b"\0"
+
+
+def _read_activity(array: Any) -> str:
+    return bytes(array[:]).split(b"\0", 1)[0].decode("utf-8", "replace")
 
 
 class _End(NamedTuple):
@@ -125,6 +154,31 @@ def _parent_gone(parent: int) -> bool:
     return os.getppid() != parent
 
 
+def die_with_parent(parent: int, forked_by_main_thread: bool) -> None:
+    """End this worker when its parent dies, whatever the worker is doing.
+
+    Waiting workers check `getppid()` between waits, but a busy one (a transform that loops, a
+    read that never returns) would not: it would outlive a SIGKILLed training process, holding
+    a core and the GPU's job for ever. So the kernel kills it: a parent-death signal
+    (Linux). The kernel sends it when the *thread* that forked the worker ends, so it is set
+    only for workers forked by a main thread (a pool made in a short-lived thread would lose
+    its workers with that thread); a watchdog thread covers the rest and other systems.
+    """
+    if forked_by_main_thread and sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if _parent_gone(parent):  # it died before the signal was set up
+        os._exit(0)
+
+    def watch() -> None:
+        while not _parent_gone(parent):
+            time.sleep(POLL_S)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="hpctrain-parent-watch", daemon=True).start()
+
+
 def _announce(source: Any, worker: int, num_workers: int) -> None:
     """Make `torch.utils.data.get_worker_info()` answer in these workers as in DataLoader's
     (a user's transform may ask which worker it runs in). Through torch's private module:
@@ -147,12 +201,22 @@ def _work(
     orders: Connection,
     credits: Any,
     cancelled: Any,
+    activity: Any,
+    parent: int | None,
+    forked_by_main_thread: bool,
 ) -> None:
-    """A worker's life: wait for an order, run a pass of `source.batches(worker)`, repeat."""
+    """A worker's life: wait for an order, run a pass of `source.batches(worker)`, repeat.
+
+    `parent`: the pid of the process that forked it (None: started by a forkserver, whose
+    own death follows the training process's).
+    """
+    global _activity
+    parent = os.getppid() if parent is None else parent
+    die_with_parent(parent, forked_by_main_thread)
+    _activity = activity
     ignore_job_signals()
     torch.set_num_threads(1)  # as DataLoader workers: one core each, no oversubscription
     _announce(source, worker, num_workers)
-    parent = os.getppid()
     while True:
         while not orders.poll(POLL_S):
             if _parent_gone(parent):
@@ -161,6 +225,7 @@ def _work(
             generation = orders.recv()
             if generation is None:
                 return
+            report_activity("starting a pass")
             batches = iter(source.batches(worker))
             while True:
                 try:
@@ -172,6 +237,7 @@ def _work(
                     break
                 results.send(batch)
             del batches  # closes the pass's files before the next order
+            report_activity("waiting for the next pass")
             results.send(_End(generation))
         except (EOFError, BrokenPipeError):  # the training process is gone: so is the work
             return
@@ -200,6 +266,7 @@ class _Processes:
         self.orders: list[Connection] = []
         self.results: list[Connection] = []
         self.credits: list[Any] = []
+        self.activities: list[Any] = []
 
     def stop(self) -> None:
         """Ask every worker to stop, then SIGKILL any still alive after a while."""
@@ -217,6 +284,7 @@ class _Processes:
         for conn in (*self.results, *self.orders):
             conn.close()
         self.processes, self.orders, self.results, self.credits = [], [], [], []
+        self.activities = []
 
 
 class WorkerPool:
@@ -225,7 +293,8 @@ class WorkerPool:
     `source` is copied into the workers when they start (forked, or pickled for
     forkserver); `source.batches(worker)` yields that worker's batches of the current pass,
     whatever shared state tells it which. `discard(batch)` is called on batches of an
-    abandoned pass that arrive after it was called off.
+    abandoned pass that arrive after it was called off. `timeout_s` (0: none) bounds the wait
+    for a worker's next message.
     """
 
     def __init__(
@@ -236,9 +305,13 @@ class WorkerPool:
         prefetch: int,
         context: str,
         discard: Callable[[Any], None] = lambda batch: None,
+        timeout_s: float = 0.0,
     ) -> None:
         ctx: Any = mp.get_context(context)
         self.discard = discard
+        self.timeout_s = timeout_s
+        parent = os.getpid() if context == "fork" else None
+        main_thread = threading.current_thread() is threading.main_thread()
         self.generation = 0
         self.unfinished: set[int] = set()  # workers that have not ended the last pass
         self.broken = False
@@ -255,6 +328,7 @@ class WorkerPool:
             results_in, results_out = ctx.Pipe(duplex=False)
             orders_in, orders_out = ctx.Pipe(duplex=False)
             credits = ctx.Semaphore(prefetch)
+            activity = ctx.RawArray("c", ACTIVITY_BYTES)
             process = ctx.Process(
                 target=_work,
                 args=(
@@ -265,6 +339,9 @@ class WorkerPool:
                     orders_in,
                     credits,
                     workers.cancelled,
+                    activity,
+                    parent,
+                    main_thread or context != "fork",  # a forkserver forks in its main thread
                 ),
                 name=f"hpctrain-loader-{worker}",
                 daemon=True,
@@ -272,6 +349,7 @@ class WorkerPool:
             workers.results.append(results_in)
             workers.orders.append(orders_out)
             workers.credits.append(credits)
+            workers.activities.append(activity)
             try:
                 process.start()
             finally:
@@ -316,12 +394,21 @@ class WorkerPool:
             worker = (worker + 1) % count
 
     def _receive(self, worker: int) -> Any:
-        """The worker's next message; a worker that died instead fails the pool."""
+        """The worker's next message; a worker that died or stalled instead fails the pool."""
         results = self.workers.results[worker]
         try:
             # one wait for a message or the process's end; a message left by a worker that
             # then died is still read first
-            ready = {fd for fd, _event in self.pollers[worker].poll()}
+            events = self.pollers[worker].poll(
+                int(self.timeout_s * 1000) if self.timeout_s > 0 else None
+            )
+            if not events:
+                self.broken = True  # the stuck worker is stopped (killed) with the pool
+                raise WorkerTimeoutError(
+                    f"loader worker {worker} (pid {self.workers.processes[worker].pid}) sent "
+                    f"no batch for {self.timeout_s:g} s (data.timeout_s){self._doing(worker)}"
+                )
+            ready = {fd for fd, _event in events}
             if results.fileno() in ready:
                 message = results.recv()
                 if not isinstance(message, (_End, _Failure)):
@@ -334,8 +421,13 @@ class WorkerPool:
         process.join(timeout=1)
         raise WorkerDiedError(
             f"loader worker {worker} (pid {process.pid}) exited unexpectedly "
-            f"({_describe_exit(process.exitcode)})"
+            f"({_describe_exit(process.exitcode)}){self._doing(worker)}"
         )
+
+    def _doing(self, worker: int) -> str:
+        """`; it was reading URL`: what the worker last reported."""
+        text = _read_activity(self.workers.activities[worker])
+        return f"; it was {text}" if text else ""
 
     def _settle(self) -> None:
         """Call off the pass in progress, if any: drain each worker up to its end."""

@@ -20,7 +20,6 @@ from hpctrain.launch.profiles import ClusterProfile, LaunchError, resolve_job
 from hpctrain.launch.safety import check_no_credential
 
 SAMPLE_SHARDS = 3
-SAMPLE_BYTES = 512  # a tar header: enough to prove the shard opens
 
 
 @dataclass(frozen=True)
@@ -71,9 +70,16 @@ def check_credentials(cfg: Config) -> Check:
 
 
 def check_data(cfg: Config) -> list[Check]:
-    """The index opens and a sample of shards can be read (from here, as from the job)."""
-    from hpctrain.data import open_index, redact_url
+    """The index opens and a sample of shards can be read (from here, as from the job).
 
+    Through the loader's own `open_index` and shard reader, so every form the trainer reads
+    passes here (an index anywhere, a folder, a shard pattern, HTTP servers without range
+    requests, `pipe:` patterns with `data.allow_pipe`) and every form it refuses fails here.
+    """
+    from hpctrain.data import open_index, redact_url
+    from hpctrain.data.stream import ShardReadError, iter_members, open_shard
+
+    allow_pipe = cfg.data.allow_pipe
     checks = []
     for key, spec in (("data.train", cfg.data.train), ("data.val", cfg.data.val)):
         if not spec:
@@ -91,22 +97,27 @@ def check_data(cfg: Config) -> list[Check]:
                 )
             )
         try:
-            index = open_index(spec)
+            index = open_index(spec, allow_pipe=allow_pipe)
         except Exception as exc:  # any failure here is the user's to see, in one line
-            reason = str(exc).splitlines()[0]
-            # the index's own errors already start with the path (spec/index.json)
-            named = reason.startswith(redact_url(spec))
-            checks.append(Check(key, False, reason if named else f"{redact_url(spec)}: {reason}"))
+            shown = spec if spec.startswith("pipe:") else redact_url(spec)
+            message = str(exc).splitlines()[0]
+            if spec.startswith("pipe:") or message.startswith(shown):
+                checks.append(Check(key, False, message))
+            else:
+                checks.append(Check(key, False, f"{shown}: {message}"))
             continue
         failures = []
         num_shards = len(index.shards)
         for i in sorted({0, num_shards // 2, num_shards - 1})[:SAMPLE_SHARDS]:
             url = index.shard_url(i)
             try:
-                import fsspec
-
-                with fsspec.open(url, "rb") as f:
-                    f.read(SAMPLE_BYTES)
+                # the first tar header: the shard opens and is a tar file
+                with open_shard(
+                    url, size=index.shards[i].num_bytes, max_retries=1, allow_pipe=allow_pipe
+                ) as f:
+                    next(iter_members(f), None)
+            except ShardReadError as exc:  # names the shard itself
+                failures.append(str(exc).splitlines()[0])
             except Exception as exc:
                 failures.append(f"{redact_url(url)}: {str(exc).splitlines()[0]}")
         if failures:

@@ -92,7 +92,7 @@ class Trainer:
             torch.set_float32_matmul_precision("high")
         seed_everything(cfg.seed)
 
-        train_index = open_index(cfg.data.train)
+        train_index = open_index(cfg.data.train, allow_pipe=cfg.data.allow_pipe)
         self.task = load_task(cfg, train_index)
         sharded = cfg.train.strategy == "fsdp" and env.is_distributed
         self.precision = resolve_precision(cfg.train.precision, device, sharded)
@@ -119,7 +119,7 @@ class Trainer:
         )
         self.val_loader = None
         if cfg.data.val:
-            val_index = open_index(cfg.data.val)
+            val_index = open_index(cfg.data.val, allow_pipe=cfg.data.allow_pipe)
             self.val_loader = ShardedLoader(
                 val_index,
                 cfg.data,
