@@ -166,7 +166,9 @@ def check_checkpoint_trust(cfg: Config) -> Check:
         checked.append(store.root)
     if not checked:
         # Not echoed: a URL may hold a credential (check_credentials reports those).
-        return Check("checkpoint.dir", True, "not a local folder here; not checked")
+        return Check(
+            "checkpoint.dir", True, "an object store, or a path expanded on the node: not checked"
+        )
     return Check(
         "checkpoint.dir", True, f"{', '.join(checked)}: owned by you, not writable by others"
     )
