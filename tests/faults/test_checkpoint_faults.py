@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from hpctrain.checkpoint import (
+    CheckpointError,
     CheckpointManager,
     CheckpointSaveError,
     UnsafeCheckpointError,
@@ -120,6 +121,23 @@ def test_content_damage_on_an_fsspec_store_falls_back():
     store.fs.pipe_file(store.path("step-2", name), bytes(data))
     load_and_check(manager, 1)
     assert "step-2" not in store.listdir()
+
+
+def test_export_checks_the_checksums_of_what_it_reads(tmp_path):
+    from hpctrain.train.export import export_weights
+
+    root = tmp_path / "ck"
+    save_steps(root, 1).close()
+    result = export_weights(str(root), tmp_path / "ok.pt")
+    exported = torch.load(result.out, weights_only=True)
+    assert torch.equal(exported["layer.weight"], weights(1)["app"]["model.layer.weight"])
+    target = data_file(root / "step-1")
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    target.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="crc32c mismatch"):
+        export_weights(str(root), tmp_path / "bad.pt")
+    assert not (tmp_path / "bad.pt").exists()
 
 
 # -- storage paths in .metadata stay inside the checkpoint folder -----------------------------
