@@ -331,7 +331,8 @@ def test_full_disk_save_error_says_no_space_and_names_the_path(async_save):
         manager.close()
 
 
-def test_a_failed_write_thread_never_commits_a_partial_checkpoint(tmp_path, monkeypatch):
+@pytest.mark.parametrize("verify", ["crc32c", "size"])
+def test_a_failed_write_thread_never_commits_a_partial_checkpoint(tmp_path, monkeypatch, verify):
     """DCP's extra writer threads print their exception and return no results: the save must
     fail with that error, not commit a checkpoint missing that thread's tensors."""
     import torch.distributed.checkpoint.filesystem as dcp_fs
@@ -348,7 +349,7 @@ def test_a_failed_write_thread_never_commits_a_partial_checkpoint(tmp_path, monk
 
     monkeypatch.setattr(dcp_fs, "_write_item", write_item)
     root = tmp_path / "ck"
-    manager = CheckpointManager(str(root), keep_last=2)
+    manager = CheckpointManager(str(root), keep_last=2, verify=verify)
     with pytest.raises(CheckpointSaveError, match="Input/output error"):
         manager.save(1, {"x": {"big": torch.randn(100_000), "small": torch.randn(10)}})
     assert failed.is_set()

@@ -636,7 +636,11 @@ class CheckpointManager:
             return
         store, tmp, name = self._store, f"{TMP_PREFIX}{step}", step_dir_name(step)
         # Item checksums of every rank's files, gathered by DCP into the coordinator's writer.
-        checksums = writer.checksums if isinstance(writer, ChecksumWriter) else None
+        checksums = (
+            writer.checksums
+            if isinstance(writer, ChecksumWriter) and writer.compute_checksums
+            else None
+        )
         files: dict[str, dict[str, Any]] = {}
         for fname in store.listdir(tmp):
             if fname == MANIFEST_NAME:

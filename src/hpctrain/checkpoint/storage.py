@@ -116,7 +116,7 @@ class Store:
         raise NotImplementedError
 
     def writer(self, name: str, *, checksums: bool = True) -> StorageWriter:
-        """A DCP writer into folder `name`; with `checksums`, a `ChecksumWriter`."""
+        """A DCP writer into folder `name` (a `ChecksumWriter`, computing CRC32Cs or not)."""
         raise NotImplementedError
 
     def reader(self, name: str, checksums: ItemChecksums | None = None) -> StorageReader:
@@ -197,16 +197,19 @@ class ChecksumWriter:
     """Mixin for DCP file writers: CRC32C per item while writing, collected by `finish`.
 
     After a save, the coordinator's writer holds `checksums`: for every file, the
-    `[offset, length, crc32c]` of each item in it.
+    `[offset, length, crc32c]` of each item in it. With `compute_checksums` False it only
+    makes a failure in any of DCP's writer threads fail the save.
     """
 
     transforms: Any
     fs: Any
 
-    def _set_up_checksums(self) -> None:
+    def _set_up_checksums(self, compute: bool) -> None:
+        self.compute_checksums = compute
         self._item_crcs: dict[MetadataIndex, int] = {}
         self._errors: list[BaseException] = []
-        self.transforms = _ChecksumTransforms(self._item_crcs)
+        if compute:
+            self.transforms = _ChecksumTransforms(self._item_crcs)
         self.fs = _ErrorRecordingFileSystem(self.fs, self._errors)
         self.checksums: dict[str, list[list[int]]] = {}
 
@@ -218,13 +221,18 @@ class ChecksumWriter:
             raise self._errors[0]
         if len(results) != len(plan.items):
             raise OSError(f"DCP wrote {len(results)} of {len(plan.items)} items (a writer failed)")
-        out = []
-        for result in results:
-            info = result.storage_data
-            checked = _ChecksummedInfo(**vars(info), crc32c=self._item_crcs[result.index])
-            out.append(dataclasses.replace(result, storage_data=checked))
+        if self.compute_checksums:
+            results = [
+                dataclasses.replace(
+                    result,
+                    storage_data=_ChecksummedInfo(
+                        **vars(result.storage_data), crc32c=self._item_crcs[result.index]
+                    ),
+                )
+                for result in results
+            ]
         future: Future[list[WriteResult]] = Future()
-        future.set_result(out)
+        future.set_result(results)
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -249,15 +257,15 @@ class ChecksumWriter:
 
 
 class ChecksumFileSystemWriter(ChecksumWriter, FileSystemWriter):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._set_up_checksums()
+    def __init__(self, path: str, *, checksums: bool = True, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self._set_up_checksums(checksums)
 
 
 class ChecksumFsspecWriter(ChecksumWriter, FsspecWriter):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._set_up_checksums()
+    def __init__(self, path: str, *, checksums: bool = True, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self._set_up_checksums(checksums)
 
 
 def crc32c_of(data: bytes) -> int:
@@ -341,8 +349,9 @@ class LocalStore(Store):
 
     def writer(self, name: str, *, checksums: bool = True) -> StorageWriter:
         # Two writer threads (one file each per rank) overlap serialization with I/O.
-        cls = ChecksumFileSystemWriter if checksums else FileSystemWriter
-        return cls(self.path(name), sync_files=True, overwrite=True, thread_count=2)
+        return ChecksumFileSystemWriter(
+            self.path(name), checksums=checksums, sync_files=True, overwrite=True, thread_count=2
+        )
 
     def reader(self, name: str, checksums: ItemChecksums | None = None) -> StorageReader:
         return SafeFileSystemReader(self.path(name), checksums=checksums)
@@ -405,8 +414,9 @@ class FsspecStore(Store):
 
     def writer(self, name: str, *, checksums: bool = True) -> StorageWriter:
         # Remote streams have no fileno to fsync; a closed object is durable once its PUT returns.
-        cls = ChecksumFsspecWriter if checksums else FsspecWriter
-        return cls(self.path(name), sync_files=False, overwrite=True)
+        return ChecksumFsspecWriter(
+            self.path(name), checksums=checksums, sync_files=False, overwrite=True
+        )
 
     def reader(self, name: str, checksums: ItemChecksums | None = None) -> StorageReader:
         return SafeFsspecReader(self.path(name), checksums=checksums)
