@@ -233,6 +233,34 @@ class _Tensors:
             self.tensors[key].copy_(value)
 
 
+def scenario_damaged_two_ranks(root: str) -> None:
+    """Save steps 1 and 2 on two ranks, flip a byte of rank 1's file of step 2, load: every
+    rank must find the damage together and load step 1 (no hang, no mixed steps)."""
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    manager = CheckpointManager(root, keep_last=5)
+    state = {"a": torch.zeros(1 << 16), "b": torch.zeros(1 << 10)}
+    for step in (1, 2):
+        for tensor in state.values():
+            tensor.fill_(float(step * 10 + rank))
+        manager.save(step, {"weights": PerRankState(_Tensors(state)), "trainer": {"step": step}})
+    dist.barrier()
+    if rank == 0:
+        target = os.path.join(root, "step-2", "__1_0.distcp")
+        with open(target, "r+b") as f:
+            f.seek(os.path.getsize(target) // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x01]))
+    dist.barrier()
+    states = {"weights": PerRankState(_Tensors(state)), "trainer": {"step": 0}}
+    loaded = manager.load(states)
+    assert loaded == 1 and states["trainer"]["step"] == 1, (loaded, states["trainer"])
+    assert all(bool((t == float(10 + rank)).all()) for t in state.values())
+    manager.close()
+    print(f"rank {rank} loaded {loaded}", flush=True)
+
+
 def scenario_read_only(root: str) -> None:
     """Lose write permission, then save: sync raises at once, async fails at wait/close."""
     model = torch.nn.Linear(4, 3)
@@ -259,4 +287,5 @@ if __name__ == "__main__":
         "save_loop": scenario_save_loop,
         "save_loop_two_ranks": scenario_save_loop_two_ranks,
         "read_only": scenario_read_only,
+        "damaged_two_ranks": scenario_damaged_two_ranks,
     }[scenario](*sys.argv[2:])

@@ -26,7 +26,12 @@ def test_bench_checkpoint_tiny(tmp_path):
         "dcp.async_save",
         "hpctrain sync",
         "hpctrain async",
+        "hpctrain sync size",
+        "hpctrain load",
+        "hpctrain load size",
     }
     assert methods["dd"]["ratio_to_dd"] == 1.0
     assert methods["hpctrain async"]["blocked_ratio_to_sync"] > 0
+    assert results["checksums"]["sync_save_throughput_ratio"] > 0
+    assert results["checksums"]["load_time_ratio"] > 0
     assert list(tmp_path.iterdir()) == []  # the scratch folder is removed

@@ -178,7 +178,6 @@ def test_leftovers_of_killed_saves_are_ignored_and_removed(tmp_path):
     manager.save(1, states_of(model, optimizer, 1))
     (root / ".tmp-step-2").mkdir()
     (root / ".tmp-step-2" / "__0_0.distcp").write_bytes(b"half")
-    (root / "latest").write_text("step-0\n")  # stale pointer: the complete step-1 still wins
     (root / "latest.tmp-123").write_text("step-")
     assert manager.load(states_of(model, optimizer)) == 1
     CheckpointManager(str(root), keep_last=3)  # a restart cleans up
@@ -402,11 +401,21 @@ def test_rollback_then_preemption_resumes_the_new_branch(tmp_path):
     assert all(torch.equal(branch[k], v) for k, v in fresh.state_dict().items())
 
 
-def test_newest_written_wins_over_highest_step(tmp_path):
+def test_latest_pointer_wins_over_a_higher_step(tmp_path):
     root = tmp_path / "ck"
     manager = CheckpointManager(str(root), keep_last=5)
     manager.save(9, {"x": {"w": torch.full((3,), 9.0)}})
-    manager.save(3, {"x": {"w": torch.full((3,), 3.0)}})  # written after step 9
+    manager.save(3, {"x": {"w": torch.full((3,), 3.0)}})  # committed after step 9: `latest`
     states = {"x": {"w": torch.zeros(3)}}
     assert manager.load(states) == 3
     assert sorted(os.listdir(root)) == [".abandoned-step-9", "latest", "step-3"]
+
+
+def test_steps_to_try_follow_the_pointer_not_the_clock():
+    from hpctrain.checkpoint.manager import steps_to_try
+
+    assert steps_to_try([1, 2, 3], None) == ([3, 2, 1], [])  # no pointer: highest first
+    assert steps_to_try([1, 2, 3], 3) == ([3, 2, 1], [])
+    assert steps_to_try([1, 2, 3], 2) == ([2, 1], [3])  # past the pointer: never loaded
+    assert steps_to_try([1, 3], 2) == ([1], [3])  # the pointer's step is gone: below it
+    assert steps_to_try([5], 2) == ([], [5])

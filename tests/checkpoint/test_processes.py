@@ -224,3 +224,27 @@ def test_background_save_failure_exits_non_zero_naming_the_path():
         assert not [n for n in os.listdir(root) if n.startswith("step-")]
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_ranks_fall_back_together_from_a_checksum_mismatch(tmp_path):
+    root = tmp_path / "ck"
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, WORKERS, "damaged_two_ranks", str(root)],
+            env=child_env(
+                RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outputs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    for rank, output in enumerate(outputs):
+        assert f"rank {rank} loaded 1" in output
+    assert sorted(os.listdir(root)) == [".damaged-step-2", "latest", "step-1"]

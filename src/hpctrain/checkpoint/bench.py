@@ -1,4 +1,5 @@
-"""`hpctrain bench checkpoint`: save throughput against `dd`, and time blocked per save.
+"""`hpctrain bench checkpoint`: save throughput against `dd`, time blocked per save, and
+what content verification costs.
 
 The same state (`--params` parameters plus AdamW's two moments, float32, in 16M-element
 tensors like a model's layers) is saved by each method, interleaved round by round so that
@@ -7,11 +8,19 @@ disk and neighbour load drift hit every method alike:
 - `dd`: `dd if=<random file> of=<file> bs=16M conv=fsync` of the same byte count (the floor),
 - `torch.save+fsync`: one file, flushed and fsynced,
 - `dcp.save` / `dcp.async_save`: DCP with its defaults,
-- `hpctrain sync` / `hpctrain async`: `CheckpointManager.save` with the full commit protocol.
+- `hpctrain sync` / `hpctrain async`: `CheckpointManager.save` with the full commit protocol
+  and the default verification (a CRC32C per item, computed while writing),
+- `hpctrain sync size`: the same without checksums (`checkpoint.verify: size`, the default
+  before checksums),
+- `hpctrain load` / `hpctrain load size`: `CheckpointManager.load` of one saved checkpoint,
+  checking every item's CRC32C while reading, or sizes only (files in the page cache: the
+  checksum's share of the time is the largest it gets).
 
 Reported per method (medians over rounds, each round's ratio against that round's `dd`):
 throughput as a ratio to `dd` (higher is better), and for async methods the time `save`
-blocked the caller as a ratio to the matching sync save (lower is better).
+blocked the caller as a ratio to the matching sync save (lower is better). The cost of
+checksums: the median over rounds of each round's sync save throughput with checksums over
+without (higher is better, 1.0 is free) and of its load time with over without.
 """
 
 from __future__ import annotations
@@ -32,7 +41,10 @@ import torch.distributed.checkpoint as dcp
 
 from hpctrain.checkpoint.manager import CheckpointManager, step_dir_name
 
-HELP = "checkpoint save throughput vs dd (random data, conv=fsync) and time blocked per save"
+HELP = (
+    "checkpoint save throughput vs dd (random data, conv=fsync), time blocked per save, "
+    "and what checksums cost on save and load"
+)
 CHUNK = 16 * 1024 * 1024  # elements per tensor: a 4096x4096 layer
 
 
@@ -90,10 +102,28 @@ class _Bench:
                 f.write(os.urandom(n))
                 left -= n
         self.sync_manager = CheckpointManager(os.path.join(folder, "hp-sync"), keep_last=100)
+        self.size_manager = CheckpointManager(
+            os.path.join(folder, "hp-sync-size"), keep_last=100, verify="size"
+        )
         self.async_manager = CheckpointManager(
             os.path.join(folder, "hp-async"), keep_last=100, async_save=True
         )
         self.step = 0
+        # One checkpoint per verification mode to load, and a state of the same shapes.
+        self.load_managers = {}
+        for verify in ("crc32c", "size"):
+            manager = CheckpointManager(
+                os.path.join(folder, f"hp-load-{verify}"), keep_last=1, verify=verify
+            )
+            manager.save(1, {"state": self.state})
+            self.load_managers[verify] = manager
+        self.load_target = {
+            "state": {
+                "model": {k: torch.empty_like(v) for k, v in state["model"].items()},
+                "optim": {k: torch.empty_like(v) for k, v in state["optim"].items()},
+                "step": 0,
+            }
+        }
 
     def _scratch(self, name: str) -> str:
         path = os.path.join(self.folder, name)
@@ -154,9 +184,25 @@ class _Bench:
     def hp_async(self) -> dict[str, float]:
         return self._hp(self.async_manager)
 
+    def hp_sync_size(self) -> dict[str, float]:
+        return self._hp(self.size_manager)
+
+    def _load(self, verify: str) -> dict[str, float]:
+        seconds = _timed(lambda: self.load_managers[verify].load(self.load_target))
+        assert self.load_target["state"]["step"] == self.state["step"]
+        return {"total": seconds}
+
+    def hp_load(self) -> dict[str, float]:
+        return self._load("crc32c")
+
+    def hp_load_size(self) -> dict[str, float]:
+        return self._load("size")
+
     def close(self) -> None:
-        self.sync_manager.close()
-        self.async_manager.close()
+        for manager in (self.sync_manager, self.size_manager, self.async_manager):
+            manager.close()
+        for manager in self.load_managers.values():
+            manager.close()
 
 
 METHODS = {
@@ -166,8 +212,16 @@ METHODS = {
     "dcp.async_save": "dcp_async_save",
     "hpctrain sync": "hp_sync",
     "hpctrain async": "hp_async",
+    "hpctrain sync size": "hp_sync_size",
+    "hpctrain load": "hp_load",
+    "hpctrain load size": "hp_load_size",
 }
 SYNC_OF = {"dcp.async_save": "dcp.save", "hpctrain async": "hpctrain sync"}
+# (with checksums, without): the cost of content verification, compared round by round.
+CHECKSUM_PAIRS = {
+    "save": ("hpctrain sync", "hpctrain sync size"),
+    "load": ("hpctrain load", "hpctrain load size"),
+}
 
 
 def run_bench(num_params: int, rounds: int, folder: str) -> dict[str, Any]:
@@ -204,6 +258,20 @@ def run_bench(num_params: int, rounds: int, folder: str) -> dict[str, Any]:
             entry["blocked_ratio_to_sync"] = statistics.median(blocked)
             entry["blocked_ratio_range"] = [min(blocked), max(blocked)]
         results["methods"][name] = entry
+    save = [
+        rt[CHECKSUM_PAIRS["save"][1]]["total"] / rt[CHECKSUM_PAIRS["save"][0]]["total"]
+        for rt in per_round
+    ]
+    load = [
+        rt[CHECKSUM_PAIRS["load"][0]]["total"] / rt[CHECKSUM_PAIRS["load"][1]]["total"]
+        for rt in per_round
+    ]
+    results["checksums"] = {
+        "sync_save_throughput_ratio": statistics.median(save),
+        "sync_save_throughput_ratio_range": [min(save), max(save)],
+        "load_time_ratio": statistics.median(load),
+        "load_time_ratio_range": [min(load), max(load)],
+    }
     return results
 
 
@@ -219,6 +287,13 @@ def format_results(results: dict[str, Any]) -> str:
         if "blocked_s" in e:
             line += f" {e['blocked_s']:>7.2f}s {e['blocked_ratio_to_sync']:>7.2f}"
         lines.append(line)
+    c = results["checksums"]
+    lines.append(
+        f"crc32c vs size: sync save throughput x{c['sync_save_throughput_ratio']:.2f} "
+        f"({c['sync_save_throughput_ratio_range'][0]:.2f}-{c['sync_save_throughput_ratio_range'][1]:.2f}), "
+        f"load time x{c['load_time_ratio']:.2f} "
+        f"({c['load_time_ratio_range'][0]:.2f}-{c['load_time_ratio_range'][1]:.2f})"
+    )
     return "\n".join(lines)
 
 

@@ -3,7 +3,8 @@
 Layout of a checkpoint root (`checkpoint.dir`, default `RUN_DIR/checkpoints`):
 
     step-<N>/            committed checkpoints: DCP files (`.metadata`, `__<r>_<i>.distcp`)
-      manifest.json      step, world size, versions, user metadata, size (+ sha256) per file
+      manifest.json      step, world size, versions, user metadata; per file its size, the
+                         [offset, length, crc32c] of every DCP item in it (+ sha256)
     latest               "step-<N>": the newest committed checkpoint, written last
     .tmp-step-<N>/       a save in progress (or killed); never loaded, removed on restart
     .damaged-step-<N>/   a checkpoint that failed verification when an older one was loaded
@@ -13,6 +14,25 @@ Commit protocol (rank 0, after every rank's DCP write returned, which DCP report
 all ranks' files are written and fsynced): write `manifest.json` inside `.tmp-step-<N>/`,
 fsync the files and the folder, rename it to `step-<N>/`, fsync the root, then replace
 `latest` atomically. A kill at any point leaves either no `step-<N>/` or a complete one.
+
+Which checkpoint `load("latest")` picks, by step numbers and the pointer only (never by the
+times in manifests: node clocks differ):
+
+1. `latest` names the newest committed step of the current run. Steps above it are not part
+   of it: a commit cut between its rename and the pointer, or a run started over
+   (`--resume none`) over older, higher steps. They are never loaded, and set aside as
+   `.abandoned-step-<N>` when the run resumes below them (as for a rollback with
+   `--resume PATH`, which sets aside everything past the resumed step).
+2. The step it names, if it verifies; else the highest step below it that verifies. Each one
+   that fails is set aside as `.damaged-step-<N>` with the reason logged.
+3. Without a readable pointer (a first save cut before it), the highest step that verifies.
+
+Verification (`checkpoint.verify`): the manifest parses with the right types, every file has
+its size, `.metadata` its CRC32C, and every storage path `.metadata` names is a file of this
+folder; with "crc32c" (the default) each item read is checked against the CRC32C computed
+while it was written, so a flipped byte found while loading also sets the checkpoint aside and
+falls back. "sha256" also hashes every file on rank 0 before loading; "size" skips the
+checksums (and saves without them).
 """
 
 from __future__ import annotations
@@ -37,12 +57,15 @@ import hpctrain
 from hpctrain.checkpoint.retention import steps_to_delete
 from hpctrain.checkpoint.safety import (
     CheckpointError,
+    ChecksumMismatchError,
+    ItemChecksums,
     SafeLoadPlanner,
     UnsafeCheckpointError,
+    is_plain_file_name,
     load_metadata_bytes,
 )
 from hpctrain.checkpoint.state import PerRankState
-from hpctrain.checkpoint.storage import LAST_FILE, Store, open_store
+from hpctrain.checkpoint.storage import LAST_FILE, ChecksumWriter, Store, crc32c_of, open_store
 from hpctrain.errors import CheckpointFailure
 
 log = logging.getLogger(__name__)
@@ -55,7 +78,10 @@ ABANDONED_PREFIX = ".abandoned-step-"
 LATEST_NAME = "latest"
 MANIFEST_NAME = LAST_FILE
 MANIFEST_FORMAT = 1
+VERIFY_MODES = ("size", "crc32c", "sha256")
+DEFAULT_VERIFY = "crc32c"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 # DCP warns on every save/load without a process group; a single process is a normal case here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
@@ -65,11 +91,30 @@ class CheckpointSaveError(CheckpointFailure, RuntimeError):
     """A save failed (in the background for async saves); the message names the path."""
 
 
-def _describe(exc: BaseException) -> str:
-    """One line for an error; DCP's CheckpointException (a BaseException) wraps per-rank ones."""
+def _first_failure(exc: BaseException) -> BaseException:
+    """The lowest rank's error inside DCP's CheckpointException (a BaseException), else exc."""
     if isinstance(exc, CheckpointException) and exc.failures:
         _, (inner, _trace) = sorted(exc.failures.items(), key=lambda item: item[0])[0]
-        exc = inner
+        return inner
+    return exc
+
+
+def _describe(exc: BaseException) -> str:
+    """One line for an error, naming the OS error behind it when there is one.
+
+    A full disk met inside `torch.save` surfaces as "RuntimeError: ... unexpected pos"; the
+    `OSError` (ENOSPC, EDQUOT, EIO...) it came from is in the chain, and is what the user
+    must read.
+    """
+    exc = _first_failure(exc)
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.errno is not None:
+            exc = cause
+            break
+        cause = cause.__cause__ or cause.__context__
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
@@ -81,14 +126,6 @@ def _planner() -> DefaultSavePlanner:
     # from rank 0 at the next forward. Saving rank 0's copy is what makes a resume bitwise
     # identical; sharded (FSDP2) tensors are unaffected, each rank still writes its shards.
     return DefaultSavePlanner(dedup_save_to_lowest_rank=True)
-
-
-def _written_at(store: Store, step: int) -> float:
-    """When checkpoint `step` was saved (its manifest's time); -inf when unreadable."""
-    try:
-        return float(json.loads(store.read_bytes(f"{step_dir_name(step)}/{MANIFEST_NAME}"))["time"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return float("-inf")
 
 
 def step_dir_name(step: int) -> str:
@@ -105,24 +142,96 @@ def committed_steps(store: Store) -> list[int]:
     return sorted(steps)
 
 
-def verify_checkpoint(store: Store, name: str, verify: str = "size") -> dict[str, Any]:
+def _is_count(value: object, minimum: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _check_file_entry(fname: object, info: object) -> str | None:
+    """What is wrong with one `files` entry of a manifest, or None."""
+    if not is_plain_file_name(fname):
+        return f"file name {fname!r} is not a plain name"
+    if not isinstance(info, dict) or not _is_count(info.get("size")):
+        return f"{fname}: entry without a byte size"
+    if "sha256" in info and not (isinstance(info["sha256"], str) and _SHA256.match(info["sha256"])):
+        return f"{fname}: sha256 is not 64 hex digits"
+    if "crc32c" in info:
+        chunks = info["crc32c"]
+        if not isinstance(chunks, list) or not all(
+            isinstance(c, list) and len(c) == 3 and all(_is_count(v) for v in c) for c in chunks
+        ):
+            return f"{fname}: crc32c is not a list of [offset, length, crc]"
+        end = 0
+        for offset, length, _crc in sorted(chunks):  # the items cover the file, no byte unchecked
+            if offset != end:
+                return f"{fname}: crc32c items do not cover bytes {end}..{offset}"
+            end = offset + length
+        if end != info["size"]:
+            return f"{fname}: crc32c items cover {end} of {info['size']} bytes"
+    return None
+
+
+def parse_manifest(data: bytes, where: str, name: str = "") -> dict[str, Any]:
+    """The manifest of checkpoint folder `name`, or `CheckpointError` for anything malformed
+    (not JSON, a missing field, a wrong type, a step other than the folder's)."""
+
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"{where}: unreadable manifest ({why})")
+
+    try:
+        manifest = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad(f"not JSON: {exc}") from None
+    if not isinstance(manifest, dict):
+        raise bad(f"a JSON {type(manifest).__name__}, not an object")
+    if manifest.get("format") != MANIFEST_FORMAT:
+        raise CheckpointError(f"{where}: manifest format {manifest.get('format')!r} unknown")
+    for key, minimum in (("step", 0), ("world_size", 1)):
+        if not _is_count(manifest.get(key), minimum):
+            raise bad(f"{key} is {manifest.get(key)!r}, not an integer >= {minimum}")
+    for key in ("metadata", "versions"):
+        if not isinstance(manifest.get(key, {}), dict):
+            raise bad(f"{key} is not an object")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        raise bad("files is not an object of file entries")
+    for fname, info in files.items():
+        problem = _check_file_entry(fname, info)
+        if problem is not None:
+            raise bad(problem)
+    if ".metadata" not in files:
+        raise CheckpointError(f"{where}: the manifest lists no DCP .metadata")
+    match = _STEP_DIR.match(name)
+    if match and int(match.group(1)) != manifest["step"]:
+        raise bad(f"step {manifest['step']} in folder {name}")
+    return manifest
+
+
+def item_checksums(manifest: dict[str, Any]) -> ItemChecksums:
+    """(file, offset) -> (length, crc32c) of every DCP item, for the readers."""
+    return {
+        (fname, offset): (length, crc)
+        for fname, info in manifest["files"].items()
+        if fname != ".metadata"
+        for offset, length, crc in info.get("crc32c", ())
+    }
+
+
+def verify_checkpoint(store: Store, name: str, verify: str = DEFAULT_VERIFY) -> dict[str, Any]:
     """Check `name` against its manifest and return the manifest, or raise `CheckpointError`.
 
-    Raises `UnsafeCheckpointError` (not a damage to fall back from) when the folder is not
-    trusted or its `.metadata` would run code.
+    Checks the manifest, file sizes, the CRC32C of `.metadata`, and that every storage path
+    in `.metadata` is a file of this folder (see the module docstring; item checksums are
+    checked while DCP reads). Raises `UnsafeCheckpointError` (not a damage to fall back
+    from) when the folder is not trusted or its `.metadata` would run code or read outside.
     """
     where = store.path(name)
     store.check_trusted(["", name])
     if not store.exists(f"{name}/{MANIFEST_NAME}"):
         raise CheckpointError(f"{where}: no {MANIFEST_NAME} (not a committed hpctrain checkpoint)")
-    try:
-        manifest = json.loads(store.read_bytes(f"{name}/{MANIFEST_NAME}"))
-        files = manifest["files"]
-        step = int(manifest["step"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{where}/{MANIFEST_NAME}: unreadable manifest ({exc})") from exc
-    if manifest.get("format") != MANIFEST_FORMAT:
-        raise CheckpointError(f"{where}: manifest format {manifest.get('format')!r} unknown")
+    manifest = parse_manifest(
+        store.read_bytes(f"{name}/{MANIFEST_NAME}"), f"{where}/{MANIFEST_NAME}", name
+    )
+    files = manifest["files"]
     present = set(store.listdir(name))
     store.check_trusted([f"{name}/{f}" for f in sorted(present)])
     for fname, info in sorted(files.items()):
@@ -135,12 +244,61 @@ def verify_checkpoint(store: Store, name: str, verify: str = "size") -> dict[str
             digest = store.sha256(f"{name}/{fname}")
             if digest != info["sha256"]:
                 raise CheckpointError(f"{where}/{fname}: sha256 differs from the manifest")
-    if ".metadata" not in files:
-        raise CheckpointError(f"{where}: the manifest lists no DCP .metadata")
+    data = store.read_bytes(f"{name}/.metadata")
+    chunks = files[".metadata"].get("crc32c")
+    if verify != "size" and chunks and chunks[0][2] != crc32c_of(data):
+        raise ChecksumMismatchError(f"{where}/.metadata: crc32c differs from the manifest")
     # Refuse a crafted .metadata here already, before any rank hands the folder to DCP.
-    load_metadata_bytes(store.read_bytes(f"{name}/.metadata"), f"{where}/.metadata")
-    manifest["step"] = step
+    metadata = load_metadata_bytes(data, f"{where}/.metadata")
+    for info in metadata.storage_data.values():
+        entry = files.get(info.relative_path)
+        if entry is None:
+            raise CheckpointError(
+                f"{where}/.metadata: names {info.relative_path!r}, not a file of the manifest"
+            )
+        if info.offset + info.length > entry["size"]:
+            raise CheckpointError(f"{where}/{info.relative_path}: shorter than .metadata says")
     return manifest
+
+
+def read_latest(store: Store) -> int | None:
+    """The step `latest` names; None when it is missing or not `step-<N>`."""
+    try:
+        text = store.read_bytes(LATEST_NAME).decode().strip()
+    except (FileNotFoundError, UnicodeDecodeError):
+        return None
+    match = _STEP_DIR.match(text)
+    if match is None:
+        log.warning("%s holds %r, not step-<N>: ignored", store.path(LATEST_NAME), text[:40])
+        return None
+    return int(match.group(1))
+
+
+def steps_to_try(steps: list[int], pointer: int | None) -> tuple[list[int], list[int]]:
+    """(steps to try in this order, steps past the pointer that are never loaded): the rule
+    of the module docstring, a pure function of the committed steps and `latest`'s step."""
+    if pointer is None:
+        return sorted(steps, reverse=True), []
+    return sorted((s for s in steps if s <= pointer), reverse=True), sorted(
+        s for s in steps if s > pointer
+    )
+
+
+def check_root_trusted(store: Store) -> None:
+    """Refuse a checkpoint root that a later load would refuse (`UnsafeCheckpointError`).
+
+    Checks what loads check (the root, `latest`, every committed `step-<N>` and its files,
+    the folders above the root); run at start-up, so that a run never trains for hours
+    towards checkpoints it will not load. A root that does not exist yet: its parents.
+    """
+    if not store.exists(""):
+        store.check_trusted([])
+        return
+    names = [""] + ([LATEST_NAME] if store.exists(LATEST_NAME) else [])
+    for step in committed_steps(store):
+        folder = step_dir_name(step)
+        names += [folder] + [f"{folder}/{f}" for f in store.listdir(folder)]
+    store.check_trusted(names)
 
 
 class _ReusedBufferStager(AsyncStager):
@@ -209,8 +367,13 @@ class CheckpointManager:
         keep_every: also keep steps that are multiples of this (0: none).
         async_save: save with `dcp.async_save`; training continues while files are written;
             at most one save in flight; the commit happens when the write completes.
-        verify: "size" (file sizes against the manifest) or "sha256" (also checksums,
-            computed at save time).
+        verify: "crc32c" (default: a CRC32C per item computed while writing, checked while
+            reading), "sha256" (also a sha256 per file, computed and checked by rank 0 in a
+            full read) or "size" (file sizes only; no checksums written).
+
+    Raises:
+        UnsafeCheckpointError: at construction, when anything under `root` that a load would
+            read is not trusted (see `check_root_trusted`): the run must not start.
     """
 
     def __init__(
@@ -220,12 +383,12 @@ class CheckpointManager:
         keep_last: int,
         keep_every: int = 0,
         async_save: bool = False,
-        verify: str = "size",
+        verify: str = DEFAULT_VERIFY,
     ) -> None:
         if keep_last < 1:
             raise ValueError(f"checkpoint.keep_last must be at least 1, got {keep_last}")
-        if verify not in ("size", "sha256"):
-            raise ValueError(f"checkpoint.verify must be 'size' or 'sha256', got {verify!r}")
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"checkpoint.verify must be one of {VERIFY_MODES}, got {verify!r}")
         self.root = root
         self.keep_last = keep_last
         self.keep_every = keep_every
@@ -246,15 +409,12 @@ class CheckpointManager:
         self._pending: Future[None] | None = None
         self._pending_where = ""
         self._pending_step: int | None = None
-        if self._rank == 0:
-            try:
-                self._store.makedirs()
-                self._remove_leftovers()
-            except OSError as exc:  # a file in the way, a read-only or unreachable place
-                raise CheckpointError(
-                    f"{root}: cannot use the checkpoint folder: {exc.strerror or exc}"
-                ) from None
-        self._barrier()
+        problem = self._start_on_rank0() if self._rank == 0 else None
+        problem = self._broadcast(problem)  # also the barrier: rank 0 has cleaned up
+        if problem is not None:
+            self.close()
+            unsafe, message = problem
+            raise (UnsafeCheckpointError if unsafe else CheckpointError)(message)
 
     # -- public API -------------------------------------------------------------------------
 
@@ -278,7 +438,7 @@ class CheckpointManager:
         # Other ranks write files only after DCP's first collective, which rank 0 joins
         # after the removal above: no barrier needed.
         manifest = self._manifest_head(step, metadata)
-        writer = self._store.writer(tmp)
+        writer = self._store.writer(tmp, checksums=self.verify != "size")
         where = self._store.path(tmp)
         if self._executor is None:
             self._pending = Future()
@@ -286,7 +446,7 @@ class CheckpointManager:
                 dcp.save(
                     states, storage_writer=writer, planner=_planner(), process_group=self._group
                 )
-                self._commit(step, manifest)
+                self._commit(step, manifest, writer)
                 self._pending.set_result(None)
             except (Exception, CheckpointException) as exc:
                 self._pending.set_exception(exc)
@@ -301,7 +461,7 @@ class CheckpointManager:
             async_stager=self._stager,
         )
         assert isinstance(upload, Future)
-        self._pending = self._executor.submit(self._finish_async, upload, step, manifest)
+        self._pending = self._executor.submit(self._finish_async, upload, step, manifest, writer)
         self._pending_where = where
         self._pending_step = step
 
@@ -355,35 +515,56 @@ class CheckpointManager:
         self.wait()
         if which == "none":
             return None
-        choice: tuple[str, str, dict[str, Any]] | str | None = None
-        if self._rank == 0:
+        skip: set[str] = set()  # rank 0: checkpoints found damaged while reading
+        while True:
+            choice: tuple[str, str, dict[str, Any]] | str | None = None
+            if self._rank == 0:
+                try:
+                    choice = self._choose(which, skip)
+                    if choice is not None:
+                        self._set_aside_newer(*choice)
+                except CheckpointError as exc:
+                    choice = f"{type(exc).__name__}\t{exc}"
+            choice = self._broadcast(choice)
+            if isinstance(choice, str):
+                kind, message = choice.split("\t", 1)
+                error = (
+                    UnsafeCheckpointError if kind == "UnsafeCheckpointError" else CheckpointError
+                )
+                raise error(message)
+            if choice is None:
+                return None
+            root, name, manifest = choice
             try:
-                choice = self._choose(which)
-                if choice is not None:
-                    self._set_aside_newer(*choice)
-            except CheckpointError as exc:
-                choice = f"{type(exc).__name__}\t{exc}"
-        choice = self._broadcast(choice)
-        if isinstance(choice, str):
-            kind, message = choice.split("\t", 1)
-            raise (UnsafeCheckpointError if kind == "UnsafeCheckpointError" else CheckpointError)(
-                message
-            )
-        if choice is None:
-            return None
-        root, name, manifest = choice
+                return self._load_chosen(states, root, name, manifest)
+            except ChecksumMismatchError as exc:
+                if which != "latest" and open_store(which).root == open_store(root).path(name):
+                    raise  # the user named this checkpoint: no other one instead
+                # Every rank got the same error from DCP: all try the next one together.
+                log.warning("checkpoint %s is damaged, trying an older one: %s", name, exc)
+                if self._rank == 0:
+                    skip.add(open_store(root).path(name))
+                    if open_store(root).root == self._store.root:
+                        self._set_aside([manifest["step"]], DAMAGED_PREFIX, "damaged")
+
+    def _load_chosen(
+        self, states: dict[str, Any], root: str, name: str, manifest: dict[str, Any]
+    ) -> int:
+        """Load checkpoint `name` of `root` (collective). Values DCP reads in place (tensors)
+        may hold part of it after a `ChecksumMismatchError`; the next load overwrites them."""
         store = open_store(root)
-        to_load = self._prepare_per_rank(states, int(manifest.get("world_size", 1)))
+        to_load = self._prepare_per_rank(states, manifest["world_size"])
+        checksums = item_checksums(manifest) if self.verify != "size" else None
         try:
             dcp.load(
                 to_load,
-                storage_reader=store.reader(name),
+                storage_reader=store.reader(name, checksums),
                 planner=SafeLoadPlanner(),
                 process_group=self._group,
             )
         except CheckpointException as exc:
             # DCP wraps every rank's error in a BaseException; surface ours as they are.
-            inner = sorted(exc.failures.items(), key=lambda item: item[0])[0][1][0]
+            inner = _first_failure(exc)
             if isinstance(inner, CheckpointError):
                 raise type(inner)(f"{store.path(name)}: {inner}") from None
             raise CheckpointError(f"{store.path(name)}: load failed: {_describe(exc)}") from exc
@@ -444,25 +625,41 @@ class CheckpointManager:
         json.dumps(head)  # fail now, in the caller, for metadata that cannot be written
         return head
 
-    def _finish_async(self, upload: Future[Any], step: int, manifest: dict[str, Any]) -> None:
+    def _finish_async(
+        self, upload: Future[Any], step: int, manifest: dict[str, Any], writer: Any
+    ) -> None:
         upload.result()
-        self._commit(step, manifest)
+        self._commit(step, manifest, writer)
 
-    def _commit(self, step: int, manifest: dict[str, Any]) -> None:
+    def _commit(self, step: int, manifest: dict[str, Any], writer: Any) -> None:
         """Rank 0: manifest, fsync, rename, `latest`, retention (see the module docstring)."""
         if self._rank != 0:
             return
         store, tmp, name = self._store, f"{TMP_PREFIX}{step}", step_dir_name(step)
+        # Item checksums of every rank's files, gathered by DCP into the coordinator's writer.
+        checksums = (
+            writer.checksums
+            if isinstance(writer, ChecksumWriter) and writer.compute_checksums
+            else None
+        )
         files: dict[str, dict[str, Any]] = {}
         for fname in store.listdir(tmp):
             if fname == MANIFEST_NAME:
                 continue
             info: dict[str, Any] = {"size": store.size(f"{tmp}/{fname}")}
+            if checksums is not None and fname == ".metadata":
+                info["crc32c"] = [[0, info["size"], crc32c_of(store.read_bytes(f"{tmp}/{fname}"))]]
+            elif checksums is not None:
+                info["crc32c"] = checksums.get(fname, [])
             if self.verify == "sha256":
                 info["sha256"] = store.sha256(f"{tmp}/{fname}")
             files[fname] = info
         if ".metadata" not in files:
             raise CheckpointSaveError(f"{store.path(tmp)}: DCP wrote no .metadata")
+        for fname, info in files.items():  # never commit what no load would accept
+            problem = _check_file_entry(fname, info)
+            if problem is not None:
+                raise CheckpointSaveError(f"{store.path(tmp)}: {problem}")
         store.write_atomic(
             f"{tmp}/{MANIFEST_NAME}", json.dumps({**manifest, "files": files}).encode()
         )
@@ -484,6 +681,20 @@ class CheckpointManager:
             # manifest first (object stores).
             store.remove_dir(step_dir_name(step), f"{TRASH_PREFIX}{step}")
 
+    def _start_on_rank0(self) -> tuple[bool, str] | None:
+        """Create the root, refuse it if a load would (the run must not start), clean up.
+
+        Returns None, or (unsafe, message) for every rank to raise."""
+        try:
+            self._store.makedirs()
+            check_root_trusted(self._store)
+            self._remove_leftovers()
+        except UnsafeCheckpointError as exc:
+            return True, str(exc)
+        except OSError as exc:  # a file in the way, a read-only or unreachable place
+            return False, f"{self.root}: cannot use the checkpoint folder: {exc.strerror or exc}"
+        return None
+
     def _remove_leftovers(self) -> None:
         for entry in self._store.listdir():
             if entry.startswith((TMP_PREFIX, TRASH_PREFIX, f"{LATEST_NAME}.tmp-")):
@@ -492,7 +703,7 @@ class CheckpointManager:
 
     # -- loading ----------------------------------------------------------------------------
 
-    def _choose(self, which: str) -> tuple[str, str, dict[str, Any]] | None:
+    def _choose(self, which: str, skip: set[str]) -> tuple[str, str, dict[str, Any]] | None:
         """Rank 0: (root, folder name, manifest) of the checkpoint to load, or None."""
         if which != "latest":
             parent, _, leaf = which.rstrip("/").rpartition("/")
@@ -502,19 +713,30 @@ class CheckpointManager:
             root_store = open_store(which)
             if not committed_steps(root_store):
                 raise CheckpointError(f"{which}: neither a checkpoint nor a folder of checkpoints")
-            return self._choose_newest(root_store)
-        return self._choose_newest(self._store)
+            return self._choose_newest(root_store, skip)
+        return self._choose_newest(self._store, skip)
 
-    def _choose_newest(self, store: Store) -> tuple[str, str, dict[str, Any]] | None:
+    def _choose_newest(
+        self, store: Store, skip: set[str]
+    ) -> tuple[str, str, dict[str, Any]] | None:
+        """Rank 0: the checkpoint of `store` that the rule of the module docstring picks."""
         steps = committed_steps(store)
         if not steps:
             return None
-        pointer = self._read_latest(store)
+        pointer = read_latest(store)
+        candidates, past = steps_to_try(steps, pointer)
+        if past:
+            log.warning(
+                "%s names step-%d: %s past it are not the current run's and are not loaded",
+                store.path(LATEST_NAME),
+                pointer,
+                ", ".join(step_dir_name(s) for s in past),
+            )
         problems, damaged = [], []
-        # Most recently written first, not highest step: after a resume from an older step
-        # (`--resume PATH` to roll back), the new branch's checkpoints are the current ones.
-        for step in sorted(steps, key=lambda s: (_written_at(store, s), s), reverse=True):
+        for step in candidates:
             name = step_dir_name(step)
+            if store.path(name) in skip:
+                continue
             try:
                 manifest = verify_checkpoint(store, name, self.verify)
             except UnsafeCheckpointError:
@@ -524,8 +746,6 @@ class CheckpointManager:
                 problems.append(str(exc))
                 damaged.append(step)
                 continue
-            if pointer is not None and pointer != name:
-                log.info("%s names %s; %s is newer and complete", LATEST_NAME, pointer, name)
             if problems:
                 log.warning(
                     "falling back to %s (%d newer damaged)", store.path(name), len(problems)
@@ -533,8 +753,14 @@ class CheckpointManager:
             if store.root == self._store.root:
                 self._set_aside(damaged, DAMAGED_PREFIX, "damaged")
             return store.root, name, manifest
+        if store.root == self._store.root:
+            self._set_aside(damaged, DAMAGED_PREFIX, "damaged")
+        found = (
+            "; ".join(problems)
+            or f"{LATEST_NAME} names step-{pointer}, and no step is at or below it"
+        )
         raise CheckpointError(
-            f"{store.root}: no loadable checkpoint ({'; '.join(problems)}); "
+            f"{store.root}: no loadable checkpoint ({found}); "
             "use --resume none to start over or --resume PATH"
         )
 
@@ -566,13 +792,6 @@ class CheckpointManager:
             if s > step or (s == step and self._store.path(step_dir_name(s)) != chosen)
         ]
         self._set_aside(newer, ABANDONED_PREFIX, f"newer than the resumed step {step}")
-
-    @staticmethod
-    def _read_latest(store: Store) -> str | None:
-        try:
-            return store.read_bytes(LATEST_NAME).decode().strip() or None
-        except (FileNotFoundError, UnicodeDecodeError):
-            return None
 
     def _prepare_per_rank(self, states: dict[str, Any], saved_world_size: int) -> dict[str, Any]:
         to_load = {}
@@ -608,7 +827,3 @@ class CheckpointManager:
         out: list[Any] = [None] * self._world_size
         dist.all_gather_object(out, obj, group=self._group)
         return out
-
-    def _barrier(self) -> None:
-        if self._distributed:
-            dist.barrier(group=self._group)

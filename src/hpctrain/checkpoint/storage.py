@@ -4,21 +4,42 @@ Local paths get the durable versions (fsync of files and folders, atomic `os.rep
 fsspec URLs (`s3://`, `memory://`, ...) get the closest the store offers: an object PUT is
 atomic, a folder rename is copy + delete, so there the `latest` pointer and the manifest
 (written inside the folder before it is renamed) are what make a checkpoint trustworthy.
+
+Content checksums: the writers here compute a CRC32C of every DCP item (one tensor or one
+blob: a byte range of a `.distcp` file) while DCP writes it, in DCP's writer threads, and hand
+them to the coordinator with DCP's own write results; the manager puts them into the manifest.
+The readers check each item's CRC32C on the bytes DCP reads anyway (`safety.py`), so a load
+verifies exactly what it uses at the cost of the CRC (hardware CRC32C, several GB/s per core),
+without a second pass over the files. `.metadata` stays a plain DCP file.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
+import io
 import os
 import shutil
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import crc32c
 import fsspec
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
+from torch.distributed.checkpoint.filesystem import _StorageInfo, _StorageWriterTransforms
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
 
-from hpctrain.checkpoint.safety import SafeFileSystemReader, SafeFsspecReader, check_trusted
+from hpctrain.checkpoint.safety import (
+    ItemChecksums,
+    SafeFileSystemReader,
+    SafeFsspecReader,
+    check_trusted,
+)
 
 _HASH_CHUNK = 8 << 20
 LAST_FILE = "manifest.json"  # written last into a checkpoint folder, removed first from it
@@ -94,11 +115,161 @@ class Store:
     def _open_read(self, name: str) -> Any:
         raise NotImplementedError
 
-    def writer(self, name: str) -> StorageWriter:
+    def writer(self, name: str, *, checksums: bool = True) -> StorageWriter:
+        """A DCP writer into folder `name` (a `ChecksumWriter`, computing CRC32Cs or not)."""
         raise NotImplementedError
 
-    def reader(self, name: str) -> StorageReader:
+    def reader(self, name: str, checksums: ItemChecksums | None = None) -> StorageReader:
+        """A DCP reader of folder `name` that checks items against `checksums` (if given)."""
         raise NotImplementedError
+
+
+@dataclasses.dataclass
+class _ChecksummedInfo(_StorageInfo):
+    """DCP's storage info of one item plus its CRC32C, on its way to the coordinator."""
+
+    crc32c: int = 0
+
+
+class _ChecksumStream(io.IOBase):
+    """Passes one item's bytes on to DCP's stream and keeps their CRC32C."""
+
+    def __init__(self, inner: Any, on_close: Callable[[int], None]) -> None:
+        self._inner = inner
+        self._on_close = on_close
+        self._crc = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        self._crc = crc32c.crc32c(data, self._crc)  # releases the GIL for large buffers
+        return int(self._inner.write(data))
+
+    def close(self) -> None:
+        if not self.closed:
+            self._inner.close()
+            self._on_close(self._crc)
+        super().close()
+
+
+class _ChecksumTransforms(_StorageWriterTransforms):
+    """Wraps the stream DCP writes each item to (the hook DCP offers per item)."""
+
+    def __init__(self, sink: dict[MetadataIndex, int]) -> None:
+        super().__init__(())  # no compression: the CRC covers the bytes on disk
+        self._sink = sink
+
+    def transform_save_stream(self, write_item: WriteItem, raw_stream: Any) -> tuple[Any, list]:
+        stream, descriptors = super().transform_save_stream(write_item, raw_stream)
+
+        def record(crc: int) -> None:
+            self._sink[write_item.index] = crc  # one key per item: no lock needed
+
+        return _ChecksumStream(stream, record), descriptors
+
+
+class _ErrorRecordingFileSystem:
+    """DCP's file system, remembering every error raised while a stream is open.
+
+    DCP's extra writer threads only print their exception and return no results; without
+    this, a save whose second thread hit a full disk would look complete.
+    """
+
+    def __init__(self, fs: Any, errors: list[BaseException]) -> None:
+        self._fs = fs
+        self._errors = errors
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fs, name)
+
+    @contextlib.contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        try:
+            with self._fs.create_stream(path, mode) as stream:
+                yield stream
+        except BaseException as exc:
+            self._errors.append(exc)
+            raise
+
+
+class ChecksumWriter:
+    """Mixin for DCP file writers: CRC32C per item while writing, collected by `finish`.
+
+    After a save, the coordinator's writer holds `checksums`: for every file, the
+    `[offset, length, crc32c]` of each item in it. With `compute_checksums` False it only
+    makes a failure in any of DCP's writer threads fail the save.
+    """
+
+    transforms: Any
+    fs: Any
+
+    def _set_up_checksums(self, compute: bool) -> None:
+        self.compute_checksums = compute
+        self._item_crcs: dict[MetadataIndex, int] = {}
+        self._errors: list[BaseException] = []
+        if compute:
+            self.transforms = _ChecksumTransforms(self._item_crcs)
+        self.fs = _ErrorRecordingFileSystem(self.fs, self._errors)
+        self.checksums: dict[str, list[list[int]]] = {}
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        self._item_crcs.clear()
+        self._errors.clear()
+        results = super().write_data(plan, planner).wait()  # type: ignore[misc]
+        if self._errors:
+            raise self._errors[0]
+        if len(results) != len(plan.items):
+            raise OSError(f"DCP wrote {len(results)} of {len(plan.items)} items (a writer failed)")
+        if self.compute_checksums:
+            results = [
+                dataclasses.replace(
+                    result,
+                    storage_data=_ChecksummedInfo(
+                        **vars(result.storage_data), crc32c=self._item_crcs[result.index]
+                    ),
+                )
+                for result in results
+            ]
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        checksums: dict[str, list[list[int]]] = {}
+        plain_results = []
+        for rank_results in results:
+            plain = []
+            for result in rank_results:
+                info = result.storage_data
+                if isinstance(info, _ChecksummedInfo):
+                    checksums.setdefault(info.relative_path, []).append(
+                        [info.offset, info.length, info.crc32c]
+                    )
+                    fields = {
+                        f.name: getattr(info, f.name) for f in dataclasses.fields(_StorageInfo)
+                    }
+                    result = dataclasses.replace(result, storage_data=_StorageInfo(**fields))
+                plain.append(result)
+            plain_results.append(plain)
+        super().finish(metadata, plain_results)  # type: ignore[misc]
+        self.checksums = {name: sorted(items) for name, items in checksums.items()}
+
+
+class ChecksumFileSystemWriter(ChecksumWriter, FileSystemWriter):
+    def __init__(self, path: str, *, checksums: bool = True, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self._set_up_checksums(checksums)
+
+
+class ChecksumFsspecWriter(ChecksumWriter, FsspecWriter):
+    def __init__(self, path: str, *, checksums: bool = True, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self._set_up_checksums(checksums)
+
+
+def crc32c_of(data: bytes) -> int:
+    return int(crc32c.crc32c(data))
 
 
 def _fsync_path(path: str, directory: bool) -> None:
@@ -171,17 +342,19 @@ class LocalStore(Store):
         _fsync_path(folder, directory=True)
 
     def check_trusted(self, names: list[str]) -> None:
-        check_trusted([self.path(n) if n else self.root for n in names])
+        check_trusted([self.path(n) if n else self.root for n in names], root=self.root)
 
     def _open_read(self, name: str) -> Any:
         return open(self.path(name), "rb")
 
-    def writer(self, name: str) -> StorageWriter:
+    def writer(self, name: str, *, checksums: bool = True) -> StorageWriter:
         # Two writer threads (one file each per rank) overlap serialization with I/O.
-        return FileSystemWriter(self.path(name), sync_files=True, overwrite=True, thread_count=2)
+        return ChecksumFileSystemWriter(
+            self.path(name), checksums=checksums, sync_files=True, overwrite=True, thread_count=2
+        )
 
-    def reader(self, name: str) -> StorageReader:
-        return SafeFileSystemReader(self.path(name))
+    def reader(self, name: str, checksums: ItemChecksums | None = None) -> StorageReader:
+        return SafeFileSystemReader(self.path(name), checksums=checksums)
 
 
 class FsspecStore(Store):
@@ -239,9 +412,11 @@ class FsspecStore(Store):
     def _open_read(self, name: str) -> Any:
         return self.fs.open(self.path(name), "rb")
 
-    def writer(self, name: str) -> StorageWriter:
+    def writer(self, name: str, *, checksums: bool = True) -> StorageWriter:
         # Remote streams have no fileno to fsync; a closed object is durable once its PUT returns.
-        return FsspecWriter(self.path(name), sync_files=False, overwrite=True)
+        return ChecksumFsspecWriter(
+            self.path(name), checksums=checksums, sync_files=False, overwrite=True
+        )
 
-    def reader(self, name: str) -> StorageReader:
-        return SafeFsspecReader(self.path(name))
+    def reader(self, name: str, checksums: ItemChecksums | None = None) -> StorageReader:
+        return SafeFsspecReader(self.path(name), checksums=checksums)

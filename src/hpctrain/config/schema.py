@@ -129,7 +129,12 @@ class CheckpointConfig:
         0, "also keep every checkpoint whose step is a multiple of N; 0 disables", min=0
     )
     async_save: bool = _f(False, "save in the background with dcp.async_save", key="async")
-    verify: str = _f("size", "how a load verifies a checkpoint's files", choices=("size", "sha256"))
+    verify: str = _f(
+        "crc32c",
+        "checkpoint verification: crc32c (per item, computed while saving, checked while "
+        "loading), sha256 (also hashes every file on rank 0: slower) or size (sizes only)",
+        choices=("crc32c", "sha256", "size"),
+    )
     resume: str = _f("latest", "latest, none, or a checkpoint path to resume from")
     signals: list[str] = _f(["USR2", "TERM"], "signals that request checkpoint-and-requeue")
     deadline_margin_s: float = _f(

@@ -151,6 +151,43 @@ def check_run_dir(cfg: Config) -> Check:
     return Check("run_dir", True, f"{path.resolve()} writable")
 
 
+def check_checkpoint_trust(cfg: Config) -> Check:
+    """The checkpoint folder (and a `checkpoint.resume` path) would be trusted by a load.
+
+    The same check a run makes at start-up (`check_root_trusted`): a folder the job would
+    later refuse to load from fails here, before the job waits in the queue.
+    """
+    from hpctrain.checkpoint.manager import check_root_trusted
+    from hpctrain.checkpoint.safety import CheckpointError
+    from hpctrain.checkpoint.storage import is_local, open_store
+
+    root = cfg.checkpoint.dir or str(Path(cfg.run_dir) / "checkpoints")
+    paths = [root]
+    if cfg.checkpoint.resume not in ("latest", "none"):
+        paths.append(cfg.checkpoint.resume)
+    checked = []
+    for path in paths:
+        if "$" in path or not is_local(path):
+            continue  # expanded on the node, or an object store (no owners to check)
+        store = open_store(path)
+        try:
+            if path == root or not store.exists("manifest.json"):
+                check_root_trusted(store)
+            else:  # a resume path naming one step folder
+                store.check_trusted(["", *store.listdir()])
+        except (CheckpointError, OSError) as exc:
+            return Check("checkpoint.dir", False, str(exc).splitlines()[0])
+        checked.append(store.root)
+    if not checked:
+        # Not echoed: a URL may hold a credential (check_credentials reports those).
+        return Check(
+            "checkpoint.dir", True, "an object store, or a path expanded on the node: not checked"
+        )
+    return Check(
+        "checkpoint.dir", True, f"{', '.join(checked)}: owned by you, not writable by others"
+    )
+
+
 def check_task(cfg: Config) -> Check:
     """The task and model modules import in this Python environment."""
     from hpctrain.train.task import BUILTIN_TASKS
@@ -193,6 +230,7 @@ def check_python() -> Check:
 def preflight(cfg: Config, profile: ClusterProfile, *, data: bool = True) -> list[Check]:
     """All checks for `cfg` on `profile`; `data=False` skips reading the index and shards."""
     checks = [check_profile(cfg, profile), check_credentials(cfg), check_run_dir(cfg)]
+    checks.append(check_checkpoint_trust(cfg))
     if data:
         checks += check_data(cfg)
     checks += [check_task(cfg), check_python()]

@@ -16,10 +16,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from hpctrain.checkpoint import CheckpointError, committed_steps, verify_checkpoint
-from hpctrain.checkpoint.safety import SafeLoadPlanner
+from hpctrain.checkpoint.manager import item_checksums, read_latest, steps_to_try
+from hpctrain.checkpoint.safety import SafeLoadPlanner, UnsafeCheckpointError
 from hpctrain.checkpoint.storage import Store, open_store
 from hpctrain.errors import UsageError
 
@@ -43,7 +45,8 @@ def locate_checkpoint(path: str) -> tuple[Store, str, dict]:
     """(store, step folder name, manifest) for a run folder, a checkpoint root or a step folder.
 
     A run folder's checkpoints are where its `config.yaml` says (`checkpoint.dir`), else
-    `RUN_DIR/checkpoints`. Of a root, the newest committed checkpoint that verifies is taken.
+    `RUN_DIR/checkpoints`. Of a root, the checkpoint a resume would load (the step `latest`
+    names, or the highest below it that verifies; see `hpctrain.checkpoint.manager`).
     """
     path = path.rstrip("/") or "/"
     parent, _, leaf = path.rpartition("/")
@@ -63,19 +66,26 @@ def locate_checkpoint(path: str) -> tuple[Store, str, dict]:
             f"{path}: no committed checkpoint (give a run folder, a checkpoint folder or a step-<N> folder)"
         )
     problems = []
-    for step in reversed(steps):
+    for step in steps_to_try(steps, read_latest(store))[0]:
         name = f"step-{step}"
         try:
             return store, name, verify_checkpoint(store, name)
+        except UnsafeCheckpointError:  # no fallback
+            raise
         except CheckpointError as exc:
-            if type(exc) is not CheckpointError:  # unsafe: no fallback
-                raise
             problems.append(str(exc))
     raise CheckpointError(f"{root}: no loadable checkpoint ({'; '.join(problems)})")
 
 
-def read_model_weights(store: Store, name: str) -> dict[str, torch.Tensor]:
-    """The model's tensors of checkpoint `name`, consolidated in this process (no process group)."""
+def read_model_weights(
+    store: Store, name: str, manifest: dict | None = None
+) -> dict[str, torch.Tensor]:
+    """The model's tensors of checkpoint `name`, consolidated in this process (no process group).
+
+    With the `manifest` (from `verify_checkpoint`), every item read is checked against its
+    CRC32C; `.metadata` is read through the same checks as a training load.
+    """
+    checksums = item_checksums(manifest) if manifest is not None else None
     metadata = store.reader(name).read_metadata()
     weights: dict[str, torch.Tensor] = {}
     for key, entry in metadata.state_dict_metadata.items():
@@ -84,7 +94,13 @@ def read_model_weights(store: Store, name: str) -> dict[str, torch.Tensor]:
     if not weights:
         raise CheckpointError(f"{store.path(name)}: holds no model weights ({MODEL_PREFIX}*)")
     # DCP reads each tensor from every shard file that holds a piece of it (resharding to one).
-    dcp.load(weights, storage_reader=store.reader(name), planner=SafeLoadPlanner())
+    try:
+        dcp.load(weights, storage_reader=store.reader(name, checksums), planner=SafeLoadPlanner())
+    except CheckpointException as exc:
+        inner = sorted(exc.failures.items())[0][1][0]
+        text = str(inner).splitlines()[0] if str(inner) else type(inner).__name__
+        kind = type(inner) if isinstance(inner, CheckpointError) else CheckpointError
+        raise kind(f"{store.path(name)}: {text}") from None
     return {key[len(MODEL_PREFIX) :]: value for key, value in weights.items()}
 
 
@@ -96,7 +112,7 @@ def export_weights(path: str, out: str | Path) -> ExportResult:
         out: the `.pt` file to write (local).
     """
     store, name, manifest = locate_checkpoint(path)
-    weights = read_model_weights(store, name)
+    weights = read_model_weights(store, name, manifest)
     out = Path(out)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
