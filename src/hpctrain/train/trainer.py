@@ -208,7 +208,6 @@ class Trainer:
         data_wait, num_samples = 0.0, 0
         loss_sum: torch.Tensor | float = 0.0
         metric_sums: dict[str, torch.Tensor] = {}
-        self.optimizer.zero_grad(set_to_none=True)
         for micro in range(accum):
             wait_start = time.perf_counter()
             batch = next(batches)
@@ -233,6 +232,11 @@ class Trainer:
             self.scaler.update()
         else:
             self.optimizer.step()
+        # Free the gradients now, not before the next step: a checkpoint saved in between then
+        # holds the optimizer's full state even when every step so far was skipped by the fp16
+        # scaler (DCP creates missing state only for parameters without gradients, and a resume
+        # would expect the state it creates).
+        self.optimizer.zero_grad(set_to_none=True)
         self.lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used
         self.scheduler.step()
         self.state.step += 1
