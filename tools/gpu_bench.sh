@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # ResNet-50 throughput on the GPUs of this node: bf16 (fp16 on V100), channels_last, DDP,
 # fed from JPEG shards generated on local disk with as many loader workers as the node allows.
-# Prints images/s, the data-wait fraction, peak memory and MFU against the GPU's published
-# dense bf16 peak. Runs the same on one H200 machine and on a Jean Zay node, from inside the
-# job as ONE task (the script starts one process per visible GPU itself):
+# First a smoke pass over the precision matrix's GPU cells (ddp/fsdp x bf16/fp16 x ResNet-50/
+# ViT-B/16, a few steps each: trains with finite losses, or is refused up front where the GPU
+# cannot, e.g. bf16 on a V100). Then prints images/s, the data-wait fraction, peak memory and
+# MFU against the GPU's published dense bf16 peak. Runs the same on one H200 machine and on a
+# Jean Zay node, from inside the job as ONE task (the script starts one process per visible GPU
+# itself; on one GPU, ddp and fsdp run unwrapped: FSDP2 needs two GPUs or more):
 #
 #   tools/gpu_bench.sh                            # everything with defaults
 #   tools/gpu_bench.sh --steps 500 --images 50000 --workers 8 --batch-size 192
-#   tools/gpu_bench.sh --dry-run --images 200     # no GPU needed: plan, data, config, command
+#   tools/gpu_bench.sh --dry-run --images 200     # no GPU needed: plan, data, configs, command
+#   tools/gpu_bench.sh --no-smoke                 # timings only (--smoke-steps N: steps per cell)
 #   srun -A abc@h100 -C h100 --nodes=1 --ntasks=1 --gres=gpu:4 --cpus-per-task=96 \
 #        --hint=nomultithread -t 00:30:00 tools/gpu_bench.sh          # a Jean Zay H100 node
 #
@@ -32,9 +36,11 @@ IMAGE_SIZE=320
 BATCH_SIZE=0
 WORKERS=0
 COMPILE=""
+SMOKE=1
+SMOKE_STEPS=3
 WORK="${GPU_BENCH_DIR:-/tmp/hpctrain-gpu-bench-${USER:-$(id -un)}}"
 
-usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+usage() { sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --dry-run) DRY_RUN=1 ;;
@@ -44,6 +50,8 @@ while [[ $# -gt 0 ]]; do
     --batch-size) BATCH_SIZE="$2"; shift ;;
     --workers) WORKERS="$2"; shift ;;
     --compile) COMPILE="--compile" ;;
+    --no-smoke) SMOKE=0 ;;
+    --smoke-steps) SMOKE_STEPS="$2"; shift ;;
     --work) WORK="$2"; shift ;;
     -h|--help) usage 0 ;;
     *) echo "gpu_bench.sh: unknown argument $1" >&2; usage 2 ;;
@@ -72,17 +80,26 @@ CMD=("$PYTHON" -m hpctrain train "$WORK/config.yaml" --nproc "$NPROC" --resume n
 echo "train: ${CMD[*]}"
 if [[ "$DRY_RUN" -eq 1 ]]; then
   "$PYTHON" -m hpctrain config show "$WORK/config.yaml" >/dev/null
+  if [[ "$SMOKE" -eq 1 ]]; then bench smoke "$WORK" --dry-run; fi
   echo "dry run: config valid; not training"
   exit 0
 fi
 
-rm -rf "$WORK/run"
 if [[ "$NPROC" -eq 1 ]]; then
   # One process: inside a job step with several tasks, SLURM_NTASKS would make it wait for
   # ranks that never come; say explicitly that this is a world of one.
   export RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 LOCAL_WORLD_SIZE=1
 fi
+SMOKE_RC=0
+if [[ "$SMOKE" -eq 1 ]]; then
+  echo "smoke: the precision matrix's GPU cells, $SMOKE_STEPS steps each on $NPROC GPU(s)"
+  bench smoke "$WORK" --steps "$SMOKE_STEPS" || SMOKE_RC=$?
+fi
+
+rm -rf "$WORK/run"
 # One intra-op thread per rank: the loader workers get the cores.
 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "${CMD[@]}"
 bench report "$WORK"
 echo "report: $WORK/report.json"
+if [[ "$SMOKE_RC" -ne 0 ]]; then echo "gpu_bench.sh: smoke cells FAILED (above)" >&2; fi
+exit "$SMOKE_RC"

@@ -30,3 +30,13 @@ class RecordingMLP(ThumbnailMLP):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         SEEN["anomaly"].append(torch.is_anomaly_enabled())
         return super().loss(model, batch)
+
+
+class OverflowingMLP(ThumbnailMLP):
+    """ThumbnailMLP whose loss is scaled so far up that every fp16 step overflows (skipped)."""
+
+    def loss(
+        self, model: nn.Module, batch: dict[str, Any]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss, values = super().loss(model, batch)
+        return loss * 1e30, values

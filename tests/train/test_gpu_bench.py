@@ -83,6 +83,8 @@ def test_dry_run_generates_shards_and_a_valid_config(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "dry run: config valid" in proc.stdout and "--nproc 1" in proc.stdout
+    for cell in gpu_bench.SMOKE_CELLS:
+        assert f"smoke {cell.name:22s} config valid" in proc.stdout, proc.stdout
     index = json.loads((tmp_path / "shards" / "index.json").read_text())
     assert sum(s["num_samples"] for s in index["shards"]) == 30
     cfg = load_config(str(tmp_path / "config.yaml"))
@@ -92,6 +94,34 @@ def test_dry_run_generates_shards_and_a_valid_config(tmp_path: Path) -> None:
         "ddp",
     )
     assert cfg.train.max_steps == 7 and cfg.data.workers_per_rank >= 1
+
+
+def test_smoke_cells_are_the_matrix_gpu_cells_and_outcomes(tmp_path: Path) -> None:
+    cells = {(c.strategy, c.precision, c.model) for c in gpu_bench.SMOKE_CELLS}
+    assert cells == {
+        (s, p, m)
+        for s in ("ddp", "fsdp")
+        for p in ("bf16", "fp16")
+        for m in ("resnet50", "vit_b_16")
+    }
+    run = tmp_path / "run"
+    run.mkdir()
+    refusal = (
+        "train.precision=bf16: Tesla V100 (compute capability 7.0) has no bf16; use fp16 or fp32"
+    )
+    assert (
+        gpu_bench.smoke_outcome(2, f"hpctrain train: config error: {refusal}", run, refusal)
+        == "refused"
+    )
+    assert gpu_bench.smoke_outcome(0, "", run, refusal).startswith("FAILED")
+    assert gpu_bench.smoke_outcome(0, "", run, "") == "FAILED: no loss logged"
+    (run / "metrics.jsonl").write_text(
+        '{"kind": "train", "loss": 6.9}\n{"kind": "train", "loss": NaN}\n'
+    )
+    assert gpu_bench.smoke_outcome(0, "", run, "").startswith("FAILED: losses")
+    (run / "metrics.jsonl").write_text('{"kind": "train", "loss": 6.9}\n')
+    assert gpu_bench.smoke_outcome(0, "", run, "") == "trained"
+    assert gpu_bench.smoke_outcome(1, "", run, "") == "FAILED: exit 1"
 
 
 @pytest.mark.gpu

@@ -15,29 +15,9 @@ from hpctrain.train.image_classification import (
 )
 from hpctrain.train.optim import build_optimizer, lr_factor
 from hpctrain.train.parallel import find_blocks
-from hpctrain.train.precision import make_grad_scaler, resolve_precision
 from hpctrain.train.task import load_task
 
 INDEX = ShardIndex(shards=(ShardInfo("a.tar", 10),), class_names=tuple("abcdefghij"))
-CPU = torch.device("cpu")
-
-
-def test_precision_auto_is_fp32_on_cpu_and_bf16_autocasts() -> None:
-    assert resolve_precision("auto", CPU, sharded=False).name == "fp32"
-    bf16 = resolve_precision("bf16", CPU, sharded=False)
-    with bf16.autocast():
-        out = torch.nn.Linear(4, 4)(torch.randn(2, 4))
-    assert out.dtype == torch.bfloat16
-    with resolve_precision("bf16", CPU, sharded=True).autocast():  # FSDP2 casts params itself
-        assert torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype == torch.float32
-
-
-def test_fp16_scaler_only_for_fp16() -> None:
-    assert make_grad_scaler(resolve_precision("fp32", CPU, sharded=False)) is None
-    scaler = make_grad_scaler(resolve_precision("fp16", CPU, sharded=False))
-    assert isinstance(scaler, torch.amp.GradScaler)
-    with pytest.raises(ConfigError, match="train.precision=fp16 with train.strategy=fsdp"):
-        resolve_precision("fp16", CPU, sharded=True)
 
 
 def test_lr_schedule_warmup_then_cosine_to_zero() -> None:
@@ -112,16 +92,6 @@ def test_transforms_give_fixed_size_uint8() -> None:
         assert out["image"].shape == (3, 24, 24) and out["image"].dtype == torch.uint8
     x = normalize(torch.full((1, 3, 2, 2), 255, dtype=torch.uint8))
     assert x.dtype == torch.float32 and x.max() > 2
-
-
-def test_bf16_on_a_v100_is_refused_before_any_work(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-32GB")
-    gpu = torch.device("cuda", 0)
-    with pytest.raises(ConfigError, match=r"train.precision=bf16: Tesla V100.*has no bf16"):
-        resolve_precision("bf16", gpu, sharded=False)
-    assert resolve_precision("auto", gpu, sharded=False).name == "fp32"
-    assert resolve_precision("fp16", gpu, sharded=True).name == "fp16"
 
 
 def test_training_loss_leaves_out_invalid_samples() -> None:

@@ -23,7 +23,7 @@ def _f(default: Any, help: str, **checks: Any) -> Any:
 class ModelConfig:
     name: str = _f(
         "small_cnn",
-        "model for the built-in image_classification task: small_cnn or a torchvision model name (resnet18, resnet50, vit_b_16, ...)",
+        "model for the built-in image_classification task: small_cnn, vit_tiny or a torchvision model name (resnet18, resnet50, vit_b_16, ...)",
     )
     num_classes: int = _f(0, "number of classes; 0 takes it from the training index", min=0)
     image_size: int = _f(64, "side of the square crop fed to the model, in pixels", min=8)
@@ -107,6 +107,10 @@ class TrainConfig:
         False, "recompute activations of each block in the backward pass"
     )
     reshard_after_forward: bool = _f(True, "FSDP2: free gathered parameters after forward")
+    sync_batchnorm: bool = _f(
+        False,
+        "ddp/fsdp on GPUs: BatchNorm statistics over all ranks (SyncBatchNorm), for small per-GPU batches",
+    )
     deterministic: bool = _f(False, "deterministic algorithms (bitwise-repeatable runs on CPU)")
     overfit_batches: int = _f(
         0, "train on the first N batches only (a sanity check before a long job)", min=0

@@ -6,7 +6,14 @@ H200 machine); this module holds the parts that can be tested on a CPU:
     python -m hpctrain.train.gpu_bench plan --num-gpus N            # workers, batch, precision
     python -m hpctrain.train.gpu_bench data DIR --num-images N --size PX
     python -m hpctrain.train.gpu_bench config DIR ...               # DIR/config.yaml
+    python -m hpctrain.train.gpu_bench smoke DIR [--dry-run]        # the matrix's GPU cells
     python -m hpctrain.train.gpu_bench report RUN_DIR --num-gpus N ...
+
+The smoke pass runs the GPU cells of the precision matrix (tests/train/test_matrix.py runs
+the CPU ones): ddp/fsdp x bf16/fp16 on ResNet-50 and ViT-B/16 at 224 px, a few steps each on
+all GPUs; each cell must train with finite losses, or be refused up front (exit 2) exactly when
+`plan_training` says this GPU cannot do it (bf16 on a V100). On one GPU ddp and fsdp run
+unwrapped (a single process is never wrapped): FSDP2 needs two GPUs or more.
 
 MFU counts the model's FLOPs per trained image (forward measured with
 `torch.utils.flop_counter` on the meta device, backward = 2 x forward) against the GPU's
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -231,6 +239,128 @@ def write_config(plan: Plan, shards: Path, work: Path, steps: int, compile: bool
     return path
 
 
+SMOKE_MODELS = ("resnet50", "vit_b_16")
+
+
+@dataclass(frozen=True)
+class SmokeCell:
+    strategy: str
+    precision: str
+    model: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.strategy}-{self.precision}-{self.model}"
+
+
+SMOKE_CELLS = tuple(
+    SmokeCell(strategy, precision, model)
+    for model in SMOKE_MODELS
+    for strategy in ("ddp", "fsdp")
+    for precision in ("bf16", "fp16")
+)
+
+
+def smoke_overrides(cell: SmokeCell, shards: Path, run_dir: Path, steps: int) -> list[str]:
+    """A few steps of one cell: 32 images per GPU, resume none, finite losses logged each step."""
+    return [
+        f"run_dir={run_dir}",
+        "task=image_classification",
+        f"model.name={cell.model}",
+        "model.image_size=224",
+        f"model.channels_last={'true' if cell.model.startswith('resnet') else 'false'}",
+        f"data.train={shards / 'index.json'}",
+        "data.val=",
+        "data.batch_size=32",
+        "data.workers_per_rank=2",
+        "data.shuffle_buffer=64",
+        f"train.max_steps={steps}",
+        "train.max_epochs=0",
+        f"train.strategy={cell.strategy}",
+        f"train.precision={cell.precision}",
+        "train.optimizer=sgd",
+        "train.lr=0.01",
+        "train.warmup_steps=0",
+        "train.log_every=1",
+        "checkpoint.every_steps=0",
+        "checkpoint.keep_last=1",
+        "logging.progress=lines",
+    ]
+
+
+def expected_refusal(cell: SmokeCell, num_gpus: int) -> str:
+    """The one-line refusal `plan_training` gives this cell on GPU 0, or "" if it must train."""
+    import torch
+
+    from hpctrain.config import ConfigError, load_config
+    from hpctrain.train.precision import device_facts, plan_training
+
+    cfg = load_config(None, smoke_overrides(cell, Path("."), Path("."), 1))
+    try:
+        plan_training(cfg.train, device_facts(torch.device("cuda", 0)), max(1, num_gpus))
+    except ConfigError as exc:
+        return str(exc)
+    return ""
+
+
+def smoke_outcome(returncode: int, output: str, run_dir: Path, refusal: str) -> str:
+    """`trained`, `refused` (as expected), or `FAILED: why` for one cell's run."""
+    if refusal:
+        if returncode == 2 and refusal in output:
+            return "refused"
+        return f"FAILED: exit {returncode}, expected the refusal {refusal!r}"
+    if returncode != 0:
+        return f"FAILED: exit {returncode}"
+    metrics = run_dir / "metrics.jsonl"
+    losses = [
+        json.loads(line)["loss"]
+        for line in (metrics.read_text().splitlines() if metrics.exists() else [])
+        if '"kind": "train"' in line
+    ]
+    if not losses:
+        return "FAILED: no loss logged"
+    if not all(math.isfinite(x) for x in losses):
+        return f"FAILED: losses {losses}"
+    return "trained"
+
+
+def run_smoke(work: Path, num_gpus: int, steps: int, dry_run: bool) -> int:
+    """Train every smoke cell for `steps` steps on all GPUs; 1 if any cell failed.
+
+    With `dry_run`, only load and validate each cell's config (in this process).
+    """
+    from hpctrain.config import ConfigError, load_config
+
+    demo = str(REPO / "configs" / "demo.yaml")
+    failed = 0
+    for cell in SMOKE_CELLS:
+        run_dir = work / "smoke" / cell.name
+        overrides = smoke_overrides(cell, work / "shards", run_dir, steps)
+        output = ""
+        if dry_run:
+            try:
+                load_config(demo, overrides)
+                outcome = "config valid"
+            except ConfigError as exc:
+                outcome = f"FAILED: {exc}"
+        else:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            refusal = expected_refusal(cell, num_gpus)
+            nproc = str(max(1, num_gpus))
+            command = [sys.executable, "-m", "hpctrain", "train", demo, *overrides]
+            command += ["--nproc", nproc, "--resume", "none"]
+            proc = subprocess.run(command, capture_output=True, text=True)
+            output = proc.stdout + proc.stderr
+            outcome = smoke_outcome(proc.returncode, output, run_dir, refusal)
+            if outcome == "refused":
+                outcome += f" ({refusal})"
+        failed += outcome.startswith("FAILED")
+        print(f"smoke {cell.name:22s} {outcome}", flush=True)
+        if outcome.startswith("FAILED") and output:
+            print(output[-6000:], flush=True)
+    return 1 if failed else 0
+
+
 def train_flops_per_image(model_name: str = "resnet50", image_size: int = 224) -> float:
     """FLOPs of one training sample: forward counted on the meta device, backward = 2x."""
     import torch
@@ -316,7 +446,11 @@ def main(argv: list[str] | None = None) -> int:
     p_config.add_argument("--compile", action="store_true")
     p_report = sub.add_parser("report")
     p_report.add_argument("work", type=Path)
-    for p in (p_plan, p_data, p_config, p_report):
+    p_smoke = sub.add_parser("smoke")
+    p_smoke.add_argument("work", type=Path)
+    p_smoke.add_argument("--steps", type=int, default=3)
+    p_smoke.add_argument("--dry-run", action="store_true", help="validate the configs only")
+    for p in (p_plan, p_data, p_config, p_report, p_smoke):
         p.add_argument("--batch-size", type=int, default=0, help="per GPU (0: from GPU memory)")
         p.add_argument("--workers", type=int, default=0, help="per GPU (0: CPUs/GPU - 1)")
     args = parser.parse_args(argv)
@@ -328,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
         workers = max(1, plan.num_gpus) * plan.workers_per_rank
         shards = make_data(args.work, args.num_images, args.size, plan.cpus, workers)
         print(f"shards: {shards}")
+    elif args.command == "smoke":
+        return run_smoke(args.work, plan.num_gpus, args.steps, args.dry_run)
     elif args.command == "config":
         path = write_config(plan, args.work / "shards", args.work, args.steps, args.compile)
         print(f"config: {path}")

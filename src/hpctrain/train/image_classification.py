@@ -42,19 +42,50 @@ class SmallCNN(nn.Module):
         return self.head(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
-def build_classifier(name: str, num_classes: int) -> nn.Module:
-    """`small_cnn` or any torchvision classification model, randomly initialised.
+def vit_tiny(num_classes: int, image_size: int) -> nn.Module:
+    """A DeiT-Tiny-sized ViT (192 wide, 12 blocks, 3 heads): torchvision's VisionTransformer.
+
+    Patches of 16 px from 128 px up (196 tokens at 224 px), 4 px below (64 tokens at 32 px,
+    as CIFAR ViTs do), so it also trains on a CPU at small sizes.
+    """
+    from torchvision.models.vision_transformer import VisionTransformer
+
+    patch_size = 16 if image_size >= 128 else 4
+    if image_size % patch_size:
+        raise ConfigError(
+            f"model.image_size={image_size}: vit_tiny needs a multiple of its {patch_size} px patches"
+        )
+    return VisionTransformer(
+        image_size=image_size,
+        patch_size=patch_size,
+        num_layers=12,
+        num_heads=3,
+        hidden_dim=192,
+        mlp_dim=768,
+        num_classes=num_classes,
+    )
+
+
+def build_classifier(name: str, num_classes: int, image_size: int = 224) -> nn.Module:
+    """`small_cnn`, `vit_tiny` or any torchvision classification model, randomly initialised.
 
     No pretrained weights: compute nodes have no internet. Load weights from a checkpoint instead.
+    `image_size` matters to ViTs only (their position embeddings have one entry per patch).
     """
     if name == "small_cnn":
         return SmallCNN(num_classes)
+    if name == "vit_tiny":
+        return vit_tiny(num_classes, image_size)
     import torchvision
 
     available = torchvision.models.list_models(module=torchvision.models)
     if name not in available:
         raise ConfigError(
-            f"model.name={name!r}: not small_cnn nor a torchvision model (e.g. resnet18, resnet50, vit_b_16)"
+            f"model.name={name!r}: not small_cnn, vit_tiny nor a torchvision model (e.g. resnet18, resnet50, vit_b_16)"
+        )
+    if name.startswith("vit_"):
+        return torchvision.models.get_model(
+            name, weights=None, num_classes=num_classes, image_size=image_size
         )
     return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
 
@@ -123,7 +154,7 @@ class ImageClassification:
         self.num_classes = num_classes
 
     def build_model(self) -> nn.Module:
-        return build_classifier(self.cfg.model.name, self.num_classes)
+        return build_classifier(self.cfg.model.name, self.num_classes, self.cfg.model.image_size)
 
     def train_transform(self) -> TrainTransform:
         return TrainTransform(self.cfg.model.image_size)

@@ -1,16 +1,45 @@
-"""Mixed precision: which dtype, autocast or FSDP2 policy, and whether a gradient scaler runs."""
+"""What a (device, strategy, precision, compile, ...) combination means, decided in one place.
+
+`plan_training` is a pure function of the device's facts and the `train.*` keys: it picks the
+effective strategy and precision, and refuses every combination that cannot train with a
+one-line `ConfigError` naming the keys, before any model or loader work. The Trainer calls it
+first; `hpctrain preflight` can call it with the facts of the cluster's GPUs. What each
+combination does on a CPU is asserted cell by cell in `tests/train/test_matrix.py`.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import os
+import shutil
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from hpctrain.config import ConfigError
+from hpctrain.config import ConfigError, TrainConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What the plan needs to know about the device (gathered by `device_facts`)."""
+
+    type: str  # "cpu" or "cuda"
+    name: str = "cpu"
+    capability: tuple[int, int] = (0, 0)  # CUDA compute capability
+    # Lowest compute capability this torch build has kernels for (sm_75 for torch 2.14+cu130:
+    # no V100); 0 when unknown.
+    min_capability: int = 0
+    compile_blocker: str = ""  # why torch.compile cannot run here; empty when it can
+
+    @property
+    def bf16_ok(self) -> bool:
+        """bf16 kernels: every CPU (slow without AVX-512 BF16/AMX), GPUs from Ampere (sm_80)."""
+        return self.type != "cuda" or self.capability[0] >= 8
 
 
 @dataclass(frozen=True)
@@ -36,32 +65,102 @@ class Precision:
         return torch.autocast(device_type=self.device_type, dtype=self.dtype)
 
 
-def resolve_precision(requested: str, device: torch.device, sharded: bool) -> Precision:
-    """Pick the precision, failing before any work when the device cannot do it.
+@dataclass(frozen=True)
+class TrainingPlan:
+    """The effective parallelism and precision of a run."""
 
-    `auto` is bf16 on GPUs with bf16 support (Ampere and newer) and fp32 elsewhere: on CPUs
-    without AVX-512 BF16, bf16 autocast is ~40x slower than fp32 (see BENCHMARKS.md).
+    strategy: str  # none | ddp | fsdp (none whenever there is one process)
+    precision: Precision
+    sync_batchnorm: bool  # convert BatchNorm layers to SyncBatchNorm
+
+
+def plan_training(train: TrainConfig, device: DeviceFacts, world_size: int) -> TrainingPlan:
+    """Decide what `train.*` means on `device` with `world_size` ranks, or refuse it.
+
+    Raises `ConfigError` (one line naming the keys) for combinations that cannot train:
+    bf16 on GPUs before Ampere, a GPU this torch build has no kernels for, several ranks
+    without data parallelism, SyncBatchNorm on CPUs, `train.compile` where it cannot run.
+    `auto` precision is bf16 on GPUs with bf16 and fp32 elsewhere: on CPUs without AVX-512
+    BF16, bf16 autocast is ~40x slower than fp32 (notes in BENCHMARKS.md).
     """
-    if device.type == "cuda":
-        major, _ = torch.cuda.get_device_capability(device)
-        bf16_ok = major >= 8
-        if requested == "auto":
-            return Precision("bf16" if bf16_ok else "fp32", "cuda", sharded)
-        if requested == "bf16" and not bf16_ok:
-            name = torch.cuda.get_device_name(device)
+    if device.type == "cuda" and device.min_capability:
+        major, minor = device.capability
+        if 10 * major + minor < device.min_capability:
+            low = divmod(device.min_capability, 10)
             raise ConfigError(
-                f"train.precision=bf16: {name} (compute capability {major}.x) has no bf16; use fp16 or fp32"
+                f"device {device.name} (compute capability {major}.{minor}): this torch "
+                f"{torch.__version__} has kernels from {low[0]}.{low[1]} up; install a torch built for it"
             )
-        return Precision(requested, "cuda", sharded)
-    if requested == "auto":
-        return Precision("fp32", device.type, sharded)
-    if requested == "fp16" and sharded:
-        # FSDP2 keeps fp16 params for compute; gloo reduces them in fp32, but CPU fp16 kernels
-        # for every op are not guaranteed, so only autocast fp16 is offered on CPU.
+    if world_size > 1 and train.strategy == "none":
         raise ConfigError(
-            "train.precision=fp16 with train.strategy=fsdp needs a GPU; on CPU use fp32 or bf16"
+            f"train.strategy=none with {world_size} ranks: each rank would train its own diverging "
+            "copy; use ddp or fsdp, or run one process"
         )
-    return Precision(requested, device.type, sharded)
+    strategy = train.strategy if world_size > 1 else "none"
+
+    name = train.precision
+    if name == "auto":
+        name = "bf16" if device.type == "cuda" and device.bf16_ok else "fp32"
+    if name == "bf16" and not device.bf16_ok:
+        major, minor = device.capability
+        raise ConfigError(
+            f"train.precision=bf16: {device.name} (compute capability {major}.{minor}) has no bf16; "
+            "use fp16 or fp32"
+        )
+
+    sync_batchnorm = train.sync_batchnorm and strategy != "none"
+    if sync_batchnorm and device.type != "cuda":
+        raise ConfigError(
+            f"train.sync_batchnorm=true with train.strategy={strategy} on {device.type}: torch's "
+            "SyncBatchNorm runs on GPUs only; set train.sync_batchnorm=false"
+        )
+    if train.compile and device.compile_blocker:
+        raise ConfigError(
+            f"train.compile=true on {device.name}: {device.compile_blocker}; set train.compile=false"
+        )
+    return TrainingPlan(
+        strategy=strategy,
+        precision=Precision(name, device.type, sharded=strategy == "fsdp"),
+        sync_batchnorm=sync_batchnorm,
+    )
+
+
+def device_facts(device: torch.device, *, compile: bool = False) -> DeviceFacts:
+    """The facts of `device` that `plan_training` needs (what can compile only if asked)."""
+    blocker = compile_blocker(device) if compile else ""
+    if device.type != "cuda":
+        return DeviceFacts(type=device.type, name=device.type, compile_blocker=blocker)
+    archs = [
+        int(arch.removeprefix("sm_"))
+        for arch in torch.cuda.get_arch_list()
+        if arch.startswith("sm_") and arch.removeprefix("sm_").isdigit()
+    ]
+    return DeviceFacts(
+        type="cuda",
+        name=torch.cuda.get_device_name(device),
+        capability=torch.cuda.get_device_capability(device),
+        min_capability=min(archs, default=0),
+        compile_blocker=blocker,
+    )
+
+
+def compile_blocker(device: torch.device) -> str:
+    """Why `torch.compile` (inductor) cannot run on `device` here; empty when it can."""
+    import torch._dynamo
+
+    if not torch._dynamo.is_dynamo_supported():
+        return f"torch.compile does not support Python {sys.version.split()[0]}"
+    if device.type == "cuda":
+        if importlib.util.find_spec("triton") is None:
+            return "inductor needs triton for GPUs (pip install triton)"
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 7:
+            return f"triton needs compute capability 7.0 or newer, not {major}.{minor}"
+        return ""
+    compilers = [os.environ.get("CXX", ""), "c++", "g++", "clang++"]
+    if not any(c and shutil.which(c) for c in compilers):
+        return "inductor needs a C++ compiler on CPUs (none of $CXX, c++, g++, clang++ found)"
+    return ""
 
 
 def make_grad_scaler(precision: Precision) -> torch.amp.GradScaler | None:

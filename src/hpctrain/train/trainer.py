@@ -21,7 +21,7 @@ from hpctrain.dist import DistEnv, all_reduce_sum
 from hpctrain.train.metrics import IntervalMeter, MetricsWriter, peak_memory_mb
 from hpctrain.train.optim import build_optimizer, build_scheduler
 from hpctrain.train.parallel import no_gradient_sync, parallelize
-from hpctrain.train.precision import make_grad_scaler, resolve_precision
+from hpctrain.train.precision import device_facts, make_grad_scaler, plan_training
 from hpctrain.train.preemption import REQUEUE_EXIT_CODE, PreemptionFlag
 from hpctrain.train.task import Batch, load_task
 
@@ -67,8 +67,10 @@ def require_tensorboard() -> None:
 def to_device(batch: Batch, device: torch.device) -> Batch:
     if device.type == "cpu":  # the loader's tensors are on the CPU already
         return batch
+    # non_blocking only from pinned memory (the loader pins batches for CUDA devices unless
+    # data.pin_memory=false): an asynchronous copy needs page-locked source memory.
     return {
-        k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+        k: v.to(device, non_blocking=v.is_pinned()) if isinstance(v, torch.Tensor) else v
         for k, v in batch.items()
     }
 
@@ -83,6 +85,10 @@ class Trainer:
             raise ConfigError("data.train is empty: give an index.json path/URL or a shard pattern")
         if cfg.logging.tensorboard and env.is_main:
             require_tensorboard()
+        # Refuse what cannot train (bf16 on a V100, ...) before any model or loader work.
+        facts = device_facts(device, compile=cfg.train.compile)
+        self.plan = plan_training(cfg.train, facts, env.world_size)
+        self.precision = self.plan.precision
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True)
             torch.backends.cudnn.benchmark = False
@@ -94,15 +100,12 @@ class Trainer:
 
         train_index = open_index(cfg.data.train, allow_pipe=cfg.data.allow_pipe)
         self.task = load_task(cfg, train_index)
-        sharded = cfg.train.strategy == "fsdp" and env.is_distributed
-        self.precision = resolve_precision(cfg.train.precision, device, sharded)
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank (FSDP2 needs it)
         self.model = parallelize(
             self.task.build_model(),
             cfg.train,
-            env,
+            self.plan,
             device,
-            self.precision,
             channels_last=cfg.model.channels_last,
         )
         self.optimizer = build_optimizer(self.model, cfg.train)
@@ -208,7 +211,6 @@ class Trainer:
         data_wait, num_samples = 0.0, 0
         loss_sum: torch.Tensor | float = 0.0
         metric_sums: dict[str, torch.Tensor] = {}
-        self.optimizer.zero_grad(set_to_none=True)
         for micro in range(accum):
             wait_start = time.perf_counter()
             batch = next(batches)
@@ -233,6 +235,11 @@ class Trainer:
             self.scaler.update()
         else:
             self.optimizer.step()
+        # Free the gradients now, not before the next step: a checkpoint saved in between then
+        # holds the optimizer's full state even when every step so far was skipped by the fp16
+        # scaler (DCP creates missing state only for parameters without gradients, and a resume
+        # would expect the state it creates).
+        self.optimizer.zero_grad(set_to_none=True)
         self.lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used
         self.scheduler.step()
         self.state.step += 1
