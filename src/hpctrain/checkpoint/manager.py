@@ -17,6 +17,7 @@ fsync the files and the folder, rename it to `step-<N>/`, fsync the root, then r
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import re
@@ -211,6 +212,8 @@ class CheckpointManager:
             at most one save in flight; the commit happens when the write completes.
         verify: "size" (file sizes against the manifest) or "sha256" (also checksums,
             computed at save time).
+        timeout_s: how long a collective of the manager's group waits for the other ranks
+            (`train.collective_timeout_s`).
     """
 
     def __init__(
@@ -221,6 +224,7 @@ class CheckpointManager:
         keep_every: int = 0,
         async_save: bool = False,
         verify: str = "size",
+        timeout_s: float = 600.0,
     ) -> None:
         if keep_last < 1:
             raise ValueError(f"checkpoint.keep_last must be at least 1, got {keep_last}")
@@ -238,7 +242,7 @@ class CheckpointManager:
         self._world_size = dist.get_world_size() if self._distributed else 1
         self._group: dist.ProcessGroup | None = None
         if self._distributed:
-            group = dist.new_group(backend="gloo")
+            group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
             assert isinstance(group, dist.ProcessGroup)  # every rank is a member
             self._group = group
         self._executor = ThreadPoolExecutor(1, "hpctrain-checkpoint") if async_save else None
