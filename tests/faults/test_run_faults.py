@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.train.helpers import REPO, train_args
+from hpctrain.checkpoint import committed_steps
+from hpctrain.checkpoint.storage import open_store
+from tests.train.helpers import REPO, run_hpctrain, train_args
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -69,11 +71,9 @@ def logged_steps(run_dir: Path) -> int:
     return metrics.read_text().count('"kind": "train"') if metrics.exists() else 0
 
 
-@contextlib.contextmanager
-def training(run_dir: Path, shards: Path, *overrides: str) -> Iterator[subprocess.Popen[str]]:
-    """A 2-rank run of slow steps (never finishing by itself), yielded once it has trained 2
-    steps; every process it started is killed on the way out."""
-    args = train_args(
+def slow_run_args(run_dir: Path, shards: Path, *overrides: str) -> list[str]:
+    """`hpctrain train` arguments of a run whose steps last 0.2 s and that never ends by itself."""
+    return train_args(
         shards,
         run_dir,
         "task=tests.slow_task:SlowImageClassification",
@@ -82,6 +82,13 @@ def training(run_dir: Path, shards: Path, *overrides: str) -> Iterator[subproces
         "data.val=",
         *overrides,
     )
+
+
+@contextlib.contextmanager
+def training(run_dir: Path, shards: Path, *overrides: str) -> Iterator[subprocess.Popen[str]]:
+    """A 2-rank run of slow steps (never finishing by itself), yielded once it has trained 2
+    steps; every process it started is killed on the way out."""
+    args = slow_run_args(run_dir, shards, *overrides)
     proc = subprocess.Popen(
         [sys.executable, "-m", "hpctrain", "train", *args, "--nproc", "2"],
         cwd=REPO,
@@ -144,3 +151,44 @@ def test_ranks_and_their_workers_die_with_a_killed_launcher(shapes_shards, tmp_p
         steps = logged_steps(run_dir)
         time.sleep(1.0)
         assert not orphans and logged_steps(run_dir) == steps, f"still training: {orphans}"
+
+
+def wait_for(condition, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def test_second_run_on_the_same_folder_fails_at_once_then_takes_over_a_dead_holder(
+    shapes_shards, tmp_path
+):
+    run_dir = tmp_path / "run"
+    args = slow_run_args(run_dir, shapes_shards, "checkpoint.every_steps=2")
+    with training(run_dir, shapes_shards, "checkpoint.every_steps=2") as first:
+        holder = rank_pids(first.pid)[0]  # rank 0 holds the lock
+        second = run_hpctrain("train", *args, "--nproc", "2", check=False, timeout=240)
+        assert second.returncode == 5, second.stderr[-3000:]
+        line = next(x for x in second.stderr.splitlines() if "run folder locked" in x)
+        assert str(run_dir / "checkpoints" / ".lock") in line, line
+        assert f"pid {holder}, SLURM job none, since " in line, line
+        # The first run goes on undisturbed: it trains and commits checkpoints.
+        steps = logged_steps(run_dir)
+        wait_for(lambda: logged_steps(run_dir) >= steps + 3, "the first run to go on")
+        assert first.poll() is None
+        family = descendants(first.pid)
+        os.kill(first.pid, signal.SIGKILL)  # the holder dies (its ranks with it)
+        first.wait()
+        wait_for(lambda: not any(alive(pid) for pid in family), "the first run's ranks to die")
+    # A new run (a requeued job, a manual restart) takes over the folder and resumes.
+    saved = committed_steps(open_store(str(run_dir / "checkpoints")))[-1]
+    third = run_hpctrain(
+        "train",
+        *args,
+        f"train.max_steps={saved + 1}",
+        "task_options.step_s=0",
+        "--nproc",
+        "2",
+        timeout=240,
+    )
+    assert f"resumed from step {saved}" in third.stderr, third.stderr[-3000:]

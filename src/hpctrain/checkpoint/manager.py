@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager
 
 import hpctrain
+from hpctrain.checkpoint.lock import RunLock, lock_run, unlock_run
 from hpctrain.checkpoint.retention import steps_to_delete
 from hpctrain.checkpoint.safety import (
     CheckpointError,
@@ -44,7 +45,7 @@ from hpctrain.checkpoint.safety import (
 )
 from hpctrain.checkpoint.state import PerRankState
 from hpctrain.checkpoint.storage import LAST_FILE, Store, open_store
-from hpctrain.errors import CheckpointFailure
+from hpctrain.errors import CheckpointFailure, RunLockedError
 
 log = logging.getLogger(__name__)
 
@@ -250,10 +251,22 @@ class CheckpointManager:
         self._pending: Future[None] | None = None
         self._pending_where = ""
         self._pending_step: int | None = None
+        # One run at a time owns the root (lock.py): rank 0 locks it before any clean-up,
+        # and every rank fails with the holder's description when another run has it.
+        self._lock: RunLock | None = None
+        locked_by = ""
         if self._rank == 0:
             self._store.makedirs()
-            self._remove_leftovers()
-        self._barrier()
+            try:
+                self._lock = lock_run(root)
+            except RunLockedError as exc:
+                locked_by = str(exc)
+            else:
+                self._remove_leftovers()
+        locked_by = self._broadcast(locked_by)
+        if locked_by:
+            self.close()
+            raise RunLockedError(locked_by)
 
     # -- public API -------------------------------------------------------------------------
 
@@ -428,6 +441,9 @@ class CheckpointManager:
             if self._group is not None:
                 dist.destroy_process_group(self._group)
                 self._group = None
+            if self._lock is not None:
+                unlock_run(self._lock)
+                self._lock = None
 
     # -- saving -----------------------------------------------------------------------------
 
