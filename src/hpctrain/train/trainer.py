@@ -288,6 +288,7 @@ class Trainer:
             log.warning("preemption requested: saving step %d, then exiting for requeue", step)
             self.save()
             self.checkpoints.wait()
+            self.preemption.exit_on_signal(REQUEUE_EXIT_CODE)  # saved: a TERM now only ends us
             return True
         every_steps = self.cfg.checkpoint.every_steps
         if time_due or (every_steps and step % every_steps == 0):
