@@ -213,19 +213,24 @@ class RunLock:
     # -- the record --------------------------------------------------------------------------
 
     def _read(self) -> dict[str, Any] | None:
-        try:
-            if self._local:
-                with open(self.path, "rb") as f:  # another descriptor: our flock stays
-                    data = f.read()
-            else:
-                data = self.fs.cat_file(self.path)
-        except FileNotFoundError:
-            return None
-        try:
-            record = json.loads(data)
-        except ValueError:
-            return None  # empty (released) or cut short by a crash mid-write: no holder
-        return record if isinstance(record, dict) else None
+        for attempt in range(2):
+            try:
+                if self._local:
+                    with open(self.path, "rb") as f:  # another descriptor: our flock stays
+                        data = f.read()
+                else:
+                    data = self.fs.cat_file(self.path)
+            except FileNotFoundError:
+                return None
+            if not data.strip():
+                return None  # released
+            try:
+                record = json.loads(data)
+                return record if isinstance(record, dict) else None
+            except ValueError:
+                if attempt == 0:
+                    time.sleep(0.2)  # read while the holder renewed it: read again
+        return None  # cut short by a crash mid-write: no holder
 
     def _write(self) -> None:
         self.me["expires"] = time.time() + self.lease_s
@@ -233,8 +238,8 @@ class RunLock:
         if self._local:
             # In place, never by rename: the flock belongs to this file's inode.
             assert self._fd is not None
-            os.ftruncate(self._fd, 0)
-            os.pwrite(self._fd, data, 0)
+            os.pwrite(self._fd, data, 0)  # then cut: never empty (free) while renewed
+            os.ftruncate(self._fd, len(data))
             os.fsync(self._fd)
         else:
             self.fs.pipe_file(self.path, data)  # one PUT

@@ -8,6 +8,7 @@ Layout of a checkpoint root (`checkpoint.dir`, default `RUN_DIR/checkpoints`):
     .tmp-step-<N>/       a save in progress (or killed); never loaded, removed on restart
     .damaged-step-<N>/   a checkpoint that failed verification when an older one was loaded
     .abandoned-step-<N>/ a checkpoint past the step a run resumed from (e.g. a rollback)
+    .lock                the run lock (lock.py): one run at a time owns the root
 
 Commit protocol (rank 0, after every rank's DCP write returned, which DCP reports only once
 all ranks' files are written and fsynced): write `manifest.json` inside `.tmp-step-<N>/`,
