@@ -93,7 +93,7 @@ def test_layout_manifest_and_latest(tmp_path):
     model, optimizer = make_model()
     manager = CheckpointManager(str(root), keep_last=3, verify="sha256")
     manager.save(10, states_of(model, optimizer, 10))
-    assert sorted(os.listdir(root)) == ["latest", "step-10"]
+    assert sorted(os.listdir(root)) == [".lock", "latest", "step-10"]
     assert (root / "latest").read_text() == "step-10\n"
     manifest = json.loads((root / "step-10" / "manifest.json").read_text())
     assert manifest["step"] == 10 and manifest["world_size"] == 1
@@ -115,7 +115,7 @@ def test_retention_keeps_last_and_milestones(tmp_path):
     for step in range(1, 10):
         manager.save(step, states_of(model, optimizer, step))
     assert committed_steps(open_store(str(root))) == [4, 8, 9]
-    assert [n for n in os.listdir(root) if n.startswith(".")] == []
+    assert [n for n in os.listdir(root) if n.startswith(".")] == [".lock"]
     assert (root / "latest").read_text().strip() == "step-9"
 
 
@@ -141,7 +141,7 @@ def test_damaged_latest_falls_back_and_says_why(tmp_path, caplog):
     assert states["trainer"]["step"] == 1
 
     # Set aside, so that training through step 2 again saves a good one.
-    assert sorted(os.listdir(root)) == [".damaged-step-2", "latest", "step-1"]
+    assert sorted(os.listdir(root)) == [".damaged-step-2", ".lock", "latest", "step-1"]
     assert manager.latest_step() == 1
     # The damaged one named explicitly is refused, not silently replaced.
     with pytest.raises(CheckpointError, match="manifest says"):
@@ -181,7 +181,7 @@ def test_leftovers_of_killed_saves_are_ignored_and_removed(tmp_path):
     (root / "latest.tmp-123").write_text("step-")
     assert manager.load(states_of(model, optimizer)) == 1
     CheckpointManager(str(root), keep_last=3)  # a restart cleans up
-    assert sorted(os.listdir(root)) == ["latest", "step-1"]
+    assert sorted(os.listdir(root)) == [".lock", "latest", "step-1"]
 
 
 def test_async_save_commits_after_write_and_reuses_buffers(tmp_path):
@@ -388,6 +388,7 @@ def test_rollback_then_preemption_resumes_the_new_branch(tmp_path):
     assert sorted(os.listdir(root)) == [
         ".abandoned-step-4",
         ".abandoned-step-6",
+        ".lock",
         "latest",
         "step-2",
     ]
@@ -408,7 +409,7 @@ def test_latest_pointer_wins_over_a_higher_step(tmp_path):
     manager.save(3, {"x": {"w": torch.full((3,), 3.0)}})  # committed after step 9: `latest`
     states = {"x": {"w": torch.zeros(3)}}
     assert manager.load(states) == 3
-    assert sorted(os.listdir(root)) == [".abandoned-step-9", "latest", "step-3"]
+    assert sorted(os.listdir(root)) == [".abandoned-step-9", ".lock", "latest", "step-3"]
 
 
 def test_steps_to_try_follow_the_pointer_not_the_clock():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -57,3 +59,20 @@ def test_deadline_from_slurm_job_end_time():
     now[0] = 821.0
     assert flag.requested and flag.reason.startswith("deadline")
     assert flag.should_stop(torch.device("cpu"))
+
+
+def test_after_the_requeue_save_a_signal_exits_with_the_requeue_code():
+    """srun --kill-on-bad-exit=1 sends TERM to ranks still tearing down after the first one
+    exited 75: they must exit 75 too, or srun returns 143 and the job is not requeued."""
+    code = (
+        "import os, signal, time\n"
+        "from hpctrain.train.preemption import PreemptionFlag\n"
+        "flag = PreemptionFlag(['USR2'])\n"
+        "flag.install()\n"
+        "flag.exit_on_signal(75)\n"
+        "flag.uninstall()  # the trainer's finally: the armed handlers stay\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(30)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == REQUEUE_EXIT_CODE, proc.stderr

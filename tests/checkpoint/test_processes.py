@@ -56,6 +56,7 @@ def test_two_ranks_ddp_and_fsdp2_reshard_one_to_two_and_two_to_one(tmp_path):
     single.save(
         1, {"model": ModelOptimizerState(model, optimizer), "loader": PerRankState(Counter(42))}
     )
+    single.close()  # gives the folder's run lock back to the ranks below
     torch.save(full_state(model, optimizer), tmp_path / "expected-single.pt")
 
     port = str(free_port())

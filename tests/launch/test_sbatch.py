@@ -72,7 +72,7 @@ def test_script_is_valid_bash_with_the_key_lines() -> None:
         "#SBATCH --constraint=a100",
         "REQUEUE_EXIT_CODE=75",
         'scontrol requeue "$SLURM_JOB_ID"',
-        'srun "$PYTHON" -m hpctrain train "$CONFIG" "run_dir=$RUN_DIR" train.max_steps=100',
+        'srun --kill-on-bad-exit=1 "$PYTHON" -m hpctrain train "$CONFIG" "run_dir=$RUN_DIR" train.max_steps=100',
         "module load arch/a100",
         "HF_HUB_OFFLINE=1",
     ):

@@ -37,6 +37,7 @@ def test_executor_parameters_follow_the_profile() -> None:
     assert params["slurm_additional_parameters"] == {"requeue": True, "hint": "nomultithread"}
     assert params["slurm_signal_delay_s"] == 120 and params["timeout_min"] == 120
     assert "slurm_partition" not in params  # gpu_p13 is picked by the constraint
+    assert params["slurm_srun_args"] == ["--kill-on-bad-exit=1"]
 
 
 def test_dry_run_script_is_submitits(tmp_path: Path) -> None:
@@ -50,6 +51,8 @@ def test_dry_run_script_is_submitits(tmp_path: Path) -> None:
         "/venv/bin/python -u -m submitit.core._submit",
     ):
         assert line in script, line
+    srun = next(line for line in script.splitlines() if line.startswith("srun "))
+    assert "--kill-on-bad-exit=1" in srun.split(), srun  # a failed or hung task ends them all
 
 
 def test_sweep_is_a_cartesian_product_with_one_folder_each() -> None:
@@ -83,8 +86,8 @@ def test_requeue_from_rank_zero_only_and_within_the_limit(monkeypatch: pytest.Mo
 
     calls.clear()
     with pytest.raises(SystemExit):
-        requeue_this_job(3, {**env, "SLURM_PROCID": "1"})
-    assert calls == []  # other ranks only exit
+        requeue_this_job(3, {**env, "SLURM_PROCID": "1"}, wait_s=0)
+    assert calls == []  # other ranks only exit (after rank 0 requeued: --kill-on-bad-exit)
 
     with pytest.raises(RuntimeError, match="max_requeues=1"):
         requeue_this_job(1, env)

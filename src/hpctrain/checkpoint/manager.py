@@ -9,6 +9,7 @@ Layout of a checkpoint root (`checkpoint.dir`, default `RUN_DIR/checkpoints`):
     .tmp-step-<N>/       a save in progress (or killed); never loaded, removed on restart
     .damaged-step-<N>/   a checkpoint that failed verification when an older one was loaded
     .abandoned-step-<N>/ a checkpoint past the step a run resumed from (e.g. a rollback)
+    .lock                the run lock (lock.py): one run at a time owns the root
 
 Commit protocol (rank 0, after every rank's DCP write returned, which DCP reports only once
 all ranks' files are written and fsynced): write `manifest.json` inside `.tmp-step-<N>/`,
@@ -37,6 +38,7 @@ checksums (and saves without them).
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import re
@@ -54,6 +56,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager
 
 import hpctrain
+from hpctrain.checkpoint.lock import RunLock, lock_run, unlock_run
 from hpctrain.checkpoint.retention import steps_to_delete
 from hpctrain.checkpoint.safety import (
     CheckpointError,
@@ -66,7 +69,7 @@ from hpctrain.checkpoint.safety import (
 )
 from hpctrain.checkpoint.state import PerRankState
 from hpctrain.checkpoint.storage import LAST_FILE, ChecksumWriter, Store, crc32c_of, open_store
-from hpctrain.errors import CheckpointFailure
+from hpctrain.errors import CheckpointFailure, RunLockedError
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +92,14 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 class CheckpointSaveError(CheckpointFailure, RuntimeError):
     """A save failed (in the background for async saves); the message names the path."""
+
+
+# What every rank raises when rank 0 cannot start on the root (see `_start_on_rank0`).
+_START_ERRORS: dict[str, type[Exception]] = {
+    "unsafe": UnsafeCheckpointError,
+    "locked": RunLockedError,
+    "unusable": CheckpointError,
+}
 
 
 def _first_failure(exc: BaseException) -> BaseException:
@@ -370,10 +381,13 @@ class CheckpointManager:
         verify: "crc32c" (default: a CRC32C per item computed while writing, checked while
             reading), "sha256" (also a sha256 per file, computed and checked by rank 0 in a
             full read) or "size" (file sizes only; no checksums written).
+        timeout_s: how long a collective of the manager's group waits for the other ranks
+            (`train.collective_timeout_s`).
 
     Raises:
         UnsafeCheckpointError: at construction, when anything under `root` that a load would
             read is not trusted (see `check_root_trusted`): the run must not start.
+        RunLockedError: at construction, when another run holds the root's lock (lock.py).
     """
 
     def __init__(
@@ -384,6 +398,7 @@ class CheckpointManager:
         keep_every: int = 0,
         async_save: bool = False,
         verify: str = DEFAULT_VERIFY,
+        timeout_s: float = 600.0,
     ) -> None:
         if keep_last < 1:
             raise ValueError(f"checkpoint.keep_last must be at least 1, got {keep_last}")
@@ -401,7 +416,7 @@ class CheckpointManager:
         self._world_size = dist.get_world_size() if self._distributed else 1
         self._group: dist.ProcessGroup | None = None
         if self._distributed:
-            group = dist.new_group(backend="gloo")
+            group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
             assert isinstance(group, dist.ProcessGroup)  # every rank is a member
             self._group = group
         self._executor = ThreadPoolExecutor(1, "hpctrain-checkpoint") if async_save else None
@@ -409,12 +424,17 @@ class CheckpointManager:
         self._pending: Future[None] | None = None
         self._pending_where = ""
         self._pending_step: int | None = None
+        # One run at a time owns the root (lock.py): rank 0 locks it before any clean-up.
+        # Every rank fails with the same error when rank 0 cannot start: another run holds
+        # the lock, or the root is untrusted (a run must not start towards checkpoints it
+        # would refuse to load) or unusable.
+        self._lock: RunLock | None = None
         problem = self._start_on_rank0() if self._rank == 0 else None
         problem = self._broadcast(problem)  # also the barrier: rank 0 has cleaned up
         if problem is not None:
             self.close()
-            unsafe, message = problem
-            raise (UnsafeCheckpointError if unsafe else CheckpointError)(message)
+            kind, message = problem
+            raise _START_ERRORS[kind](message)
 
     # -- public API -------------------------------------------------------------------------
 
@@ -610,6 +630,9 @@ class CheckpointManager:
             if self._group is not None:
                 dist.destroy_process_group(self._group)
                 self._group = None
+            if self._lock is not None:
+                unlock_run(self._lock)
+                self._lock = None
 
     # -- saving -----------------------------------------------------------------------------
 
@@ -681,18 +704,24 @@ class CheckpointManager:
             # manifest first (object stores).
             store.remove_dir(step_dir_name(step), f"{TRASH_PREFIX}{step}")
 
-    def _start_on_rank0(self) -> tuple[bool, str] | None:
-        """Create the root, refuse it if a load would (the run must not start), clean up.
+    def _start_on_rank0(self) -> tuple[str, str] | None:
+        """Create the root, refuse it if a load would, lock it, clean up.
 
-        Returns None, or (unsafe, message) for every rank to raise."""
+        Returns None, or (kind, message) of the error every rank raises (`_START_ERRORS`)."""
         try:
             self._store.makedirs()
             check_root_trusted(self._store)
+            self._lock = lock_run(self.root)
             self._remove_leftovers()
         except UnsafeCheckpointError as exc:
-            return True, str(exc)
+            return "unsafe", str(exc)
+        except RunLockedError as exc:
+            return "locked", str(exc)
         except OSError as exc:  # a file in the way, a read-only or unreachable place
-            return False, f"{self.root}: cannot use the checkpoint folder: {exc.strerror or exc}"
+            return (
+                "unusable",
+                f"{self.root}: cannot use the checkpoint folder: {exc.strerror or exc}",
+            )
         return None
 
     def _remove_leftovers(self) -> None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from hpctrain.config import load_config, with_overrides
 from hpctrain.errors import UsageError
+from hpctrain.launch.local import LAUNCHER_PID_ENV, exit_with_launcher, run_local
 
 HELP = "train a model from a config (one process, N local processes, or as a SLURM task)"
 EPILOG = """examples:
@@ -68,12 +70,12 @@ def resolve(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def run(args: argparse.Namespace) -> int:
+    if os.environ.get(LAUNCHER_PID_ENV):  # a rank of `--nproc N`: never outlive the launcher
+        exit_with_launcher()
     if args.nproc < 1:
         raise UsageError(f"--nproc {args.nproc}: must be >= 1")
     cfg = resolve(args)  # validate before starting any process
     if args.nproc > 1 and not args.debug:
-        from hpctrain.launch.local import run_local
-
         forwarded = [args.config, *args.overrides]
         if args.resume is not None:
             forwarded += ["--resume", args.resume]

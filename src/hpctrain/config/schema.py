@@ -119,6 +119,11 @@ class TrainConfig:
         False,
         "debug mode: one process, in-process loading, anomaly detection, errors raised at once",
     )
+    collective_timeout_s: float = _f(
+        600.0,
+        "seconds any collective (training, checkpoint, flags) waits for the other ranks before the job fails; a hung rank then ends the job instead of holding the allocation",
+        min=1.0,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,6 +8,7 @@ from hpctrain.dist.group import (
     choose_device,
     destroy_process_group,
     init_process_group,
+    new_cpu_group,
     process_group,
 )
 
@@ -20,6 +21,7 @@ __all__ = [
     "destroy_process_group",
     "expand_hostlist",
     "init_process_group",
+    "new_cpu_group",
     "port_from_job_id",
     "process_group",
     "resolve_env",

@@ -32,8 +32,19 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def init_process_group(env: DistEnv, device: torch.device, timeout_s: float = 600.0) -> None:
-    """Join the job's process group through `env://` (a no-op for a single process)."""
+DEFAULT_TIMEOUT_S = 600.0  # train.collective_timeout_s
+
+
+def init_process_group(
+    env: DistEnv, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> None:
+    """Join the job's process group through `env://` (a no-op for a single process).
+
+    `timeout_s` bounds every collective on the group: a rank that waits longer for a peer
+    (hung, stopped, or dead without closing its connections) raises instead of holding the
+    allocation. Groups made later need it again (`new_cpu_group`): torch gives them its own
+    default (30 min for gloo), not this group's.
+    """
     if not env.is_distributed or dist.is_initialized():
         return
     os.environ["MASTER_ADDR"] = env.master_addr
@@ -57,10 +68,19 @@ def destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
+def new_cpu_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.ProcessGroup:
+    """A gloo group of every rank with the same collective timeout as the main group."""
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    assert isinstance(group, dist.ProcessGroup)  # every rank is a member
+    return group
+
+
 @contextmanager
-def process_group(env: DistEnv, device: torch.device) -> Iterator[None]:
+def process_group(
+    env: DistEnv, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> Iterator[None]:
     """Init on entry, always tear down on exit (also on errors, so no rank lingers)."""
-    init_process_group(env, device)
+    init_process_group(env, device, timeout_s)
     try:
         yield
     finally:

@@ -25,6 +25,10 @@ END_TIME_LINES = (
     "fi",
 )
 
+# srun ends every task of the step as soon as one exits non-zero, instead of letting the others
+# wait in a collective until train.collective_timeout_s (or hold the allocation when hung).
+SRUN_KILL_ON_BAD_EXIT = "--kill-on-bad-exit=1"
+
 # Hugging Face, W&B and friends must never try the network from a compute node.
 OFFLINE_ENV = (
     ("HF_HUB_OFFLINE", "1"),
@@ -158,7 +162,8 @@ def render_sbatch(
         *END_TIME_LINES,
         "",
         "# One task per GPU, all running the same command; ranks come from SLURM_PROCID/LOCALID.",
-        'srun "$PYTHON" -m hpctrain train "$CONFIG" "run_dir=$RUN_DIR"'
+        "# A task that fails (also one whose collective timed out on a hung rank) ends them all.",
+        f'srun {SRUN_KILL_ON_BAD_EXIT} "$PYTHON" -m hpctrain train "$CONFIG" "run_dir=$RUN_DIR"'
         + (f" {args}" if args else ""),
         "status=$?",
         "",

@@ -17,6 +17,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,12 @@ from hpctrain.config import Config, with_overrides
 from hpctrain.launch.prepare import slurm_folder
 from hpctrain.launch.profiles import JobSpec, LaunchError
 from hpctrain.launch.safety import check_no_credential, check_path, check_setup_line
-from hpctrain.launch.sbatch import END_TIME_LINES, OFFLINE_ENV, sbatch_options
+from hpctrain.launch.sbatch import (
+    END_TIME_LINES,
+    OFFLINE_ENV,
+    SRUN_KILL_ON_BAD_EXIT,
+    sbatch_options,
+)
 
 JOB_FILE = "job.json"
 
@@ -55,8 +61,15 @@ class TrainingJob(submitit.helpers.Checkpointable):
         return submitit.helpers.DelayedSubmission(TrainingJob(self.cfg))
 
 
-def requeue_this_job(max_requeues: int, environ: dict[str, str] | None = None) -> None:
+def requeue_this_job(
+    max_requeues: int, environ: dict[str, str] | None = None, *, wait_s: float = 300.0
+) -> None:
     """Requeue the current SLURM job from rank 0 and exit every task without a result.
+
+    Other ranks wait up to `wait_s` before they exit: under `srun --kill-on-bad-exit=1` the
+    first task to exit non-zero ends the step, which must not happen before rank 0 has
+    requeued the job. The requeue ends them (SLURM stops the job), and so does rank 0's exit
+    when it does not requeue.
 
     Raises:
         SystemExit: after a successful requeue (rank 0) or on other ranks, so that submitit
@@ -68,30 +81,30 @@ def requeue_this_job(max_requeues: int, environ: dict[str, str] | None = None) -
     env = os.environ if environ is None else environ
     rank = int(env.get("SLURM_PROCID", "0"))
     restarts = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
-    if restarts >= max_requeues:
-        if rank == 0:
-            raise RuntimeError(
-                f"checkpoint saved but slurm.max_requeues={max_requeues} requeues are done; resubmit to continue"
-            )
+    if rank != 0:
+        time.sleep(wait_s)
         raise SystemExit(REQUEUE_EXIT_CODE)
-    if rank == 0:
-        job_id = env["SLURM_JOB_ID"]
-        state = job_state(job_id)
-        if state != "RUNNING":
-            # scancel also sends TERM, and `scontrol requeue` would bring a cancelled (or
-            # already requeued, or timed-out) job back: only a running job requeues itself.
-            print(
-                f"hpctrain: checkpoint saved; job {job_id} is {state}, not requeueing",
-                file=sys.stderr,
-                flush=True,
-            )
-            raise SystemExit(REQUEUE_EXIT_CODE)
-        done = subprocess.run(
-            ["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60
+    if restarts >= max_requeues:
+        raise RuntimeError(
+            f"checkpoint saved but slurm.max_requeues={max_requeues} requeues are done; resubmit to continue"
         )
-        if done.returncode != 0:
-            raise RuntimeError(f"scontrol requeue {job_id} failed: {done.stderr.strip()}")
-        print(f"hpctrain: checkpoint saved; requeued job {job_id}", file=sys.stderr, flush=True)
+    job_id = env["SLURM_JOB_ID"]
+    state = job_state(job_id)
+    if state != "RUNNING":
+        # scancel also sends TERM, and `scontrol requeue` would bring a cancelled (or
+        # already requeued, or timed-out) job back: only a running job requeues itself.
+        print(
+            f"hpctrain: checkpoint saved; job {job_id} is {state}, not requeueing",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise SystemExit(REQUEUE_EXIT_CODE)
+    done = subprocess.run(
+        ["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"scontrol requeue {job_id} failed: {done.stderr.strip()}")
+    print(f"hpctrain: checkpoint saved; requeued job {job_id}", file=sys.stderr, flush=True)
     raise SystemExit(REQUEUE_EXIT_CODE)
 
 
@@ -142,6 +155,7 @@ def executor_parameters(job: JobSpec) -> dict[str, Any]:
             *job.setup,
         ],
         "slurm_additional_parameters": {"requeue": True},
+        "slurm_srun_args": [SRUN_KILL_ON_BAD_EXIT],
     }
     if job.gpus_per_node:
         params["slurm_gres"] = f"gpu:{job.gpus_per_node}"

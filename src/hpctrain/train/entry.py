@@ -49,6 +49,9 @@ def run_training(cfg: Config) -> int:
     )
     # Anomaly detection names the forward op that made a NaN gradient (slow: debug mode only);
     # as a context it is switched off again when an in-process run returns.
-    with process_group(env, device), torch.autograd.set_detect_anomaly(cfg.train.debug):
+    with (
+        process_group(env, device, cfg.train.collective_timeout_s),
+        torch.autograd.set_detect_anomaly(cfg.train.debug),
+    ):
         trainer = Trainer(cfg, env, device)
         return trainer.fit()

@@ -77,6 +77,7 @@ class PreemptionFlag:
         self._received: signal.Signals | None = None
         self._agreed = False
         self._previous: dict[signal.Signals, Any] = {}
+        self._exit_code: int | None = None
 
     def install(self) -> None:
         """Install the handlers (main thread only); `uninstall` restores the previous ones."""
@@ -86,11 +87,28 @@ class PreemptionFlag:
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def uninstall(self) -> None:
+        """Restore the previous handlers, unless `exit_on_signal` armed them (kept to the end)."""
+        if self._exit_code is not None:
+            return
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
 
+    def exit_on_signal(self, code: int) -> None:
+        """From now on, a signal ends the process at once with `code` (after the requeue save).
+
+        The checkpoint is committed and the process is on its way out. Under
+        `srun --kill-on-bad-exit=1` the first rank to exit with the requeue code makes srun
+        send TERM to the ranks still tearing down; killed by it, they would make srun return
+        143 instead of the requeue code, and the job would not be requeued.
+        """
+        self._exit_code = code
+        if signal.SIGTERM not in self._previous:  # TERM is what srun and SLURM send
+            self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._handle)
+
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self._exit_code is not None:
+            os._exit(self._exit_code)
         # Only record: no I/O, no locks, no collectives in a signal handler. A second signal
         # (during the save) lands here too and changes nothing.
         if self._received is None:

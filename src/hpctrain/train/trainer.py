@@ -17,7 +17,7 @@ import torch.distributed as dist
 from hpctrain.checkpoint import CheckpointManager, ModelOptimizerState, PerRankState, RNGState
 from hpctrain.config import Config, ConfigError, config_to_yaml
 from hpctrain.data import ShardedLoader, open_index
-from hpctrain.dist import DistEnv, all_reduce_sum
+from hpctrain.dist import DistEnv, all_reduce_sum, new_cpu_group
 from hpctrain.train.metrics import IntervalMeter, MetricsWriter, peak_memory_mb
 from hpctrain.train.optim import build_optimizer, build_scheduler
 from hpctrain.train.parallel import no_gradient_sync, parallelize
@@ -152,6 +152,7 @@ class Trainer:
             keep_every=cfg.checkpoint.keep_every,
             async_save=cfg.checkpoint.async_save,
             verify=cfg.checkpoint.verify,
+            timeout_s=cfg.train.collective_timeout_s,
         )
         self.preemption = PreemptionFlag(cfg.checkpoint.signals, cfg.checkpoint.deadline_margin_s)
         self.meter = IntervalMeter()
@@ -162,7 +163,9 @@ class Trainer:
         self.flag_group: Any = None
         if env.is_distributed:
             self.flag_group = (
-                dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD
+                new_cpu_group(cfg.train.collective_timeout_s)
+                if device.type == "cuda"
+                else dist.group.WORLD
             )
         self.last_save = time.monotonic()
         self.resumed_loader = False
@@ -292,6 +295,7 @@ class Trainer:
             log.warning("preemption requested: saving step %d, then exiting for requeue", step)
             self.save()
             self.checkpoints.wait()
+            self.preemption.exit_on_signal(REQUEUE_EXIT_CODE)  # saved: a TERM now only ends us
             return True
         every_steps = self.cfg.checkpoint.every_steps
         if time_due or (every_steps and step % every_steps == 0):

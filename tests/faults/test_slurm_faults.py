@@ -1,0 +1,71 @@
+"""Faults of a whole run on the real SLURM dev cluster (FAULTS.md).
+
+A hung rank: srun's `--kill-on-bad-exit=1` (in the rendered script) ends every task once the
+rank whose collective timed out exits, instead of the stopped one holding the allocation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.launch.slurm_helpers import (
+    DEMO,
+    REPO,
+    hpctrain,
+    log_text,
+    train_overrides,
+    wait_finished,
+    wait_for,
+    wait_step,
+)
+
+pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
+
+
+def task_pid(job_id: str, rank: int) -> int | None:
+    """The pid of task `rank` of the job (its loader workers share its environment)."""
+    found: dict[int, int] = {}  # pid → parent pid
+    wanted = {f"SLURM_JOB_ID={job_id}".encode(), f"SLURM_PROCID={rank}".encode()}
+    for proc in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            if not wanted <= set((proc / "environ").read_bytes().split(b"\0")):
+                continue
+            if b"hpctrain" not in (proc / "cmdline").read_bytes():
+                continue
+            found[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    tasks = [pid for pid, parent in found.items() if parent not in found]
+    return tasks[0] if len(tasks) == 1 else None
+
+
+def test_hung_rank_ends_the_job_within_the_collective_timeout(
+    tiny_shards: Path, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    script = tmp_path / "job.sbatch"
+    overrides = train_overrides(
+        tiny_shards, run_dir, "train.max_steps=100000", "train.collective_timeout_s=10",
+        "task=tests.slow_task:SlowImageClassification", "task_options.step_s=0.1",
+    )  # fmt: skip
+    hpctrain("sbatch", DEMO, *overrides, "-o", str(script))
+    job_id = subprocess.run(
+        ["sbatch", "--parsable", str(script)],
+        capture_output=True, text=True, check=True, timeout=30, cwd=REPO,
+    ).stdout.strip()  # fmt: skip
+    try:
+        wait_step(run_dir, 3, 120)
+        os.kill(wait_for("rank 1's process", lambda: task_pid(job_id, 1), 30), signal.SIGSTOP)
+        # 10 s of collective timeout, then srun ends the step; the bound only proves that the
+        # stopped rank does not hold the allocation (the default timeout is 600 s).
+        status = wait_finished(run_dir, 150)
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
+    assert status.state == "FAILED", status
+    log = log_text(run_dir)
+    assert "Timed out waiting 10000ms" in log, log[-3000:]
+    assert "task 0: Exited with exit code 1" in log and "task 1: " in log, log[-3000:]
