@@ -106,7 +106,7 @@ def test_content_damage_of_same_size_falls_back(tmp_path, damage, caplog):
     with caplog.at_level(logging.WARNING, logger="hpctrain.checkpoint"):
         load_and_check(manager, 1)
     assert "crc32c" in caplog.text and target.name in caplog.text
-    assert sorted(os.listdir(root)) == [".damaged-step-2", "latest", "step-1"]
+    assert sorted(os.listdir(root)) == [".damaged-step-2", ".lock", "latest", "step-1"]
 
 
 def test_content_damage_on_an_fsspec_store_falls_back():
@@ -224,7 +224,7 @@ def test_clock_skew_between_nodes_does_not_pick_an_older_step(tmp_path):
     # Step 3 was saved by a node whose clock runs an hour behind the one that saved step 2.
     edit_manifest(root / "step-3", lambda m: m.update(time=m["time"] - 3600))
     load_and_check(manager, 3)
-    assert sorted(os.listdir(root)) == ["latest", "step-1", "step-2", "step-3"]
+    assert sorted(os.listdir(root)) == [".lock", "latest", "step-1", "step-2", "step-3"]
 
 
 def test_latest_names_the_committed_newest_and_falls_back_below_it(tmp_path):
@@ -327,7 +327,7 @@ def test_full_disk_save_error_says_no_space_and_names_the_path(async_save):
         manager = CheckpointManager(str(root), keep_last=2, async_save=async_save)
         manager.save(2, {"x": {"t": torch.randn(1000)}})
         manager.wait()
-        assert sorted(os.listdir(root)) == ["latest", "step-2"]
+        assert sorted(os.listdir(root)) == [".lock", "latest", "step-2"]
         manager.close()
 
 
