@@ -175,7 +175,7 @@ class _Bench:
         blocked = time.perf_counter() - start
         manager.wait()
         total = time.perf_counter() - start
-        shutil.rmtree(os.path.join(manager._store.root, step_dir_name(self.step)))
+        shutil.rmtree(os.path.join(manager.root, step_dir_name(self.step)))
         return {"total": total, "blocked": blocked}
 
     def hp_sync(self) -> dict[str, float]:

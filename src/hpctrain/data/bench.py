@@ -279,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
             Workers' CPU comes from /proc (getrusage sees workers only once they exit)."""
             loader = our_loader(shard_index, replace(cfg, persistent_workers=True))
             _count(loader)  # warm-up epoch: starts the workers
-            pids = loader._pool.pids if loader._pool is not None else []
+            pids = loader.worker_pids
             loader.set_epoch(1)
             cpu0 = _self_cpu() + sum(_proc_cpu(p) for p in pids)
             t0 = time.perf_counter()
