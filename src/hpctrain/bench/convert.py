@@ -18,7 +18,6 @@ import argparse
 import io
 import multiprocessing
 import os
-import resource
 import shutil
 import statistics
 import sys
@@ -29,6 +28,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
+
+from hpctrain.bench.measure import cpu_seconds
 
 HELP = "images/s of tarfile, webdataset.ShardWriter and hpctrain convert; read cost of their shards"
 
@@ -131,18 +132,11 @@ def read_pass_cpu(folder: Path) -> float:
     return time.process_time() - start
 
 
-def _cpu_seconds() -> float:
-    """CPU of this process and of its finished children (pool workers are joined when done)."""
-    self_usage = resource.getrusage(resource.RUSAGE_SELF)
-    children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return self_usage.ru_utime + self_usage.ru_stime + children.ru_utime + children.ru_stime
-
-
 def _timed(fn: Callable[[], None]) -> tuple[float, float]:
     """(wall seconds, CPU seconds) of `fn()`."""
-    start, start_cpu = time.perf_counter(), _cpu_seconds()
+    start, start_cpu = time.perf_counter(), cpu_seconds()
     fn()
-    return time.perf_counter() - start, _cpu_seconds() - start_cpu
+    return time.perf_counter() - start, cpu_seconds() - start_cpu
 
 
 def _webdataset_service(conn: Connection) -> None:

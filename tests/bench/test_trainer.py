@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hpctrain.train import bench
+from hpctrain.bench import trainer
 
 
 def test_trainer_bench_pairs_and_report(tmp_path: Path) -> None:
-    result = bench.compare("mlp", pairs=3, steps=5, work=tmp_path)
+    result = trainer.compare("mlp", pairs=3, steps=5, work=tmp_path)
     assert result["pairs"] == 3
     for clock in ("cpu", "wall"):
         r = result[clock]
         assert r["reference_step_ms"] > 0
         assert r["ratio_min"] <= r["ratio"] <= r["ratio_max"]
         assert r["aa_min"] <= r["aa_ratio"] <= r["aa_max"]
-    text = bench.format_results({"compare": [result]})
+    text = trainer.format_results({"compare": [result]})
     assert "cpu time: trainer/reference" in text and "A/A" in text and "overhead" in text

@@ -3,11 +3,11 @@
 The shell script is the entry point on a GPU node (a Jean Zay node inside a job, or a single
 H200 machine); this module holds the parts that can be tested on a CPU:
 
-    python -m hpctrain.train.gpu_bench plan --num-gpus N            # workers, batch, precision
-    python -m hpctrain.train.gpu_bench data DIR --num-images N --size PX
-    python -m hpctrain.train.gpu_bench config DIR ...               # DIR/config.yaml
-    python -m hpctrain.train.gpu_bench smoke DIR [--dry-run]        # the matrix's GPU cells
-    python -m hpctrain.train.gpu_bench report RUN_DIR --num-gpus N ...
+    python -m hpctrain.bench.gpu plan --num-gpus N          # workers, batch, precision
+    python -m hpctrain.bench.gpu data DIR --num-images N --size PX
+    python -m hpctrain.bench.gpu config DIR ...             # DIR/config.yaml
+    python -m hpctrain.bench.gpu smoke DIR [--dry-run]      # the matrix's GPU cells
+    python -m hpctrain.bench.gpu report RUN_DIR --num-gpus N ...
 
 The smoke pass runs the GPU cells of the precision matrix (tests/train/test_matrix.py runs
 the CPU ones): ddp/fsdp x bf16/fp16 on ResNet-50 and ViT-B/16 at 224 px, a few steps each on
@@ -433,7 +433,7 @@ def format_report(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hpctrain.train.gpu_bench")
+    parser = argparse.ArgumentParser(prog="python -m hpctrain.bench.gpu")
     sub = parser.add_subparsers(dest="command", required=True)
     p_plan = sub.add_parser("plan")
     p_data = sub.add_parser("data")

@@ -36,6 +36,8 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
+from hpctrain.bench.measure import cpu_seconds, process_cpu_seconds, self_cpu_seconds
+
 HELP = "loader throughput: decode limit vs ImageFolder vs webdataset vs hpctrain (images/CPU-s)"
 
 
@@ -56,24 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
-def _cpu_seconds() -> float:
-    me = resource.getrusage(resource.RUSAGE_SELF)
-    kids = resource.getrusage(resource.RUSAGE_CHILDREN)  # workers, once joined
-    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
-
-
-def _self_cpu() -> float:
-    me = resource.getrusage(resource.RUSAGE_SELF)
-    return me.ru_utime + me.ru_stime
-
-
-def _proc_cpu(pid: int) -> float:
-    """CPU seconds of a live process (utime + stime from /proc/<pid>/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _synthetic_images(n: int, root: Path) -> list[tuple[bytes, int]]:
+def synthetic_images(n: int, root: Path) -> list[tuple[bytes, int]]:
     import numpy as np
     from PIL import Image
 
@@ -106,7 +91,7 @@ def _images_from_shards(spec: str, n: int) -> list[tuple[bytes, int]]:
     return out
 
 
-def _write_layouts(images: list[tuple[bytes, int]], root: Path, per_shard: int = 100) -> None:
+def write_layouts(images: list[tuple[bytes, int]], root: Path, per_shard: int = 100) -> None:
     """The same images as an ImageFolder (root/folder/<cls>/<i>.jpg) and as USTAR shards."""
     from hpctrain.data.index import ShardIndex, ShardInfo, index_to_bytes
 
@@ -183,7 +168,8 @@ class _HttpFiles(Dataset):
         return self.t({"image": decode_image(data)})["image"], self.labels[i]
 
 
-def _count(loader: Any) -> int:
+def count_images(loader: Any) -> int:
+    """Images in every batch `loader` yields (dict batches or (images, labels) tuples)."""
     n = 0
     for batch in loader:
         images = batch["image"] if isinstance(batch, dict) else batch[0]
@@ -206,8 +192,8 @@ def run(args: argparse.Namespace) -> int:
         if args.data:
             images = _images_from_shards(args.data, args.images)
         else:
-            images = _synthetic_images(args.images, root)
-        _write_layouts(images, root)
+            images = synthetic_images(args.images, root)
+        write_layouts(images, root)
         b, k = args.batch_size, args.workers
         images = images[: max(len(images) // b, 1) * b]  # whole batches: every case reads all
         n = len(images)
@@ -252,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
             from torchvision.datasets import ImageFolder
 
             ds = ImageFolder(str(root / "folder"), transform=PilTransform(args.crop))
-            return _count(DataLoader(ds, batch_size=b, shuffle=False, **dl_kw))
+            return count_images(DataLoader(ds, batch_size=b, shuffle=False, **dl_kw))
 
         def webdataset() -> int:
             import webdataset as wds
@@ -264,28 +250,28 @@ def run(args: argparse.Namespace) -> int:
                 .to_tuple("jpg", "cls")
                 .map_tuple(PilTransform(args.crop), lambda x: x)
             )
-            return _count(DataLoader(ds, batch_size=b, **dl_kw))
+            return count_images(DataLoader(ds, batch_size=b, **dl_kw))
 
         def our_loader(index: Any, data: DataConfig) -> ShardedLoader:
             transform = HpctrainTransform(args.crop)
             return ShardedLoader(index, data, rank=0, world_size=1, seed=0, transform=transform)
 
         def hpctrain_local() -> int:
-            return _count(our_loader(shard_index, cfg))
+            return count_images(our_loader(shard_index, cfg))
 
         def hpctrain_steady() -> tuple[int, float, float]:
             """Second epoch with persistent workers: no fork or start-up in the figures.
 
             Workers' CPU comes from /proc (getrusage sees workers only once they exit)."""
             loader = our_loader(shard_index, replace(cfg, persistent_workers=True))
-            _count(loader)  # warm-up epoch: starts the workers
+            count_images(loader)  # warm-up epoch: starts the workers
             pids = loader.worker_pids
             loader.set_epoch(1)
-            cpu0 = _self_cpu() + sum(_proc_cpu(p) for p in pids)
+            cpu0 = self_cpu_seconds() + sum(process_cpu_seconds(p) for p in pids)
             t0 = time.perf_counter()
-            count = _count(loader)
+            count = count_images(loader)
             wall = time.perf_counter() - t0
-            cpu = _self_cpu() + sum(_proc_cpu(p) for p in pids) - cpu0
+            cpu = self_cpu_seconds() + sum(process_cpu_seconds(p) for p in pids) - cpu0
             loader.close()  # join the workers now, so that no later case counts their exit
             return count, wall, cpu
 
@@ -301,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
         servers = ExitStack()
         server_pids: list[int] = []
         if args.remote:
-            from hpctrain.data.loopback import serve_http_process
+            from hpctrain.bench.loopback import serve_http_process
 
             # Each server in a process of its own, as storage is: run inside this process,
             # its threads and this process's forked workers slowed each other (~3x the
@@ -318,16 +304,16 @@ def run(args: argparse.Namespace) -> int:
             labels = [int(p.parent.name[1:]) for p in files]
 
             def hpctrain_http() -> int:
-                return _count(our_loader(remote_index, cfg))
+                return count_images(our_loader(remote_index, cfg))
 
             def hpctrain_http_no_delay() -> int:
                 """The same without the added latency: what HTTP itself costs here (the
                 server shares this machine's CPUs), apart from the latency to hide."""
-                return _count(our_loader(fast_index, cfg))
+                return count_images(our_loader(fast_index, cfg))
 
             def per_file_http() -> int:
                 ds = _HttpFiles(file_urls, labels, args.crop)
-                return _count(DataLoader(ds, batch_size=b, **dl_kw))
+                return count_images(DataLoader(ds, batch_size=b, **dl_kw))
 
             cases["hpctrain over HTTP (no added latency)"] = hpctrain_http_no_delay
             cases[f"hpctrain over HTTP (+{args.latency_ms:g} ms/request)"] = hpctrain_http
@@ -341,11 +327,11 @@ def run(args: argparse.Namespace) -> int:
             for r in range(args.rounds):
                 order = names[r % len(names) :] + names[: r % len(names)]
                 for name in order:
-                    cpu0 = _cpu_seconds() + sum(_proc_cpu(p) for p in server_pids)
+                    cpu0 = cpu_seconds() + sum(process_cpu_seconds(p) for p in server_pids)
                     t0 = time.perf_counter()
                     count = cases[name]()
                     wall = time.perf_counter() - t0
-                    cpu = _cpu_seconds() + sum(_proc_cpu(p) for p in server_pids) - cpu0
+                    cpu = cpu_seconds() + sum(process_cpu_seconds(p) for p in server_pids) - cpu0
                     if isinstance(count, tuple):  # a case that measures itself
                         count, wall, cpu = count
                     if count % n and not name.startswith("limit"):
