@@ -30,13 +30,19 @@ import tempfile
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from hpctrain.bench.measure import cpu_seconds, process_cpu_seconds, self_cpu_seconds
+
+if TYPE_CHECKING:  # the loader itself is imported when a case runs, not by `hpctrain --help`
+    from hpctrain.config.schema import DataConfig
+    from hpctrain.data import ShardedLoader
+    from hpctrain.data.index import ShardIndex
 
 HELP = "loader throughput: decode limit vs ImageFolder vs webdataset vs hpctrain (images/CPU-s)"
 
@@ -74,7 +80,7 @@ def synthetic_images(n: int, root: Path) -> list[tuple[bytes, int]]:
     return out
 
 
-def _images_from_shards(spec: str, n: int) -> list[tuple[bytes, int]]:
+def images_from_shards(spec: str, n: int) -> list[tuple[bytes, int]]:
     from hpctrain.data import open_index
     from hpctrain.data.stream import iter_samples, open_shard
 
@@ -177,171 +183,229 @@ def count_images(loader: Any) -> int:
     return n
 
 
-def run(args: argparse.Namespace) -> int:
-    import torch
-    from torch.utils.data import DataLoader
+@dataclass(frozen=True)
+class Setup:
+    """What every case reads: the same images (as an image folder and as shards under `root`)
+    and the settings they share."""
 
-    torch.set_num_threads(1)
-    from hpctrain.config.schema import DataConfig
-    from hpctrain.data import ShardedLoader, open_index
-    from hpctrain.data.loader import decode_image
-    from hpctrain.data.workers import worker_start_method
+    root: Path
+    images: list[tuple[bytes, int]]  # whole batches: every case reads all
+    batch_size: int
+    workers: int
+    crop: int
+    shard_index: ShardIndex
+    data: DataConfig
+    start_method: str | None  # the DataLoader cases' multiprocessing context
 
-    with tempfile.TemporaryDirectory(prefix="hpctrain-bench-") as tmp:
-        root = Path(tmp)
-        if args.data:
-            images = _images_from_shards(args.data, args.images)
-        else:
-            images = synthetic_images(args.images, root)
-        write_layouts(images, root)
-        b, k = args.batch_size, args.workers
-        images = images[: max(len(images) // b, 1) * b]  # whole batches: every case reads all
-        n = len(images)
-        ctx = worker_start_method() if k else None
-        dl_kw: dict[str, Any] = {"num_workers": k, "multiprocessing_context": ctx}
-        shard_index = open_index(str(root / "shards"))
-        cfg = DataConfig(
-            batch_size=b, workers_per_rank=k, shuffle_buffer=0, persistent_workers=False
+    @property
+    def num_images(self) -> int:
+        return len(self.images)
+
+    def dataloader(self, dataset: Any, **kwargs: Any) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            num_workers=self.workers,
+            multiprocessing_context=self.start_method,
+            **kwargs,
         )
 
-        def limit() -> int:
-            t = HpctrainTransform(args.crop)
-            for data, _label in images:
-                t({"image": decode_image(data)})
-            return n
 
-        def limit_side_by_side() -> tuple[int, float, float]:
-            """The limit's loop in K forked processes at once: what K processes sharing this
-            machine's caches and memory bandwidth can reach, before any loader cost."""
-            kids = max(k, 1)
-            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+@dataclass(frozen=True)
+class Remote:
+    """The loopback HTTP servers of the `--remote` cases and what they serve."""
+
+    index: ShardIndex  # with the added latency
+    fast_index: ShardIndex  # without it
+    file_urls: list[str]
+    labels: list[int]
+    pids: list[int]  # the servers' processes, whose CPU counts with the case they serve
+
+
+# The cases. Each returns the images it read, or (images, wall s, CPU s) when it measures itself.
+
+
+def limit(setup: Setup) -> int:
+    """Decode + the transform in a tight loop, in this process."""
+    from hpctrain.data.loader import decode_image
+
+    transform = HpctrainTransform(setup.crop)
+    for data, _label in setup.images:
+        transform({"image": decode_image(data)})
+    return setup.num_images
+
+
+def limit_side_by_side(setup: Setup) -> tuple[int, float, float]:
+    """The limit's loop in K forked processes at once: what K processes sharing this
+    machine's caches and memory bandwidth can reach, before any loader cost."""
+    kids = max(setup.workers, 1)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    pids = []
+    for _ in range(kids):
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            code = 1
+            try:
+                limit(setup)
+                code = 0
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    if any(os.waitpid(pid, 0)[1] for pid in pids):
+        raise RuntimeError("a side-by-side limit process failed")
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = sum(getattr(after, f) - getattr(before, f) for f in ("ru_utime", "ru_stime"))
+    return setup.num_images * kids, wall, cpu
+
+
+def image_folder(setup: Setup) -> int:
+    from torchvision.datasets import ImageFolder
+
+    dataset = ImageFolder(str(setup.root / "folder"), transform=PilTransform(setup.crop))
+    return count_images(setup.dataloader(dataset, shuffle=False))
+
+
+def webdataset(setup: Setup) -> int:
+    import webdataset as wds
+
+    index = setup.shard_index
+    urls = [index.shard_url(i) for i in range(len(index.shards))]
+    dataset = (
+        wds.WebDataset(urls, shardshuffle=False, empty_check=False)
+        .decode("pil")
+        .to_tuple("jpg", "cls")
+        .map_tuple(PilTransform(setup.crop), lambda x: x)
+    )
+    return count_images(setup.dataloader(dataset))
+
+
+def _sharded_loader(setup: Setup, index: ShardIndex, data: DataConfig) -> ShardedLoader:
+    from hpctrain.data import ShardedLoader
+
+    transform = HpctrainTransform(setup.crop)
+    return ShardedLoader(index, data, rank=0, world_size=1, seed=0, transform=transform)
+
+
+def hpctrain_loader(setup: Setup, index: ShardIndex) -> int:
+    """One epoch of `ShardedLoader` over `index` (local shards, or over HTTP)."""
+    return count_images(_sharded_loader(setup, index, setup.data))
+
+
+def hpctrain_steady(setup: Setup) -> tuple[int, float, float]:
+    """Second epoch with persistent workers: no fork or start-up in the figures.
+
+    Workers' CPU comes from /proc (getrusage sees workers only once they exit)."""
+    loader = _sharded_loader(setup, setup.shard_index, replace(setup.data, persistent_workers=True))
+    count_images(loader)  # warm-up epoch: starts the workers
+    pids = loader.worker_pids
+    loader.set_epoch(1)
+    cpu0 = self_cpu_seconds() + sum(process_cpu_seconds(p) for p in pids)
+    t0 = time.perf_counter()
+    count = count_images(loader)
+    wall = time.perf_counter() - t0
+    cpu = self_cpu_seconds() + sum(process_cpu_seconds(p) for p in pids) - cpu0
+    loader.close()  # join the workers now, so that no later case counts their exit
+    return count, wall, cpu
+
+
+def per_file_http(setup: Setup, remote: Remote) -> int:
+    """One HTTP request per image of the folder: the small-files problem."""
+    dataset = _HttpFiles(remote.file_urls, remote.labels, setup.crop)
+    return count_images(setup.dataloader(dataset))
+
+
+LIMIT = "limit (decode+transform, 1 thread)"
+IMAGE_FOLDER = "ImageFolder + DataLoader"
+WEBDATASET = "webdataset + DataLoader"
+HPCTRAIN = "hpctrain ShardedLoader"
+STEADY = "hpctrain, persistent workers, 2nd epoch"
+HTTP_NO_DELAY = "hpctrain over HTTP (no added latency)"
+
+
+def side_by_side_name(workers: int) -> str:
+    return f"limit x{max(workers, 1)}, forked, side by side"
+
+
+def http_names(latency_ms: float) -> tuple[str, str]:
+    """Names of the cases with added latency: hpctrain over HTTP, per-file HTTP reads."""
+    return (
+        f"hpctrain over HTTP (+{latency_ms:g} ms/request)",
+        f"per-file HTTP reads (+{latency_ms:g} ms/request)",
+    )
+
+
+def make_cases(
+    setup: Setup, remote: Remote | None, latency_ms: float
+) -> dict[str, Callable[[], Any]]:
+    """The cases in their first round's order."""
+    cases: dict[str, Callable[[], Any]] = {
+        LIMIT: partial(limit, setup),
+        side_by_side_name(setup.workers): partial(limit_side_by_side, setup),
+        IMAGE_FOLDER: partial(image_folder, setup),
+        WEBDATASET: partial(webdataset, setup),
+        HPCTRAIN: partial(hpctrain_loader, setup, setup.shard_index),
+        STEADY: partial(hpctrain_steady, setup),
+    }
+    if remote is not None:
+        # without the added latency: what HTTP itself costs here (the server shares this
+        # machine's CPUs), apart from the latency to hide
+        http, per_file = http_names(latency_ms)
+        cases[HTTP_NO_DELAY] = partial(hpctrain_loader, setup, remote.fast_index)
+        cases[http] = partial(hpctrain_loader, setup, remote.index)
+        cases[per_file] = partial(per_file_http, setup, remote)
+    return cases
+
+
+def start_servers(root: Path, latency_ms: float, stack: ExitStack) -> Remote:
+    """Two HTTP servers of `root` (with and without the added latency), closed with `stack`.
+
+    Each server runs in a process of its own, as storage does: run inside this process, its
+    threads and this process's forked workers slowed each other (~3x the server's CPU per
+    image here). Its CPU is counted with the case it serves.
+    """
+    from hpctrain.bench.loopback import serve_http_process
+    from hpctrain.data import open_index
+
+    url, pid = stack.enter_context(serve_http_process(root, delay_s=latency_ms / 1000))
+    fast_url, fast_pid = stack.enter_context(serve_http_process(root))
+    files = sorted((root / "folder").rglob("*.jpg"))
+    return Remote(
+        index=open_index(f"{url}/shards/index.json"),
+        fast_index=open_index(f"{fast_url}/shards/index.json"),
+        file_urls=[f"{url}/{p.relative_to(root).as_posix()}" for p in files],
+        labels=[int(p.parent.name[1:]) for p in files],
+        pids=[pid, fast_pid],
+    )
+
+
+def measure(
+    cases: dict[str, Callable[[], Any]], rounds: int, num_images: int, server_pids: list[int]
+) -> dict[str, dict[str, list[float]]]:
+    """Images per wall second and per CPU second of every case, round by round; the order
+    rotates each round so that no case always runs first."""
+    results: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in cases}
+    names = list(cases)
+    for r in range(rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            cpu0 = cpu_seconds() + sum(process_cpu_seconds(p) for p in server_pids)
             t0 = time.perf_counter()
-            pids = []
-            for _ in range(kids):
-                pid = os.fork()
-                if pid == 0:  # pragma: no cover - the child
-                    code = 1
-                    try:
-                        limit()
-                        code = 0
-                    finally:
-                        os._exit(code)
-                pids.append(pid)
-            if any(os.waitpid(pid, 0)[1] for pid in pids):
-                raise RuntimeError("a side-by-side limit process failed")
+            count = cases[name]()
             wall = time.perf_counter() - t0
-            after = resource.getrusage(resource.RUSAGE_CHILDREN)
-            cpu = sum(getattr(after, f) - getattr(before, f) for f in ("ru_utime", "ru_stime"))
-            return n * kids, wall, cpu
+            cpu = cpu_seconds() + sum(process_cpu_seconds(p) for p in server_pids) - cpu0
+            if isinstance(count, tuple):  # a case that measures itself
+                count, wall, cpu = count
+            if count % num_images and not name.startswith("limit"):
+                print(f"warning: {name} gave {count} of {num_images} images", file=sys.stderr)
+            results[name]["wall"].append(count / wall)
+            results[name]["cpu"].append(count / cpu)
+    return results
 
-        def image_folder() -> int:
-            from torchvision.datasets import ImageFolder
 
-            ds = ImageFolder(str(root / "folder"), transform=PilTransform(args.crop))
-            return count_images(DataLoader(ds, batch_size=b, shuffle=False, **dl_kw))
-
-        def webdataset() -> int:
-            import webdataset as wds
-
-            urls = [shard_index.shard_url(i) for i in range(len(shard_index.shards))]
-            ds = (
-                wds.WebDataset(urls, shardshuffle=False, empty_check=False)
-                .decode("pil")
-                .to_tuple("jpg", "cls")
-                .map_tuple(PilTransform(args.crop), lambda x: x)
-            )
-            return count_images(DataLoader(ds, batch_size=b, **dl_kw))
-
-        def our_loader(index: Any, data: DataConfig) -> ShardedLoader:
-            transform = HpctrainTransform(args.crop)
-            return ShardedLoader(index, data, rank=0, world_size=1, seed=0, transform=transform)
-
-        def hpctrain_local() -> int:
-            return count_images(our_loader(shard_index, cfg))
-
-        def hpctrain_steady() -> tuple[int, float, float]:
-            """Second epoch with persistent workers: no fork or start-up in the figures.
-
-            Workers' CPU comes from /proc (getrusage sees workers only once they exit)."""
-            loader = our_loader(shard_index, replace(cfg, persistent_workers=True))
-            count_images(loader)  # warm-up epoch: starts the workers
-            pids = loader.worker_pids
-            loader.set_epoch(1)
-            cpu0 = self_cpu_seconds() + sum(process_cpu_seconds(p) for p in pids)
-            t0 = time.perf_counter()
-            count = count_images(loader)
-            wall = time.perf_counter() - t0
-            cpu = self_cpu_seconds() + sum(process_cpu_seconds(p) for p in pids) - cpu0
-            loader.close()  # join the workers now, so that no later case counts their exit
-            return count, wall, cpu
-
-        side_by_side = f"limit x{max(k, 1)}, forked, side by side"
-        cases: dict[str, Callable[[], Any]] = {
-            "limit (decode+transform, 1 thread)": limit,
-            side_by_side: limit_side_by_side,
-            "ImageFolder + DataLoader": image_folder,
-            "webdataset + DataLoader": webdataset,
-            "hpctrain ShardedLoader": hpctrain_local,
-            "hpctrain, persistent workers, 2nd epoch": hpctrain_steady,
-        }
-        servers = ExitStack()
-        server_pids: list[int] = []
-        if args.remote:
-            from hpctrain.bench.loopback import serve_http_process
-
-            # Each server in a process of its own, as storage is: run inside this process,
-            # its threads and this process's forked workers slowed each other (~3x the
-            # server's CPU per image here). Its CPU is counted with the case it serves.
-            url, pid = servers.enter_context(
-                serve_http_process(root, delay_s=args.latency_ms / 1000)
-            )
-            fast_url, fast_pid = servers.enter_context(serve_http_process(root))
-            server_pids += [pid, fast_pid]
-            remote_index = open_index(f"{url}/shards/index.json")
-            fast_index = open_index(f"{fast_url}/shards/index.json")
-            files = sorted((root / "folder").rglob("*.jpg"))
-            file_urls = [f"{url}/{p.relative_to(root).as_posix()}" for p in files]
-            labels = [int(p.parent.name[1:]) for p in files]
-
-            def hpctrain_http() -> int:
-                return count_images(our_loader(remote_index, cfg))
-
-            def hpctrain_http_no_delay() -> int:
-                """The same without the added latency: what HTTP itself costs here (the
-                server shares this machine's CPUs), apart from the latency to hide."""
-                return count_images(our_loader(fast_index, cfg))
-
-            def per_file_http() -> int:
-                ds = _HttpFiles(file_urls, labels, args.crop)
-                return count_images(DataLoader(ds, batch_size=b, **dl_kw))
-
-            cases["hpctrain over HTTP (no added latency)"] = hpctrain_http_no_delay
-            cases[f"hpctrain over HTTP (+{args.latency_ms:g} ms/request)"] = hpctrain_http
-            cases[f"per-file HTTP reads (+{args.latency_ms:g} ms/request)"] = per_file_http
-
-        results: dict[str, dict[str, list[float]]] = {
-            name: {"wall": [], "cpu": []} for name in cases
-        }
-        names = list(cases)
-        try:
-            for r in range(args.rounds):
-                order = names[r % len(names) :] + names[: r % len(names)]
-                for name in order:
-                    cpu0 = cpu_seconds() + sum(process_cpu_seconds(p) for p in server_pids)
-                    t0 = time.perf_counter()
-                    count = cases[name]()
-                    wall = time.perf_counter() - t0
-                    cpu = cpu_seconds() + sum(process_cpu_seconds(p) for p in server_pids) - cpu0
-                    if isinstance(count, tuple):  # a case that measures itself
-                        count, wall, cpu = count
-                    if count % n and not name.startswith("limit"):
-                        print(f"warning: {name} gave {count} of {n} images", file=sys.stderr)
-                    results[name]["wall"].append(count / wall)
-                    results[name]["cpu"].append(count / cpu)
-        finally:
-            servers.close()
-
-    summary: dict[str, dict[str, Any]] = {
+def summarize(results: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, Any]]:
+    return {
         name: {
             "images_per_s": statistics.median(v["wall"]),
             "images_per_cpu_s": statistics.median(v["cpu"]),
@@ -350,10 +414,18 @@ def run(args: argparse.Namespace) -> int:
         }
         for name, v in results.items()
     }
-    lim = summary[names[0]]
-    ours = summary["hpctrain ShardedLoader"]
-    steady = summary["hpctrain, persistent workers, 2nd epoch"]
-    ratios = {
+
+
+def ratios(
+    summary: dict[str, dict[str, Any]], workers: int, latency_ms: float | None
+) -> dict[str, float]:
+    """The comparisons the report prints; `latency_ms` None: no remote cases."""
+    k = workers
+    side_by_side = side_by_side_name(k)
+    lim = summary[LIMIT]
+    ours = summary[HPCTRAIN]
+    steady = summary[STEADY]
+    out = {
         "hpctrain cpu-efficiency / limit": ours["images_per_cpu_s"] / lim["images_per_cpu_s"],
         "hpctrain steady-state cpu-efficiency / limit": steady["images_per_cpu_s"]
         / lim["images_per_cpu_s"],
@@ -362,24 +434,83 @@ def run(args: argparse.Namespace) -> int:
         f"hpctrain steady-state / {side_by_side} (images per CPU-s)": steady["images_per_cpu_s"]
         / summary[side_by_side]["images_per_cpu_s"],
         "hpctrain / ImageFolder (images per CPU-s)": ours["images_per_cpu_s"]
-        / summary["ImageFolder + DataLoader"]["images_per_cpu_s"],
+        / summary[IMAGE_FOLDER]["images_per_cpu_s"],
         "hpctrain / webdataset (images per CPU-s)": ours["images_per_cpu_s"]
-        / summary["webdataset + DataLoader"]["images_per_cpu_s"],
+        / summary[WEBDATASET]["images_per_cpu_s"],
         f"hpctrain wall / (limit x {k})": ours["images_per_s"] / (lim["images_per_s"] * max(k, 1)),
         f"hpctrain steady-state wall / (limit x {k})": steady["images_per_s"]
         / (lim["images_per_s"] * max(k, 1)),
     }
-    if args.remote:
-        no_delay, remote, per_file = (summary[name] for name in names[-3:])
-        ratios["hpctrain HTTP / local (wall)"] = remote["images_per_s"] / ours["images_per_s"]
-        ratios["hpctrain HTTP / the same without added latency (wall)"] = (
+    if latency_ms is not None:
+        http, per_file = http_names(latency_ms)
+        no_delay, remote, per_file_case = summary[HTTP_NO_DELAY], summary[http], summary[per_file]
+        out["hpctrain HTTP / local (wall)"] = remote["images_per_s"] / ours["images_per_s"]
+        out["hpctrain HTTP / the same without added latency (wall)"] = (
             remote["images_per_s"] / no_delay["images_per_s"]
         )
-        ratios["per-file HTTP / hpctrain HTTP (wall)"] = (
-            per_file["images_per_s"] / remote["images_per_s"]
+        out["per-file HTTP / hpctrain HTTP (wall)"] = (
+            per_file_case["images_per_s"] / remote["images_per_s"]
         )
+    return out
+
+
+def format_report(
+    meta: dict[str, Any], summary: dict[str, dict[str, Any]], comparisons: dict[str, float]
+) -> str:
+    lines = [
+        f"{meta['images']} images, {meta['workers']} workers, batch {meta['batch_size']}, "
+        f"RandomResizedCrop({meta['crop']}) + flip, uint8 batches; medians of {meta['rounds']} "
+        f"interleaved rounds; load average {meta['load_average']:.1f}",
+        f"{'case':<48} {'images/s (range)':>18} {'images/CPU-s (range)':>22}",
+    ]
+    for name, v in summary.items():
+        lo, hi = v["images_per_s_range"]
+        clo, chi = v["images_per_cpu_s_range"]
+        lines.append(
+            f"{name:<48} {v['images_per_s']:>6.0f} ({lo:.0f}-{hi:.0f}) "
+            f"{v['images_per_cpu_s']:>9.0f} ({clo:.0f}-{chi:.0f})"
+        )
+    lines += [f"{name}: {value:.2f}" for name, value in comparisons.items()]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    torch.set_num_threads(1)
+    from hpctrain.config.schema import DataConfig
+    from hpctrain.data import open_index
+    from hpctrain.data.workers import worker_start_method
+
+    with tempfile.TemporaryDirectory(prefix="hpctrain-bench-") as tmp, ExitStack() as servers:
+        root = Path(tmp)
+        if args.data:
+            images = images_from_shards(args.data, args.images)
+        else:
+            images = synthetic_images(args.images, root)
+        write_layouts(images, root)
+        b, k = args.batch_size, args.workers
+        setup = Setup(
+            root=root,
+            images=images[: max(len(images) // b, 1) * b],
+            batch_size=b,
+            workers=k,
+            crop=args.crop,
+            shard_index=open_index(str(root / "shards")),
+            data=DataConfig(
+                batch_size=b, workers_per_rank=k, shuffle_buffer=0, persistent_workers=False
+            ),
+            start_method=worker_start_method() if k else None,
+        )
+        remote = start_servers(root, args.latency_ms, servers) if args.remote else None
+        cases = make_cases(setup, remote, args.latency_ms)
+        server_pids = remote.pids if remote is not None else []
+        results = measure(cases, args.rounds, setup.num_images, server_pids)
+
+    summary = summarize(results)
+    comparisons = ratios(summary, k, args.latency_ms if args.remote else None)
     meta = {
-        "images": n,
+        "images": setup.num_images,
         "workers": k,
         "batch_size": b,
         "rounds": args.rounds,
@@ -387,20 +518,7 @@ def run(args: argparse.Namespace) -> int:
         "load_average": os.getloadavg()[0],
     }
     if args.json:
-        print(json.dumps({"meta": meta, "cases": summary, "ratios": ratios}, indent=1))
-        return 0
-    print(
-        f"{n} images, {k} workers, batch {b}, RandomResizedCrop({args.crop}) + flip, uint8 "
-        f"batches; medians of {args.rounds} interleaved rounds; load average {meta['load_average']:.1f}"
-    )
-    print(f"{'case':<48} {'images/s (range)':>18} {'images/CPU-s (range)':>22}")
-    for name, v in summary.items():
-        lo, hi = v["images_per_s_range"]
-        clo, chi = v["images_per_cpu_s_range"]
-        print(
-            f"{name:<48} {v['images_per_s']:>6.0f} ({lo:.0f}-{hi:.0f}) "
-            f"{v['images_per_cpu_s']:>9.0f} ({clo:.0f}-{chi:.0f})"
-        )
-    for name, value in ratios.items():
-        print(f"{name}: {value:.2f}")
+        print(json.dumps({"meta": meta, "cases": summary, "ratios": comparisons}, indent=1))
+    else:
+        print(format_report(meta, summary, comparisons))
     return 0
