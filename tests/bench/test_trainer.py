@@ -16,4 +16,9 @@ def test_trainer_bench_pairs_and_report(tmp_path: Path) -> None:
         assert r["ratio_min"] <= r["ratio"] <= r["ratio_max"]
         assert r["aa_min"] <= r["aa_ratio"] <= r["aa_max"]
     text = trainer.format_results({"compare": [result]})
-    assert "cpu time: trainer/reference" in text and "A/A" in text and "overhead" in text
+    lines = text.splitlines()
+    assert len(lines) == 4  # per clock: the ratios, then the step times
+    assert lines[0].startswith("mlp cpu time: Trainer / reference loop = ")
+    assert "reference B / reference A" in lines[0]
+    assert lines[1].startswith("mlp cpu time per step: reference loop ")
+    assert " ms, Trainer " in lines[1] and "Trainer - reference loop = " in lines[1]

@@ -412,8 +412,8 @@ def report(
 def format_report(r: dict[str, Any]) -> str:
     plan = r["plan"]
     mfu = (
-        f"{r['mfu']:.1%} ({r['achieved_tflops_per_gpu']:.0f} of {plan['peak_tflops']:.0f} "
-        f"TFLOP/s {plan['precision']} peak per GPU)"
+        f"{r['mfu']:.1%} = achieved / peak TFLOP/s per GPU ({r['achieved_tflops_per_gpu']:.0f} / "
+        f"{plan['peak_tflops']:.0f}, {plan['precision']})"
         if r["mfu"] is not None
         else "n/a (unknown GPU: set HPCTRAIN_PEAK_TFLOPS)"
     )
@@ -424,7 +424,7 @@ def format_report(r: dict[str, Any]) -> str:
             f"{plan['workers_per_rank']} loader workers/GPU ({plan['cpus']} CPUs)",
             f"images/s:        {r['images_per_s']:.0f} ({r['images_per_s_per_gpu']:.0f} per GPU), "
             f"step {r['step_time_ms']:.1f} ms",
-            f"data wait:       {r['data_wait_fraction']:.2%} of step time "
+            f"data wait:       data wait / step time = {r['data_wait_fraction']:.2%} "
             f"(worst rank {r['data_wait_fraction_worst']:.2%})",
             f"peak memory:     {r['peak_memory_mb'] / 1024:.1f} GiB (rank 0, allocated)",
             f"MFU:             {mfu}; {r['train_gflops_per_image']:.1f} GFLOP per trained image",

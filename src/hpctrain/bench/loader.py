@@ -426,29 +426,33 @@ def ratios(
     ours = summary[HPCTRAIN]
     steady = summary[STEADY]
     out = {
-        "hpctrain cpu-efficiency / limit": ours["images_per_cpu_s"] / lim["images_per_cpu_s"],
-        "hpctrain steady-state cpu-efficiency / limit": steady["images_per_cpu_s"]
+        "hpctrain / limit (images per CPU-s)": ours["images_per_cpu_s"] / lim["images_per_cpu_s"],
+        "hpctrain steady state / limit (images per CPU-s)": steady["images_per_cpu_s"]
         / lim["images_per_cpu_s"],
         f"{side_by_side} / limit (images per CPU-s)": summary[side_by_side]["images_per_cpu_s"]
         / lim["images_per_cpu_s"],
-        f"hpctrain steady-state / {side_by_side} (images per CPU-s)": steady["images_per_cpu_s"]
+        f"hpctrain steady state / {side_by_side} (images per CPU-s)": steady["images_per_cpu_s"]
         / summary[side_by_side]["images_per_cpu_s"],
         "hpctrain / ImageFolder (images per CPU-s)": ours["images_per_cpu_s"]
         / summary[IMAGE_FOLDER]["images_per_cpu_s"],
         "hpctrain / webdataset (images per CPU-s)": ours["images_per_cpu_s"]
         / summary[WEBDATASET]["images_per_cpu_s"],
-        f"hpctrain wall / (limit x {k})": ours["images_per_s"] / (lim["images_per_s"] * max(k, 1)),
-        f"hpctrain steady-state wall / (limit x {k})": steady["images_per_s"]
+        f"hpctrain / (limit x {k}) (images per wall second)": ours["images_per_s"]
+        / (lim["images_per_s"] * max(k, 1)),
+        f"hpctrain steady state / (limit x {k}) (images per wall second)": steady["images_per_s"]
         / (lim["images_per_s"] * max(k, 1)),
     }
     if latency_ms is not None:
         http, per_file = http_names(latency_ms)
         no_delay, remote, per_file_case = summary[HTTP_NO_DELAY], summary[http], summary[per_file]
-        out["hpctrain HTTP / local (wall)"] = remote["images_per_s"] / ours["images_per_s"]
-        out["hpctrain HTTP / the same without added latency (wall)"] = (
+        added = f"+{latency_ms:g} ms/request"
+        out[f"hpctrain over HTTP ({added}) / hpctrain local (images per wall second)"] = (
+            remote["images_per_s"] / ours["images_per_s"]
+        )
+        out[f"hpctrain over HTTP, {added} / no added latency (images per wall second)"] = (
             remote["images_per_s"] / no_delay["images_per_s"]
         )
-        out["per-file HTTP / hpctrain HTTP (wall)"] = (
+        out[f"per-file HTTP reads / hpctrain over HTTP, both {added} (images per wall second)"] = (
             per_file_case["images_per_s"] / remote["images_per_s"]
         )
     return out
@@ -470,7 +474,7 @@ def format_report(
             f"{name:<48} {v['images_per_s']:>6.0f} ({lo:.0f}-{hi:.0f}) "
             f"{v['images_per_cpu_s']:>9.0f} ({clo:.0f}-{chi:.0f})"
         )
-    lines += [f"{name}: {value:.2f}" for name, value in comparisons.items()]
+    lines += [f"{name}: {value:.2f}" for name, value in comparisons.items()]  # A / B (figure)
     return "\n".join(lines)
 
 
