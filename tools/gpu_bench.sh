@@ -59,7 +59,7 @@ while [[ $# -gt 0 ]]; do
   shift
 done
 
-bench() { "$PYTHON" -m hpctrain.train.gpu_bench "$@" --batch-size "$BATCH_SIZE" --workers "$WORKERS"; }
+bench() { "$PYTHON" -m hpctrain.bench.gpu "$@" --batch-size "$BATCH_SIZE" --workers "$WORKERS"; }
 
 mkdir -p "$WORK"
 PLAN="$(bench plan)"

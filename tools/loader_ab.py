@@ -70,12 +70,14 @@ def main() -> int:
     import hpctrain_ab.config.schema as schema_b  # type: ignore[import-not-found]
     import hpctrain_ab.data as data_b  # type: ignore[import-not-found]
 
+    from hpctrain.bench import loader as bench
+    from hpctrain.bench.measure import process_cpu_seconds, self_cpu_seconds
     from hpctrain.config.schema import DataConfig
-    from hpctrain.data import ShardedLoader, bench, open_index
+    from hpctrain.data import ShardedLoader, open_index
     from hpctrain.data.loader import decode_image
 
-    images = bench._synthetic_images(args.images, tmp)
-    bench._write_layouts(images, tmp)
+    images = bench.synthetic_images(args.images, tmp)
+    bench.write_layouts(images, tmp)
     shards = str(tmp / "shards")
     kw = dict(batch_size=32, workers_per_rank=args.workers, shuffle_buffer=0)
     transform = bench.HpctrainTransform(224)
@@ -93,24 +95,24 @@ def main() -> int:
         ),
     }
     for loader in loaders.values():
-        bench._count(loader)  # starts the persistent workers
+        bench.count_images(loader)  # starts the persistent workers
 
     workers = children()  # persistent: the same processes in every epoch
 
     def cpu_seconds() -> float:
-        return bench._self_cpu() + sum(bench._proc_cpu(p) for p in workers)
+        return self_cpu_seconds() + sum(process_cpu_seconds(p) for p in workers)
 
     def epoch(loader: object, number: int) -> tuple[float, float]:
         loader.set_epoch(number)  # type: ignore[attr-defined]
         cpu0, t0 = cpu_seconds(), time.perf_counter()
-        n = bench._count(loader)
+        n = bench.count_images(loader)
         return n / (cpu_seconds() - cpu0), n / (time.perf_counter() - t0)
 
     def limit() -> float:
-        cpu0 = bench._self_cpu()
+        cpu0 = self_cpu_seconds()
         for data, _label in images:
             transform({"image": decode_image(data)})
-        return len(images) / (bench._self_cpu() - cpu0)
+        return len(images) / (self_cpu_seconds() - cpu0)
 
     names = list(loaders)
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in names}

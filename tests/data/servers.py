@@ -1,4 +1,4 @@
-"""Servers on loopback for the remote-storage tests: HTTP (`hpctrain.data.loopback`, with
+"""Servers on loopback for the remote-storage tests: HTTP (`hpctrain.bench.loopback`, with
 faults on demand) and S3 (moto's `ThreadedMotoServer`, with fsspec options for it)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from hpctrain.data.loopback import HttpLog, serve_http
+from hpctrain.bench.loopback import HttpLog, serve_http
 from tests.servers import moto_s3_server, s3_storage_options
 
 __all__ = ["HttpLog", "make_bucket", "serve_http", "serve_s3"]

@@ -256,6 +256,22 @@ def test_breaking_out_and_iterating_again_continues_with_persistent_workers(shar
     assert got == full
 
 
+def test_worker_pids_name_the_persistent_workers_until_close(shards):
+    root, _ = shards
+    index = open_index(str(root))
+    c = cfg(workers_per_rank=2, persistent_workers=True)
+    loader = ShardedLoader(index, c, rank=0, world_size=1, seed=0)
+    assert loader.worker_pids == []
+    keys_of(loader)
+    pids = loader.worker_pids
+    assert len(pids) == 2 and all(isinstance(p, int) and p > 0 for p in pids)
+    loader.set_epoch(1)
+    keys_of(loader)
+    assert loader.worker_pids == pids  # persistent: the same processes
+    loader.close()
+    assert loader.worker_pids == []
+
+
 @pytest.mark.parametrize("new_workers", [0, 1])
 def test_state_saved_after_the_last_batch_resumes_into_the_next_epoch(shards, new_workers):
     root, _ = shards

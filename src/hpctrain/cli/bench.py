@@ -13,10 +13,10 @@ EPILOG = "example: hpctrain bench convert --help"
 
 # name -> module with HELP, add_arguments(parser), run(args) -> int
 BENCHES: dict[str, str] = {
-    "checkpoint": "hpctrain.checkpoint.bench",
-    "convert": "hpctrain.convert.bench",
-    "trainer": "hpctrain.train.bench",
-    "loader": "hpctrain.data.bench",
+    "checkpoint": "hpctrain.bench.checkpoint",
+    "convert": "hpctrain.bench.convert",
+    "trainer": "hpctrain.bench.trainer",
+    "loader": "hpctrain.bench.loader",
 }
 
 

@@ -802,6 +802,15 @@ class ShardedLoader:
         if self._pool is not None:
             self._stop(self._pool)
 
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of this loader's workers while they run ([] without workers, before
+        the first pass, after `close`, and between passes unless workers are persistent).
+
+        For accounting outside the loader, such as their CPU time from /proc.
+        """
+        return self._pool.pids if self._pool is not None else []
+
     def stats(self) -> dict[str, int]:
         """Counters since the loader was built: retries, shards_failed, samples_lost, bytes."""
         return dict(self._stats)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpctrain.bench import gpu
 from hpctrain.config import load_config
-from hpctrain.train import gpu_bench
 from tests.train.helpers import REPO
 
 
@@ -28,24 +28,24 @@ from tests.train.helpers import REPO
 )
 def test_peak_table(name: str, peak: float | None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HPCTRAIN_PEAK_TFLOPS", raising=False)
-    assert gpu_bench.peak_tflops(name) == peak
+    assert gpu.peak_tflops(name) == peak
 
 
 def test_plan_uses_the_node_cpus_and_the_gpu_generation() -> None:
-    h200 = gpu_bench.make_plan(1, "NVIDIA H200", 9, 139, cpus=16)
+    h200 = gpu.make_plan(1, "NVIDIA H200", 9, 139, cpus=16)
     assert (h200.precision, h200.batch_size, h200.workers_per_rank) == ("bf16", 256, 15)
-    jean_zay_v100 = gpu_bench.make_plan(4, "Tesla V100-SXM2-32GB", 7, 32, cpus=40)
+    jean_zay_v100 = gpu.make_plan(4, "Tesla V100-SXM2-32GB", 7, 32, cpus=40)
     assert jean_zay_v100.precision == "fp16"  # V100 has no bf16
     assert (jean_zay_v100.batch_size, jean_zay_v100.workers_per_rank) == (128, 9)
-    assert gpu_bench.make_plan(8, "x", 8, 16, cpus=4, workers_per_rank=3).workers_per_rank == 3
+    assert gpu.make_plan(8, "x", 8, 16, cpus=4, workers_per_rank=3).workers_per_rank == 3
     # 4 H100 x 23 workers: 368 workers, 40,000 images -> 108 per shard, 371 shards
-    assert gpu_bench.samples_per_shard(40_000, 4 * 23) == 108
-    assert gpu_bench.samples_per_shard(20_000, 15) == 256
-    assert gpu_bench.samples_per_shard(30, 1) == 16
+    assert gpu.samples_per_shard(40_000, 4 * 23) == 108
+    assert gpu.samples_per_shard(20_000, 15) == 256
+    assert gpu.samples_per_shard(30, 1) == 16
 
 
 def test_resnet50_training_flops_and_report(tmp_path: Path) -> None:
-    flops = gpu_bench.train_flops_per_image("resnet50", 224)
+    flops = gpu.train_flops_per_image("resnet50", 224)
     assert 23e9 < flops < 26e9  # 3 x 4.1 GMAC x 2
     run = tmp_path / "run"
     run.mkdir()
@@ -62,11 +62,11 @@ def test_resnet50_training_flops_and_report(tmp_path: Path) -> None:
         for s in range(10, 60, 10)
     ]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
-    plan = gpu_bench.make_plan(1, "NVIDIA H200", 9, 139, cpus=16)
-    result = gpu_bench.report(run, plan, flops)
+    plan = gpu.make_plan(1, "NVIDIA H200", 9, 139, cpus=16)
+    result = gpu.report(run, plan, flops)
     assert result["steps_measured"] == 30 and result["images_per_s"] == 2540.0
     assert result["mfu"] == pytest.approx(2540.0 * flops / 989e12)
-    text = gpu_bench.format_report(result)
+    text = gpu.format_report(result)
     assert "images/s" in text and "data wait" in text and "MFU" in text and "GiB" in text
 
 
@@ -83,7 +83,7 @@ def test_dry_run_generates_shards_and_a_valid_config(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "dry run: config valid" in proc.stdout and "--nproc 1" in proc.stdout
-    for cell in gpu_bench.SMOKE_CELLS:
+    for cell in gpu.SMOKE_CELLS:
         assert f"smoke {cell.name:22s} config valid" in proc.stdout, proc.stdout
     index = json.loads((tmp_path / "shards" / "index.json").read_text())
     assert sum(s["num_samples"] for s in index["shards"]) == 30
@@ -97,7 +97,7 @@ def test_dry_run_generates_shards_and_a_valid_config(tmp_path: Path) -> None:
 
 
 def test_smoke_cells_are_the_matrix_gpu_cells_and_outcomes(tmp_path: Path) -> None:
-    cells = {(c.strategy, c.precision, c.model) for c in gpu_bench.SMOKE_CELLS}
+    cells = {(c.strategy, c.precision, c.model) for c in gpu.SMOKE_CELLS}
     assert cells == {
         (s, p, m)
         for s in ("ddp", "fsdp")
@@ -110,18 +110,17 @@ def test_smoke_cells_are_the_matrix_gpu_cells_and_outcomes(tmp_path: Path) -> No
         "train.precision=bf16: Tesla V100 (compute capability 7.0) has no bf16; use fp16 or fp32"
     )
     assert (
-        gpu_bench.smoke_outcome(2, f"hpctrain train: config error: {refusal}", run, refusal)
-        == "refused"
+        gpu.smoke_outcome(2, f"hpctrain train: config error: {refusal}", run, refusal) == "refused"
     )
-    assert gpu_bench.smoke_outcome(0, "", run, refusal).startswith("FAILED")
-    assert gpu_bench.smoke_outcome(0, "", run, "") == "FAILED: no loss logged"
+    assert gpu.smoke_outcome(0, "", run, refusal).startswith("FAILED")
+    assert gpu.smoke_outcome(0, "", run, "") == "FAILED: no loss logged"
     (run / "metrics.jsonl").write_text(
         '{"kind": "train", "loss": 6.9}\n{"kind": "train", "loss": NaN}\n'
     )
-    assert gpu_bench.smoke_outcome(0, "", run, "").startswith("FAILED: losses")
+    assert gpu.smoke_outcome(0, "", run, "").startswith("FAILED: losses")
     (run / "metrics.jsonl").write_text('{"kind": "train", "loss": 6.9}\n')
-    assert gpu_bench.smoke_outcome(0, "", run, "") == "trained"
-    assert gpu_bench.smoke_outcome(1, "", run, "") == "FAILED: exit 1"
+    assert gpu.smoke_outcome(0, "", run, "") == "trained"
+    assert gpu.smoke_outcome(1, "", run, "") == "FAILED: exit 1"
 
 
 @pytest.mark.gpu

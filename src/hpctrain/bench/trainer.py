@@ -299,25 +299,36 @@ def data_wait(shards: Path, steps: int, work: Path) -> dict[str, Any]:
 
 
 def format_results(results: dict[str, Any]) -> str:
+    """Two lines per model and clock: the ratios, then the step times they come from.
+
+    A ratio is a median of paired ratios and the overhead a median of paired differences, so
+    neither is computed from the two median step times printed beside them.
+    """
     lines = []
     for result in results["compare"]:
+        model, pairs, steps = result["model"], result["pairs"], result["steps_per_segment"]
         for clock in ("cpu", "wall"):
             r = result[clock]
             verdict = "TOO NOISY (A/A outside 1.00 ± 0.03)" if r["noisy"] else "ok"
             lines.append(
-                f"{result['model']:>8} {clock:>4} time: trainer/reference {r['ratio']:.3f} "
-                f"(pairs {r['ratio_min']:.3f}..{r['ratio_max']:.3f}), "
-                f"A/A {r['aa_ratio']:.3f} ({r['aa_min']:.3f}..{r['aa_max']:.3f}) [{verdict}]; "
-                f"step {r['reference_step_ms']:.3f} ms vs {r['trainer_step_ms']:.3f} ms, "
-                f"overhead {r['overhead_ms']:.3f} ms/step "
-                f"({result['pairs']} pairs x {result['steps_per_segment']} steps)"
+                f"{model} {clock} time: Trainer / reference loop = {r['ratio']:.3f} "
+                f"(median of {pairs} paired segments, {r['ratio_min']:.3f}..{r['ratio_max']:.3f}; "
+                f"above 1: the Trainer is slower); A/A control, reference B / reference A "
+                f"= {r['aa_ratio']:.3f} ({r['aa_min']:.3f}..{r['aa_max']:.3f}) [{verdict}]"
+            )
+            lines.append(
+                f"{model} {clock} time per step: reference loop {r['reference_step_ms']:.3f} ms, "
+                f"Trainer {r['trainer_step_ms']:.3f} ms (medians); Trainer overhead, Trainer - "
+                f"reference loop = {r['overhead_ms']:.3f} ms/step (median of {pairs} paired "
+                f"segments of {steps} steps)"
             )
     d = results.get("data_wait")
     if d:
         lines.append(
             f"demo data wait (2 workers, batch {d['batch_size']}, {d['image_size']} px): "
-            f"{d['data_wait_fraction']:.1%} of step time (first interval {d['first_interval']:.1%}), "
-            f"step {d['step_time_ms']:.1f} ms, {d['samples_per_s']:.0f} samples/s"
+            f"data wait / step time = {d['data_wait_fraction']:.1%} "
+            f"(first interval {d['first_interval']:.1%}); step {d['step_time_ms']:.1f} ms, "
+            f"{d['samples_per_s']:.0f} samples/s"
         )
     return "\n".join(lines)
 

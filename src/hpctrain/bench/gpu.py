@@ -3,11 +3,11 @@
 The shell script is the entry point on a GPU node (a Jean Zay node inside a job, or a single
 H200 machine); this module holds the parts that can be tested on a CPU:
 
-    python -m hpctrain.train.gpu_bench plan --num-gpus N            # workers, batch, precision
-    python -m hpctrain.train.gpu_bench data DIR --num-images N --size PX
-    python -m hpctrain.train.gpu_bench config DIR ...               # DIR/config.yaml
-    python -m hpctrain.train.gpu_bench smoke DIR [--dry-run]        # the matrix's GPU cells
-    python -m hpctrain.train.gpu_bench report RUN_DIR --num-gpus N ...
+    python -m hpctrain.bench.gpu plan --num-gpus N          # workers, batch, precision
+    python -m hpctrain.bench.gpu data DIR --num-images N --size PX
+    python -m hpctrain.bench.gpu config DIR ...             # DIR/config.yaml
+    python -m hpctrain.bench.gpu smoke DIR [--dry-run]      # the matrix's GPU cells
+    python -m hpctrain.bench.gpu report RUN_DIR --num-gpus N ...
 
 The smoke pass runs the GPU cells of the precision matrix (tests/train/test_matrix.py runs
 the CPU ones): ddp/fsdp x bf16/fp16 on ResNet-50 and ViT-B/16 at 224 px, a few steps each on
@@ -412,8 +412,8 @@ def report(
 def format_report(r: dict[str, Any]) -> str:
     plan = r["plan"]
     mfu = (
-        f"{r['mfu']:.1%} ({r['achieved_tflops_per_gpu']:.0f} of {plan['peak_tflops']:.0f} "
-        f"TFLOP/s {plan['precision']} peak per GPU)"
+        f"{r['mfu']:.1%} = achieved / peak TFLOP/s per GPU ({r['achieved_tflops_per_gpu']:.0f} / "
+        f"{plan['peak_tflops']:.0f}, {plan['precision']})"
         if r["mfu"] is not None
         else "n/a (unknown GPU: set HPCTRAIN_PEAK_TFLOPS)"
     )
@@ -424,7 +424,7 @@ def format_report(r: dict[str, Any]) -> str:
             f"{plan['workers_per_rank']} loader workers/GPU ({plan['cpus']} CPUs)",
             f"images/s:        {r['images_per_s']:.0f} ({r['images_per_s_per_gpu']:.0f} per GPU), "
             f"step {r['step_time_ms']:.1f} ms",
-            f"data wait:       {r['data_wait_fraction']:.2%} of step time "
+            f"data wait:       data wait / step time = {r['data_wait_fraction']:.2%} "
             f"(worst rank {r['data_wait_fraction_worst']:.2%})",
             f"peak memory:     {r['peak_memory_mb'] / 1024:.1f} GiB (rank 0, allocated)",
             f"MFU:             {mfu}; {r['train_gflops_per_image']:.1f} GFLOP per trained image",
@@ -433,7 +433,7 @@ def format_report(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hpctrain.train.gpu_bench")
+    parser = argparse.ArgumentParser(prog="python -m hpctrain.bench.gpu")
     sub = parser.add_subparsers(dest="command", required=True)
     p_plan = sub.add_parser("plan")
     p_data = sub.add_parser("data")

@@ -128,7 +128,7 @@ def serve_http_process(root: Path, *, delay_s: float = 0.0) -> Iterator[tuple[st
 
     It serves until its standard input closes, so it never outlives this process."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hpctrain.data.loopback", str(root), "--delay-s", str(delay_s)],
+        [sys.executable, "-m", "hpctrain.bench.loopback", str(root), "--delay-s", str(delay_s)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

@@ -175,7 +175,7 @@ class _Bench:
         blocked = time.perf_counter() - start
         manager.wait()
         total = time.perf_counter() - start
-        shutil.rmtree(os.path.join(manager._store.root, step_dir_name(self.step)))
+        shutil.rmtree(os.path.join(manager.root, step_dir_name(self.step)))
         return {"total": total, "blocked": blocked}
 
     def hp_sync(self) -> dict[str, float]:
@@ -279,7 +279,11 @@ def format_results(results: dict[str, Any]) -> str:
     lines = [
         f"state: {results['params']:.3g} params + AdamW moments = {results['bytes'] / 1e9:.2f} GB, "
         f"{results['rounds']} interleaved rounds (medians; ranges over rounds)",
-        f"{'method':<18} {'s/save':>7} {'MB/s':>7} {'x dd':>6} {'range':>13} {'blocked':>8} {'x sync':>7}",
+        "columns: s/op = seconds per save (per load for the loads); MB/s = state bytes / s/op; "
+        "/dd = dd's time / the method's = the method's throughput / dd's (above 1: faster "
+        "than dd); blocked = seconds the save held the caller; /sync = blocked / the matching "
+        "sync save's s/op",
+        f"{'method':<18} {'s/op':>7} {'MB/s':>7} {'/dd':>6} {'/dd range':>13} {'blocked':>8} {'/sync':>7}",
     ]
     for name, e in results["methods"].items():
         low, high = e["ratio_to_dd_range"]
@@ -288,11 +292,12 @@ def format_results(results: dict[str, Any]) -> str:
             line += f" {e['blocked_s']:>7.2f}s {e['blocked_ratio_to_sync']:>7.2f}"
         lines.append(line)
     c = results["checksums"]
+    save_low, save_high = c["sync_save_throughput_ratio_range"]
+    load_low, load_high = c["load_time_ratio_range"]
     lines.append(
-        f"crc32c vs size: sync save throughput x{c['sync_save_throughput_ratio']:.2f} "
-        f"({c['sync_save_throughput_ratio_range'][0]:.2f}-{c['sync_save_throughput_ratio_range'][1]:.2f}), "
-        f"load time x{c['load_time_ratio']:.2f} "
-        f"({c['load_time_ratio_range'][0]:.2f}-{c['load_time_ratio_range'][1]:.2f})"
+        f"checksums: sync save throughput, crc32c / size = {c['sync_save_throughput_ratio']:.2f} "
+        f"({save_low:.2f}-{save_high:.2f}; 1.00: free); "
+        f"load time, crc32c / size = {c['load_time_ratio']:.2f} ({load_low:.2f}-{load_high:.2f})"
     )
     return "\n".join(lines)
 

@@ -1,0 +1,14 @@
+"""Benchmarks behind `hpctrain bench <case>` and `tools/gpu_bench.sh`, one module per part measured.
+
+They ship with the package because compute nodes run the installed package. Each measures its
+part side by side with a baseline in one run and prints ratios; they use only the public API
+of what they measure.
+
+- `loader`: the loader against the decode limit, ImageFolder and webdataset;
+- `convert`: shard writers (tarfile, webdataset.ShardWriter, `hpctrain convert`);
+- `checkpoint`: saves and loads against `dd`, DCP and `torch.save`;
+- `trainer`: the Trainer's step against a hand-written loop;
+- `gpu`: the Python half of `tools/gpu_bench.sh`;
+- `loopback`: an HTTP server on 127.0.0.1 (the loader's remote cases, the remote-storage tests);
+- `measure`: CPU-time accounting shared by the benchmarks.
+"""

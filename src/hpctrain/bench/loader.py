@@ -1,0 +1,528 @@
+"""`hpctrain bench loader`: hpctrain's loader against the decode limit, ImageFolder, webdataset.
+
+Cases, interleaved round by round on the same images (rotating order), medians reported:
+
+1. limit: decode + the transform in a tight loop, one process, one thread; beside it, the
+   same loop in K processes at once (what K processes sharing the machine can reach);
+2. ImageFolder + DataLoader (K workers, default collate, uint8 batches);
+3. plain webdataset `WebDataset(urls).decode("pil")` + DataLoader (what a stock user writes);
+4. hpctrain's `ShardedLoader`;
+and with `--remote`, over an HTTP server on loopback adding `--latency-ms` to every request:
+5. hpctrain's loader streaming the shards (and the same without the added latency);
+6. per-file reads of the image folder (one request per image: the small-files problem).
+
+Figures: wall images/s and images per CPU-second (main process + workers, from getrusage; in
+the remote cases the loopback server's too: it runs in a process of its own, from /proc).
+CPU efficiency is stable on a shared machine, wall time is not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import resource
+import statistics
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, replace
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torch.utils.data import DataLoader, Dataset
+
+from hpctrain.bench.measure import cpu_seconds, process_cpu_seconds, self_cpu_seconds
+
+if TYPE_CHECKING:  # the loader itself is imported when a case runs, not by `hpctrain --help`
+    from hpctrain.config.schema import DataConfig
+    from hpctrain.data import ShardedLoader
+    from hpctrain.data.index import ShardIndex
+
+HELP = "loader throughput: decode limit vs ImageFolder vs webdataset vs hpctrain (images/CPU-s)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "data",
+        nargs="?",
+        default="",
+        help="shards (index.json, folder or pattern); empty: synthetic JPEGs (--images)",
+    )
+    parser.add_argument("--workers", type=int, default=2, help="DataLoader workers (default 2)")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--images", type=int, default=800, help="images per case per round")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median)")
+    parser.add_argument("--crop", type=int, default=224, help="RandomResizedCrop size")
+    parser.add_argument("--remote", action="store_true", help="add the loopback HTTP cases")
+    parser.add_argument("--latency-ms", type=float, default=20.0, help="added per HTTP request")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
+def synthetic_images(n: int, root: Path) -> list[tuple[bytes, int]]:
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    out = []
+    base = np.linspace(0, 255, 400, dtype=np.float32)[None, :, None]
+    for i in range(n):
+        noise = rng.normal(0, 20, (300, 400, 3)).astype(np.float32)
+        pixels = np.clip(base + noise + (i * 37) % 100, 0, 255).astype(np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(pixels).save(buf, format="JPEG", quality=90)
+        out.append((buf.getvalue(), i % 10))
+    return out
+
+
+def images_from_shards(spec: str, n: int) -> list[tuple[bytes, int]]:
+    from hpctrain.data import open_index
+    from hpctrain.data.stream import iter_samples, open_shard
+
+    index = open_index(spec)
+    out: list[tuple[bytes, int]] = []
+    for i in range(len(index.shards)):
+        with open_shard(index.shard_url(i)) as f:
+            for _idx, _key, members in iter_samples(f):
+                image = members.get("jpg") or members.get("jpeg") or members.get("png")
+                if image is not None:
+                    out.append((image, int(members.get("cls", b"0").strip() or 0)))
+                if len(out) >= n:
+                    return out
+    return out
+
+
+def write_layouts(images: list[tuple[bytes, int]], root: Path, per_shard: int = 100) -> None:
+    """The same images as an ImageFolder (root/folder/<cls>/<i>.jpg) and as USTAR shards."""
+    from hpctrain.data.index import ShardIndex, ShardInfo, index_to_bytes
+
+    for i, (data, label) in enumerate(images):
+        d = root / "folder" / f"c{label:03d}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"{i:06d}.jpg").write_bytes(data)
+    shard_dir = root / "shards"
+    shard_dir.mkdir()
+    infos = []
+    for s, lo in enumerate(range(0, len(images), per_shard)):
+        name = f"bench-{s:06d}.tar"
+        with tarfile.open(shard_dir / name, "w", format=tarfile.USTAR_FORMAT) as tar:
+            for i in range(lo, min(lo + per_shard, len(images))):
+                data, label = images[i]
+                for ext, payload in (("jpg", data), ("cls", str(label).encode())):
+                    info = tarfile.TarInfo(f"{i:06d}.{ext}")
+                    info.size = len(payload)
+                    tar.addfile(info, io.BytesIO(payload))
+        size = (shard_dir / name).stat().st_size
+        infos.append(
+            ShardInfo(url=name, num_samples=min(per_shard, len(images) - lo), num_bytes=size)
+        )
+    (shard_dir / "index.json").write_bytes(index_to_bytes(ShardIndex(shards=tuple(infos))))
+
+
+def _tensor_transform(crop: int) -> Callable[[Any], Any]:
+    from torchvision.transforms import v2
+
+    return v2.Compose([v2.RandomResizedCrop(crop, antialias=True), v2.RandomHorizontalFlip()])
+
+
+class _Sample:  # picklable transform wrappers (DataLoader workers may be spawned)
+    def __init__(self, crop: int) -> None:
+        self.crop = crop
+        self.t: Callable[[Any], Any] | None = None
+
+    def _transform(self) -> Callable[[Any], Any]:
+        if self.t is None:
+            self.t = _tensor_transform(self.crop)
+        return self.t
+
+
+class HpctrainTransform(_Sample):
+    def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
+        sample["image"] = self._transform()(sample["image"])
+        return sample
+
+
+class PilTransform(_Sample):
+    """PIL image -> uint8 tensor -> crop + flip (tensor-first, the faster order here)."""
+
+    def __call__(self, image: Any) -> Any:
+        from torchvision.transforms.v2 import functional as F
+
+        return self._transform()(F.pil_to_tensor(image.convert("RGB")))
+
+
+class _HttpFiles(Dataset):
+    """Map-style dataset reading each image with its own HTTP request (fsspec)."""
+
+    def __init__(self, urls: list[str], labels: list[int], crop: int) -> None:
+        self.urls, self.labels, self.t = urls, labels, HpctrainTransform(crop)
+
+    def __len__(self) -> int:
+        return len(self.urls)
+
+    def __getitem__(self, i: int) -> tuple[Any, int]:
+        import fsspec
+
+        from hpctrain.data.loader import decode_image
+
+        data = fsspec.filesystem("http").cat_file(self.urls[i])
+        return self.t({"image": decode_image(data)})["image"], self.labels[i]
+
+
+def count_images(loader: Any) -> int:
+    """Images in every batch `loader` yields (dict batches or (images, labels) tuples)."""
+    n = 0
+    for batch in loader:
+        images = batch["image"] if isinstance(batch, dict) else batch[0]
+        n += len(images)
+    return n
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every case reads: the same images (as an image folder and as shards under `root`)
+    and the settings they share."""
+
+    root: Path
+    images: list[tuple[bytes, int]]  # whole batches: every case reads all
+    batch_size: int
+    workers: int
+    crop: int
+    shard_index: ShardIndex
+    data: DataConfig
+    start_method: str | None  # the DataLoader cases' multiprocessing context
+
+    @property
+    def num_images(self) -> int:
+        return len(self.images)
+
+    def dataloader(self, dataset: Any, **kwargs: Any) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            num_workers=self.workers,
+            multiprocessing_context=self.start_method,
+            **kwargs,
+        )
+
+
+@dataclass(frozen=True)
+class Remote:
+    """The loopback HTTP servers of the `--remote` cases and what they serve."""
+
+    index: ShardIndex  # with the added latency
+    fast_index: ShardIndex  # without it
+    file_urls: list[str]
+    labels: list[int]
+    pids: list[int]  # the servers' processes, whose CPU counts with the case they serve
+
+
+# The cases. Each returns the images it read, or (images, wall s, CPU s) when it measures itself.
+
+
+def limit(setup: Setup) -> int:
+    """Decode + the transform in a tight loop, in this process."""
+    from hpctrain.data.loader import decode_image
+
+    transform = HpctrainTransform(setup.crop)
+    for data, _label in setup.images:
+        transform({"image": decode_image(data)})
+    return setup.num_images
+
+
+def limit_side_by_side(setup: Setup) -> tuple[int, float, float]:
+    """The limit's loop in K forked processes at once: what K processes sharing this
+    machine's caches and memory bandwidth can reach, before any loader cost."""
+    kids = max(setup.workers, 1)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    pids = []
+    for _ in range(kids):
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            code = 1
+            try:
+                limit(setup)
+                code = 0
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    if any(os.waitpid(pid, 0)[1] for pid in pids):
+        raise RuntimeError("a side-by-side limit process failed")
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = sum(getattr(after, f) - getattr(before, f) for f in ("ru_utime", "ru_stime"))
+    return setup.num_images * kids, wall, cpu
+
+
+def image_folder(setup: Setup) -> int:
+    from torchvision.datasets import ImageFolder
+
+    dataset = ImageFolder(str(setup.root / "folder"), transform=PilTransform(setup.crop))
+    return count_images(setup.dataloader(dataset, shuffle=False))
+
+
+def webdataset(setup: Setup) -> int:
+    import webdataset as wds
+
+    index = setup.shard_index
+    urls = [index.shard_url(i) for i in range(len(index.shards))]
+    dataset = (
+        wds.WebDataset(urls, shardshuffle=False, empty_check=False)
+        .decode("pil")
+        .to_tuple("jpg", "cls")
+        .map_tuple(PilTransform(setup.crop), lambda x: x)
+    )
+    return count_images(setup.dataloader(dataset))
+
+
+def _sharded_loader(setup: Setup, index: ShardIndex, data: DataConfig) -> ShardedLoader:
+    from hpctrain.data import ShardedLoader
+
+    transform = HpctrainTransform(setup.crop)
+    return ShardedLoader(index, data, rank=0, world_size=1, seed=0, transform=transform)
+
+
+def hpctrain_loader(setup: Setup, index: ShardIndex) -> int:
+    """One epoch of `ShardedLoader` over `index` (local shards, or over HTTP)."""
+    return count_images(_sharded_loader(setup, index, setup.data))
+
+
+def hpctrain_steady(setup: Setup) -> tuple[int, float, float]:
+    """Second epoch with persistent workers: no fork or start-up in the figures.
+
+    Workers' CPU comes from /proc (getrusage sees workers only once they exit)."""
+    loader = _sharded_loader(setup, setup.shard_index, replace(setup.data, persistent_workers=True))
+    count_images(loader)  # warm-up epoch: starts the workers
+    pids = loader.worker_pids
+    loader.set_epoch(1)
+    cpu0 = self_cpu_seconds() + sum(process_cpu_seconds(p) for p in pids)
+    t0 = time.perf_counter()
+    count = count_images(loader)
+    wall = time.perf_counter() - t0
+    cpu = self_cpu_seconds() + sum(process_cpu_seconds(p) for p in pids) - cpu0
+    loader.close()  # join the workers now, so that no later case counts their exit
+    return count, wall, cpu
+
+
+def per_file_http(setup: Setup, remote: Remote) -> int:
+    """One HTTP request per image of the folder: the small-files problem."""
+    dataset = _HttpFiles(remote.file_urls, remote.labels, setup.crop)
+    return count_images(setup.dataloader(dataset))
+
+
+LIMIT = "limit (decode+transform, 1 thread)"
+IMAGE_FOLDER = "ImageFolder + DataLoader"
+WEBDATASET = "webdataset + DataLoader"
+HPCTRAIN = "hpctrain ShardedLoader"
+STEADY = "hpctrain, persistent workers, 2nd epoch"
+HTTP_NO_DELAY = "hpctrain over HTTP (no added latency)"
+
+
+def side_by_side_name(workers: int) -> str:
+    return f"limit x{max(workers, 1)}, forked, side by side"
+
+
+def http_names(latency_ms: float) -> tuple[str, str]:
+    """Names of the cases with added latency: hpctrain over HTTP, per-file HTTP reads."""
+    return (
+        f"hpctrain over HTTP (+{latency_ms:g} ms/request)",
+        f"per-file HTTP reads (+{latency_ms:g} ms/request)",
+    )
+
+
+def make_cases(
+    setup: Setup, remote: Remote | None, latency_ms: float
+) -> dict[str, Callable[[], Any]]:
+    """The cases in their first round's order."""
+    cases: dict[str, Callable[[], Any]] = {
+        LIMIT: partial(limit, setup),
+        side_by_side_name(setup.workers): partial(limit_side_by_side, setup),
+        IMAGE_FOLDER: partial(image_folder, setup),
+        WEBDATASET: partial(webdataset, setup),
+        HPCTRAIN: partial(hpctrain_loader, setup, setup.shard_index),
+        STEADY: partial(hpctrain_steady, setup),
+    }
+    if remote is not None:
+        # without the added latency: what HTTP itself costs here (the server shares this
+        # machine's CPUs), apart from the latency to hide
+        http, per_file = http_names(latency_ms)
+        cases[HTTP_NO_DELAY] = partial(hpctrain_loader, setup, remote.fast_index)
+        cases[http] = partial(hpctrain_loader, setup, remote.index)
+        cases[per_file] = partial(per_file_http, setup, remote)
+    return cases
+
+
+def start_servers(root: Path, latency_ms: float, stack: ExitStack) -> Remote:
+    """Two HTTP servers of `root` (with and without the added latency), closed with `stack`.
+
+    Each server runs in a process of its own, as storage does: run inside this process, its
+    threads and this process's forked workers slowed each other (~3x the server's CPU per
+    image here). Its CPU is counted with the case it serves.
+    """
+    from hpctrain.bench.loopback import serve_http_process
+    from hpctrain.data import open_index
+
+    url, pid = stack.enter_context(serve_http_process(root, delay_s=latency_ms / 1000))
+    fast_url, fast_pid = stack.enter_context(serve_http_process(root))
+    files = sorted((root / "folder").rglob("*.jpg"))
+    return Remote(
+        index=open_index(f"{url}/shards/index.json"),
+        fast_index=open_index(f"{fast_url}/shards/index.json"),
+        file_urls=[f"{url}/{p.relative_to(root).as_posix()}" for p in files],
+        labels=[int(p.parent.name[1:]) for p in files],
+        pids=[pid, fast_pid],
+    )
+
+
+def measure(
+    cases: dict[str, Callable[[], Any]], rounds: int, num_images: int, server_pids: list[int]
+) -> dict[str, dict[str, list[float]]]:
+    """Images per wall second and per CPU second of every case, round by round; the order
+    rotates each round so that no case always runs first."""
+    results: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in cases}
+    names = list(cases)
+    for r in range(rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            cpu0 = cpu_seconds() + sum(process_cpu_seconds(p) for p in server_pids)
+            t0 = time.perf_counter()
+            count = cases[name]()
+            wall = time.perf_counter() - t0
+            cpu = cpu_seconds() + sum(process_cpu_seconds(p) for p in server_pids) - cpu0
+            if isinstance(count, tuple):  # a case that measures itself
+                count, wall, cpu = count
+            if count % num_images and not name.startswith("limit"):
+                print(f"warning: {name} gave {count} of {num_images} images", file=sys.stderr)
+            results[name]["wall"].append(count / wall)
+            results[name]["cpu"].append(count / cpu)
+    return results
+
+
+def summarize(results: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, Any]]:
+    return {
+        name: {
+            "images_per_s": statistics.median(v["wall"]),
+            "images_per_cpu_s": statistics.median(v["cpu"]),
+            "images_per_s_range": [min(v["wall"]), max(v["wall"])],
+            "images_per_cpu_s_range": [min(v["cpu"]), max(v["cpu"])],
+        }
+        for name, v in results.items()
+    }
+
+
+def ratios(
+    summary: dict[str, dict[str, Any]], workers: int, latency_ms: float | None
+) -> dict[str, float]:
+    """The comparisons the report prints; `latency_ms` None: no remote cases."""
+    k = workers
+    side_by_side = side_by_side_name(k)
+    lim = summary[LIMIT]
+    ours = summary[HPCTRAIN]
+    steady = summary[STEADY]
+    out = {
+        "hpctrain / limit (images per CPU-s)": ours["images_per_cpu_s"] / lim["images_per_cpu_s"],
+        "hpctrain steady state / limit (images per CPU-s)": steady["images_per_cpu_s"]
+        / lim["images_per_cpu_s"],
+        f"{side_by_side} / limit (images per CPU-s)": summary[side_by_side]["images_per_cpu_s"]
+        / lim["images_per_cpu_s"],
+        f"hpctrain steady state / {side_by_side} (images per CPU-s)": steady["images_per_cpu_s"]
+        / summary[side_by_side]["images_per_cpu_s"],
+        "hpctrain / ImageFolder (images per CPU-s)": ours["images_per_cpu_s"]
+        / summary[IMAGE_FOLDER]["images_per_cpu_s"],
+        "hpctrain / webdataset (images per CPU-s)": ours["images_per_cpu_s"]
+        / summary[WEBDATASET]["images_per_cpu_s"],
+        f"hpctrain / (limit x {k}) (images per wall second)": ours["images_per_s"]
+        / (lim["images_per_s"] * max(k, 1)),
+        f"hpctrain steady state / (limit x {k}) (images per wall second)": steady["images_per_s"]
+        / (lim["images_per_s"] * max(k, 1)),
+    }
+    if latency_ms is not None:
+        http, per_file = http_names(latency_ms)
+        no_delay, remote, per_file_case = summary[HTTP_NO_DELAY], summary[http], summary[per_file]
+        added = f"+{latency_ms:g} ms/request"
+        out[f"hpctrain over HTTP ({added}) / hpctrain local (images per wall second)"] = (
+            remote["images_per_s"] / ours["images_per_s"]
+        )
+        out[f"hpctrain over HTTP, {added} / no added latency (images per wall second)"] = (
+            remote["images_per_s"] / no_delay["images_per_s"]
+        )
+        out[f"per-file HTTP reads / hpctrain over HTTP, both {added} (images per wall second)"] = (
+            per_file_case["images_per_s"] / remote["images_per_s"]
+        )
+    return out
+
+
+def format_report(
+    meta: dict[str, Any], summary: dict[str, dict[str, Any]], comparisons: dict[str, float]
+) -> str:
+    lines = [
+        f"{meta['images']} images, {meta['workers']} workers, batch {meta['batch_size']}, "
+        f"RandomResizedCrop({meta['crop']}) + flip, uint8 batches; medians of {meta['rounds']} "
+        f"interleaved rounds; load average {meta['load_average']:.1f}",
+        f"{'case':<48} {'images/s (range)':>18} {'images/CPU-s (range)':>22}",
+    ]
+    for name, v in summary.items():
+        lo, hi = v["images_per_s_range"]
+        clo, chi = v["images_per_cpu_s_range"]
+        lines.append(
+            f"{name:<48} {v['images_per_s']:>6.0f} ({lo:.0f}-{hi:.0f}) "
+            f"{v['images_per_cpu_s']:>9.0f} ({clo:.0f}-{chi:.0f})"
+        )
+    lines += [f"{name}: {value:.2f}" for name, value in comparisons.items()]  # A / B (figure)
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    torch.set_num_threads(1)
+    from hpctrain.config.schema import DataConfig
+    from hpctrain.data import open_index
+    from hpctrain.data.workers import worker_start_method
+
+    with tempfile.TemporaryDirectory(prefix="hpctrain-bench-") as tmp, ExitStack() as servers:
+        root = Path(tmp)
+        if args.data:
+            images = images_from_shards(args.data, args.images)
+        else:
+            images = synthetic_images(args.images, root)
+        write_layouts(images, root)
+        b, k = args.batch_size, args.workers
+        setup = Setup(
+            root=root,
+            images=images[: max(len(images) // b, 1) * b],
+            batch_size=b,
+            workers=k,
+            crop=args.crop,
+            shard_index=open_index(str(root / "shards")),
+            data=DataConfig(
+                batch_size=b, workers_per_rank=k, shuffle_buffer=0, persistent_workers=False
+            ),
+            start_method=worker_start_method() if k else None,
+        )
+        remote = start_servers(root, args.latency_ms, servers) if args.remote else None
+        cases = make_cases(setup, remote, args.latency_ms)
+        server_pids = remote.pids if remote is not None else []
+        results = measure(cases, args.rounds, setup.num_images, server_pids)
+
+    summary = summarize(results)
+    comparisons = ratios(summary, k, args.latency_ms if args.remote else None)
+    meta = {
+        "images": setup.num_images,
+        "workers": k,
+        "batch_size": b,
+        "rounds": args.rounds,
+        "crop": args.crop,
+        "load_average": os.getloadavg()[0],
+    }
+    if args.json:
+        print(json.dumps({"meta": meta, "cases": summary, "ratios": comparisons}, indent=1))
+    else:
+        print(format_report(meta, summary, comparisons))
+    return 0
