@@ -420,3 +420,7 @@ def test_steps_to_try_follow_the_pointer_not_the_clock():
     assert steps_to_try([1, 2, 3], 2) == ([2, 1], [3])  # past the pointer: never loaded
     assert steps_to_try([1, 3], 2) == ([1], [3])  # the pointer's step is gone: below it
     assert steps_to_try([5], 2) == ([], [5])
+    # the step after the pointer's, saved by the same run (its parent), cut before the pointer
+    parents = {3: 2, 4: 3}.get
+    assert steps_to_try([1, 2, 3, 4], 2, parents) == ([3, 2, 1], [4])
+    assert steps_to_try([1, 2, 4], 2, parents) == ([2, 1], [4])  # 4's parent is not 2

@@ -184,6 +184,7 @@ def test_metadata_path_outside_the_folder_is_refused_by_load_and_export(tmp_path
 MALFORMED = {
     "not-json": lambda m: "{not json",
     "a-list": lambda m: [],
+    "parent-a-string": lambda m: {**m, "parent": "1"},
     "files-a-list": lambda m: {**m, "files": ["__0_0.distcp"]},
     "file-entry-a-string": lambda m: {**m, "files": dict.fromkeys(m["files"], "big")},
     "size-a-string": lambda m: {
@@ -230,9 +231,15 @@ def test_clock_skew_between_nodes_does_not_pick_an_older_step(tmp_path):
 def test_latest_names_the_committed_newest_and_falls_back_below_it(tmp_path):
     root = tmp_path / "ck"
     manager = save_steps(root, 1, 2, 3)
-    # A step past the pointer (a commit cut before `latest`, or a run started over with
-    # --resume none whose old steps are higher) is not the current run: set aside, not loaded.
+    # A commit cut between its rename and `latest` (a SIGKILL at the end of a preemption
+    # save): the step past the pointer whose manifest names the pointer's step as its parent
+    # is the current run's, and is loaded.
     (root / "latest").write_text("step-2\n")
+    load_and_check(manager, 3)
+    # A step past the pointer from another run (started over with --resume none below older,
+    # higher steps: its parent is not the pointer's step) is set aside, not loaded.
+    (root / "latest").write_text("step-2\n")
+    edit_manifest(root / "step-3", lambda m: m.update(parent=None))
     load_and_check(manager, 2)
     assert ".abandoned-step-3" in os.listdir(root)
     # A pointer naming a step that is gone: the highest verifiable step below it.

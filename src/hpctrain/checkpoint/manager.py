@@ -19,13 +19,16 @@ fsync the files and the folder, rename it to `step-<N>/`, fsync the root, then r
 Which checkpoint `load("latest")` picks, by step numbers and the pointer only (never by the
 times in manifests: node clocks differ):
 
-1. `latest` names the newest committed step of the current run. Steps above it are not part
-   of it: a commit cut between its rename and the pointer, or a run started over
-   (`--resume none`) over older, higher steps. They are never loaded, and set aside as
-   `.abandoned-step-<N>` when the run resumes below them (as for a rollback with
-   `--resume PATH`, which sets aside everything past the resumed step).
-2. The step it names, if it verifies; else the highest step below it that verifies. Each one
-   that fails is set aside as `.damaged-step-<N>` with the reason logged.
+1. `latest` names the newest committed step of the current run. Each manifest names its
+   `parent`: the step the saving run had loaded or saved before it (null for a run's first
+   save). The one step past the pointer whose parent is the pointer's step is the current
+   run's too (a commit cut between its rename and the pointer: a SIGKILL at the end of a
+   preemption save must not lose that save): it is tried first. Other steps above the
+   pointer (a run started over with `--resume none` over older, higher steps) are never
+   loaded, and set aside as `.abandoned-step-<N>` when the run resumes below them (as for a
+   rollback with `--resume PATH`, which sets aside everything past the resumed step).
+2. Then the step the pointer names, if it verifies; else the highest step below it that
+   verifies. Each one that fails is set aside as `.damaged-step-<N>` with the reason logged.
 3. Without a readable pointer (a first save cut before it), the highest step that verifies.
 
 Verification (`checkpoint.verify`): the manifest parses with the right types, every file has
@@ -44,6 +47,7 @@ import logging
 import re
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -202,6 +206,8 @@ def parse_manifest(data: bytes, where: str, name: str = "") -> dict[str, Any]:
     for key in ("metadata", "versions"):
         if not isinstance(manifest.get(key, {}), dict):
             raise bad(f"{key} is not an object")
+    if manifest.get("parent") is not None and not _is_count(manifest["parent"], 0):
+        raise bad(f"parent is {manifest['parent']!r}, not null or an integer >= 0")
     files = manifest.get("files")
     if not isinstance(files, dict) or not files:
         raise bad("files is not an object of file entries")
@@ -285,14 +291,31 @@ def read_latest(store: Store) -> int | None:
     return int(match.group(1))
 
 
-def steps_to_try(steps: list[int], pointer: int | None) -> tuple[list[int], list[int]]:
+def _parent_of(store: Store, step: int) -> int | None:
+    """The `parent` that step `step`'s manifest names; None when it names none or is
+    unreadable (verification then says why, if the step is ever tried)."""
+    name = step_dir_name(step)
+    try:
+        manifest = parse_manifest(store.read_bytes(f"{name}/{MANIFEST_NAME}"), name, name)
+    except (OSError, CheckpointError):
+        return None
+    parent = manifest.get("parent")
+    return parent if isinstance(parent, int) else None
+
+
+def steps_to_try(
+    steps: list[int], pointer: int | None, parent_of: Callable[[int], int | None] = lambda s: None
+) -> tuple[list[int], list[int]]:
     """(steps to try in this order, steps past the pointer that are never loaded): the rule
-    of the module docstring, a pure function of the committed steps and `latest`'s step."""
+    of the module docstring, from the committed steps, `latest`'s step and the `parent` that
+    a step's manifest names (None when unreadable)."""
     if pointer is None:
         return sorted(steps, reverse=True), []
-    return sorted((s for s in steps if s <= pointer), reverse=True), sorted(
-        s for s in steps if s > pointer
-    )
+    below = sorted((s for s in steps if s <= pointer), reverse=True)
+    past = sorted(s for s in steps if s > pointer)
+    if past and parent_of(past[0]) == pointer:  # the next commit, cut before the pointer
+        return [past[0], *below], past[1:]
+    return below, past
 
 
 def check_root_trusted(store: Store) -> None:
@@ -424,6 +447,7 @@ class CheckpointManager:
         self._pending: Future[None] | None = None
         self._pending_where = ""
         self._pending_step: int | None = None
+        self._parent: int | None = None  # the step loaded or saved last (manifest "parent")
         # One run at a time owns the root (lock.py): rank 0 locks it before any clean-up.
         # Every rank fails with the same error when rank 0 cannot start: another run holds
         # the lock, or the root is untrusted (a run must not start towards checkpoints it
@@ -458,6 +482,7 @@ class CheckpointManager:
         # Other ranks write files only after DCP's first collective, which rank 0 joins
         # after the removal above: no barrier needed.
         manifest = self._manifest_head(step, metadata)
+        self._parent = step  # of the next save (a failed save fails the run at `wait`)
         writer = self._store.writer(tmp, checksums=self.verify != "size")
         where = self._store.path(tmp)
         if self._executor is None:
@@ -596,6 +621,7 @@ class CheckpointManager:
             if not isinstance(states[key], PerRankState):
                 states[key] = value
         self.loaded_manifest = manifest
+        self._parent = int(manifest["step"])
         log.info("resumed from %s (step %d)", store.path(name), manifest["step"])
         return int(manifest["step"])
 
@@ -644,6 +670,7 @@ class CheckpointManager:
             "time": time.time(),
             "versions": {"hpctrain": hpctrain.__version__, "torch": torch.__version__},
             "metadata": metadata or {},
+            "parent": self._parent,  # see the module docstring's rule 1
         }
         json.dumps(head)  # fail now, in the caller, for metadata that cannot be written
         return head
@@ -753,7 +780,7 @@ class CheckpointManager:
         if not steps:
             return None
         pointer = read_latest(store)
-        candidates, past = steps_to_try(steps, pointer)
+        candidates, past = steps_to_try(steps, pointer, lambda s: _parent_of(store, s))
         if past:
             log.warning(
                 "%s names step-%d: %s past it are not the current run's and are not loaded",
