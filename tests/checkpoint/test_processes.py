@@ -248,4 +248,4 @@ def test_two_ranks_fall_back_together_from_a_checksum_mismatch(tmp_path):
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
     for rank, output in enumerate(outputs):
         assert f"rank {rank} loaded 1" in output
-    assert sorted(os.listdir(root)) == [".damaged-step-2", "latest", "step-1"]
+    assert sorted(os.listdir(root)) == [".damaged-step-2", ".lock", "latest", "step-1"]
