@@ -6,59 +6,20 @@ One 2-rank job (`dist_worker.py`) runs every case in-process; the assertions liv
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from hpctrain.launch.local import free_port
-from tests.train.helpers import REPO
+from tests.train.helpers import REPO, run_two_ranks
 
 
 @pytest.fixture(scope="module")
 def trained(shapes_shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("dist")
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ)
-        env.update(
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE="2",
-            LOCAL_WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-        )
-        procs.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    str(REPO / "tests" / "train" / "dist_worker.py"),
-                    str(shapes_shards),
-                    str(out),
-                ],
-                env=env,
-                cwd=REPO,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    outputs = []
-    for p in procs:
-        try:
-            outputs.append(p.communicate(timeout=240)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-    codes = [p.returncode for p in procs]
-    assert codes == [0, 0], "\n".join(outputs)
+    run_two_ranks(
+        REPO / "tests" / "train" / "dist_worker.py", str(shapes_shards), str(out), timeout=240
+    )
     return out
 
 
