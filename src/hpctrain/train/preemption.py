@@ -3,7 +3,7 @@
 The signal handler only records the signal (checkpointing inside a handler can deadlock:
 Lightning#21406); `PreemptionFlag.requested` is this rank's local view. The ranks agree in
 the trainer (`Trainer.agree_on_flags` in `train/trainer.py`): at each step boundary one
-all-reduce (max) of every rank's `requested` makes all ranks take the same decision at the
+all-reduce of every rank's `requested` makes all ranks take the same decision at the
 same step, even when the signal reached only some of them. Then the trainer saves a
 checkpoint with all ranks, arms `exit_on_signal`, and exits with `REQUEUE_EXIT_CODE`, which
 the launchers read as "requeue me" (`launch/sbatch.py`, `launch/submit.py`).
