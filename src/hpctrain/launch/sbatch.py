@@ -167,6 +167,8 @@ def render_sbatch(
         + (f" {args}" if args else ""),
         "status=$?",
         "",
+        # The requeue policy; its Python twin is launch/submit.py `requeue_this_job` (change
+        # both; tests/launch/test_requeue_policy.py checks they agree).
         'if [ "$status" -eq "$REQUEUE_EXIT_CODE" ]; then',
         "    # Only a running job requeues itself: scancel also sends TERM (the trainers then",
         "    # save and exit 75), and `scontrol requeue` would bring a cancelled job back.",

@@ -71,6 +71,9 @@ def requeue_this_job(
     requeued the job. The requeue ends them (SLURM stops the job), and so does rank 0's exit
     when it does not requeue.
 
+    The same policy as the bash of `launch/sbatch.py` `render_sbatch` (change both;
+    tests/launch/test_requeue_policy.py checks they agree).
+
     Raises:
         SystemExit: after a successful requeue (rank 0) or on other ranks, so that submitit
             writes no result and its client keeps waiting for the requeued job.

@@ -1,10 +1,12 @@
 """Preemption and time limits: a signal or a deadline sets a flag; ranks agree at a step boundary.
 
 The signal handler only records the signal (checkpointing inside a handler can deadlock:
-Lightning#21406). The training loop calls `should_stop(device)` at each step boundary on every
-rank: one all-reduce (max) makes every rank take the same decision at the same step, even
-when the signal reached only some of them. Then the trainer saves a checkpoint with all ranks
-and exits with `REQUEUE_EXIT_CODE`, which the launcher reads as "requeue me".
+Lightning#21406); `PreemptionFlag.requested` is this rank's local view. The ranks agree in
+the trainer (`Trainer.agree_on_flags` in `train/trainer.py`): at each step boundary one
+all-reduce of every rank's `requested` makes all ranks take the same decision at the
+same step, even when the signal reached only some of them. Then the trainer saves a
+checkpoint with all ranks, arms `exit_on_signal`, and exits with `REQUEUE_EXIT_CODE`, which
+the launchers read as "requeue me" (`launch/sbatch.py`, `launch/submit.py`).
 
 The default signals are USR2 (submitit's and hpctrain's pre-timeout signal; USR1 clashes with
 NCCL, Lightning#14610) and TERM (sent by SLURM at the time limit and on preemption). With
@@ -22,10 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
 from typing import Any
 
-import torch
-
 from hpctrain.config import ConfigError
-from hpctrain.dist import all_reduce_max
 
 REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"
 
@@ -54,7 +53,7 @@ def job_deadline(environ: Mapping[str, str], margin_s: float) -> float | None:
 
 
 class PreemptionFlag:
-    """Records preemption signals and the job deadline; ranks agree with `should_stop`.
+    """Records preemption signals and the job deadline (ranks agree in `Trainer.agree_on_flags`).
 
     Args:
         signal_names: signals that request checkpoint-and-requeue (`checkpoint.signals`).
@@ -75,7 +74,6 @@ class PreemptionFlag:
         self.deadline = job_deadline(os.environ if environ is None else environ, deadline_margin_s)
         self._clock = clock
         self._received: signal.Signals | None = None
-        self._agreed = False
         self._previous: dict[signal.Signals, Any] = {}
         self._exit_code: int | None = None
 
@@ -120,23 +118,3 @@ class PreemptionFlag:
         return self._received is not None or (
             self.deadline is not None and self._clock() >= self.deadline
         )
-
-    @property
-    def reason(self) -> str:
-        """Why the flag is up, for the log line: `signal SIGUSR2`, `deadline` or ``."""
-        if self._received is not None:
-            return f"signal {self._received.name}"
-        if self.requested:
-            return "deadline (SLURM_JOB_END_TIME minus checkpoint.deadline_margin_s)"
-        return "another rank's signal or deadline" if self._agreed else ""
-
-    def should_stop(self, device: torch.device) -> bool:
-        """Whether any rank wants to stop (one all-reduce; call on every rank at a step boundary).
-
-        Once True it stays True, so a caller may ask again after the save without another
-        collective.
-        """
-        if self._agreed:
-            return True
-        self._agreed = all_reduce_max(1.0 if self.requested else 0.0, device) > 0.0
-        return self._agreed
