@@ -41,13 +41,14 @@ checksums (and saves without them).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
 import re
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -90,8 +91,14 @@ DEFAULT_VERIFY = "crc32c"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
-# DCP warns on every save/load without a process group; a single process is a normal case here.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns on every save/load without a process group; a single process is a normal
+    case here. Silenced around DCP's calls only, not for the whole interpreter."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
+        yield
 
 
 class CheckpointSaveError(CheckpointFailure, RuntimeError):
@@ -488,9 +495,13 @@ class CheckpointManager:
         if self._executor is None:
             self._pending = Future()
             try:
-                dcp.save(
-                    states, storage_writer=writer, planner=_planner(), process_group=self._group
-                )
+                with _single_process_quiet():
+                    dcp.save(
+                        states,
+                        storage_writer=writer,
+                        planner=_planner(),
+                        process_group=self._group,
+                    )
                 self._commit(step, manifest, writer)
                 self._pending.set_result(None)
             except (Exception, CheckpointException) as exc:
@@ -498,13 +509,14 @@ class CheckpointManager:
             self._pending_where = where
             self.wait()
             return
-        upload = dcp.async_save(
-            states,
-            storage_writer=writer,
-            planner=_planner(),
-            process_group=self._group,
-            async_stager=self._stager,
-        )
+        with _single_process_quiet():
+            upload = dcp.async_save(
+                states,
+                storage_writer=writer,
+                planner=_planner(),
+                process_group=self._group,
+                async_stager=self._stager,
+            )
         assert isinstance(upload, Future)
         self._pending = self._executor.submit(self._finish_async, upload, step, manifest, writer)
         self._pending_where = where
@@ -601,12 +613,13 @@ class CheckpointManager:
         to_load = self._prepare_per_rank(states, manifest["world_size"])
         checksums = item_checksums(manifest) if self.verify != "size" else None
         try:
-            dcp.load(
-                to_load,
-                storage_reader=store.reader(name, checksums),
-                planner=SafeLoadPlanner(),
-                process_group=self._group,
-            )
+            with _single_process_quiet():
+                dcp.load(
+                    to_load,
+                    storage_reader=store.reader(name, checksums),
+                    planner=SafeLoadPlanner(),
+                    process_group=self._group,
+                )
         except CheckpointException as exc:
             # DCP wraps every rank's error in a BaseException; surface ours as they are.
             inner = _first_failure(exc)

@@ -143,10 +143,3 @@ def no_gradient_sync(model: nn.Module, skip: bool) -> Iterator[None]:
             wrapped.set_requires_gradient_sync(True)
         return
     yield
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module under a DDP wrapper (FSDP2 modules are the user's module itself)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    return model.module if isinstance(model, DistributedDataParallel) else model
