@@ -41,14 +41,13 @@ checksums (and saves without them).
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import logging
 import re
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -92,13 +91,13 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
-@contextlib.contextmanager
-def _single_process_quiet() -> Iterator[None]:
-    """DCP warns on every save/load without a process group; a single process is a normal
-    case here. Silenced around DCP's calls only, not for the whole interpreter."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
-        yield
+def _silence_single_process_warning() -> None:
+    """DCP warns on every save and load without a process group, a normal case for a
+    single-process run. Installed when such a manager is made, not at import: async saves
+    warn from DCP's own thread, where a `catch_warnings` block around the call cannot reach."""
+    warnings.filterwarnings(
+        "ignore", message="torch.distributed is disabled, unavailable or uninit"
+    )
 
 
 class CheckpointSaveError(CheckpointFailure, RuntimeError):
@@ -449,6 +448,8 @@ class CheckpointManager:
             group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
             assert isinstance(group, dist.ProcessGroup)  # every rank is a member
             self._group = group
+        else:
+            _silence_single_process_warning()
         self._executor = ThreadPoolExecutor(1, "hpctrain-checkpoint") if async_save else None
         self._stager = _ReusedBufferStager() if async_save else None
         self._pending: Future[None] | None = None
@@ -495,13 +496,9 @@ class CheckpointManager:
         if self._executor is None:
             self._pending = Future()
             try:
-                with _single_process_quiet():
-                    dcp.save(
-                        states,
-                        storage_writer=writer,
-                        planner=_planner(),
-                        process_group=self._group,
-                    )
+                dcp.save(
+                    states, storage_writer=writer, planner=_planner(), process_group=self._group
+                )
                 self._commit(step, manifest, writer)
                 self._pending.set_result(None)
             except (Exception, CheckpointException) as exc:
@@ -509,14 +506,13 @@ class CheckpointManager:
             self._pending_where = where
             self.wait()
             return
-        with _single_process_quiet():
-            upload = dcp.async_save(
-                states,
-                storage_writer=writer,
-                planner=_planner(),
-                process_group=self._group,
-                async_stager=self._stager,
-            )
+        upload = dcp.async_save(
+            states,
+            storage_writer=writer,
+            planner=_planner(),
+            process_group=self._group,
+            async_stager=self._stager,
+        )
         assert isinstance(upload, Future)
         self._pending = self._executor.submit(self._finish_async, upload, step, manifest, writer)
         self._pending_where = where
@@ -613,13 +609,12 @@ class CheckpointManager:
         to_load = self._prepare_per_rank(states, manifest["world_size"])
         checksums = item_checksums(manifest) if self.verify != "size" else None
         try:
-            with _single_process_quiet():
-                dcp.load(
-                    to_load,
-                    storage_reader=store.reader(name, checksums),
-                    planner=SafeLoadPlanner(),
-                    process_group=self._group,
-                )
+            dcp.load(
+                to_load,
+                storage_reader=store.reader(name, checksums),
+                planner=SafeLoadPlanner(),
+                process_group=self._group,
+            )
         except CheckpointException as exc:
             # DCP wraps every rank's error in a BaseException; surface ours as they are.
             inner = _first_failure(exc)
