@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from hpctrain.convert.plan import parse_size
+from hpctrain.convert.layout import parse_size
 from hpctrain.convert.run import ConvertOptions, convert, result_summary
 
 HELP = "convert an image folder, a CSV/JSONL manifest or shards into WebDataset shards + index.json"

@@ -1,4 +1,4 @@
-"""The conversion plan: split, order and cut into shards (pure functions of the listing and options).
+"""The shard layout of a conversion: split, order and cut into shards (pure functions of the listing and options).
 
 Everything that decides which sample goes into which shard happens here, before any shard is
 written, so that shards can be written in any order by any number of processes and still come
