@@ -18,8 +18,9 @@ from typing import Any
 
 import fsspec
 
+from hpctrain.convert.fields import IMAGE_EXTENSIONS
 from hpctrain.convert.parallel import process_pool
-from hpctrain.convert.sources import IMAGE_EXTENSIONS, ConvertError, shard_urls
+from hpctrain.convert.sources import ConvertError, shard_urls
 from hpctrain.data.index import INDEX_NAME, ShardIndex, read_index, redact_url
 from hpctrain.data.stream import pipe_label
 
