@@ -131,7 +131,7 @@ def _fs_and_path(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
     return fs, path
 
 
-def _full_url(fs: fsspec.AbstractFileSystem, path: str) -> str:
+def full_url(fs: fsspec.AbstractFileSystem, path: str) -> str:
     return path if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(path)
 
 
@@ -232,7 +232,7 @@ def list_image_folder(src: str) -> Source:
             samples.append(
                 SampleRef(
                     key=sample_key(len(samples)),
-                    url=_full_url(fs, path),
+                    url=full_url(fs, path),
                     size=int(info.get("size") or 0),
                     label=label,
                 )
@@ -266,7 +266,7 @@ def shard_urls(src: str) -> tuple[list[str], tuple[str, ...]]:
         tars = sorted(p for p in fs.ls(path, detail=False) if p.endswith(".tar"))
         if not tars:
             raise ConvertError(f"{redact_url(src)}: no .tar shards")
-        return [_full_url(fs, p) for p in tars], ()
+        return [full_url(fs, p) for p in tars], ()
     return [src], ()
 
 
