@@ -378,3 +378,38 @@ def test_an_index_or_manifest_never_imports(tmp_path: Path) -> None:
     (tmp_path / "list.csv").write_text("path\nos:system\n")
     assert detect_kind(str(tmp_path / "list.csv")) == "manifest"
     assert detect_kind("os.path:join") == "python"
+
+
+def test_field_rules_agree_with_the_loader_decoders() -> None:
+    """convert/fields.py repeats decode's extension rules (without importing torch)."""
+    from hpctrain.convert import fields
+    from hpctrain.data import decode
+
+    assert fields.IMAGE_EXTENSIONS == decode.IMAGE_EXTENSIONS
+    assert fields.INT_EXTENSIONS == decode.INT_EXTENSIONS
+    assert fields.TEXT_EXTENSIONS == decode.TEXT_EXTENSIONS
+    assert fields.TARGET_MARKERS == decode.TARGET_MARKERS
+    for name in ("img.jpg", "Mask.PNG", "left.seg.png", "cls", "depth.npy", "tokens.u16"):
+        assert fields.last_extension(name) == decode.last_extension(name)
+        assert fields.is_target_field(name) == decode.is_target_field(name)
+
+
+def test_python_source_decodes_back_value_for_value(dataset_module: str, tmp_path: Path) -> None:
+    """Through the loader's decoders: pixels, palette indices, arrays, text, labels, JSON."""
+    import torch
+
+    from hpctrain.data.decode import decode_sample
+
+    assert convert(f"{dataset_module}:make_dataset", str(tmp_path / "out")) == 0
+    for i, (key, members) in enumerate(read_back(tmp_path / "out").items()):
+        sample = decode_sample(key, members)
+        rgb = np.random.default_rng(i).integers(0, 256, (8, 6, 3), dtype=np.uint8)
+        assert torch.equal(sample["img.png"], torch.from_numpy(rgb).permute(2, 0, 1))
+        assert sample["photo.jpg"].shape == (3, 8, 6)
+        mask = np.arange(16, dtype=np.uint8).reshape(4, 4) % (i + 2)
+        assert torch.equal(sample["mask.png"], torch.from_numpy(mask))  # [H, W] class ids
+        assert torch.equal(sample["depth.npy"], torch.full((2, 3), float(i)))
+        assert torch.equal(sample["feat.npy"], torch.arange(4) * i)
+        assert (sample["txt"], sample["cls"]) == (f"sample {i}", i % 3)
+        assert sample["meta.json"] == {"i": i, "tags": ["a", "b"]}
+        assert sample["raw.bin"] == bytes([i, 255])
