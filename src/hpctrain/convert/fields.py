@@ -130,12 +130,12 @@ def encode_image(image: Any, field: str) -> tuple[str, bytes]:
     if ext not in IMAGE_EXTENSIONS or "." not in field:
         field, ext = f"{field}.png", "png"
     pil_format = _PIL_FORMATS[ext]
+    if pil_format == "JPEG" and is_target_field(field):
+        raise ValueError(
+            f"target field {field!r} would lose its values (class ids, depths) as JPEG; "
+            "name the field .png"
+        )
     if pil_format == "JPEG" and image.mode not in ("RGB", "L", "CMYK"):
-        if is_target_field(field):
-            raise ValueError(
-                f"a {image.mode} image in target field {field!r} would lose its values as JPEG; "
-                "name the field .png"
-            )
         image = image.convert("RGB")
     out = io.BytesIO()
     options: dict[str, Any] = {"quality": JPEG_QUALITY} if pil_format == "JPEG" else {}

@@ -1,4 +1,5 @@
-"""Where samples come from: image folders, CSV/JSONL manifests and existing shards.
+"""Where samples come from: image folders and existing shards here; manifests, Python
+sources and Arrow/parquet in their own modules (`list_source` picks by `detect_kind`).
 
 Listing a source gives `SampleRef`s in a stable order (the order keys are derived from);
 reading one gives its tar members. Listing runs once in the main process; reading runs in the
