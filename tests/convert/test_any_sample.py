@@ -413,3 +413,22 @@ def test_python_source_decodes_back_value_for_value(dataset_module: str, tmp_pat
         assert (sample["txt"], sample["cls"]) == (f"sample {i}", i % 3)
         assert sample["meta.json"] == {"i": i, "tags": ["a", "b"]}
         assert sample["raw.bin"] == bytes([i, 255])
+
+
+def test_general_shards_reshard_unchanged(dataset_module: str, tmp_path: Path) -> None:
+    """Re-sharding copies every member of samples without any image member too."""
+    assert (
+        convert(f"{dataset_module}:make_generator", str(tmp_path / "a"), "--samples-per-shard", "2")
+        == 0
+    )
+    assert convert(str(tmp_path / "a"), str(tmp_path / "b"), "--samples-per-shard", "4") == 0
+    assert [s.num_samples for s in read_index(str(tmp_path / "b" / "index.json")).shards] == [4, 1]
+    assert read_back(tmp_path / "b") == read_back(tmp_path / "a")
+
+
+def test_reencoding_leaves_target_fields_alone(multi_field_manifest: Path, tmp_path: Path) -> None:
+    """--max-side/--quality re-encode images as JPEG, but never a mask (its values are ids)."""
+    assert convert(str(multi_field_manifest), str(tmp_path / "out"), "--quality", "50") == 0
+    for i, sample in enumerate(read_back(tmp_path / "out").values()):
+        assert sample["mask.png"] == palette_png(i)
+        assert sample["img.jpg"] != image_bytes(i) and sample["img.jpg"][:3] == b"\xff\xd8\xff"
