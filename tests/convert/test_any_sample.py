@@ -432,3 +432,11 @@ def test_reencoding_leaves_target_fields_alone(multi_field_manifest: Path, tmp_p
     for i, sample in enumerate(read_back(tmp_path / "out").values()):
         assert sample["mask.png"] == palette_png(i)
         assert sample["img.jpg"] != image_bytes(i) and sample["img.jpg"][:3] == b"\xff\xd8\xff"
+
+
+def test_python_source_val_split_is_stratified_by_cls(dataset_module: str, tmp_path: Path) -> None:
+    args = ["--arg", "size=12", "--val-fraction", "0.25"]
+    assert convert(f"{dataset_module}:make_dataset", str(tmp_path / "out"), *args) == 0
+    val = read_back(tmp_path / "out" / "val")
+    assert sorted(int(s["cls"]) for s in val.values()) == [0, 1, 2]  # one of each class's four
+    assert len(read_back(tmp_path / "out" / "train")) == 9

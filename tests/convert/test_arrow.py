@@ -166,3 +166,18 @@ def test_missing_pyarrow_names_the_extra(
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow now raises ImportError
     assert convert(str(hf_folder), str(tmp_path / "out")) == 2
     assert "pip install 'hpctrain[arrow]'" in capsys.readouterr().err
+
+
+def test_file_structs_that_are_not_images_keep_their_bytes(tmp_path: Path) -> None:
+    """An `Audio`-like {bytes, path} struct: named by its path's extension, bytes unchanged."""
+    sounds = [b"RIFF\x00\x00\x00\x00WAVEfmt " + bytes([i]) * 9 for i in range(2)]
+    table = pa.table(
+        {
+            "audio": pa.array(
+                [{"bytes": b, "path": f"clip{i}.wav"} for i, b in enumerate(sounds)], IMAGE
+            )
+        }
+    )
+    pq.write_table(table, tmp_path / "a.parquet")
+    assert convert(str(tmp_path / "a.parquet"), str(tmp_path / "out")) == 0
+    assert [s["audio.wav"] for s in read_back(tmp_path / "out").values()] == sounds

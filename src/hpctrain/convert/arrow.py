@@ -10,9 +10,10 @@ Every column becomes a member, as in manifests: `--column name=field` renames a 
 (`--column image=img.jpg`), `--column name=` leaves it out. Values, by the field's name and
 the value's type:
 
-- an image (the `Image` feature: a struct {bytes, path}): its encoded bytes, as they are,
-  under the field's name (`img.jpg`), or the field name plus the image's format (`image.png`);
-  `bytes` null: the file at `path` (relative to the source folder);
+- a file struct {bytes, path} (the `Image`, `Audio`, `Video` features): its encoded bytes, as
+  they are, under the field's name (`img.jpg`), or else the field name plus the image's format
+  (`image.png`) or the extension of its path (`audio.wav`); `bytes` null: the file at `path`
+  (relative to the source folder);
 - binary: the bytes (a field name without an extension gets the image format when the bytes
   are an image);
 - a single `ClassLabel` column is written as `cls` unless `--column` says otherwise, and its
@@ -36,10 +37,9 @@ from typing import Any
 import fsspec
 
 from hpctrain.convert.fields import (
-    IMAGE_EXTENSIONS,
     check_field_name,
+    file_extension,
     json_bytes,
-    last_extension,
     scalar_member,
 )
 from hpctrain.convert.generated import Spool, check_key
@@ -73,7 +73,7 @@ def _pyarrow() -> Any:
 class _Column:
     name: str  # in the table
     field: str  # the member it becomes (or the key in the gathered json)
-    kind: str  # "image" | "binary" | "value" | "key"
+    kind: str  # "file" (a {bytes, path} struct) | "binary" | "value" | "key"
 
 
 def arrow_files(src: str) -> tuple[list[str], dict[str, Any], str]:
@@ -137,7 +137,7 @@ def iter_batches(url: str) -> Iterator[Any]:
             raise ConvertError(f"{redact_url(url)}: not readable as Arrow/parquet: {exc}") from None
 
 
-def _is_image_type(pa: Any, type_: Any) -> bool:
+def _is_file_struct(pa: Any, type_: Any) -> bool:
     return bool(
         pa.types.is_struct(type_)
         and {type_.field(i).name for i in range(type_.num_fields)} == {"bytes", "path"}
@@ -173,8 +173,8 @@ def plan_columns(
             continue
         type_ = schema.field(name).type
         feature = features.get(name) or {}
-        if feature.get("_type") == "Image" or _is_image_type(pa, type_):
-            kind = "image"
+        if _is_file_struct(pa, type_):
+            kind = "file"
         elif pa.types.is_binary(type_) or pa.types.is_large_binary(type_):
             kind = "binary"
         else:
@@ -200,13 +200,12 @@ def plan_columns(
     return columns, class_names
 
 
-def _image_member(column: _Column, data: bytes) -> tuple[str, bytes]:
-    if "." in column.field and last_extension(column.field) in IMAGE_EXTENSIONS:
+def _named(column: _Column, data: bytes, path: str = "") -> tuple[str, bytes]:
+    """The member of bytes from a file struct or binary column, named as the module doc says."""
+    if "." in column.field:
         return column.field, data
-    detected = image_extension(data)
-    if detected is None:
-        raise ValueError("not an image")
-    return f"{column.field}.{detected}", data
+    ext = image_extension(data) or file_extension(path)
+    return (f"{column.field}.{ext}" if ext else column.field), data
 
 
 def encode_row(
@@ -223,23 +222,20 @@ def encode_row(
         try:
             if column.kind == "key":
                 key = check_key(value, f"column {column.name!r}")
-            elif column.kind == "image":
+            elif column.kind == "file":
                 data = value.get("bytes")
+                path = value.get("path") or ""
                 if data is None:
-                    path = value.get("path") or ""
                     if not path:
-                        raise ValueError("an image with neither bytes nor path")
+                        raise ValueError("neither bytes nor a path")
                     url = path if "://" in path or path.startswith("/") else f"{base}/{path}"
                     try:
                         data = read_url(url)
                     except OSError as exc:
                         raise ValueError(f"cannot read {url}: {exc.strerror or exc}") from None
-                members.append(_image_member(column, data))
+                members.append(_named(column, data, path))
             elif column.kind == "binary":
-                if "." in column.field or image_extension(value) is None:
-                    members.append((column.field, bytes(value)))
-                else:
-                    members.append(_image_member(column, value))
+                members.append(_named(column, bytes(value)))
             else:
                 data = scalar_member(column.field, value, csv_text=False)
                 if data is None:

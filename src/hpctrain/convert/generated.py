@@ -85,6 +85,7 @@ class Spool:
                 key,
                 self.path,
                 self._writer.num_bytes - start,
+                label=_label(members),
                 members=tuple(located),
                 origin=origin,
             )
@@ -101,6 +102,15 @@ class Spool:
         if not self._samples:
             raise DataError(f"{self.name}: no samples")
         return tuple(self._samples)
+
+
+def _label(members: list[tuple[str, bytes]]) -> int | None:
+    """The `cls` member's value: `--val-fraction` stratifies by it (it is written as a member)."""
+    for field, data in members:
+        if field == "cls":
+            with contextlib.suppress(ValueError):
+                return int(data)
+    return None
 
 
 def check_key(value: Any, where: str) -> str:
