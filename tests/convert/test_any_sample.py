@@ -440,3 +440,39 @@ def test_python_source_val_split_is_stratified_by_cls(dataset_module: str, tmp_p
     val = read_back(tmp_path / "out" / "val")
     assert sorted(int(s["cls"]) for s in val.values()) == [0, 1, 2]  # one of each class's four
     assert len(read_back(tmp_path / "out" / "train")) == 9
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_manifest_shards_through_the_loader(
+    multi_field_manifest: Path, tmp_path: Path, workers: int
+) -> None:
+    """convert -> ShardedLoader (no task: the default decoders): every field as in the source."""
+    import torch
+
+    from hpctrain.config.schema import DataConfig
+    from hpctrain.data import ShardedLoader, open_index
+
+    root = multi_field_manifest.parent
+    assert (
+        convert(str(multi_field_manifest), str(tmp_path / "out"), "--samples-per-shard", "3") == 0
+    )
+    index = open_index(str(tmp_path / "out"))
+    cfg = DataConfig(batch_size=2, workers_per_rank=workers)
+    loader = ShardedLoader(index, cfg, rank=0, world_size=1, seed=0, train=False)
+    seen = {}
+    try:
+        for batch in loader:
+            for row, key in enumerate(batch["key"]):
+                if batch["valid"][row]:
+                    seen[key] = {field: batch[field][row] for field in batch if field != "key"}
+    finally:
+        loader.close()
+    assert sorted(seen) == [f"{i:09d}" for i in range(6)]
+    for key, sample in seen.items():
+        i = int(key)
+        mask = np.array(Image.open(root / "mask" / f"{i}.png"))
+        assert torch.equal(sample["mask.png"], torch.from_numpy(mask))  # palette indices
+        assert torch.equal(sample["depth.npy"], torch.full((3, 4), float(i)))
+        assert sample["img.jpg"].shape == sample["left.jpg"].shape == (3, 16, 16)
+        assert int(sample["cls"]) == i % 3 and sample["txt"] == f"caption {i} – ünïcode"
+        assert sample["json"] == {"boxes": [[i, i, 2, 2]], "id": f"s{i}"}
