@@ -476,3 +476,14 @@ def test_manifest_shards_through_the_loader(
         assert sample["img.jpg"].shape == sample["left.jpg"].shape == (3, 16, 16)
         assert int(sample["cls"]) == i % 3 and sample["txt"] == f"caption {i} – ünïcode"
         assert sample["json"] == {"boxes": [[i, i, 2, 2]], "id": f"s{i}"}
+
+
+def test_duplicate_keys_are_named(tmp_path: Path) -> None:
+    from hpctrain.convert.generated import Spool
+    from hpctrain.errors import DataError
+
+    spool = Spool(str(tmp_path), "m:f")
+    spool.add("a", [("txt", b"x")], "m:f sample 0")
+    with pytest.raises(DataError, match="m:f: samples 0 and 1 have the same key 'a'"):
+        spool.add("a", [("txt", b"y")], "m:f sample 1")
+    spool.abort()
