@@ -321,7 +321,7 @@ def test_loader_reads_shardwriter_and_gnu_tar_shards(tmp_path: Path) -> None:
         assert index.num_samples == expected
         loader = ShardedLoader(index, cfg, rank=0, world_size=1, seed=0, train=False)
         labels = []
-        for batch in loader:
-            assert batch["image"].shape[1:] == (3, 16, 16)
-            labels += batch["label"][batch["valid"]].tolist()
+        for batch in loader:  # no task: the default decoders' fields, by member name
+            assert batch["jpg"].shape[1:] == (3, 16, 16)
+            labels += batch["cls"][batch["valid"]].tolist()
         assert len(labels) == expected
