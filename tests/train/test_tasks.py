@@ -321,7 +321,7 @@ def test_segmentation_metrics_leave_out_padding_and_ignored_pixels() -> None:
         {"image": images, "mask": masks, "valid": torch.tensor([True, False])},
     )
     loss.backward()
-    assert math.isfinite(float(loss)) and 0 <= float(values["pixel_accuracy"]) <= 1
+    assert math.isfinite(loss.item()) and 0 <= float(values["pixel_accuracy"]) <= 1
 
 
 @pytest.mark.parametrize("size", [16, 21])
