@@ -20,10 +20,10 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-@pytest.mark.distributed
-@pytest.mark.slow
-def test_segmentation_example_trains_resumes_and_reaches_miou(tmp_path: Path) -> None:
-    data = tmp_path / "seg"
+@pytest.fixture(scope="module")
+def seg_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """192 training and 48 validation pairs → manifests → `hpctrain convert` → DIR/train, DIR/val."""
+    data = tmp_path_factory.mktemp("seg")
     subprocess.run(
         [sys.executable, str(EXAMPLE / "make_data.py"), str(data), "--train", "192", "--val", "48"],
         check=True,
@@ -34,18 +34,34 @@ def test_segmentation_example_trains_resumes_and_reaches_miou(tmp_path: Path) ->
             "convert", str(data / f"{split}.csv"), str(data / "shards" / split),
             "--samples-per-shard", "24",
         )  # fmt: skip
-    run_dir = tmp_path / "run"
-    args = [
+    return data / "shards"
+
+
+def example_args(shards: Path, run_dir: Path, *overrides: str) -> list[str]:
+    return [
         str(EXAMPLE / "config.yaml"),
         f"run_dir={run_dir}",
-        f"data.train={data / 'shards' / 'train' / 'index.json'}",
-        f"data.val={data / 'shards' / 'val' / 'index.json'}",
+        f"data.train={shards / 'train' / 'index.json'}",
+        f"data.val={shards / 'val' / 'index.json'}",
+        "logging.progress=lines",
+        *overrides,
+    ]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_segmentation_example_trains_resumes_and_reaches_miou(
+    seg_shards: Path, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    args = example_args(
+        seg_shards,
+        run_dir,
         "data.batch_size=8",
         "train.eval_every=0",
         "train.log_every=5",
         "checkpoint.every_steps=0",
-        "logging.progress=lines",
-    ]
+    )
     first = run_hpctrain("train", *args, "train.max_steps=20", "--nproc", "2")
     assert "finished 20 steps" in first.stdout
     second = run_hpctrain("train", *args, "train.max_steps=40", "--nproc", "2")
@@ -63,3 +79,29 @@ def test_segmentation_example_trains_resumes_and_reaches_miou(tmp_path: Path) ->
     assert final["val_mIoU"] > 0.6, final
     assert final["val_pixel_accuracy"] > 0.85, final
     assert final["val_mIoU"] > evals[0]["val_mIoU"]
+
+
+@pytest.mark.distributed
+def test_unet_trains_under_fsdp2_bf16_with_activation_checkpointing(
+    seg_shards: Path, tmp_path: Path
+) -> None:
+    """The U-Net's blocks (two inputs in the decoder) shard, checkpoint and autocast."""
+    proc = run_hpctrain(
+        "train",
+        *example_args(
+            seg_shards,
+            tmp_path / "fsdp",
+            "data.batch_size=4",
+            "data.val=",
+            "train.max_steps=2",
+            "train.log_every=1",
+            "train.strategy=fsdp",
+            "train.precision=bf16",
+            "train.activation_checkpointing=true",
+        ),
+        "--nproc",
+        "2",
+    )
+    assert "finished 2 steps" in proc.stdout
+    losses = [m["loss"] for m in read_jsonl(tmp_path / "fsdp" / "metrics.jsonl")]
+    assert len(losses) == 2 and all(0 < loss < 10 for loss in losses)
