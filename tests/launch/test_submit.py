@@ -47,7 +47,7 @@ def test_dry_run_script_is_submitits(tmp_path: Path) -> None:
         "#SBATCH --requeue",
         "#SBATCH --ntasks-per-node=4",
         "#SBATCH --gres=gpu:4",
-        "module load pytorch-gpu/py3/2.3.0",
+        "module load python/3.11.5",
         "/venv/bin/python -u -m submitit.core._submit",
     ):
         assert line in script, line
