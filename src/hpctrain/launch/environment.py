@@ -297,5 +297,5 @@ def check_job_environment(job: JobSpec, python: str = sys.executable) -> list[Ch
 
 
 def _setup_may_provide(job: JobSpec) -> bool:
-    """Whether the setup lines load something (`module load singularity`) that may bring it."""
-    return any(job.container_runtime in line for line in job.setup)
+    """Whether setup lines run first: they may bring the runtime (`module load singularity`)."""
+    return bool(job.setup)

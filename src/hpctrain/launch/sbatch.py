@@ -129,7 +129,7 @@ def render_sbatch(
             *_environment_lines(job, config_path, run_dir, python, REQUEUE_EXIT_CODE),
             *_sweep_lines(sweep if array else ()),
             *_start_lines(job),
-            *_launch_lines(job, config_path, overrides, with_sweep=bool(array)),
+            *_launch_lines(job, config_path, run_dir, overrides, with_sweep=bool(array)),
             *_requeue_lines(),
         ]
     )
@@ -258,11 +258,13 @@ def _start_lines(job: JobSpec) -> list[str]:
 
 
 def _launch_lines(
-    job: JobSpec, config_path: str, overrides: Sequence[str], *, with_sweep: bool
+    job: JobSpec, config_path: str, run_dir: str, overrides: Sequence[str], *, with_sweep: bool
 ) -> list[str]:
     args = " ".join(shlex.quote(a) for a in overrides)
     if job.container:
-        binds = ["$RUN_DIR", os.path.dirname(config_path) or ".", *job.container_binds]
+        # $RUN_DIR, not the literal folder: an array task's run folder is its sweep point's
+        others = [b for b in job.container_binds if b.rstrip("/") != run_dir.rstrip("/")]
+        binds = ["$RUN_DIR", os.path.dirname(config_path) or ".", *others]
         words = exec_words(
             job.container_runtime,
             "$CONTAINER",

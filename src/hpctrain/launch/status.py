@@ -201,26 +201,32 @@ def query_jobs(job_ids: list[str]) -> list[JobRow]:
 
 
 # What a failed rank leaves as its last word: hpctrain's one-line error (`hpctrain train
-# [rank 1]: data error: ...`), the last line of a Python traceback, or SLURM's own complaint.
-_ERROR_LINE = re.compile(
+# [rank 1]: data error: ...`) or the last line of a Python traceback; failing those, SLURM's
+# own complaint (`srun: error: n1: task 1: Exited with exit code 3`), which names no cause.
+_RANK_ERROR = re.compile(
     r"^(?:hpctrain \w+(?: \[rank \d+\])?: .*error: .*"
-    r"|[A-Za-z_][\w.]*(?:Error|Exception|Failure|Exit)\b.*"
-    r"|srun: error: .*|slurmstepd: error: .*)$"
+    r"|[A-Za-z_][\w.]*(?:Error|Exception|Failure|Exit)\b.*)$"
 )
+_SLURM_ERROR = re.compile(r"^(?:srun|slurmstepd): error: .*$")
 
 
 def last_error_line(paths: list[Path]) -> tuple[str, str]:
-    """(line, path) of the last error line in the newest of these logs that has one."""
+    """(line, path) of the last error line in the newest of these logs that has one.
+
+    A rank's own line (hpctrain's error, an exception) wins over SLURM's in the same log.
+    """
     existing = [p for p in paths if p.is_file()]
     for path in sorted(existing, key=lambda p: p.stat().st_mtime, reverse=True):
-        found = ""
+        rank_line = slurm_line = ""
         with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                line = line.rstrip("\n")
-                if _ERROR_LINE.match(line.strip()):
-                    found = line.strip()
-        if found:
-            return found, str(path)
+            for raw in f:
+                line = raw.strip()
+                if _RANK_ERROR.match(line):
+                    rank_line = line
+                elif _SLURM_ERROR.match(line):
+                    slurm_line = line
+        if rank_line or slurm_line:
+            return rank_line or slurm_line, str(path)
     return "", ""
 
 
