@@ -5,6 +5,7 @@ Every wait is bounded; every job a test starts is cancelled when the test ends.
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -300,7 +301,7 @@ def assert_one_at_a_time(array_id: str, num_tasks: int) -> None:
         60,
     )
     spans = sorted((start, end) for _, start, end in rows)
-    for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
+    for (_, end), (start, _) in itertools.pairwise(spans):
         assert start >= end, f"array {array_id}: tasks overlapped: {rows}"
 
 
