@@ -47,6 +47,10 @@ try:
     out["torch"] = torch.__version__
     out["cuda"] = torch.version.cuda
     out["arch_list"] = list(torch.cuda.get_arch_list()) if torch.version.cuda else []
+    if torch.version.cuda and not out["arch_list"]:
+        # older torch answers [] without a visible GPU, as on a login node
+        flags = getattr(getattr(torch, "_C", None), "_cuda_getArchFlags", lambda: None)()
+        out["arch_list"] = flags.split() if flags else []
 except Exception as exc:
     out["torch_error"] = f"{{type(exc).__name__}}: {{exc}}".splitlines()[0]
 print("{_MARK}" + json.dumps(out))
