@@ -10,6 +10,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,33 @@ def test_hung_rank_ends_the_job_within_the_collective_timeout(
     timed_out = ("Timed out waiting 10000ms", "Application timeout caused pair closure")
     assert any(text in log for text in timed_out), log[-3000:]
     assert "task 0: Exited with exit code 1" in log and "task 1: " in log, log[-3000:]
+
+
+def test_a_user_error_in_a_submitit_job_is_one_line_its_exit_code_and_in_status(
+    tiny_shards: Path, tmp_path: Path
+) -> None:
+    """A data error in every rank of a `hpctrain submit` job: each task's log ends with the
+    CLI's one line (no traceback), sacct shows exit code 3 (data), and `hpctrain status` lists
+    the job and that line."""
+    run_dir = tmp_path / "run"
+    missing = tmp_path / "nowhere" / "index.json"
+    out = hpctrain(
+        "submit", DEMO, *train_overrides(tiny_shards, run_dir, f"data.train={missing}"),
+        "--no-preflight",
+    ).stdout  # fmt: skip
+    job_id = out.split()[1]
+    try:
+        status = wait_finished(run_dir, 180)
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
+    assert status.state == "FAILED" and status.exit_code == "3:0", status
+    log = log_text(run_dir)
+    assert f"hpctrain train [rank 0]: data error: {missing}" in log
+    assert "Traceback" not in log
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpctrain", "status", str(run_dir)],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert "FAILED       exit 3:0" in proc.stdout
+    assert "error:     hpctrain train [rank " in proc.stdout and str(missing) in proc.stdout

@@ -151,3 +151,40 @@ def test_setup_lines_with_newlines_or_secrets_are_refused() -> None:
     with pytest.raises(LaunchError, match="secret environment variable") as info:
         render(a100_job("slurm.setup=['export HF_TOKEN=s3cret']"))
     assert "s3cret" not in str(info.value)
+
+
+def test_sweep_renders_a_throttled_array_with_a_folder_per_point() -> None:
+    from hpctrain.launch.sbatch import SweepPoint
+
+    sweep = [
+        SweepPoint(("train.lr=0.1",), "/scratch/u/runs/demo/lr-0.1"),
+        SweepPoint(("train.lr=0.2", "data.train=/d/my shards"), "/scratch/u/runs/demo/lr-0.2"),
+    ]
+    script = render(a100_job(), sweep=sweep, max_parallel=1)
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+    assert "#SBATCH --array=0-1%1" in script
+    assert """    0) POINT=(train.lr=0.1); RUN_DIR="/scratch/u/runs/demo/lr-0.1" ;;""" in script
+    assert """    1) POINT=(train.lr=0.2 'data.train=/d/my shards'); RUN_DIR=""" in script
+    assert script.index('case "$SLURM_ARRAY_TASK_ID"') < script.index('mkdir -p "$RUN_DIR/slurm"')
+    assert '"run_dir=$RUN_DIR" train.max_steps=100 "${POINT[@]}"' in script
+    unthrottled = render(a100_job(), sweep=sweep)
+    assert "#SBATCH --array=0-1 " in unthrottled or "#SBATCH --array=0-1\n" in unthrottled
+
+
+def test_sweep_case_selects_the_point_in_bash() -> None:
+    """The rendered `case` run by bash gives each array task its own overrides and folder."""
+    from hpctrain.launch.sbatch import SweepPoint, _sweep_lines
+
+    lines = _sweep_lines(
+        [SweepPoint(("seed=1",), "/r/seed-1"), SweepPoint(("seed=2", "x=a b"), "/r/seed-2")]
+    )
+    body = "\n".join(lines) + '\nprintf "%s|" "$RUN_DIR" "${POINT[@]}"'
+    for task, expected in (("0", "/r/seed-1|seed=1|"), ("1", "/r/seed-2|seed=2|x=a b|")):
+        out = subprocess.run(
+            ["bash", "-c", body],
+            env={"SLURM_ARRAY_TASK_ID": task, "PATH": os.environ["PATH"]},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        assert out == expected

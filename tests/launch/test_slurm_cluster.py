@@ -5,6 +5,7 @@ Every wait is bounded; every job a test starts is cancelled when the test ends.
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -275,3 +276,101 @@ def test_cancelled_job_is_reported_failed(
         timeout=60,
     )
     assert proc.returncode == 1 and "(failed)" in proc.stdout
+
+
+def array_task_intervals(array_id: str) -> list[tuple[str, str, str]]:
+    """(JobID, Start, End) of every task of an array job, from sacct."""
+    out = subprocess.run(
+        ["sacct", "-X", "-n", "-P", "-j", array_id, "-o", "JobID,Start,End"],
+        capture_output=True, text=True, timeout=30, check=True,
+    ).stdout  # fmt: skip
+    return [tuple(line.split("|")) for line in out.splitlines() if line.strip()]  # type: ignore[misc]
+
+
+def assert_one_at_a_time(array_id: str, num_tasks: int) -> None:
+    # both tasks fit on the cluster at once (2 nodes x 2 CPUs, 2 tasks x 1 CPU each): only
+    # the %1 throttle keeps them apart
+    rows = wait_for(
+        f"sacct to record the {num_tasks} finished tasks of array {array_id}",
+        lambda: (
+            (r := array_task_intervals(array_id))
+            and len(r) == num_tasks
+            and all(end not in ("", "Unknown") for _, _, end in r)
+            and r
+        ),
+        60,
+    )
+    spans = sorted((start, end) for _, start, end in rows)
+    for (_, end), (start, _) in itertools.pairwise(spans):
+        assert start >= end, f"array {array_id}: tasks overlapped: {rows}"
+
+
+def test_submit_sweep_max_parallel_one_runs_one_task_at_a_time(
+    tiny_shards: Path, tmp_path: Path, jobs: list[str]
+) -> None:
+    run_dir = tmp_path / "sweep"
+    ids = submit(
+        *train_overrides(tiny_shards, run_dir, "train.max_steps=3"),
+        "--sweep",
+        "train.lr=0.001,0.002",
+        "--max-parallel",
+        "1",
+    )
+    jobs += ids
+    array_id = ids[0].split("_")[0]
+    for lr in ("0.001", "0.002"):
+        assert wait_finished(run_dir / f"lr-{lr}", 240).state == "COMPLETED"
+    out = subprocess.run(
+        ["scontrol", "show", "job", array_id], capture_output=True, text=True, timeout=30
+    ).stdout
+    assert "ArrayTaskThrottle=1" in out or out == "", out  # gone from scontrol once purged
+    assert_one_at_a_time(array_id, 2)
+
+
+def test_sbatch_sweep_max_parallel_one_runs_one_task_at_a_time(
+    tiny_shards: Path, tmp_path: Path, jobs: list[str]
+) -> None:
+    run_dir = tmp_path / "sweep"
+    script = tmp_path / "sweep.sbatch"
+    hpctrain("sbatch", DEMO, *train_overrides(tiny_shards, run_dir, "train.max_steps=3"),
+             "--sweep", "train.lr=0.001,0.002", "--max-parallel", "1", "-o", str(script))  # fmt: skip
+    assert "#SBATCH --array=0-1%1" in script.read_text()
+    array_id = subprocess.run(
+        ["sbatch", "--parsable", str(script)],
+        capture_output=True, text=True, check=True, timeout=30, cwd=REPO,
+    ).stdout.strip()  # fmt: skip
+    jobs.append(array_id)
+    for lr in ("0.001", "0.002"):
+        folder = run_dir / f"lr-{lr}"
+        assert wait_finished(folder, 240).state == "COMPLETED"
+        assert f"lr: {lr}" in (folder / "config.yaml").read_text()
+        out = hpctrain("status", str(folder)).stdout
+        assert "COMPLETED" in out and "jobs:" in out
+    assert_one_at_a_time(array_id, 2)
+
+
+def test_preflight_catches_a_missing_qos_and_a_live_limit(tmp_path: Path) -> None:
+    """The local-dev profile lists no QoS: only the live cluster (sacctmgr) can say."""
+    args = ["preflight", DEMO, "--no-data", f"run_dir={tmp_path / 'run'}", "--profile", "local-dev"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpctrain", *args, "slurm.qos=qos_gpu-t3"],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 6, proc.stdout + proc.stderr
+    assert "FAIL qos: slurm.qos='qos_gpu-t3': the cluster has no such QoS" in proc.stdout
+    assert "normal" in proc.stdout  # what the cluster has
+    ok = hpctrain(*args, "slurm.qos=normal", timeout=300).stdout
+    assert "ok   qos: normal exists on the cluster" in ok and "ok   environment" in ok
+
+    qos = "hpctrain_test_short"
+    subprocess.run(["sacctmgr", "-i", "add", "qos", qos, "MaxWall=00:05:00"],
+                   capture_output=True, check=True, timeout=60)  # fmt: skip
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "hpctrain", *args, f"slurm.qos={qos}", "slurm.time=00:10:00"],
+            capture_output=True, text=True, timeout=300, cwd=REPO,
+        )  # fmt: skip
+        assert proc.returncode == 6
+        assert f"above the live MaxWall 00:05:00 of QoS {qos}" in proc.stdout, proc.stdout
+    finally:
+        subprocess.run(["sacctmgr", "-i", "delete", "qos", qos], capture_output=True, timeout=60)

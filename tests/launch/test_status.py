@@ -60,3 +60,57 @@ def test_status_exit_code_says_failed(
 def test_status_without_a_job(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["status", str(tmp_path)]) == 6  # a launch error
     assert "no SLURM job recorded" in capsys.readouterr().err
+
+
+def test_every_job_of_the_folder_with_the_last_error_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hpctrain.launch.status import JobRow, parse_sacct_rows
+
+    text = (
+        "40|REQUEUED|0:0|2026-11-30T10:00:00|2026-11-30T10:05:00\n"
+        "40|FAILED|3:0|2026-11-30T10:06:00|2026-11-30T10:07:00\n"
+        "41_0|COMPLETED|0:0|2026-11-30T11:00:00|2026-11-30T11:01:00\n"
+    )
+    rows = parse_sacct_rows(text)
+    assert rows[1] == JobRow("40", "FAILED", "3:0", "2026-11-30T10:06:00", "2026-11-30T10:07:00")
+    slurm = tmp_path / "slurm"
+    slurm.mkdir()
+    (slurm / "jobs").write_text("40\n40\n")
+    (slurm / "job_id").write_text("40\n")
+    (slurm / "40.out").write_text(
+        "hpctrain: job 40 (restart 1) on n1\n"
+        "hpctrain train [rank 1]: data error: /d/train-000003.tar: truncated member\n"
+        "srun: error: n1: task 1: Exited with exit code 3\n"
+        "done\n"
+    )
+    seen: list[list[str]] = []
+
+    def fake_jobs(ids: list[str]) -> list[JobRow]:
+        seen.append(ids)
+        return rows[:2]
+
+    monkeypatch.setattr(status_mod, "query_jobs", fake_jobs)
+    monkeypatch.setattr(status_mod, "query_state", lambda job_id: ("FAILED", "3:0", 1))
+    assert main(["status", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert seen == [["40"]]
+    assert "  40             REQUEUED     exit 0:0" in out and "FAILED       exit 3:0" in out
+    assert (
+        "error:     hpctrain train [rank 1]: data error: /d/train-000003.tar: truncated member"
+        in out
+    )
+
+
+def test_last_error_line_prefers_the_newest_log(tmp_path: Path) -> None:
+    import os
+
+    from hpctrain.launch.status import last_error_line
+
+    old, new = tmp_path / "1_0_log.err", tmp_path / "2_0_log.err"
+    old.write_text("RuntimeError: old\n")
+    new.write_text('Traceback (most recent call last):\n  File "x"\nValueError: bad value\n')
+    os.utime(old, (1, 1))
+    assert last_error_line([old, new, tmp_path / "missing"]) == ("ValueError: bad value", str(new))
+    new.write_text("all fine\n")
+    assert last_error_line([new]) == ("", "")

@@ -47,7 +47,7 @@ def test_dry_run_script_is_submitits(tmp_path: Path) -> None:
         "#SBATCH --requeue",
         "#SBATCH --ntasks-per-node=4",
         "#SBATCH --gres=gpu:4",
-        "module load pytorch-gpu/py3/2.3.0",
+        "module load python/3.11.5",
         "/venv/bin/python -u -m submitit.core._submit",
     ):
         assert line in script, line
@@ -188,3 +188,46 @@ def test_no_requeue_of_a_job_cancelled_from_outside(monkeypatch: pytest.MonkeyPa
     with pytest.raises(SystemExit):
         requeue_this_job(3, {"SLURM_JOB_ID": "42", "SLURM_PROCID": "0"})
     assert calls == []
+
+
+def test_sweep_dry_run_is_a_throttled_array(tmp_path: Path) -> None:
+    script = submission_script(v100_job(), tmp_path / "s", num_tasks=3, max_parallel=1)
+    assert "#SBATCH --array=0-2%1" in script
+    params = executor_parameters(v100_job(), max_parallel=2)
+    assert params["slurm_array_parallelism"] == 2
+
+
+@pytest.mark.parametrize("verb", ["submit", "sbatch"])
+def test_max_parallel_needs_a_sweep(
+    verb: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main([verb, DEMO, f"run_dir={tmp_path}", "--max-parallel", "1", "--profile",
+                 "local-dev", "--no-preflight"])  # fmt: skip
+    assert code == 2 and "add --sweep" in capsys.readouterr().err
+
+
+def test_sbatch_verb_sweep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["sbatch", DEMO, "--sweep", "train.lr=0.1,0.2", f"run_dir={tmp_path / 'r'}",
+                 "--max-parallel", "1", "--profile", "local-dev", "--no-preflight"])  # fmt: skip
+    script = capsys.readouterr().out
+    assert code == 0 and "#SBATCH --array=0-1%1" in script
+    assert f'RUN_DIR="{tmp_path / "r" / "lr-0.1"}"' in script
+    assert f"slurm.folder={tmp_path / 'r' / 'slurm'}" in script  # where status finds the log
+
+
+def test_a_user_error_in_a_task_is_one_line_and_its_exit_code(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from hpctrain.errors import DataError
+    from hpctrain.launch.submit import exit_with_one_line
+
+    env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2"}
+    with pytest.raises(SystemExit) as info:
+        try:
+            raise DataError("/d/index.json: index not found")
+        except DataError as exc:
+            exit_with_one_line(exc, env)
+    assert info.value.code == 3
+    assert capsys.readouterr().err == (
+        "hpctrain train [rank 1]: data error: /d/index.json: index not found\n"
+    )

@@ -9,13 +9,14 @@ from pathlib import Path
 from hpctrain.errors import UsageError
 from hpctrain.launch.preflight import preflight, raise_if_failed
 from hpctrain.launch.prepare import prepare, train_overrides
-from hpctrain.launch.safety import check_path
-from hpctrain.launch.sbatch import render_sbatch
-from hpctrain.launch.submit import log_folder
+from hpctrain.launch.sbatch import SweepPoint, render_sbatch
+from hpctrain.launch.script_values import check_path
+from hpctrain.launch.submit import log_folder, parse_sweep, sweep_run_dir
 
 HELP = "print an sbatch script (one task per GPU, requeue on preemption) for a config"
 EPILOG = """examples:
   hpctrain sbatch configs/demo.yaml --profile jean-zay-a100 slurm.account=abc@a100 > job.sbatch
+  hpctrain sbatch configs/demo.yaml --profile local-dev --sweep train.lr=1e-3,3e-3 --max-parallel 1 -o sweep.sbatch
   sbatch job.sbatch"""
 
 
@@ -34,19 +35,49 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_max_parallel_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-parallel",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --sweep: at most N array tasks run at once (SLURM's --array=...%%N)",
+    )
+
+
+def check_max_parallel(max_parallel: int, num_points: int) -> None:
+    """--max-parallel needs a sweep (a job array) and a positive N."""
+    if max_parallel < 0:
+        raise UsageError(f"--max-parallel {max_parallel}: must be 1 or more")
+    if max_parallel and num_points < 2:
+        raise UsageError("--max-parallel applies to a job array: add --sweep KEY=V1,V2,...")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_profile_arguments(parser)
     parser.add_argument(
         "-o", "--output", default="", help="write the script here instead of stdout"
     )
     parser.add_argument(
-        "--no-preflight", action="store_true", help="skip the checks of data, run folder and task"
+        "--sweep",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="a job array over these values (repeat for a grid); one run folder each",
+    )
+    add_max_parallel_argument(parser)
+    parser.add_argument(
+        "--no-preflight",
+        action="store_true",
+        help="skip the checks of data, run folder, task and the job's environment",
     )
 
 
 def run(args: argparse.Namespace) -> int:
     # ConfigError (2) and LaunchError (6, with preflight failures) reach `hpctrain.cli.main`
     prep = prepare(args.config, args.overrides, args.profile)
+    combos = parse_sweep(args.sweep)
+    check_max_parallel(args.max_parallel, len(combos))
     # before preflight or this verb creates them
     check_path(prep.cfg.run_dir, "run_dir")
     check_path(prep.cfg.slurm.folder, "slurm.folder")
@@ -59,6 +90,14 @@ def run(args: argparse.Namespace) -> int:
     if prep.cfg.slurm.folder:
         # absolute in the run's config.yaml, where `hpctrain status` looks for the log
         overrides.append(f"slurm.folder={prep.cfg.slurm.folder}")
+    sweep = []
+    if len(combos) > 1:
+        # every point's config.yaml names the shared log folder, where `status` finds its log
+        extra = [] if prep.cfg.slurm.folder or not log_dir else [f"slurm.folder={log_dir}"]
+        sweep = [
+            SweepPoint(tuple([*combo, *extra]), sweep_run_dir(prep.cfg.run_dir, combo))
+            for combo in combos
+        ]
     script = render_sbatch(
         prep.job,
         config_path=str(Path(args.config).resolve()),
@@ -67,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
         python=sys.executable,
         log_dir=log_dir,
         description=f"rendered by `hpctrain sbatch` from {Path(args.config).name}",
+        sweep=sweep,
+        max_parallel=args.max_parallel,
     )
     if args.output:
         try:

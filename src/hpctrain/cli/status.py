@@ -11,7 +11,7 @@ from hpctrain.errors import UsageError
 from hpctrain.launch.profiles import LaunchError
 from hpctrain.launch.status import run_status
 
-HELP = "show the SLURM job of a run folder: state, requeues, last step, log tail"
+HELP = "show the SLURM jobs of a run folder: state, requeues, every job, last error, last step, log tail"
 EPILOG = "example: hpctrain status runs/demo"
 
 
@@ -44,6 +44,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"state:     {status.state}{verdict}  exit code {status.exit_code or '-'}")
         print(f"requeues:  {status.requeues}")
         print(f"last step: {status.last_step if status.last_step is not None else '-'}")
+        if status.jobs:
+            print("jobs:      (every run: requeues and array tasks, from sacct)")
+            for row in status.jobs:
+                print(
+                    f"  {row.job_id:<14} {row.state:<12} exit {row.exit_code or '-':<6} {row.start} .. {row.end}"
+                )
+        if status.error_line:
+            print(f"error:     {status.error_line}")
+            print(f"           ({status.error_path})")
         if status.log_tail:
             print(f"log:       {status.log_path}")
             for line in status.log_tail:

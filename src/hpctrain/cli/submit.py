@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hpctrain.cli.sbatch import add_profile_arguments
+from hpctrain.cli.sbatch import add_max_parallel_argument, add_profile_arguments, check_max_parallel
 from hpctrain.launch.preflight import format_checks, preflight, raise_if_failed
 from hpctrain.launch.prepare import prepare, slurm_folder
 from hpctrain.launch.submit import (
@@ -19,7 +19,7 @@ HELP = "submit a training job to SLURM with submitit (requeued on time limit or 
 EPILOG = """examples:
   hpctrain submit configs/demo.yaml --profile jean-zay-h100 slurm.account=abc@h100 slurm.nodes=2
   hpctrain submit configs/demo.yaml --profile local-dev --dry-run
-  hpctrain submit configs/demo.yaml --profile local-dev --sweep train.lr=0.001,0.003
+  hpctrain submit configs/demo.yaml --profile local-dev --sweep train.lr=0.001,0.003 --max-parallel 1
   hpctrain status runs/demo"""
 
 
@@ -35,15 +35,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=V1,V2",
         help="a job array over these values (repeat for a grid); one run folder each",
     )
+    add_max_parallel_argument(parser)
     parser.add_argument(
-        "--no-preflight", action="store_true", help="skip the checks of data, run folder and task"
+        "--no-preflight",
+        action="store_true",
+        help="skip the checks of data, run folder, task and the job's environment",
     )
 
 
 def run(args: argparse.Namespace) -> int:
     # ConfigError (2) and LaunchError (6, with preflight failures) reach `hpctrain.cli.main`
     prep = prepare(args.config, args.overrides, args.profile)
-    parse_sweep(args.sweep)
+    combos = parse_sweep(args.sweep)
+    check_max_parallel(args.max_parallel, len(combos))
     check_submission(prep.cfg, prep.job)
     if not args.no_preflight:
         checks = preflight(prep.cfg, prep.profile)
@@ -51,9 +55,13 @@ def run(args: argparse.Namespace) -> int:
             print(format_checks(checks), file=sys.stderr)
         raise_if_failed(checks, "nothing submitted")
     if args.dry_run:
-        sys.stdout.write(submission_script(prep.job, slurm_folder(prep.cfg) / "submitit"))
+        folder = slurm_folder(prep.cfg) / "submitit"
+        script = submission_script(
+            prep.job, folder, num_tasks=len(combos), max_parallel=args.max_parallel
+        )
+        sys.stdout.write(script)
         return 0
-    for sub in submit(prep.cfg, prep.job, sweep=args.sweep):
+    for sub in submit(prep.cfg, prep.job, sweep=args.sweep, max_parallel=args.max_parallel):
         print(f"job {sub.job_id}")
         print(f"  run folder: {sub.run_dir}")
         print(f"  log:        {sub.stderr}")

@@ -243,6 +243,14 @@ class SlurmConfig:
     )
     setup: list[str] = _f([], "shell lines run before training (module load ...)")
     folder: str = _f("", "where job scripts and logs go; empty: RUN_DIR/slurm")
+    container: str = _f(
+        "",
+        "Apptainer/Singularity image (.sif) the trainer runs in (the profile's container_runtime); empty: the host environment",
+    )
+    container_binds: list[str] = _f(
+        [],
+        "extra paths bound into the container (SRC or SRC:DEST); the run folder, data, checkpoint and config folders are bound already",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

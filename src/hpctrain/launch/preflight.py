@@ -11,23 +11,17 @@ import ipaddress
 import os
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
 from hpctrain.config import Config, ConfigError
+from hpctrain.launch.checks import Check
+from hpctrain.launch.cluster_limits import check_live_limits
+from hpctrain.launch.environment import check_job_environment
 from hpctrain.launch.profiles import ClusterProfile, LaunchError, resolve_job
-from hpctrain.launch.safety import check_no_credential
+from hpctrain.launch.script_values import check_no_credential
 
 SAMPLE_SHARDS = 3
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    ok: bool
-    message: str
-    warning: bool = False  # reported, but does not fail the preflight
 
 
 def _is_local_host(host: str) -> bool:
@@ -228,13 +222,35 @@ def check_python() -> Check:
     return Check("python", True, f"{sys.executable}{note}", warning=not in_venv)
 
 
-def preflight(cfg: Config, profile: ClusterProfile, *, data: bool = True) -> list[Check]:
-    """All checks for `cfg` on `profile`; `data=False` skips reading the index and shards."""
+def preflight(
+    cfg: Config,
+    profile: ClusterProfile,
+    *,
+    data: bool = True,
+    environment: bool = True,
+    python: str = sys.executable,
+) -> list[Check]:
+    """All checks for `cfg` on `profile`.
+
+    Args:
+        data: read the index and a sample of shards.
+        environment: run the setup lines and the job's `python` (or its image) in a fresh
+            login shell and check imports, torch's version, CUDA and the GPU architecture.
+        python: the interpreter the job runs (the one `submit`/`sbatch` put in the script).
+    """
     checks = [check_profile(cfg, profile), check_credentials(cfg), check_run_dir(cfg)]
     checks.append(check_checkpoint_trust(cfg))
+    try:
+        job = resolve_job(cfg, profile)
+    except LaunchError:
+        job = None  # check_profile reported it
+    if job is not None:
+        checks += check_live_limits(job)
     if data:
         checks += check_data(cfg)
     checks += [check_task(cfg), check_python()]
+    if environment and job is not None:
+        checks += check_job_environment(job, python)
     return checks
 
 

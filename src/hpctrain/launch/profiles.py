@@ -20,8 +20,10 @@ import yaml
 from hpctrain.config import Config
 from hpctrain.config.load import load_yaml
 from hpctrain.errors import LaunchFailure
+from hpctrain.launch.container import container_binds
 
 PROFILES_ENV = "HPCTRAIN_CLUSTERS_DIR"
+CONTAINER_RUNTIMES = ("apptainer", "singularity")
 
 
 class LaunchError(LaunchFailure, ValueError):
@@ -58,6 +60,8 @@ class ClusterProfile:
     setup: tuple[str, ...]
     run_root: str
     cache_root: str
+    gpu_arch: str = ""  # the CUDA architecture of its GPUs (sm_70, sm_80, sm_90); "": no GPU
+    container_runtime: str = "apptainer"  # the command that runs slurm.container images
     source: str = ""
 
 
@@ -81,6 +85,10 @@ class JobSpec:
     max_requeues: int
     setup: tuple[str, ...] = field(default_factory=tuple)
     cache_root: str = ""
+    gpu_arch: str = ""
+    container: str = ""  # the image the trainer runs in; "": the host environment
+    container_runtime: str = "apptainer"
+    container_binds: tuple[str, ...] = field(default_factory=tuple)  # SRC or SRC:DEST
 
     @property
     def time(self) -> str:
@@ -150,7 +158,7 @@ def parse_profile(data: Any, source: str) -> ClusterProfile:
     known = {
         "name", "description", "account_suffix", "hint", "request_gpus", "default_partition",
         "partitions", "qos", "default_qos", "default_time", "precisions", "setup", "run_root",
-        "cache_root",
+        "cache_root", "gpu_arch", "container_runtime",
     }  # fmt: skip
     unknown = sorted(set(data) - known)
     if unknown:
@@ -188,8 +196,18 @@ def parse_profile(data: Any, source: str) -> ClusterProfile:
         setup=tuple(str(s) for s in data.get("setup", []) or []),
         run_root=str(data.get("run_root", "") or ""),
         cache_root=str(data.get("cache_root", "") or ""),
+        gpu_arch=str(data.get("gpu_arch", "") or ""),
+        container_runtime=str(data.get("container_runtime", "") or "apptainer"),
         source=source,
     )
+    if profile.gpu_arch and not re.fullmatch(r"sm_\d{2,3}a?", profile.gpu_arch):
+        raise LaunchError(
+            f"{source}: gpu_arch={profile.gpu_arch!r} is not like sm_70, sm_80, sm_90"
+        )
+    if profile.container_runtime not in CONTAINER_RUNTIMES:
+        raise LaunchError(
+            f"{source}: container_runtime={profile.container_runtime!r} is not one of {', '.join(CONTAINER_RUNTIMES)}"
+        )
     if profile.default_partition not in partitions:
         raise LaunchError(
             f"{source}: default_partition={profile.default_partition!r} is not one of {sorted(partitions)}"
@@ -303,4 +321,8 @@ def resolve_job(cfg: Config, profile: ClusterProfile) -> JobSpec:
         max_requeues=s.max_requeues,
         setup=tuple(profile.setup) + tuple(s.setup),
         cache_root=profile.cache_root,
+        gpu_arch=profile.gpu_arch,
+        container=s.container,
+        container_runtime=profile.container_runtime,
+        container_binds=container_binds(cfg) if s.container else (),
     )

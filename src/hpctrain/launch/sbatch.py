@@ -10,12 +10,15 @@ preemption too.
 
 from __future__ import annotations
 
+import os
 import shlex
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from hpctrain.config import Config, with_overrides
+from hpctrain.launch.container import bind_source, exec_words
 from hpctrain.launch.profiles import ClusterProfile, JobSpec, resolve_job
-from hpctrain.launch.safety import check_argument, check_path, check_setup_line, check_token
+from hpctrain.launch.script_values import check_argument, check_path, check_setup_line, check_token
 
 # SLURM before 23.02 does not export the job's end time; the trainer's deadline check
 # (checkpoint.deadline_margin_s) reads it. Refreshed on every (re)start of the job.
@@ -76,6 +79,14 @@ def sbatch_options(job: JobSpec, *, log_path: str) -> list[tuple[str, str | None
     return opts
 
 
+@dataclass(frozen=True)
+class SweepPoint:
+    """One task of a job array: its overrides and its own run folder."""
+
+    overrides: tuple[str, ...]
+    run_dir: str
+
+
 def render_sbatch(
     job: JobSpec,
     *,
@@ -85,18 +96,23 @@ def render_sbatch(
     python: str,
     log_dir: str = "",
     description: str = "",
+    sweep: Sequence[SweepPoint] = (),
+    max_parallel: int = 0,
 ) -> str:
     """The sbatch script for `job` training `config_path` with `overrides` into `run_dir`.
 
     Args:
-        job: the resolved job (see `resolve_job`).
+        job: the resolved job (see `resolve_job`); with `job.container` the tasks run in it.
         config_path: the config file the tasks load (absolute, or relative to the submit dir).
         overrides: `key=value` arguments passed to every `hpctrain train` task.
         run_dir: the run folder; may use `$SCRATCH`-style variables (expanded on the node).
-        python: the interpreter of the environment the job uses.
+        python: the interpreter of the environment the job uses (unused with a container).
         log_dir: a literal folder for the job log; empty: `%x-%j.out` in the submit dir
             (`#SBATCH` lines cannot expand variables).
         description: a comment line naming where the job comes from.
+        sweep: with two or more points, a job array: task i trains with `sweep[i]`'s
+            overrides (after `overrides`) into its own run folder.
+        max_parallel: at most this many array tasks at once (SLURM's `%N`); 0: no limit.
 
     Raises:
         LaunchError: a value that cannot be written into a script safely.
@@ -104,6 +120,31 @@ def render_sbatch(
     # Imported here: hpctrain.train imports torch (seconds), which `--help` need not pay.
     from hpctrain.train.preemption import REQUEUE_EXIT_CODE
 
+    log_dir = _check_inputs(job, config_path, overrides, run_dir, python, log_dir, sweep)
+    log_path = f"{log_dir.rstrip('/')}/%j.out" if log_dir else "%x-%j.out"
+    array = _array_option(len(sweep), max_parallel) if len(sweep) > 1 else ""
+    return "\n".join(
+        [
+            *_header_lines(job, log_path, description, array),
+            *_environment_lines(job, config_path, run_dir, python, REQUEUE_EXIT_CODE),
+            *_sweep_lines(sweep if array else ()),
+            *_start_lines(job),
+            *_launch_lines(job, config_path, run_dir, overrides, with_sweep=bool(array)),
+            *_requeue_lines(),
+        ]
+    )
+
+
+def _check_inputs(
+    job: JobSpec,
+    config_path: str,
+    overrides: Sequence[str],
+    run_dir: str,
+    python: str,
+    log_dir: str,
+    sweep: Sequence[SweepPoint],
+) -> str:
+    """Refuse what cannot be written into a script safely; the log folder #SBATCH can use."""
     check_path(config_path, "config path")
     check_path(run_dir, "run_dir")
     check_path(python, "python")
@@ -113,36 +154,61 @@ def render_sbatch(
         check_argument(arg, f"override[{i}]")
     for i, line in enumerate(job.setup):
         check_setup_line(line, f"slurm.setup[{i}]")
+    if job.container:
+        check_path(job.container, "slurm.container")
+        for i, bind in enumerate(job.container_binds):
+            check_path(bind, f"container bind[{i}]")
+    for i, point in enumerate(sweep):
+        check_path(point.run_dir, f"sweep[{i}] run_dir")
+        for arg in point.overrides:
+            check_argument(arg, f"sweep[{i}]")
     if log_dir:
         check_path(log_dir, "log_dir")
         if "$" in log_dir:
-            log_dir = ""  # #SBATCH cannot expand it; fall back to the submit dir
-    log_path = f"{log_dir.rstrip('/')}/%j.out" if log_dir else "%x-%j.out"
+            return ""  # #SBATCH cannot expand it; fall back to the submit dir
+    return log_dir
 
-    lines = ["#!/bin/bash"]
-    lines.append(f"# hpctrain training job, cluster profile {job.profile}.")
+
+def _array_option(num_tasks: int, max_parallel: int) -> str:
+    """SLURM's --array value: every sweep point, at most `max_parallel` running at once."""
+    return f"0-{num_tasks - 1}" + (f"%{max_parallel}" if max_parallel else "")
+
+
+def _header_lines(job: JobSpec, log_path: str, description: str, array: str) -> list[str]:
+    lines = ["#!/bin/bash", f"# hpctrain training job, cluster profile {job.profile}."]
     if description:
         lines.append(f"# {check_setup_line(description, 'description')}")
     lines.append("# Edit freely; submit with: sbatch THIS_FILE")
     options = sbatch_options(job, log_path=log_path)
+    if array:
+        options.append(("array", array, "one task per sweep point, %N: at most N at once"))
     width = max(len(f"#SBATCH --{k}" + (f"={v}" if v is not None else "")) for k, v, _ in options)
     for key, value, comment in options:
         text = f"#SBATCH --{key}" + (f"={value}" if value is not None else "")
         lines.append(f"{text:<{width}}  # {comment}" if comment else text)
-    lines += [
+    return lines
+
+
+def _environment_lines(
+    job: JobSpec, config_path: str, run_dir: str, python: str, requeue_exit_code: int
+) -> list[str]:
+    lines = [
         "",
         "set -uo pipefail",
         "",
         "# Paths: runs and caches on $SCRATCH (fast, purged when unused), code and env on $WORK.",
         f'RUN_DIR="{run_dir}"',
         f'CONFIG="{config_path}"',
-        f'PYTHON="{python}"',
     ]
+    if job.container:
+        lines.append(f'CONTAINER="{job.container}"  # the trainer runs inside this image')
+    else:
+        lines.append(f'PYTHON="{python}"')
     if job.cache_root:
         lines.append(f'CACHE_DIR="{job.cache_root}"')
     lines += [
         f"MAX_REQUEUES={job.max_requeues}",
-        f"REQUEUE_EXIT_CODE={REQUEUE_EXIT_CODE}  # the trainer checkpointed and asks to be requeued",
+        f"REQUEUE_EXIT_CODE={requeue_exit_code}  # the trainer checkpointed and asks to be requeued",
         "",
         "# Compute nodes have no internet: nothing may try to download.",
         "export " + " ".join(f"{k}={v}" for k, v in OFFLINE_ENV),
@@ -150,25 +216,83 @@ def render_sbatch(
     if job.cache_root:
         lines.append('export TORCH_HOME="$CACHE_DIR/torch" HF_HOME="$CACHE_DIR/huggingface"')
     if job.setup:
-        lines += ["", "# Environment"]
-        lines += list(job.setup)
-    args = " ".join(shlex.quote(a) for a in overrides)
+        lines += ["", "# Environment", *job.setup]
+    return lines
+
+
+def _sweep_lines(sweep: Sequence[SweepPoint]) -> list[str]:
+    """A `case` on the array task id choosing the point's overrides and run folder."""
+    if not sweep:
+        return []
+    lines = ["", "# The sweep point of this array task: its overrides and its own run folder."]
+    lines.append('case "$SLURM_ARRAY_TASK_ID" in')
+    for i, point in enumerate(sweep):
+        words = " ".join(shlex.quote(a) for a in point.overrides)
+        lines.append(f'    {i}) POINT=({words}); RUN_DIR="{point.run_dir}" ;;')
     lines += [
+        '    *) echo "hpctrain: no sweep point $SLURM_ARRAY_TASK_ID" >&2; exit 2 ;;',
+        "esac",
+    ]
+    return lines
+
+
+def _start_lines(job: JobSpec) -> list[str]:
+    lines = [
         "",
         'mkdir -p "$RUN_DIR/slurm" && chmod 700 "$RUN_DIR/slurm"',
         'echo "$SLURM_JOB_ID" > "$RUN_DIR/slurm/job_id"',
+        "# Every job (and requeue) of this run folder, for `hpctrain status`.",
+        'echo "$SLURM_JOB_ID" >> "$RUN_DIR/slurm/jobs"',
         'echo "hpctrain: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST"',
+    ]
+    if job.container:
+        # A bind whose source is missing makes the runtime refuse to start.
+        sources = " ".join(f'"{bind_source(b)}"' for b in job.container_binds)
+        if sources:
+            lines.append(f"mkdir -p {sources}")
+    return [
+        *lines,
         "# SLURM before 23.02 does not export the end time the trainer's deadline check reads.",
         *END_TIME_LINES,
+    ]
+
+
+def _launch_lines(
+    job: JobSpec, config_path: str, run_dir: str, overrides: Sequence[str], *, with_sweep: bool
+) -> list[str]:
+    args = " ".join(shlex.quote(a) for a in overrides)
+    if job.container:
+        # $RUN_DIR, not the literal folder: an array task's run folder is its sweep point's
+        others = [b for b in job.container_binds if b.rstrip("/") != run_dir.rstrip("/")]
+        binds = ["$RUN_DIR", os.path.dirname(config_path) or ".", *others]
+        words = exec_words(
+            job.container_runtime,
+            "$CONTAINER",
+            list(dict.fromkeys(binds)),
+            gpus=bool(job.gpus_per_node),
+        )
+        python = " ".join(words)
+    else:
+        python = '"$PYTHON"'
+    command = (
+        f'srun {SRUN_KILL_ON_BAD_EXIT} {python} -m hpctrain train "$CONFIG" "run_dir=$RUN_DIR"'
+    )
+    command += f" {args}" if args else ""
+    command += ' "${POINT[@]}"' if with_sweep else ""
+    return [
         "",
         "# One task per GPU, all running the same command; ranks come from SLURM_PROCID/LOCALID.",
         "# A task that fails (also one whose collective timed out on a hung rank) ends them all.",
-        f'srun {SRUN_KILL_ON_BAD_EXIT} "$PYTHON" -m hpctrain train "$CONFIG" "run_dir=$RUN_DIR"'
-        + (f" {args}" if args else ""),
+        command,
         "status=$?",
+    ]
+
+
+def _requeue_lines() -> list[str]:
+    # The requeue policy; its Python twin is launch/submit.py `requeue_this_job` (change
+    # both; tests/launch/test_requeue_policy.py checks they agree).
+    return [
         "",
-        # The requeue policy; its Python twin is launch/submit.py `requeue_this_job` (change
-        # both; tests/launch/test_requeue_policy.py checks they agree).
         'if [ "$status" -eq "$REQUEUE_EXIT_CODE" ]; then',
         "    # Only a running job requeues itself: scancel also sends TERM (the trainers then",
         "    # save and exit 75), and `scontrol requeue` would bring a cancelled job back.",
@@ -186,7 +310,6 @@ def render_sbatch(
         'exit "$status"',
         "",
     ]
-    return "\n".join(lines)
 
 
 def render_profile_template(profile: ClusterProfile) -> str:

@@ -9,6 +9,7 @@ RUN_DIR/slurm/job_id (written by the sbatch script when it starts). The sbatch s
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from collections import deque
 from dataclasses import dataclass, field
@@ -27,6 +28,17 @@ FAILED_STATES = frozenset(
 SACCT_TIMEOUT_S = 30
 
 
+@dataclass(frozen=True)
+class JobRow:
+    """One run of one job as sacct lists it with -D (a requeued job has a row per run)."""
+
+    job_id: str
+    state: str
+    exit_code: str
+    start: str = ""
+    end: str = ""
+
+
 @dataclass
 class RunStatus:
     """What `hpctrain status` reports."""
@@ -39,6 +51,9 @@ class RunStatus:
     last_step: int | None = None
     log_path: str = ""
     log_tail: list[str] = field(default_factory=list)
+    jobs: list[JobRow] = field(default_factory=list)  # every job, requeue and array task
+    error_line: str = ""  # the last error line a rank wrote, when one failed
+    error_path: str = ""  # the log it is in
 
     @property
     def failed(self) -> bool:
@@ -146,6 +161,88 @@ def tail(path: Path, num_lines: int) -> list[str]:
         return [line.rstrip("\n") for line in deque(f, maxlen=num_lines)]
 
 
+def recorded_job_ids(run_dir: Path, record: dict[str, str]) -> list[str]:
+    """Every job id recorded for the run folder, oldest first (RUN_DIR/slurm/jobs + the latest)."""
+    ids: list[str] = []
+    jobs_file = run_dir / "slurm" / "jobs"
+    if jobs_file.is_file():
+        ids = [line.strip() for line in jobs_file.read_text().splitlines() if line.strip()]
+    if record.get("job_id"):
+        ids.append(record["job_id"])
+    return list(dict.fromkeys(ids))
+
+
+def parse_sacct_rows(text: str) -> list[JobRow]:
+    """`sacct -D -X -n -P -o JobID,State,ExitCode,Start,End` lines → one row per line."""
+    rows = []
+    for line in text.splitlines():
+        parts = line.split("|")
+        if len(parts) < 3 or not parts[0]:
+            continue
+        state = parts[1].split()[0] if parts[1] else "UNKNOWN"
+        start, end = (parts[3], parts[4]) if len(parts) >= 5 else ("", "")
+        rows.append(JobRow(parts[0], state, parts[2], start, end))
+    return rows
+
+
+def query_jobs(job_ids: list[str]) -> list[JobRow]:
+    """Every run of these jobs from sacct (-D: requeues too); [] when sacct does not answer."""
+    if not job_ids:
+        return []
+    try:
+        done = subprocess.run(
+            ["sacct", "-D", "-X", "-n", "-P", "-j", ",".join(job_ids),
+             "-o", "JobID,State,ExitCode,Start,End"],
+            capture_output=True, text=True, timeout=SACCT_TIMEOUT_S,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return parse_sacct_rows(done.stdout) if done.returncode == 0 else []
+
+
+# What a failed rank leaves as its last word: hpctrain's one-line error (`hpctrain train
+# [rank 1]: data error: ...`) or the last line of a Python traceback; failing those, SLURM's
+# own complaint (`srun: error: n1: task 1: Exited with exit code 3`), which names no cause.
+_RANK_ERROR = re.compile(
+    r"^(?:hpctrain \w+(?: \[rank \d+\])?: .*error: .*"
+    r"|[A-Za-z_][\w.]*(?:Error|Exception|Failure|Exit)\b.*)$"
+)
+_SLURM_ERROR = re.compile(r"^(?:srun|slurmstepd): error: .*$")
+
+
+def last_error_line(paths: list[Path]) -> tuple[str, str]:
+    """(line, path) of the last error line in the newest of these logs that has one.
+
+    A rank's own line (hpctrain's error, an exception) wins over SLURM's in the same log.
+    """
+    existing = [p for p in paths if p.is_file()]
+    for path in sorted(existing, key=lambda p: p.stat().st_mtime, reverse=True):
+        rank_line = slurm_line = ""
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for raw in f:
+                line = raw.strip()
+                if _RANK_ERROR.match(line):
+                    rank_line = line
+                elif _SLURM_ERROR.match(line):
+                    slurm_line = line
+        if rank_line or slurm_line:
+            return rank_line or slurm_line, str(path)
+    return "", ""
+
+
+def task_logs(run_dir: Path, record: dict[str, str], job_ids: list[str]) -> list[Path]:
+    """The logs the jobs of this run folder wrote: submitit's per-task files, the sbatch log."""
+    paths: list[Path] = []
+    folders = {Path(record[k]).parent for k in ("stdout", "stderr") if record.get(k)}
+    folders.add(log_folder(run_dir))
+    for folder in folders:
+        for job_id in job_ids:
+            paths += folder.glob(f"{job_id}_*_log.err") if folder.is_dir() else []
+            paths += folder.glob(f"{job_id}_*_log.out") if folder.is_dir() else []
+            paths.append(folder / f"{job_id}.out")
+    return paths
+
+
 def run_status(run_dir: str, *, num_lines: int = 10) -> RunStatus:
     """The status of the job that trains into `run_dir`."""
     folder = Path(run_dir)
@@ -155,6 +252,10 @@ def run_status(run_dir: str, *, num_lines: int = 10) -> RunStatus:
         return status
     status.job_id = record["job_id"]
     status.state, status.exit_code, status.requeues = query_state(status.job_id)
+    job_ids = recorded_job_ids(folder, record)
+    status.jobs = query_jobs(job_ids)
+    if status.failed or any(row.state in FAILED_STATES for row in status.jobs):
+        status.error_line, status.error_path = last_error_line(task_logs(folder, record, job_ids))
     for key in ("stderr", "stdout"):
         lines = tail(Path(record.get(key, "")), num_lines) if record.get(key) else []
         if lines:

@@ -18,25 +18,30 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import submitit
 
+from hpctrain.compat_submitit import render_submission
 from hpctrain.config import Config, with_overrides
+from hpctrain.errors import HpctrainError
+from hpctrain.launch.container import exec_words
 from hpctrain.launch.prepare import slurm_folder
 from hpctrain.launch.profiles import JobSpec, LaunchError
-from hpctrain.launch.safety import check_no_credential, check_path, check_setup_line
 from hpctrain.launch.sbatch import (
     END_TIME_LINES,
     OFFLINE_ENV,
     SRUN_KILL_ON_BAD_EXIT,
     sbatch_options,
 )
+from hpctrain.launch.script_values import check_no_credential, check_path, check_setup_line
 
 JOB_FILE = "job.json"
+JOBS_FILE = "jobs"  # one job id a line, oldest first
 
 
 class TrainingJob(submitit.helpers.Checkpointable):
@@ -49,7 +54,10 @@ class TrainingJob(submitit.helpers.Checkpointable):
         from hpctrain.train import run_training
         from hpctrain.train.preemption import REQUEUE_EXIT_CODE
 
-        code = run_training(self.cfg)
+        try:
+            code = run_training(self.cfg)
+        except HpctrainError as exc:
+            exit_with_one_line(exc)
         if code == REQUEUE_EXIT_CODE:
             requeue_this_job(self.cfg.slurm.max_requeues)
         if code != 0:
@@ -59,6 +67,23 @@ class TrainingJob(submitit.helpers.Checkpointable):
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
         """Called by submitit's own signal handler: resubmit as is (resume=latest)."""
         return submitit.helpers.DelayedSubmission(TrainingJob(self.cfg))
+
+
+def exit_with_one_line(exc: HpctrainError, environ: Mapping[str, str] | None = None) -> NoReturn:
+    """End this task as `hpctrain train` would: one line on stderr and the kind's exit code.
+
+    A user's mistake (a bad shard, a locked run folder...) then reads in the task's log like
+    the CLI's own error, and sacct shows its exit code, instead of a traceback and a pickled
+    exception. HPCTRAIN_DEBUG=1 keeps the traceback as well.
+    """
+    env = os.environ if environ is None else environ
+    if env.get("HPCTRAIN_DEBUG", "") not in ("", "0"):
+        traceback.print_exc()
+    rank = env.get("SLURM_PROCID")
+    tag = f" [rank {rank}]" if rank is not None and env.get("SLURM_NTASKS", "1") != "1" else ""
+    message = " ".join(str(exc).splitlines())
+    print(f"hpctrain train{tag}: {exc.label}: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(exc.exit_code)
 
 
 def requeue_this_job(
@@ -143,8 +168,11 @@ def check_submission(cfg: Config, job: JobSpec) -> None:
             check_no_credential(value, f"task_options.{key}")
 
 
-def executor_parameters(job: JobSpec) -> dict[str, Any]:
-    """AutoExecutor parameters for `job` (the same #SBATCH lines as the rendered script)."""
+def executor_parameters(job: JobSpec, *, max_parallel: int = 0) -> dict[str, Any]:
+    """AutoExecutor parameters for `job` (the same #SBATCH lines as the rendered script).
+
+    `max_parallel` caps the running tasks of a job array (SLURM's `--array=...%N`).
+    """
     params: dict[str, Any] = {
         "name": job.job_name,
         "nodes": job.nodes,
@@ -162,6 +190,8 @@ def executor_parameters(job: JobSpec) -> dict[str, Any]:
     }
     if job.gpus_per_node:
         params["slurm_gres"] = f"gpu:{job.gpus_per_node}"
+    if max_parallel:
+        params["slurm_array_parallelism"] = max_parallel
     if job.hint:
         params["slurm_additional_parameters"]["hint"] = job.hint
     for key, value in (
@@ -175,36 +205,57 @@ def executor_parameters(job: JobSpec) -> dict[str, Any]:
     return params
 
 
-def make_executor(job: JobSpec, folder: Path) -> submitit.AutoExecutor:
-    executor = submitit.AutoExecutor(
-        folder=folder, cluster="slurm", slurm_max_num_timeout=job.max_requeues
+def job_python(job: JobSpec, folder: Path, python: str = sys.executable) -> str:
+    """The command that starts Python in every task: this interpreter, or the container's.
+
+    With a container, submitit's own folder (where the pickled job and results go) is bound
+    too: it may lie outside the run folder (`slurm.folder`).
+    """
+    if not job.container:
+        return shlex.quote(python)
+    binds = list(dict.fromkeys([*job.container_binds, str(folder)]))
+    for i, bind in enumerate(binds):
+        check_path(bind, f"container bind[{i}]")
+    check_path(job.container, "slurm.container")
+    return " ".join(
+        exec_words(job.container_runtime, job.container, binds, gpus=bool(job.gpus_per_node))
     )
-    executor.update_parameters(**executor_parameters(job))
+
+
+def make_executor(job: JobSpec, folder: Path, *, max_parallel: int = 0) -> submitit.AutoExecutor:
+    executor = submitit.AutoExecutor(
+        folder=folder,
+        cluster="slurm",
+        slurm_max_num_timeout=job.max_requeues,
+        slurm_python=job_python(job, folder),
+    )
+    executor.update_parameters(**executor_parameters(job, max_parallel=max_parallel))
     return executor
 
 
-# AutoExecutor's generic names → SlurmExecutor's (submitit.slurm.SlurmExecutor._equivalence_dict).
-_GENERIC_TO_SLURM = {
-    "name": "job_name",
-    "timeout_min": "time",
-    "nodes": "nodes",
-    "cpus_per_task": "cpus_per_task",
-    "tasks_per_node": "ntasks_per_node",
-}
+def submission_script(
+    job: JobSpec,
+    folder: Path,
+    python: str = sys.executable,
+    *,
+    num_tasks: int = 1,
+    max_parallel: int = 0,
+) -> str:
+    """The sbatch script submitit writes for `job` (for --dry-run; needs no SLURM binaries).
 
-
-def submission_script(job: JobSpec, folder: Path, python: str = sys.executable) -> str:
-    """The sbatch script submitit writes for `job` (for --dry-run; needs no SLURM binaries)."""
-    from submitit.slurm.slurm import _make_sbatch_string
-
-    params = {}
-    for key, value in executor_parameters(job).items():
-        name = key[len("slurm_") :] if key.startswith("slurm_") else _GENERIC_TO_SLURM[key]
-        params[name] = value
+    Args:
+        num_tasks: sweep points; two or more make a job array.
+        max_parallel: at most this many array tasks at once; 0: submitit's default.
+    """
     command = " ".join(
-        [shlex.quote(python), "-u -m submitit.core._submit", shlex.quote(str(folder))]
+        [job_python(job, folder, python), "-u -m submitit.core._submit", shlex.quote(str(folder))]
     )
-    return str(_make_sbatch_string(command=command, folder=folder, **params))
+    return render_submission(
+        executor_parameters(job, max_parallel=max_parallel),
+        command=command,
+        folder=folder,
+        map_count=num_tasks if num_tasks > 1 else None,
+    )
 
 
 def parse_sweep(specs: Sequence[str]) -> list[list[str]]:
@@ -256,8 +307,12 @@ def log_folder(cfg: Config) -> Path:
     return folder if folder.is_dir() and cfg.slurm.folder else private_dir(folder)
 
 
-def submit(cfg: Config, job: JobSpec, *, sweep: Sequence[str] = ()) -> list[Submitted]:
+def submit(
+    cfg: Config, job: JobSpec, *, sweep: Sequence[str] = (), max_parallel: int = 0
+) -> list[Submitted]:
     """Submit `cfg` as `job` (one job, or a job array with one run folder per sweep point).
+
+    `max_parallel` lets at most that many array tasks run at once (0: no limit of ours).
 
     Raises:
         LaunchError: an unsafe value or a bad sweep, before anything is submitted.
@@ -271,7 +326,7 @@ def submit(cfg: Config, job: JobSpec, *, sweep: Sequence[str] = ()) -> list[Subm
         check_submission(run_cfg, job)
         configs.append(run_cfg)
     folder = log_folder(cfg) / "submitit"
-    executor = make_executor(job, folder)
+    executor = make_executor(job, folder, max_parallel=max_parallel)
     if len(configs) == 1:
         jobs = [executor.submit(TrainingJob(configs[0]))]
     else:
@@ -302,3 +357,6 @@ def write_job_file(run_dir: Path, sub: Submitted, job: JobSpec) -> None:
     }
     (slurm_dir / JOB_FILE).write_text(json.dumps(record, indent=1) + "\n")
     (slurm_dir / "job_id").write_text(sub.job_id + "\n")
+    # Every job ever submitted into this run folder, for `hpctrain status` (resubmissions too).
+    with open(slurm_dir / JOBS_FILE, "a", encoding="utf-8") as f:
+        f.write(sub.job_id + "\n")

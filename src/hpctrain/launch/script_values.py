@@ -22,7 +22,8 @@ _VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]
 # Variables a path may reference; they are expanded by the job's shell on the compute node.
 PATH_VARIABLES = frozenset(
     {"SCRATCH", "WORK", "STORE", "JOBSCRATCH", "DSDIR", "HOME", "USER", "TMPDIR",
-     "SLURM_JOB_ID", "SLURM_JOB_NAME", "SLURM_ARRAY_TASK_ID", "SLURM_SUBMIT_DIR"}
+     "SLURM_JOB_ID", "SLURM_JOB_NAME", "SLURM_ARRAY_TASK_ID", "SLURM_SUBMIT_DIR",
+     "SINGULARITY_ALLOWED_DIR"}  # Jean Zay's folder of runnable container images
 )  # fmt: skip
 
 _SECRET_QUERY = re.compile(

@@ -1,0 +1,179 @@
+"""Preflight of the job's environment: real probes in a fresh `bash -lc` with fake environments.
+
+Each fake environment is a setup line, as a profile or `slurm.setup` would have, that puts a
+shim `python` first on PATH. The shim is this interpreter with a fake `torch` (or `hpctrain`)
+package in front of the real ones, so the probe, the `bash -lc` run and the checks are the
+real ones; only what the fake torch reports (version, CUDA, architectures) is made up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpctrain.cli.main import main
+from hpctrain.config import Config, with_overrides
+from hpctrain.launch.environment import (
+    arch_supported,
+    check_job_environment,
+    torch_requirement,
+)
+from hpctrain.launch.profiles import JobSpec, load_profile, resolve_job
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def job_for(profile: str, *setup: str) -> JobSpec:
+    cfg = with_overrides(Config(), [f"slurm.profile={profile}"])
+    job = resolve_job(cfg, load_profile(profile))
+    return dataclasses.replace(job, setup=tuple(setup))
+
+
+def fake_env(tmp_path: Path, *, torch: str | None = None, hpctrain_broken: bool = False) -> str:
+    """A folder with a shim `python`; returns the setup line that puts it first on PATH.
+
+    `torch`: the body of a fake torch/__init__.py (None: the real torch).
+    """
+    root = tmp_path / "env"
+    (root / "bin").mkdir(parents=True)
+    (root / "site").mkdir()
+    if torch is not None:
+        (root / "site" / "torch").mkdir()
+        (root / "site" / "torch" / "__init__.py").write_text(torch)
+    if hpctrain_broken:
+        (root / "site" / "hpctrain").mkdir()
+        (root / "site" / "hpctrain" / "__init__.py").write_text(
+            "raise ImportError('hpctrain is not installed here')\n"
+        )
+    shim = root / "bin" / "python"
+    shim.write_text(f'#!/bin/sh\nPYTHONPATH={root / "site"} exec {sys.executable} "$@"\n')
+    shim.chmod(0o755)
+    return f'export PATH="{root / "bin"}:$PATH"'
+
+
+def fake_torch(version: str, cuda: str | None, arch_list: list[str]) -> str:
+    return (
+        "import types\n"
+        f"__version__ = {version!r}\n"
+        f"version = types.SimpleNamespace(cuda={cuda!r})\n"
+        f"cuda = types.SimpleNamespace(get_arch_list=lambda: {arch_list!r})\n"
+    )
+
+
+CU130_ARCHES = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]
+CU126_ARCHES = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]
+
+
+def failures(checks) -> dict[str, str]:  # type: ignore[no-untyped-def]
+    return {c.name: c.message for c in checks if not c.ok}
+
+
+def test_requirement_comes_from_the_installed_metadata() -> None:
+    assert torch_requirement() == "torch>=2.6"
+
+
+def test_a_good_environment_passes(tmp_path: Path) -> None:
+    setup = fake_env(tmp_path, torch=fake_torch("2.14.1+cu126", "12.6", CU126_ARCHES))
+    checks = check_job_environment(job_for("jean-zay-v100", setup), "python")
+    assert failures(checks) == {}
+    names = {c.name for c in checks}
+    assert {"environment", "torch version", "torch CUDA", "gpu arch"} <= names
+
+
+def test_a_module_older_than_the_requirement_fails_with_its_fix(tmp_path: Path) -> None:
+    setup = fake_env(tmp_path, torch=fake_torch("2.3.0", "12.1", CU126_ARCHES))
+    bad = failures(check_job_environment(job_for("jean-zay-a100", setup), "python"))
+    assert list(bad) == ["torch version"]
+    assert (
+        "torch 2.3.0" in bad["torch version"]
+        and "hpctrain needs torch>=2.6" in bad["torch version"]
+    )
+    assert "fix:" in bad["torch version"] and "\n" not in bad["torch version"]
+
+
+def test_a_torch_without_kernels_for_the_gpu_fails(tmp_path: Path) -> None:
+    """The pip default (cu130) on a V100 node: no sm_70, the job would die after the queue."""
+    setup = fake_env(tmp_path, torch=fake_torch("2.14.1+cu130", "13.0", CU130_ARCHES))
+    bad = failures(check_job_environment(job_for("jean-zay-v100", setup), "python"))
+    assert list(bad) == ["gpu arch"]
+    assert "not sm_70" in bad["gpu arch"] and "sm_75 sm_80" in bad["gpu arch"]
+    assert "whl/cu126" in bad["gpu arch"]
+    # the same torch is fine on the H100 nodes
+    ok = check_job_environment(job_for("jean-zay-h100", setup), "python")
+    assert failures(ok) == {}
+
+
+def test_a_cpu_only_torch_fails_on_a_gpu_profile(tmp_path: Path) -> None:
+    setup = fake_env(tmp_path, torch=fake_torch("2.14.1+cpu", None, []))
+    bad = failures(check_job_environment(job_for("jean-zay-h100", setup), "python"))
+    assert list(bad) == ["torch CUDA"] and "CPU-only build" in bad["torch CUDA"]
+    # the CPU dev cluster needs no CUDA
+    assert failures(check_job_environment(job_for("local-dev", setup), "python")) == {}
+
+
+def test_hpctrain_not_importable_fails(tmp_path: Path) -> None:
+    setup = fake_env(
+        tmp_path, torch=fake_torch("2.14.1+cu126", "12.6", CU126_ARCHES), hpctrain_broken=True
+    )
+    bad = failures(check_job_environment(job_for("jean-zay-v100", setup), "python"))
+    assert list(bad) == ["hpctrain import"]
+    assert "hpctrain is not installed here" in bad["hpctrain import"]
+
+
+def test_a_missing_module_command_names_the_line(tmp_path: Path) -> None:
+    """`module` does not exist on this machine: the setup line fails in the login shell."""
+    checks = check_job_environment(job_for("jean-zay-v100", "module load python/3.11.5"))
+    bad = [c.message for c in checks if not c.ok and c.name == "environment"]
+    assert len(bad) == 1
+    assert "'module load python/3.11.5' failed" in bad[0] and "module: command not found" in bad[0]
+
+
+def test_a_python_that_does_not_exist(tmp_path: Path) -> None:
+    bad = failures(check_job_environment(job_for("generic"), str(tmp_path / "no" / "python")))
+    assert "Python did not start" in bad["environment"]
+
+
+@pytest.mark.parametrize(
+    ("arch", "arch_list", "ok"),
+    [
+        ("sm_70", CU126_ARCHES, True),
+        ("sm_70", CU130_ARCHES, False),
+        ("sm_90", ["sm_80", "compute_80"], True),  # PTX of an older arch is JIT-compiled
+        ("sm_70", ["sm_80", "compute_80"], False),  # never for an older GPU
+        ("sm_90", ["sm_80", "sm_86"], False),
+    ],
+)
+def test_arch_support(arch: str, arch_list: list[str], ok: bool) -> None:
+    assert arch_supported(arch, arch_list) is ok
+
+
+def test_preflight_verb_reports_the_environment(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A site module of an old torch, as `module load` would: it sets PYTHONPATH."""
+    fake_env(tmp_path, torch=fake_torch("2.3.0", "12.1", CU126_ARCHES))
+    setup = f'export PYTHONPATH="{tmp_path / "env" / "site"}"'
+    code = main(
+        ["preflight", str(REPO / "configs" / "demo.yaml"), "--no-data", f"run_dir={tmp_path / 'r'}",
+         "--profile", "generic", f"slurm.setup=['{setup}']"]
+    )  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 6
+    assert "FAIL torch version: torch 2.3.0" in captured.out
+    assert captured.err.count("\n") == 1 and "hpctrain needs torch>=2.6" in captured.err
+
+
+def test_every_profile_names_its_gpu_architecture() -> None:
+    arches = {name: load_profile(name).gpu_arch for name in
+              ("jean-zay-v100", "jean-zay-a100", "jean-zay-h100", "generic")}  # fmt: skip
+    assert arches == {
+        "jean-zay-v100": "sm_70",
+        "jean-zay-a100": "sm_80",
+        "jean-zay-h100": "sm_90",
+        "generic": "sm_80",
+    }
+    for name in arches:
+        assert not any("pytorch-gpu/py3/2.3" in line for line in load_profile(name).setup)
