@@ -343,3 +343,40 @@ def test_sync_cli_lists_a_real_offline_run_and_names_bad_folders(tmp_path):
     assert f"{empty}: no offline W&B run under {empty / 'wandb'}" in missing.stderr
     nothing = run_hpctrain("sync", str(tmp_path / "nope"), check=False)
     assert nothing.returncode == 2 and "not a run folder" in nothing.stderr
+
+
+def test_metrics_writer_feeds_the_trackers_and_closes_them(tmp_path):
+    from hpctrain.train.metrics import MetricsWriter
+
+    calls: list[Any] = []
+
+    class Fake:
+        def log(self, record: dict[str, Any]) -> None:
+            calls.append(("log", record["step"]))
+
+        def close(self, status: str) -> None:
+            calls.append(("close", status))
+
+    writer = MetricsWriter(
+        tmp_path,
+        enabled=True,
+        progress="lines",
+        total_steps=2,
+        tensorboard=False,
+        trackers=Fake(),  # type: ignore[arg-type]
+    )
+    writer.write(
+        {
+            **train_record(1, 0.5),
+            "samples_per_s": 1.0,
+            "data_wait_fraction": 0.0,
+            "data_wait_fraction_worst": 0.0,
+            "step_time_s": 0.1,
+        }
+    )
+    writer.write(eval_record(1, 0.25))
+    writer.close("preempted")
+    assert calls == [("log", 1), ("log", 1), ("close", "preempted")]
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+    assert trackers.start_trackers(make_cfg(tmp_path), world_size=1) is None  # all off
+    assert not (tmp_path / "tracking.json").exists()

@@ -376,6 +376,13 @@ class Trackers:
             log.warning("closing trackers failed: %s", "; ".join(errors))
 
 
+def start_trackers(cfg: Config, world_size: int) -> Trackers | None:
+    """Rank 0 at the start of `fit`: the trackers `logging.*` turns on, or None for none."""
+    if cfg.logging.wandb == "off" and cfg.logging.mlflow == "off":
+        return None
+    return Trackers.start(cfg, world_size)
+
+
 # ------------------------------------------------------------------------- hpctrain sync
 def offline_wandb_folders(run_dir: Path) -> list[Path]:
     """The offline W&B run folders of a run, in the order the run's starts made them.
