@@ -194,6 +194,16 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ProfileConfig:
+    steps: str = _f(
+        "",
+        "record a torch.profiler trace of optimizer steps START-END (e.g. 10-12) into "
+        "RUN_DIR/profile/; empty: no profiling",
+    )
+    ranks: list[int] = _f([0], "ranks that record a trace; empty: every rank")
+
+
+@dataclass(frozen=True, kw_only=True)
 class SlurmConfig:
     profile: str = _f("generic", "cluster profile from configs/clusters/")
     account: str = _f("", "account, e.g. abc@a100 on Jean Zay")
@@ -231,4 +241,5 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
