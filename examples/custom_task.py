@@ -18,6 +18,7 @@ from torchvision.transforms import v2
 from hpctrain.config import Config
 from hpctrain.data.index import ShardIndex
 from hpctrain.train.task import masked_mean
+from hpctrain.train.tasks.vision import image_field
 
 
 class Thumbnail:
@@ -28,12 +29,13 @@ class Thumbnail:
         self.resize = v2.Resize((16, 16), antialias=True)
 
     def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
-        image = self.resize(sample["image"])
+        # The decoded sample holds one field per tar member (`jpg` or `png`, `cls`, `json`,
+        # ...) and its `key`; return only what the batch needs.
+        image = self.resize(sample[image_field(sample)])
         if self.jitter:
             factor = 0.8 + 0.4 * torch.rand(())
             image = (image.float() * factor).clamp(0, 255).to(torch.uint8)
-        sample["image"] = image
-        return sample
+        return {"key": sample["key"], "image": image, "label": sample["cls"]}
 
 
 class ThumbnailMLP:

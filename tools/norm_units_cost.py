@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from hpctrain.launch.local import free_port
-from hpctrain.train.image_classification import build_classifier
+from hpctrain.train.models import build_classifier
 from hpctrain.train.parallel import FP32_NORMS, find_blocks
 
 LAYOUTS = ("blocks", "norms-grouped", "norms-each")

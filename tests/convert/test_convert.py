@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hpctrain.cli.main import main
-from hpctrain.convert.plan import assign_shards, parse_size, split_train_val
+from hpctrain.convert.layout import assign_shards, parse_size, split_train_val
 from hpctrain.convert.sources import ConvertError, SampleRef
 from hpctrain.data.index import read_index
 

@@ -82,7 +82,10 @@ def test_verify_names_the_bad_member(shards: Path, capsys: pytest.CaptureFixture
     assert "shard-000001.tar: sha256 differs from the index" in capsys.readouterr().out
     assert main(["inspect", str(shards), "--verify"]) == 3
     out = capsys.readouterr().out
-    assert "shard-000001.tar: 000000012.jpg: cannot decode image" in out
+    # the loader's own decoder's words: the shard, the sample's key and the field
+    assert (
+        "shard-000001.tar: sample '000000012': field 'jpg' (" in out and "cannot be decoded" in out
+    )
 
 
 def test_verify_reports_truncated_and_missing_shards(
@@ -98,7 +101,7 @@ def test_verify_reports_truncated_and_missing_shards(
     assert [s["ok"] for s in report["shards"]] == [False, True, False]
     errors = "\n".join(report["errors"])
     assert "shard-000000.tar: shard not found" in errors
-    assert "shard-000002.tar: 000000023.jpg: unreadable member: unexpected end of data" in errors
+    assert "shard-000002.tar: unreadable tar after sample 000000021: truncated tar member" in errors
 
 
 def test_inspect_missing_source(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -113,3 +116,65 @@ def test_inspect_brace_pattern_without_index(
     assert main(["inspect", str(shards / "shard-{000000..000001}.tar"), "--verify", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["index"] is None and report["num_samples"] == 20 and report["num_shards"] == 2
+
+
+def _replace_member(shard: Path, name: str, data: bytes) -> None:
+    """Overwrite a member's bytes in place (same size: only decoding or a digest can tell)."""
+    raw = bytearray(shard.read_bytes())
+    offset = _member_offset(shard, name)
+    raw[offset : offset + len(data)] = data
+    shard.write_bytes(bytes(raw))
+
+
+def test_labels_outside_the_index_classes_are_flagged(
+    shards: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _replace_member(shards / "shard-000000.tar", "000000003.cls", b"7")
+    assert main(["inspect", str(shards), "--verify"]) == 3
+    out = capsys.readouterr().out
+    assert "shard-000000.tar: 000000003.cls: label 7 outside the index's 3 classes" in out
+
+
+def test_verify_decodes_every_field_of_general_samples(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import numpy as np
+
+    from hpctrain.convert.tar import ShardTarWriter
+
+    from .test_any_sample import npy_bytes, palette_png
+
+    with open(tmp_path / "s.tar", "wb") as f:
+        writer = ShardTarWriter(f)
+        for i in range(3):
+            writer.add(f"k{i}.mask.png", palette_png(i))
+            writer.add(f"k{i}.depth.npy", npy_bytes(np.zeros((2, 2), np.float32)))
+            writer.add(f"k{i}.txt", b"ok")
+        writer.finish()
+    assert main(["inspect", str(tmp_path / "s.tar"), "--verify", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_samples"] == 3
+    _replace_member(tmp_path / "s.tar", "k1.depth.npy", b"\x93NUMPY garbage!!")
+    assert main(["inspect", str(tmp_path / "s.tar"), "--verify"]) == 3
+    out = capsys.readouterr().out
+    assert "s.tar: sample 'k1': field 'depth.npy'" in out and "cannot be decoded" in out
+
+
+def test_pax_headers_and_long_names_are_read_like_the_loader(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Shards from other writers (webdataset's ShardWriter writes a PAX header per member)."""
+    import io
+
+    from .conftest import image_bytes
+
+    path = tmp_path / "pax.tar"
+    long_key = "dir/" + "k" * 150  # longer than USTAR's name field: a PAX path record
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for key in ("a", long_key):
+            for field, data in (("jpg", image_bytes(1)), ("cls", b"1")):
+                info = tarfile.TarInfo(f"{key}.{field}")
+                info.size, info.mtime = len(data), 1.5  # a fractional mtime: PAX headers
+                tar.addfile(info, io.BytesIO(data))
+    assert main(["inspect", str(path), "--verify", "--json", "--keys", "2"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["num_samples"] == 2 and report["sample_keys"] == ["a", long_key]

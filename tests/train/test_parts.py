@@ -7,15 +7,12 @@ import torch
 
 from hpctrain.config import ConfigError, load_config
 from hpctrain.data.index import ShardIndex, ShardInfo
-from hpctrain.train.image_classification import (
-    ImageClassification,
-    SmallCNN,
-    build_classifier,
-    normalize,
-)
+from hpctrain.train.models import SmallCNN, build_classifier
 from hpctrain.train.optim import build_optimizer, lr_factor
 from hpctrain.train.parallel import find_blocks
 from hpctrain.train.task import load_task
+from hpctrain.train.tasks.image_classification import ImageClassification
+from hpctrain.train.tasks.vision import normalize
 
 INDEX = ShardIndex(shards=(ShardInfo("a.tar", 10),), class_names=tuple("abcdefghij"))
 
@@ -54,7 +51,7 @@ def test_unknown_model_and_task_are_config_errors() -> None:
         build_classifier("nope", 3)
     with pytest.raises(ConfigError, match="task='no.such.module:Task'"):
         load_task(load_config(None, ["task=no.such.module:Task"]), INDEX)
-    with pytest.raises(ConfigError, match="expected one of image_classification"):
+    with pytest.raises(ConfigError, match="expected one of image_classification, segmentation"):
         load_task(load_config(None, ["task=whatever"]), INDEX)
 
 
@@ -82,14 +79,15 @@ def test_eval_metrics_ignore_padded_samples() -> None:
 def test_transforms_give_fixed_size_uint8() -> None:
     task = ImageClassification(load_config(None, ["model.image_size=24"]), INDEX)
     sample = {
-        "image": torch.randint(0, 255, (3, 40, 60), dtype=torch.uint8),
-        "label": 1,
+        "jpg": torch.randint(0, 255, (3, 40, 60), dtype=torch.uint8),
+        "cls": 1,
         "key": "k",
-        "meta": {},
+        "json": {},
     }
     for transform in (task.train_transform(), task.eval_transform()):
         out = transform(dict(sample))
         assert out["image"].shape == (3, 24, 24) and out["image"].dtype == torch.uint8
+        assert out["label"] == 1 and out["key"] == "k"
     x = normalize(torch.full((1, 3, 2, 2), 255, dtype=torch.uint8))
     assert x.dtype == torch.float32 and x.max() > 2
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from hpctrain.config import ConfigError, load_config
 from hpctrain.train import precision as precision_module
-from hpctrain.train.image_classification import build_classifier
+from hpctrain.train.models import build_classifier
 from hpctrain.train.parallel import parallelize
 from hpctrain.train.precision import (
     DeviceFacts,

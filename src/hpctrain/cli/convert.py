@@ -1,21 +1,30 @@
-"""`hpctrain convert SRC DEST`: image folder / manifest / shards -> tar shards + index.json."""
+"""`hpctrain convert SRC DEST`: image folder / manifest / Python / Arrow / shards -> tar shards + index.json."""
 
 from __future__ import annotations
 
 import argparse
 
-from hpctrain.convert.plan import parse_size
+from hpctrain.convert.layout import parse_size
 from hpctrain.convert.run import ConvertOptions, convert, result_summary
+from hpctrain.convert.sources import KINDS, ConvertOptionError
 
-HELP = "convert an image folder, a CSV/JSONL manifest or shards into WebDataset shards + index.json"
+HELP = (
+    "convert an image folder, a CSV/JSONL manifest, a Python dataset, Arrow/parquet or shards "
+    "into WebDataset shards + index.json"
+)
 EPILOG = """\
 examples:
   hpctrain convert data/images data/shards --val-fraction 0.1 --shuffle --seed 0
   hpctrain convert manifest.csv s3://bucket/shards --shard-size 512MB --workers 8
   hpctrain convert old-shards/ data/small --max-side 256 --quality 90 --resume
+  hpctrain convert mypkg.data:make_dataset data/shards --arg split=train --arg size=64
+  hpctrain convert hf_saved/ data/shards --column image=img.jpg --column label=cls
 
-SRC is a folder SRC/<class>/<image> (classes sorted -> labels), a .csv/.jsonl manifest (path,
-label and extra fields), or shards (a folder with index.json or .tar files, a brace pattern).
+SRC is a folder SRC/<class>/<image> (classes sorted -> labels); a .csv/.jsonl manifest (every
+column a member: path/label, file columns like mask.png, cls/txt/json, the rest gathered into
+.json); a Python callable pkg.module:function returning dict samples; a Hugging Face
+save_to_disk folder or parquet files (pip install 'hpctrain[arrow]'); or shards (a folder with
+index.json or .tar files, a brace pattern). README's convert section has the mapping rules.
 DEST is a folder or an fsspec URL (s3://..., memory://...). Output is identical for any
 --workers; the index is written last, so a killed run leaves no index (finish it with --resume).
 """
@@ -80,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--source",
         dest="source_kind",
-        choices=["auto", "folder", "manifest", "shards"],
+        choices=["auto", *KINDS],
         default="auto",
         help="source kind (default: guessed)",
     )
@@ -93,11 +102,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--label-column", default="label", help="manifest column with the label (default label)"
     )
     parser.add_argument(
+        "--column",
+        action="append",
+        default=[],
+        metavar="NAME=FIELD",
+        help="Arrow/parquet: write column NAME as field FIELD (e.g. image=img.jpg); FIELD empty: leave it out",
+    )
+    parser.add_argument(
+        "--arg",
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="Python source: keyword argument of the callable (V parsed as JSON, else text)",
+    )
+    parser.add_argument(
         "--progress",
         choices=["auto", "bar", "plain", "none"],
         default="auto",
         help="progress bar in a terminal, periodic lines otherwise (default auto)",
     )
+
+
+def _pairs(values: list[str], flag: str) -> tuple[tuple[str, str], ...]:
+    pairs = []
+    for value in values:
+        name, sep, rest = value.partition("=")
+        if not sep or not name:
+            raise ConvertOptionError(f"{flag} {value!r}: expected NAME=VALUE")
+        pairs.append((name, rest))
+    return tuple(pairs)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -116,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
         prefix=args.prefix,
         path_column=args.path_column,
         label_column=args.label_column,
+        columns=_pairs(args.column, "--column"),
+        args=_pairs(args.arg, "--arg"),
         workers=args.workers,
         resume=args.resume,
         overwrite=args.overwrite,

@@ -9,16 +9,18 @@ import sys
 from hpctrain.convert.verify import format_report, inspect_dataset
 from hpctrain.errors import EXIT_DATA
 
-HELP = "show totals, shards, classes and keys of a shard set; --verify decodes every sample"
+HELP = "show totals, shards, classes and keys of a shard set; --verify decodes every field"
 EPILOG = """\
 examples:
   hpctrain inspect data/shards                 # train/ and val/ when convert used --val-fraction
   hpctrain inspect s3://bucket/shards/index.json --verify --json
   hpctrain inspect 'old/shard-{000000..000009}.tar' --verify
 
-Reads every shard once, checking the tar structure and, with an index, each shard's size,
-sample count and sha256. Exit code 3 (a data error) when anything is wrong; every problem
-names its shard and member.
+Reads every shard once with the loader's tar parser, checking the tar structure and, with an
+index, each shard's size, sample count and sha256; --verify decodes every field with the
+loader's decoders (images, masks, cls, json, txt, npy, ...) and, when the index names the
+classes, flags labels outside them. Exit code 3 (a data error) when anything is wrong; every
+problem names its shard and sample.
 """
 
 
@@ -28,7 +30,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="index.json, a folder holding one (or train/ and val/), a .tar folder, a brace pattern",
     )
     parser.add_argument(
-        "--verify", action="store_true", help="also decode every image, .cls and .json member"
+        "--verify", action="store_true", help="also decode every field as the loader does"
+    )
+    parser.add_argument(
+        "--max-pixels",
+        type=int,
+        metavar="N",
+        help="--verify: images above N pixels are decompression bombs (default: the loader's)",
     )
     parser.add_argument(
         "--json", action="store_true", help="print one JSON object (a list for train/ + val/)"
@@ -44,7 +52,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     # nothing to inspect (no index, no shards): a DataError, one line and exit code 3
     reports = inspect_dataset(
-        args.dest, verify=args.verify, num_keys=args.keys, workers=args.workers
+        args.dest,
+        verify=args.verify,
+        num_keys=args.keys,
+        workers=args.workers,
+        max_pixels=args.max_pixels,
     )
     if args.json:
         data = [r.to_json() for r in reports]

@@ -22,12 +22,67 @@ def _f(default: Any, help: str, **checks: Any) -> Any:
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     name: str = _f(
-        "small_cnn",
-        "model for the built-in image_classification task: small_cnn, vit_tiny or a torchvision model name (resnet18, resnet50, vit_b_16, ...)",
+        "",
+        "model of a built-in task; empty: the task's default. image_classification: small_cnn "
+        "(default), vit_tiny or a torchvision classifier (resnet18, resnet50, vit_b_16, ...); "
+        "segmentation: unet (default) or a torchvision segmentation model (fcn_resnet50, "
+        "deeplabv3_resnet50, lraspp_mobilenet_v3_large, ...)",
     )
     num_classes: int = _f(0, "number of classes; 0 takes it from the training index", min=0)
     image_size: int = _f(64, "side of the square crop fed to the model, in pixels", min=8)
     channels_last: bool = _f(False, "use the channels_last memory format (CNNs on GPUs)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AugmentConfig:
+    scale_min: float = _f(
+        0.5,
+        "training crops: smallest fraction of the image's area a RandomResizedCrop keeps",
+        min=0.01,
+        max=1.0,
+    )
+    scale_max: float = _f(
+        1.0, "training crops: largest fraction of the image's area kept", min=0.01, max=1.0
+    )
+    hflip: bool = _f(
+        True, "random horizontal flips in training (turn off for digits, text, left/right labels)"
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClassificationConfig:
+    image_field: str = _f(
+        "",
+        "image_classification: the sample field holding the image (jpg, img.png, left.jpg...); "
+        "empty: the sample's one image field that is not a target (mask/seg/label/depth)",
+    )
+    multi_label: bool = _f(
+        False,
+        "several labels per sample: BCE-with-logits loss, evaluation mAP and F1 instead of "
+        "accuracy; the target is classification.target_field",
+    )
+    target_field: str = _f(
+        "",
+        "the target field: an int field (default cls) for one label; with multi_label a json "
+        "list of class ids or an npy multi-hot vector (default: the sample's one json/npy field)",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SegmentationConfig:
+    image_field: str = _f(
+        "",
+        "segmentation: the sample field holding the image; empty: the sample's one image "
+        "field that is not a target (jpg, png, img.jpg...)",
+    )
+    mask_field: str = _f(
+        "",
+        "the field holding the class-id mask (a palette or greyscale PNG, an npy array); "
+        "empty: the sample's one image field named as a target (mask.png, seg.png...)",
+    )
+    ignore_index: int = _f(
+        255, "mask value left out of the loss and the metrics (unlabelled pixels)", min=0
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,6 +128,12 @@ class DataConfig:
         "seconds the training process waits for a loader worker's next batch before failing "
         "the step, naming the worker and the shard it reads; 0: wait for ever",
         min=0.0,
+    )
+    max_image_pixels: int = _f(
+        89_478_485,
+        "largest image (width x height) a loader decodes; a larger one (a decompression bomb) "
+        "is a sample error handled by data.on_error; 0: no limit. Default: PIL's",
+        min=0,
     )
 
 
@@ -237,6 +298,9 @@ class Config:
     )
     task_options: dict[str, Any] = _f({}, "free-form options handed to a custom task")
     model: ModelConfig = field(default_factory=ModelConfig)
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
+    classification: ClassificationConfig = field(default_factory=ClassificationConfig)
+    segmentation: SegmentationConfig = field(default_factory=SegmentationConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -17,16 +17,24 @@ import json
 import os
 import posixpath
 import shlex
+import tempfile
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass, field
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from hpctrain.convert.layout import assign_shards, order_samples, plan_fingerprint, split_train_val
 from hpctrain.convert.parallel import process_pool
-from hpctrain.convert.plan import assign_shards, order_samples, plan_fingerprint, split_train_val
 from hpctrain.convert.progress import Progress
-from hpctrain.convert.sources import ConvertError, ConvertOptionError, SampleRef, list_source
+from hpctrain.convert.sources import (
+    ConvertError,
+    ConvertOptionError,
+    ListOptions,
+    SampleRef,
+    Source,
+    list_source,
+)
 from hpctrain.convert.writer import (
     TEMP_MARKER,
     EncodeOptions,
@@ -66,6 +74,8 @@ class ConvertOptions:
     prefix: str = "shard"
     path_column: str = "path"
     label_column: str = "label"
+    columns: tuple[tuple[str, str], ...] = ()  # Arrow/parquet: (column, field); field "" drops it
+    args: tuple[tuple[str, str], ...] = ()  # Python source: keyword arguments of the callable
     # How to run, not what to write: never part of the index or the plan fingerprint.
     workers: int = 1
     resume: bool = False
@@ -95,7 +105,21 @@ def _settings(options: ConvertOptions, kind: str) -> dict[str, object]:
         "quality": options.quality,
         "on_error": options.on_error,
         "prefix": options.prefix,
+        # only when given, so that the indexes of image folders and manifests stay as they were
+        **({"columns": [list(c) for c in options.columns]} if options.columns else {}),
+        **({"args": [list(a) for a in options.args]} if options.args else {}),
     }
+
+
+def list_options(options: ConvertOptions, spool_dir: str) -> ListOptions:
+    """The options that tell `list_source` how to read the source."""
+    return ListOptions(
+        path_column=options.path_column,
+        label_column=options.label_column,
+        columns=options.columns,
+        args=options.args,
+        spool_dir=spool_dir,
+    )
 
 
 def command_line(options: ConvertOptions) -> str:
@@ -119,6 +143,10 @@ def command_line(options: ConvertOptions) -> str:
         if value != getattr(defaults, name):
             flag = "--source" if name == "source_kind" else "--" + name.replace("_", "-")
             words += [flag, str(value)]
+    for column, name in options.columns:
+        words += ["--column", f"{column}={name}"]
+    for key, value in options.args:
+        words += ["--arg", f"{key}={value}"]
     if options.shuffle:
         words.append("--shuffle")
     return shlex.join(words)
@@ -174,7 +202,38 @@ def _split_layout(options: ConvertOptions, splits: list[str]) -> dict[str, tuple
 
 
 def convert(options: ConvertOptions) -> ConvertResult:
-    """Convert `options.src` into shards and index(es) under `options.dest` (see module doc)."""
+    """Convert `options.src` into shards and index(es) under `options.dest` (see module doc).
+
+    The steps: validate the options, list the source and plan the shards, prepare DEST (the
+    state file), write the shards, then commit (`skipped.txt`, the indexes, state file removed).
+    """
+    _validate(options)
+    splits = ["train", "val"] if options.val_fraction > 0 else [""]
+    index_urls = {
+        split: _join(folder, INDEX_NAME)
+        for split, (folder, _) in _split_layout(options, splits).items()
+    }
+    state_url = _join(options.dest, STATE_NAME)
+    if (
+        options.resume
+        and not _exists(state_url)
+        and all(_exists(url) for url in index_urls.values())
+    ):
+        # Finished already (e.g. a requeued job running the same command again): nothing to do.
+        indexes = {split: read_index(url) for split, url in index_urls.items()}
+        return ConvertResult(indexes, index_urls, [], sum(len(i.shards) for i in indexes.values()))
+    with tempfile.TemporaryDirectory(prefix="hpctrain-convert-") as spool_dir:
+        plan = _plan(options, spool_dir)
+        _prepare_destination(
+            options, state_url, index_urls, plan.tasks, plan.fingerprint, plan.layout
+        )
+        results, num_resumed = _write_shards(options, plan)
+    indexes, skipped = _commit(options, plan, results, index_urls, state_url)
+    return ConvertResult(indexes, index_urls, skipped, num_resumed)
+
+
+def _validate(options: ConvertOptions) -> None:
+    """Refuse options that contradict each other or are out of range (before reading anything)."""
     if options.on_error not in ("fail", "skip"):
         raise ConvertOptionError(f"--on-error {options.on_error!r}: expected fail or skip")
     if options.workers < 1:
@@ -187,32 +246,26 @@ def convert(options: ConvertOptions) -> ConvertResult:
         value = getattr(options, name)
         if value is not None and not (1 <= value <= (100 if name == "quality" else 1 << 16)):
             raise ConvertOptionError(f"--{name.replace('_', '-')} {value}: out of range")
-
-    state_url = _join(options.dest, STATE_NAME)
-    splits = ["train", "val"] if options.val_fraction > 0 else [""]
-    index_urls = {
-        split: _join(folder, INDEX_NAME)
-        for split, (folder, _) in _split_layout(options, splits).items()
-    }
-    if (
-        options.resume
-        and not _exists(state_url)
-        and all(_exists(url) for url in index_urls.values())
-    ):
-        # Finished already (e.g. a requeued job running the same command again): nothing to do.
-        indexes = {split: read_index(url) for split, url in index_urls.items()}
-        return ConvertResult(indexes, index_urls, [], sum(len(i.shards) for i in indexes.values()))
-
     if options.workers > 1 and options.dest.startswith("memory://"):
         raise ConvertError(
             "memory:// lives inside one process: use --workers 1 with a memory:// destination"
         )
-    source = list_source(
-        options.src,
-        options.source_kind,
-        path_column=options.path_column,
-        label_column=options.label_column,
-    )
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What a conversion will write: the listed source, each split's shard tasks, where."""
+
+    source: Source
+    settings: dict[str, object]
+    layout: dict[str, tuple[str, str]]  # split -> (folder URL, shard name prefix)
+    tasks: dict[str, list[ShardTask]]
+    fingerprint: str
+
+
+def _plan(options: ConvertOptions, spool_dir: str) -> _Plan:
+    """List the source, split it, order it and cut it into shards (no output written yet)."""
+    source = list_source(options.src, options.source_kind, list_options(options, spool_dir))
     if options.val_fraction > 0:
         train, val = split_train_val(source.samples, options.val_fraction, options.seed)
         if not val or not train:
@@ -234,9 +287,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
     }
     layout = _split_layout(options, list(plans))
     settings = _settings(options, source.kind)
-    fingerprint = plan_fingerprint(plans, settings)
     encode = EncodeOptions(options.max_side, options.quality)
-
     tasks = {
         split: [
             ShardTask(
@@ -249,9 +300,12 @@ def convert(options: ConvertOptions) -> ConvertResult:
         ]
         for split, plan in plans.items()
     }
-    _prepare_destination(options, state_url, index_urls, tasks, fingerprint, layout)
+    return _Plan(source, settings, layout, tasks, plan_fingerprint(plans, settings))
 
-    all_tasks = [task for split in tasks for task in tasks[split]]
+
+def _write_shards(options: ConvertOptions, plan: _Plan) -> tuple[dict[str, ShardResult], int]:
+    """Write every shard not already committed (those are kept under `--resume`)."""
+    all_tasks = [task for split in plan.tasks for task in plan.tasks[split]]
     results: dict[str, ShardResult] = {}
     todo = []
     for task in all_tasks:
@@ -266,8 +320,20 @@ def convert(options: ConvertOptions) -> ConvertResult:
         results.update(_run_tasks(todo, options.workers, progress))
     finally:
         progress.close()
+    return results, num_resumed
 
-    skipped = [item for task in all_tasks for item in results[task.url].skipped]
+
+def _commit(
+    options: ConvertOptions,
+    plan: _Plan,
+    results: dict[str, ShardResult],
+    index_urls: dict[str, str],
+    state_url: str,
+) -> tuple[dict[str, ShardIndex], list[tuple[str, str]]]:
+    """Write `skipped.txt`, then the index of each split, then remove the state file."""
+    skipped = [
+        item for split in plan.tasks for t in plan.tasks[split] for item in results[t.url].skipped
+    ]
     skipped_url = _join(options.dest, SKIPPED_NAME)
     if skipped:
         _write_bytes(
@@ -278,8 +344,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
         _remove(skipped_url)
     command = command_line(options)
     indexes = {}
-    for split, split_tasks in tasks.items():
-        folder = layout[split][0]
+    for split, split_tasks in plan.tasks.items():
         shards = tuple(
             ShardInfo(
                 url=posixpath.basename(r.url),
@@ -291,21 +356,20 @@ def convert(options: ConvertOptions) -> ConvertResult:
             if r.num_samples > 0
         )
         extra = {
-            **settings,
+            **plan.settings,
             "split": split or None,
             "num_skipped": sum(len(results[t.url].skipped) for t in split_tasks),
         }
-        indexes[split] = ShardIndex(
+        indexes[split] = index = ShardIndex(
             shards=shards,
-            base_url=folder,
-            class_names=source.class_names,
+            base_url=plan.layout[split][0],
+            class_names=plan.source.class_names,
             command=command,
             extra=extra,
         )
-    for split, index in indexes.items():
         _write_bytes(index_urls[split], index_to_bytes(index))
     _remove(state_url)
-    return ConvertResult(indexes, index_urls, skipped, num_resumed)
+    return indexes, skipped
 
 
 def _prepare_destination(

@@ -1,4 +1,5 @@
-"""Where samples come from: image folders, CSV/JSONL manifests and existing shards.
+"""Where samples come from: image folders and existing shards here; manifests, Python
+sources and Arrow/parquet in their own modules (`list_source` picks by `detect_kind`).
 
 Listing a source gives `SampleRef`s in a stable order (the order keys are derived from);
 reading one gives its tar members. Listing runs once in the main process; reading runs in the
@@ -7,11 +8,10 @@ shard writers (possibly other processes), so refs are small picklable records.
 
 from __future__ import annotations
 
-import csv
 import io
-import json
 import os
 import posixpath
+import re
 import tarfile
 from dataclasses import dataclass
 from typing import Any
@@ -21,11 +21,6 @@ from fsspec.implementations.local import LocalFileSystem
 
 from hpctrain.data.index import INDEX_NAME, read_index, redact_url
 from hpctrain.errors import DataError, UsageError
-
-# Extensions of members treated as the sample's image when re-sharding.
-IMAGE_EXTENSIONS = frozenset(
-    {"jpg", "jpeg", "png", "webp", "ppm", "pgm", "pbm", "bmp", "tif", "tiff", "gif"}
-)
 
 
 class ConvertError(DataError, ValueError):
@@ -49,16 +44,42 @@ class SampleError(Exception):
 
 
 @dataclass(frozen=True)
+class FieldRef:
+    """One member of a sample besides the legacy image/label/meta: a file to copy, or bytes.
+
+    Attributes:
+        name: the field name (the member is `KEY.<name>`).
+        url: the file whose bytes become the member, or "" when `data` is the member.
+        data: the member's bytes when `url` is "".
+        size: bytes of the member as planned (the file's size when known).
+        column: the manifest column it comes from (named in errors).
+    """
+
+    name: str
+    url: str = ""
+    data: bytes = b""
+    size: int = 0
+    column: str = ""
+
+
+@dataclass(frozen=True)
 class SampleRef:
     """One sample to write.
 
     Attributes:
         key: the sample key in the output shard (stable: derived from the source order).
-        url: the image file, or for re-sharding the shard holding the sample.
-        size: estimated bytes of the sample's members (plans `--shard-size`).
+        url: the image file (image folders, a manifest's path column); for re-sharding and
+            generated sources the tar holding the sample's members; "" when neither.
+        size: estimated bytes of the sample's `url` image or members (plans `--shard-size`).
         label: integer label (`.cls` member), or None for no label.
         meta: JSON text of the `.json` member, or None.
-        members: re-sharding only: (extension, data offset, size) of each member in `url`.
+        members: re-sharding and generated sources: (field, data offset, size) of each member
+            in `url`.
+        fields: manifests: the members of the other columns, in column order.
+        origin: what names the sample in messages ("list.csv row 3", "pkg.mod:fn sample 7");
+            "" when `url` names it.
+        error: why the sample cannot be written, found while listing (a bad value in a row):
+            raised when the sample is written, so that `--on-error` decides, as for a bad file.
     """
 
     key: str
@@ -67,15 +88,38 @@ class SampleRef:
     label: int | None = None
     meta: str | None = None
     members: tuple[tuple[str, int, int], ...] = ()
+    fields: tuple[FieldRef, ...] = ()
+    origin: str = ""
+    error: str = ""
 
 
 @dataclass(frozen=True)
 class Source:
     """A listed source: its samples in source order, and class names when known."""
 
-    kind: str  # "folder" | "manifest" | "shards"
+    kind: str  # "folder" | "manifest" | "shards" | "python" | "arrow"
     samples: tuple[SampleRef, ...]
     class_names: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ListOptions:
+    """How to read a source (see `hpctrain convert --help`).
+
+    Attributes:
+        path_column: manifests: the column of the (legacy) image path.
+        label_column: manifests: the column of the label (class names or integers).
+        columns: Arrow/parquet: (column, field) renames; field "" leaves the column out.
+        args: Python sources: keyword arguments of the callable, as `k=v` text pairs.
+        spool_dir: a local folder where generated sources (Python, Arrow) spool their
+            encoded samples; deleted with the conversion.
+    """
+
+    path_column: str = "path"
+    label_column: str = "label"
+    columns: tuple[tuple[str, str], ...] = ()
+    args: tuple[tuple[str, str], ...] = ()
+    spool_dir: str = ""
 
 
 def sample_key(position: int) -> str:
@@ -88,8 +132,14 @@ def _fs_and_path(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
     return fs, path
 
 
-def _full_url(fs: fsspec.AbstractFileSystem, path: str) -> str:
+def full_url(fs: fsspec.AbstractFileSystem, path: str) -> str:
     return path if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(path)
+
+
+# `package.module:callable`: a Python source. Only ever matched against SRC as the user typed it
+# on the command line: nothing read from an index or a manifest is imported.
+_CALLABLE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+KINDS = ("folder", "manifest", "shards", "python", "arrow")
 
 
 def detect_kind(src: str) -> str:
@@ -97,13 +147,18 @@ def detect_kind(src: str) -> str:
     lowered = src.lower().split("?", 1)[0]
     if lowered.endswith((".csv", ".jsonl", ".ndjson")):
         return "manifest"
+    if lowered.endswith((".parquet", ".arrow")):
+        return "arrow"
     if lowered.endswith(".tar") or "{" in src or lowered.endswith(INDEX_NAME):
         return "shards"
+    if _CALLABLE.fullmatch(src) and not os.path.exists(src):
+        return "python"
     fs, path = _fs_and_path(src)
     if not fs.isdir(path):
         if fs.exists(path):
             raise ConvertError(
-                f"{redact_url(src)}: not a folder, manifest (.csv/.jsonl) or shard (.tar)"
+                f"{redact_url(src)}: not a folder, manifest (.csv/.jsonl), parquet/arrow file "
+                "or shard (.tar)"
             )
         raise ConvertError(f"{redact_url(src)}: source not found")
     if fs.exists(posixpath.join(path, INDEX_NAME)):
@@ -113,24 +168,40 @@ def detect_kind(src: str) -> str:
             f"{redact_url(src)}: holds train/ and val/ shard sets; convert one: {redact_url(src)}/train"
         )
     entries = fs.ls(path, detail=True)
+    names = {posixpath.basename(e["name"].rstrip("/")) for e in entries}
+    if names & {"state.json", "dataset_dict.json"} or any(
+        n.endswith((".arrow", ".parquet")) for n in names
+    ):
+        return "arrow"
     has_dirs = any(e["type"] == "directory" for e in entries)
     has_tars = any(e["name"].endswith(".tar") for e in entries)
     return "shards" if has_tars and not has_dirs else "folder"
 
 
-def list_source(
-    src: str, kind: str = "auto", *, path_column: str = "path", label_column: str = "label"
-) -> Source:
+def list_source(src: str, kind: str = "auto", options: ListOptions | None = None) -> Source:
     """List the samples of `src` (see module doc) in source order."""
+    options = options or ListOptions()
     if kind == "auto":
         kind = detect_kind(src)
     if kind == "folder":
         return list_image_folder(src)
     if kind == "manifest":
-        return list_manifest(src, path_column=path_column, label_column=label_column)
+        from hpctrain.convert.manifest import list_manifest
+
+        return list_manifest(
+            src, path_column=options.path_column, label_column=options.label_column
+        )
     if kind == "shards":
         return list_shards(src)
-    raise ConvertError(f"unknown source kind {kind!r} (folder, manifest, shards)")
+    if kind == "python":
+        from hpctrain.convert.generated import list_python
+
+        return list_python(src, options.args, options.spool_dir)
+    if kind == "arrow":
+        from hpctrain.convert.arrow import list_arrow
+
+        return list_arrow(src, options.columns, options.spool_dir)
+    raise ConvertOptionError(f"unknown source kind {kind!r} ({', '.join(KINDS)})")
 
 
 def list_image_folder(src: str) -> Source:
@@ -162,7 +233,7 @@ def list_image_folder(src: str) -> Source:
             samples.append(
                 SampleRef(
                     key=sample_key(len(samples)),
-                    url=_full_url(fs, path),
+                    url=full_url(fs, path),
                     size=int(info.get("size") or 0),
                     label=label,
                 )
@@ -170,93 +241,6 @@ def list_image_folder(src: str) -> Source:
     if not samples:
         raise ConvertError(f"{redact_url(src)}: no files under the class folders")
     return Source("folder", tuple(samples), tuple(class_dirs))
-
-
-def _read_manifest_rows(src: str) -> list[dict[str, Any]]:
-    try:
-        with fsspec.open(src, "rt", encoding="utf-8", newline="") as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise ConvertError(f"{redact_url(src)}: manifest not found") from None
-    if src.lower().split("?", 1)[0].endswith(".csv"):
-        return list(csv.DictReader(io.StringIO(text)))
-    rows = []
-    for line_number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError:
-            raise ConvertError(f"{redact_url(src)}:{line_number}: not a JSON object") from None
-        if not isinstance(row, dict):
-            raise ConvertError(f"{redact_url(src)}:{line_number}: not a JSON object")
-        rows.append(row)
-    return rows
-
-
-def list_manifest(src: str, *, path_column: str = "path", label_column: str = "label") -> Source:
-    """A CSV (header row) or JSONL manifest: a path column, an optional label, extra fields.
-
-    Relative paths are resolved against the manifest's folder; paths may be fsspec URLs.
-    Labels that are all integers are used as they are; otherwise the sorted distinct values
-    become class names. Every other field goes into the sample's `.json` member.
-    """
-    rows = _read_manifest_rows(src)
-    if not rows:
-        raise ConvertError(f"{redact_url(src)}: empty manifest")
-    base = src.rsplit("/", 1)[0] if "/" in src else "."
-    labels: list[Any] = []
-    for line, row in enumerate(rows, 1):
-        if path_column not in row:
-            raise ConvertError(f"{redact_url(src)}: row {line} has no {path_column!r} column")
-        labels.append(row.get(label_column))
-    class_names: tuple[str, ...] = ()
-    label_of: dict[Any, int | None]
-    present = [v for v in labels if v not in (None, "")]
-    if not present:
-        label_of = {}
-    elif all(
-        isinstance(v, int) or (isinstance(v, str) and v.strip().lstrip("-").isdigit())
-        for v in present
-    ):
-        label_of = {v: int(v) for v in present}
-    else:
-        class_names = tuple(sorted({str(v) for v in present}))
-        position = {name: i for i, name in enumerate(class_names)}
-        label_of = {v: position[str(v)] for v in present}
-    urls = []
-    for row in rows:
-        path = str(row[path_column])
-        urls.append(path if "://" in path or path.startswith("/") else posixpath.join(base, path))
-    sizes = _file_sizes(urls)
-    samples = []
-    for i, (row, url) in enumerate(zip(rows, urls, strict=True)):
-        extra = {k: v for k, v in row.items() if k not in (path_column, label_column)}
-        meta = json.dumps(extra, sort_keys=True, separators=(",", ":")) if extra else None
-        samples.append(
-            SampleRef(
-                key=sample_key(i), url=url, size=sizes[i], label=label_of.get(labels[i]), meta=meta
-            )
-        )
-    return Source("manifest", tuple(samples), class_names)
-
-
-def _file_sizes(urls: list[str]) -> list[int]:
-    """Sizes for planning `--shard-size` (0 where unknown: the file is then judged when read)."""
-    sizes = []
-    for url in urls:
-        if "://" not in url:
-            try:
-                sizes.append(os.stat(url).st_size)
-            except OSError:
-                sizes.append(0)
-            continue
-        try:
-            fs, path = _fs_and_path(url)
-            sizes.append(int(fs.size(path) or 0))
-        except (OSError, ValueError):
-            sizes.append(0)
-    return sizes
 
 
 def _split_member_name(name: str) -> tuple[str | None, str]:
@@ -283,7 +267,7 @@ def shard_urls(src: str) -> tuple[list[str], tuple[str, ...]]:
         tars = sorted(p for p in fs.ls(path, detail=False) if p.endswith(".tar"))
         if not tars:
             raise ConvertError(f"{redact_url(src)}: no .tar shards")
-        return [_full_url(fs, p) for p in tars], ()
+        return [full_url(fs, p) for p in tars], ()
     return [src], ()
 
 

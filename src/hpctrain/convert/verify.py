@@ -9,8 +9,6 @@ against, but every member is still read and decoded.
 from __future__ import annotations
 
 import hashlib
-import io
-import json
 import posixpath
 from collections import Counter
 from dataclasses import dataclass, field
@@ -19,9 +17,10 @@ from typing import Any
 import fsspec
 
 from hpctrain.convert.parallel import process_pool
-from hpctrain.convert.sources import IMAGE_EXTENSIONS, ConvertError, shard_urls
+from hpctrain.convert.sources import ConvertError, shard_urls
 from hpctrain.data.index import INDEX_NAME, ShardIndex, read_index, redact_url
-from hpctrain.data.stream import pipe_label
+from hpctrain.data.stream import ShardStream, iter_samples, pipe_label
+from hpctrain.errors import DataError
 
 
 @dataclass
@@ -35,6 +34,8 @@ class ShardReport:
     errors: list[str] = field(default_factory=list)
     class_histogram: Counter[int] = field(default_factory=Counter)
     sample_keys: list[str] = field(default_factory=list)  # the first few
+    num_classes: int = 0  # the index's class names, when it has them: labels must be below
+    max_pixels: int | None = None  # --verify: larger images are bombs (None: the loader's default)
 
 
 @dataclass
@@ -83,27 +84,35 @@ class DatasetReport:
         }
 
 
-class _HashingReader(io.RawIOBase):
-    """A read-only stream that hashes and counts what passes through it."""
+class _HashingStream(ShardStream):
+    """A shard stream that hashes and counts every byte its reader consumes.
 
-    def __init__(self, raw: Any) -> None:
-        self._raw = raw
+    Skips read the bytes instead of seeking past them: a digest must see every byte.
+    """
+
+    def __init__(self, url: str) -> None:
         self.sha256 = hashlib.sha256()
         self.num_bytes = 0
+        super().__init__(url)
 
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        data = self._raw.read(len(buffer))
-        n = len(data)
-        buffer[:n] = data
+    def read_view(self, n: int) -> bytes | memoryview:
+        data = super().read_view(n)
         self.sha256.update(data)
-        self.num_bytes += n
-        return n
+        self.num_bytes += len(data)
+        return data
+
+    def skip(self, n: int) -> int:
+        missing = n
+        while missing > 0:
+            data = self.read_view(min(missing, 1 << 20))
+            if not data:
+                break
+            missing -= len(data)
+        return missing
 
     def drain(self) -> None:
-        while self._raw is not None and self.read(1 << 20):
+        """Read to the end (the archive's end blocks and record padding count in the digest)."""
+        while self.read_view(1 << 20):
             pass
 
 
@@ -136,122 +145,106 @@ def resolve(spec: str) -> list[tuple[str, ShardIndex | None, list[str]]]:
     return [(spec, None, urls)]
 
 
-def _check_member(
-    shard: str, name: str, ext: str, data: bytes, report: ShardReport, verify: bool
-) -> int | None:
-    """Check one member; return its label for `.cls` members."""
-    if ext == "cls":
-        try:
-            return int(data.decode().strip())
-        except ValueError:
-            report.errors.append(f"{shard}: {name}: .cls is not an integer")
-            return None
-    if not verify:
-        return None
-    if ext == "json":
-        try:
-            json.loads(data)
-        except ValueError:
-            report.errors.append(f"{shard}: {name}: invalid JSON")
-    elif ext in IMAGE_EXTENSIONS:
-        from PIL import Image
-
-        try:
-            with Image.open(io.BytesIO(data)) as image:
-                image.load()
-        except Exception as exc:  # PIL raises many types for bad data
-            report.errors.append(f"{shard}: {name}: cannot decode image: {exc}")
-    return None
-
-
 def inspect_shard(url: str, report: ShardReport, *, verify: bool, num_keys: int) -> ShardReport:
-    """Read one shard with webdataset's tar iterator, filling and returning `report`."""
-    from webdataset.tariterators import base_plus_ext, tar_file_iterator
+    """Read one shard with the loader's own tar parser, filling and returning `report`.
 
-    shown = report.url
+    The steps: open it, read (and with `verify` decode) every sample, then compare what was
+    read with the index (size, sha256, sample count).
+    """
     try:
-        raw = fsspec.open(url, "rb").open()
+        stream = _HashingStream(url)
     except FileNotFoundError:
-        report.errors.append(f"{shown}: shard not found")
+        report.errors.append(f"{report.url}: shard not found")
         return report
     except OSError as exc:
-        report.errors.append(f"{shown}: cannot open: {exc}")
+        report.errors.append(f"{report.url}: cannot open: {exc}")
         return report
-    stream = _HashingReader(raw)
-    seen_keys: set[str] = set()
-    current_key: str | None = None
-    current_exts: set[str] = set()
-    last_name = "(start of shard)"
-    reading = [last_name]  # the member whose data is being read (set before the read can fail)
-
-    def note_member(name: str) -> bool:
-        reading[0] = name
-        return True
-
-    def close_sample() -> None:
-        if current_key is not None and not current_exts & IMAGE_EXTENSIONS:
-            report.errors.append(
-                f"{shown}: sample {current_key!r} has no image member ({', '.join(sorted(current_exts))})"
-            )
-
     try:
-        for member in tar_file_iterator(
-            io.BufferedReader(stream, 1 << 20), skip_meta=None, select_files=note_member
-        ):
-            name, data = member["fname"], member["data"]
-            key, ext = base_plus_ext(name)
-            last_name = name
-            if key is None:
+        _read_samples(stream, report, verify=verify, num_keys=num_keys)
+    finally:
+        stream.close()
+    report.num_bytes = stream.num_bytes
+    if not report.errors:
+        _compare_with_index(report, stream.sha256.hexdigest())
+    return report
+
+
+def _read_samples(
+    stream: _HashingStream, report: ShardReport, *, verify: bool, num_keys: int
+) -> None:
+    """Every sample of the shard: keys in order and unique, fields decoded, labels in range."""
+    shown = report.url
+    seen_keys: set[str] = set()
+    last_key = "(start of shard)"
+    try:
+        for _, key, members in iter_samples(stream):
+            last_key = key
+            if "" in members:
                 report.errors.append(
-                    f"{shown}: {name}: member name has no extension (no sample key)"
+                    f"{shown}: {key}: member name has no extension (no sample key)"
                 )
                 continue
-            ext = ext.lower()
-            if key != current_key:
-                close_sample()
-                if key in seen_keys:
-                    report.errors.append(
-                        f"{shown}: {name}: key {key!r} appears again (a sample's members must be adjacent)"
-                    )
-                seen_keys.add(key)
-                current_key, current_exts = key, set()
-                report.num_samples += 1
-                if len(report.sample_keys) < num_keys:
-                    report.sample_keys.append(key)
-            elif ext in current_exts:
-                report.errors.append(f"{shown}: {name}: duplicate member")
-            current_exts.add(ext)
-            label = _check_member(shown, name, ext, data, report, verify)
-            if label is not None:
-                report.class_histogram[label] += 1
-        close_sample()
+            if key in seen_keys:
+                report.errors.append(
+                    f"{shown}: sample {key!r} appears again (a sample's members must be adjacent)"
+                )
+            seen_keys.add(key)
+            report.num_samples += 1
+            if len(report.sample_keys) < num_keys:
+                report.sample_keys.append(key)
+            _check_sample(shown, key, members, report, verify)
         stream.drain()
-    except Exception as exc:
-        reason = str(exc).split(" @ ")[0]
-        if reading[0] != last_name:
-            report.errors.append(f"{shown}: {reading[0]}: unreadable member: {reason}")
-        else:
-            report.errors.append(f"{shown}: unreadable tar after member {last_name}: {reason}")
-    finally:
-        raw.close()
-    report.num_bytes = stream.num_bytes
-    # Sizes and digests are checked on every pass: the bytes were read and hashed anyway.
-    if report.expected_bytes and not report.errors:
-        if stream.num_bytes != report.expected_bytes:
+    except DataError as exc:  # a malformed header, a truncated member, a duplicate member
+        reason = str(exc).removeprefix(f"{redact_url(stream.url)}: ")
+        report.errors.append(f"{shown}: unreadable tar after sample {last_key}: {reason}")
+
+
+def _check_sample(
+    shown: str, key: str, members: dict[str, bytes], report: ShardReport, verify: bool
+) -> None:
+    """Decode the fields (`verify`: all of them, with the loader's decoders; else only `cls`)."""
+    label: Any = None
+    if verify:
+        from hpctrain.data.decode import SampleError, decode_sample
+
+        try:
+            limit = {} if report.max_pixels is None else {"max_pixels": report.max_pixels}
+            label = decode_sample(key, members, **limit).get("cls")
+        except SampleError as exc:
+            report.errors.append(f"{shown}: {exc}")
+            return
+    elif "cls" in members:
+        try:
+            label = int(bytes(members["cls"]).strip())
+        except ValueError:
+            report.errors.append(f"{shown}: {key}.cls: not an integer")
+            return
+    if label is None:
+        return
+    if report.num_classes and not 0 <= label < report.num_classes:
+        report.errors.append(
+            f"{shown}: {key}.cls: label {label} outside the index's {report.num_classes} classes"
+        )
+    report.class_histogram[label] += 1
+
+
+def _compare_with_index(report: ShardReport, sha256: str) -> None:
+    """Sizes, digests and counts against the index (checked on every pass: the bytes were read
+    and hashed anyway)."""
+    shown = report.url
+    if report.expected_bytes:
+        if report.num_bytes != report.expected_bytes:
             report.errors.append(
-                f"{shown}: size {stream.num_bytes} bytes, index says {report.expected_bytes}"
+                f"{shown}: size {report.num_bytes} bytes, index says {report.expected_bytes}"
             )
-        elif report.expected_sha256 not in ("", stream.sha256.hexdigest()):
+            return
+        if report.expected_sha256 not in ("", sha256):
             report.errors.append(f"{shown}: sha256 differs from the index")
-    if (
-        report.expected_samples is not None
-        and report.num_samples != report.expected_samples
-        and not report.errors
-    ):
+            return
+    if report.expected_samples is not None and report.num_samples != report.expected_samples:
         report.errors.append(
             f"{shown}: {report.num_samples} samples, index says {report.expected_samples}"
         )
-    return report
 
 
 def _inspect_shard_task(task: tuple[str, ShardReport, bool, int]) -> ShardReport:
@@ -260,11 +253,19 @@ def _inspect_shard_task(task: tuple[str, ShardReport, bool, int]) -> ShardReport
 
 
 def inspect_dataset(
-    spec: str, *, verify: bool = False, num_keys: int = 5, workers: int = 1
+    spec: str,
+    *,
+    verify: bool = False,
+    num_keys: int = 5,
+    workers: int = 1,
+    max_pixels: int | None = None,
 ) -> list[DatasetReport]:
-    """Read every shard `spec` names once, checking structure, sizes and sha256; `verify` also decodes.
+    """Read every shard `spec` names once, checking structure, sizes and sha256; `verify` also
+    decodes every field with the loader's decoders (`hpctrain.data.decode`).
 
     `workers` > 1 reads shards in that many processes (results are the same, in shard order).
+    `max_pixels`: the decompression-bomb limit of `verify` (None: the loader's default).
+    Labels (`cls`) outside the index's class names, when it has them, are problems too.
 
     Raises:
         ConvertError / ShardIndexError: `spec` names nothing readable.
@@ -285,9 +286,12 @@ def inspect_dataset(
                 report = ShardReport(info.url, info.num_samples, info.num_bytes, info.sha256)
             else:
                 report = ShardReport(redact_url(url), None, None)
+            report.num_classes = len(dataset.class_names)
+            report.max_pixels = max_pixels
             tasks.append((url, report, verify, num_keys))
         if workers > 1 and len(tasks) > 1:
-            import webdataset.tariterators  # noqa: F401  (once, before forking)
+            if verify:
+                import hpctrain.data.decode  # noqa: F401  (torch: imported once, before forking)
 
             with process_pool(workers, preload_pil=verify) as pool:
                 dataset.shards = list(pool.map(_inspect_shard_task, tasks))

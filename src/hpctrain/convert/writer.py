@@ -19,9 +19,10 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from hpctrain.convert.fields import IMAGE_EXTENSIONS, is_target_field, last_extension
 from hpctrain.convert.sources import (
-    IMAGE_EXTENSIONS,
     ConvertError,
+    FieldRef,
     SampleError,
     SampleRef,
     ShardReader,
@@ -95,42 +96,85 @@ def reencode(data: bytes, encode: EncodeOptions, url: str) -> tuple[bytes, str] 
     return out.getvalue(), "jpg"
 
 
+def _reencoded(data: bytes, field: str, encode: EncodeOptions, where: str) -> tuple[bytes, str]:
+    """`--max-side/--quality` on one image member: (bytes, field name), maybe unchanged.
+
+    Target fields (`mask`, `seg`, `label`, `depth` in the name) are never re-encoded: JPEG
+    would change their values (class ids, depths).
+    """
+    if not encode.active or is_target_field(field):
+        return data, field
+    new = reencode(data, encode, where)
+    if new is None:
+        return data, field
+    stem = field.rsplit(".", 1)[0] if "." in field else ""
+    return new[0], f"{stem}.jpg" if stem else "jpg"
+
+
+def _copied_members(
+    sample: SampleRef, reader: ShardReader, encode: EncodeOptions
+) -> list[tuple[str, bytes]]:
+    """Members of a sample stored in a tar (re-sharding, generated sources), in their order."""
+    members = []
+    for field, offset, size in sample.members:
+        data = reader.read(sample.url, offset, size)
+        if last_extension(field) in IMAGE_EXTENSIONS:
+            where = sample.origin or f"{sample.url}#{sample.key}.{field}"
+            if image_extension(data) is None:
+                raise SampleError(where, f"{field}: not an image")
+            data, field = _reencoded(data, field, encode, where)
+        members.append((f"{sample.key}.{field}", data))
+    return members
+
+
+def _read_field(sample: SampleRef, field: FieldRef) -> bytes:
+    try:
+        return read_url(field.url)
+    except OSError as exc:
+        raise SampleError(
+            field.url,
+            f"{sample.origin}, column {field.column!r}: cannot read: {exc.strerror or exc}",
+        ) from None
+
+
 def sample_members(
     sample: SampleRef, reader: ShardReader, encode: EncodeOptions
 ) -> list[tuple[str, bytes]]:
-    """The (member name, bytes) of one sample, in the order they are written."""
-    if sample.members:  # re-sharding: copy members, maybe re-encode the image
-        members = []
-        found_image = False
-        for ext, offset, size in sample.members:
-            data = reader.read(sample.url, offset, size)
-            if ext in IMAGE_EXTENSIONS and not found_image:
-                found_image = True
-                if image_extension(data) is None:
-                    raise SampleError(f"{sample.url}#{sample.key}.{ext}", "not an image")
-                if encode.active:
-                    new = reencode(data, encode, f"{sample.url}#{sample.key}.{ext}")
-                    if new is not None:
-                        data, ext = new
-            members.append((f"{sample.key}.{ext}", data))
-        if not found_image:
-            raise SampleError(f"{sample.url}#{sample.key}", "sample has no image member")
-        return members
-    try:
-        data = read_url(sample.url)
-    except OSError as exc:
-        raise SampleError(sample.url, f"cannot read: {exc.strerror or exc}") from None
-    detected = image_extension(data)
-    if detected is None:
-        raise SampleError(sample.url, "not an image")
-    ext = detected
-    if encode.active:
-        new = reencode(data, encode, sample.url)
-        if new is not None:
-            data, ext = new
-    members = [(f"{sample.key}.{ext}", data)]
+    """The (member name, bytes) of one sample, in the order they are written.
+
+    Order: the image of `url`, `cls`, the other fields in column order, `json`.
+    """
+    if sample.error:
+        raise SampleError(sample.origin or sample.url, sample.error)
+    if sample.members:
+        return _copied_members(sample, reader, encode)
+    members = []
+    if sample.url:
+        where = f"{sample.origin}, column 'path': " if sample.origin else ""
+        try:
+            data = read_url(sample.url)
+        except OSError as exc:
+            raise SampleError(sample.url, f"{where}cannot read: {exc.strerror or exc}") from None
+        detected = image_extension(data)
+        if detected is None:
+            raise SampleError(sample.url, f"{where}not an image")
+        data, ext = _reencoded(data, detected, encode, sample.url)
+        members.append((f"{sample.key}.{ext}", data))
     if sample.label is not None:
         members.append((f"{sample.key}.cls", str(sample.label).encode()))
+    for field in sample.fields:
+        if not field.url:
+            members.append((f"{sample.key}.{field.name}", field.data))
+            continue
+        data = _read_field(sample, field)
+        name = field.name
+        if last_extension(name) in IMAGE_EXTENSIONS:
+            if image_extension(data) is None:
+                raise SampleError(
+                    field.url, f"{sample.origin}, column {field.column!r}: not an image"
+                )
+            data, name = _reencoded(data, name, encode, field.url)
+        members.append((f"{sample.key}.{name}", data))
     if sample.meta is not None:
         members.append((f"{sample.key}.json", sample.meta.encode()))
     return members
@@ -200,7 +244,7 @@ def write_shard(task: ShardTask, on_sample: Callable[[], Any] | None = None) -> 
                     raise ConvertError(
                         f"{exc} (use --on-error skip to skip and list such samples)"
                     ) from None
-                skipped.append((sample.url, exc.reason))
+                skipped.append((exc.url, exc.reason))
                 members = []
             for name, data in members:
                 writer.add(name, data)

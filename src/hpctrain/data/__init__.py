@@ -24,6 +24,7 @@ __all__ = [
     "LoaderStateError",
     "PlanError",
     "ReadStats",
+    "SampleError",
     "Segment",
     "ShardIndex",
     "ShardIndexError",
@@ -42,13 +43,18 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # the real types for type checkers; at run time they load on first use
-    from hpctrain.data.loader import LoaderStateError, ShardedLoader, decode_sample
+    from hpctrain.data.decode import SampleError, decode_sample
+    from hpctrain.data.loader import LoaderStateError, ShardedLoader
     from hpctrain.data.workers import WorkerDiedError, WorkerTimeoutError
 
-_LAZY = {"LoaderStateError", "ShardedLoader", "decode_sample"}
+_LAZY = {"LoaderStateError", "ShardedLoader"}
 
 
 def __getattr__(name: str) -> Any:
+    if name in ("SampleError", "decode_sample"):
+        from hpctrain.data import decode
+
+        return getattr(decode, name)
     if name in _LAZY:
         from hpctrain.data import loader
 

@@ -17,13 +17,14 @@ import torch.distributed as dist
 from hpctrain.checkpoint import CheckpointManager, ModelOptimizerState, PerRankState, RNGState
 from hpctrain.config import Config, ConfigError, config_to_yaml
 from hpctrain.data import ShardedLoader, open_index
-from hpctrain.dist import DistEnv, all_reduce_sum, new_cpu_group
+from hpctrain.data.index import ShardIndex
+from hpctrain.dist import DistEnv, new_cpu_group
 from hpctrain.train.metrics import IntervalMeter, MetricsWriter, peak_memory_mb
 from hpctrain.train.optim import build_optimizer, build_scheduler
 from hpctrain.train.parallel import no_gradient_sync, parallelize
 from hpctrain.train.precision import device_facts, make_grad_scaler, plan_training
 from hpctrain.train.preemption import REQUEUE_EXIT_CODE, PreemptionFlag
-from hpctrain.train.task import Batch, load_task
+from hpctrain.train.task import Batch, divide_by_count, load_task
 
 log = logging.getLogger("hpctrain")
 
@@ -64,7 +65,26 @@ def require_tensorboard() -> None:
         ) from None
 
 
+def all_reduce_tensors(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Element-wise sums over ranks of tensors of any shape, in one all-reduce.
+
+    Every rank must hold the same names and shapes (the same task on every rank does).
+    """
+    if not dist.is_initialized() or not sums:
+        return sums
+    names = sorted(sums)
+    flat = torch.cat([sums[name].reshape(-1) for name in names])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    totals, offset = {}, 0
+    for name in names:
+        size = sums[name].numel()
+        totals[name] = flat[offset : offset + size].view(sums[name].shape)
+        offset += size
+    return totals
+
+
 def to_device(batch: Batch, device: torch.device) -> Batch:
+    """Every tensor field of `batch` on `device`; other fields (keys, strings, dicts) as they are."""
     if device.type == "cpu":  # the loader's tensors are on the CPU already
         return batch
     # non_blocking only from pinned memory (the loader pins batches for CUDA devices unless
@@ -81,42 +101,66 @@ class Trainer:
     def __init__(self, cfg: Config, env: DistEnv, device: torch.device) -> None:
         self.cfg, self.env, self.device = cfg, env, device
         self.run_dir = Path(cfg.run_dir)
+        self.check_config()
+        self.configure_torch()
+        train_index = open_index(cfg.data.train, allow_pipe=cfg.data.allow_pipe)
+        self.task = load_task(cfg, train_index)
+        self.build_model()
+        self.build_loaders(train_index)
+        self.plan_steps()
+        self.build_run_state()
+
+    def check_config(self) -> None:
+        """Refuse what cannot train (bf16 on a V100, no data, ...) before any model or loader work."""
+        cfg = self.cfg
         if not cfg.data.train:
             raise ConfigError("data.train is empty: give an index.json path/URL or a shard pattern")
-        if cfg.logging.tensorboard and env.is_main:
+        if cfg.logging.tensorboard and self.env.is_main:
             require_tensorboard()
-        # Refuse what cannot train (bf16 on a V100, ...) before any model or loader work.
-        facts = device_facts(device, compile=cfg.train.compile)
-        self.plan = plan_training(cfg.train, facts, env.world_size)
+        facts = device_facts(self.device, compile=cfg.train.compile)
+        self.plan = plan_training(cfg.train, facts, self.env.world_size)
         self.precision = self.plan.precision
-        if cfg.train.deterministic:
+
+    def configure_torch(self) -> None:
+        """Deterministic algorithms or fast kernels, and the global seeds."""
+        if self.cfg.train.deterministic:
             torch.use_deterministic_algorithms(True)
             torch.backends.cudnn.benchmark = False
-        elif device.type == "cuda":
+        elif self.device.type == "cuda":
             # Fixed input shapes: let cuDNN pick the fastest kernels; TF32 for fp32 matmuls.
             torch.backends.cudnn.benchmark = True
             torch.set_float32_matmul_precision("high")
-        seed_everything(cfg.seed)
+        seed_everything(self.cfg.seed)
 
-        train_index = open_index(cfg.data.train, allow_pipe=cfg.data.allow_pipe)
-        self.task = load_task(cfg, train_index)
-        torch.manual_seed(cfg.seed)  # identical initial weights on every rank (FSDP2 needs it)
+    def build_model(self) -> None:
+        """The task's model, moved, wrapped and sharded; its optimizer and gradient scaler."""
+        torch.manual_seed(self.cfg.seed)  # identical initial weights on every rank (FSDP2 needs it)
         self.model = parallelize(
             self.task.build_model(),
-            cfg.train,
+            self.cfg.train,
             self.plan,
-            device,
-            channels_last=cfg.model.channels_last,
+            self.device,
+            channels_last=self.cfg.model.channels_last,
         )
-        self.optimizer = build_optimizer(self.model, cfg.train)
+        self.optimizer = build_optimizer(self.model, self.cfg.train)
         self.scaler = make_grad_scaler(self.precision)
 
+    def build_loaders(self, train_index: ShardIndex) -> None:
+        """The training loader and, with `data.val`, the evaluation loader.
+
+        The task's optional `decode`/`collate` hooks replace the loader's defaults; they run
+        in the loader workers like the transforms.
+        """
+        cfg = self.cfg
         loader_args: dict[str, Any] = {
-            "rank": env.rank,
-            "world_size": env.world_size,
+            "rank": self.env.rank,
+            "world_size": self.env.world_size,
             "seed": cfg.seed,
-            "device": device,
+            "device": self.device,
         }
+        for hook in ("decode", "collate"):
+            if hasattr(self.task, hook):
+                loader_args[hook] = getattr(self.task, hook)
         self.loader = ShardedLoader(
             train_index, cfg.data, transform=self.task.train_transform(), train=True, **loader_args
         )
@@ -131,13 +175,16 @@ class Trainer:
                 **loader_args,
             )
 
+    def plan_steps(self) -> None:
+        """Steps per epoch and in all (known before the first batch), and the LR schedule."""
+        cfg = self.cfg
         self.loader.set_epoch(0)
         self.steps_per_epoch = len(self.loader) // cfg.train.grad_accum_steps
         if cfg.train.overfit_batches:
             self.steps_per_epoch = max(1, cfg.train.overfit_batches // cfg.train.grad_accum_steps)
         if self.steps_per_epoch == 0:
             raise ConfigError(
-                f"data.batch_size={cfg.data.batch_size}: {cfg.data.train} gives each of {env.world_size} ranks "
+                f"data.batch_size={cfg.data.batch_size}: {cfg.data.train} gives each of {self.env.world_size} ranks "
                 f"fewer than train.grad_accum_steps={cfg.train.grad_accum_steps} batches per epoch"
             )
         self.total_steps = cfg.train.max_steps or cfg.train.max_epochs * self.steps_per_epoch
@@ -145,6 +192,9 @@ class Trainer:
             raise ConfigError("train.max_steps=0 and train.max_epochs=0: set one of them")
         self.scheduler = build_scheduler(self.optimizer, cfg.train, self.total_steps)
 
+    def build_run_state(self) -> None:
+        """Counters, the checkpoint manager, the preemption flag and the meters."""
+        cfg = self.cfg
         self.state = TrainState()
         self.checkpoints = CheckpointManager(
             cfg.checkpoint.dir or str(self.run_dir / "checkpoints"),
@@ -161,10 +211,10 @@ class Trainer:
         # Ranks agree on preemption flags every step. On a CPU (gloo) group, reading the result
         # never waits for the GPU; on the NCCL group it would sync the host with the device.
         self.flag_group: Any = None
-        if env.is_distributed:
+        if self.env.is_distributed:
             self.flag_group = (
                 new_cpu_group(cfg.train.collective_timeout_s)
-                if device.type == "cuda"
+                if self.device.type == "cuda"
                 else dist.group.WORLD
             )
         self.last_save = time.monotonic()
@@ -328,7 +378,11 @@ class Trainer:
     # ---------------------------------------------------------------- evaluation and logging
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
-        """Metrics over all of `data.val` (padded samples are masked out, so counted once)."""
+        """Metrics over all of `data.val` (padded samples are masked out, so counted once).
+
+        The task's sums are added over batches here and over ranks in one all-reduce, then
+        its `summarize` (default: divide by `count`) makes the final metrics.
+        """
         assert self.val_loader is not None
         self.model.eval()
         self.val_loader.set_epoch(0)
@@ -337,20 +391,18 @@ class Trainer:
             with self.precision.autocast():
                 values = self.task.eval_metrics(self.model, to_device(batch, self.device))
             for name, value in values.items():
-                sums[name] = sums.get(name, 0) + value.detach().double()
+                value = value.detach().double()
+                sums[name] = sums[name] + value if name in sums else value
         self.model.train()
-        names = sorted(sums)
-        totals = dict(
-            zip(names, all_reduce_sum([float(sums[n]) for n in names], self.device), strict=True)
-        )
-        count = max(1.0, totals.pop("count", 0.0))
+        totals = {name: total.cpu() for name, total in all_reduce_tensors(sums).items()}
+        summarize = getattr(self.task, "summarize", divide_by_count)
         record: dict[str, Any] = {
             "kind": "eval",
             "step": self.state.step,
             "epoch": self.state.epoch,
         }
-        record.update({f"val_{name}": total / count for name, total in totals.items()})
-        record["val_samples"] = int(count)
+        record.update({f"val_{name}": float(value) for name, value in summarize(totals).items()})
+        record["val_samples"] = int(totals["count"]) if "count" in totals else 0
         return record
 
     def log_record(self) -> dict[str, Any]:
@@ -457,7 +509,11 @@ class Trainer:
                 f"({top5}loss {final_eval['val_loss']:.4f}, {final_eval['val_samples']} samples)"
                 if "val_accuracy" in final_eval
                 else "validation: "
-                + ", ".join(f"{k}={v}" for k, v in final_eval.items() if k.startswith("val_"))
+                + ", ".join(
+                    f"{k[4:]} {v:.4f}" if isinstance(v, float) else f"{k[4:]} {v}"
+                    for k, v in final_eval.items()
+                    if k.startswith("val_")
+                )
             )
         lines.append(f"run folder: {self.run_dir}")
         lines.append(f"checkpoint: {self.checkpoints.root}/step-{self.state.step}")

@@ -1,4 +1,4 @@
-"""The conversion plan: split, order and cut into shards (pure functions of the listing and options).
+"""The shard layout of a conversion: split, order and cut into shards (pure functions of the listing and options).
 
 Everything that decides which sample goes into which shard happens here, before any shard is
 written, so that shards can be written in any order by any number of processes and still come
@@ -88,12 +88,12 @@ def estimated_bytes(sample: SampleRef) -> int:
 
     if sample.members:
         return sum(padded(size) for _, _, size in sample.members)
-    total = padded(sample.size)
+    total = padded(sample.size) if sample.url else 0
     if sample.label is not None:
         total += padded(len(str(sample.label)))
     if sample.meta is not None:
         total += padded(len(sample.meta.encode()))
-    return total
+    return total + sum(padded(f.size) for f in sample.fields)
 
 
 def assign_shards(
@@ -137,7 +137,10 @@ def plan_fingerprint(
         for i, shard in enumerate(shard_plans[split]):
             digest.update(f"\n{split}:{i}:".encode())
             for sample in shard:
+                # generated sources spool to a temporary file: their origin names them instead
+                where = sample.origin if sample.members and sample.origin else sample.url
                 digest.update(
-                    f"{sample.key}\t{sample.url}\t{sample.label}\t{sample.meta}\t{sample.members}\n".encode()
+                    f"{sample.key}\t{where}\t{sample.label}\t{sample.meta}\t{sample.members}\t"
+                    f"{sample.fields}\t{sample.error}\n".encode()
                 )
     return digest.hexdigest()

@@ -1,0 +1,294 @@
+"""Arrow and parquet sources: a Hugging Face `save_to_disk` folder, parquet files or globs.
+
+Needs pyarrow (`pip install 'hpctrain[arrow]'`). SRC is one of
+
+- a `save_to_disk` folder: `state.json` lists its Arrow files (IPC streams), and
+  `dataset_info.json` its features (which columns are `Image`s, which are `ClassLabel`s);
+- a `.parquet` or `.arrow` file, a glob of them (`data/train-*.parquet`), or a folder of them.
+
+Every column becomes a member, as in manifests: `--column name=field` renames a column
+(`--column image=img.jpg`), `--column name=` leaves it out. Values, by the field's name and
+the value's type:
+
+- an image (the `Image` feature: a struct {bytes, path}): its encoded bytes, as they are,
+  under the field's name (`img.jpg`), or the field name plus the image's format (`image.png`);
+  `bytes` null: the file at `path` (relative to the source folder);
+- binary: the bytes (a field name without an extension gets the image format when the bytes
+  are an image);
+- a single `ClassLabel` column is written as `cls` unless `--column` says otherwise, and its
+  names become the index's class names;
+- scalars as in manifests: `cls`, `cls2`, `*.cls` integers; `txt`, `text`, `*.txt` text;
+  `json`, `*.json` JSON; every other column (numbers, strings, lists) gathered into `json`.
+
+Rows are read batch by batch and encoded into the conversion's spool (see `generated`), so
+a dataset larger than memory converts, and the output is the same for any `--workers`. A
+missing image file or a value that does not fit its field is a bad sample (`--on-error`).
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+
+from hpctrain.convert.fields import (
+    IMAGE_EXTENSIONS,
+    check_field_name,
+    json_bytes,
+    last_extension,
+    scalar_member,
+)
+from hpctrain.convert.generated import Spool, check_key
+from hpctrain.convert.sources import (
+    ConvertError,
+    ConvertOptionError,
+    Source,
+    full_url,
+    image_extension,
+    read_url,
+    sample_key,
+)
+from hpctrain.data.index import redact_url
+from hpctrain.errors import DataError
+
+EXTRA_HINT = "reading Arrow/parquet needs pyarrow: pip install 'hpctrain[arrow]'"
+BATCH_ROWS = 256
+
+
+def _pyarrow() -> Any:
+    try:
+        import pyarrow
+        import pyarrow.ipc
+        import pyarrow.parquet
+    except ImportError:
+        raise ConvertOptionError(EXTRA_HINT) from None
+    return pyarrow
+
+
+@dataclass(frozen=True)
+class _Column:
+    name: str  # in the table
+    field: str  # the member it becomes (or the key in the gathered json)
+    kind: str  # "image" | "binary" | "value" | "key"
+
+
+def arrow_files(src: str) -> tuple[list[str], dict[str, Any], str]:
+    """(file URLs, Hugging Face features or {}, the folder image paths are relative to)."""
+    fs, path = fsspec.core.url_to_fs(src)
+    shown = redact_url(src)
+    if any(ch in src for ch in "*?["):
+        found = sorted(fs.glob(path))
+        if not found:
+            raise ConvertError(f"{shown}: no files match")
+        return [full_url(fs, p) for p in found], {}, posixpath.dirname(src)
+    if not fs.exists(path):
+        raise ConvertError(f"{shown}: source not found")
+    if not fs.isdir(path):
+        return [src], {}, posixpath.dirname(src)
+    base = src.rstrip("/")
+    if fs.exists(posixpath.join(path, "dataset_dict.json")):
+        splits = json.loads(fs.cat_file(posixpath.join(path, "dataset_dict.json"))).get(
+            "splits", []
+        )
+        raise ConvertError(
+            f"{shown}: a DatasetDict with splits {', '.join(map(str, splits))}; convert one: "
+            f"{shown}/{splits[0] if splits else '<split>'}"
+        )
+    if fs.exists(posixpath.join(path, "state.json")):
+        try:
+            state = json.loads(fs.cat_file(posixpath.join(path, "state.json")))
+            names = [entry["filename"] for entry in state["_data_files"]]
+            info_path = posixpath.join(path, "dataset_info.json")
+            info = json.loads(fs.cat_file(info_path)) if fs.exists(info_path) else {}
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ConvertError(f"{shown}: unreadable state.json/dataset_info.json: {exc}") from None
+        for name in names:
+            if "/" in name or name.startswith("."):
+                raise ConvertError(f"{shown}: state.json names a file outside the folder: {name!r}")
+        return [f"{base}/{name}" for name in names], info.get("features") or {}, base
+    found = sorted(p for p in fs.ls(path, detail=False) if p.endswith((".arrow", ".parquet")))
+    if not found:
+        raise ConvertError(f"{shown}: no .arrow or .parquet files")
+    return [full_url(fs, p) for p in found], {}, base
+
+
+def iter_batches(url: str) -> Iterator[Any]:
+    """Record batches of a parquet file, an Arrow IPC stream (save_to_disk) or an Arrow file."""
+    pa = _pyarrow()
+    with fsspec.open(url, "rb") as f:
+        try:
+            if url.split("?", 1)[0].endswith(".parquet"):
+                yield from pa.parquet.ParquetFile(f).iter_batches(batch_size=BATCH_ROWS)
+                return
+            try:
+                reader = pa.ipc.open_stream(f)
+            except pa.ArrowInvalid:  # the random-access file format, not a stream
+                f.seek(0)
+                file_reader = pa.ipc.open_file(f)
+                for i in range(file_reader.num_record_batches):
+                    yield file_reader.get_batch(i)
+                return
+            yield from reader
+        except pa.ArrowException as exc:
+            raise ConvertError(f"{redact_url(url)}: not readable as Arrow/parquet: {exc}") from None
+
+
+def _is_image_type(pa: Any, type_: Any) -> bool:
+    return bool(
+        pa.types.is_struct(type_)
+        and {type_.field(i).name for i in range(type_.num_fields)} == {"bytes", "path"}
+    )
+
+
+def plan_columns(
+    src: str, schema: Any, features: dict[str, Any], mapping: Iterable[tuple[str, str]]
+) -> tuple[list[_Column], tuple[str, ...]]:
+    """Which column becomes which field, and the class names of the column written as `cls`."""
+    pa = _pyarrow()
+    shown = redact_url(src)
+    renames = dict(mapping)
+    for name in renames:
+        if name not in schema.names:
+            raise ConvertOptionError(
+                f"--column {name}={renames[name]}: {shown} has no column {name!r}; "
+                f"columns: {', '.join(schema.names)}"
+            )
+    class_labels = [n for n in schema.names if (features.get(n) or {}).get("_type") == "ClassLabel"]
+    if len(class_labels) == 1 and class_labels[0] not in renames and "cls" not in schema.names:
+        renames[class_labels[0]] = "cls"
+    class_names: tuple[str, ...] = ()
+    columns = []
+    owners: dict[str, str] = {}  # member -> the column that writes it
+    gathered = []
+    for name in schema.names:
+        field = renames.get(name, name)
+        if field == "":
+            continue
+        if name == "__key__":
+            columns.append(_Column(name, name, "key"))
+            continue
+        type_ = schema.field(name).type
+        feature = features.get(name) or {}
+        if feature.get("_type") == "Image" or _is_image_type(pa, type_):
+            kind = "image"
+        elif pa.types.is_binary(type_) or pa.types.is_large_binary(type_):
+            kind = "binary"
+        else:
+            kind = "value"
+        field = check_field_name(field, f"{shown}: column {name!r}")
+        if kind == "value" and scalar_member(field, 0, csv_text=False) is None:
+            gathered.append(name)
+        elif field in owners:
+            raise ConvertOptionError(
+                f"{shown}: columns {owners[field]!r} and {name!r} would both write the member "
+                f"{field!r}; rename one with --column"
+            )
+        else:
+            owners[field] = name
+        if field == "cls" and feature.get("_type") == "ClassLabel":
+            class_names = tuple(str(n) for n in feature.get("names") or ())
+        columns.append(_Column(name, field, kind))
+    if gathered and "json" in owners:
+        raise ConvertOptionError(
+            f"{shown}: column {owners['json']!r} writes the json member that columns "
+            f"{', '.join(gathered)} are gathered into; rename one with --column"
+        )
+    return columns, class_names
+
+
+def _image_member(column: _Column, data: bytes) -> tuple[str, bytes]:
+    if "." in column.field and last_extension(column.field) in IMAGE_EXTENSIONS:
+        return column.field, data
+    detected = image_extension(data)
+    if detected is None:
+        raise ValueError("not an image")
+    return f"{column.field}.{detected}", data
+
+
+def encode_row(
+    row: dict[str, Any], columns: list[_Column], base: str
+) -> tuple[str | None, list[tuple[str, bytes]]]:
+    """(key from `__key__` or None, members) of one row. ValueError: a bad value, named."""
+    key = None
+    members: list[tuple[str, bytes]] = []
+    gathered: dict[str, Any] = {}
+    for column in columns:
+        value = row.get(column.name)
+        if value is None:
+            continue
+        try:
+            if column.kind == "key":
+                key = check_key(value, f"column {column.name!r}")
+            elif column.kind == "image":
+                data = value.get("bytes")
+                if data is None:
+                    path = value.get("path") or ""
+                    if not path:
+                        raise ValueError("an image with neither bytes nor path")
+                    url = path if "://" in path or path.startswith("/") else f"{base}/{path}"
+                    try:
+                        data = read_url(url)
+                    except OSError as exc:
+                        raise ValueError(f"cannot read {url}: {exc.strerror or exc}") from None
+                members.append(_image_member(column, data))
+            elif column.kind == "binary":
+                if "." in column.field or image_extension(value) is None:
+                    members.append((column.field, bytes(value)))
+                else:
+                    members.append(_image_member(column, value))
+            else:
+                data = scalar_member(column.field, value, csv_text=False)
+                if data is None:
+                    gathered[column.field] = value
+                else:
+                    members.append((column.field, data))
+        except (ValueError, DataError) as exc:
+            raise ValueError(f"column {column.name!r}: {exc}") from None
+    if gathered:
+        try:
+            members.append(("json", json_bytes(gathered)))
+        except ValueError as exc:
+            raise ValueError(f"columns gathered into json: {exc}") from None
+    return key, members
+
+
+def list_arrow(src: str, mapping: Iterable[tuple[str, str]], spool_dir: str) -> Source:
+    """Read every row of the Arrow/parquet source into the spool (see module doc)."""
+    pa = _pyarrow()
+    files, features, base = arrow_files(src)
+    shown = redact_url(src)
+    spool = Spool(spool_dir, shown)
+    columns: list[_Column] | None = None
+    class_names: tuple[str, ...] = ()
+    names: list[str] = []
+    position = 0
+    try:
+        for url in files:
+            for batch in iter_batches(url):
+                if columns is None:
+                    columns, class_names = plan_columns(src, batch.schema, features, mapping)
+                    names = batch.schema.names
+                elif batch.schema.names != names:
+                    raise ConvertError(
+                        f"{redact_url(url)}: columns {', '.join(batch.schema.names)} differ "
+                        f"from the first file's ({', '.join(names)})"
+                    )
+                for row in batch.to_pylist():
+                    origin = f"{shown} row {position + 1}"
+                    try:
+                        key, members = encode_row(row, columns, base)
+                        spool.add(key or sample_key(position), members, origin)
+                    except ValueError as exc:
+                        spool.add(sample_key(position), [], origin, str(exc))
+                    position += 1
+    except pa.ArrowException as exc:
+        spool.abort()
+        raise ConvertError(f"{shown}: {exc}") from None
+    except BaseException:
+        spool.abort()
+        raise
+    return Source("arrow", spool.finish(), class_names)

@@ -1,0 +1,73 @@
+"""The built-in tasks' models, by name: hpctrain's small CPU-friendly ones and torchvision's.
+
+Models are always randomly initialised (`weights=None`, `weights_backbone=None`): compute
+nodes have no internet. Load weights from a checkpoint instead.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from hpctrain.config import ConfigError
+from hpctrain.train.models.small_cnn import SmallCNN
+from hpctrain.train.models.unet import UNet
+from hpctrain.train.models.vit_tiny import vit_tiny
+
+__all__ = [
+    "CLASSIFIERS",
+    "SEGMENTERS",
+    "SmallCNN",
+    "UNet",
+    "build_classifier",
+    "build_segmenter",
+    "vit_tiny",
+]
+
+# hpctrain's own models (besides every torchvision model of the kind)
+CLASSIFIERS = ("small_cnn", "vit_tiny")
+SEGMENTERS = ("unet",)
+
+
+def build_classifier(name: str, num_classes: int, image_size: int = 224) -> nn.Module:
+    """`small_cnn`, `vit_tiny` or any torchvision classification model, randomly initialised.
+
+    `image_size` matters to ViTs only (their position embeddings have one entry per patch).
+    """
+    if name == "small_cnn":
+        return SmallCNN(num_classes)
+    if name == "vit_tiny":
+        return vit_tiny(num_classes, image_size)
+    import torchvision
+
+    available = torchvision.models.list_models(module=torchvision.models)
+    if name not in available:
+        raise ConfigError(
+            f"model.name={name!r}: not small_cnn, vit_tiny nor a torchvision classification "
+            "model (e.g. resnet18, resnet50, vit_b_16)"
+        )
+    if name.startswith("vit_"):
+        return torchvision.models.get_model(
+            name, weights=None, num_classes=num_classes, image_size=image_size
+        )
+    return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+
+
+def build_segmenter(name: str, num_classes: int) -> nn.Module:
+    """`unet` or a torchvision segmentation model (`fcn_resnet50`, `deeplabv3_resnet50`,
+    `lraspp_mobilenet_v3_large`, ...), randomly initialised, backbone included.
+
+    torchvision's models return `{"out": logits}`; the segmentation task reads either form.
+    """
+    if name == "unet":
+        return UNet(num_classes)
+    import torchvision
+
+    available = torchvision.models.list_models(module=torchvision.models.segmentation)
+    if name not in available:
+        raise ConfigError(
+            f"model.name={name!r}: not unet nor a torchvision segmentation model "
+            f"({', '.join(sorted(available))})"
+        )
+    return torchvision.models.get_model(
+        name, weights=None, weights_backbone=None, num_classes=num_classes
+    )

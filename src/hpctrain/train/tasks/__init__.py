@@ -1,0 +1,1 @@
+"""The built-in tasks, one file each: `image_classification`, `segmentation`."""

@@ -1,0 +1,168 @@
+"""Arrow/parquet sources: Hugging Face save_to_disk folders and parquet files, built with pyarrow."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpctrain.cli.main import main
+from hpctrain.data.index import read_index
+
+from .conftest import image_bytes
+from .test_any_sample import palette_png, read_back
+
+pa = pytest.importorskip("pyarrow")  # in the dev extra: CI has it
+import pyarrow.parquet as pq  # noqa: E402
+
+IMAGE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+
+
+def convert(*args: str) -> int:
+    return main(["convert", *args, "--progress", "none"])
+
+
+def save_to_disk(folder: Path, table: pa.Table, features: dict[str, object]) -> Path:
+    """The layout `datasets.Dataset.save_to_disk` writes: Arrow IPC stream + two JSON files."""
+    folder.mkdir(parents=True)
+    name = "data-00000-of-00001.arrow"
+    with pa.OSFile(str(folder / name), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as out:
+        for batch in table.to_batches(max_chunksize=2):
+            out.write_batch(batch)
+    (folder / "state.json").write_text(
+        json.dumps({"_data_files": [{"filename": name}], "_split": "train"})
+    )
+    (folder / "dataset_info.json").write_text(json.dumps({"features": features}))
+    return folder
+
+
+@pytest.fixture
+def hf_folder(tmp_path: Path) -> Path:
+    n = 5
+    table = pa.table(
+        {
+            "image": pa.array(
+                [{"bytes": image_bytes(i), "path": f"{i}.jpg"} for i in range(n)], IMAGE
+            ),
+            "mask": pa.array([{"bytes": palette_png(i), "path": None} for i in range(n)], IMAGE),
+            "label": pa.array([i % 2 for i in range(n)], pa.int64()),
+            "text": pa.array([f"caption {i}" for i in range(n)]),
+            "score": pa.array([0.5 * i for i in range(n)]),
+            "tags": pa.array([["a", str(i)] for i in range(n)]),
+        }
+    )
+    features = {
+        "image": {"_type": "Image"},
+        "mask": {"_type": "Image"},
+        "label": {"_type": "ClassLabel", "names": ["cat", "dog"]},
+        "text": {"_type": "Value", "dtype": "string"},
+        "score": {"_type": "Value", "dtype": "float64"},
+        "tags": {"feature": {"_type": "Value", "dtype": "string"}, "_type": "Sequence"},
+    }
+    return save_to_disk(tmp_path / "hf", table, features)
+
+
+def test_hf_save_to_disk_folder(hf_folder: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "out"
+    assert convert(str(hf_folder), str(dest), "--samples-per-shard", "2") == 0
+    index = read_index(str(dest / "index.json"))
+    assert index.class_names == ("cat", "dog")  # from the ClassLabel feature, written as cls
+    assert index.extra["source_kind"] == "arrow"
+    samples = read_back(dest)
+    assert list(samples) == [f"{i:09d}" for i in range(5)]
+    for i, sample in enumerate(samples.values()):
+        assert sample == {
+            "image.jpg": image_bytes(i),  # the encoded bytes as they are, format detected
+            "mask.png": palette_png(i),
+            "cls": str(i % 2).encode(),
+            "text": f"caption {i}".encode(),
+            # the columns without a member of their own, gathered (sorted keys, no spaces)
+            "json": json.dumps(
+                {"score": 0.5 * i, "tags": ["a", str(i)]}, separators=(",", ":")
+            ).encode(),
+        }
+
+
+def test_parquet_glob_with_column_mapping(tmp_path: Path) -> None:
+    (tmp_path / "pq").mkdir()
+    for part in range(2):
+        rows = range(3 * part, 3 * part + 3)
+        pq.write_table(
+            pa.table(
+                {
+                    "__key__": [f"k{i:02d}" for i in rows],
+                    "png": pa.array([{"bytes": palette_png(i), "path": None} for i in rows], IMAGE),
+                    "caption": [f"c{i}" for i in rows],
+                    "junk": [b"x" * i for i in rows],
+                    "label": list(rows),
+                }
+            ),
+            tmp_path / "pq" / f"train-{part:05d}.parquet",
+        )
+    dest = tmp_path / "out"
+    args = ["--column", "png=seg.png", "--column", "caption=txt", "--column", "junk="]
+    assert convert(str(tmp_path / "pq" / "train-*.parquet"), str(dest), *args) == 0
+    samples = read_back(dest)
+    assert list(samples) == [f"k{i:02d}" for i in range(6)]  # __key__ names the samples
+    assert samples["k04"] == {
+        "seg.png": palette_png(4),
+        "txt": b"c4",
+        "json": b'{"label":4}',  # no ClassLabel feature in parquet: a plain column, gathered
+    }
+    assert "--column junk=" in read_index(str(dest / "index.json")).command
+
+
+def test_unknown_column_and_collisions_are_named(
+    hf_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert convert(str(hf_folder), str(tmp_path / "a"), "--column", "picture=img.jpg") == 2
+    err = capsys.readouterr().err
+    assert "--column picture=img.jpg" in err and "no column 'picture'" in err
+    assert "columns: image, mask, label, text, score, tags" in err
+    assert convert(str(hf_folder), str(tmp_path / "b"), "--column", "text=cls") == 2
+    assert "columns 'label' and 'text' would both write the member 'cls'" in capsys.readouterr().err
+
+
+def test_image_path_without_bytes_is_read_or_a_bad_sample(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "hf"
+    table = pa.table(
+        {"image": pa.array([{"bytes": None, "path": f"img/{i}.jpg"} for i in range(3)], IMAGE)}
+    )
+    save_to_disk(folder, table, {"image": {"_type": "Image"}})
+    (folder / "img").mkdir()
+    for i in (0, 2):
+        (folder / "img" / f"{i}.jpg").write_bytes(image_bytes(i))
+    assert convert(str(folder), str(tmp_path / "out")) == 3
+    assert (
+        f"{folder} row 2: column 'image': cannot read {folder}/img/1.jpg" in capsys.readouterr().err
+    )
+    assert convert(str(folder), str(tmp_path / "out"), "--on-error", "skip", "--overwrite") == 0
+    samples = read_back(tmp_path / "out")
+    assert {k: s["image.jpg"] for k, s in samples.items()} == {
+        "000000000": image_bytes(0),
+        "000000002": image_bytes(2),
+    }
+
+
+def test_dataset_dict_folder_names_a_split(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "dd").mkdir()
+    (tmp_path / "dd" / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))
+    assert convert(str(tmp_path / "dd"), str(tmp_path / "out")) == 3
+    assert f"convert one: {tmp_path / 'dd'}/train" in capsys.readouterr().err
+
+
+def test_missing_pyarrow_names_the_extra(
+    hf_folder: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow now raises ImportError
+    assert convert(str(hf_folder), str(tmp_path / "out")) == 2
+    assert "pip install 'hpctrain[arrow]'" in capsys.readouterr().err
