@@ -142,9 +142,11 @@ class _Sample:  # picklable transform wrappers (DataLoader workers may be spawne
 
 
 class HpctrainTransform(_Sample):
+    """A decoded sample (`jpg`, `cls` fields) -> {"image": cropped and flipped, "label"},
+    as the image_classification task's transform returns it."""
+
     def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
-        sample["image"] = self._transform()(sample["image"])
-        return sample
+        return {"image": self._transform()(sample["jpg"]), "label": sample["cls"]}
 
 
 class PilTransform(_Sample):
@@ -168,10 +170,10 @@ class _HttpFiles(Dataset):
     def __getitem__(self, i: int) -> tuple[Any, int]:
         import fsspec
 
-        from hpctrain.data.loader import decode_image
+        from hpctrain.data.decode import decode_image
 
         data = fsspec.filesystem("http").cat_file(self.urls[i])
-        return self.t({"image": decode_image(data)})["image"], self.labels[i]
+        return self.t({"jpg": decode_image(data), "cls": self.labels[i]})["image"], self.labels[i]
 
 
 def count_images(loader: Any) -> int:
@@ -227,11 +229,11 @@ class Remote:
 
 def limit(setup: Setup) -> int:
     """Decode + the transform in a tight loop, in this process."""
-    from hpctrain.data.loader import decode_image
+    from hpctrain.data.decode import decode_image
 
     transform = HpctrainTransform(setup.crop)
-    for data, _label in setup.images:
-        transform({"image": decode_image(data)})
+    for data, label in setup.images:
+        transform({"jpg": decode_image(data), "cls": label})
     return setup.num_images
 
 
@@ -484,7 +486,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     from hpctrain.config.schema import DataConfig
     from hpctrain.data import open_index
-    from hpctrain.data.workers import worker_start_method
+    from hpctrain.data.transport import worker_start_method
 
     with tempfile.TemporaryDirectory(prefix="hpctrain-bench-") as tmp, ExitStack() as servers:
         root = Path(tmp)

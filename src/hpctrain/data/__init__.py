@@ -14,8 +14,8 @@ from hpctrain.data.index import (
     read_index,
     redact_url,
 )
+from hpctrain.data.locate import expand_braces, open_index
 from hpctrain.data.planning import EpochPlan, PlanError, Segment, StageParams, plan
-from hpctrain.data.source import expand_braces, open_index
 from hpctrain.data.stream import ReadStats, ShardReadError
 
 __all__ = [
@@ -45,7 +45,7 @@ __all__ = [
 if TYPE_CHECKING:  # the real types for type checkers; at run time they load on first use
     from hpctrain.data.decode import SampleError, decode_sample
     from hpctrain.data.loader import LoaderStateError, ShardedLoader
-    from hpctrain.data.workers import WorkerDiedError, WorkerTimeoutError
+    from hpctrain.data.transport import WorkerDiedError, WorkerTimeoutError
 
 _LAZY = {"LoaderStateError", "ShardedLoader"}
 
@@ -60,7 +60,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(loader, name)
     if name in ("WorkerDiedError", "WorkerTimeoutError"):
-        from hpctrain.data import workers
+        from hpctrain.data import transport
 
-        return getattr(workers, name)
+        return getattr(transport, name)
     raise AttributeError(f"module 'hpctrain.data' has no attribute {name!r}")
