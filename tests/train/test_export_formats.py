@@ -16,7 +16,7 @@ from hpctrain.cli.main import main
 from hpctrain.config import Config, config_to_yaml, with_overrides
 from hpctrain.errors import UsageError
 from hpctrain.train.export import export_weights, format_of
-from hpctrain.train.image_classification import build_classifier
+from hpctrain.train.models import build_classifier
 
 
 def save_checkpoints(
@@ -87,6 +87,7 @@ def test_safetensors_loads_without_hpctrain_and_the_card_rebuilds_the_model(tmp_
         "channels_last": False,
     }
     assert card["weights"] == "model.safetensors" and card["format"] == "safetensors"
+    assert card["multi_label"] is False
     from safetensors.torch import load_file
 
     model = build_classifier(**{k: card["model"][k] for k in ("name", "num_classes", "image_size")})

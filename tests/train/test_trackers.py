@@ -380,3 +380,77 @@ def test_metrics_writer_feeds_the_trackers_and_closes_them(tmp_path):
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
     assert trackers.start_trackers(make_cfg(tmp_path), world_size=1) is None  # all off
     assert not (tmp_path / "tracking.json").exists()
+
+
+# ------------------------------------------------------------------------------ end to end
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_requeued_two_rank_run_is_one_tracked_run_with_a_best_checkpoint(
+    shapes_shards, tmp_path, monkeypatch
+):
+    """A 2-rank run interrupted by USR2 (exit 75) and started again: one MLflow run and one
+    W&B run id with continuous steps, the best checkpoint kept and exported."""
+    from mlflow.tracking import MlflowClient
+
+    from tests.checkpoint.test_resume_e2e import train_with_signal_at
+    from tests.train.helpers import train_args
+
+    for key in [k for k in os.environ if k.startswith("WANDB_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    run_dir = tmp_path / "run"
+    args = train_args(
+        shapes_shards,
+        run_dir,
+        "train.max_steps=8",
+        "task=tests.slow_task:SlowImageClassification",
+        "task_options.step_s=0.2",  # the signal arrives before the last step
+        "train.eval_every=2",
+        "checkpoint.monitor=val_loss",
+        "checkpoint.mode=min",
+        "checkpoint.keep_best=1",
+        "checkpoint.keep_last=1",
+        "logging.mlflow=local",
+        "logging.wandb=offline",
+        "logging.project=e2e",
+    )
+    train_with_signal_at(args, run_dir, step=3)
+    first_record = trackers.read_tracking(run_dir)
+    assert first_record["starts"] == 1
+    run_hpctrain("train", *args, "--nproc", "2")
+
+    record = trackers.read_tracking(run_dir)
+    assert record["starts"] == 2 and record["wandb_id"] == first_record["wandb_id"]
+    assert record["mlflow_run_id"] == first_record["mlflow_run_id"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow' / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("e2e").experiment_id])
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    assert runs[0].data.params["config.checkpoint.monitor"] == "val_loss"
+    assert runs[0].data.tags["hpctrain.start"] == "2"
+    loss_steps = sorted(m.step for m in client.get_metric_history(record["mlflow_run_id"], "loss"))
+    assert loss_steps == list(range(1, 9))  # every step once, across the two starts
+    eval_steps = sorted(
+        m.step for m in client.get_metric_history(record["mlflow_run_id"], "val_loss")
+    )
+    assert eval_steps == [2, 4, 6, 8]
+
+    folders = [run_dir / f for f in record["wandb_folders"]]
+    assert len(folders) == 2
+    first, second = wandb_history(folders[0]), wandb_history(folders[1])
+    steps = [step for step, _ in first] + [step for step, _ in second]
+    assert steps == sorted(set(steps)) and steps[-1] == 8 and first and second
+
+    # The best checkpoint by val_loss is kept besides the newest, and exports.
+    root = run_dir / "checkpoints"
+    evals = [
+        json.loads(line)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if '"eval"' in line
+    ]
+    best_step = min((e["val_loss"], e["step"]) for e in evals)[1]
+    assert (root / "best").read_text().strip() == f"step-{best_step}"
+    assert (root / f"step-{best_step}").is_dir() and (root / "step-8").is_dir()
+    out = tmp_path / "best.safetensors"
+    exported = run_hpctrain("export", str(run_dir), str(out), "--best")
+    assert f"(step {best_step})" in exported.stdout and out.with_suffix(".json").is_file()

@@ -219,10 +219,11 @@ def model_card(
         tree = None
     if not isinstance(tree, dict) or tree.get("task", IMAGE_CLASSIFICATION) != IMAGE_CLASSIFICATION:
         return None
-    from hpctrain.train.image_classification import MEAN, STD, build_classifier
+    from hpctrain.train.models import build_classifier
+    from hpctrain.train.tasks.vision import MEAN, STD
 
     model_cfg = tree.get("model") or {}
-    name = str(model_cfg.get("name", "small_cnn"))
+    name = str(model_cfg.get("name") or "small_cnn")  # the task's default model
     image_size = int(model_cfg.get("image_size", 64))
     shapes = {key: tuple(value.shape) for key, value in weights.items()}
 
@@ -246,6 +247,8 @@ def model_card(
             "image_size": image_size,
             "channels_last": bool(model_cfg.get("channels_last", False)),
         },
+        # logits: softmax over classes, or with multi_label a sigmoid per class
+        "multi_label": bool((tree.get("classification") or {}).get("multi_label", False)),
         "input": {
             "layout": "NCHW RGB, resized (short side) and center-cropped to image_size",
             "scale": "uint8 values / 255",
@@ -256,7 +259,7 @@ def model_card(
         "format": fmt,
         "versions": manifest.get("versions", {}),
         "rebuild": (
-            "from hpctrain.train.image_classification import build_classifier; "
+            "from hpctrain.train.models import build_classifier; "
             "model = build_classifier(name, num_classes, image_size)"
         ),
     }
