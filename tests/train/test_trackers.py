@@ -453,4 +453,5 @@ def test_requeued_two_rank_run_is_one_tracked_run_with_a_best_checkpoint(
     assert (root / f"step-{best_step}").is_dir() and (root / "step-8").is_dir()
     out = tmp_path / "best.safetensors"
     exported = run_hpctrain("export", str(run_dir), str(out), "--best")
-    assert f"(step {best_step})" in exported.stdout and out.with_suffix(".json").is_file()
+    assert f"(step {best_step})" in exported.stdout
+    assert not out.with_suffix(".json").exists()  # the slow task is a custom task: no card
