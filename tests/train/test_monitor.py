@@ -51,3 +51,49 @@ def test_misconfigured_monitor_is_named():
     ):
         MetricMonitor("val_acc").observe(record(1, 0.5))
     assert not MetricMonitor("").observe(record(1, 0.5))  # off: never saves
+
+
+def test_a_run_stops_early_keeps_its_best_and_profiles_the_chosen_steps(shapes_shards, tmp_path):
+    """val_samples never changes: the first evaluation stays the best (a tie goes to the
+    earlier step), and two more without a better value stop the run."""
+    import json
+
+    from tests.train.helpers import run_hpctrain, train_args
+
+    run_dir = tmp_path / "run"
+    proc = run_hpctrain(
+        "train",
+        *train_args(
+            shapes_shards,
+            run_dir,
+            "train.max_steps=10",
+            "train.eval_every=1",
+            "checkpoint.monitor=val_samples",
+            "checkpoint.keep_best=1",
+            "checkpoint.keep_last=1",
+            "train.early_stop_patience=2",
+            "profile.steps=2-3",
+        ),
+    )
+    assert "early stop at step 3: 2 evaluations without a better val_samples" in proc.stderr
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in records) == 3
+    root = run_dir / "checkpoints"
+    assert (root / "best").read_text() == "step-1\n"
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-1", "step-3"]
+    manifest = json.loads((root / "step-3" / "manifest.json").read_text())
+    assert manifest["metadata"]["monitor"]["evals_since_best"] >= 2
+    trace = json.loads((run_dir / "profile" / "rank-0.steps-2-3.pt.trace.json").read_text())
+    assert trace["traceEvents"]
+
+
+def test_monitor_without_validation_data_is_refused(shapes_shards, tmp_path):
+    from tests.train.helpers import run_hpctrain, train_args
+
+    proc = run_hpctrain(
+        "train",
+        *train_args(shapes_shards, tmp_path / "run", "data.val=", "checkpoint.monitor=val_loss"),
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert "checkpoint.monitor=val_loss: needs data.val" in proc.stderr
