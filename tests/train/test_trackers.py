@@ -139,10 +139,16 @@ def test_mlflow_local_store_one_run_across_starts(tmp_path, monkeypatch):
     second.close("finished")
 
     client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow' / 'mlflow.db'}")
+    # A start that loads no checkpoint (--resume none) trains from step 0: a new tracked run.
+    fresh = Trackers.start(cfg, world_size=1, resumed=False)
+    assert fresh.state["mlflow_run_id"] != run_id and fresh.state["starts"] == 1
+    fresh.log(train_record(1, 7.0))  # step 1 again, sent: it is another run
+    fresh.close("finished")
+    assert [m.step for m in client.get_metric_history(fresh.state["mlflow_run_id"], "loss")] == [1]
     experiment = client.get_experiment_by_name("shapes")
-    runs = client.search_runs([experiment.experiment_id])
-    assert [r.info.run_id for r in runs] == [run_id]  # one run for both starts
-    run = runs[0]
+    runs = {r.info.run_id: r for r in client.search_runs([experiment.experiment_id])}
+    assert sorted(runs) == sorted([run_id, fresh.state["mlflow_run_id"]])  # one for both starts
+    run = runs[run_id]
     assert run.info.status == "FINISHED" and run.info.run_name == "run"
     assert run.data.params["config.train.lr"] == "0.25"
     assert run.data.params["torch_version"] and run.data.params["git_commit"]
@@ -378,7 +384,7 @@ def test_metrics_writer_feeds_the_trackers_and_closes_them(tmp_path):
     writer.close("preempted")
     assert calls == [("log", 1), ("log", 1), ("close", "preempted")]
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
-    assert trackers.start_trackers(make_cfg(tmp_path), world_size=1) is None  # all off
+    assert trackers.start_trackers(make_cfg(tmp_path), world_size=1, resumed=False) is None
     assert not (tmp_path / "tracking.json").exists()
 
 

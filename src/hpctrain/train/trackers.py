@@ -2,7 +2,9 @@
 
 Only rank 0 tracks. A training run that is requeued or resumed many times is one tracked run:
 the ids are stored in `RUN_DIR/tracking.json` at the first start and reused by every later
-start (W&B `id=` with `resume="allow"`, MLflow's run id).
+start that resumes from a checkpoint (W&B `id=` with `resume="allow"`, MLflow's run id). A
+start that loads no checkpoint (the first, `--resume none`, or a crash before the first
+save) trains from step 0 again, and begins a new tracked run.
 
 Steps never go back or repeat in a tracker. A resume rolls back to the last checkpoint, so
 the steps between it and the interruption are trained (and logged to `metrics.jsonl`) again;
@@ -314,9 +316,14 @@ class Trackers:
         self.skipped: dict[str, list[int]] = {}  # kind -> [first, last] step not sent again
 
     @classmethod
-    def start(cls, cfg: Config, world_size: int) -> Trackers:
+    def start(cls, cfg: Config, world_size: int, *, resumed: bool = True) -> Trackers:
+        """Open the trackers; `resumed`: this start loaded a checkpoint (else a new run)."""
         run_dir = Path(cfg.run_dir)
         state = read_tracking(run_dir)
+        if not resumed and ("wandb_id" in state or "mlflow_run_id" in state):
+            log.info("no checkpoint loaded: training from step 0 is a new tracked run")
+            for key in ("wandb_id", "mlflow_run_id", "mlflow_uri", "last_step", "starts"):
+                state.pop(key, None)
         state["starts"] = int(state.get("starts", 0)) + 1
         state.setdefault("last_step", {})
         params = run_params(cfg, world_size, state["starts"])
@@ -376,11 +383,12 @@ class Trackers:
             log.warning("closing trackers failed: %s", "; ".join(errors))
 
 
-def start_trackers(cfg: Config, world_size: int) -> Trackers | None:
-    """Rank 0 at the start of `fit`: the trackers `logging.*` turns on, or None for none."""
+def start_trackers(cfg: Config, world_size: int, *, resumed: bool) -> Trackers | None:
+    """Rank 0 at the start of `fit`, after the resume: the trackers `logging.*` turns on, or
+    None for none; `resumed` says whether a checkpoint was loaded (see `Trackers.start`)."""
     if cfg.logging.wandb == "off" and cfg.logging.mlflow == "off":
         return None
-    return Trackers.start(cfg, world_size)
+    return Trackers.start(cfg, world_size, resumed=resumed)
 
 
 # ------------------------------------------------------------------------- hpctrain sync

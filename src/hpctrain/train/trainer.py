@@ -258,7 +258,13 @@ class Trainer:
             progress=self.cfg.logging.progress,
             total_steps=self.total_steps,
             tensorboard=self.cfg.logging.tensorboard,
-            trackers=start_trackers(self.cfg, self.env.world_size) if self.env.is_main else None,
+            trackers=start_trackers(
+                self.cfg,
+                self.env.world_size,
+                resumed=self.checkpoints.loaded_manifest is not None,
+            )
+            if self.env.is_main
+            else None,
         )
         batches = self.batch_stream()
         self.model.train()
