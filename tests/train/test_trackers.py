@@ -461,3 +461,6 @@ def test_requeued_two_rank_run_is_one_tracked_run_with_a_best_checkpoint(
     exported = run_hpctrain("export", str(run_dir), str(out), "--best")
     assert f"(step {best_step})" in exported.stdout
     assert not out.with_suffix(".json").exists()  # the slow task is a custom task: no card
+    listed = run_hpctrain("sync", str(run_dir), "--dry-run")  # both starts' folders, in order
+    assert listed.stdout.splitlines()[0].endswith(" ".join(str(f) for f in folders))
+    assert "Would sync 2 run(s)" in listed.stdout + listed.stderr

@@ -229,6 +229,7 @@ class MlflowTracker:
         # Telemetry would post to mlflow.org from compute nodes that have no internet.
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         from mlflow.entities import Param
+        from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 
         self.uri = mlflow_uri(cfg, run_dir)
@@ -246,9 +247,16 @@ class MlflowTracker:
                     if cfg.mlflow == MLFLOW_LOCAL
                     else None
                 )
-                experiment_id = self.client.create_experiment(
-                    cfg.project, artifact_location=artifacts
-                )
+                try:
+                    experiment_id = self.client.create_experiment(
+                        cfg.project, artifact_location=artifacts
+                    )
+                except MlflowException:
+                    # Another run (a sweep's sibling on the same server) created it meanwhile.
+                    created = self.client.get_experiment_by_name(cfg.project)
+                    if created is None:
+                        raise
+                    experiment_id = created.experiment_id
             run = self.client.create_run(experiment_id, run_name=name, tags=tags)
             self.id: str = run.info.run_id
             fixed = [
