@@ -107,6 +107,28 @@ def test_steps_after_a_rollback_are_not_sent_again(tmp_path):
     assert trackers.read_tracking(tmp_path)["last_step"] == {"train": 5, "eval": 5}
 
 
+def test_a_tracker_failing_mid_run_is_dropped_not_the_training(tmp_path, caplog):
+    sent: list[int] = []
+
+    class Broken:
+        def log(self, values: dict[str, float], step: int) -> None:
+            raise ConnectionError("server gone")
+
+        def close(self, status: str) -> None:
+            pass
+
+    class Recorder(Broken):
+        def log(self, values: dict[str, float], step: int) -> None:
+            sent.append(step)
+
+    both = Trackers(tmp_path, {"mlflow": Broken(), "wandb": Recorder()}, {"last_step": {}})
+    with caplog.at_level("WARNING", logger="hpctrain"):
+        both.log(train_record(1, 1.0))
+        both.log(train_record(2, 1.0))
+    assert sent == [1, 2] and list(both.trackers) == ["wandb"]
+    assert "mlflow failed at step 1 (ConnectionError: server gone)" in caplog.text
+
+
 def test_a_damaged_tracking_record_is_named(tmp_path):
     (tmp_path / "tracking.json").write_text("[1, 2]")
     with pytest.raises(ConfigError, match="tracking.json: unreadable tracking record"):

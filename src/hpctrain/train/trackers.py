@@ -367,8 +367,20 @@ class Trackers:
             first_last[1] = step
             return
         values = numeric_values(record)
-        for tracker in self.trackers.values():
-            tracker.log(values, step)
+        for name, tracker in list(self.trackers.items()):
+            try:
+                tracker.log(values, step)
+            except Exception as exc:
+                # A tracker server gone mid-run must not end hours of training: metrics.jsonl
+                # still has everything. Failing to start a tracker, by contrast, stops the run.
+                log.warning(
+                    "%s failed at step %d (%s: %s): not used for the rest of this start",
+                    name,
+                    step,
+                    type(exc).__name__,
+                    exc,
+                )
+                del self.trackers[name]
         self.state["last_step"][kind] = step
         write_tracking(self.run_dir, self.state)
 
