@@ -52,6 +52,24 @@ def test_a_missing_package_fails_with_the_pip_line(tmp_path, monkeypatch):
     ):
         check_trackers(make_cfg(tmp_path, "logging.mlflow=local").logging)
     check_trackers(make_cfg(tmp_path).logging)  # all off: nothing needed
+    with pytest.raises(
+        ConfigError, match="logging.mlflow='lcoal': must be off, local or a tracking URI"
+    ):
+        check_trackers(make_cfg(tmp_path, "logging.mlflow=lcoal").logging)
+
+
+def test_a_tracker_that_cannot_start_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    # a port nothing listens on: the connection is refused at once
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cfg = make_cfg(tmp_path, f"logging.mlflow=http://127.0.0.1:{port}")
+    with pytest.raises(
+        ConfigError, match=f"logging.mlflow=http://127.0.0.1:{port}: cannot start the tracked run"
+    ):
+        Trackers.start(cfg, world_size=1)
 
 
 def test_run_params_name_the_code_and_the_job(tmp_path, monkeypatch):

@@ -28,11 +28,12 @@ import json
 import logging
 import math
 import os
+import re
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 import torch
 
@@ -42,6 +43,7 @@ from hpctrain.config import Config, ConfigError, LoggingConfig, config_to_dict
 log = logging.getLogger("hpctrain")
 
 TRACKING_FILE = "tracking.json"
+_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")  # a scheme: sqlite:, http:, databricks:...
 MLFLOW_LOCAL = "local"
 # Run parameters that may differ between the starts of one run (a requeue, another world
 # size after a resume): MLflow params cannot change, so these go to tags there.
@@ -64,7 +66,13 @@ def requirements(cfg: LoggingConfig) -> list[tuple[str, str, str]]:
 
 
 def check_trackers(cfg: LoggingConfig) -> None:
-    """Fail before any work when a tracker is on but its package is missing (ConfigError)."""
+    """Fail before any work when a tracker is on but its package is missing, or
+    `logging.mlflow` is neither off, local nor a URI (ConfigError)."""
+    if cfg.mlflow not in ("off", MLFLOW_LOCAL) and not _URI.match(cfg.mlflow):
+        raise ConfigError(
+            f"logging.mlflow={cfg.mlflow!r}: must be off, local or a tracking URI "
+            "(sqlite:///path/mlflow.db, http://host:5000)"
+        )
     for key, module, pip in requirements(cfg):
         if importlib.util.find_spec(module) is None:
             raise ConfigError(f"{key} needs the {module} package: {pip} (or set it to off)")
@@ -310,6 +318,23 @@ def write_tracking(run_dir: Path, state: Mapping[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+T = TypeVar("T")
+
+
+def _started(key: str, start: Callable[[], T]) -> T:
+    """`start()`, with a library's failure (a server unreachable, a store refused) turned
+    into a ConfigError naming the key: the run stops before training, at its first step."""
+    try:
+        return start()
+    except ConfigError:
+        raise
+    except Exception as exc:
+        text = str(exc).strip().splitlines()
+        raise ConfigError(
+            f"{key}: cannot start the tracked run: {type(exc).__name__}: {text[0] if text else ''}"
+        ) from exc
+
+
 class Trackers:
     """The trackers `logging.*` turns on, fed every metrics record (rank 0 only).
 
@@ -338,7 +363,10 @@ class Trackers:
         name = cfg.logging.run_name or run_dir.resolve().name
         trackers: dict[str, Tracker] = {}
         if cfg.logging.wandb != "off":
-            wandb_run = WandbTracker(run_dir, cfg.logging, state.get("wandb_id"), name, params)
+            wandb_run = _started(
+                f"logging.wandb={cfg.logging.wandb}",
+                lambda: WandbTracker(run_dir, cfg.logging, state.get("wandb_id"), name, params),
+            )
             trackers["wandb"] = wandb_run
             state["wandb_id"] = wandb_run.id
             folders = state.setdefault("wandb_folders", [])
@@ -348,7 +376,10 @@ class Trackers:
         if cfg.logging.mlflow != "off":
             uri = mlflow_uri(cfg.logging, run_dir)
             run_id = state.get("mlflow_run_id") if state.get("mlflow_uri") == uri else None
-            mlflow_run = MlflowTracker(run_dir, cfg.logging, run_id, name, params)
+            mlflow_run = _started(
+                f"logging.mlflow={cfg.logging.mlflow}",
+                lambda: MlflowTracker(run_dir, cfg.logging, run_id, name, params),
+            )
             trackers["mlflow"] = mlflow_run
             state["mlflow_run_id"], state["mlflow_uri"] = mlflow_run.id, uri
         write_tracking(run_dir, state)
