@@ -321,7 +321,7 @@ def test_segmentation_metrics_leave_out_padding_and_ignored_pixels() -> None:
         {"image": images, "mask": masks, "valid": torch.tensor([True, False])},
     )
     loss.backward()
-    assert math.isfinite(float(loss)) and 0 <= float(values["pixel_accuracy"]) <= 1
+    assert math.isfinite(loss.item()) and 0 <= float(values["pixel_accuracy"]) <= 1
 
 
 @pytest.mark.parametrize("size", [16, 21])
@@ -345,3 +345,21 @@ def test_torchvision_segmentation_models_by_name() -> None:
         ConfigError, match="model.name='resnet18': not unet nor a torchvision segmentation"
     ):
         build_segmenter("resnet18", 3)
+
+
+def test_model_names_checked_per_task_without_building() -> None:
+    from hpctrain.train.models import check_model_name
+
+    for task, name in [
+        ("image_classification", ""),
+        ("image_classification", "vit_tiny"),
+        ("image_classification", "resnet18"),
+        ("segmentation", "unet"),
+        ("segmentation", "fcn_resnet50"),
+        ("mypkg.tasks:Mine", "anything"),
+    ]:
+        check_model_name(task, name)
+    with pytest.raises(ConfigError, match="model.name='unet': task image_classification takes"):
+        check_model_name("image_classification", "unet")
+    with pytest.raises(ConfigError, match="model.name='resnet18': task segmentation takes unet"):
+        check_model_name("segmentation", "resnet18")

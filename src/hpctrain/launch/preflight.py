@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from hpctrain.config import Config
+from hpctrain.config import Config, ConfigError
 from hpctrain.launch.profiles import ClusterProfile, LaunchError, resolve_job
 from hpctrain.launch.safety import check_no_credential
 
@@ -208,11 +208,12 @@ def check_task(cfg: Config) -> Check:
         importlib.import_module(module_name)
     except Exception as exc:
         return Check("task", False, f"task={cfg.task!r}: importing {module_name} failed: {exc}")
-    if cfg.task in BUILTIN_TASKS and not cfg.model.name.startswith("small_"):
-        import torchvision.models
+    from hpctrain.train.models import check_model_name
 
-        if cfg.model.name not in torchvision.models.list_models():
-            return Check("model", False, f"model.name={cfg.model.name!r}: not a torchvision model")
+    try:
+        check_model_name(cfg.task, cfg.model.name)
+    except ConfigError as exc:
+        return Check("model", False, str(exc))
     return Check("task", True, f"{target} imports")
 
 

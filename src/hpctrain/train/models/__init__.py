@@ -20,12 +20,13 @@ __all__ = [
     "UNet",
     "build_classifier",
     "build_segmenter",
+    "check_model_name",
     "vit_tiny",
 ]
 
 # hpctrain's own models (besides every torchvision model of the kind)
-CLASSIFIERS = ("small_cnn", "vit_tiny")
-SEGMENTERS = ("unet",)
+CLASSIFIERS: tuple[str, ...] = ("small_cnn", "vit_tiny")
+SEGMENTERS: tuple[str, ...] = ("unet",)
 
 
 def build_classifier(name: str, num_classes: int, image_size: int = 224) -> nn.Module:
@@ -71,3 +72,24 @@ def build_segmenter(name: str, num_classes: int) -> nn.Module:
     return torchvision.models.get_model(
         name, weights=None, weights_backbone=None, num_classes=num_classes
     )
+
+
+def check_model_name(task: str, name: str) -> None:
+    """Refuse a `model.name` that the built-in `task` cannot build, without building it
+    (for `hpctrain preflight`); empty is the task's default. Other tasks are not checked.
+
+    Raises:
+        ConfigError: naming the model and what the task accepts.
+    """
+    if not name or task not in ("image_classification", "segmentation"):
+        return
+    import torchvision
+
+    if task == "image_classification":
+        own, module, kind = CLASSIFIERS, torchvision.models, "classification"
+    else:
+        own, module, kind = SEGMENTERS, torchvision.models.segmentation, "segmentation"
+    if name not in own and name not in torchvision.models.list_models(module=module):
+        raise ConfigError(
+            f"model.name={name!r}: task {task} takes {', '.join(own)} or a torchvision {kind} model"
+        )
