@@ -41,7 +41,8 @@ scores_strategy = st.dictionaries(
 )
 
 
-# No deadline: on a loaded 2-core machine a first example once took over hypothesis's 200 ms.
+# No deadline: one failure on a loaded 2-core machine did not reproduce; hypothesis's 200 ms
+# deadline per example is the likely cause, and the function's speed is not what is tested.
 @settings(deadline=None)
 @given(
     steps=st.sets(st.integers(0, 300), max_size=30),
