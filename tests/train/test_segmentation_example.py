@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.train.helpers import REPO, run_hpctrain
 
@@ -105,3 +106,39 @@ def test_unet_trains_under_fsdp2_bf16_with_activation_checkpointing(
     assert "finished 2 steps" in proc.stdout
     losses = [m["loss"] for m in read_jsonl(tmp_path / "fsdp" / "metrics.jsonl")]
     assert len(losses) == 2 and all(0 < loss < 10 for loss in losses)
+
+
+@pytest.mark.parametrize("on_error", ["fail", "skip"])
+def test_mask_values_outside_the_classes_follow_data_on_error(
+    seg_shards: Path, tmp_path: Path, on_error: str
+) -> None:
+    """With 3 classes the triangles' id 3 is out of range: the transform's SampleError is
+    handled in the loader like an undecodable sample, never a device-side assert."""
+    from hpctrain.config import load_config
+    from hpctrain.dist import resolve_env
+    from hpctrain.errors import DataError
+    from hpctrain.train.trainer import Trainer
+
+    cfg = load_config(
+        str(EXAMPLE / "config.yaml"),
+        example_args(
+            seg_shards,
+            tmp_path / on_error,
+            "model.num_classes=3",
+            f"data.on_error={on_error}",
+            "data.workers_per_rank=0",
+            "data.val=",
+            "data.batch_size=8",
+            "train.max_steps=2",
+            "train.log_every=1",
+            "train.strategy=none",
+        )[1:],
+    )
+    trainer = Trainer(cfg, resolve_env({}), torch.device("cpu"))
+    if on_error == "fail":
+        with pytest.raises(DataError, match=r"'\d+'.*holds class ids \[3\] outside the model's 3"):
+            trainer.fit()
+        return
+    assert trainer.fit() == 0
+    records = read_jsonl(tmp_path / on_error / "metrics.jsonl")
+    assert records[-1]["loader_samples_skipped"] > 0

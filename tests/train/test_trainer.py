@@ -311,3 +311,23 @@ def test_tensorboard_scalars_when_installed(
     tags = {tag for tag, _, _ in calls}
     assert {"dir", "closed", "train/loss", "train/data_wait_fraction", "eval/val_loss"} <= tags
     assert [step for tag, _, step in calls if tag == "train/loss"] == [1, 2]
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_task_decode_collate_and_summarize_hooks_are_used(
+    shapes_shards: Path, tmp_path: Path, workers: int
+) -> None:
+    run_dir = tmp_path / "hooks"
+    cfg = make_config(
+        shapes_shards,
+        run_dir,
+        "task=tests.train.tasks:HookedMLP",
+        f"data.workers_per_rank={workers}",
+        "train.max_steps=2",
+    )
+    assert build(cfg).fit() == 0
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["members"] for r in records if r["kind"] == "train"] == [2.0, 2.0]
+    final = [r for r in records if r["kind"] == "eval"][-1]
+    assert final["val_counted"] == final["val_samples"] == 80  # padding left out
+    assert final["val_classes_seen"] == 10 and 0 <= final["val_accuracy"] <= 1

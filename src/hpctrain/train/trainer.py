@@ -565,7 +565,7 @@ class Trainer:
             lines.append(
                 f"validation accuracy: {final_eval['val_accuracy']:.2%} "
                 f"({top5}loss {final_eval['val_loss']:.4f}, {final_eval['val_samples']} samples)"
-                if "val_accuracy" in final_eval
+                if "val_accuracy" in final_eval and "val_loss" in final_eval
                 else "validation: "
                 + ", ".join(
                     f"{k[4:]} {v:.4f}" if isinstance(v, float) else f"{k[4:]} {v}"
