@@ -121,6 +121,7 @@ INTERMIXED = {
     "config": (["show", "c.yaml", "a.b=1", "c=2"], {"config": "c.yaml", "overrides": ["a.b=1", "c=2"]}),
     "plot": (["runs/x"], {"run_dir": "runs/x"}),
     "export": (["runs/x", "out.pt"], {"source": "runs/x", "out": "out.pt"}),
+    "sync": (["--dry-run", "runs/x"], {"run_dir": "runs/x", "dry_run": True}),
     "convert": (["--shuffle", "src", "--seed", "3", "dest"], {"src": "src", "dest": "dest", "seed": 3, "shuffle": True}),
     "inspect": (["--verify", "d", "--keys", "2"], {"dest": "d", "verify": True, "keys": 2}),
     "plan": (["--world-size", "2", "d", "--batch-size", "3"], {"data": "d", "world_size": 2, "batch_size": 3}),

@@ -6,6 +6,7 @@ Layout of a checkpoint root (`checkpoint.dir`, default `RUN_DIR/checkpoints`):
       manifest.json      step, world size, versions, user metadata; per file its size, the
                          [offset, length, crc32c] of every DCP item in it (+ sha256)
     latest               "step-<N>": the newest committed checkpoint, written last
+    best                 "step-<N>": the best by `checkpoint.monitor` (with `keep_best`)
     .tmp-step-<N>/       a save in progress (or killed); never loaded, removed on restart
     .damaged-step-<N>/   a checkpoint that failed verification when an older one was loaded
     .abandoned-step-<N>/ a checkpoint past the step a run resumed from (e.g. a rollback)
@@ -30,6 +31,11 @@ times in manifests: node clocks differ):
 2. Then the step the pointer names, if it verifies; else the highest step below it that
    verifies. Each one that fails is set aside as `.damaged-step-<N>` with the reason logged.
 3. Without a readable pointer (a first save cut before it), the highest step that verifies.
+
+Best checkpoints (`keep_best` > 0): a save may carry a score, the value of the monitored
+evaluation metric at that step; its manifest records it with the metric's name. After every
+commit, retention keeps the `keep_best` best scored checkpoints (of the same metric) besides
+the `keep_last` newest, and `best` is replaced (atomically, like `latest`) to name the best.
 
 Verification (`checkpoint.verify`): the manifest parses with the right types, every file has
 its size, `.metadata` its CRC32C, and every storage path `.metadata` names is a file of this
@@ -61,7 +67,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 
 import hpctrain
 from hpctrain.checkpoint.lock import RunLock, lock_run, unlock_run
-from hpctrain.checkpoint.retention import steps_to_delete
+from hpctrain.checkpoint.retention import best_steps, steps_to_delete
 from hpctrain.checkpoint.safety import (
     CheckpointError,
     ChecksumMismatchError,
@@ -83,6 +89,7 @@ TRASH_PREFIX = ".trash-step-"
 DAMAGED_PREFIX = ".damaged-step-"
 ABANDONED_PREFIX = ".abandoned-step-"
 LATEST_NAME = "latest"
+BEST_NAME = "best"
 MANIFEST_NAME = LAST_FILE
 MANIFEST_FORMAT = 1
 VERIFY_MODES = ("size", "crc32c", "sha256")
@@ -214,6 +221,14 @@ def parse_manifest(data: bytes, where: str, name: str = "") -> dict[str, Any]:
             raise bad(f"{key} is not an object")
     if manifest.get("parent") is not None and not _is_count(manifest["parent"], 0):
         raise bad(f"parent is {manifest['parent']!r}, not null or an integer >= 0")
+    score = manifest.get("score")
+    if score is not None and not (
+        isinstance(score, dict)
+        and isinstance(score.get("monitor"), str)
+        and isinstance(score.get("value"), (int, float))
+        and not isinstance(score.get("value"), bool)
+    ):
+        raise bad(f"score is {score!r}, not null or {{monitor: name, value: number}}")
     files = manifest.get("files")
     if not isinstance(files, dict) or not files:
         raise bad("files is not an object of file entries")
@@ -284,15 +299,15 @@ def verify_checkpoint(store: Store, name: str, verify: str = DEFAULT_VERIFY) -> 
     return manifest
 
 
-def read_latest(store: Store) -> int | None:
-    """The step `latest` names; None when it is missing or not `step-<N>`."""
+def read_latest(store: Store, pointer: str = LATEST_NAME) -> int | None:
+    """The step `latest` (or the `best` pointer) names; None when missing or not `step-<N>`."""
     try:
-        text = store.read_bytes(LATEST_NAME).decode().strip()
+        text = store.read_bytes(pointer).decode().strip()
     except (FileNotFoundError, UnicodeDecodeError):
         return None
     match = _STEP_DIR.match(text)
     if match is None:
-        log.warning("%s holds %r, not step-<N>: ignored", store.path(LATEST_NAME), text[:40])
+        log.warning("%s holds %r, not step-<N>: ignored", store.path(pointer), text[:40])
         return None
     return int(match.group(1))
 
@@ -412,6 +427,10 @@ class CheckpointManager:
             full read) or "size" (file sizes only; no checksums written).
         timeout_s: how long a collective of the manager's group waits for the other ranks
             (`train.collective_timeout_s`).
+        monitor: the name of the evaluation metric that `save(score=...)` values are of
+            (`checkpoint.monitor`); scores saved under another name are not compared.
+        mode: "max" or "min": which scores are better (`checkpoint.mode`).
+        keep_best: keep the best K scored checkpoints and name the best in `best` (0: none).
 
     Raises:
         UnsafeCheckpointError: at construction, when anything under `root` that a load would
@@ -428,6 +447,9 @@ class CheckpointManager:
         async_save: bool = False,
         verify: str = DEFAULT_VERIFY,
         timeout_s: float = 600.0,
+        monitor: str = "",
+        mode: str = "max",
+        keep_best: int = 0,
     ) -> None:
         if keep_last < 1:
             raise ValueError(f"checkpoint.keep_last must be at least 1, got {keep_last}")
@@ -438,6 +460,13 @@ class CheckpointManager:
         self.keep_every = keep_every
         self.async_save = async_save
         self.verify = verify
+        self.monitor, self.mode, self.keep_best = monitor, mode, keep_best
+        if keep_best and not monitor:
+            raise ValueError(
+                "checkpoint.keep_best needs checkpoint.monitor (the metric to rank by)"
+            )
+        best_steps({}, keep_best=0, mode=mode)  # refuses an unknown mode now, not at a commit
+        self._scores: dict[int, float | None] = {}  # rank 0: step -> score, read from manifests
         self.loaded_manifest: dict[str, Any] | None = None
         self._store = open_store(root)
         self._distributed = dist.is_available() and dist.is_initialized()
@@ -470,11 +499,19 @@ class CheckpointManager:
 
     # -- public API -------------------------------------------------------------------------
 
-    def save(self, step: int, states: dict[str, Any], *, metadata: dict | None = None) -> None:
+    def save(
+        self,
+        step: int,
+        states: dict[str, Any],
+        *,
+        metadata: dict | None = None,
+        score: float | None = None,
+    ) -> None:
         """Save `states` as checkpoint `step` (collective; returns at once when async).
 
         `states` values are `Stateful` objects or plain dicts of tensors and plain data.
-        `metadata` (JSON-serializable) goes into the manifest. A step that is already
+        `metadata` (JSON-serializable) goes into the manifest, and so does `score`, the
+        monitored metric's value at this step (for `keep_best` and `best`). A step that is already
         committed is not saved again. Raises `CheckpointSaveError` for a failed save,
         including an earlier async one that failed in the background.
         """
@@ -489,7 +526,7 @@ class CheckpointManager:
             self._store.rmtree(tmp)  # a save of this step killed before its commit
         # Other ranks write files only after DCP's first collective, which rank 0 joins
         # after the removal above: no barrier needed.
-        manifest = self._manifest_head(step, metadata)
+        manifest = self._manifest_head(step, metadata, score)
         self._parent = step  # of the next save (a failed save fails the run at `wait`)
         writer = self._store.writer(tmp, checksums=self.verify != "size")
         where = self._store.path(tmp)
@@ -670,7 +707,9 @@ class CheckpointManager:
 
     # -- saving -----------------------------------------------------------------------------
 
-    def _manifest_head(self, step: int, metadata: dict | None) -> dict[str, Any]:
+    def _manifest_head(
+        self, step: int, metadata: dict | None, score: float | None = None
+    ) -> dict[str, Any]:
         head = {
             "format": MANIFEST_FORMAT,
             "step": step,
@@ -679,6 +718,7 @@ class CheckpointManager:
             "versions": {"hpctrain": hpctrain.__version__, "torch": torch.__version__},
             "metadata": metadata or {},
             "parent": self._parent,  # see the module docstring's rule 1
+            "score": None if score is None else {"monitor": self.monitor, "value": float(score)},
         }
         json.dumps(head)  # fail now, in the caller, for metadata that cannot be written
         return head
@@ -729,15 +769,52 @@ class CheckpointManager:
 
     def _apply_retention(self, protect: int) -> None:
         store = self._store
+        committed = committed_steps(store)
+        scores = self._read_scores(committed) if self.keep_best else {}
         for step in steps_to_delete(
-            committed_steps(store),
+            committed,
             keep_last=self.keep_last,
             keep_every=self.keep_every,
             protect={protect},
+            scores=scores,
+            keep_best=self.keep_best,
+            mode=self.mode,
         ):
             # Never a half-deleted step-<N> after a kill: rename first (local) or remove the
             # manifest first (object stores).
             store.remove_dir(step_dir_name(step), f"{TRASH_PREFIX}{step}")
+        if self.keep_best:
+            self._point_best(scores)
+
+    def _read_scores(self, steps: list[int]) -> dict[int, float]:
+        """Rank 0: the scores of `steps` for this manager's metric (manifests read once)."""
+        for step in steps:
+            if step not in self._scores:
+                name = step_dir_name(step)
+                try:
+                    score = parse_manifest(
+                        self._store.read_bytes(f"{name}/{MANIFEST_NAME}"), name, name
+                    ).get("score")
+                except (OSError, CheckpointError):
+                    score = None  # unreadable: never best; loading would set it aside anyway
+                if score is not None and score["monitor"] == self.monitor:
+                    self._scores[step] = float(score["value"])
+                else:
+                    self._scores[step] = None
+        return {s: v for s in steps if (v := self._scores[s]) is not None}
+
+    def _point_best(self, scores: dict[int, float]) -> None:
+        """Rank 0: make `best` name the best committed checkpoint (or remove a stale one)."""
+        best = best_steps(scores, keep_best=1, mode=self.mode)
+        if best:
+            if read_latest(self._store, BEST_NAME) != best[0]:
+                self._store.write_atomic(BEST_NAME, f"{step_dir_name(best[0])}\n".encode())
+        elif self._store.exists(BEST_NAME):
+            self._store.rmtree(BEST_NAME)  # names a checkpoint that is gone
+
+    def best_step(self) -> int | None:
+        """The step `best` names (local, not verified), or None."""
+        return read_latest(self._store, BEST_NAME)
 
     def _start_on_rank0(self) -> tuple[str, str] | None:
         """Create the root, refuse it if a load would, lock it, clean up.
@@ -761,7 +838,9 @@ class CheckpointManager:
 
     def _remove_leftovers(self) -> None:
         for entry in self._store.listdir():
-            if entry.startswith((TMP_PREFIX, TRASH_PREFIX, f"{LATEST_NAME}.tmp-")):
+            if entry.startswith(
+                (TMP_PREFIX, TRASH_PREFIX, f"{LATEST_NAME}.tmp-", f"{BEST_NAME}.tmp-")
+            ):
                 log.warning("removing %s left by an interrupted save", self._store.path(entry))
                 self._store.rmtree(entry)
 
@@ -856,6 +935,9 @@ class CheckpointManager:
             if s > step or (s == step and self._store.path(step_dir_name(s)) != chosen)
         ]
         self._set_aside(newer, ABANDONED_PREFIX, f"newer than the resumed step {step}")
+        if newer and self.keep_best:  # `best` may name one of them
+            self._scores.clear()
+            self._point_best(self._read_scores(committed_steps(self._store)))
 
     def _prepare_per_rank(self, states: dict[str, Any], saved_world_size: int) -> dict[str, Any]:
         to_load = {}

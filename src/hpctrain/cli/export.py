@@ -1,29 +1,45 @@
-"""`hpctrain export RUN_DIR_OR_CHECKPOINT OUT.pt`."""
+"""`hpctrain export RUN_DIR_OR_CHECKPOINT OUT [--format pt|safetensors] [--best]`."""
 
 from __future__ import annotations
 
 import argparse
 
-HELP = "write a checkpoint's model as a consolidated weights-only state dict (DDP or FSDP2)"
+HELP = "write a checkpoint's model as consolidated weights (.pt or .safetensors; DDP or FSDP2)"
 EPILOG = """examples:
   hpctrain export runs/demo model.pt                        # newest checkpoint of the run
+  hpctrain export runs/demo model.safetensors --best        # the best by checkpoint.monitor
   hpctrain export runs/demo/checkpoints/step-400 model.pt   # one checkpoint
-Load it with: model.load_state_dict(torch.load("model.pt", weights_only=True))"""
+Load it with: model.load_state_dict(torch.load("model.pt", weights_only=True))
+or: safetensors.torch.load_file("model.safetensors"); built-in models also get model.json."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "source", help="run folder, checkpoint folder, or one step-<N> checkpoint (path or URL)"
     )
-    parser.add_argument("out", help="the .pt file to write")
+    parser.add_argument("out", help="the file to write")
+    parser.add_argument(
+        "--format",
+        choices=("pt", "safetensors"),
+        default=None,
+        help="file format (default: safetensors for a .safetensors name, else pt)",
+    )
+    parser.add_argument(
+        "--best",
+        action="store_true",
+        help="the checkpoint the `best` pointer names (checkpoint.keep_best) instead of the newest",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from hpctrain.train.export import export_weights
 
-    result = export_weights(args.source, args.out)  # CheckpointError: exit code 4
+    # CheckpointError: exit code 4
+    result = export_weights(args.source, args.out, fmt=args.format, best=args.best)
     print(
         f"exported {result.source} (step {result.step}): {result.num_tensors} tensors, "
         f"{result.num_elements:,} values -> {result.out}"
     )
+    if result.model_card is not None:
+        print(f"model card (what rebuilds the model): {result.model_card}")
     return 0

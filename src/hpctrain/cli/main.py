@@ -25,6 +25,7 @@ VERBS = [
     "config",
     "plot",
     "export",
+    "sync",
     "convert",
     "inspect",
     "plan",

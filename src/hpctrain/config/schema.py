@@ -185,6 +185,11 @@ class TrainConfig:
         "seconds any collective (training, checkpoint, flags) waits for the other ranks before the job fails; a hung rank then ends the job instead of holding the allocation",
         min=1.0,
     )
+    early_stop_patience: int = _f(
+        0,
+        "stop after N evaluations in a row without a better checkpoint.monitor; 0 disables",
+        min=0,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -210,6 +215,20 @@ class CheckpointConfig:
     deadline_margin_s: float = _f(
         180.0, "save this long before SLURM_JOB_END_TIME; 0 disables", min=0.0
     )
+    monitor: str = _f(
+        "",
+        "evaluation metric that ranks checkpoints (a key of the eval record: val_accuracy, "
+        "val_loss, ...); empty: none",
+    )
+    mode: str = _f(
+        "max", "whether a higher or a lower checkpoint.monitor is better", choices=("max", "min")
+    )
+    keep_best: int = _f(
+        0,
+        "also keep the K best checkpoints by checkpoint.monitor (a save follows every "
+        "evaluation that enters the K best) and name the best in a `best` pointer; 0 disables",
+        min=0,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -220,6 +239,29 @@ class LoggingConfig:
         "progress bar in a terminal, plain lines elsewhere",
         choices=("auto", "bar", "lines"),
     )
+    wandb: str = _f(
+        "off",
+        "Weights & Biases: off, offline (files under RUN_DIR/wandb, uploaded later by "
+        "`hpctrain sync RUN_DIR`) or online (needs the wandb extra)",
+        choices=("off", "offline", "online"),
+    )
+    mlflow: str = _f(
+        "off",
+        "MLflow tracking URI: off, local (a SQLite store in RUN_DIR/mlflow), or any URI MLflow "
+        "takes (sqlite:///..., http://server:5000) (needs the mlflow extra)",
+    )
+    project: str = _f("hpctrain", "W&B project and MLflow experiment the run is tracked under")
+    run_name: str = _f("", "name of the tracked run; empty: the run folder's name")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileConfig:
+    steps: str = _f(
+        "",
+        "record a torch.profiler trace of optimizer steps START-END (e.g. 10-12) into "
+        "RUN_DIR/profile/; empty: no profiling",
+    )
+    ranks: list[int] = _f([0], "ranks that record a trace; empty: every rank")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -271,4 +313,5 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)

@@ -5,14 +5,22 @@ next to the optimizer, scheduler, loader and RNG states. `export_weights` reads 
 model's entries (`app.model.*`, the fully qualified names of the plain module: DCP's
 `get_state_dict` already strips DDP's `module.` and wrapper prefixes), in one process, and
 writes them with `torch.save` so that `torch.load(path, weights_only=True)` gives a state dict
-for `model.load_state_dict` of the plain, unwrapped model.
+for `model.load_state_dict` of the plain, unwrapped model, or with the `safetensors` library
+(`format="safetensors"`), which any tool loads without hpctrain or pickle.
+
+For the built-in image classification task the export also writes `<out>.json` (the same name
+with `.json`): the task, model name, number of classes and image size, the normalization, the
+step, and how to rebuild the model; it is checked against the weights (every name and shape)
+before it is written.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -20,7 +28,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from hpctrain.checkpoint import CheckpointError, committed_steps, verify_checkpoint
-from hpctrain.checkpoint.manager import item_checksums, read_latest, steps_to_try
+from hpctrain.checkpoint.manager import BEST_NAME, item_checksums, read_latest, steps_to_try
 from hpctrain.checkpoint.safety import SafeLoadPlanner, UnsafeCheckpointError
 from hpctrain.checkpoint.storage import Store, open_store
 from hpctrain.errors import UsageError
@@ -28,6 +36,8 @@ from hpctrain.errors import UsageError
 # `Trainer.checkpoint_states` stores ModelOptimizerState under "app", which puts the model under
 # "model": DCP flattens nested keys with dots.
 MODEL_PREFIX = "app.model."
+FORMATS = ("pt", "safetensors")
+IMAGE_CLASSIFICATION = "image_classification"
 
 
 @dataclass(frozen=True)
@@ -39,14 +49,16 @@ class ExportResult:
     num_tensors: int
     num_elements: int
     out: Path
+    model_card: Path | None = None  # the JSON that rebuilds a built-in model, if written
 
 
-def locate_checkpoint(path: str) -> tuple[Store, str, dict]:
+def locate_checkpoint(path: str, *, best: bool = False) -> tuple[Store, str, dict]:
     """(store, step folder name, manifest) for a run folder, a checkpoint root or a step folder.
 
     A run folder's checkpoints are where its `config.yaml` says (`checkpoint.dir`), else
     `RUN_DIR/checkpoints`. Of a root, the checkpoint a resume would load (the step `latest`
-    names, or the highest below it that verifies; see `hpctrain.checkpoint.manager`).
+    names, or the highest below it that verifies; see `hpctrain.checkpoint.manager`), or with
+    `best` the one the `best` pointer names (`checkpoint.keep_best`).
     """
     path = path.rstrip("/") or "/"
     parent, _, leaf = path.rpartition("/")
@@ -61,6 +73,15 @@ def locate_checkpoint(path: str) -> tuple[Store, str, dict]:
         root = load_config(str(config_path)).checkpoint.dir or str(Path(path) / "checkpoints")
     store = open_store(root)
     steps = committed_steps(store)
+    if best:
+        step = read_latest(store, BEST_NAME)
+        if step is None or step not in steps:
+            raise CheckpointError(
+                f"{root}: no best checkpoint (the `{BEST_NAME}` pointer is written by runs "
+                "with checkpoint.monitor and checkpoint.keep_best)"
+            )
+        name = f"step-{step}"
+        return store, name, verify_checkpoint(store, name)
     if not steps:
         raise CheckpointError(
             f"{path}: no committed checkpoint (give a run folder, a checkpoint folder or a step-<N> folder)"
@@ -104,21 +125,72 @@ def read_model_weights(
     return {key[len(MODEL_PREFIX) :]: value for key, value in weights.items()}
 
 
-def export_weights(path: str, out: str | Path) -> ExportResult:
+def format_of(out: str | Path, fmt: str | None) -> str:
+    """The export format: `fmt` when given, else from the file name (`.safetensors`, else pt)."""
+    if fmt is None:
+        return "safetensors" if str(out).endswith(".safetensors") else "pt"
+    if fmt not in FORMATS:
+        raise UsageError(f"--format {fmt}: must be one of {'|'.join(FORMATS)}")
+    return fmt
+
+
+def export_weights(
+    path: str, out: str | Path, *, fmt: str | None = None, best: bool = False
+) -> ExportResult:
     """Write the consolidated model weights of the checkpoint at `path` to `out` (atomically).
 
     Args:
         path: a run folder, a checkpoint root, or one `step-<N>` folder (local or fsspec URL).
-        out: the `.pt` file to write (local).
+        out: the file to write (local).
+        fmt: "pt" (`torch.save`) or "safetensors"; None: from `out`'s suffix.
+        best: export the checkpoint `best` names instead of the newest.
     """
-    store, name, manifest = locate_checkpoint(path)
+    fmt = format_of(out, fmt)
+    if fmt == "safetensors":
+        try:
+            import safetensors.torch  # noqa: F401
+        except ImportError:
+            raise UsageError(
+                "--format safetensors needs the safetensors package: "
+                "pip install 'hpctrain[safetensors]'"
+            ) from None
+    store, name, manifest = locate_checkpoint(path, best=best)
     weights = read_model_weights(store, name, manifest)
     out = Path(out)
+    step = int(manifest["step"])
+    card = model_card(manifest, weights, fmt)
+    card_path = out.with_suffix(".json") if card is not None else None
+
+    def write_weights(f: Any) -> None:
+        if fmt == "pt":
+            torch.save(weights, f)
+        else:
+            from safetensors.torch import save
+
+            # Tensors read from a checkpoint share no storage, so nothing needs de-duplication.
+            f.write(save(weights, metadata={"hpctrain_step": str(step), "format": "pt"}))
+
+    _write_atomic(out, write_weights)
+    if card_path is not None and card is not None:
+        card["weights"] = out.name
+        _write_atomic(card_path, lambda f: f.write((json.dumps(card, indent=1) + "\n").encode()))
+    return ExportResult(
+        source=store.path(name),
+        step=step,
+        num_tensors=len(weights),
+        num_elements=sum(v.numel() for v in weights.values()),
+        out=out,
+        model_card=card_path,
+    )
+
+
+def _write_atomic(out: Path, write: Any) -> None:
+    """Write `out` through a temporary file, fsynced, then renamed: no half file on a kill."""
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         with tmp.open("wb") as f:
-            torch.save(weights, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         tmp.replace(out)
@@ -126,10 +198,68 @@ def export_weights(path: str, out: str | Path) -> ExportResult:
         raise UsageError(f"{out}: cannot write the export: {exc.strerror or exc}") from None
     finally:
         tmp.unlink(missing_ok=True)
-    return ExportResult(
-        source=store.path(name),
-        step=int(manifest["step"]),
-        num_tensors=len(weights),
-        num_elements=sum(v.numel() for v in weights.values()),
-        out=out,
-    )
+
+
+def model_card(
+    manifest: dict[str, Any], weights: dict[str, torch.Tensor], fmt: str
+) -> dict[str, Any] | None:
+    """What rebuilds a built-in image classification model for these weights, or None.
+
+    None for other tasks (a custom task's model is the user's code) and for checkpoints that
+    carry no config. The number of classes is that of the weights (`model.num_classes: 0`
+    took it from the index); a model built from the card is checked to have exactly the
+    weights' names and shapes.
+    """
+    import yaml
+
+    text = manifest.get("metadata", {}).get("config")
+    try:
+        tree = yaml.safe_load(text) if isinstance(text, str) else None
+    except yaml.YAMLError:
+        tree = None
+    if not isinstance(tree, dict) or tree.get("task", IMAGE_CLASSIFICATION) != IMAGE_CLASSIFICATION:
+        return None
+    from hpctrain.train.models import build_classifier
+    from hpctrain.train.tasks.vision import MEAN, STD
+
+    model_cfg = tree.get("model") or {}
+    name = str(model_cfg.get("name") or "small_cnn")  # the task's default model
+    image_size = int(model_cfg.get("image_size", 64))
+    shapes = {key: tuple(value.shape) for key, value in weights.items()}
+
+    def built_shapes(num_classes: int) -> dict[str, tuple[int, ...]]:
+        with torch.device("meta"):  # shapes only: no memory, no initialisation cost
+            model = build_classifier(name, num_classes, image_size)
+        return {key: tuple(value.shape) for key, value in model.state_dict().items()}
+
+    # The classifier's output layer is what depends on the number of classes: build with one
+    # class and read the number from the weights where the shapes differ.
+    probe = built_shapes(1)
+    differing = [shapes[k][0] for k in shapes if k in probe and probe[k] != shapes[k]]
+    num_classes = differing[0] if differing else 1
+    if built_shapes(num_classes) != shapes:
+        return None  # not a model the card could rebuild (a changed architecture)
+    return {
+        "task": IMAGE_CLASSIFICATION,
+        "model": {
+            "name": name,
+            "num_classes": num_classes,
+            "image_size": image_size,
+            "channels_last": bool(model_cfg.get("channels_last", False)),
+        },
+        # logits: softmax over classes, or with multi_label a sigmoid per class
+        "multi_label": bool((tree.get("classification") or {}).get("multi_label", False)),
+        "input": {
+            "layout": "NCHW RGB, resized (short side) and center-cropped to image_size",
+            "scale": "uint8 values / 255",
+            "mean": list(MEAN),
+            "std": list(STD),
+        },
+        "step": int(manifest["step"]),
+        "format": fmt,
+        "versions": manifest.get("versions", {}),
+        "rebuild": (
+            "from hpctrain.train.models import build_classifier; "
+            "model = build_classifier(name, num_classes, image_size)"
+        ),
+    }

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hpctrain.config import ConfigError
 from hpctrain.dist import all_reduce_max, all_reduce_sum
+
+if TYPE_CHECKING:
+    from hpctrain.train.trackers import Trackers
 
 log = logging.getLogger("hpctrain")
 
@@ -81,16 +86,97 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+class MetricMonitor:
+    """`checkpoint.monitor` over the evaluations of a run: which are among the best, and how
+    many evaluations have passed since the best (`train.early_stop_patience`).
+
+    Its state travels in the checkpoint manifests (`state_dict`), so that a resumed run goes
+    on counting where the checkpoint left off.
+
+    Args:
+        name: the key of the evaluation record to watch ("val_accuracy"); "" disables.
+        mode: "max" or "min": which values are better.
+        keep_best: how many best values make a checkpoint worth saving (`checkpoint.keep_best`).
+        patience: evaluations in a row without a better value before `should_stop`; 0: never.
+    """
+
+    def __init__(self, name: str, mode: str = "max", keep_best: int = 0, patience: int = 0):
+        if not name and (keep_best or patience):
+            key = "checkpoint.keep_best" if keep_best else "train.early_stop_patience"
+            raise ConfigError(f"{key} needs checkpoint.monitor (the evaluation metric to rank by)")
+        self.name, self.mode, self.keep_best, self.patience = name, mode, keep_best, patience
+        self.best: list[float] = []  # the keep_best (at least 1) best values so far, best first
+        self.evals_since_best = 0
+        self.last: tuple[int, float] | None = None  # (step, value) of the last evaluation
+
+    def better(self, a: float, b: float) -> bool:
+        return a > b if self.mode == "max" else a < b
+
+    def observe(self, record: dict[str, Any]) -> bool:
+        """Take an evaluation record; True when its value is among the `keep_best` best so
+        far (a checkpoint of this step should then be saved)."""
+        if not self.name:
+            return False
+        if self.name not in record:
+            known = ", ".join(k for k in record if k not in ("kind", "step", "epoch"))
+            raise ConfigError(
+                f"checkpoint.monitor={self.name!r}: not in the evaluation record ({known})"
+            )
+        value = float(record[self.name])
+        self.last = (int(record["step"]), value)
+        if not math.isfinite(value):  # a diverged evaluation is never best
+            self.evals_since_best += 1
+            return False
+        if self.best and not self.better(value, self.best[0]):
+            self.evals_since_best += 1
+        else:
+            self.evals_since_best = 0
+        kept = max(1, self.keep_best)
+        enters = len(self.best) < kept or self.better(value, self.best[-1])
+        if enters:
+            self.best = sorted([*self.best, value], reverse=self.mode == "max")[:kept]
+        return enters and self.keep_best > 0
+
+    def score_at(self, step: int) -> float | None:
+        """The monitored value of the evaluation at `step`, if the last one was there."""
+        if self.last is not None and self.last[0] == step:
+            return self.last[1]
+        return None
+
+    @property
+    def should_stop(self) -> bool:
+        return self.patience > 0 and self.evals_since_best >= self.patience
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "best": self.best, "evals_since_best": self.evals_since_best}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Continue from a saved state; one of another metric (or none) starts afresh."""
+        if not state or state.get("name") != self.name:
+            return
+        self.best = [float(v) for v in state["best"]][: max(1, self.keep_best)]
+        self.evals_since_best = int(state["evals_since_best"])
+
+
 class MetricsWriter:
-    """Rank 0 appends one JSON object per logged step; the console gets a line or a bar."""
+    """Rank 0 appends one JSON object per logged step; the console gets a line or a bar;
+    trackers (W&B, MLflow; `hpctrain.train.trackers`) get every record too."""
 
     def __init__(
-        self, run_dir: Path, *, enabled: bool, progress: str, total_steps: int, tensorboard: bool
+        self,
+        run_dir: Path,
+        *,
+        enabled: bool,
+        progress: str,
+        total_steps: int,
+        tensorboard: bool,
+        trackers: Trackers | None = None,
     ) -> None:
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
         self.bar: Any = None
         self.tb: Any = None
+        self.trackers = trackers if enabled else None
         if not enabled:
             return
         use_bar = progress == "bar" or (progress == "auto" and sys.stderr.isatty())
@@ -114,6 +200,8 @@ class MetricsWriter:
             return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        if self.trackers is not None:
+            self.trackers.log(record)
         if self.tb is not None:
             for name, value in record.items():
                 if isinstance(value, (int, float)) and name != "step":
@@ -145,13 +233,17 @@ class MetricsWriter:
         else:
             print(line, flush=True)
 
-    def close(self) -> None:
+    def close(self, status: str = "finished") -> None:
+        """Close the file, the bar and the trackers; `status` is how the run ends for the
+        trackers: "finished", "preempted" (saved, to be requeued) or "failed"."""
         if not self.enabled:
             return
         if self.bar is not None:
             self.bar.close()
         if self.tb is not None:
             self.tb.close()
+        if self.trackers is not None:
+            self.trackers.close(status)
         self._file.close()
 
 

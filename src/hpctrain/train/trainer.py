@@ -19,12 +19,14 @@ from hpctrain.config import Config, ConfigError, config_to_yaml
 from hpctrain.data import ShardedLoader, open_index
 from hpctrain.data.index import ShardIndex
 from hpctrain.dist import DistEnv, new_cpu_group
-from hpctrain.train.metrics import IntervalMeter, MetricsWriter, peak_memory_mb
+from hpctrain.train.metrics import IntervalMeter, MetricMonitor, MetricsWriter, peak_memory_mb
 from hpctrain.train.optim import build_optimizer, build_scheduler
 from hpctrain.train.parallel import no_gradient_sync, parallelize
 from hpctrain.train.precision import device_facts, make_grad_scaler, plan_training
 from hpctrain.train.preemption import REQUEUE_EXIT_CODE, PreemptionFlag
+from hpctrain.train.profiling import StepProfiler
 from hpctrain.train.task import Batch, divide_by_count, load_task
+from hpctrain.train.trackers import check_trackers, start_trackers
 
 log = logging.getLogger("hpctrain")
 
@@ -117,6 +119,27 @@ class Trainer:
             raise ConfigError("data.train is empty: give an index.json path/URL or a shard pattern")
         if cfg.logging.tensorboard and self.env.is_main:
             require_tensorboard()
+        if self.env.is_main:
+            check_trackers(cfg.logging)
+        if cfg.checkpoint.monitor and not cfg.data.val:
+            raise ConfigError(
+                f"checkpoint.monitor={cfg.checkpoint.monitor}: needs data.val (evaluations to rank by)"
+            )
+        # Both refuse bad settings here; they hold the run's state from here on.
+        self.monitor = MetricMonitor(
+            cfg.checkpoint.monitor,
+            cfg.checkpoint.mode,
+            cfg.checkpoint.keep_best,
+            cfg.train.early_stop_patience,
+        )
+        self.profiler = StepProfiler(
+            cfg.profile.steps,
+            cfg.profile.ranks,
+            rank=self.env.rank,
+            world_size=self.env.world_size,
+            run_dir=self.run_dir,
+            device=self.device,
+        )
         facts = device_facts(self.device, compile=cfg.train.compile)
         self.plan = plan_training(cfg.train, facts, self.env.world_size)
         self.precision = self.plan.precision
@@ -203,6 +226,9 @@ class Trainer:
             async_save=cfg.checkpoint.async_save,
             verify=cfg.checkpoint.verify,
             timeout_s=cfg.train.collective_timeout_s,
+            monitor=cfg.checkpoint.monitor,
+            mode=cfg.checkpoint.mode,
+            keep_best=cfg.checkpoint.keep_best,
         )
         self.preemption = PreemptionFlag(cfg.checkpoint.signals, cfg.checkpoint.deadline_margin_s)
         self.meter = IntervalMeter()
@@ -232,25 +258,47 @@ class Trainer:
             progress=self.cfg.logging.progress,
             total_steps=self.total_steps,
             tensorboard=self.cfg.logging.tensorboard,
+            trackers=start_trackers(
+                self.cfg,
+                self.env.world_size,
+                resumed=self.checkpoints.loaded_manifest is not None,
+            )
+            if self.env.is_main
+            else None,
         )
         batches = self.batch_stream()
         self.model.train()
+        status = "failed"  # how the run ends, for the trackers
         try:
             while self.state.step < self.total_steps:
+                self.profiler.at_step(self.state.step)
                 self.train_step(batches)
                 if self.step_boundary(metrics):
+                    status = "preempted"
                     return REQUEUE_EXIT_CODE
+                if self.monitor.should_stop:  # every rank has the same evaluations
+                    log.warning(
+                        "early stop at step %d: %d evaluations without a better %s",
+                        self.state.step,
+                        self.monitor.evals_since_best,
+                        self.monitor.name,
+                    )
+                    break
+            self.profiler.close()
             final_eval = self.evaluate() if self.val_loader is not None else None
             if final_eval is not None:
                 metrics.write(final_eval)
+                self.monitor.observe(final_eval)
             if self.checkpoints.latest_step() != self.state.step:
                 self.save()
             self.checkpoints.wait()
             if self.env.is_main:
                 self.print_summary(final_eval)
+            status = "finished"
             return 0
         finally:
-            metrics.close()
+            self.profiler.close()
+            metrics.close(status)
             self.checkpoints.close()
             self.preemption.uninstall()
             for loader in (self.loader, self.val_loader):
@@ -339,7 +387,10 @@ class Trainer:
             metrics.write(self.log_record())
         eval_every = self.cfg.train.eval_every
         if self.val_loader is not None and eval_every and step % eval_every == 0:
-            metrics.write(self.evaluate())
+            record = self.evaluate()
+            metrics.write(record)
+            if self.monitor.observe(record):  # among the checkpoint.keep_best best so far
+                self.save()
         stop_requested, time_due = self.agree_on_flags()
         if stop_requested:
             log.warning("preemption requested: saving step %d, then exiting for requeue", step)
@@ -456,7 +507,10 @@ class Trainer:
 
     def save(self) -> None:
         self.checkpoints.save(
-            self.state.step, self.checkpoint_states(), metadata={"config": config_to_yaml(self.cfg)}
+            self.state.step,
+            self.checkpoint_states(),
+            metadata={"config": config_to_yaml(self.cfg), "monitor": self.monitor.state_dict()},
+            score=self.monitor.score_at(self.state.step),
         )
         self.last_save = time.monotonic()
 
@@ -465,6 +519,10 @@ class Trainer:
         if step is None:
             return
         self.resumed_loader = True
+        if self.checkpoints.loaded_manifest is not None:
+            self.monitor.load_state_dict(
+                self.checkpoints.loaded_manifest["metadata"].get("monitor")
+            )
         log.info("resumed from step %d (epoch %d)", self.state.step, self.state.epoch)
         if self.cfg.data.sample_log:
             self.truncate_sample_log()
