@@ -1,4 +1,4 @@
-"""`hpctrain bench loader`: hpctrain's loader against the decode limit, ImageFolder, webdataset.
+"""`hpctrain bench loader`: hpctrain's loader against the decode limit and its peers.
 
 Cases, interleaved round by round on the same images (rotating order), medians reported:
 
@@ -6,10 +6,14 @@ Cases, interleaved round by round on the same images (rotating order), medians r
    same loop in K processes at once (what K processes sharing the machine can reach);
 2. ImageFolder + DataLoader (K workers, default collate, uint8 batches);
 3. plain webdataset `WebDataset(urls).decode("pil")` + DataLoader (what a stock user writes);
-4. hpctrain's `ShardedLoader`;
+4. hpctrain's `ShardedLoader` (workers started for the epoch, and persistent workers);
+5. LitData and MosaicML Streaming (the `bench` extra; skipped with a line saying so when not
+   installed): the same JPEGs converted once to each one's own format (outside the timing),
+   read by each one's loader with K persistent workers, the same decoder, transform and batch
+   size; their second epoch is measured, like hpctrain's persistent case;
 and with `--remote`, over an HTTP server on loopback adding `--latency-ms` to every request:
-5. hpctrain's loader streaming the shards (and the same without the added latency);
-6. per-file reads of the image folder (one request per image: the small-files problem).
+6. hpctrain's loader streaming the shards (and the same without the added latency);
+7. per-file reads of the image folder (one request per image: the small-files problem).
 
 Figures: wall images/s and images per CPU-second (main process + workers, from getrusage; in
 the remote cases the loopback server's too: it runs in a process of its own, from /proc).
@@ -19,6 +23,7 @@ CPU efficiency is stable on a shared machine, wall time is not.
 from __future__ import annotations
 
 import argparse
+import importlib
 import io
 import json
 import os
@@ -44,6 +49,7 @@ if TYPE_CHECKING:  # the loader itself is imported when a case runs, not by `hpc
     from hpctrain.data import ShardedLoader
     from hpctrain.data.index import ShardIndex
 
+Transform = Callable[[dict[str, Any]], dict[str, Any]]
 HELP = "loader throughput: decode limit vs ImageFolder vs webdataset vs hpctrain (images/CPU-s)"
 
 
@@ -64,7 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
-def synthetic_images(n: int, root: Path) -> list[tuple[bytes, int]]:
+def synthetic_images(n: int, root: Path | None = None) -> list[tuple[bytes, int]]:
+    """`n` 400x300 JPEGs (a gradient under noise, quality 90) with labels 0-9, in memory
+    (`root` is unused; kept for tools/loader_ab.py)."""
     import numpy as np
     from PIL import Image
 
@@ -99,32 +107,65 @@ def images_from_shards(spec: str, n: int) -> list[tuple[bytes, int]]:
 
 def write_layouts(images: list[tuple[bytes, int]], root: Path, per_shard: int = 100) -> None:
     """The same images as an ImageFolder (root/folder/<cls>/<i>.jpg) and as USTAR shards."""
-    from hpctrain.data.index import ShardIndex, ShardInfo, index_to_bytes
-
     for i, (data, label) in enumerate(images):
         d = root / "folder" / f"c{label:03d}"
         d.mkdir(parents=True, exist_ok=True)
         (d / f"{i:06d}.jpg").write_bytes(data)
-    shard_dir = root / "shards"
+    samples = [{"jpg": data, "cls": str(label).encode()} for data, label in images]
+    write_shards(samples, root / "shards", per_shard)
+
+
+def write_shards(samples: list[dict[str, bytes]], shard_dir: Path, per_shard: int = 100) -> None:
+    """Samples (field name -> bytes) as USTAR shards `KEY.FIELD` + index.json in `shard_dir`."""
+    from hpctrain.data.index import ShardIndex, ShardInfo, index_to_bytes
+
     shard_dir.mkdir()
     infos = []
-    for s, lo in enumerate(range(0, len(images), per_shard)):
+    for s, lo in enumerate(range(0, len(samples), per_shard)):
         name = f"bench-{s:06d}.tar"
         with tarfile.open(shard_dir / name, "w", format=tarfile.USTAR_FORMAT) as tar:
-            for i in range(lo, min(lo + per_shard, len(images))):
-                data, label = images[i]
-                for ext, payload in (("jpg", data), ("cls", str(label).encode())):
-                    info = tarfile.TarInfo(f"{i:06d}.{ext}")
+            for i in range(lo, min(lo + per_shard, len(samples))):
+                for field, payload in samples[i].items():
+                    info = tarfile.TarInfo(f"{i:06d}.{field}")
                     info.size = len(payload)
                     tar.addfile(info, io.BytesIO(payload))
         size = (shard_dir / name).stat().st_size
         infos.append(
-            ShardInfo(url=name, num_samples=min(per_shard, len(images) - lo), num_bytes=size)
+            ShardInfo(url=name, num_samples=min(per_shard, len(samples) - lo), num_bytes=size)
         )
     (shard_dir / "index.json").write_bytes(index_to_bytes(ShardIndex(shards=tuple(infos))))
 
 
-def _tensor_transform(crop: int) -> Callable[[Any], Any]:
+def segmentation_samples(images: list[tuple[bytes, int]]) -> list[dict[str, bytes]]:
+    """The images beside a palette-PNG mask each (`img.jpg` + `mask.png`, the WebDataset
+    names of a segmentation sample): blocks of 21 classes (Pascal VOC's count) shifted per
+    image (under a kB each as PNG)."""
+    import numpy as np
+    from PIL import Image
+
+    out = []
+    for i, (data, _label) in enumerate(images):
+        with Image.open(io.BytesIO(data)) as im:
+            width, height = im.size
+        rows = np.arange(height)[:, None] // 37
+        cols = np.arange(width)[None, :] // 53
+        mask = Image.fromarray(((rows + cols + i) % 21).astype(np.uint8))
+        # an L image given a palette becomes a P image whose indices are these class ids
+        mask.putpalette([(c * 12) % 256 for c in range(21 * 3)])
+        buf = io.BytesIO()
+        mask.save(buf, format="PNG")
+        out.append({"img.jpg": data, "mask.png": buf.getvalue()})
+    return out
+
+
+def decode_jpeg(data: bytes | memoryview) -> Any:
+    """The decoder of every case: the one hpctrain's loader applies to an image field."""
+    from hpctrain.data.loader import decode_image
+
+    return decode_image(data)
+
+
+def _tensor_transform(crop: int) -> Callable[..., Any]:
     from torchvision.transforms import v2
 
     return v2.Compose([v2.RandomResizedCrop(crop, antialias=True), v2.RandomHorizontalFlip()])
@@ -133,9 +174,9 @@ def _tensor_transform(crop: int) -> Callable[[Any], Any]:
 class _Sample:  # picklable transform wrappers (DataLoader workers may be spawned)
     def __init__(self, crop: int) -> None:
         self.crop = crop
-        self.t: Callable[[Any], Any] | None = None
+        self.t: Callable[..., Any] | None = None
 
-    def _transform(self) -> Callable[[Any], Any]:
+    def _transform(self) -> Callable[..., Any]:
         if self.t is None:
             self.t = _tensor_transform(self.crop)
         return self.t
@@ -145,6 +186,25 @@ class HpctrainTransform(_Sample):
     def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
         sample["image"] = self._transform()(sample["image"])
         return sample
+
+
+class SegmentationTransform(_Sample):
+    """One RandomResizedCrop + flip for an image and its mask alike (`tv_tensors`: the mask
+    is resized with nearest neighbours, class ids stay class ids)."""
+
+    def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
+        import torch
+        from torchvision import tv_tensors
+
+        image, mask = self._transform()(
+            tv_tensors.Image(sample["img.jpg"]), tv_tensors.Mask(sample["mask.png"])
+        )
+        # plain tensors again: the batch holds tensors, not the transforms' subclasses
+        return {
+            "key": sample["key"],
+            "image": image.as_subclass(torch.Tensor),
+            "mask": mask.as_subclass(torch.Tensor),
+        }
 
 
 class PilTransform(_Sample):
@@ -168,10 +228,8 @@ class _HttpFiles(Dataset):
     def __getitem__(self, i: int) -> tuple[Any, int]:
         import fsspec
 
-        from hpctrain.data.loader import decode_image
-
         data = fsspec.filesystem("http").cat_file(self.urls[i])
-        return self.t({"image": decode_image(data)})["image"], self.labels[i]
+        return self.t({"image": decode_jpeg(data)})["image"], self.labels[i]
 
 
 def count_images(loader: Any) -> int:
@@ -190,6 +248,8 @@ class Setup:
 
     root: Path
     images: list[tuple[bytes, int]]  # whole batches: every case reads all
+    segmentation: list[dict[str, bytes]]  # the same images with a mask each (`img.jpg`, `mask.png`)
+    segmentation_index: ShardIndex
     batch_size: int
     workers: int
     crop: int
@@ -227,12 +287,21 @@ class Remote:
 
 def limit(setup: Setup) -> int:
     """Decode + the transform in a tight loop, in this process."""
-    from hpctrain.data.loader import decode_image
-
     transform = HpctrainTransform(setup.crop)
     for data, _label in setup.images:
-        transform({"image": decode_image(data)})
+        transform({"image": decode_jpeg(data)})
     return setup.num_images
+
+
+def segmentation_limit(setup: Setup) -> int:
+    """Decode image and mask + the paired transform in a tight loop, in this process: the
+    segmentation case's own limit (same decoders as the loader's workers)."""
+    from hpctrain.data.decode import decode_sample
+
+    transform = SegmentationTransform(setup.crop)
+    for i, members in enumerate(setup.segmentation):
+        transform(decode_sample(f"{i:06d}", members))
+    return len(setup.segmentation)
 
 
 def limit_side_by_side(setup: Setup) -> tuple[int, float, float]:
@@ -281,10 +350,14 @@ def webdataset(setup: Setup) -> int:
     return count_images(setup.dataloader(dataset))
 
 
-def _sharded_loader(setup: Setup, index: ShardIndex, data: DataConfig) -> ShardedLoader:
+def _sharded_loader(
+    setup: Setup, index: ShardIndex, data: DataConfig, transform: Transform | None = None
+) -> ShardedLoader:
+    """hpctrain's loader over `index`; default transform: the classification one."""
     from hpctrain.data import ShardedLoader
 
-    transform = HpctrainTransform(setup.crop)
+    if transform is None:
+        transform = HpctrainTransform(setup.crop)
     return ShardedLoader(index, data, rank=0, world_size=1, seed=0, transform=transform)
 
 
@@ -293,11 +366,15 @@ def hpctrain_loader(setup: Setup, index: ShardIndex) -> int:
     return count_images(_sharded_loader(setup, index, setup.data))
 
 
-def hpctrain_steady(setup: Setup) -> tuple[int, float, float]:
+def hpctrain_steady(
+    setup: Setup, index: ShardIndex | None = None, transform: Transform | None = None
+) -> tuple[int, float, float]:
     """Second epoch with persistent workers: no fork or start-up in the figures.
 
-    Workers' CPU comes from /proc (getrusage sees workers only once they exit)."""
-    loader = _sharded_loader(setup, setup.shard_index, replace(setup.data, persistent_workers=True))
+    Workers' CPU comes from /proc (getrusage sees workers only once they exit).
+    Default: the classification shards and transform."""
+    index = setup.shard_index if index is None else index
+    loader = _sharded_loader(setup, index, replace(setup.data, persistent_workers=True), transform)
     count_images(loader)  # warm-up epoch: starts the workers
     pids = loader.worker_pids
     loader.set_epoch(1)
@@ -308,6 +385,129 @@ def hpctrain_steady(setup: Setup) -> tuple[int, float, float]:
     cpu = self_cpu_seconds() + sum(process_cpu_seconds(p) for p in pids) - cpu0
     loader.close()  # join the workers now, so that no later case counts their exit
     return count, wall, cpu
+
+
+def dataloader_steady(loader: DataLoader) -> tuple[int, float, float]:
+    """Second epoch of a torch `DataLoader` (or subclass) with persistent workers, measured
+    like `hpctrain_steady`: the process's CPU plus its live workers' from /proc."""
+    count_images(loader)  # warm-up epoch: starts the workers
+    # torch keeps the persistent workers' iterator here (no public handle on the processes)
+    iterator = loader._iterator
+    pids = [w.pid for w in iterator._workers] if iterator is not None else []  # type: ignore[attr-defined]
+    cpu0 = self_cpu_seconds() + sum(process_cpu_seconds(p) for p in pids)
+    t0 = time.perf_counter()
+    count = count_images(loader)
+    wall = time.perf_counter() - t0
+    cpu = self_cpu_seconds() + sum(process_cpu_seconds(p) for p in pids) - cpu0
+    if iterator is not None:  # join the workers now, so that no later case counts their exit
+        iterator._shutdown_workers()  # type: ignore[attr-defined]
+    return count, wall, cpu
+
+
+class PeerTransform(_Sample):
+    """A peer's stored sample {"jpg": bytes, "cls": int} -> (uint8 crop, label), with the
+    decoder and transform that the hpctrain cases use."""
+
+    def __call__(self, sample: dict[str, Any]) -> tuple[Any, int]:
+        return self._transform()(decode_jpeg(sample["jpg"])), int(sample["cls"])
+
+
+def write_litdata(images: list[tuple[bytes, int]], out: Path, chunk_bytes: int) -> None:
+    """The images as LitData chunks (its `optimize` format, written in this process)."""
+    from litdata.streaming.writer import BinaryWriter
+
+    writer = BinaryWriter(str(out), chunk_bytes=chunk_bytes)
+    for i, (data, label) in enumerate(images):
+        writer.add_item(i, {"jpg": data, "cls": label})
+    writer.done()
+    writer.merge()
+
+
+def litdata_steady(setup: Setup, path: Path) -> tuple[int, float, float]:
+    """LitData's `StreamingDataset` + `StreamingDataLoader` (its recommended pair), K
+    persistent workers, second epoch."""
+    from litdata import StreamingDataLoader, StreamingDataset
+
+    dataset = StreamingDataset(str(path), transform=PeerTransform(setup.crop))
+    loader = StreamingDataLoader(
+        dataset,
+        batch_size=setup.batch_size,
+        num_workers=setup.workers,
+        persistent_workers=setup.workers > 0,
+        multiprocessing_context=setup.start_method,
+    )
+    return dataloader_steady(loader)
+
+
+def write_mds(images: list[tuple[bytes, int]], out: Path, chunk_bytes: int) -> None:
+    """The images as MosaicML Streaming MDS shards."""
+    from streaming import MDSWriter
+
+    with MDSWriter(
+        out=str(out), columns={"jpg": "bytes", "cls": "int"}, size_limit=chunk_bytes
+    ) as w:
+        for data, label in images:
+            w.write({"jpg": data, "cls": label})
+
+
+def streaming_steady(setup: Setup, path: Path) -> tuple[int, float, float]:
+    """MosaicML Streaming's `StreamingDataset` (subclassed to decode in `__getitem__`, as its
+    documentation does) + its `StreamingDataLoader`, K persistent workers, second epoch."""
+    from streaming import StreamingDataLoader, StreamingDataset
+
+    transform = PeerTransform(setup.crop)
+
+    # defined here so that importing this module does not import streaming; the workers are
+    # forked (`worker_start_method`), so the class need not be importable by name
+    class Decoded(StreamingDataset):
+        def __getitem__(self, index: int) -> tuple[Any, int]:
+            return transform(super().__getitem__(index))
+
+    dataset = Decoded(local=str(path), remote=None, shuffle=False, batch_size=setup.batch_size)
+    loader = StreamingDataLoader(
+        dataset,
+        batch_size=setup.batch_size,
+        num_workers=setup.workers,
+        persistent_workers=setup.workers > 0,
+        multiprocessing_context=setup.start_method,
+    )
+    try:
+        return dataloader_steady(loader)
+    finally:
+        # Streaming leaves its lock files in the system's temporary folder, two per dataset
+        for lock in (dataset._shared_barrier.filelock_path, dataset._cache_filelock_path):
+            Path(lock).unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A peer library's case: the module that must import, how to convert, how to read."""
+
+    name: str
+    module: str
+    folder: str  # under the setup's root
+    write: Callable[[list[tuple[bytes, int]], Path, int], None]
+    read: Callable[[Setup, Path], tuple[int, float, float]]
+
+
+LITDATA = "LitData, persistent workers, 2nd epoch"
+STREAMING = "MosaicML Streaming, persistent workers, 2nd epoch"
+PEERS = (
+    Peer(LITDATA, "litdata", "litdata", write_litdata, litdata_steady),
+    Peer(STREAMING, "streaming", "mds", write_mds, streaming_steady),
+)
+BENCH_EXTRA = "pip install 'hpctrain[bench]'"
+
+
+def missing_peers() -> dict[str, str]:
+    """Peer case name -> why it is skipped, for every peer whose library does not import."""
+    skipped = {}
+    for peer in PEERS:
+        try:
+            importlib.import_module(peer.module)
+        except ImportError as exc:
+            skipped[peer.name] = f"{peer.module} is not installed ({exc}); {BENCH_EXTRA}"
+    return skipped
 
 
 def per_file_http(setup: Setup, remote: Remote) -> int:
@@ -322,6 +522,8 @@ WEBDATASET = "webdataset + DataLoader"
 HPCTRAIN = "hpctrain ShardedLoader"
 STEADY = "hpctrain, persistent workers, 2nd epoch"
 HTTP_NO_DELAY = "hpctrain over HTTP (no added latency)"
+SEGMENTATION_LIMIT = "segmentation limit (decode image+mask+transform)"
+SEGMENTATION = "hpctrain segmentation, persistent, 2nd epoch"
 
 
 def side_by_side_name(workers: int) -> str:
@@ -337,9 +539,9 @@ def http_names(latency_ms: float) -> tuple[str, str]:
 
 
 def make_cases(
-    setup: Setup, remote: Remote | None, latency_ms: float
+    setup: Setup, remote: Remote | None, latency_ms: float, peers: tuple[Peer, ...] = ()
 ) -> dict[str, Callable[[], Any]]:
-    """The cases in their first round's order."""
+    """The cases in their first round's order; `peers`: those installed and converted."""
     cases: dict[str, Callable[[], Any]] = {
         LIMIT: partial(limit, setup),
         side_by_side_name(setup.workers): partial(limit_side_by_side, setup),
@@ -348,6 +550,8 @@ def make_cases(
         HPCTRAIN: partial(hpctrain_loader, setup, setup.shard_index),
         STEADY: partial(hpctrain_steady, setup),
     }
+    for peer in peers:
+        cases[peer.name] = partial(peer.read, setup, setup.root / peer.folder)
     if remote is not None:
         # without the added latency: what HTTP itself costs here (the server shares this
         # machine's CPUs), apart from the latency to hide
@@ -442,6 +646,16 @@ def ratios(
         f"hpctrain steady state / (limit x {k}) (images per wall second)": steady["images_per_s"]
         / (lim["images_per_s"] * max(k, 1)),
     }
+    for peer in PEERS:  # side by side in the same state: persistent workers, second epoch
+        if peer.name in summary:
+            peer_cpu = summary[peer.name]["images_per_cpu_s"]
+            short = peer.name.split(",")[0]
+            out[f"hpctrain steady state / {short} steady state (images per CPU-s)"] = (
+                steady["images_per_cpu_s"] / peer_cpu
+            )
+            out[f"{short} steady state / limit (images per CPU-s)"] = (
+                peer_cpu / lim["images_per_cpu_s"]
+            )
     if latency_ms is not None:
         http, per_file = http_names(latency_ms)
         no_delay, remote, per_file_case = summary[HTTP_NO_DELAY], summary[http], summary[per_file]
@@ -465,49 +679,78 @@ def format_report(
         f"{meta['images']} images, {meta['workers']} workers, batch {meta['batch_size']}, "
         f"RandomResizedCrop({meta['crop']}) + flip, uint8 batches; medians of {meta['rounds']} "
         f"interleaved rounds; load average {meta['load_average']:.1f}",
-        f"{'case':<48} {'images/s (range)':>18} {'images/CPU-s (range)':>22}",
+        f"{'case':<52} {'images/s (range)':>18} {'images/CPU-s (range)':>22}",
     ]
     for name, v in summary.items():
         lo, hi = v["images_per_s_range"]
         clo, chi = v["images_per_cpu_s_range"]
         lines.append(
-            f"{name:<48} {v['images_per_s']:>6.0f} ({lo:.0f}-{hi:.0f}) "
+            f"{name:<52} {v['images_per_s']:>6.0f} ({lo:.0f}-{hi:.0f}) "
             f"{v['images_per_cpu_s']:>9.0f} ({clo:.0f}-{chi:.0f})"
         )
+    lines += [f"{name}: skipped, {reason}" for name, reason in meta.get("skipped", {}).items()]
     lines += [f"{name}: {value:.2f}" for name, value in comparisons.items()]  # A / B (figure)
     return "\n".join(lines)
+
+
+def prepare(
+    root: Path, images: list[tuple[bytes, int]], *, batch_size: int, workers: int, crop: int
+) -> Setup:
+    """Whole batches of `images` written under `root` in every layout hpctrain's cases read
+    (image folder, shards, segmentation shards), and the settings the cases share."""
+    from hpctrain.config.schema import DataConfig
+    from hpctrain.data import open_index
+    from hpctrain.data.workers import worker_start_method
+
+    images = images[: max(len(images) // batch_size, 1) * batch_size]
+    write_layouts(images, root)
+    segmentation = segmentation_samples(images)
+    write_shards(segmentation, root / "segmentation")
+    return Setup(
+        root=root,
+        images=images,
+        segmentation=segmentation,
+        segmentation_index=open_index(str(root / "segmentation")),
+        batch_size=batch_size,
+        workers=workers,
+        crop=crop,
+        shard_index=open_index(str(root / "shards")),
+        data=DataConfig(
+            batch_size=batch_size,
+            workers_per_rank=workers,
+            shuffle_buffer=0,
+            persistent_workers=False,
+        ),
+        start_method=worker_start_method() if workers else None,
+    )
+
+
+def convert_for_peer(setup: Setup, peer: Peer) -> Path:
+    """The setup's images in `peer`'s own format (once, outside the timing), in chunks of as
+    many bytes as our largest shard; returns the folder that `peer.read` reads."""
+    out = setup.root / peer.folder
+    peer.write(setup.images, out, max(shard.num_bytes for shard in setup.shard_index.shards))
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(1)
-    from hpctrain.config.schema import DataConfig
-    from hpctrain.data import open_index
-    from hpctrain.data.workers import worker_start_method
-
     with tempfile.TemporaryDirectory(prefix="hpctrain-bench-") as tmp, ExitStack() as servers:
         root = Path(tmp)
         if args.data:
             images = images_from_shards(args.data, args.images)
         else:
-            images = synthetic_images(args.images, root)
-        write_layouts(images, root)
+            images = synthetic_images(args.images)
         b, k = args.batch_size, args.workers
-        setup = Setup(
-            root=root,
-            images=images[: max(len(images) // b, 1) * b],
-            batch_size=b,
-            workers=k,
-            crop=args.crop,
-            shard_index=open_index(str(root / "shards")),
-            data=DataConfig(
-                batch_size=b, workers_per_rank=k, shuffle_buffer=0, persistent_workers=False
-            ),
-            start_method=worker_start_method() if k else None,
-        )
+        setup = prepare(root, images, batch_size=b, workers=k, crop=args.crop)
+        skipped = missing_peers()
+        peers = tuple(peer for peer in PEERS if peer.name not in skipped)
+        for peer in peers:
+            convert_for_peer(setup, peer)
         remote = start_servers(root, args.latency_ms, servers) if args.remote else None
-        cases = make_cases(setup, remote, args.latency_ms)
+        cases = make_cases(setup, remote, args.latency_ms, peers)
         server_pids = remote.pids if remote is not None else []
         results = measure(cases, args.rounds, setup.num_images, server_pids)
 
@@ -520,9 +763,12 @@ def run(args: argparse.Namespace) -> int:
         "rounds": args.rounds,
         "crop": args.crop,
         "load_average": os.getloadavg()[0],
+        "skipped": skipped,
     }
     if args.json:
         print(json.dumps({"meta": meta, "cases": summary, "ratios": comparisons}, indent=1))
+        for name, reason in skipped.items():  # the JSON on stdout stays parseable
+            print(f"{name}: skipped, {reason}", file=sys.stderr)
     else:
         print(format_report(meta, summary, comparisons))
     return 0
