@@ -12,9 +12,10 @@ import torch
 
 from hpctrain.bench import loader as bench
 from hpctrain.cli.main import main
+from hpctrain.errors import UsageError
 
-# limit, side by side, ImageFolder, webdataset, hpctrain x2, remote x3
-HPCTRAIN_CASES = 9
+# limit, side by side, ImageFolder, webdataset, hpctrain x2, segmentation x2, remote x3
+HPCTRAIN_CASES = 11
 
 
 def _importable(module: str) -> bool:
@@ -52,6 +53,8 @@ def test_bench_loader_runs_all_cases(capsys, no_peers):
     assert len(out["cases"]) == HPCTRAIN_CASES
     assert all(v["images_per_cpu_s"] > 0 for v in out["cases"].values())
     assert "hpctrain / webdataset (images per CPU-s)" in out["ratios"]
+    segmentation = "hpctrain segmentation steady state / segmentation limit (images per CPU-s)"
+    assert segmentation in out["ratios"]
     # the peers are skipped with a line each, on stderr so that stdout stays JSON
     assert set(out["meta"]["skipped"]) == {peer.name for peer in bench.PEERS}
     for peer in bench.PEERS:
@@ -91,6 +94,7 @@ def test_missing_peer_is_skipped_with_a_line(capsys, no_peers):
 def test_report_lines_name_both_sides_and_the_unit():
     """Every ratio line reads `A / B (unit): x.xx`; case lines carry both rates."""
     names = [bench.LIMIT, bench.STEADY, bench.LITDATA, bench.STREAMING]
+    names += [bench.SEGMENTATION_LIMIT, bench.SEGMENTATION]
     names += [bench.side_by_side_name(2), bench.HPCTRAIN, bench.IMAGE_FOLDER, bench.WEBDATASET]
     summary = {
         name: {
@@ -108,6 +112,9 @@ def test_report_lines_name_both_sides_and_the_unit():
     assert comparisons[
         "hpctrain steady state / MosaicML Streaming steady state (images per CPU-s)"
     ] == pytest.approx(101 / 103)
+    assert comparisons[
+        "hpctrain segmentation steady state / segmentation limit (images per CPU-s)"
+    ] == pytest.approx(105 / 104)
     meta = {"images": 8, "workers": 2, "batch_size": 8, "rounds": 3, "crop": 32}
     meta["load_average"] = 1.0
     lines = bench.format_report(meta, summary, comparisons).splitlines()
@@ -122,6 +129,25 @@ def test_report_lines_name_both_sides_and_the_unit():
     assert "images/s (range)" in lines[1] and "images/CPU-s (range)" in lines[1]
 
 
+def test_segmentation_cases_batch_image_and_mask(setup):
+    """The segmentation case's batches hold the crop of the image and of its mask, class ids
+    kept (nearest-neighbour resize of a palette mask), and its limit decodes both."""
+    assert bench.segmentation_limit(setup) == setup.num_images
+    loader = bench._sharded_loader(
+        setup, setup.segmentation_index, setup.data, bench.SegmentationTransform(setup.crop)
+    )
+    batches = list(loader)
+    assert sum(len(b["image"]) for b in batches) == setup.num_images
+    for batch in batches:
+        assert batch["image"].shape == (8, 3, 32, 32) and batch["image"].dtype == torch.uint8
+        assert batch["mask"].shape == (8, 32, 32) and batch["mask"].dtype == torch.uint8
+        assert int(batch["mask"].max()) < 21  # class ids, not colours
+    count, wall, cpu = bench.hpctrain_steady(
+        setup, setup.segmentation_index, bench.SegmentationTransform(setup.crop)
+    )
+    assert count == setup.num_images and wall > 0 and cpu > 0
+
+
 @pytest.mark.parametrize("peer", bench.PEERS, ids=lambda peer: peer.module)
 def test_peer_case_reads_every_image(setup, peer):
     """With the `bench` extra installed the peer's case runs; without it (CI) the bench
@@ -134,3 +160,21 @@ def test_peer_case_reads_every_image(setup, peer):
     path = bench.convert_for_peer(setup, peer)
     count, wall, cpu = peer.read(setup, path)
     assert count == setup.num_images and wall > 0 and cpu > 0
+
+
+def test_unknown_case_group_is_a_usage_error(capsys):
+    assert main(["bench", "loader", "--cases", "hpctrain,lidata"]) == UsageError.exit_code
+    err = capsys.readouterr().err
+    assert "--cases 'hpctrain,lidata': unknown group(s) lidata; choose from limit," in err
+
+
+def test_cases_choose_the_groups_run(capsys, no_peers):
+    args = ["bench", "loader", "--images", "8", "--rounds", "1", "--workers", "1"]
+    assert main([*args, "--batch-size", "8", "--crop", "32", "--cases", "limit,peers"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split("  ")[0] for line in lines[2:4]] == [
+        bench.LIMIT,
+        "limit x1, forked, side by side",
+    ]
+    assert f"{bench.LITDATA}: skipped, litdata is not installed" in "\n".join(lines)
+    assert not any(line.startswith("hpctrain") for line in lines)

@@ -11,9 +11,13 @@ Cases, interleaved round by round on the same images (rotating order), medians r
    installed): the same JPEGs converted once to each one's own format (outside the timing),
    read by each one's loader with K persistent workers, the same decoder, transform and batch
    size; their second epoch is measured, like hpctrain's persistent case;
+6. segmentation: the same images with a palette-PNG mask each (`img.jpg` + `mask.png`),
+   decoded both and cropped + flipped together (`tv_tensors`), batched as image and mask:
+   hpctrain's loader (persistent workers, 2nd epoch) against this case's own limit, the
+   decoding of both and the paired transform in one loop;
 and with `--remote`, over an HTTP server on loopback adding `--latency-ms` to every request:
-6. hpctrain's loader streaming the shards (and the same without the added latency);
-7. per-file reads of the image folder (one request per image: the small-files problem).
+7. hpctrain's loader streaming the shards (and the same without the added latency);
+8. per-file reads of the image folder (one request per image: the small-files problem).
 
 Figures: wall images/s and images per CPU-second (main process + workers, from getrusage; in
 the remote cases the loopback server's too: it runs in a process of its own, from /proc).
@@ -43,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 from torch.utils.data import DataLoader, Dataset
 
 from hpctrain.bench.measure import cpu_seconds, process_cpu_seconds, self_cpu_seconds
+from hpctrain.errors import UsageError
 
 if TYPE_CHECKING:  # the loader itself is imported when a case runs, not by `hpctrain --help`
     from hpctrain.config.schema import DataConfig
@@ -50,7 +55,10 @@ if TYPE_CHECKING:  # the loader itself is imported when a case runs, not by `hpc
     from hpctrain.data.index import ShardIndex
 
 Transform = Callable[[dict[str, Any]], dict[str, Any]]
-HELP = "loader throughput: decode limit vs ImageFolder vs webdataset vs hpctrain (images/CPU-s)"
+HELP = (
+    "loader throughput: decode limit vs ImageFolder, webdataset, LitData, Streaming and "
+    "hpctrain; segmentation batches vs their limit (images/CPU-s)"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,6 +75,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--crop", type=int, default=224, help="RandomResizedCrop size")
     parser.add_argument("--remote", action="store_true", help="add the loopback HTTP cases")
     parser.add_argument("--latency-ms", type=float, default=20.0, help="added per HTTP request")
+    parser.add_argument(
+        "--cases",
+        default=",".join(CASE_GROUPS),
+        help=f"comma-separated groups of cases to run (default: all of {','.join(CASE_GROUPS)})",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
@@ -538,20 +551,37 @@ def http_names(latency_ms: float) -> tuple[str, str]:
     )
 
 
+# `--cases`: the groups of cases a run may choose (the remote cases come with `--remote`)
+CASE_GROUPS = ("limit", "imagefolder", "webdataset", "hpctrain", "peers", "segmentation")
+
+
 def make_cases(
-    setup: Setup, remote: Remote | None, latency_ms: float, peers: tuple[Peer, ...] = ()
+    setup: Setup,
+    remote: Remote | None,
+    latency_ms: float,
+    peers: tuple[Peer, ...] = (),
+    groups: tuple[str, ...] = CASE_GROUPS,
 ) -> dict[str, Callable[[], Any]]:
-    """The cases in their first round's order; `peers`: those installed and converted."""
-    cases: dict[str, Callable[[], Any]] = {
-        LIMIT: partial(limit, setup),
-        side_by_side_name(setup.workers): partial(limit_side_by_side, setup),
-        IMAGE_FOLDER: partial(image_folder, setup),
-        WEBDATASET: partial(webdataset, setup),
-        HPCTRAIN: partial(hpctrain_loader, setup, setup.shard_index),
-        STEADY: partial(hpctrain_steady, setup),
-    }
-    for peer in peers:
-        cases[peer.name] = partial(peer.read, setup, setup.root / peer.folder)
+    """The cases of `groups` in their first round's order; `peers`: those installed and
+    converted."""
+    cases: dict[str, Callable[[], Any]] = {}
+    if "limit" in groups:
+        cases[LIMIT] = partial(limit, setup)
+        cases[side_by_side_name(setup.workers)] = partial(limit_side_by_side, setup)
+    if "imagefolder" in groups:
+        cases[IMAGE_FOLDER] = partial(image_folder, setup)
+    if "webdataset" in groups:
+        cases[WEBDATASET] = partial(webdataset, setup)
+    if "hpctrain" in groups:
+        cases[HPCTRAIN] = partial(hpctrain_loader, setup, setup.shard_index)
+        cases[STEADY] = partial(hpctrain_steady, setup)
+    if "segmentation" in groups:
+        cases[SEGMENTATION_LIMIT] = partial(segmentation_limit, setup)
+        transform = SegmentationTransform(setup.crop)
+        cases[SEGMENTATION] = partial(hpctrain_steady, setup, setup.segmentation_index, transform)
+    if "peers" in groups:
+        for peer in peers:
+            cases[peer.name] = partial(peer.read, setup, setup.root / peer.folder)
     if remote is not None:
         # without the added latency: what HTTP itself costs here (the server shares this
         # machine's CPUs), apart from the latency to hide
@@ -623,52 +653,43 @@ def summarize(results: dict[str, dict[str, list[float]]]) -> dict[str, dict[str,
 def ratios(
     summary: dict[str, dict[str, Any]], workers: int, latency_ms: float | None
 ) -> dict[str, float]:
-    """The comparisons the report prints; `latency_ms` None: no remote cases."""
+    """The comparisons the report prints, each where both its cases ran; `latency_ms` None:
+    no remote cases."""
+    out: dict[str, float] = {}
+
+    def add(label: str, a: str, b: str, unit: str = "cpu", times: int = 1) -> None:
+        """`label (unit)`: case a / (case b x `times`), in images per CPU-s or wall second."""
+        if a in summary and b in summary:
+            key, words = (
+                ("images_per_cpu_s", "CPU-s") if unit == "cpu" else ("images_per_s", "wall second")
+            )
+            out[f"{label} (images per {words})"] = summary[a][key] / (summary[b][key] * times)
+
     k = workers
     side_by_side = side_by_side_name(k)
-    lim = summary[LIMIT]
-    ours = summary[HPCTRAIN]
-    steady = summary[STEADY]
-    out = {
-        "hpctrain / limit (images per CPU-s)": ours["images_per_cpu_s"] / lim["images_per_cpu_s"],
-        "hpctrain steady state / limit (images per CPU-s)": steady["images_per_cpu_s"]
-        / lim["images_per_cpu_s"],
-        f"{side_by_side} / limit (images per CPU-s)": summary[side_by_side]["images_per_cpu_s"]
-        / lim["images_per_cpu_s"],
-        f"hpctrain steady state / {side_by_side} (images per CPU-s)": steady["images_per_cpu_s"]
-        / summary[side_by_side]["images_per_cpu_s"],
-        "hpctrain / ImageFolder (images per CPU-s)": ours["images_per_cpu_s"]
-        / summary[IMAGE_FOLDER]["images_per_cpu_s"],
-        "hpctrain / webdataset (images per CPU-s)": ours["images_per_cpu_s"]
-        / summary[WEBDATASET]["images_per_cpu_s"],
-        f"hpctrain / (limit x {k}) (images per wall second)": ours["images_per_s"]
-        / (lim["images_per_s"] * max(k, 1)),
-        f"hpctrain steady state / (limit x {k}) (images per wall second)": steady["images_per_s"]
-        / (lim["images_per_s"] * max(k, 1)),
-    }
+    add("hpctrain / limit", HPCTRAIN, LIMIT)
+    add("hpctrain steady state / limit", STEADY, LIMIT)
+    add(f"{side_by_side} / limit", side_by_side, LIMIT)
+    add(f"hpctrain steady state / {side_by_side}", STEADY, side_by_side)
+    add("hpctrain / ImageFolder", HPCTRAIN, IMAGE_FOLDER)
+    add("hpctrain / webdataset", HPCTRAIN, WEBDATASET)
+    add(f"hpctrain / (limit x {k})", HPCTRAIN, LIMIT, "wall", max(k, 1))
+    add(f"hpctrain steady state / (limit x {k})", STEADY, LIMIT, "wall", max(k, 1))
     for peer in PEERS:  # side by side in the same state: persistent workers, second epoch
-        if peer.name in summary:
-            peer_cpu = summary[peer.name]["images_per_cpu_s"]
-            short = peer.name.split(",")[0]
-            out[f"hpctrain steady state / {short} steady state (images per CPU-s)"] = (
-                steady["images_per_cpu_s"] / peer_cpu
-            )
-            out[f"{short} steady state / limit (images per CPU-s)"] = (
-                peer_cpu / lim["images_per_cpu_s"]
-            )
+        short = peer.name.split(",")[0]
+        add(f"hpctrain steady state / {short} steady state", STEADY, peer.name)
+        add(f"{short} steady state / limit", peer.name, LIMIT)
+    add(
+        "hpctrain segmentation steady state / segmentation limit",
+        SEGMENTATION,
+        SEGMENTATION_LIMIT,
+    )
     if latency_ms is not None:
         http, per_file = http_names(latency_ms)
-        no_delay, remote, per_file_case = summary[HTTP_NO_DELAY], summary[http], summary[per_file]
         added = f"+{latency_ms:g} ms/request"
-        out[f"hpctrain over HTTP ({added}) / hpctrain local (images per wall second)"] = (
-            remote["images_per_s"] / ours["images_per_s"]
-        )
-        out[f"hpctrain over HTTP, {added} / no added latency (images per wall second)"] = (
-            remote["images_per_s"] / no_delay["images_per_s"]
-        )
-        out[f"per-file HTTP reads / hpctrain over HTTP, both {added} (images per wall second)"] = (
-            per_file_case["images_per_s"] / remote["images_per_s"]
-        )
+        add(f"hpctrain over HTTP ({added}) / hpctrain local", http, HPCTRAIN, "wall")
+        add(f"hpctrain over HTTP, {added} / no added latency", http, HTTP_NO_DELAY, "wall")
+        add(f"per-file HTTP reads / hpctrain over HTTP, both {added}", per_file, http, "wall")
     return out
 
 
@@ -734,6 +755,11 @@ def convert_for_peer(setup: Setup, peer: Peer) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
+    groups = tuple(group.strip() for group in args.cases.split(",") if group.strip())
+    unknown = sorted(set(groups) - set(CASE_GROUPS))
+    if unknown or not groups:
+        what = f"unknown group(s) {', '.join(unknown)}" if unknown else "no group given"
+        raise UsageError(f"--cases {args.cases!r}: {what}; choose from {','.join(CASE_GROUPS)}")
     import torch
 
     torch.set_num_threads(1)
@@ -745,12 +771,12 @@ def run(args: argparse.Namespace) -> int:
             images = synthetic_images(args.images)
         b, k = args.batch_size, args.workers
         setup = prepare(root, images, batch_size=b, workers=k, crop=args.crop)
-        skipped = missing_peers()
-        peers = tuple(peer for peer in PEERS if peer.name not in skipped)
+        skipped = missing_peers() if "peers" in groups else {}
+        peers = tuple(peer for peer in PEERS if peer.name not in skipped and "peers" in groups)
         for peer in peers:
             convert_for_peer(setup, peer)
         remote = start_servers(root, args.latency_ms, servers) if args.remote else None
-        cases = make_cases(setup, remote, args.latency_ms, peers)
+        cases = make_cases(setup, remote, args.latency_ms, peers, groups)
         server_pids = remote.pids if remote is not None else []
         results = measure(cases, args.rounds, setup.num_images, server_pids)
 
