@@ -1,17 +1,22 @@
 """Paired A/B of the loader: this checkout against another git revision, in one process.
 
-    .venv/bin/python tools/loader_ab.py REV [--workers K] [--epochs N] [--images N]
+    .venv/bin/python tools/loader_ab.py REV [--workers K] [--epochs N] [--images N] [--no-decode]
 
 The other revision's `src/hpctrain` is exported to a temporary folder as package
 `hpctrain_ab`; both loaders read the same shards with persistent workers, epoch by epoch in
 alternating order, with the limit's loop (decode + transform in this process) between them.
 Prints the medians and the per-epoch ratios of images per CPU-second (training process +
 workers, from /proc), which a shared machine's drift affects far less than two separate runs.
+
+`--no-decode`: both loaders' default decoding is replaced by a stub that returns one fixed
+224x224 image (and no transform runs), so what is measured is the loader's own cost per image:
+reading, tar parsing, shuffling, per-sample seeding, batching, transport.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import re
 import statistics
@@ -41,6 +46,41 @@ def export(rev: str, dest: Path) -> None:
         path.write_text(re.sub(r"\bhpctrain(?=[. ]|$)", "hpctrain_ab", text, flags=re.M))
 
 
+class EitherTransform:
+    """The bench's crop + flip over a sample of either revision: `jpg`/`cls` fields (the
+    general sample of issue #12) or the older `image`/`label`; the key is kept for the older
+    loader, which reads it from the transformed sample."""
+
+    def __init__(self, crop: int) -> None:
+        from hpctrain.bench import loader as bench
+
+        self.inner = bench.HpctrainTransform(crop)
+
+    def __call__(self, sample: dict) -> dict:
+        if "jpg" not in sample:
+            sample = {"jpg": sample["image"], "cls": sample["label"], "key": sample["key"]}
+        return {**self.inner(sample), "key": sample["key"]}
+
+
+def stub_decoders(data_b: object) -> None:
+    """Replace both revisions' default decoding by one fixed 224x224 image (workers fork,
+    so they inherit the stubs)."""
+    import torch
+
+    import hpctrain.data.samples as samples
+
+    image = torch.zeros(3, 224, 224, dtype=torch.uint8)
+
+    def new(key: str, members: dict, **kw: object) -> dict:
+        return {"key": key, "image": image, "label": 0}
+
+    def old(key: str, members: dict) -> dict:
+        return {"image": image, "label": 0, "key": key, "meta": {}}
+
+    samples.decode_sample = new  # type: ignore[assignment]
+    importlib.import_module(f"{data_b.__name__}.loader").decode_sample = old
+
+
 def children() -> list[int]:
     """This process's live children: the loaders' workers (pids from /proc)."""
     me, pids = os.getpid(), []
@@ -59,6 +99,7 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--images", type=int, default=960)
+    parser.add_argument("--no-decode", action="store_true", help="measure the loader's own cost")
     args = parser.parse_args()
 
     import torch
@@ -74,13 +115,15 @@ def main() -> int:
     from hpctrain.bench.measure import process_cpu_seconds, self_cpu_seconds
     from hpctrain.config.schema import DataConfig
     from hpctrain.data import ShardedLoader, open_index
-    from hpctrain.data.loader import decode_image
+    from hpctrain.data.decode import decode_image
 
     images = bench.synthetic_images(args.images, tmp)
     bench.write_layouts(images, tmp)
     shards = str(tmp / "shards")
     kw = dict(batch_size=32, workers_per_rank=args.workers, shuffle_buffer=0)
-    transform = bench.HpctrainTransform(224)
+    transform = None if args.no_decode else EitherTransform(224)
+    if args.no_decode:
+        stub_decoders(data_b)
     loaders = {
         "this checkout": ShardedLoader(
             open_index(shards), DataConfig(**kw), rank=0, world_size=1, seed=0, transform=transform
@@ -109,9 +152,11 @@ def main() -> int:
         return n / (cpu_seconds() - cpu0), n / (time.perf_counter() - t0)
 
     def limit() -> float:
+        if transform is None:
+            return float("inf")
         cpu0 = self_cpu_seconds()
-        for data, _label in images:
-            transform({"image": decode_image(data)})
+        for data, label in images:
+            transform({"jpg": decode_image(data), "cls": label, "key": ""})
         return len(images) / (self_cpu_seconds() - cpu0)
 
     names = list(loaders)
@@ -125,6 +170,10 @@ def main() -> int:
         loader.close()  # type: ignore[attr-defined]
 
     lim = statistics.median(limits)
+    if args.no_decode:
+        for name in names:
+            cpu = statistics.median(r[0] for r in results[name])
+            print(f"{name:>20}: {1e6 / cpu:.1f} us of CPU per image (decoding stubbed)")
     print(
         f"{args.images} images, {args.workers} workers, {args.epochs} epochs; limit {lim:.0f} img/CPU-s"
     )

@@ -1,96 +1,155 @@
-"""Workers' reused shared-memory batch buffers: reused only once the trainer let go."""
+"""Workers' pooled shared-memory batch buffers: reused only once the trainer let go, handed
+back through the worker's release pipe."""
 
 from __future__ import annotations
 
 import gc
+import multiprocessing as mp
+import os
+import threading
 
 import pytest
 import torch
 
 from hpctrain.config.schema import DataConfig
 from hpctrain.data import ShardedLoader, open_index
-from hpctrain.data.loader import BatchBuffers, MappedBuffers, PooledBatch
+from hpctrain.data.transport import BatchBuffers, MappedBuffers, PooledBatch, release
 from tests.data.loader_testkit import make_shards
 
 
-def images(first: int, n: int = 3) -> list[torch.Tensor]:
-    return [torch.full((3, 2, 2), first + i, dtype=torch.uint8) for i in range(n)]
+@pytest.fixture
+def ends():
+    """A worker's buffers and the training process's side, joined by a release pipe (both
+    in this process: the protocol is the same)."""
+    reader, writer = mp.Pipe(duplex=False)
+    os.set_blocking(writer.fileno(), False)
+    yield (lambda keep=4: BatchBuffers(keep, reader)), MappedBuffers({os.getpid(): writer})
+    reader.close()
+    writer.close()
 
 
-def stack(pool: BatchBuffers, batch: list[torch.Tensor]) -> PooledBatch:
-    """What a worker does with a batch: fill an acquired buffer, then name it for sending."""
-    out, send = pool.acquire((len(batch), *batch[0].shape), batch[0].dtype)
-    torch.stack(batch, out=out)
-    return send()
+def images(first: int, n: int = 3) -> torch.Tensor:
+    return torch.stack([torch.full((3, 2, 2), first + i, dtype=torch.uint8) for i in range(n)])
+
+
+def send(pool: BatchBuffers, batch: dict[str, torch.Tensor], **rest) -> PooledBatch:
+    """What a worker does with a batch: fill an allocated buffer, then name it for sending."""
+    views, finish = pool.allocate([(k, tuple(v.shape), v.dtype) for k, v in batch.items()])
+    for name, value in batch.items():
+        views[name].copy_(value)
+    return finish(rest)
 
 
 def first_pixels(batch: torch.Tensor) -> list[int]:
     return batch[:, 0, 0, 0].tolist()
 
 
-def test_a_buffer_is_reused_only_after_release():
-    pool, mapped = BatchBuffers(keep=4), MappedBuffers()
-    a = mapped.receive(stack(pool, images(0)))
+def test_a_buffer_is_reused_only_after_its_release_reached_the_worker(ends):
+    make, mapped = ends
+    pool = make()
+    a = mapped.receive(send(pool, {"image": images(0)}))["image"]
     assert first_pixels(a) == [0, 1, 2]
-    b = mapped.receive(stack(pool, images(10)))  # `a` still held: a new buffer
+    b = mapped.receive(send(pool, {"image": images(10)}))["image"]  # `a` held: a new buffer
     assert b.data_ptr() != a.data_ptr() and first_pixels(a) == [0, 1, 2]
     ptr = a.data_ptr()
     del a
     gc.collect()
-    c = mapped.receive(stack(pool, images(20)))
+    c = mapped.receive(send(pool, {"image": images(20)}))["image"]
     assert c.data_ptr() == ptr and first_pixels(c) == [20, 21, 22]
 
 
-def test_a_buffer_travels_until_the_receiver_mapped_it():
-    pool, mapped = BatchBuffers(keep=4), MappedBuffers()
-    first = stack(pool, images(0))
+def test_every_field_shares_the_batch_buffer_and_holds_it(ends):
+    make, mapped = ends
+    pool = make()
+    fields = {
+        "image": images(0),
+        "mask": torch.arange(12, dtype=torch.uint8).view(3, 2, 2),
+        "depth": torch.rand(3, 5, dtype=torch.float64),
+        "label": torch.tensor([1, 2, 3]),
+        "valid": torch.tensor([True, False, True]),
+        "half": torch.full((3, 2), 1.5, dtype=torch.bfloat16),  # a dtype numpy lacks
+        "empty": torch.zeros(3, 0),
+    }
+    ref = send(pool, fields, key=["a", "b", "c"], caption=["x", "y", "z"])
+    assert ref.buffer is not None and ref.buffer.is_shared()
+    batch = mapped.receive(ref)
+    assert batch["key"] == ["a", "b", "c"] and batch["caption"] == ["x", "y", "z"]
+    for name, value in fields.items():
+        assert batch[name].dtype == value.dtype and torch.equal(batch[name], value), name
+    ptr = ref.buffer.data_ptr()
+    for name in ("image", "mask", "depth", "label", "valid", "half"):
+        offset = batch[name].data_ptr() - ptr
+        assert 0 <= offset < ref.buffer.numel() and offset % 64 == 0
+    kept = batch["valid"]  # one small field kept: the whole buffer stays lent
+    del batch
+    gc.collect()
+    other = send(pool, fields)
+    assert other.serial != ref.serial
+    del kept
+    gc.collect()
+    assert send(pool, fields).serial == ref.serial
+
+
+def test_a_buffer_travels_until_the_receiver_mapped_it(ends):
+    make, mapped = ends
+    pool = make()
+    first = send(pool, {"image": images(0)})
     assert first.buffer is not None and first.buffer.is_shared()
     lent = mapped.receive(first)
     del lent
     gc.collect()
-    again = stack(pool, images(5))  # the same buffer, now known on the other side
+    again = send(pool, {"image": images(5)})  # the same buffer, now known on the other side
     assert (again.owner, again.serial) == (first.owner, first.serial) and again.buffer is None
     held = mapped.receive(again)
-    assert first_pixels(held) == [5, 6, 7]
-    new = stack(pool, images(9))  # a new buffer (the first one is held), never received yet
+    assert first_pixels(held["image"]) == [5, 6, 7]
+    new = send(pool, {"image": images(9)})  # a new buffer (the first one is held)
     assert new.buffer is not None and new.serial != first.serial
     with pytest.raises(RuntimeError, match="never received"):
         MappedBuffers().receive(again)
 
 
-def test_a_lent_batch_is_released_when_its_last_view_is_gone():
-    pool, mapped = BatchBuffers(keep=4), MappedBuffers()
-    lent = mapped.receive(stack(pool, images(0)))
-    ptr = lent.data_ptr()
-    view = lent[1]
-    del lent
-    gc.collect()
-    other = mapped.receive(stack(pool, images(50)))  # a view is alive: no reuse
-    assert other.data_ptr() != ptr and view[0, 0, 0] == 1
-    del view
-    gc.collect()
-    assert mapped.receive(stack(pool, images(70))).data_ptr() == ptr
-
-
-def test_the_pool_never_waits_and_forgets_beyond_keep():
-    pool, mapped = BatchBuffers(keep=2), MappedBuffers()
-    held = [mapped.receive(stack(pool, images(i * 10))) for i in range(5)]
+def test_the_pool_never_waits_and_forgets_beyond_keep(ends):
+    make, mapped = ends
+    pool = make(keep=2)
+    held = [mapped.receive(send(pool, {"image": images(i * 10)})) for i in range(5)]
     assert len(pool.buffers) == 2 and len(mapped.mapped) == 2  # the receiver forgot them too
-    assert [first_pixels(h)[0] for h in held] == [0, 10, 20, 30, 40]
-    stack(pool, [torch.zeros(3, 4, 4, dtype=torch.uint8)] * 3)  # another shape: a new buffer
-    with pytest.raises(RuntimeError):
-        stack(
-            pool, [torch.zeros(3, 2, 2, dtype=torch.uint8), torch.zeros(3, 4, 4, dtype=torch.uint8)]
-        )
+    assert [first_pixels(h["image"])[0] for h in held] == [0, 10, 20, 30, 40]
+    del held
+    gc.collect()  # late releases of forgotten buffers are ignored
+    remembered = set(pool.buffers)
+    for _ in range(3):
+        ref = send(pool, {"image": images(0)})
+        assert ref.serial in remembered
+        mapped.receive(ref)  # dropped at once: released again
+        gc.collect()
 
 
-def test_a_dtype_numpy_lacks_is_copied_out_and_released_at_once():
-    pool, mapped = BatchBuffers(keep=4), MappedBuffers()
-    batch = [torch.full((2, 2), i, dtype=torch.bfloat16) for i in range(3)]
-    lent = mapped.receive(stack(pool, batch))
-    assert lent.dtype == torch.bfloat16 and lent[:, 0, 0].tolist() == [0, 1, 2]
-    again = stack(pool, batch)  # released already: the same buffer, without the descriptor
-    assert again.serial == 1 and again.buffer is None
+def test_a_larger_free_buffer_serves_a_smaller_batch(ends):
+    make, mapped = ends
+    pool = make()
+    big = mapped.receive(send(pool, {"image": torch.zeros(4, 3, 64, 64, dtype=torch.uint8)}))
+    del big
+    gc.collect()
+    small = send(pool, {"image": images(1)})
+    assert small.serial == 1 and first_pixels(mapped.receive(small)["image"]) == [1, 2, 3]
+
+
+def test_releases_come_from_any_thread_and_never_block(ends):
+    make, mapped = ends
+    pool = make()
+    batch = mapped.receive(send(pool, {"image": images(0)}))
+    box = [batch]
+    del batch
+    thread = threading.Thread(target=box.clear)  # e.g. the pinning thread drops a batch
+    thread.start()
+    thread.join()
+    gc.collect()
+    assert send(pool, {"image": images(1)}).serial == 1
+    writer = mapped.releases[os.getpid()]
+    for _ in range(100_000):  # far more than a pipe holds: the excess is lost, not waited on
+        release(writer, 12345)
+    writer.close()
+    release(writer, 1)  # a closed pipe (workers stopped): nothing happens
 
 
 def test_batches_kept_by_the_trainer_are_never_overwritten(tmp_path):
@@ -104,27 +163,29 @@ def test_batches_kept_by_the_trainer_are_never_overwritten(tmp_path):
         for batch in loader:
             del batch
     for batch in kept:
-        for key, image in zip(batch["key"], batch["image"], strict=True):
+        for key, image, label in zip(batch["key"], batch["png"], batch["cls"], strict=True):
             value = int(key[1:5]) * 1000 + int(key[6:])
             assert image[:, 0, 0].tolist() == [value % 256, value // 256 % 256, 0]
-    assert len(loader._mapped.mapped) <= 2 * (data.prefetch_factor + 2)
+            assert int(label) == value % 7
+    assert len(loader._pool.buffers.mapped) <= 2 * (data.prefetch_factor + 2)
+    loader.close()
 
 
 def test_steady_state_batches_arrive_without_their_buffers(tmp_path, monkeypatch):
     """Persistent workers: after the first epoch every batch is a handle to a mapped buffer."""
-    from hpctrain.data import loader as loader_module
+    from hpctrain.data import transport
 
     make_shards(tmp_path, [16, 16])
     data = DataConfig(batch_size=4, workers_per_rank=2, shuffle_buffer=0, persistent_workers=True)
     loader = ShardedLoader(open_index(str(tmp_path)), data, rank=0, world_size=1, seed=0)
     received = []
-    real = loader_module.MappedBuffers.receive
+    real = transport.MappedBuffers.receive
 
     def spy(self, ref):
         received.append((loader.epoch, ref.buffer is not None))
         return real(self, ref)
 
-    monkeypatch.setattr(loader_module.MappedBuffers, "receive", spy)
+    monkeypatch.setattr(transport.MappedBuffers, "receive", spy)
     first = [b["key"] for b in loader]
     loader.set_epoch(0)  # the same epoch again, through the same workers
     assert [b["key"] for b in loader] == first

@@ -10,6 +10,7 @@ import torch
 
 from hpctrain.config.schema import DataConfig
 from hpctrain.data import ShardedLoader, ShardReadError, open_index
+from hpctrain.data.collate import BatchError
 from tests.data.loader_testkit import all_keys, make_shards, sample_key
 
 
@@ -36,18 +37,19 @@ def shards(tmp_path_factory):
     return root, sizes
 
 
-def test_batches_hold_uint8_images_labels_keys_in_plan_order(shards):
+def test_batches_hold_every_field_uint8_images_labels_keys_in_plan_order(shards):
     root, sizes = shards
     index = open_index(str(root))
     loader = ShardedLoader(index, cfg(shuffle_buffer=5), rank=0, world_size=1, seed=3)
     batches = list(loader)
     assert len(batches) == len(loader) == sum(sizes) // 4
     b = batches[0]
-    assert b["image"].dtype == torch.uint8 and b["image"].shape == (4, 3, 8, 8)
-    assert b["label"].dtype == torch.int64 and b["valid"].all()
+    assert set(b) == {"png", "cls", "key", "valid"}
+    assert b["png"].dtype == torch.uint8 and b["png"].shape == (4, 3, 8, 8)
+    assert b["cls"].dtype == torch.int64 and b["valid"].dtype == torch.bool and b["valid"].all()
     assert keys_of(batches) == expected_keys(loader)
     for batch in batches:
-        for key, label, image in zip(batch["key"], batch["label"], batch["image"], strict=True):
+        for key, label, image in zip(batch["key"], batch["cls"], batch["png"], strict=True):
             shard, i = int(key[1:5]), int(key[6:])
             value = shard * 1000 + i
             assert int(label) == value % 7
@@ -94,7 +96,7 @@ def test_exact_resume_gives_identical_remaining_batches(shards, workers, stop):
     assert len(rest) == len(full) - stop
     for a, b in zip(full[stop:], rest, strict=True):
         assert a["key"] == b["key"]
-        assert torch.equal(a["image"], b["image"])
+        assert torch.equal(a["png"], b["png"]) and torch.equal(a["cls"], b["cls"])
 
 
 @pytest.mark.parametrize(
@@ -175,7 +177,7 @@ def test_pax_shards_and_json_meta(tmp_path):
     metas = []
 
     def keep_meta(sample):
-        metas.append(sample["meta"])
+        metas.append(sample["json"])
         return sample
 
     loader = ShardedLoader(
@@ -345,8 +347,8 @@ def test_a_worker_with_nothing_readable_fills_its_batches_from_another_shard(tmp
     assert len(lost) == 2  # shard 0's worker: a stand-in sample, flagged invalid
     assert all(k == sample_key(1, 0) for b in lost for k in b["key"])
     filler = next(b for b in batches if sample_key(1, 0) in b["key"] and any(b["valid"]))
-    first = filler["image"][filler["key"].index(sample_key(1, 0))]
-    assert all(torch.equal(image, first) for b in lost for image in b["image"])
+    first = filler["png"][filler["key"].index(sample_key(1, 0))]
+    assert all(torch.equal(image, first) for b in lost for image in b["png"])
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -355,7 +357,7 @@ def test_a_transform_returning_several_sizes_is_a_clear_error(shards, workers):
 
     def uneven(sample):
         side = 4 + int(sample["key"][-1]) % 2
-        sample["image"] = sample["image"][:, :side, :side]
+        sample["png"] = sample["png"][:, :side, :side]
         return sample
 
     loader = ShardedLoader(
@@ -366,5 +368,7 @@ def test_a_transform_returning_several_sizes_is_a_clear_error(shards, workers):
         seed=0,
         transform=uneven,
     )
-    with pytest.raises(ValueError, match=r"images of one batch differ: \[3, \d, \d\]"):
+    shape = r"\[3, [45], [45]\] torch.uint8 in sample 's\d{4}-\d{5}'"
+    error = f"field 'png' differs within a batch: {shape}, {shape}; the transform must"
+    with pytest.raises(BatchError, match=error):
         list(loader)

@@ -41,7 +41,7 @@ def same_batches(a, b):
     assert len(a) == len(b)
     for x, y in zip(a, b, strict=True):
         assert x["key"] == y["key"]
-        assert torch.equal(x["image"], y["image"])
+        assert torch.equal(x["png"], y["png"])
 
 
 def test_http_streams_the_same_batches_as_local_disk(shards):

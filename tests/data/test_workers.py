@@ -21,7 +21,7 @@ import torch
 from hpctrain.config.schema import DataConfig
 from hpctrain.data import ShardedLoader, ShardReadError, WorkerDiedError, open_index
 from hpctrain.data import loader as loader_module
-from hpctrain.data.workers import WorkerPool, WorkerTraceback, run_ahead
+from hpctrain.data.transport import WorkerPool, WorkerTraceback, run_ahead
 from tests.data.loader_testkit import make_shards
 
 
@@ -31,7 +31,7 @@ class Counting:
     def __init__(self, lengths, fail=None, error=None, delay_s=0.0):
         self.lengths, self.fail, self.error, self.delay_s = lengths, fail, error, delay_s
 
-    def batches(self, worker):
+    def batches(self, worker, memory):
         for i in range(self.lengths[worker]):
             if (worker, i) == self.fail:
                 raise self.error

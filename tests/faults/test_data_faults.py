@@ -30,7 +30,7 @@ from hpctrain.convert.sources import ConvertError, list_shards
 from hpctrain.convert.verify import inspect_dataset
 from hpctrain.data import ShardedLoader, ShardIndexError, ShardReadError, open_index
 from hpctrain.data.index import ShardIndex, ShardInfo, parse_index
-from hpctrain.data.workers import WorkerTimeoutError
+from hpctrain.data.transport import WorkerTimeoutError
 from hpctrain.launch.preflight import check_data
 from tests.data.loader_testkit import all_keys, make_shards
 from tests.data.servers import serve_http

@@ -172,10 +172,10 @@ def segmentation_samples(images: list[tuple[bytes, int]]) -> list[dict[str, byte
 
 
 def decode_jpeg(data: bytes | memoryview) -> Any:
-    """The decoder of every case: the one hpctrain's loader applies to an image field."""
-    from hpctrain.data.loader import decode_image
+    """The decoder of every case: the one hpctrain's loader applies to a `jpg` field."""
+    from hpctrain.data.decode import decode_field
 
-    return decode_image(data)
+    return decode_field("jpg", data)
 
 
 def _tensor_transform(crop: int) -> Callable[..., Any]:
@@ -196,9 +196,11 @@ class _Sample:  # picklable transform wrappers (DataLoader workers may be spawne
 
 
 class HpctrainTransform(_Sample):
+    """A decoded sample (`jpg`, `cls` fields) -> {"image": cropped and flipped, "label"},
+    as the image_classification task's transform returns it."""
+
     def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
-        sample["image"] = self._transform()(sample["image"])
-        return sample
+        return {"image": self._transform()(sample["jpg"]), "label": sample["cls"]}
 
 
 class SegmentationTransform(_Sample):
@@ -242,7 +244,7 @@ class _HttpFiles(Dataset):
         import fsspec
 
         data = fsspec.filesystem("http").cat_file(self.urls[i])
-        return self.t({"image": decode_jpeg(data)})["image"], self.labels[i]
+        return self.t({"jpg": decode_jpeg(data), "cls": self.labels[i]})["image"], self.labels[i]
 
 
 def count_images(loader: Any) -> int:
@@ -301,8 +303,8 @@ class Remote:
 def limit(setup: Setup) -> int:
     """Decode + the transform in a tight loop, in this process."""
     transform = HpctrainTransform(setup.crop)
-    for data, _label in setup.images:
-        transform({"image": decode_jpeg(data)})
+    for data, label in setup.images:
+        transform({"jpg": decode_jpeg(data), "cls": label})
     return setup.num_images
 
 
@@ -721,7 +723,7 @@ def prepare(
     (image folder, shards, segmentation shards), and the settings the cases share."""
     from hpctrain.config.schema import DataConfig
     from hpctrain.data import open_index
-    from hpctrain.data.workers import worker_start_method
+    from hpctrain.data.transport import worker_start_method
 
     images = images[: max(len(images) // batch_size, 1) * batch_size]
     write_layouts(images, root)

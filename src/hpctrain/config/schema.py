@@ -74,6 +74,12 @@ class DataConfig:
         "the step, naming the worker and the shard it reads; 0: wait for ever",
         min=0.0,
     )
+    max_image_pixels: int = _f(
+        89_478_485,
+        "largest image (width x height) a loader decodes; a larger one (a decompression bomb) "
+        "is a sample error handled by data.on_error; 0: no limit. Default: PIL's",
+        min=0,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

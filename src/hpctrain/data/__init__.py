@@ -14,8 +14,8 @@ from hpctrain.data.index import (
     read_index,
     redact_url,
 )
+from hpctrain.data.locate import expand_braces, open_index
 from hpctrain.data.planning import EpochPlan, PlanError, Segment, StageParams, plan
-from hpctrain.data.source import expand_braces, open_index
 from hpctrain.data.stream import ReadStats, ShardReadError
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "LoaderStateError",
     "PlanError",
     "ReadStats",
+    "SampleError",
     "Segment",
     "ShardIndex",
     "ShardIndexError",
@@ -42,19 +43,24 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # the real types for type checkers; at run time they load on first use
-    from hpctrain.data.loader import LoaderStateError, ShardedLoader, decode_sample
-    from hpctrain.data.workers import WorkerDiedError, WorkerTimeoutError
+    from hpctrain.data.decode import SampleError, decode_sample
+    from hpctrain.data.loader import LoaderStateError, ShardedLoader
+    from hpctrain.data.transport import WorkerDiedError, WorkerTimeoutError
 
-_LAZY = {"LoaderStateError", "ShardedLoader", "decode_sample"}
+_LAZY = {"LoaderStateError", "ShardedLoader"}
 
 
 def __getattr__(name: str) -> Any:
+    if name in ("SampleError", "decode_sample"):
+        from hpctrain.data import decode
+
+        return getattr(decode, name)
     if name in _LAZY:
         from hpctrain.data import loader
 
         return getattr(loader, name)
     if name in ("WorkerDiedError", "WorkerTimeoutError"):
-        from hpctrain.data import workers
+        from hpctrain.data import transport
 
-        return getattr(workers, name)
+        return getattr(transport, name)
     raise AttributeError(f"module 'hpctrain.data' has no attribute {name!r}")

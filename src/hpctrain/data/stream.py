@@ -88,6 +88,7 @@ class ReadStats:
     retries: int = 0
     shards_failed: int = 0
     samples_lost: int = 0
+    samples_skipped: int = 0  # unusable samples (`SampleError`) under on_error=skip
     bytes_read: int = 0
     bytes_skipped: int = 0
 
@@ -96,6 +97,7 @@ class ReadStats:
             "retries": self.retries,
             "shards_failed": self.shards_failed,
             "samples_lost": self.samples_lost,
+            "samples_skipped": self.samples_skipped,
             "bytes_read": self.bytes_read,
             "bytes_skipped": self.bytes_skipped,
         }

@@ -1,4 +1,5 @@
-"""`open_index(spec)`: a shard index from an index.json, a folder, or a shard pattern."""
+"""Find and open a shard index: `open_index(spec)` from an index.json, a folder, or a shard
+pattern (whose shards are then counted)."""
 
 from __future__ import annotations
 
