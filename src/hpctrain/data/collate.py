@@ -123,7 +123,9 @@ class Collator:
             if value is _MISSING:
                 self._mismatch(name, "", value, key)
             values[pos] = value
-        extra = len(sample) - self.num_fields - sum(f in sample for f in LOADER_FIELDS)
+        extra = len(sample) - self.num_fields
+        if extra:  # more fields than the first sample: the loader's own, or unknown ones
+            extra -= ("key" in sample) + ("valid" in sample)
         if extra:
             known = {name for name, _s, _d in self.tensors} | {*self.scalars, *self.others}
             name = next(n for n in sample if n not in known and n not in LOADER_FIELDS)

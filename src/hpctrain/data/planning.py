@@ -21,7 +21,7 @@ How it works:
    worker, block). The output order is thus a pure function of the plan, which makes resume
    exact and cheap: recompute, jump to the block, skip without decoding.
 
-The loader takes batches from its workers round-robin (`hpctrain.data.workers`), so rank-level
+The loader takes batches from its workers round-robin (`hpctrain.data.transport`), so rank-level
 batch `j` is batch `j // K` of logical stream `j % K`; workers with fewer batches are the last
 ones.
 
