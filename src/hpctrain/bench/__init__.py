@@ -4,7 +4,8 @@ They ship with the package because compute nodes run the installed package. Each
 part side by side with a baseline in one run and prints ratios; they use only the public API
 of what they measure.
 
-- `loader`: the loader against the decode limit, ImageFolder and webdataset;
+- `loader`: the loader against the decode limit, ImageFolder, webdataset, LitData and MosaicML
+  Streaming (the `bench` extra), and segmentation batches against their own limit;
 - `convert`: shard writers (tarfile, webdataset.ShardWriter, `hpctrain convert`);
 - `checkpoint`: saves and loads against `dd`, DCP and `torch.save`;
 - `trainer`: the Trainer's step against a hand-written loop;
