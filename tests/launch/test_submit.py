@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 from pathlib import Path
 
@@ -193,7 +194,7 @@ def test_no_requeue_of_a_job_cancelled_from_outside(monkeypatch: pytest.MonkeyPa
 def test_sweep_dry_run_is_a_throttled_array(tmp_path: Path) -> None:
     script = submission_script(v100_job(), tmp_path / "s", num_tasks=3, max_parallel=1)
     assert "#SBATCH --array=0-2%1" in script
-    params = executor_parameters(v100_job(), max_parallel=2)
+    params = executor_parameters(dataclasses.replace(v100_job(), max_parallel=2))
     assert params["slurm_array_parallelism"] == 2
 
 

@@ -89,6 +89,7 @@ class JobSpec:
     container: str = ""  # the image the trainer runs in; "": the host environment
     container_runtime: str = "apptainer"
     container_binds: tuple[str, ...] = field(default_factory=tuple)  # SRC or SRC:DEST
+    max_parallel: int = 0  # a job array runs at most this many tasks at once; 0: no limit
 
     @property
     def time(self) -> str:

@@ -10,6 +10,7 @@ has installed its handlers, submitit's own handler requeues the job through
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -168,10 +169,10 @@ def check_submission(cfg: Config, job: JobSpec) -> None:
             check_no_credential(value, f"task_options.{key}")
 
 
-def executor_parameters(job: JobSpec, *, max_parallel: int = 0) -> dict[str, Any]:
+def executor_parameters(job: JobSpec) -> dict[str, Any]:
     """AutoExecutor parameters for `job` (the same #SBATCH lines as the rendered script).
 
-    `max_parallel` caps the running tasks of a job array (SLURM's `--array=...%N`).
+    `job.max_parallel` caps the running tasks of a job array (SLURM's `--array=...%N`).
     """
     params: dict[str, Any] = {
         "name": job.job_name,
@@ -190,8 +191,8 @@ def executor_parameters(job: JobSpec, *, max_parallel: int = 0) -> dict[str, Any
     }
     if job.gpus_per_node:
         params["slurm_gres"] = f"gpu:{job.gpus_per_node}"
-    if max_parallel:
-        params["slurm_array_parallelism"] = max_parallel
+    if job.max_parallel:
+        params["slurm_array_parallelism"] = job.max_parallel
     if job.hint:
         params["slurm_additional_parameters"]["hint"] = job.hint
     for key, value in (
@@ -222,14 +223,14 @@ def job_python(job: JobSpec, folder: Path, python: str = sys.executable) -> str:
     )
 
 
-def make_executor(job: JobSpec, folder: Path, *, max_parallel: int = 0) -> submitit.AutoExecutor:
+def make_executor(job: JobSpec, folder: Path) -> submitit.AutoExecutor:
     executor = submitit.AutoExecutor(
         folder=folder,
         cluster="slurm",
         slurm_max_num_timeout=job.max_requeues,
         slurm_python=job_python(job, folder),
     )
-    executor.update_parameters(**executor_parameters(job, max_parallel=max_parallel))
+    executor.update_parameters(**executor_parameters(job))
     return executor
 
 
@@ -250,8 +251,10 @@ def submission_script(
     command = " ".join(
         [job_python(job, folder, python), "-u -m submitit.core._submit", shlex.quote(str(folder))]
     )
+    if max_parallel:
+        job = dataclasses.replace(job, max_parallel=max_parallel)
     return render_submission(
-        executor_parameters(job, max_parallel=max_parallel),
+        executor_parameters(job),
         command=command,
         folder=folder,
         map_count=num_tasks if num_tasks > 1 else None,
@@ -326,7 +329,9 @@ def submit(
         check_submission(run_cfg, job)
         configs.append(run_cfg)
     folder = log_folder(cfg) / "submitit"
-    executor = make_executor(job, folder, max_parallel=max_parallel)
+    if max_parallel:
+        job = dataclasses.replace(job, max_parallel=max_parallel)
+    executor = make_executor(job, folder)
     if len(configs) == 1:
         jobs = [executor.submit(TrainingJob(configs[0]))]
     else:
