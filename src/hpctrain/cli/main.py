@@ -101,7 +101,7 @@ def requested_verb(argv: Sequence[str]) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # Import only the verb asked for: some verbs import torch (2-6 s here), and
+    # Import only the verb asked for: some verbs import torch (seconds; BENCHMARKS.md), and
     # `hpctrain plan` or `hpctrain inspect` should not pay for it.
     verb = requested_verb(argv)
     parser = build_parser([verb] if verb is not None else VERBS)

@@ -25,7 +25,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from hpctrain.convert.layout import assign_shards, order_samples, plan_fingerprint, split_train_val
-from hpctrain.convert.parallel import process_pool
+from hpctrain.convert.processes import process_pool
 from hpctrain.convert.progress import Progress
 from hpctrain.convert.sources import (
     ConvertError,

@@ -345,7 +345,8 @@ def image_extension(data: bytes) -> str | None:
 
 
 def read_url(url: str) -> bytes:
-    """All bytes of a file or URL (local paths bypass fsspec: it costs 2x the syscall time here)."""
+    """All bytes of a file or URL (local paths bypass fsspec, which costs more than the read's
+    own syscalls: BENCHMARKS.md, "Figures behind the code")."""
     if "://" not in url:
         with open(url, "rb") as f:
             return f.read()

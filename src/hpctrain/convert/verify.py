@@ -16,7 +16,7 @@ from typing import Any
 
 import fsspec
 
-from hpctrain.convert.parallel import process_pool
+from hpctrain.convert.processes import process_pool
 from hpctrain.convert.sources import ConvertError, shard_urls
 from hpctrain.data.index import INDEX_NAME, ShardIndex, read_index, redact_url
 from hpctrain.data.stream import ShardStream, iter_samples, pipe_label

@@ -1,7 +1,7 @@
 """Shard index, epoch plan and the per-rank streaming loader.
 
 The loader names are imported lazily: `hpctrain plan` and `hpctrain inspect` should not pay
-for `import torch` (2-6 s here).
+for `import torch` (seconds).
 """
 
 from typing import TYPE_CHECKING, Any

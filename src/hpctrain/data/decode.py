@@ -49,7 +49,7 @@ from hpctrain.errors import DataError
 
 try:
     # imported here, not in the workers: forked workers then share it instead of each paying
-    # the import (1-3 s here, 10 s before a 2x2-worker job's first batch when it was lazy)
+    # the import (seconds each; it delayed a 2x2-worker job's first batch when it was lazy)
     from torchvision.io import ImageReadMode
     from torchvision.io import decode_image as tv_decode
 except ImportError:  # a torchvision without image decoders: PIL decodes
@@ -155,8 +155,8 @@ def decode_image(data: bytes | memoryview, *, max_pixels: int = DEFAULT_MAX_PIXE
     """Encoded image bytes (or a view of them) -> uint8 RGB tensor [3, H, W].
 
     The decoder of every non-target image field. torchvision.io.decode_image for JPEG and PNG
-    rather than PIL: 1,600 vs 1,280 JPEG/s (400x300, one core, libjpeg-turbo in both) on this
-    project's machine, and it gives the CHW tensor that `transforms.v2` wants without a copy.
+    rather than PIL: faster on the same libjpeg-turbo (BENCHMARKS.md, "Figures behind the
+    code"), and it gives the CHW tensor that `transforms.v2` wants without a copy.
 
     Raises:
         SampleError: more than `max_pixels` pixels (0: no limit), or undecodable bytes.

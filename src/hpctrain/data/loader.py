@@ -341,8 +341,9 @@ def import_filesystems(urls: tuple[str, ...]) -> None:
     """Import the fsspec filesystems the shards need here, before the workers start.
 
     Forked workers then share the modules instead of each importing them again whenever
-    it starts: fsspec's HTTP filesystem (aiohttp) costs 0.13 s of CPU per import here, ~20%
-    of a worker's CPU for a 960-image epoch when workers start each epoch. An unknown
+    it starts: importing fsspec's HTTP filesystem (aiohttp) is a
+    noticeable share of a worker's CPU when workers start each epoch (figure in BENCHMARKS.md,
+    "Figures behind the code"). An unknown
     protocol is left to fail when its shard is read, with the shard's URL.
     """
     remote = (u for u in urls if is_remote(u) and not u.startswith("pipe:"))

@@ -412,7 +412,7 @@ def header_checksum(header: bytes) -> int:
 
     zlib's Adler-32 sums the bytes in C (its low half is 1 + the sum mod 65521); a half
     header sums to at most 256 x 255 = 65,280, below the modulus, so it is exact. Python's
-    `sum()` over the bytes cost ~3.5 us per header here (two per sample), this ~0.7 us.
+    `sum()` over the bytes cost 5x as much (two headers per sample; BENCHMARKS.md).
     """
     low = (zlib.adler32(header[:256]) & 0xFFFF) + (zlib.adler32(header[256:]) & 0xFFFF) - 2
     return low - sum(header[148:156]) + 8 * 32

@@ -10,9 +10,8 @@ relies on.
 
 Why not DataLoader: for every batch it sends an index through one queue and the batch back
 through another, each `put` handing the message to a feeder thread: four thread wake-ups per
-batch, on machines whose cores are all busy decoding. Measured here against the same dataset
-code under DataLoader (`tools/loader_ab.py`, 2 workers, paired epochs): 1.006-1.035x the images
-per CPU-second, medians of five runs; see BENCHMARKS.md. Beyond that: the pooled buffers serve
+batch, on machines whose cores are all busy decoding (the paired figure against the same
+dataset code under DataLoader is in BENCHMARKS.md, "Figures behind the code"). Beyond that: the pooled buffers serve
 pinned (GPU) batches too, and workers are stopped at the end of a multiprocessing child as
 well, where DataLoader's daemonic workers, which ignore SIGTERM here, hung it.
 
@@ -158,7 +157,7 @@ def ignore_job_signals() -> None:
 def worker_start_method() -> str:
     """'fork' unless CUDA is initialised; then 'forkserver'.
 
-    Fork is the cheapest start (no re-import of torch: 2-6 s per worker here) and is safe on
+    Fork is the cheapest start (no re-import of torch, seconds per worker) and is safe on
     Linux CPU processes; a forked child of a process with an initialised CUDA context cannot
     use CUDA and may deadlock in the driver, so then workers start from a clean server.
     """
@@ -581,8 +580,8 @@ class BatchBuffers:
 
     Stacking each batch into a new shared-memory segment costs more than the stacking: its
     pages are allocated, zeroed and faulted in one by one in the worker, and freed again in
-    the training process (2.9 ms against 0.4 ms for a 32x3x224x224 uint8 batch here, i.e.
-    ~0.08 ms per image beside ~1.2 ms of decode + crop). A worker never waits for a buffer:
+    the training process: several times the stacking itself (figure in BENCHMARKS.md,
+    "Figures behind the code"). A worker never waits for a buffer:
     with none released it makes a new one, and it forgets the oldest beyond `keep`, so a
     batch the training process keeps is never overwritten (its late release is ignored).
 

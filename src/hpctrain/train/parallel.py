@@ -78,8 +78,8 @@ def parallelize(
         for parent, name, block in find_blocks(model):
             setattr(parent, name, torch.compile(block))
     if plan.strategy == "none":
-        # DDP at world size 1 costs 2-18% per step for nothing (measured on the project's CPU
-        # dev machines): a single process has nobody to synchronise with.
+        # DDP at world size 1 costs time per step for nothing (BENCHMARKS.md, "Figures behind
+        # the code"): a single process has nobody to synchronise with.
         return model
     if plan.strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel

@@ -288,9 +288,9 @@ class MlflowTracker:
         self._wait()  # the previous record's error surfaces here, one record late
         now = int(time.time() * 1000)
         metrics = [Metric(name, value, now, step) for name, value in values.items()]
-        # Asynchronous: MLflow's own thread writes while training goes on. Measured here
-        # (local SQLite store, 11 values, 0.2 s between records): rank 0 blocked a median
-        # 58 ms per record synchronous, 9 ms asynchronous; every rank waits for rank 0.
+        # Asynchronous: MLflow's own thread writes while training goes on; a synchronous
+        # write blocked rank 0, and so every rank, several times longer (BENCHMARKS.md,
+        # "Figures behind the code").
         for first in range(0, len(metrics), 1000):  # log_batch takes at most 1000 metrics
             self._pending.append(
                 self.client.log_batch(

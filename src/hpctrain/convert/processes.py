@@ -9,7 +9,7 @@ from concurrent.futures import ProcessPoolExecutor
 def process_pool(workers: int, *, preload_pil: bool = False) -> ProcessPoolExecutor:
     """A pool of `workers` processes, forked where the platform allows.
 
-    Fork, not spawn: a spawned worker pays ~0.3 s of interpreter start and imports here, which
+    Fork, not spawn: a spawned worker pays the interpreter start and the imports again, which
     ate most of the gain of `--workers 2` on small jobs. The one thread a convert process may
     run, fsspec's event loop (s3fs), is reset in children by fsspec's own at-fork hook, and its
     cached filesystem instances are dropped when the pid changes. Workers import no torch.
