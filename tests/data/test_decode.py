@@ -293,3 +293,9 @@ def test_sample_error_crosses_processes():
 
 def test_json_field_is_any_json_value():
     assert decode_field("meta.json", json.dumps([1, "a"]).encode()) == [1, "a"]
+
+
+@pytest.mark.parametrize("name", ["key", "valid"])
+def test_a_member_named_like_a_loader_field_is_refused(name):
+    with pytest.raises(SampleError, match=rf"s1\.{name}.*loader's own"):
+        decode_sample("s1", {"cls": b"1", name: b"x"})

@@ -62,6 +62,7 @@ INT_EXTENSIONS = frozenset({"cls", "cls2", "index", "id"})
 TEXT_EXTENSIONS = frozenset({"txt", "text"})
 TORCH_EXTENSIONS = frozenset({"pt", "pth"})
 TARGET_MARKERS = ("mask", "seg", "label", "depth")
+RESERVED_FIELDS = frozenset({"key", "valid"})  # set by the loader for every sample
 # PIL's own default; read once, so that a user raising PIL's global does not move ours
 DEFAULT_MAX_PIXELS = int(Image.MAX_IMAGE_PIXELS or 89_478_485)
 # PIL modes whose values are kept as they are in a target field (see the module docstring)
@@ -109,6 +110,11 @@ def decode_sample(
     """
     sample: Sample = {"key": key}
     for name, data in members.items():
+        if name in RESERVED_FIELDS:
+            raise SampleError(
+                f"sample {key!r}: a member named {key}.{name}: `{name}` is the loader's own "
+                "field (the sample's key, its valid flag); rename the member"
+            )
         try:
             sample[name] = decode_field(name, data, max_pixels=max_pixels)
         except SampleError as exc:
