@@ -35,13 +35,26 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_max_parallel_argument(parser: argparse.ArgumentParser) -> None:
+def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
+    """--sweep, --max-parallel and --no-preflight: shared by `sbatch` and `submit`."""
+    parser.add_argument(
+        "--sweep",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="a job array over these values (repeat for a grid); one run folder each",
+    )
     parser.add_argument(
         "--max-parallel",
         type=int,
         default=0,
         metavar="N",
         help="with --sweep: at most N array tasks run at once (SLURM's --array=...%%N)",
+    )
+    parser.add_argument(
+        "--no-preflight",
+        action="store_true",
+        help="skip the checks of data, run folder, task and the job's environment",
     )
 
 
@@ -58,19 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-o", "--output", default="", help="write the script here instead of stdout"
     )
-    parser.add_argument(
-        "--sweep",
-        action="append",
-        default=[],
-        metavar="KEY=V1,V2",
-        help="a job array over these values (repeat for a grid); one run folder each",
-    )
-    add_max_parallel_argument(parser)
-    parser.add_argument(
-        "--no-preflight",
-        action="store_true",
-        help="skip the checks of data, run folder, task and the job's environment",
-    )
+    add_sweep_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:

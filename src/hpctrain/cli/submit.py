@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hpctrain.cli.sbatch import add_max_parallel_argument, add_profile_arguments, check_max_parallel
+from hpctrain.cli.sbatch import add_profile_arguments, add_sweep_arguments, check_max_parallel
 from hpctrain.launch.preflight import format_checks, preflight, raise_if_failed
 from hpctrain.launch.prepare import prepare, slurm_folder
 from hpctrain.launch.submit import (
@@ -28,19 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dry-run", action="store_true", help="print and check the sbatch script; submit nothing"
     )
-    parser.add_argument(
-        "--sweep",
-        action="append",
-        default=[],
-        metavar="KEY=V1,V2",
-        help="a job array over these values (repeat for a grid); one run folder each",
-    )
-    add_max_parallel_argument(parser)
-    parser.add_argument(
-        "--no-preflight",
-        action="store_true",
-        help="skip the checks of data, run folder, task and the job's environment",
-    )
+    add_sweep_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
