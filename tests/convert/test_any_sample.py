@@ -380,20 +380,6 @@ def test_an_index_or_manifest_never_imports(tmp_path: Path) -> None:
     assert detect_kind("os.path:join") == "python"
 
 
-def test_field_rules_agree_with_the_loader_decoders() -> None:
-    """convert/fields.py repeats decode's extension rules (without importing torch)."""
-    from hpctrain.convert import fields
-    from hpctrain.data import decode
-
-    assert fields.IMAGE_EXTENSIONS == decode.IMAGE_EXTENSIONS
-    assert fields.INT_EXTENSIONS == decode.INT_EXTENSIONS
-    assert fields.TEXT_EXTENSIONS == decode.TEXT_EXTENSIONS
-    assert fields.TARGET_MARKERS == decode.TARGET_MARKERS
-    for name in ("img.jpg", "Mask.PNG", "left.seg.png", "cls", "depth.npy", "tokens.u16"):
-        assert fields.last_extension(name) == decode.last_extension(name)
-        assert fields.is_target_field(name) == decode.is_target_field(name)
-
-
 def test_python_source_decodes_back_value_for_value(dataset_module: str, tmp_path: Path) -> None:
     """Through the loader's decoders: pixels, palette indices, arrays, text, labels, JSON."""
     import torch

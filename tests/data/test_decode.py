@@ -12,14 +12,13 @@ from PIL import Image
 from hpctrain.data import decode as decode_module
 from hpctrain.data.decode import (
     DEFAULT_MAX_PIXELS,
-    IMAGE_EXTENSIONS,
     SampleError,
     decode_field,
     decode_image,
     decode_sample,
-    is_target_field,
     read_header,
 )
+from hpctrain.data.fieldnames import IMAGE_EXTENSIONS, is_target_field
 from hpctrain.errors import DataError
 from tests.data.sample_testkit import (
     PALETTE,

@@ -16,9 +16,7 @@ so that it decodes back to what the source held:
 | float, bool, dict, list                                | `name.json` (or the name when it ends in `json`): JSON |
 | None                                                   | no member                                 |
 
-The extension rules here repeat those of `hpctrain.data.decode` on purpose: that module
-imports torch (seconds per process), which conversion workers do not need; a test checks
-the two agree.
+The extension rules are the loader's own (`hpctrain.data.fieldnames`, torch-free).
 """
 
 from __future__ import annotations
@@ -28,14 +26,15 @@ import json
 import posixpath
 from typing import Any
 
+from hpctrain.data.fieldnames import (
+    IMAGE_EXTENSIONS,
+    INT_EXTENSIONS,
+    TEXT_EXTENSIONS,
+    is_target_field,
+    last_extension,
+)
 from hpctrain.errors import DataError
 
-IMAGE_EXTENSIONS = frozenset(
-    {"jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "ppm", "pgm", "gif"}
-)
-INT_EXTENSIONS = frozenset({"cls", "cls2", "index", "id"})
-TEXT_EXTENSIONS = frozenset({"txt", "text"})
-TARGET_MARKERS = ("mask", "seg", "label", "depth")
 # Extensions that say "this column holds paths of files to copy" in a manifest.
 FILE_EXTENSIONS = IMAGE_EXTENSIONS | frozenset(
     {"npy", "npz", "pt", "pth", "bin", "wav", "flac", "mp3", "mp4", "webm"}
@@ -55,17 +54,6 @@ _PIL_FORMATS = {
     "gif": "GIF",
 }
 JPEG_QUALITY = 95
-
-
-def last_extension(name: str) -> str:
-    """`img.seg.png` -> `png`; a name without a dot is its own extension (`cls` -> `cls`)."""
-    return name.rsplit(".", 1)[-1].lower()
-
-
-def is_target_field(name: str) -> bool:
-    """A field whose name marks it as a target (`mask`, `seg`, `label`, `depth`): never lossy."""
-    lowered = name.lower()
-    return any(marker in lowered for marker in TARGET_MARKERS)
 
 
 def check_field_name(name: str, where: str) -> str:

@@ -45,6 +45,15 @@ import numpy as np
 import torch
 from PIL import Image
 
+from hpctrain.data.fieldnames import (
+    IMAGE_EXTENSIONS,
+    INT_EXTENSIONS,
+    RESERVED_FIELDS,
+    TEXT_EXTENSIONS,
+    TORCH_EXTENSIONS,
+    is_target_field,
+    last_extension,
+)
 from hpctrain.errors import DataError
 
 try:
@@ -55,14 +64,6 @@ try:
 except ImportError:  # a torchvision without image decoders: PIL decodes
     tv_decode = None
 
-IMAGE_EXTENSIONS = frozenset(
-    {"jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "ppm", "pgm", "gif"}
-)
-INT_EXTENSIONS = frozenset({"cls", "cls2", "index", "id"})
-TEXT_EXTENSIONS = frozenset({"txt", "text"})
-TORCH_EXTENSIONS = frozenset({"pt", "pth"})
-TARGET_MARKERS = ("mask", "seg", "label", "depth")
-RESERVED_FIELDS = frozenset({"key", "valid"})  # set by the loader for every sample
 # PIL's own default; read once, so that a user raising PIL's global does not move ours
 DEFAULT_MAX_PIXELS = int(Image.MAX_IMAGE_PIXELS or 89_478_485)
 # PIL modes whose values are kept as they are in a target field (see the module docstring)
@@ -76,23 +77,6 @@ class SampleError(DataError, ValueError):
     outside the model's classes. The loader handles it under `data.on_error` (fail: the
     error names the key and the shard; skip: counted, replaced by a filler flagged invalid).
     """
-
-
-def last_extension(name: str) -> str:
-    """`img.jpg` -> `jpg`; `cls` -> `cls`: what chooses a field's decoder."""
-    return name.rsplit(".", 1)[-1].lower()
-
-
-def is_target_field(name: str) -> bool:
-    """True for field names that mark a target (`mask`, `seg`, `label` or `depth` in them):
-    single-channel and palette images there keep their raw values."""
-    lowered = name.lower()
-    return any(marker in lowered for marker in TARGET_MARKERS)
-
-
-def is_image_field(name: str) -> bool:
-    """True for fields the default decoders turn into image tensors."""
-    return last_extension(name) in IMAGE_EXTENSIONS
 
 
 def decode_sample(

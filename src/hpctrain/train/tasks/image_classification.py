@@ -25,7 +25,8 @@ from torch import nn
 from torchvision.transforms import v2
 
 from hpctrain.config import Config, ConfigError
-from hpctrain.data.decode import SampleError, last_extension
+from hpctrain.data.decode import SampleError
+from hpctrain.data.fieldnames import last_extension
 from hpctrain.data.index import ShardIndex
 from hpctrain.train.models import build_classifier
 from hpctrain.train.task import Sample, masked_mean

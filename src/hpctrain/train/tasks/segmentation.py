@@ -28,7 +28,8 @@ from torchvision import tv_tensors
 from torchvision.transforms import v2
 
 from hpctrain.config import Config, ConfigError
-from hpctrain.data.decode import SampleError, is_image_field, is_target_field
+from hpctrain.data.decode import SampleError
+from hpctrain.data.fieldnames import is_image_field, is_target_field
 from hpctrain.data.index import ShardIndex
 from hpctrain.train.models import build_segmenter
 from hpctrain.train.task import Sample

@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 
-from hpctrain.data.decode import SampleError, is_image_field, is_target_field
+from hpctrain.data.decode import SampleError
+from hpctrain.data.fieldnames import is_image_field, is_target_field
 
 # ImageNet statistics; images arrive as uint8 and are normalized on the device.
 MEAN = (0.485, 0.456, 0.406)
