@@ -4,6 +4,7 @@ from hpctrain.dist.env import DistEnv, expand_hostlist, port_from_job_id, resolv
 from hpctrain.dist.group import (
     all_reduce_max,
     all_reduce_sum,
+    all_reduce_tensors,
     backend_for,
     choose_device,
     destroy_process_group,
@@ -16,6 +17,7 @@ __all__ = [
     "DistEnv",
     "all_reduce_max",
     "all_reduce_sum",
+    "all_reduce_tensors",
     "backend_for",
     "choose_device",
     "destroy_process_group",

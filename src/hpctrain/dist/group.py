@@ -103,3 +103,21 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t.tolist()
+
+
+def all_reduce_tensors(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Element-wise sums over ranks of tensors of any shape, in one all-reduce.
+
+    Every rank must hold the same names and shapes (the same task on every rank does).
+    """
+    if not dist.is_initialized() or not sums:
+        return sums
+    names = sorted(sums)
+    flat = torch.cat([sums[name].reshape(-1) for name in names])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    totals, offset = {}, 0
+    for name in names:
+        size = sums[name].numel()
+        totals[name] = flat[offset : offset + size].view(sums[name].shape)
+        offset += size
+    return totals

@@ -18,7 +18,7 @@ from hpctrain.checkpoint import CheckpointManager, ModelOptimizerState, PerRankS
 from hpctrain.config import Config, ConfigError, config_to_yaml
 from hpctrain.data import ShardedLoader, open_index
 from hpctrain.data.index import ShardIndex
-from hpctrain.dist import DistEnv, new_cpu_group
+from hpctrain.dist import DistEnv, all_reduce_tensors, new_cpu_group
 from hpctrain.train.metrics import IntervalMeter, MetricMonitor, MetricsWriter, peak_memory_mb
 from hpctrain.train.optim import build_optimizer, build_scheduler
 from hpctrain.train.parallel import no_gradient_sync, parallelize
@@ -65,24 +65,6 @@ def require_tensorboard() -> None:
             "logging.tensorboard=true needs the tensorboard package: "
             "pip install 'hpctrain[tensorboard]' (or set logging.tensorboard=false)"
         ) from None
-
-
-def all_reduce_tensors(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Element-wise sums over ranks of tensors of any shape, in one all-reduce.
-
-    Every rank must hold the same names and shapes (the same task on every rank does).
-    """
-    if not dist.is_initialized() or not sums:
-        return sums
-    names = sorted(sums)
-    flat = torch.cat([sums[name].reshape(-1) for name in names])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    totals, offset = {}, 0
-    for name in names:
-        size = sums[name].numel()
-        totals[name] = flat[offset : offset + size].view(sums[name].shape)
-        offset += size
-    return totals
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
