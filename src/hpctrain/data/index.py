@@ -10,11 +10,16 @@ Format (version 1)::
         {"url": "train-000000.tar", "num_samples": 100, "num_bytes": 6113280, "sha256": "..."},
         ...
       ],
+      "tokenizer": {"name": "bytes", "vocab_size": 257, "eod_id": 256, "sha256": ""},
       "command": "hpctrain convert ...",
       "extra": {...}
     }
 
 Shard URLs are relative to the folder holding the index (or absolute URLs).
+
+Token shards (language models, `hpctrain.data.tokens`) add `"num_tokens"` to every shard entry
+(the token ids its samples hold, end-of-document ids included) and a top-level `"tokenizer"`
+object (name, vocab_size, eod_id, sha256 of the tokenizer file, "" for the built-in one).
 
 An index is data, never code, and may come from anyone who can write or serve a dataset:
 `parse_index` refuses `pipe:` entries (a shell command in every loader worker), entries of a
@@ -51,6 +56,7 @@ class ShardInfo:
     num_samples: int
     num_bytes: int = 0
     sha256: str = ""
+    num_tokens: int | None = None  # token shards only: ids held, end-of-document ids included
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,15 @@ class ShardIndex:
     class_names: tuple[str, ...] = ()
     command: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    tokenizer: dict[str, Any] | None = None  # token shards: name, vocab_size, eod_id, sha256
+
+    @property
+    def num_tokens(self) -> int | None:
+        """Token ids in all shards, or None when this is not a token index."""
+        counts = [s.num_tokens for s in self.shards]
+        if not counts or any(c is None for c in counts):
+            return None
+        return sum(c for c in counts if c is not None)
 
     @property
     def num_samples(self) -> int:
@@ -74,24 +89,33 @@ class ShardIndex:
         return join_url(self.base_url, self.shards[i].url)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "format": INDEX_FORMAT,
             "version": INDEX_VERSION,
             "num_samples": self.num_samples,
             "num_bytes": self.num_bytes,
             "class_names": list(self.class_names),
-            "shards": [
-                {
-                    "url": s.url,
-                    "num_samples": s.num_samples,
-                    "num_bytes": s.num_bytes,
-                    "sha256": s.sha256,
-                }
-                for s in self.shards
-            ],
-            "command": self.command,
-            "extra": self.extra,
+            "shards": [_shard_json(s) for s in self.shards],
         }
+        if self.num_tokens is not None:
+            data["num_tokens"] = self.num_tokens
+        if self.tokenizer is not None:
+            data["tokenizer"] = dict(self.tokenizer)
+        data["command"] = self.command
+        data["extra"] = self.extra
+        return data
+
+
+def _shard_json(s: ShardInfo) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "url": s.url,
+        "num_samples": s.num_samples,
+        "num_bytes": s.num_bytes,
+        "sha256": s.sha256,
+    }
+    if s.num_tokens is not None:
+        entry["num_tokens"] = s.num_tokens
+    return entry
 
 
 def is_absolute_url(url: str) -> bool:
@@ -157,7 +181,30 @@ def _shard_info(entry: Any, i: int, where: str, protocol: str) -> ShardInfo:
     sha256 = entry.get("sha256", "")
     if not isinstance(sha256, str) or (sha256 and not _SHA256.fullmatch(sha256)):
         raise ShardIndexError(f"{where}: {key}.sha256 must be 64 lowercase hex digits or empty")
-    return ShardInfo(url=url, num_samples=num_samples, num_bytes=num_bytes, sha256=sha256)
+    num_tokens = None
+    if "num_tokens" in entry:
+        num_tokens = _count(entry["num_tokens"], where, f"{key}.num_tokens")
+    return ShardInfo(
+        url=url, num_samples=num_samples, num_bytes=num_bytes, sha256=sha256, num_tokens=num_tokens
+    )
+
+
+TOKENIZER_KEYS = {"name": str, "vocab_size": int, "eod_id": int, "sha256": str}
+
+
+def _tokenizer(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ShardIndexError(f"{where}: tokenizer must be an object")
+    for name, kind in TOKENIZER_KEYS.items():
+        v = value.get(name)
+        if not isinstance(v, kind) or isinstance(v, bool):
+            raise ShardIndexError(f"{where}: tokenizer.{name} must be a {kind.__name__}")
+    if value["vocab_size"] < 1 or not 0 <= value["eod_id"] < value["vocab_size"]:
+        raise ShardIndexError(
+            f"{where}: tokenizer.eod_id = {value['eod_id']} must lie in [0, vocab_size = "
+            f"{value['vocab_size']})"
+        )
+    return dict(value)
 
 
 def parse_index(data: Any, index_url: str) -> ShardIndex:
@@ -176,10 +223,15 @@ def parse_index(data: Any, index_url: str) -> ShardIndex:
         raise ShardIndexError(f"{where}: shards must be a list")
     protocol = url_protocol(index_url)
     shards = [_shard_info(entry, i, where, protocol) for i, entry in enumerate(entries)]
-    for key, total in (
+    totals = [
         ("num_samples", sum(s.num_samples for s in shards)),
         ("num_bytes", sum(s.num_bytes for s in shards)),
-    ):
+    ]
+    if "num_tokens" in data:
+        if any(s.num_tokens is None for s in shards):
+            raise ShardIndexError(f"{where}: num_tokens is given but not for every shard")
+        totals.append(("num_tokens", sum(s.num_tokens or 0 for s in shards)))
+    for key, total in totals:
         if key in data and _count(data[key], where, key) != total:
             raise ShardIndexError(f"{where}: {key} = {data[key]} but its shards add up to {total}")
     class_names = data.get("class_names", [])
@@ -188,6 +240,7 @@ def parse_index(data: Any, index_url: str) -> ShardIndex:
     extra = data.get("extra", {})
     if not isinstance(extra, dict):
         raise ShardIndexError(f"{where}: extra must be an object")
+    tokenizer = _tokenizer(data["tokenizer"], where) if "tokenizer" in data else None
     base = index_url.rsplit("/", 1)[0] if "/" in index_url else ""
     return ShardIndex(
         shards=tuple(shards),
@@ -195,6 +248,7 @@ def parse_index(data: Any, index_url: str) -> ShardIndex:
         class_names=tuple(class_names),
         command=str(data.get("command", "")),
         extra=dict(extra),
+        tokenizer=tokenizer,
     )
 
 
