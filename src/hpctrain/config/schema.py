@@ -135,6 +135,12 @@ class DataConfig:
         "is a sample error handled by data.on_error; 0: no limit. Default: PIL's",
         min=0,
     )
+    tokenizer: str = _f(
+        "",
+        "language models: the tokenizer the token shards must have been converted with, checked "
+        "against the index before any work: '' takes the index's, 'bytes' the built-in one, or "
+        "the path of a tokenizer.json (compared by sha256)",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
