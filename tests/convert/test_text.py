@@ -408,3 +408,50 @@ def test_check_tokenizer(corpus: Path, hf_tokenizer: Path, tmp_path: Path) -> No
     with pytest.raises(ConfigError, match="not a token index"):
         check_tokenizer(file_index, "", where)
     assert DataConfig().tokenizer == ""
+
+
+def test_cli_convert_and_inspect(
+    corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hpctrain.cli.main import main
+
+    dest = tmp_path / "cli"
+    args = [str(corpus), str(dest), "--tokenizer", "bytes", "--text-glob", "*.py"]
+    assert main(["convert", *args, "--sample-tokens", "100", "--progress", "none"]) == 0
+    assert decoded(dest / "index.json") == ["print('hi')\n"]
+    assert main(["inspect", str(dest)]) == 0
+    assert "tokens: 13 (bytes, vocab_size 257, eod_id 256)" in capsys.readouterr().out
+    # a hub name is an error naming it (a usage error, before anything is written)
+    assert main(["convert", str(corpus), str(tmp_path / "hub"), "--tokenizer", "gpt2"]) != 0
+    assert "'gpt2': no such file" in capsys.readouterr().err
+    assert not (tmp_path / "hub").exists()
+
+
+def test_resume_after_an_interrupted_text_conversion(
+    corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    options = ConvertOptions(
+        str(corpus), str(tmp_path / "out"), tokenizer="bytes", sample_tokens=16,
+        samples_per_shard=1, progress="none",
+    )  # fmt: skip
+    reference = tmp_path / "reference"
+    convert(ConvertOptions(**{**options.__dict__, "dest": str(reference)}))
+    write = text_module._write
+    calls = []
+
+    def write_then_die(*args: object) -> object:
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # a killed job: three shards committed, no index
+        calls.append(1)
+        return write(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(text_module, "_write", write_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        convert(options)
+    assert not (tmp_path / "out" / "index.json").exists()
+    monkeypatch.setattr(text_module, "_write", write)
+    result = convert(ConvertOptions(**{**options.__dict__, "resume": True}))
+    assert result.num_resumed_shards == 3
+    ours, theirs = files(tmp_path / "out"), files(reference)
+    assert ours.pop("index.json") != theirs.pop("index.json")  # the command names DEST
+    assert ours == theirs

@@ -69,7 +69,6 @@ from hpctrain.data.stream import ShardStream, iter_samples
 from hpctrain.data.tokenizer import Tokenizer, check_tokenizer, load_tokenizer
 from hpctrain.data.tokens import TOKEN_FIELDS, decode_tokens, encode_tokens, token_field
 
-DEFAULT_SAMPLE_TOKENS = 8192
 # Work per tokenize task: large enough that a task's overhead is small, small enough that
 # several tasks keep every worker busy and a task's spool stays modest.
 CHUNK_BYTES = 4 << 20
