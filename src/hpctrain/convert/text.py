@@ -84,7 +84,7 @@ def source_index(src: str) -> ShardIndex | None:
             fs, path = fsspec.core.url_to_fs(src)
             if not fs.isdir(path) or not fs.exists(posixpath.join(path, INDEX_NAME)):
                 return None
-        except (OSError, ValueError):
+        except (OSError, ValueError, ImportError):  # the ordinary source kinds report these
             return None
         url = posixpath.join(src.rstrip("/"), INDEX_NAME)
     try:
