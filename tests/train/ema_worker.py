@@ -6,7 +6,7 @@ Cases (the test asserts on what rank 0 writes to OUT_DIR):
 - `ddp`, `fsdp`: 4 steps with train.ema_decay, fp32; the full EMA -> `<case>.ema.pt`.
 - `fsdp-interrupted`: the `fsdp` config, a real SIGUSR2 raised on both ranks after step 2
   (the run saves and returns the requeue code), then a fresh Trainer resumes to step 4.
-- `ddp` also evaluates with the EMA (train.ema_eval) every 2 steps (its metrics.jsonl).
+- each evaluates with the EMA (train.ema_eval) every 2 steps (records in metrics.jsonl).
 - `fsdp-bf16`: built, not trained: the EMA under FSDP2 mixed precision -> `fsdp-bf16.json`.
 - GPU counters (NVML mocked) reduced over the 2 ranks -> `gpu-stats.json`.
 """
@@ -34,17 +34,13 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # examples.custom_task
 
 EMA = ["train.ema_decay=0.7"]
+# Evaluating with the EMA swaps it in and out of the model (FSDP2: of the parameter shards
+# that forward gathers): training must go on bitwise as without, evaluations agree.
+EMA_EVAL = ["data.val={shards}/val/index.json", "train.eval_every=2", "train.ema_eval=true"]
 CASES: dict[str, list[str]] = {
-    # Evaluating with the EMA swaps it in and out: training must go on bitwise as without.
-    "ddp": [
-        "train.strategy=ddp",
-        "data.val={shards}/val/index.json",
-        "train.eval_every=2",
-        "train.ema_eval=true",
-        *EMA,
-    ],
-    "fsdp": ["train.strategy=fsdp", *EMA],
-    "fsdp-interrupted": ["train.strategy=fsdp", *EMA],
+    "ddp": ["train.strategy=ddp", *EMA, *EMA_EVAL],
+    "fsdp": ["train.strategy=fsdp", *EMA, *EMA_EVAL],
+    "fsdp-interrupted": ["train.strategy=fsdp", *EMA, *EMA_EVAL],
 }
 BF16 = ["train.strategy=fsdp", "train.precision=bf16", *EMA]
 

@@ -50,7 +50,7 @@ def test_ema_is_fp32_and_names_drop_wrapper_parts() -> None:
     ema = WeightEMA(model, decay=0.5)
     assert {w.dtype for w in ema.weights} == {torch.float32}
     ema.update()  # bf16 weights, fp32 average
-    assert plain_name("module.blocks.0._checkpoint_wrapped_module._orig_mod.w") == "blocks.0.w"
+    assert plain_name("module.b.0._checkpoint_wrapped_module._orig_mod.w") == "module.b.0.w"
     with pytest.raises(ValueError, match="decay"):
         WeightEMA(model, decay=1.0)
 
@@ -98,10 +98,16 @@ def test_sigusr2_and_resume_give_the_ema_of_the_uninterrupted_run(two_ranks: Pat
 
 @pytest.mark.distributed
 def test_evaluation_with_the_ema_says_so(two_ranks: Path) -> None:
-    records = read_jsonl(two_ranks / "ddp" / "metrics.jsonl")
-    evals = [r for r in records if r["kind"] == "eval"]
-    assert [r["step"] for r in evals] == [2, 4, 4]  # every 2 steps, and at the end
-    assert all(r["weights"] == "ema" and r["val_samples"] == 80 for r in evals)
+    evals = {
+        case: [r for r in read_jsonl(two_ranks / case / "metrics.jsonl") if r["kind"] == "eval"]
+        for case in ("ddp", "fsdp")
+    }
+    assert [r["step"] for r in evals["ddp"]] == [2, 4, 4]  # every 2 steps, and at the end
+    assert all(r["weights"] == "ema" and r["val_samples"] == 80 for r in evals["ddp"])
+    # FSDP2 evaluated the same (EMA) weights: the swap reached the shards forward gathers.
+    for ddp, fsdp in zip(evals["ddp"], evals["fsdp"], strict=True):
+        assert fsdp["weights"] == "ema"
+        assert fsdp["val_loss"] == pytest.approx(ddp["val_loss"], rel=1e-6)
 
 
 @pytest.mark.distributed
@@ -186,3 +192,57 @@ def test_gpu_counters_reduce_over_two_ranks(two_ranks: Path) -> None:
         "gpu_memory_used_mb_worst": 200.0,
         "gpu_memory_total_mb": 1024.0,
     }
+
+
+def test_ema_eval_measures_the_ema_and_leaves_the_weights(
+    shapes_shards: Path, tmp_path: Path
+) -> None:
+    trainer = build(
+        make_config(
+            shapes_shards,
+            tmp_path / "run",
+            "train.max_steps=2",
+            "train.ema_decay=0.5",
+            "train.ema_eval=true",
+        )
+    )
+    assert trainer.fit() == 0
+    ema = trainer.ema
+    assert ema is not None
+    before = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
+    with_ema = trainer.evaluate()
+    assert with_ema["weights"] == "ema"
+    after = dict(trainer.model.named_parameters())
+    assert all(torch.equal(before[k], after[k]) for k in before), "swapped back bitwise"
+    trainer.ema = None  # the same evaluation of the trained weights
+    trained = trainer.evaluate()
+    ema.swap()  # and of the EMA put in by hand
+    by_hand = trainer.evaluate()
+    assert "weights" not in trained
+    assert by_hand["val_loss"] == with_ema["val_loss"] != trained["val_loss"]
+
+
+def test_ema_names_are_the_checkpoint_names_under_activation_checkpointing(
+    shapes_shards: Path, tmp_path: Path
+) -> None:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    trainer = build(
+        make_config(
+            shapes_shards,
+            tmp_path / "run",
+            "task=image_classification",
+            "model.name=small_cnn",
+            "train.activation_checkpointing=true",
+            "train.ema_decay=0.9",
+        )
+    )
+    try:
+        assert trainer.ema is not None
+        names = set(get_model_state_dict(trainer.model))
+        assert any("_checkpoint_wrapped_module" in n for n, _ in trainer.model.named_parameters())
+        assert set(trainer.ema.names) <= names and len(trainer.ema.names) > 4
+    finally:
+        trainer.loader.close()
+        if trainer.val_loader is not None:
+            trainer.val_loader.close()

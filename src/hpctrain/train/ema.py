@@ -22,21 +22,20 @@ plain tensors and back).
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
-log = logging.getLogger("hpctrain")
-
-# Module-name parts that wrappers insert: DDP, torch.compile, activation checkpointing.
-WRAPPER_PARTS = ("module", "_orig_mod", "_checkpoint_wrapped_module")
+# Module-name parts that wrappers of blocks insert: torch.compile, activation checkpointing
+# (reserved names; DDP's root `module.` is dropped by naming the parameters of DDP's module).
+WRAPPER_PARTS = ("_orig_mod", "_checkpoint_wrapped_module")
 CHECKPOINT_KEY = "ema"  # its key in the trainer's checkpoint states (entries `ema.<name>`)
 
 
 def plain_name(name: str) -> str:
-    """`module.blocks.0._checkpoint_wrapped_module.weight` -> `blocks.0.weight`."""
+    """`blocks.0._checkpoint_wrapped_module._orig_mod.weight` -> `blocks.0.weight`."""
     return ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS)
 
 
@@ -58,7 +57,8 @@ class WeightEMA:
         if not 0.0 < decay < 1.0:
             raise ValueError(f"EMA decay must be in (0, 1), got {decay}")
         self.decay = decay
-        named = [(plain_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
+        inner = model.module if isinstance(model, DistributedDataParallel) else model
+        named = [(plain_name(n), p) for n, p in inner.named_parameters() if p.requires_grad]
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
         with torch.no_grad():
