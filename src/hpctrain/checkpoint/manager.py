@@ -468,6 +468,7 @@ class CheckpointManager:
         best_steps({}, keep_best=0, mode=mode)  # refuses an unknown mode now, not at a commit
         self._scores: dict[int, float | None] = {}  # rank 0: step -> score, read from manifests
         self.loaded_manifest: dict[str, Any] | None = None
+        self.missing_states: list[str] = []  # `optional` states the loaded checkpoint lacked
         self._store = open_store(root)
         self._distributed = dist.is_available() and dist.is_initialized()
         self._rank = dist.get_rank() if self._distributed else 0
@@ -587,7 +588,9 @@ class CheckpointManager:
         self._pending, self._pending_where, self._pending_step = None, "", None
         return where, error
 
-    def load(self, states: dict[str, Any], which: str = "latest") -> int | None:
+    def load(
+        self, states: dict[str, Any], which: str = "latest", *, optional: tuple[str, ...] = ()
+    ) -> int | None:
         """Load a checkpoint into `states` (collective); return its step, or None.
 
         Args:
@@ -596,6 +599,10 @@ class CheckpointManager:
             which: "latest" (the newest committed checkpoint under the root that verifies,
                 falling back to older ones with a logged reason), "none", or a path/URL of
                 a `step-<N>` folder or of another checkpoint root.
+            optional: keys of `states` that a checkpoint may lack (state a feature adds,
+                such as the EMA, and an older run saved without): those the loaded
+                checkpoint has no entry for are left as they are and listed in
+                `missing_states`; every other key must be in the checkpoint.
 
         Raises:
             CheckpointError: the requested checkpoint, or every one under the root, fails
@@ -626,7 +633,7 @@ class CheckpointManager:
                 return None
             root, name, manifest = choice
             try:
-                return self._load_chosen(states, root, name, manifest)
+                return self._load_chosen(states, root, name, manifest, optional)
             except ChecksumMismatchError as exc:
                 if which != "latest" and open_store(which).root == open_store(root).path(name):
                     raise  # the user named this checkpoint: no other one instead
@@ -638,12 +645,24 @@ class CheckpointManager:
                         self._set_aside([manifest["step"]], DAMAGED_PREFIX, "damaged")
 
     def _load_chosen(
-        self, states: dict[str, Any], root: str, name: str, manifest: dict[str, Any]
+        self,
+        states: dict[str, Any],
+        root: str,
+        name: str,
+        manifest: dict[str, Any],
+        optional: tuple[str, ...] = (),
     ) -> int:
         """Load checkpoint `name` of `root` (collective). Values DCP reads in place (tensors)
         may hold part of it after a `ChecksumMismatchError`; the next load overwrites them."""
         store = open_store(root)
         to_load = self._prepare_per_rank(states, manifest["world_size"])
+        self.missing_states = []
+        if optional:
+            saved = store.reader(name).read_metadata().state_dict_metadata
+            prefixes = {key.split(".", 1)[0] for key in saved}
+            self.missing_states = [k for k in optional if k in to_load and k not in prefixes]
+            for key in self.missing_states:
+                del to_load[key]
         checksums = item_checksums(manifest) if self.verify != "size" else None
         try:
             dcp.load(

@@ -1,4 +1,4 @@
-"""`hpctrain export RUN_DIR_OR_CHECKPOINT OUT [--format pt|safetensors] [--best]`."""
+"""`hpctrain export RUN_DIR_OR_CHECKPOINT OUT [--format pt|safetensors] [--best] [--ema]`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ EPILOG = """examples:
   hpctrain export runs/demo model.pt                        # newest checkpoint of the run
   hpctrain export runs/demo model.safetensors --best        # the best by checkpoint.monitor
   hpctrain export runs/demo/checkpoints/step-400 model.pt   # one checkpoint
+  hpctrain export runs/demo model-ema.safetensors --ema     # the EMA (train.ema_decay)
 Load it with: model.load_state_dict(torch.load("model.pt", weights_only=True))
 or: safetensors.torch.load_file("model.safetensors"); built-in models also get model.json."""
 
@@ -29,15 +30,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the checkpoint the `best` pointer names (checkpoint.keep_best) instead of the newest",
     )
+    parser.add_argument(
+        "--ema",
+        action="store_true",
+        help="the EMA of the weights (runs with train.ema_decay) instead of the trained weights",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from hpctrain.train.export import export_weights
 
     # CheckpointError: exit code 4
-    result = export_weights(args.source, args.out, fmt=args.format, best=args.best)
+    result = export_weights(args.source, args.out, fmt=args.format, best=args.best, ema=args.ema)
     print(
-        f"exported {result.source} (step {result.step}): {result.num_tensors} tensors, "
+        f"exported {result.source} (step {result.step}{', EMA' if args.ema else ''}): "
+        f"{result.num_tensors} tensors, "
         f"{result.num_elements:,} values -> {result.out}"
     )
     if result.model_card is not None:

@@ -196,6 +196,16 @@ class TrainConfig:
         "stop after N evaluations in a row without a better checkpoint.monitor; 0 disables",
         min=0,
     )
+    ema_decay: float = _f(
+        0.0,
+        "keep an fp32 exponential moving average of the weights (sharded like the model), "
+        "updated after every optimizer step with this decay (e.g. 0.999) and checkpointed; "
+        "0 disables",
+        min=0.0,
+    )
+    ema_eval: bool = _f(
+        False, "evaluate with the EMA weights (train.ema_decay) instead of the trained ones"
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -268,6 +278,19 @@ class ProfileConfig:
         "RUN_DIR/profile/; empty: no profiling",
     )
     ranks: list[int] = _f([0], "ranks that record a trace; empty: every rank")
+    oom_snapshot: bool = _f(
+        True,
+        "on a CUDA out-of-memory error in a training step, write the allocator's memory "
+        "snapshot to RUN_DIR/profile/oom-rank-<r>-step-<N>.pickle (pytorch.org/memory_viz) "
+        "before failing",
+    )
+    memory_history: int = _f(
+        0,
+        "CUDA: record the last N allocations and frees with their Python stack traces "
+        "(torch.cuda.memory._record_memory_history), so the OOM snapshot shows what "
+        "allocated each block; costs time per allocation; 0 disables",
+        min=0,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

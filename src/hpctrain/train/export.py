@@ -8,6 +8,10 @@ writes them with `torch.save` so that `torch.load(path, weights_only=True)` give
 for `model.load_state_dict` of the plain, unwrapped model, or with the `safetensors` library
 (`format="safetensors"`), which any tool loads without hpctrain or pickle.
 
+With `ema=True` (`--ema`), the parameters are those of the EMA (`train.ema_decay`, stored as
+`ema.<name>` beside `app.model.<name>`, see `hpctrain.train.ema`) and the buffers (BatchNorm
+running statistics) those of the model.
+
 For the built-in image classification task the export also writes `<out>.json` (the same name
 with `.json`): the task, model name, number of classes and image size, the normalization, the
 step, and how to rebuild the model; it is checked against the weights (every name and shape)
@@ -36,6 +40,7 @@ from hpctrain.errors import UsageError
 # `Trainer.checkpoint_states` stores ModelOptimizerState under "app", which puts the model under
 # "model": DCP flattens nested keys with dots.
 MODEL_PREFIX = "app.model."
+EMA_PREFIX = "ema."  # hpctrain.train.ema.CHECKPOINT_KEY
 FORMATS = ("pt", "safetensors")
 IMAGE_CLASSIFICATION = "image_classification"
 
@@ -99,12 +104,13 @@ def locate_checkpoint(path: str, *, best: bool = False) -> tuple[Store, str, dic
 
 
 def read_model_weights(
-    store: Store, name: str, manifest: dict | None = None
+    store: Store, name: str, manifest: dict | None = None, *, ema: bool = False
 ) -> dict[str, torch.Tensor]:
     """The model's tensors of checkpoint `name`, consolidated in this process (no process group).
 
     With the `manifest` (from `verify_checkpoint`), every item read is checked against its
-    CRC32C; `.metadata` is read through the same checks as a training load.
+    CRC32C; `.metadata` is read through the same checks as a training load. With `ema`, the
+    EMA's parameters replace the model's (its buffers stay).
     """
     checksums = item_checksums(manifest) if manifest is not None else None
     metadata = store.reader(name).read_metadata()
@@ -114,6 +120,26 @@ def read_model_weights(
             weights[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
     if not weights:
         raise CheckpointError(f"{store.path(name)}: holds no model weights ({MODEL_PREFIX}*)")
+    if ema:
+        averaged = {
+            key: torch.empty(entry.size, dtype=entry.properties.dtype)
+            for key, entry in metadata.state_dict_metadata.items()
+            if key.startswith(EMA_PREFIX) and isinstance(entry, TensorStorageMetadata)
+        }
+        if not averaged:
+            raise CheckpointError(
+                f"{store.path(name)}: holds no EMA weights (the run trained without "
+                "train.ema_decay); export without --ema"
+            )
+        names = [key[len(EMA_PREFIX) :] for key in averaged]
+        unknown = sorted(n for n in names if MODEL_PREFIX + n not in weights)
+        if unknown:
+            raise CheckpointError(
+                f"{store.path(name)}: EMA entries without a model weight: {unknown[:3]}"
+            )
+        for param_name in names:  # the model's copy is not read: the EMA's replaces it
+            del weights[MODEL_PREFIX + param_name]
+        weights.update(averaged)
     # DCP reads each tensor from every shard file that holds a piece of it (resharding to one).
     try:
         dcp.load(weights, storage_reader=store.reader(name, checksums), planner=SafeLoadPlanner())
@@ -122,7 +148,10 @@ def read_model_weights(
         text = str(inner).splitlines()[0] if str(inner) else type(inner).__name__
         kind = type(inner) if isinstance(inner, CheckpointError) else CheckpointError
         raise kind(f"{store.path(name)}: {text}") from None
-    return {key[len(MODEL_PREFIX) :]: value for key, value in weights.items()}
+    return {
+        key[len(MODEL_PREFIX) if key.startswith(MODEL_PREFIX) else len(EMA_PREFIX) :]: value
+        for key, value in weights.items()
+    }
 
 
 def format_of(out: str | Path, fmt: str | None) -> str:
@@ -135,7 +164,12 @@ def format_of(out: str | Path, fmt: str | None) -> str:
 
 
 def export_weights(
-    path: str, out: str | Path, *, fmt: str | None = None, best: bool = False
+    path: str,
+    out: str | Path,
+    *,
+    fmt: str | None = None,
+    best: bool = False,
+    ema: bool = False,
 ) -> ExportResult:
     """Write the consolidated model weights of the checkpoint at `path` to `out` (atomically).
 
@@ -144,6 +178,7 @@ def export_weights(
         out: the file to write (local).
         fmt: "pt" (`torch.save`) or "safetensors"; None: from `out`'s suffix.
         best: export the checkpoint `best` names instead of the newest.
+        ema: export the EMA of the weights (`train.ema_decay`) instead of the weights.
     """
     fmt = format_of(out, fmt)
     if fmt == "safetensors":
@@ -155,7 +190,7 @@ def export_weights(
                 "pip install 'hpctrain[safetensors]'"
             ) from None
     store, name, manifest = locate_checkpoint(path, best=best)
-    weights = read_model_weights(store, name, manifest)
+    weights = read_model_weights(store, name, manifest, ema=ema)
     out = Path(out)
     step = int(manifest["step"])
     card = model_card(manifest, weights, fmt)
@@ -168,11 +203,16 @@ def export_weights(
             from safetensors.torch import save
 
             # Tensors read from a checkpoint share no storage, so nothing needs de-duplication.
-            f.write(save(weights, metadata={"hpctrain_step": str(step), "format": "pt"}))
+            metadata = {"hpctrain_step": str(step), "format": "pt"}
+            if ema:
+                metadata["hpctrain_weights"] = "ema"
+            f.write(save(weights, metadata=metadata))
 
     _write_atomic(out, write_weights)
     if card_path is not None and card is not None:
         card["weights"] = out.name
+        if ema:
+            card["ema"] = True  # the weights are the EMA's (train.ema_decay)
         _write_atomic(card_path, lambda f: f.write((json.dumps(card, indent=1) + "\n").encode()))
     return ExportResult(
         source=store.path(name),

@@ -19,6 +19,10 @@ from hpctrain.config import Config, ConfigError, config_to_yaml
 from hpctrain.data import ShardedLoader, open_index
 from hpctrain.data.index import ShardIndex
 from hpctrain.dist import DistEnv, all_reduce_tensors, new_cpu_group
+from hpctrain.train.ema import CHECKPOINT_KEY as EMA_KEY
+from hpctrain.train.ema import build_ema
+from hpctrain.train.gpu_stats import GpuCounters
+from hpctrain.train.memory import OOMSnapshots
 from hpctrain.train.metrics import IntervalMeter, MetricMonitor, MetricsWriter, peak_memory_mb
 from hpctrain.train.optim import build_optimizer, build_scheduler
 from hpctrain.train.parallel import no_gradient_sync, parallelize
@@ -122,6 +126,19 @@ class Trainer:
             run_dir=self.run_dir,
             device=self.device,
         )
+        if cfg.train.ema_decay >= 1 or (cfg.train.ema_eval and not cfg.train.ema_decay):
+            raise ConfigError(
+                f"train.ema_decay={cfg.train.ema_decay}: must be in (0, 1) (e.g. 0.999); "
+                "0 disables the EMA (and then train.ema_eval must be false)"
+            )
+        # Before the model is built: a recorded allocation history then shows its weights too.
+        self.memory = OOMSnapshots(
+            self.device,
+            self.run_dir,
+            self.env.rank,
+            enabled=cfg.profile.oom_snapshot,
+            history=cfg.profile.memory_history,
+        )
         facts = device_facts(self.device, compile=cfg.train.compile)
         self.plan = plan_training(cfg.train, facts, self.env.world_size)
         self.precision = self.plan.precision
@@ -148,6 +165,7 @@ class Trainer:
             channels_last=self.cfg.model.channels_last,
         )
         self.optimizer = build_optimizer(self.model, self.cfg.train)
+        self.ema = build_ema(self.model, self.cfg.train.ema_decay)  # None when disabled
         self.scaler = make_grad_scaler(self.precision)
 
     def build_loaders(self, train_index: ShardIndex) -> None:
@@ -225,6 +243,7 @@ class Trainer:
                 if self.device.type == "cuda"
                 else dist.group.WORLD
             )
+        self.gpu_counters = GpuCounters(self.device, self.flag_group)
         self.last_save = time.monotonic()
         self.resumed_loader = False
 
@@ -254,7 +273,8 @@ class Trainer:
         try:
             while self.state.step < self.total_steps:
                 self.profiler.at_step(self.state.step)
-                self.train_step(batches)
+                with self.memory.watch(self.state.step + 1):
+                    self.train_step(batches)
                 if self.step_boundary(metrics):
                     status = "preempted"
                     return REQUEUE_EXIT_CODE
@@ -280,6 +300,7 @@ class Trainer:
             return 0
         finally:
             self.profiler.close()
+            self.memory.close()
             metrics.close(status)
             self.checkpoints.close()
             self.preemption.uninstall()
@@ -318,6 +339,8 @@ class Trainer:
             self.scaler.update()
         else:
             self.optimizer.step()
+        if self.ema is not None:
+            self.ema.update()
         # Free the gradients now, not before the next step: a checkpoint saved in between then
         # holds the optimizer's full state even when every step so far was skipped by the fp16
         # scaler (DCP creates missing state only for parameters without gradients, and a resume
@@ -420,12 +443,17 @@ class Trainer:
         self.model.eval()
         self.val_loader.set_epoch(0)
         sums: dict[str, torch.Tensor] = {}
+        ema = self.ema if self.cfg.train.ema_eval else None
+        if ema is not None:
+            ema.swap()  # the EMA into the model for this evaluation, swapped back below
         for batch in self.val_loader:
             with self.precision.autocast():
                 values = self.task.eval_metrics(self.model, to_device(batch, self.device))
             for name, value in values.items():
                 value = value.detach().double()
                 sums[name] = sums[name] + value if name in sums else value
+        if ema is not None:
+            ema.swap()
         self.model.train()
         totals = {name: total.cpu() for name, total in all_reduce_tensors(sums).items()}
         summarize = getattr(self.task, "summarize", divide_by_count)
@@ -434,6 +462,8 @@ class Trainer:
             "step": self.state.step,
             "epoch": self.state.epoch,
         }
+        if self.ema is not None:
+            record["weights"] = "ema" if ema is not None else "model"
         record.update({f"val_{name}": float(value) for name, value in summarize(totals).items()})
         record["val_samples"] = int(totals["count"]) if "count" in totals else 0
         return record
@@ -455,6 +485,7 @@ class Trainer:
         record["lr"] = self.lr
         record["grad_norm"] = float(self.grad_norm)  # of the logged step
         record["peak_memory_mb"] = peak_memory_mb(self.device)
+        record.update(self.gpu_counters.read())  # CUDA with NVML only
         record["samples_seen"] = self.state.samples_seen
         for name, value in self.loader.stats().items():
             record[f"loader_{name}"] = value
@@ -485,6 +516,8 @@ class Trainer:
         }
         if self.scaler is not None:
             states["scaler"] = self.scaler
+        if self.ema is not None:
+            states[EMA_KEY] = self.ema
         return states
 
     def save(self) -> None:
@@ -497,9 +530,16 @@ class Trainer:
         self.last_save = time.monotonic()
 
     def resume(self) -> None:
-        step = self.checkpoints.load(self.checkpoint_states(), which=self.cfg.checkpoint.resume)
+        step = self.checkpoints.load(
+            self.checkpoint_states(), which=self.cfg.checkpoint.resume, optional=(EMA_KEY,)
+        )
         if step is None:
             return
+        if self.ema is not None and EMA_KEY in self.checkpoints.missing_states:
+            self.ema.reset()
+            log.warning(
+                "the checkpoint of step %d has no EMA: the EMA starts from its weights", step
+            )
         self.resumed_loader = True
         if self.checkpoints.loaded_manifest is not None:
             self.monitor.load_state_dict(
