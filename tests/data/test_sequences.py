@@ -269,6 +269,26 @@ def test_corrupt_shard_fails_naming_it_or_gives_invalid_fillers(tmp_path):
             assert row.tolist() == window(streams, key)
 
 
+def test_a_worker_with_nothing_readable_fills_with_a_sequence_of_another_shard(tmp_path, caplog):
+    # shard 1 is too short for a sequence: the filler search passes over it, unread
+    streams = write_token_shards(tmp_path, [(6, 1), (1, 1), (6, 1)], max_doc_len=8)
+    path = tmp_path / "train-000000.tar"
+    data = bytearray(path.read_bytes())
+    data[10] ^= 0xFF  # the first header: nothing of shard 0 can be read
+    path.write_bytes(bytes(data))
+    (tmp_path / "train-000001.tar").write_bytes(b"")  # reading it would log a failure
+    c = cfg(batch_size=2, on_error="skip")
+    loader = ShardedLoader(open_index(str(tmp_path)), c, rank=0, world_size=1, seed=0, train=False)
+    batches = list(loader)
+    lost = [b for b in batches if not any(b["valid"])]
+    assert lost and loader.stats()["shards_failed"] >= 1  # eval padding reads shard 0 again
+    assert "train-000001" not in caplog.text and "train-000000" in caplog.text
+    assert all(k == "train-000002/0" for b in lost for k in b["key"])
+    assert all(
+        row.tolist() == window(streams, "train-000002/0") for b in lost for row in b["tokens"]
+    )
+
+
 @pytest.mark.parametrize(
     ("members", "message"),
     [

@@ -338,6 +338,8 @@ class SampleStream:
             want = set(wanted).__contains__
             yield from iter_samples(f, want=want, stop=wanted[-1] + 1, views=True)
             return
+        if not self.spec.shard_sizes[shard]:
+            return  # shorter than one sequence (only a filler search asks for one)
         stem = shard_stem(self.spec.urls[shard])
         for index, key, ids in iter_sequences(
             f, wanted, self.spec.seq_len, self.spec.vocab_size, stem
