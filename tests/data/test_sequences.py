@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hpctrain.cli.main import main
+from hpctrain.config import Config, with_overrides
 from hpctrain.config.schema import DataConfig
 from hpctrain.data import ShardedLoader, ShardIndexError, ShardReadError, open_index
 from hpctrain.data.decode import decode_sample
@@ -27,6 +28,7 @@ from hpctrain.data.sequences import (
 )
 from hpctrain.data.stream import ReadStats, open_shard
 from hpctrain.data.tokens import encode_tokens
+from hpctrain.launch.preflight import check_data
 from tests.data.loader_testkit import make_shards
 
 SEQ_LEN = 8
@@ -314,6 +316,15 @@ def test_seq_len_needs_a_token_index_naming_it(tmp_path):
     write_token_shards(tmp_path / "t", tokenizer=False)
     with pytest.raises(ShardIndexError, match="not a token index"):
         ShardedLoader(open_index(str(tmp_path / "t")), cfg(), rank=0, world_size=1, seed=0)
+
+
+def test_preflight_refuses_seq_len_on_a_non_token_index(tmp_path, tokens):
+    make_shards(tmp_path, [3])
+    for data, ok in ((tmp_path, False), (tokens[0], True)):
+        cfg_ = with_overrides(Config(), [f"data.train={data}", "data.seq_len=8"])
+        (check,) = check_data(cfg_)
+        assert check.ok is ok
+        assert ok or ("index.json" in check.message and "not a token index" in check.message)
 
 
 def test_without_seq_len_token_members_decode_to_documents(tokens):
