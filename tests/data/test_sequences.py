@@ -5,12 +5,15 @@ from __future__ import annotations
 import io
 import json
 import tarfile
+import tempfile
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hpctrain.cli.main import main
 from hpctrain.config import Config, with_overrides
@@ -164,6 +167,33 @@ def test_scattered_sequences_are_read_in_one_pass_skipping_unread_samples(tmp_pa
     for i, _k, w in got:
         assert w.tolist() == stream[i * SEQ_LEN : i * SEQ_LEN + SEQ_LEN + 1]
     assert stats.bytes_skipped > 0  # samples between the windows were never read
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sample_lengths=st.lists(st.integers(0, 30), min_size=1, max_size=12),
+    seq_len=st.integers(1, 9),
+    pick=st.randoms(use_true_random=False),
+)
+def test_any_wanted_subset_reads_the_windows_of_the_stream(sample_lengths, seq_len, pick):
+    stream = list(range(sum(sample_lengths)))
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "s.tar"
+        with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+            lo = 0
+            for i, n in enumerate(sample_lengths):
+                data = encode_tokens(stream[lo : lo + n], "tokens.u32")
+                lo += n
+                info = tarfile.TarInfo(f"{i:03d}.tokens.u32")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        count = num_sequences(len(stream), seq_len)
+        wanted = sorted(pick.sample(range(count), pick.randint(0, count)))
+        with open_shard(str(path)) as f:
+            got = list(iter_sequences(f, wanted, seq_len, len(stream) + 1, "s"))
+    assert [i for i, _k, _w in got] == wanted
+    for i, _k, w in got:
+        assert w.tolist() == stream[i * seq_len : i * seq_len + seq_len + 1]
 
 
 @pytest.mark.parametrize("workers", [0, 2])
