@@ -273,6 +273,19 @@ def test_a_sample_that_breaks_the_token_contract_is_a_data_error(tmp_path, membe
         list(iter_sequences(f, [0, 1, 2], SEQ_LEN, VOCAB, "x"))
 
 
+def test_a_shard_with_fewer_tokens_than_the_index_says_is_a_shard_error(tmp_path):
+    streams = write_token_shards(tmp_path, [(4, 1), (4, 2)])
+    data = json.loads((tmp_path / "index.json").read_text())
+    data["shards"][1]["num_tokens"] += 2 * SEQ_LEN
+    data["num_tokens"] += 2 * SEQ_LEN
+    (tmp_path / "index.json").write_text(json.dumps(data))
+    loader = ShardedLoader(
+        open_index(str(tmp_path)), cfg(batch_size=1), rank=0, world_size=1, seed=0, train=False
+    )
+    with pytest.raises(ShardReadError, match=rf"train-000001.tar: ends after {len(streams[1])} "):
+        list(loader)
+
+
 def test_seq_len_needs_a_token_index_naming_it(tmp_path):
     make_shards(tmp_path, [3])
     with pytest.raises(ShardIndexError, match=r"index.json: .*not a token index.*--tokenizer"):
