@@ -18,14 +18,15 @@ from hpctrain.checkpoint import CheckpointManager, ModelOptimizerState, PerRankS
 from hpctrain.config import Config, ConfigError, config_to_yaml
 from hpctrain.data import ShardedLoader, open_index
 from hpctrain.data.index import ShardIndex
-from hpctrain.dist import DistEnv, all_reduce_tensors, new_cpu_group
+from hpctrain.dist import DistEnv, new_cpu_group
+from hpctrain.train.evaluation import evaluate, to_device
 from hpctrain.train.metrics import IntervalMeter, MetricMonitor, MetricsWriter, peak_memory_mb
 from hpctrain.train.optim import build_optimizer, build_scheduler
 from hpctrain.train.parallel import no_gradient_sync, parallelize
 from hpctrain.train.precision import device_facts, make_grad_scaler, plan_training
 from hpctrain.train.preemption import REQUEUE_EXIT_CODE, PreemptionFlag
 from hpctrain.train.profiling import StepProfiler
-from hpctrain.train.task import Batch, divide_by_count, load_task
+from hpctrain.train.task import Batch, load_task
 from hpctrain.train.trackers import check_trackers, start_trackers
 
 log = logging.getLogger("hpctrain")
@@ -65,18 +66,6 @@ def require_tensorboard() -> None:
             "logging.tensorboard=true needs the tensorboard package: "
             "pip install 'hpctrain[tensorboard]' (or set logging.tensorboard=false)"
         ) from None
-
-
-def to_device(batch: Batch, device: torch.device) -> Batch:
-    """Every tensor field of `batch` on `device`; other fields (keys, strings, dicts) as they are."""
-    if device.type == "cpu":  # the loader's tensors are on the CPU already
-        return batch
-    # non_blocking only from pinned memory (the loader pins batches for CUDA devices unless
-    # data.pin_memory=false): an asynchronous copy needs page-locked source memory.
-    return {
-        k: v.to(device, non_blocking=v.is_pinned()) if isinstance(v, torch.Tensor) else v
-        for k, v in batch.items()
-    }
 
 
 class Trainer:
@@ -417,25 +406,12 @@ class Trainer:
         its `summarize` (default: divide by `count`) makes the final metrics.
         """
         assert self.val_loader is not None
-        self.model.eval()
-        self.val_loader.set_epoch(0)
-        sums: dict[str, torch.Tensor] = {}
-        for batch in self.val_loader:
-            with self.precision.autocast():
-                values = self.task.eval_metrics(self.model, to_device(batch, self.device))
-            for name, value in values.items():
-                value = value.detach().double()
-                sums[name] = sums[name] + value if name in sums else value
-        self.model.train()
-        totals = {name: total.cpu() for name, total in all_reduce_tensors(sums).items()}
-        summarize = getattr(self.task, "summarize", divide_by_count)
         record: dict[str, Any] = {
             "kind": "eval",
             "step": self.state.step,
             "epoch": self.state.epoch,
         }
-        record.update({f"val_{name}": float(value) for name, value in summarize(totals).items()})
-        record["val_samples"] = int(totals["count"]) if "count" in totals else 0
+        record.update(evaluate(self.task, self.model, self.val_loader, self.precision, self.device))
         return record
 
     def log_record(self) -> dict[str, Any]:
