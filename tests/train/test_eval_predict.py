@@ -166,10 +166,13 @@ def test_a_bad_data_path_is_a_clear_error(done: Path, tmp_path: Path) -> None:
     missing = tmp_path / "nowhere" / "index.json"
     proc = run_hpctrain(
         "predict", str(done / "ddp"), "--data", str(missing), "--out", str(tmp_path / "p"),
-        check=False,
+        "--nproc", "2", check=False,
     )  # fmt: skip
     assert proc.returncode == 3, proc.stderr
-    assert f"{missing}: index not found" in proc.stderr
+    for rank in (0, 1):  # both ranks of the local launcher, each with the same line
+        assert (
+            f"hpctrain predict [rank {rank}]: data error: {missing}: index not found" in proc.stderr
+        )
     assert not (tmp_path / "p").exists()
 
 
