@@ -176,6 +176,23 @@ def test_a_bad_data_path_is_a_clear_error(done: Path, tmp_path: Path) -> None:
     assert not (tmp_path / "p").exists()
 
 
+@pytest.mark.distributed
+def test_a_checkpoint_folder_names_its_run_and_config(done: Path, tmp_path: Path) -> None:
+    from hpctrain.errors import UsageError
+    from hpctrain.train.sources import resolve_source
+
+    step = done / "fsdp" / "checkpoints" / "step-1"
+    cfg, checkpoint = resolve_source(str(step), ["data.batch_size=4"])
+    assert checkpoint == str(step) and cfg.train.strategy == "fsdp"
+    assert cfg.run_dir == str(done / "fsdp") and cfg.data.batch_size == 4
+    cfg, checkpoint = resolve_source(str(done / "ddp"))
+    assert checkpoint is None and cfg.checkpoint.keep_best == 1
+    with pytest.raises(UsageError, match="no such file or folder"):
+        resolve_source(str(tmp_path / "missing"))
+    with pytest.raises(UsageError, match="neither a config file, a run folder"):
+        resolve_source(str(tmp_path))
+
+
 def test_segmentation_masks_as_png_members_and_run_lengths() -> None:
     from hpctrain.train.tasks.segmentation import Segmentation
 

@@ -56,7 +56,7 @@ def forwarded_options(args: argparse.Namespace, names: tuple[str, ...]) -> list[
 
 def resolve(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """(config, checkpoint) these arguments name."""
-    from hpctrain.train.inference import resolve_source
+    from hpctrain.train.sources import resolve_source
 
     if args.nproc < 1:
         raise UsageError(f"--nproc {args.nproc}: must be >= 1")

@@ -55,7 +55,7 @@ def run_inference(args: argparse.Namespace) -> int:
     from hpctrain.launch.prepare import Prepared, absolute_run_dir
     from hpctrain.launch.profiles import load_profile, resolve_job
     from hpctrain.launch.submit import InferenceSpec, submit_inference
-    from hpctrain.train.inference import resolve_source
+    from hpctrain.train.sources import resolve_source
 
     if args.eval and args.predict:
         raise UsageError("--eval and --predict: choose one")

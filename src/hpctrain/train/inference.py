@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,12 +23,10 @@ import torch.distributed as dist
 from torch import nn
 
 from hpctrain.checkpoint import CheckpointError
-from hpctrain.config import Config, ConfigError, config_from_dict, load_config, with_overrides
-from hpctrain.config.load import load_yaml
+from hpctrain.config import Config, ConfigError
 from hpctrain.data import ShardedLoader, open_index
 from hpctrain.data.index import ShardIndex, ShardIndexError, redact_url
 from hpctrain.dist import DistEnv, choose_device, process_group, resolve_env
-from hpctrain.errors import UsageError
 from hpctrain.train.entry import setup_logging
 from hpctrain.train.export import locate_checkpoint, read_model_weights
 from hpctrain.train.parallel import parallelize
@@ -36,38 +34,6 @@ from hpctrain.train.precision import Precision, device_facts, plan_training
 from hpctrain.train.task import Task, load_task
 
 log = logging.getLogger("hpctrain")
-
-
-def resolve_source(source: str, overrides: Sequence[str] = ()) -> tuple[Config, str | None]:
-    """The config for `source`, and the checkpoint it names (None: choose by `--checkpoint`).
-
-    `source` is a config file, a run folder (its `config.yaml`, with `run_dir` set to the
-    folder), or one checkpoint (`.../step-<N>`, local or URL: the config saved in its
-    manifest). `overrides` apply last.
-
-    Raises:
-        UsageError: `source` is none of these.
-        ConfigError: a bad config key or value.
-    """
-    path = Path(source)
-    if "://" not in source and path.is_file():
-        return load_config(path, overrides), None
-    if "://" not in source and (path / "config.yaml").is_file():
-        return load_config(path / "config.yaml", [f"run_dir={path}", *overrides]), None
-    try:
-        _store, _name, manifest = locate_checkpoint(source)
-    except CheckpointError as exc:
-        if "://" in source or path.exists():
-            raise UsageError(
-                f"{redact_url(source)}: neither a config file, a run folder (config.yaml) "
-                f"nor a checkpoint: {exc}"
-            ) from None
-        raise UsageError(f"{source}: no such file or folder") from None
-    text = manifest.get("metadata", {}).get("config")
-    if not isinstance(text, str):
-        raise UsageError(f"{redact_url(source)}: the checkpoint's manifest holds no config")
-    cfg = config_from_dict(load_yaml(text), f"{redact_url(source)}/manifest.json")
-    return (with_overrides(cfg, overrides) if overrides else cfg), source
 
 
 def find_checkpoint(cfg: Config, which: str) -> tuple[Any, str, dict[str, Any]]:
