@@ -20,6 +20,7 @@ from hpctrain.config import Config
 from hpctrain.data import ShardedLoader
 from hpctrain.dist import all_reduce_tensors
 from hpctrain.train.task import Batch, Task, divide_by_count
+from hpctrain.train.trackers import check_trackers
 
 log = logging.getLogger("hpctrain")
 
@@ -113,6 +114,8 @@ def run_eval(cfg: Config, *, checkpoint: str = "latest", out: str = "") -> int:
     from hpctrain.train.inference import inference_session
 
     with inference_session(cfg, checkpoint, cfg.data.val, key="data.val", predict=False) as run:
+        if run.env.is_main:
+            check_trackers(cfg.logging)  # a missing package fails before the work, not after
         metrics = evaluate(run.task, run.model, run.loader, run.precision, run.device)
         lost = loss_counters(run.loader, run.device)
         if not run.env.is_main:
@@ -146,11 +149,8 @@ def log_to_trackers(cfg: Config, record: dict[str, Any], name: str, world_size: 
     Its own kind (`eval.<data>`) keeps it apart from the training's evaluations, which the
     trackers have at the same steps.
     """
-    from hpctrain.train.trackers import check_trackers, start_trackers
+    from hpctrain.train.trackers import start_trackers
 
-    if cfg.logging.wandb == "off" and cfg.logging.mlflow == "off":
-        return
-    check_trackers(cfg.logging)
     trackers = start_trackers(cfg, world_size, resumed=True)
     if trackers is None:
         return
