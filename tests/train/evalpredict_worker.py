@@ -65,8 +65,9 @@ def main() -> None:
         assert run_eval(ddp, checkpoint="best", out=str(out / "eval-ddp-best.json")) == 0
         assert run_eval(fsdp, out=str(out / "eval-fsdp.json")) == 0
         # the FSDP2 checkpoint evaluated by a DDP model: the same weights, the same metrics
+        # (`train.strategy=none`, refused for 2 training ranks, evaluates as DDP)
         fsdp_as_ddp = load_config(
-            out / "fsdp" / "config.yaml", [f"data.val={val}", "train.strategy=ddp"]
+            out / "fsdp" / "config.yaml", [f"data.val={val}", "train.strategy=none"]
         )
         assert run_eval(fsdp_as_ddp, out=str(out / "eval-fsdp-as-ddp.json")) == 0
         assert run_predict(ddp, data=val, out=str(out / "pred-ddp"), fmt="jsonl") == 0

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hpctrain.checkpoint import CheckpointError
-from hpctrain.config import Config, ConfigError
+from hpctrain.config import Config, ConfigError, with_overrides
 from hpctrain.data import ShardedLoader, open_index
 from hpctrain.data.index import ShardIndex, ShardIndexError, redact_url
 from hpctrain.dist import DistEnv, choose_device, process_group, resolve_env
@@ -125,6 +125,10 @@ def inference_session(
     device = choose_device(env)
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ and env.local_world_size > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
+    if cfg.train.strategy == "none" and env.world_size > 1:
+        # `none` is refused for several training ranks (each would train its own copy);
+        # evaluating or predicting trains nothing, so the ranks share one model as under DDP.
+        cfg = with_overrides(cfg, ["train.strategy=ddp"])
     if not data:
         raise ConfigError(
             f"{key} is empty: give an index.json path/URL, a folder or a shard pattern"
