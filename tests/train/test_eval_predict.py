@@ -198,9 +198,13 @@ def test_segmentation_masks_as_png_members_and_run_lengths() -> None:
 
     cfg = load_config(None, ["task=segmentation", "model.num_classes=3", "model.image_size=16"])
     task = Segmentation(cfg, ShardIndex(shards=(ShardInfo("x.tar", 1),)))
+    # data to predict on needs no mask: the predict transform reads and resizes the image only
+    image = torch.randint(0, 255, (3, 40, 30), dtype=torch.uint8)
+    sample = task.predict_transform()({"key": "k1", "img.jpg": image})
+    assert sorted(sample) == ["image", "key"] and sample["image"].shape == (3, 16, 16)
     torch.manual_seed(0)
     model = task.build_model().eval()
-    batch = {"image": torch.randint(0, 255, (2, 3, 16, 16), dtype=torch.uint8)}
+    batch = {"image": torch.stack([sample["image"], sample["image"].flip(-1)])}
     with torch.no_grad():
         outputs = task.predict(model, batch)
     assert len(outputs) == 2 and outputs[0]["mask.png"].shape == (16, 16)
