@@ -34,6 +34,8 @@ VERBS = [
     "preflight",
     "status",
     "bench",
+    "eval",
+    "predict",
 ]
 
 
@@ -116,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if show_tracebacks(args):
             traceback.print_exc()
         message = " ".join(str(exc).splitlines())  # one line, even from a multi-line cause
-        tag = _rank_tag() if args.verb == "train" else ""
+        tag = _rank_tag() if args.verb in ("train", "eval", "predict") else ""
         print(f"hpctrain {args.verb}{tag}: {exc.label}: {message}", file=sys.stderr)
         return exc.exit_code
 

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from hpctrain.cli.sbatch import add_profile_arguments, add_sweep_arguments, check_max_parallel
+from hpctrain.errors import UsageError
 from hpctrain.launch.preflight import format_checks, preflight, raise_if_failed
 from hpctrain.launch.prepare import prepare, slurm_folder
 from hpctrain.launch.submit import (
@@ -20,7 +21,9 @@ EPILOG = """examples:
   hpctrain submit configs/demo.yaml --profile jean-zay-h100 slurm.account=abc@h100 slurm.nodes=2
   hpctrain submit configs/demo.yaml --profile local-dev --dry-run
   hpctrain submit configs/demo.yaml --profile local-dev --sweep train.lr=0.001,0.003 --max-parallel 1
-  hpctrain status runs/demo"""
+  hpctrain status runs/demo
+  hpctrain submit runs/demo --eval --checkpoint best --profile local-dev   # evaluate on SLURM
+  hpctrain submit runs/demo --predict --data data/test --out preds/ --profile local-dev"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,9 +32,64 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dry-run", action="store_true", help="print and check the sbatch script; submit nothing"
     )
     add_sweep_arguments(parser)
+    parser.add_argument(
+        "--eval", action="store_true", help="submit `hpctrain eval` of the run (CONFIG|RUN_DIR)"
+    )
+    parser.add_argument(
+        "--predict",
+        action="store_true",
+        help="submit `hpctrain predict` of the run (--data, --out)",
+    )
+    parser.add_argument(
+        "--checkpoint", default="latest", help="--eval/--predict: PATH|latest|best (default latest)"
+    )
+    parser.add_argument("--data", default="", help="--predict: the data (default data.val)")
+    parser.add_argument("--out", default="", help="--eval: record file; --predict: destination")
+    parser.add_argument(
+        "--format", choices=("jsonl", "shards"), default="jsonl", help="--predict: output format"
+    )
+
+
+def run_inference(args: argparse.Namespace) -> int:
+    """`submit --eval/--predict`: one job whose tasks are the ranks of `hpctrain eval/predict`."""
+    from hpctrain.launch.prepare import Prepared, absolute_run_dir
+    from hpctrain.launch.profiles import load_profile, resolve_job
+    from hpctrain.launch.submit import InferenceSpec, submit_inference
+    from hpctrain.train.sources import resolve_source
+
+    if args.eval and args.predict:
+        raise UsageError("--eval and --predict: choose one")
+    if args.sweep:
+        raise UsageError("--sweep trains several runs; it does not combine with --eval/--predict")
+    if args.predict and not args.out:
+        raise UsageError("--predict needs --out: a folder or fsspec URL for the predictions")
+    extra = [f"slurm.profile={args.profile}"] if args.profile else []
+    cfg, named = resolve_source(args.config, [*args.overrides, *extra])
+    cfg = absolute_run_dir(cfg)
+    profile = load_profile(cfg.slurm.profile)
+    prep = Prepared(cfg=cfg, profile=profile, job=resolve_job(cfg, profile))
+    spec = InferenceSpec(
+        verb="eval" if args.eval else "predict",
+        checkpoint=named or args.checkpoint,
+        data=args.data,
+        out=args.out,
+        fmt=args.format,
+    )
+    if not args.no_preflight:
+        raise_if_failed(preflight(prep.cfg, prep.profile), "nothing submitted")
+    if args.dry_run:
+        sys.stdout.write(submission_script(prep.job, slurm_folder(prep.cfg) / "submitit"))
+        return 0
+    sub = submit_inference(prep.cfg, prep.job, spec)
+    print(f"job {sub.job_id} ({spec.verb})")
+    print(f"  log:        {sub.stderr}")
+    print(f"  stdout:     {sub.stdout}")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.eval or args.predict:
+        return run_inference(args)
     # ConfigError (2) and LaunchError (6, with preflight failures) reach `hpctrain.cli.main`
     prep = prepare(args.config, args.overrides, args.profile)
     combos = parse_sweep(args.sweep)

@@ -70,11 +70,12 @@ def run_local(
     argv: Sequence[str],
     nproc: int,
     *,
+    verb: str = "train",
     poll_s: float = 0.2,
     grace_s: float = 5.0,
     term_wait_s: float = 30.0,
 ) -> int:
-    """Run `python -m hpctrain train <argv>` as `nproc` ranks on this machine.
+    """Run `python -m hpctrain <verb> <argv>` as `nproc` ranks on this machine.
 
     Signals the launcher receives (TERM, INT, USR1, USR2) are forwarded to every rank, so a
     local run exercises the same preemption path as a SLURM job. When one rank fails, the
@@ -101,7 +102,7 @@ def run_local(
             MASTER_PORT=str(port),
         )
         env[LAUNCHER_PID_ENV] = str(os.getpid())
-        procs.append(subprocess.Popen([sys.executable, "-m", "hpctrain", "train", *argv], env=env))
+        procs.append(subprocess.Popen([sys.executable, "-m", "hpctrain", verb, *argv], env=env))
 
     def forward(signum: int, _frame: object) -> None:
         for p in procs:
@@ -141,7 +142,7 @@ def run_local(
     for rank, code in enumerate(final):
         if rank != first_failed and code != 0:
             report.append(notes.get(rank) or describe_exit(rank, code))
-    print(f"hpctrain train: {'; '.join(report)}", file=sys.stderr, flush=True)
+    print(f"hpctrain {verb}: {'; '.join(report)}", file=sys.stderr, flush=True)
     return shell_code(final[first_failed])
 
 

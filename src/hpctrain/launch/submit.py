@@ -70,8 +70,10 @@ class TrainingJob(submitit.helpers.Checkpointable):
         return submitit.helpers.DelayedSubmission(TrainingJob(self.cfg))
 
 
-def exit_with_one_line(exc: HpctrainError, environ: Mapping[str, str] | None = None) -> NoReturn:
-    """End this task as `hpctrain train` would: one line on stderr and the kind's exit code.
+def exit_with_one_line(
+    exc: HpctrainError, environ: Mapping[str, str] | None = None, *, verb: str = "train"
+) -> NoReturn:
+    """End this task as `hpctrain <verb>` would: one line on stderr and the kind's exit code.
 
     A user's mistake (a bad shard, a locked run folder...) then reads in the task's log like
     the CLI's own error, and sacct shows its exit code, instead of a traceback and a pickled
@@ -83,7 +85,7 @@ def exit_with_one_line(exc: HpctrainError, environ: Mapping[str, str] | None = N
     rank = env.get("SLURM_PROCID")
     tag = f" [rank {rank}]" if rank is not None and env.get("SLURM_NTASKS", "1") != "1" else ""
     message = " ".join(str(exc).splitlines())
-    print(f"hpctrain train{tag}: {exc.label}: {message}", file=sys.stderr, flush=True)
+    print(f"hpctrain {verb}{tag}: {exc.label}: {message}", file=sys.stderr, flush=True)
     raise SystemExit(exc.exit_code)
 
 
@@ -365,3 +367,87 @@ def write_job_file(run_dir: Path, sub: Submitted, job: JobSpec) -> None:
     # Every job ever submitted into this run folder, for `hpctrain status` (resubmissions too).
     with open(slurm_dir / JOBS_FILE, "a", encoding="utf-8") as f:
         f.write(sub.job_id + "\n")
+
+
+# ------------------------------------------------------------- submit --eval / --predict
+@dataclass(frozen=True)
+class InferenceSpec:
+    """What an eval or predict job runs (the options of `hpctrain eval`/`predict`)."""
+
+    verb: str  # "eval" or "predict"
+    checkpoint: str = "latest"
+    data: str = ""  # predict: the data (default data.val)
+    out: str = ""  # eval: the record's file; predict: the destination
+    fmt: str = "jsonl"
+
+
+class InferenceJob:
+    """The callable submitit pickles for `submit --eval/--predict`: every task is one rank.
+
+    Not requeued on a signal (no state to save): a preempted job that SLURM requeues runs
+    again from the start; a prediction rewrites its destination.
+    """
+
+    def __init__(self, cfg: Config, spec: InferenceSpec) -> None:
+        self.cfg, self.spec = cfg, spec
+
+    def __call__(self) -> int:
+        spec = self.spec
+        try:
+            if spec.verb == "eval":
+                from hpctrain.train.evaluation import run_eval
+
+                code = run_eval(self.cfg, checkpoint=spec.checkpoint, out=spec.out)
+            else:
+                from hpctrain.train.prediction import run_predict
+
+                code = run_predict(
+                    self.cfg,
+                    checkpoint=spec.checkpoint,
+                    data=spec.data or self.cfg.data.val,
+                    out=spec.out,
+                    fmt=spec.fmt,
+                )
+        except HpctrainError as exc:
+            exit_with_one_line(exc, verb=spec.verb)
+        return code
+
+
+def absolute_local(value: str) -> str:
+    """A local path made absolute (the job may start elsewhere); URLs and names as they are."""
+    if not value or "://" in value or value in ("latest", "best") or value.startswith("pipe:"):
+        return value
+    return str(Path(value).resolve())
+
+
+def submit_inference(cfg: Config, job: JobSpec, spec: InferenceSpec) -> Submitted:
+    """Submit an eval or predict job of `cfg`'s run; the job's ranks are its SLURM tasks.
+
+    It is not recorded in the run folder's `slurm/job.json` (that is the training job's,
+    for `hpctrain status`); its logs go to the same `slurm.folder`.
+
+    Raises:
+        LaunchError: an unsafe value, before anything is submitted.
+    """
+    spec = dataclasses.replace(
+        spec,
+        checkpoint=absolute_local(spec.checkpoint),
+        data=absolute_local(spec.data),
+        out=absolute_local(spec.out),
+    )
+    check_submission(cfg, job)
+    for key, value in (
+        ("--checkpoint", spec.checkpoint),
+        ("--data", spec.data),
+        ("--out", spec.out),
+    ):
+        check_no_credential(value, key)
+    job = dataclasses.replace(job, job_name=f"{job.job_name}-{spec.verb}")
+    executor = make_executor(job, log_folder(cfg) / "submitit")
+    sjob = executor.submit(InferenceJob(cfg, spec))
+    return Submitted(
+        job_id=str(sjob.job_id),
+        run_dir=cfg.run_dir,
+        stdout=str(sjob.paths.stdout),
+        stderr=str(sjob.paths.stderr),
+    )

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,8 +142,17 @@ def read_model_weights(
             del weights[MODEL_PREFIX + param_name]
         weights.update(averaged)
     # DCP reads each tensor from every shard file that holds a piece of it (resharding to one).
+    # no_dist: this process alone, also inside a job's process group (`hpctrain eval` ranks);
+    # DCP then warns that it loads in one process, which is the intent.
     try:
-        dcp.load(weights, storage_reader=store.reader(name, checksums), planner=SafeLoadPlanner())
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(
+                weights,
+                storage_reader=store.reader(name, checksums),
+                planner=SafeLoadPlanner(),
+                no_dist=True,
+            )
     except CheckpointException as exc:
         inner = sorted(exc.failures.items())[0][1][0]
         text = str(inner).splitlines()[0] if str(inner) else type(inner).__name__

@@ -57,6 +57,16 @@ class Task(Protocol):
     - `summarize(sums: dict[str, torch.Tensor]) -> dict[str, float]`: turns the evaluation
       sums (added over batches and ranks, any shape: a confusion matrix, histograms) into the
       final metrics (mIoU, mAP). Without it each sum is divided by `sums["count"]`.
+    - `predict(model: nn.Module, batch: Batch) -> list[dict[str, Any]]`: what `hpctrain
+      predict` writes per sample: one dict per sample of the batch, in batch order (padding
+      and fillers included: hpctrain drops the samples flagged `valid=False` and adds the
+      sample's `key`). Values are JSON-able (numbers, strings, lists, dicts) or tensors /
+      numpy arrays (lists in JSONL, `.npy` members in shards); a tensor under a name ending
+      in `.png` is a 2-D class-id mask (a PNG member in shards, run-length encoded in JSONL;
+      see `hpctrain.train.prediction`). Runs under `torch.no_grad()` and the run's autocast,
+      with the model in eval mode, on every rank. Without it `hpctrain predict` is refused.
+    - `predict_transform() -> Callable[[Sample], Sample]`: the per-sample transform for
+      `predict` (data to predict on may have no targets); default `eval_transform()`.
     """
 
     def build_model(self) -> nn.Module:
@@ -94,7 +104,7 @@ class Task(Protocol):
         ...
 
 
-OPTIONAL_HOOKS = ("decode", "collate", "summarize")
+OPTIONAL_HOOKS = ("decode", "collate", "summarize", "predict", "predict_transform")
 
 
 def masked_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

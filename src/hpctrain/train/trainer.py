@@ -18,9 +18,10 @@ from hpctrain.checkpoint import CheckpointManager, ModelOptimizerState, PerRankS
 from hpctrain.config import Config, ConfigError, config_to_yaml
 from hpctrain.data import ShardedLoader, open_index
 from hpctrain.data.index import ShardIndex
-from hpctrain.dist import DistEnv, all_reduce_tensors, new_cpu_group
+from hpctrain.dist import DistEnv, new_cpu_group
 from hpctrain.train.ema import CHECKPOINT_KEY as EMA_KEY
 from hpctrain.train.ema import build_ema
+from hpctrain.train.evaluation import evaluate, to_device
 from hpctrain.train.gpu_stats import GpuCounters
 from hpctrain.train.memory import OOMSnapshots
 from hpctrain.train.metrics import IntervalMeter, MetricMonitor, MetricsWriter, peak_memory_mb
@@ -29,7 +30,7 @@ from hpctrain.train.parallel import no_gradient_sync, parallelize
 from hpctrain.train.precision import device_facts, make_grad_scaler, plan_training
 from hpctrain.train.preemption import REQUEUE_EXIT_CODE, PreemptionFlag
 from hpctrain.train.profiling import StepProfiler
-from hpctrain.train.task import Batch, divide_by_count, load_task
+from hpctrain.train.task import Batch, load_task
 from hpctrain.train.trackers import check_trackers, start_trackers
 
 log = logging.getLogger("hpctrain")
@@ -69,18 +70,6 @@ def require_tensorboard() -> None:
             "logging.tensorboard=true needs the tensorboard package: "
             "pip install 'hpctrain[tensorboard]' (or set logging.tensorboard=false)"
         ) from None
-
-
-def to_device(batch: Batch, device: torch.device) -> Batch:
-    """Every tensor field of `batch` on `device`; other fields (keys, strings, dicts) as they are."""
-    if device.type == "cpu":  # the loader's tensors are on the CPU already
-        return batch
-    # non_blocking only from pinned memory (the loader pins batches for CUDA devices unless
-    # data.pin_memory=false): an asynchronous copy needs page-locked source memory.
-    return {
-        k: v.to(device, non_blocking=v.is_pinned()) if isinstance(v, torch.Tensor) else v
-        for k, v in batch.items()
-    }
 
 
 class Trainer:
@@ -440,32 +429,23 @@ class Trainer:
         its `summarize` (default: divide by `count`) makes the final metrics.
         """
         assert self.val_loader is not None
-        self.model.eval()
-        self.val_loader.set_epoch(0)
-        sums: dict[str, torch.Tensor] = {}
-        ema = self.ema if self.cfg.train.ema_eval else None
-        if ema is not None:
-            ema.swap()  # the EMA into the model for this evaluation, swapped back below
-        for batch in self.val_loader:
-            with self.precision.autocast():
-                values = self.task.eval_metrics(self.model, to_device(batch, self.device))
-            for name, value in values.items():
-                value = value.detach().double()
-                sums[name] = sums[name] + value if name in sums else value
-        if ema is not None:
-            ema.swap()
-        self.model.train()
-        totals = {name: total.cpu() for name, total in all_reduce_tensors(sums).items()}
-        summarize = getattr(self.task, "summarize", divide_by_count)
         record: dict[str, Any] = {
             "kind": "eval",
             "step": self.state.step,
             "epoch": self.state.epoch,
         }
+        ema = self.ema if self.cfg.train.ema_eval else None
+        if ema is not None:
+            ema.swap()  # the EMA into the model for this evaluation, swapped back below
+        try:
+            record.update(
+                evaluate(self.task, self.model, self.val_loader, self.precision, self.device)
+            )
+        finally:
+            if ema is not None:
+                ema.swap()
         if self.ema is not None:
             record["weights"] = "ema" if ema is not None else "model"
-        record.update({f"val_{name}": float(value) for name, value in summarize(totals).items()})
-        record["val_samples"] = int(totals["count"]) if "count" in totals else 0
         return record
 
     def log_record(self) -> dict[str, Any]:

@@ -58,8 +58,10 @@ class ClassificationTransform:
         multi_label: bool = False,
         scale: tuple[float, float] = (0.5, 1.0),
         hflip: bool = True,
+        with_target: bool = True,
     ) -> None:
         self.num_classes = num_classes
+        self.with_target = with_target  # False for predictions: the data may have no labels
         self.image_field = image_field
         self.target_field = target_field
         self.multi_label = multi_label
@@ -76,6 +78,8 @@ class ClassificationTransform:
         key = sample["key"]
         name = image_field(sample, self.image_field)
         image = self.transform(as_rgb(sample[name], key, name))
+        if not self.with_target:
+            return {"key": key, "image": image}
         label = self.multi_hot(sample) if self.multi_label else self.label(sample)
         return {"key": key, "image": image, "label": label}
 
@@ -151,12 +155,13 @@ class ImageClassification:
                 f"model.num_classes={num_classes}: the index {index.base_url or '(pattern)'} names {len(index.class_names)} classes"
             )
         self.num_classes = num_classes
+        self.class_names = tuple(index.class_names)
 
     def build_model(self) -> nn.Module:
         name = self.cfg.model.name or "small_cnn"
         return build_classifier(name, self.num_classes, self.cfg.model.image_size)
 
-    def _transform(self, train: bool) -> ClassificationTransform:
+    def _transform(self, train: bool, with_target: bool = True) -> ClassificationTransform:
         return ClassificationTransform(
             self.cfg.model.image_size,
             train=train,
@@ -166,6 +171,7 @@ class ImageClassification:
             multi_label=self.options.multi_label,
             scale=self.scale,
             hflip=self.cfg.augment.hflip,
+            with_target=with_target,
         )
 
     def train_transform(self) -> ClassificationTransform:
@@ -173,6 +179,41 @@ class ImageClassification:
 
     def eval_transform(self) -> ClassificationTransform:
         return self._transform(train=False)
+
+    def predict_transform(self) -> ClassificationTransform:
+        return self._transform(train=False, with_target=False)
+
+    def class_name(self, label: int) -> str:
+        return self.class_names[label] if label < len(self.class_names) else str(label)
+
+    def predict(self, model: nn.Module, batch: dict[str, Any]) -> list[dict[str, Any]]:
+        """Per sample: the top class and the top-5 with names and probabilities (softmax);
+        multi-label: the classes at probability >= 0.5 and every class's probability."""
+        logits = self._logits(model, batch)
+        if self.options.multi_label:
+            outputs = []
+            for row in torch.sigmoid(logits).cpu().tolist():
+                labels = [i for i, p in enumerate(row) if p >= 0.5]
+                outputs.append(
+                    {
+                        "labels": labels,
+                        "classes": [self.class_name(i) for i in labels],
+                        "probabilities": [round(p, 6) for p in row],
+                    }
+                )
+            return outputs
+        probabilities = torch.softmax(logits, dim=1)
+        top = probabilities.topk(min(5, logits.shape[1]), dim=1)
+        outputs = []
+        for values, labels in zip(
+            top.values.cpu().tolist(), top.indices.cpu().tolist(), strict=True
+        ):
+            top_k = [
+                {"label": label, "class": self.class_name(label), "probability": round(p, 6)}
+                for p, label in zip(values, labels, strict=True)
+            ]
+            outputs.append({**top_k[0], "top_k": top_k})
+        return outputs
 
     def _logits(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         logits: torch.Tensor = model(normalize(batch["image"], self.cfg.model.channels_last))

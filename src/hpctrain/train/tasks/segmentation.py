@@ -104,8 +104,10 @@ class SegmentationTransform:
         mask_field: str = "",
         scale: tuple[float, float] = (0.5, 1.0),
         hflip: bool = True,
+        with_mask: bool = True,
     ) -> None:
         self.num_classes = num_classes
+        self.with_mask = with_mask  # False for predictions: the data may have no masks
         self.ignore_index = ignore_index
         self.image_field = image_field
         self.mask_field = mask_field
@@ -123,6 +125,9 @@ class SegmentationTransform:
         key = sample["key"]
         name = image_field(sample, self.image_field)
         image = as_rgb(sample[name], key, name)
+        if not self.with_mask:
+            resized = self.transform(tv_tensors.Image(image))
+            return {"key": key, "image": resized.as_subclass(torch.Tensor)}
         mask = self.read_mask(sample)
         if mask.shape != image.shape[1:]:
             raise SampleError(
@@ -187,7 +192,7 @@ class Segmentation:
     def build_model(self) -> nn.Module:
         return build_segmenter(self.cfg.model.name or "unet", self.num_classes)
 
-    def _transform(self, train: bool) -> SegmentationTransform:
+    def _transform(self, train: bool, with_mask: bool = True) -> SegmentationTransform:
         return SegmentationTransform(
             self.cfg.model.image_size,
             train=train,
@@ -197,6 +202,7 @@ class Segmentation:
             mask_field=self.options.mask_field,
             scale=self.scale,
             hflip=self.cfg.augment.hflip,
+            with_mask=with_mask,
         )
 
     def train_transform(self) -> SegmentationTransform:
@@ -204,6 +210,17 @@ class Segmentation:
 
     def eval_transform(self) -> SegmentationTransform:
         return self._transform(train=False)
+
+    def predict_transform(self) -> SegmentationTransform:
+        return self._transform(train=False, with_mask=False)
+
+    def predict(self, model: nn.Module, batch: dict[str, Any]) -> list[dict[str, Any]]:
+        """Per sample: the predicted class-id mask at the model's input size (`mask.png`: a
+        PNG member in shards, run-length encoded in JSONL) and the classes it holds."""
+        predicted = self._logits(model, batch).argmax(dim=1)
+        dtype = torch.uint8 if self.num_classes <= 256 else torch.int32
+        masks = predicted.to(dtype).cpu()
+        return [{"mask.png": mask, "classes": mask.unique().tolist()} for mask in masks]
 
     def _logits(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         out = model(normalize(batch["image"], self.cfg.model.channels_last))

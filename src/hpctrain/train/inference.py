@@ -1,0 +1,188 @@
+"""What `hpctrain eval` and `hpctrain predict` share: a checkpoint's model on every rank.
+
+Each rank reads the checkpoint's model weights consolidated (`hpctrain.train.export`, from
+DDP or FSDP2 checkpoints alike, each rank on its own: no collective), builds the task's
+model from the same seed, loads the weights, then wraps it as training would
+(`train.strategy`, `train.precision`: DDP, or FSDP2 sharding it again) and reads the data
+with an evaluation loader: index order, padded to equal batches on every rank with padding
+flagged `valid=False`, so every sample is seen exactly once in the job.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hpctrain.checkpoint import CheckpointError
+from hpctrain.config import Config, ConfigError, with_overrides
+from hpctrain.data import ShardedLoader, open_index
+from hpctrain.data.index import ShardIndex, ShardIndexError, redact_url
+from hpctrain.dist import DistEnv, choose_device, process_group, resolve_env
+from hpctrain.train.entry import setup_logging
+from hpctrain.train.export import locate_checkpoint, read_model_weights
+from hpctrain.train.parallel import parallelize
+from hpctrain.train.precision import Precision, device_facts, plan_training
+from hpctrain.train.task import Task, load_task
+
+log = logging.getLogger("hpctrain")
+
+
+def find_checkpoint(cfg: Config, which: str) -> tuple[Any, str, dict[str, Any]]:
+    """(store, step folder, verified manifest) of `which`: `latest`, `best` or a path/URL.
+
+    `latest` is the checkpoint a resume would load (the newest committed one that verifies);
+    `best` the one `checkpoints/best` names (`checkpoint.keep_best`); a path may be a run
+    folder, a checkpoint folder or one `step-<N>` folder.
+
+    Raises:
+        CheckpointError: none there, or damaged (exit code 4).
+    """
+    root = cfg.checkpoint.dir or str(Path(cfg.run_dir) / "checkpoints")
+    if which in ("", "latest"):
+        return locate_checkpoint(root)
+    if which == "best":
+        return locate_checkpoint(root, best=True)
+    return locate_checkpoint(which)
+
+
+def class_index(cfg: Config, data_index: ShardIndex) -> ShardIndex:
+    """The index the task learns its classes from: the training index when it can be read.
+
+    The model's classes (their count and names) are the training data's; data to predict
+    on may carry no class names. A shard pattern is not read (counting its samples reads
+    every shard, and it names no classes).
+    """
+    spec = cfg.data.train
+    if not spec or spec.startswith("pipe:") or spec.endswith(".tar") or "{" in spec:
+        return data_index
+    try:
+        return open_index(spec, allow_pipe=False)
+    except ShardIndexError as exc:
+        log.warning("class names from the data's own index: data.train unreadable (%s)", exc)
+        return data_index
+
+
+def load_weights(model: nn.Module, weights: dict[str, torch.Tensor], where: str) -> None:
+    """Copy the checkpoint's weights into `model`; a mismatch names the first keys at fault."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(weights))
+    unexpected = sorted(set(weights) - set(own))
+    wrong = sorted(k for k in set(own) & set(weights) if own[k].shape != weights[k].shape)
+    if missing or unexpected or wrong:
+        problems = []
+        for label, keys in (("missing", missing), ("unexpected", unexpected), ("shape", wrong)):
+            if keys:
+                problems.append(f"{label}: {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}")
+        raise CheckpointError(
+            f"{where}: the checkpoint's weights do not fit the config's model "
+            f"({'; '.join(problems)}); check model.* overrides"
+        )
+    model.load_state_dict(weights)
+
+
+@dataclass
+class InferenceRun:
+    """One rank's share of an eval or predict job."""
+
+    cfg: Config
+    env: DistEnv
+    device: torch.device
+    task: Task
+    model: nn.Module
+    precision: Precision
+    loader: ShardedLoader
+    step: int  # the checkpoint's
+    checkpoint: str  # its folder (credentials stripped)
+    data: str  # the data spec (credentials stripped)
+
+
+@contextmanager
+def inference_session(
+    cfg: Config, checkpoint: str, data: str, *, key: str, predict: bool
+) -> Iterator[InferenceRun]:
+    """This process as one rank: the checkpoint's model, wrapped, and a loader over `data`.
+
+    Args:
+        checkpoint: `latest`, `best`, or a path (see `find_checkpoint`).
+        data: an index, folder or shard pattern; `key` names where it came from in errors.
+        predict: read samples with the task's `predict_transform` (when it has one).
+
+    Raises:
+        ConfigError: no data given; ShardIndexError: the data cannot be read (naming it);
+        CheckpointError: no usable checkpoint. All before any process group or model.
+    """
+    env = resolve_env()
+    setup_logging(env)
+    device = choose_device(env)
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ and env.local_world_size > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
+    if cfg.train.strategy == "none" and env.world_size > 1:
+        # `none` is refused for several training ranks (each would train its own copy);
+        # evaluating or predicting trains nothing, so the ranks share one model as under DDP.
+        cfg = with_overrides(cfg, ["train.strategy=ddp"])
+    if not data:
+        raise ConfigError(
+            f"{key} is empty: give an index.json path/URL, a folder or a shard pattern"
+        )
+    data_index = open_index(data, allow_pipe=cfg.data.allow_pipe)
+    store, name, manifest = find_checkpoint(cfg, checkpoint)
+    where = redact_url(store.path(name))
+    weights = read_model_weights(store, name, manifest)  # this process alone: see the module
+    log.info("rank %d/%d on %s: %s, data %s", env.rank, env.world_size, device, where, data)
+    # A caller that already joined the job's process group (a test, a notebook) keeps it.
+    group = (
+        nullcontext()
+        if dist.is_initialized()
+        else process_group(env, device, cfg.train.collective_timeout_s)
+    )
+    with group:
+        plan = plan_training(
+            cfg.train, device_facts(device, compile=cfg.train.compile), env.world_size
+        )
+        task = load_task(cfg, class_index(cfg, data_index))
+        torch.manual_seed(cfg.seed)  # FSDP2 needs equal weights everywhere: they are loaded
+        model = task.build_model()
+        load_weights(model, weights, where)
+        del weights
+        model = parallelize(model, cfg.train, plan, device, channels_last=cfg.model.channels_last)
+        transform = (
+            task.predict_transform()  # type: ignore[attr-defined]
+            if predict and hasattr(task, "predict_transform")
+            else task.eval_transform()
+        )
+        hooks = {h: getattr(task, h) for h in ("decode", "collate") if hasattr(task, h)}
+        loader = ShardedLoader(
+            data_index,
+            cfg.data,
+            rank=env.rank,
+            world_size=env.world_size,
+            seed=cfg.seed,
+            transform=transform,
+            train=False,
+            device=device,
+            **hooks,
+        )
+        try:
+            yield InferenceRun(
+                cfg=cfg,
+                env=env,
+                device=device,
+                task=task,
+                model=model,
+                precision=plan.precision,
+                loader=loader,
+                step=int(manifest["step"]),
+                checkpoint=where,
+                data=redact_url(data),
+            )
+        finally:
+            loader.close()

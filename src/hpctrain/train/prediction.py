@@ -1,0 +1,321 @@
+"""`hpctrain predict`: a task's per-sample outputs over a dataset, each sample exactly once.
+
+Every rank runs the task's `predict(model, batch) -> list[dict]` (one dict per sample, in
+batch order) over its share of the data (an evaluation loader: index order, padded to equal
+batches with padding flagged `valid=False`, which is dropped here) and writes one part;
+rank 0 writes the manifest last. The layout of DEST (a local folder or any fsspec URL):
+
+    DEST/part-00000-of-00002.jsonl   rank 0's samples: one JSON object a line, {"key": ..., <outputs>}
+    DEST/part-00001-of-00002.jsonl   (with --format shards: .tar shards, plus DEST/index.json)
+    DEST/manifest.json               written last: parts, sample counts, sha256, what was lost
+
+A part is written under a temporary name (`.tmp.part-...`) and renamed when its rank has
+finished; the manifest appears only once every rank's part is in place, so a DEST without
+`manifest.json` is not a complete prediction (a failed or killed job leaves none). A new
+prediction into the same DEST first removes the old manifest, index and parts.
+
+Values: JSON-able values go as they are; tensors and numpy arrays become lists in JSONL and
+`KEY.<name>.npy` members in shards (gathered JSON-able values in `KEY.json`), except a field
+whose name ends in `.png` (a class-id mask [H, W]): a PNG member `KEY.<name>` in shards,
+and in JSONL a run-length encoding `{"size": [H, W], "values": [...], "lengths": [...]}`
+of the row-major pixels. Shards output is itself a dataset: `hpctrain inspect DEST` reads it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import fsspec
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hpctrain.config import Config, ConfigError
+from hpctrain.convert.tar import ShardTarWriter
+from hpctrain.data.index import ShardIndex, ShardInfo, index_to_bytes, redact_url
+from hpctrain.errors import UsageError
+from hpctrain.train.evaluation import loss_counters, to_device
+
+log = logging.getLogger("hpctrain")
+
+FORMATS = ("jsonl", "shards")
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = "hpctrain-predictions"
+MANIFEST_VERSION = 1
+INDEX_NAME = "index.json"
+PART_PREFIX = "part-"
+TMP_PREFIX = ".tmp."
+
+
+def part_name(rank: int, world_size: int, fmt: str) -> str:
+    return f"{PART_PREFIX}{rank:05d}-of-{world_size:05d}.{'jsonl' if fmt == 'jsonl' else 'tar'}"
+
+
+def run_length(mask: torch.Tensor) -> dict[str, Any]:
+    """Row-major run-length encoding of a 2-D class-id mask: runs of equal values."""
+    flat = mask.detach().cpu().reshape(-1).to(torch.int64)
+    if flat.numel() == 0:
+        return {"size": list(mask.shape), "values": [], "lengths": []}
+    changes = torch.nonzero(flat[1:] != flat[:-1]).flatten() + 1
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), changes])
+    ends = torch.cat([changes, torch.tensor([flat.numel()])])
+    return {
+        "size": list(mask.shape),
+        "values": flat[starts].tolist(),
+        "lengths": (ends - starts).tolist(),
+    }
+
+
+def decode_run_length(encoded: Mapping[str, Any]) -> torch.Tensor:
+    """The mask `run_length` encoded (for readers of JSONL predictions)."""
+    values = torch.tensor(encoded["values"], dtype=torch.int64)
+    lengths = torch.tensor(encoded["lengths"], dtype=torch.int64)
+    return torch.repeat_interleave(values, lengths).reshape(encoded["size"])
+
+
+def as_array(value: Any) -> np.ndarray | None:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    if isinstance(value, np.ndarray):
+        return value
+    return None
+
+
+def png_bytes(array: np.ndarray, key: str, name: str) -> bytes:
+    """A 2-D integer array as a lossless greyscale PNG (8 bits, or 16 for ids above 255)."""
+    from PIL import Image
+
+    if array.ndim != 2 or array.dtype.kind not in "ui":
+        raise TypeError(
+            f"predict output {name!r} of sample {key!r}: a .png field must be a 2-D integer "
+            f"array, got {array.dtype} {list(array.shape)}"
+        )
+    if array.size and (array.min() < 0 or array.max() > 65535):
+        raise TypeError(f"predict output {name!r} of sample {key!r}: values outside 0..65535")
+    fits_8_bits = not array.size or array.max() <= 255
+    image = Image.fromarray(array.astype(np.uint8 if fits_8_bits else np.uint16))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def json_value(value: Any, key: str, name: str) -> Any:
+    array = as_array(value)
+    if array is None:
+        return value
+    if name.endswith(".png"):
+        return run_length(torch.from_numpy(np.ascontiguousarray(array)))
+    return array.tolist()
+
+
+def jsonl_line(key: str, outputs: Mapping[str, Any]) -> bytes:
+    """One sample's JSON line: `{"key": key, <outputs>}`."""
+    if "key" in outputs:
+        raise TypeError(f"predict output of sample {key!r} has a field 'key': it is hpctrain's")
+    record = {"key": key, **{n: json_value(v, key, n) for n, v in outputs.items()}}
+    try:
+        return (json.dumps(record) + "\n").encode()
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"predict output of sample {key!r} is not JSON-able: {exc}") from None
+
+
+def shard_members(key: str, outputs: Mapping[str, Any]) -> list[tuple[str, bytes]]:
+    """One sample's tar members: arrays as `.npy`/`.png`, everything else in `KEY.json`."""
+    members: list[tuple[str, bytes]] = []
+    plain: dict[str, Any] = {}
+    for name, value in outputs.items():
+        array = as_array(value)
+        if array is None:
+            plain[name] = value
+        elif name.endswith(".png"):
+            members.append((f"{key}.{name}", png_bytes(array, key, name)))
+        else:
+            buffer = io.BytesIO()
+            np.save(buffer, np.ascontiguousarray(array), allow_pickle=False)
+            member = name if name.endswith(".npy") else f"{name}.npy"
+            members.append((f"{key}.{member}", buffer.getvalue()))
+    if plain:
+        try:
+            members.insert(0, (f"{key}.json", json.dumps(plain).encode()))
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"predict output of sample {key!r} is not JSON-able: {exc}") from None
+    return members
+
+
+class PartWriter:
+    """One rank's part, written under a temporary name and renamed by `commit`."""
+
+    def __init__(self, fs: Any, root: str, name: str, fmt: str) -> None:
+        self.fs, self.fmt = fs, fmt
+        self.path = f"{root}/{name}"
+        self.tmp_path = f"{root}/{TMP_PREFIX}{name}"
+        self.file = fs.open(self.tmp_path, "wb")
+        self.tar = ShardTarWriter(self.file) if fmt == "shards" else None
+        self.sha256 = hashlib.sha256()
+        self.num_bytes = 0
+        self.num_samples = 0
+
+    def add(self, key: str, outputs: Mapping[str, Any]) -> None:
+        if self.tar is not None:
+            for name, data in shard_members(key, outputs):
+                self.tar.add(name, data)
+        else:
+            line = jsonl_line(key, outputs)
+            self.file.write(line)
+            self.sha256.update(line)
+            self.num_bytes += len(line)
+        self.num_samples += 1
+
+    def commit(self) -> dict[str, Any]:
+        """Finish the part and give it its final name; returns its manifest entry."""
+        if self.tar is not None:
+            digest = self.tar.finish()
+            self.num_bytes = self.tar.num_bytes
+        else:
+            digest = self.sha256.hexdigest()
+        self.file.close()
+        self.fs.mv(self.tmp_path, self.path)
+        return {
+            "url": self.path.rsplit("/", 1)[1],
+            "num_samples": self.num_samples,
+            "num_bytes": self.num_bytes,
+            "sha256": digest,
+        }
+
+    def discard(self) -> None:
+        try:
+            self.file.close()
+            self.fs.rm(self.tmp_path)
+        except (OSError, ValueError):  # already gone, or the store is unreachable: not complete
+            pass
+
+
+def clear_destination(fs: Any, root: str) -> None:
+    """Remove a previous prediction's manifest (first: it would vouch for old parts), index
+    and parts from `root`; nothing else there is touched."""
+    fs.makedirs(root, exist_ok=True)
+    for name in (MANIFEST_NAME, INDEX_NAME):
+        if fs.exists(f"{root}/{name}"):
+            fs.rm(f"{root}/{name}")
+    try:
+        entries = fs.ls(root, detail=False)
+    except FileNotFoundError:  # an object store prefix with nothing under it yet
+        entries = []
+    for entry in entries:
+        leaf = str(entry).rstrip("/").rsplit("/", 1)[-1]
+        if leaf.startswith((PART_PREFIX, TMP_PREFIX + PART_PREFIX)):
+            fs.rm(entry)
+
+
+def write_atomic(fs: Any, path: str, data: bytes) -> None:
+    tmp = path.rsplit("/", 1)
+    tmp_path = f"{tmp[0]}/{TMP_PREFIX}{tmp[1]}"
+    with fs.open(tmp_path, "wb") as f:
+        f.write(data)
+    fs.mv(tmp_path, path)
+
+
+def run_predict(
+    cfg: Config, *, checkpoint: str = "latest", data: str, out: str, fmt: str = "jsonl"
+) -> int:
+    """`hpctrain predict` in this process, as one rank of the job; returns the exit code.
+
+    Raises:
+        UsageError: a bad `--format` or `--out`; ConfigError: a task without `predict`.
+    """
+    from hpctrain.train.inference import inference_session
+
+    if fmt not in FORMATS:
+        raise UsageError(f"--format {fmt}: must be one of {'|'.join(FORMATS)}")
+    if not out:
+        raise UsageError("--out is empty: give a folder or fsspec URL for the predictions")
+    with inference_session(cfg, checkpoint, data, key="--data", predict=True) as run:
+        predict = getattr(run.task, "predict", None)
+        if not callable(predict):
+            raise ConfigError(
+                f"task={cfg.task!r}: {type(run.task).__name__} has no predict(model, batch) method"
+            )
+        env = run.env
+        try:
+            fs, root = fsspec.core.url_to_fs(out)
+            root = root.rstrip("/") or "/"
+            if env.is_main:
+                clear_destination(fs, root)
+        except OSError as exc:
+            raise UsageError(f"--out {redact_url(out)}: cannot write there: {exc}") from None
+        if env.is_distributed:
+            dist.barrier()  # the old manifest and parts are gone before any rank writes
+        writer = PartWriter(fs, root, part_name(env.rank, env.world_size, fmt), fmt)
+        try:
+            entry = predict_part(run, predict, writer)
+        except BaseException:
+            writer.discard()
+            raise
+        lost = loss_counters(run.loader, run.device)
+        entries: list[Any] = [entry]
+        if env.is_distributed:
+            entries = [None] * env.world_size
+            dist.all_gather_object(entries, entry)  # also: every rank's part is in place
+        if not env.is_main:
+            return 0
+        total = sum(e["num_samples"] for e in entries)
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "version": MANIFEST_VERSION,
+            "output": fmt,
+            "task": cfg.task,
+            "checkpoint": run.checkpoint,
+            "step": run.step,
+            "data": run.data,
+            "data_num_samples": run.loader.index.num_samples,
+            "num_samples": total,
+            **lost,
+            "world_size": env.world_size,
+            "parts": entries,
+        }
+        if fmt == "shards":
+            shards = tuple(
+                ShardInfo(e["url"], e["num_samples"], e["num_bytes"], e["sha256"])
+                for e in entries
+                if e["num_samples"]
+            )
+            if shards:
+                write_atomic(fs, f"{root}/{INDEX_NAME}", index_to_bytes(ShardIndex(shards=shards)))
+        write_atomic(
+            fs, f"{root}/{MANIFEST_NAME}", (json.dumps(manifest, indent=1) + "\n").encode()
+        )
+        summary = {k: v for k, v in manifest.items() if k != "parts"}
+        summary["manifest"] = f"{redact_url(out).rstrip('/')}/{MANIFEST_NAME}"
+        print(json.dumps(summary), flush=True)
+        if any(lost.values()):
+            log.warning(
+                "prediction lost data under data.on_error=skip: %s (not in the predictions)",
+                ", ".join(f"{k} {v}" for k, v in lost.items() if v),
+            )
+        return 0
+
+
+@torch.no_grad()
+def predict_part(run: Any, predict: Any, writer: PartWriter) -> dict[str, Any]:
+    """This rank's batches through `predict`; valid samples into `writer`, then committed."""
+    run.model.eval()
+    run.loader.set_epoch(0)
+    for batch in run.loader:
+        with run.precision.autocast():
+            outputs = predict(run.model, to_device(batch, run.device))
+        keys = batch["key"]
+        if not isinstance(outputs, list) or len(outputs) != len(keys):
+            got = f"{len(outputs)} items" if isinstance(outputs, list) else type(outputs).__name__
+            raise TypeError(
+                f"{type(run.task).__name__}.predict returned {got} for a batch of {len(keys)} "
+                "samples: it must return a list with one dict per sample, in batch order"
+            )
+        for key, valid, sample_outputs in zip(keys, batch["valid"].tolist(), outputs, strict=True):
+            if valid:  # padding and fillers for lost samples are copies: each sample once
+                writer.add(key, sample_outputs)
+    return writer.commit()
