@@ -40,12 +40,14 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
 
 import numpy as np
 
+from hpctrain.data.index import ShardIndex
+from hpctrain.data.locate import open_index
 from hpctrain.data.planning import (
     EpochPlan,
     PlanError,
@@ -61,6 +63,7 @@ WEIGHT_UNITS = 1 << 52
 # slot indices times quotas must fit in int64 (the schedule's closed form multiplies them)
 MAX_SLOTS = 3_000_000_000
 _CHUNK = 1 << 16  # slots whose source is computed at once in a worker
+T = TypeVar("T")
 
 
 class MixtureError(PlanError):
@@ -213,7 +216,9 @@ def check_state_sources(mixture: Mixture, state: Mapping[str, Any]) -> None:
 def with_state_origin(mixture: Mixture, state: Mapping[str, Any]) -> Mixture:
     """`mixture` with the origin a saved state recorded (same weights and epoch length)."""
     origins = tuple(
-        SourceOrigin(tuple(tuple(int(v) for v in r) for r in o["leftover"]), int(o["position"]))
+        SourceOrigin(
+            tuple((int(a), int(b), int(c)) for a, b, c in o["leftover"]), int(o["position"])
+        )
         for o in state["origins"]
     )
     return Mixture(
@@ -338,6 +343,38 @@ def _expand(segments: Sequence[Segment]) -> Iterator[tuple[int, int, bool]]:
     for seg in segments:
         for i in range(seg.start, seg.end):
             yield seg.shard, i, seg.valid
+
+
+def interleave(
+    the_plan: MixturePlan,
+    rank: int,
+    stream: int,
+    skip: int,
+    read: Callable[[list[Segment]], Iterator[T]],
+) -> Iterator[T]:
+    """A stream's items from `skip` on in reading order: one reader per source (each keeps
+    its shard open), taken from in the order the schedule gives."""
+    for per_source, chunks in the_plan.stream_reads(rank, stream, skip):
+        readers = [read(segs) for segs in per_source]
+        try:
+            for chunk in chunks:
+                for s in chunk.tolist():
+                    yield next(readers[s])
+        finally:
+            for reader in readers:
+                close = getattr(reader, "close", None)
+                if close is not None:
+                    close()
+
+
+def source_counts(
+    owner: np.ndarray, num_sources: int, shards: list[int], ok: list[bool]
+) -> list[int]:
+    """Per source, how many of a batch's samples (`shards` with flags `ok`) are valid."""
+    counts = np.bincount(
+        owner[np.asarray(shards, dtype=np.int64)][np.asarray(ok, dtype=bool)], minlength=num_sources
+    )
+    return [int(c) for c in counts]
 
 
 class MixturePlan(EpochPlan):
@@ -636,3 +673,58 @@ def default_name(path: str) -> str:
     if parts and parts[-1].endswith(".json") and len(parts) > 1:
         parts = parts[:-1]
     return os.path.basename(parts[-1]) if parts else path
+
+
+@dataclass(frozen=True)
+class MixtureIndex(ShardIndex):
+    """The shards of every source of a mixture, concatenated (URLs resolved), and the
+    mixture that plans them. Class names and tokenizer are the sources' common ones."""
+
+    mixture: Mixture | None = None
+
+
+def open_mixture(
+    sources: Sequence[Any],
+    samples_per_epoch: int = 0,
+    *,
+    allow_pipe: bool = False,
+    storage_options: dict[str, Any] | None = None,
+) -> MixtureIndex:
+    """Open every source's index (`path`, `weight`, `name` attributes, as `SourceConfig`)
+    and check they can be mixed, before any work."""
+    indexes, parts, names = [], [], []
+    first = 0
+    for i, src in enumerate(sources):
+        if not src.path:
+            raise MixtureError(f"data.train[{i}].path is empty")
+        index = open_index(src.path, storage_options, allow_pipe=allow_pipe)
+        name = src.name or default_name(src.path)
+        indexes.append(index)
+        names.append(name)
+        sizes = tuple(s.num_samples for s in index.shards)
+        parts.append(Source(name, float(src.weight), first, sizes))
+        first += len(sizes)
+    check_compatible(names, indexes)
+    mixture = Mixture(tuple(parts), samples_per_epoch)
+    shards = tuple(
+        replace(s, url=index.shard_url(j)) for index in indexes for j, s in enumerate(index.shards)
+    )
+    return MixtureIndex(
+        shards,
+        class_names=indexes[0].class_names,
+        tokenizer=indexes[0].tokenizer,
+        extra=dict(indexes[0].extra),
+        mixture=mixture,
+    )
+
+
+def open_train_index(data: Any) -> ShardIndex:
+    """`data.train`'s shards: one index (a string) or a mixture (a list of sources)."""
+    if isinstance(data.train, str):
+        return open_index(data.train, allow_pipe=data.allow_pipe)
+    return open_mixture(data.train, data.samples_per_epoch, allow_pipe=data.allow_pipe)
+
+
+def describe(train: Any) -> str:
+    """`data.train` for messages: the path, or the sources' paths."""
+    return train if isinstance(train, str) else ", ".join(s.path for s in train)
