@@ -397,6 +397,8 @@ class ShardedLoader:
         return True
 
     def _set_mixture(self, mixture: mix.Mixture) -> None:
+        if mixture == self.mixture:
+            return
         if self._pool is not None:  # workers hold the old plan's spec
             self._stop(self._pool)
         self._stream.spec = replace(self._stream.spec, mixture=mixture)
