@@ -241,3 +241,24 @@ def test_bad_mixtures_name_the_source():
         make_mixture([[3], [4]], [1.0, 0.0])
     with pytest.raises(MixtureError, match="also the name"):
         Mixture((Source("a", 1, 0, (3,)), Source("a", 1, 1, (3,))))
+
+
+@settings(max_examples=40, deadline=None)
+@given(mixture_args)
+def test_vectorised_tables_agree_with_the_streams(args):
+    mixture, p, _ = build(args)
+    owner = source_of(mixture)
+    k = p.streams_per_rank
+    segments = p.all_segments()
+    counts = p.source_table()
+    table = p.stream_table()
+    for i in range(p.world_size * k):
+        one = p.stream_segments(i // k, i % k)
+        assert segments[i] == one
+        valid = Counter()
+        for seg in one:
+            if seg.valid:
+                valid[int(owner[seg.shard])] += len(seg)
+        assert counts[i].tolist() == [valid[s] for s in range(len(mixture.sources))]
+        if all(seg.valid for seg in one):
+            assert table["shards"][i] == len(one)

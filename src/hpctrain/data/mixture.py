@@ -41,12 +41,12 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
 
-from hpctrain.data.index import ShardIndex
+from hpctrain.data.index import ShardIndex, ShardInfo, is_absolute_url
 from hpctrain.data.locate import open_index
 from hpctrain.data.planning import (
     EpochPlan,
@@ -555,12 +555,68 @@ class MixturePlan(EpochPlan):
         table["shards"], table["partial"] = shards, partial
         return table
 
+    def segment_table(self) -> dict[str, np.ndarray]:
+        """Every stream's segments as arrays, streams in rank-major order and each stream's
+        segments in `stream_segments` order: stream, shard, start, end, valid. Vectorised
+        (W=4096, K=8, 100k shards in a fraction of a second)."""
+        a, b = self.stream_table_slots()
+        n = self.num_samples
+        clo = self.schedule.counts(np.minimum(a, n))
+        chi = self.schedule.counts(np.minimum(b, n))
+        pieces = [_split_ranges(seq, clo[s], chi[s]) for s, seq in enumerate(self.sources)]
+        stream, shard, start, end = (np.concatenate([p[i] for p in pieces]) for i in range(4))
+        valid = np.ones(len(stream), dtype=bool)
+        k = self.streams_per_rank
+        padded = np.nonzero(b > n)[0]
+        if len(padded):  # padded streams: the slow path, few of them
+            keep = ~np.isin(stream, padded)
+            extra = [
+                (i, seg) for i in padded.tolist() for seg in self.stream_segments(i // k, i % k)
+            ]
+            stream = np.concatenate([stream[keep], [i for i, _ in extra]]).astype(np.int64)
+            shard = np.concatenate([shard[keep], [g.shard for _, g in extra]]).astype(np.int64)
+            start = np.concatenate([start[keep], [g.start for _, g in extra]]).astype(np.int64)
+            end = np.concatenate([end[keep], [g.end for _, g in extra]]).astype(np.int64)
+            valid = np.concatenate([valid[keep], [g.valid for _, g in extra]]).astype(bool)
+        order = np.argsort(stream, kind="stable")  # sources were cut one after the other
+        return {
+            "stream": stream[order],
+            "shard": shard[order],
+            "start": start[order],
+            "end": end[order],
+            "valid": valid[order],
+        }
+
     def all_segments(self) -> list[list[Segment]]:
-        return [
-            self.stream_segments(r, w)
-            for r in range(self.world_size)
-            for w in range(self.streams_per_rank)
-        ]
+        """`stream_segments` of every stream (rank-major), vectorised for big plans."""
+        t = self.segment_table()
+        out: list[list[Segment]] = [[] for _ in range(self.world_size * self.streams_per_rank)]
+        for i, sh, st, en, ok in zip(
+            t["stream"].tolist(),
+            t["shard"].tolist(),
+            t["start"].tolist(),
+            t["end"].tolist(),
+            t["valid"].tolist(),
+            strict=True,
+        ):
+            out[i].append(Segment(sh, st, en, ok))
+        return out
+
+
+def _split_ranges(
+    seq: SampleSequence, lo: np.ndarray, hi: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Contiguous, nondecreasing position ranges [lo_i, hi_i) of `seq` cut at its segment
+    boundaries: (range index, shard, start, end) of every piece, in order."""
+    cuts = np.unique(np.concatenate([seq.offsets, lo, hi]))
+    plo = cuts[:-1]
+    seg = np.searchsorted(seq.offsets, plo, side="right") - 1
+    which = np.searchsorted(lo, plo, side="right") - 1
+    inside = (which >= 0) & (plo < hi[np.maximum(which, 0)]) & (plo >= lo[np.maximum(which, 0)])
+    plo, phi = plo[inside], cuts[1:][inside]
+    seg, which = seg[inside], which[inside]
+    start = seq.start[seg] + (plo - seq.offsets[seg])
+    return which, seq.shard[seg], start, start + (phi - plo)
 
 
 def plan_mixture(
@@ -716,6 +772,13 @@ def open_mixture(
         extra=dict(indexes[0].extra),
         mixture=mixture,
     )
+
+
+def _resolve(base: str, url: str) -> str:
+    """`join_url(base, url)` for one shard (inlined: 100k shards take a noticeable time)."""
+    if not base or is_absolute_url(url):
+        return url
+    return base.rstrip("/") + "/" + url
 
 
 def open_train_index(data: Any) -> ShardIndex:
