@@ -42,7 +42,10 @@ def run(args: argparse.Namespace) -> int:
     if args.eval:
         raise UsageError("--eval: a mixture is planned for training only")
     index = open_mixture(
-        [SimpleNamespace(path=p, weight=w, name=n) for p, w, n in zip(paths, weights, names)],
+        [
+            SimpleNamespace(path=p, weight=w, name=n)
+            for p, w, n in zip(paths, weights, names, strict=True)
+        ],
         args.samples_per_epoch,
     )
     mixture = index.mixture
@@ -88,19 +91,19 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         out: dict[str, Any] = dict(summary)
         out["per_rank_samples"] = per_rank.tolist()
-        urls = [s.url for s in index.shards]
+        urls = index.urls
         seg = p.segment_table()
         bounds = np.searchsorted(seg["stream"], np.arange(len(table["rank"]) + 1))
-        rows = [
-            [urls[sh], st, en, ok]
-            for sh, st, en, ok in zip(
-                seg["shard"].tolist(),
+        # tuples built in C (zip), encoded as JSON arrays: [url, start, end, valid]
+        rows = list(
+            zip(
+                map(urls.__getitem__, seg["shard"].tolist()),
                 seg["start"].tolist(),
                 seg["end"].tolist(),
                 seg["valid"].tolist(),
                 strict=True,
             )
-        ]
+        )
         bounds_list = bounds.tolist()
         out["stream_segments"] = [
             {"rank": r, "worker": w, "batches": nb, "segments": rows[lo:hi]}
@@ -128,20 +131,22 @@ def run(args: argparse.Namespace) -> int:
         f"{p.batches_per_rank} batches per rank (every rank)"
     )
     print(f"remainder {args.remainder}: {p.num_dropped} samples dropped, {p.num_padded} padded")
-    for s, src in enumerate(sources):
+    for s, row in enumerate(sources):
         passes = (
-            f"pass {src['first_pass']}"
-            if src["first_pass"] == src["last_pass"]
-            else f"passes {src['first_pass']}-{src['last_pass']}"
+            f"pass {row['first_pass']}"
+            if row["first_pass"] == row["last_pass"]
+            else f"passes {row['first_pass']}-{row['last_pass']}"
         )
         print(
-            f"  {src['name']}: weight {src['weight'] / total_weight:.3f}, "
-            f"{src['samples_this_epoch']} samples this epoch of {src['num_samples']} ({passes}); "
+            f"  {row['name']}: weight {row['weight'] / total_weight:.3f}, "
+            f"{row['samples_this_epoch']} samples this epoch of {row['num_samples']} ({passes}); "
             f"share per rank {share[:, s].min():.4f}..{share[:, s].max():.4f}"
         )
     show = ranks or (list(range(p.world_size)) if p.world_size <= 16 else [])
     for r in show:
-        parts = ", ".join(f"{src['name']} {int(c)}" for src, c in zip(sources, per_rank[r]))
+        parts = ", ".join(
+            f"{src['name']} {int(c)}" for src, c in zip(sources, per_rank[r], strict=True)
+        )
         print(f"rank {r}: {parts}")
     for r in ranks:
         for w in range(p.streams_per_rank):
