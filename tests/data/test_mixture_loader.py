@@ -103,9 +103,7 @@ def source_of_key(key: str) -> str:
 
 
 def planned_keys(loader: ShardedLoader, rank: int) -> list[str]:
-    shard_number = [
-        first + i for sizes, first, _ in SOURCES.values() for i in range(len(sizes))
-    ]
+    shard_number = [first + i for sizes, first, _ in SOURCES.values() for i in range(len(sizes))]
     return [sample_key(shard_number[s], i) for s, i, ok in loader.plan().rank_order(rank) if ok]
 
 
@@ -124,7 +122,9 @@ def test_exposure_per_source_matches_the_plan(two_ranks):
         assert {n: stats[f"samples_seen/{n}"] for n in SOURCES} == {n: seen[n] for n in SOURCES}
     # realized proportions: 56 slots a epoch, 54 read (2 ranks x 9 batches x 3): 28/17/11 planned
     both = Counter(source_of_key(k) for r in ranks for b in r["full"] for k in b)
-    assert abs(both["big"] - 27) <= 2 and abs(both["mid"] - 16) <= 2 and abs(both["small"] - 11) <= 2
+    assert (
+        abs(both["big"] - 27) <= 2 and abs(both["mid"] - 16) <= 2 and abs(both["small"] - 11) <= 2
+    )
 
 
 @pytest.mark.distributed
