@@ -21,6 +21,7 @@ from hpctrain.data.index import ShardIndex, ShardInfo, index_to_bytes
 from hpctrain.data.mixture import MixtureError, open_mixture
 from hpctrain.launch.local import free_port
 from tests.data.loader_testkit import sample_key, write_shard
+from tests.data.token_testkit import SEQ_LEN, write_token_shards
 
 # name -> (shard sizes, first shard number: keys stay unique across sources, weight)
 SOURCES = {
@@ -202,3 +203,30 @@ def test_state_of_other_sources_is_refused(tmp_path):
     loader = ShardedLoader(swapped, data_cfg(0), rank=0, world_size=1, seed=5)
     with pytest.raises(MixtureError, match="saved for the sources"):
         loader.load_state_dict(state)
+
+
+def test_token_sources_mix_as_packed_sequences(tmp_path):
+    code = write_token_shards(tmp_path / "code")
+    web = write_token_shards(tmp_path / "web", [(9, 2), (3, 1)], max_doc_len=7)
+    index = open_mixture(
+        [
+            SourceConfig(path=str(tmp_path / "code"), weight=2.0),
+            SourceConfig(path=str(tmp_path / "web"), weight=1.0),
+        ]
+    )
+    cfg = DataConfig(batch_size=2, workers_per_rank=0, shuffle_buffer=0, seq_len=SEQ_LEN)
+    loader = ShardedLoader(index, cfg, rank=0, world_size=1, seed=1)
+    mixture = loader.mixture
+    assert mixture is not None
+    # the plan counts sequences: each source's per-shard counts from its num_tokens
+    assert sum(mixture.sources[1].shard_sizes) == sum(max(len(s) - 1, 0) // SEQ_LEN for s in web)
+    owner = mixture.source_of_shard()
+    planned = loader.plan().rank_order(0)
+    got = [(k, t) for b in loader for k, t in zip(b["key"], b["tokens"].tolist(), strict=True)]
+    assert len(got) == len(planned) > 0
+    for (shard, i, _), (key, tokens) in zip(planned, got, strict=True):
+        src = int(owner[shard])
+        local = shard - mixture.sources[src].first_shard
+        streams = code if src == 0 else web
+        assert key == f"train-{local:06d}/{i}"
+        assert tokens == streams[local][i * SEQ_LEN : i * SEQ_LEN + SEQ_LEN + 1]

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from hpctrain.data.mixture import open_mixture, plan_mixture
+from hpctrain.data.sequences import sequence_counts
 from hpctrain.errors import UsageError
 
 
@@ -50,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
     )
     mixture = index.mixture
     assert mixture is not None
+    if getattr(args, "seq_len", 0):  # the plan's items are packed sequences
+        mixture = mixture.with_shard_sizes(sequence_counts(index, args.seq_len))
     p = plan_mixture(
         mixture,
         world_size=args.world_size,

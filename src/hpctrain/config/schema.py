@@ -156,6 +156,13 @@ class DataConfig:
         if isinstance(self.train, str):
             return [("data.train", self.train)]
         return [(f"data.train[{i}].path", s.path) for i, s in enumerate(self.train)]
+    seq_len: int = _f(
+        0,
+        "0: samples as stored; N > 0: token shards (an index with a tokenizer) are read as "
+        "packed sequences of N+1 token ids (batch field `tokens`), cut every N tokens from "
+        "each shard's token stream; the tail shorter than a sequence is dropped and counted",
+        min=0,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -138,7 +138,10 @@ class Mixture:
             if not (s.weight > 0 and math.isfinite(s.weight)):
                 raise MixtureError(f"data.train[{i}].weight={s.weight!r}: must be > 0")
             if s.num_samples == 0:
-                raise MixtureError(f"data.train[{i}] ({s.name}): the source has no samples")
+                raise MixtureError(
+                    f"data.train[{i}] ({s.name}): the source has no samples (or, with "
+                    "data.seq_len, no sequence)"
+                )
         if self.samples_per_epoch < 0 or self.num_slots > MAX_SLOTS:
             raise MixtureError(
                 f"data.samples_per_epoch={self.samples_per_epoch}: must lie in [0, {MAX_SLOTS}]"
@@ -156,6 +159,15 @@ class Mixture:
     def quotas(self) -> list[int]:
         """Slots of each source per epoch: `num_slots` apportioned by the weights."""
         return apportion(self.num_slots, [s.weight for s in self.sources])
+
+    def with_shard_sizes(self, sizes: Sequence[int]) -> Mixture:
+        """The same mixture over other items per shard (all shards, in the mixture's order):
+        `data.seq_len` counts packed sequences instead of stored samples."""
+        sources = tuple(
+            replace(s, shard_sizes=tuple(sizes[s.first_shard : s.first_shard + len(s.shard_sizes)]))
+            for s in self.sources
+        )
+        return Mixture(sources, self.samples_per_epoch, self.origin_epoch, self.origins)
 
     def origin(self, s: int) -> SourceOrigin:
         return self.origins[s] if self.origins else SourceOrigin()
