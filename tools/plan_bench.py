@@ -1,6 +1,7 @@
 """Time `hpctrain plan` at scale: one source vs a 5-source mixture, 100k shards in all.
 
     PYTHONPATH=src .venv/bin/python tools/plan_bench.py [--repeat 3] [--world-size 4096]
+    PYTHONPATH=OTHER/src .venv/bin/python tools/plan_bench.py --one-source-only   # before
 
 Writes the indexes (no shard files: the plan reads only the index) into a temporary folder,
 then times `main(["plan", ...])` in this process (imports excluded; stdout to /dev/null),
@@ -52,6 +53,11 @@ def run() -> None:
     parser.add_argument("--workers-per-rank", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--shards", type=int, default=100_000)
+    parser.add_argument(
+        "--one-source-only",
+        action="store_true",
+        help="only the one-source cases (to time a revision without mixtures)",
+    )
     args = parser.parse_args()
     geometry = [
         "--world-size",
@@ -69,9 +75,10 @@ def run() -> None:
         cases = {
             "one source": ["plan", one, *geometry],
             "one source --json": ["plan", one, *geometry, "--json"],
-            "5-source mixture": ["plan", *mixed, *geometry],
-            "5-source mixture --json": ["plan", *mixed, *geometry, "--json"],
         }
+        if not args.one_source_only:
+            cases["5-source mixture"] = ["plan", *mixed, *geometry]
+            cases["5-source mixture --json"] = ["plan", *mixed, *geometry, "--json"]
         print(
             f"{args.shards} shards, W={args.world_size}, K={args.workers_per_rank}, "
             f"B={args.batch_size}; best of {args.repeat}",

@@ -230,3 +230,23 @@ def test_token_sources_mix_as_packed_sequences(tmp_path):
         streams = code if src == 0 else web
         assert key == f"train-{local:06d}/{i}"
         assert tokens == streams[local][i * SEQ_LEN : i * SEQ_LEN + SEQ_LEN + 1]
+
+
+def test_a_broken_shard_is_counted_against_its_source_under_skip(tmp_path):
+    for name, (sizes, first, _) in SOURCES.items():
+        make_source(tmp_path / name, sizes, first)
+    broken = tmp_path / "mid" / "train-000001.tar"
+    broken.write_bytes(broken.read_bytes()[:700])  # truncated inside its first sample
+    index = open_mixture(sources(str(tmp_path)))
+    strict = ShardedLoader(index, data_cfg(0), rank=0, world_size=1, seed=5)
+    with pytest.raises(Exception, match="train-000001.tar"):
+        for _ in strict:
+            pass
+    cfg = DataConfig(batch_size=3, workers_per_rank=0, shuffle_buffer=4, on_error="skip")
+    loader = ShardedLoader(index, cfg, rank=0, world_size=1, seed=5)
+    keys = [k for b in loader for k in keys_of(b)]
+    stats = loader.stats()
+    assert stats["samples_missing/mid"] == stats["samples_lost"] > 0
+    assert stats["samples_missing/big"] == stats["samples_missing/small"] == 0
+    seen = Counter(source_of_key(k) for k in keys)
+    assert {n: stats[f"samples_seen/{n}"] for n in SOURCES} == {n: seen[n] for n in SOURCES}
