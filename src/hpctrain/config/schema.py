@@ -150,12 +150,6 @@ class DataConfig:
         "a mixture's epoch in samples (all ranks); 0: the sum of its sources' samples",
         min=0,
     )
-
-    def train_paths(self) -> list[tuple[str, str]]:
-        """(dotted key, path) of every training source: one, or each of a mixture's."""
-        if isinstance(self.train, str):
-            return [("data.train", self.train)]
-        return [(f"data.train[{i}].path", s.path) for i, s in enumerate(self.train)]
     seq_len: int = _f(
         0,
         "0: samples as stored; N > 0: token shards (an index with a tokenizer) are read as "
@@ -163,6 +157,12 @@ class DataConfig:
         "each shard's token stream; the tail shorter than a sequence is dropped and counted",
         min=0,
     )
+
+    def train_paths(self) -> list[tuple[str, str]]:
+        """(dotted key, path) of every training source: one, or each of a mixture's."""
+        if isinstance(self.train, str):
+            return [("data.train", self.train)]
+        return [(f"data.train[{i}].path", s.path) for i, s in enumerate(self.train)]
 
 
 @dataclass(frozen=True, kw_only=True)
