@@ -86,6 +86,11 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
+        if isinstance(value, Sequence) and not isinstance(value, str):
+            # a list: the list member's own error names the item and key that is wrong
+            lists = [a for a in args if typing.get_origin(a) is list]
+            if lists:
+                return _coerce(value, lists[0], key, source)
         for arg in args:
             if arg is type(None):
                 continue
@@ -98,6 +103,13 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
         (item_tp,) = typing.get_args(tp) or (Any,)
         if isinstance(value, str) or not isinstance(value, Sequence):
             raise ConfigError(f"{key}={value!r} ({source}): expected a list")
+        if dataclasses.is_dataclass(item_tp):
+            items = []
+            for i, v in enumerate(value):
+                if not isinstance(v, Mapping):
+                    raise ConfigError(f"{key}[{i}]={v!r} ({source}): expected a mapping")
+                items.append(_build(item_tp, v, {"": source}, f"{key}[{i}]."))  # type: ignore[arg-type]
+            return items
         return [_coerce(v, item_tp, f"{key}[{i}]", source) for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, Mapping):

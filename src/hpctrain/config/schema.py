@@ -86,10 +86,20 @@ class SegmentationConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SourceConfig:
+    """One source of a mixture (`data.train` as a list; see README "Mixing several datasets")."""
+
+    path: str = _f("", "the source's shards: an index.json path/URL or a shard pattern")
+    weight: float = _f(1.0, "relative share of the training samples (> 0)", min=0.0)
+    name: str = _f("", "names its metrics (samples_seen/<name>); empty: the index's folder name")
+
+
+@dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    train: str = _f(
+    train: str | list[SourceConfig] = _f(
         "",
-        "training shards: an index.json path/URL or a shard pattern (dir/train-{000000..000009}.tar)",
+        "training shards: an index.json path/URL or a shard pattern (dir/train-{000000..000009}.tar); "
+        "or a mixture: a list of {path, weight, name}",
     )
     val: str = _f("", "validation shards, same forms as data.train; empty disables evaluation")
     batch_size: int = _f(64, "samples per batch on each rank", min=1)
@@ -141,6 +151,11 @@ class DataConfig:
         "against the index before any work: '' takes the index's, 'bytes' the built-in one, or "
         "the path of a tokenizer.json (compared by sha256)",
     )
+    samples_per_epoch: int = _f(
+        0,
+        "a mixture's epoch in samples (all ranks); 0: the sum of its sources' samples",
+        min=0,
+    )
     seq_len: int = _f(
         0,
         "0: samples as stored; N > 0: token shards (an index with a tokenizer) are read as "
@@ -148,6 +163,12 @@ class DataConfig:
         "each shard's token stream; the tail shorter than a sequence is dropped and counted",
         min=0,
     )
+
+    def train_paths(self) -> list[tuple[str, str]]:
+        """(dotted key, path) of every training source: one, or each of a mixture's."""
+        if isinstance(self.train, str):
+            return [("data.train", self.train)]
+        return [(f"data.train[{i}].path", s.path) for i, s in enumerate(self.train)]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -25,6 +25,7 @@ import fsspec
 import torch
 
 from hpctrain.config.schema import DataConfig
+from hpctrain.data import mixture as mix
 from hpctrain.data.index import ShardIndex, ShardIndexError
 from hpctrain.data.planning import EpochPlan, StageParams
 from hpctrain.data.samples import (
@@ -130,6 +131,11 @@ class ShardedLoader:
         self.dropped_tokens = 0  # per epoch: token-stream tails too short for a sequence
         if cfg.seq_len:  # token shards read as packed sequences (data/sequences.py)
             shard_sizes, vocab_size, self.dropped_tokens = sequence_layout(index, cfg.seq_len)
+        # a mixture (`hpctrain.data.mixture.MixtureIndex`) plans training only, over the
+        # items the plan counts (packed sequences with data.seq_len)
+        mixture = getattr(index, "mixture", None) if train else None
+        if mixture is not None:
+            mixture = mixture.with_shard_sizes(shard_sizes)
         spec = StreamSpec(
             urls=urls,
             shard_sizes=shard_sizes,
@@ -144,6 +150,7 @@ class ShardedLoader:
             storage_options=dict(storage_options or {}),
             max_image_pixels=cfg.max_image_pixels,
             in_process=cfg.workers_per_rank == 0,
+            mixture=mixture,
             seq_len=cfg.seq_len,
             vocab_size=vocab_size,
         )
@@ -151,6 +158,7 @@ class ShardedLoader:
         self._stages: tuple[StageParams, ...] = ()  # earlier stages of this epoch
         self._consumed = 0  # batches of the current stage handed out
         self._stats = dict.fromkeys(STAT_FIELDS, 0)
+        self._source_stats = [0] * (2 * len(spec.mixture.sources) if spec.mixture else 0)
         self._finished_on_load = False
         # the position of a pass, read by the workers when it starts (see `__iter__`)
         self.control = torch.zeros(CONTROL_INTS, dtype=torch.int64)
@@ -183,6 +191,8 @@ class ShardedLoader:
 
     def __len__(self) -> int:
         """Batches per rank in the current epoch (equal on every rank)."""
+        if self.mixture is not None and self.epoch < self.mixture.origin_epoch:
+            return self.position  # an epoch ended early by a change of the mixture's weights
         return sum(s.consumed for s in self._stages) + self.plan().batches_per_rank
 
     @property
@@ -241,8 +251,11 @@ class ShardedLoader:
 
     def _receive(self, batch: dict[str, Any]) -> dict[str, Any]:
         """A batch as the trainer gets it: its read counters taken out and counted."""
-        for name, value in zip(STAT_FIELDS, batch.pop("_stats"), strict=True):
+        counts = batch.pop("_stats")
+        for name, value in zip(STAT_FIELDS, counts, strict=False):
             self._stats[name] += value
+        for i, value in enumerate(counts[len(STAT_FIELDS) :]):  # a mixture's, per source
+            self._source_stats[i] += value
         return batch
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -298,7 +311,26 @@ class ShardedLoader:
     def stats(self) -> dict[str, int]:
         """Counters since the loader was built: retries, shards_failed, samples_lost (in
         shards that failed), samples_skipped (unusable samples), bytes_read, bytes_skipped."""
-        return dict(self._stats)
+        return {**self._stats, **self.source_stats()}
+
+    @property
+    def mixture(self) -> mix.Mixture | None:
+        """The mixture this loader plans (None: one source, or evaluation)."""
+        return self._stream.spec.mixture
+
+    def source_stats(self) -> dict[str, int]:
+        """A mixture's counters per source, since the loader was built:
+        `samples_seen/<name>` (valid samples handed out) and `samples_missing/<name>`
+        (planned but lost in a failed shard or skipped as unusable); {} for one source."""
+        if self.mixture is None:
+            return {}
+        names = self.mixture.names
+        n = len(names)
+        out = {f"samples_seen/{name}": self._source_stats[i] for i, name in enumerate(names)}
+        out.update(
+            {f"samples_missing/{name}": self._source_stats[n + i] for i, name in enumerate(names)}
+        )
+        return out
 
     # -- state ---------------------------------------------------------------------------
 
@@ -312,6 +344,7 @@ class ShardedLoader:
             "num_samples": sum(self.shard_sizes),
             "epoch": self.epoch,
             "stages": [s.to_dict() for s in (*self._stages, current)],
+            **({"mixture": self.mixture.to_dict()} if self.mixture is not None else {}),
             "seq_len": self.cfg.seq_len,
         }
 
@@ -336,6 +369,8 @@ class ShardedLoader:
             raise LoaderStateError(f"the loader state was saved with seed {state['seed']}")
         stages = [StageParams.from_dict(s) for s in state["stages"]]
         self.epoch = int(state["epoch"])
+        if self._load_mixture(state, stages):
+            return
         last = stages[-1]
         if last.same_layout(stage_params(self.params, tuple(stages[:-1]))):
             self._stages = tuple(stages[:-1])
@@ -345,6 +380,49 @@ class ShardedLoader:
             self._stages = tuple(s for s in stages if s.consumed > 0)
             self._consumed = 0
         self._finished_on_load = self.position >= len(self)
+
+    def _load_mixture(self, state: dict[str, Any], stages: list[StageParams]) -> bool:
+        """A mixture's origin from `state`; True when the weights changed: then the saved
+        epoch ends here and the next starts a new plan from every source's position."""
+        if self.mixture is None and "mixture" not in state:
+            return False
+        if self.mixture is None or "mixture" not in state:
+            raise LoaderStateError(
+                "the loader state was saved for "
+                + ("a mixture of sources" if "mixture" in state else "one source")
+                + ", this run reads "
+                + ("a mixture" if self.mixture is not None else "one source")
+            )
+        saved = state["mixture"]
+        mix.check_state_sources(self.mixture, saved)
+        if mix.same_weights(self.mixture, saved):
+            self._set_mixture(mix.with_state_origin(self.mixture, saved))
+            return False
+        old_sources = tuple(
+            replace(s, weight=float(w))
+            for s, w in zip(self.mixture.sources, saved["weights"], strict=True)
+        )
+        old = mix.with_state_origin(
+            mix.Mixture(old_sources, int(saved["samples_per_epoch"])), saved
+        )
+        self._set_mixture(mix.rebase(old, self.mixture, self.seed, self.epoch, stages))
+        log.info(
+            "mixture weights changed at epoch %d: epoch %d starts a new plan from every "
+            "source's position",
+            self.epoch,
+            self.epoch + 1,
+        )
+        self._stages, self._consumed = tuple(stages[:-1]), stages[-1].consumed
+        self._finished_on_load = True  # the trainer moves on to the next epoch
+        return True
+
+    def _set_mixture(self, mixture: mix.Mixture) -> None:
+        if mixture == self.mixture:
+            return
+        if self._pool is not None:  # workers hold the old plan's spec
+            self._stop(self._pool)
+        self._stream.spec = replace(self._stream.spec, mixture=mixture)
+        self._stream._plan_cache = None
 
 
 def pin_batch(batch: dict[str, Any]) -> dict[str, Any]:

@@ -30,6 +30,7 @@ import torch
 from hpctrain.data.collate import Batch, BatchMemory, Collator, Sample, pack_batch
 from hpctrain.data.decode import SampleError, decode_sample
 from hpctrain.data.index import redact_url
+from hpctrain.data.mixture import Mixture, MixturePlan, interleave, plan_mixture, source_counts
 from hpctrain.data.planning import EpochPlan, Segment, StageParams, derive_seed, plan
 from hpctrain.data.sequences import iter_sequences, shard_stem
 from hpctrain.data.stream import (
@@ -111,12 +112,25 @@ class StreamSpec:
     backoff_s: float = 0.05
     max_image_pixels: int = 0  # 0: no limit
     in_process: bool = False  # no workers: batches are made in the training process
+    mixture: Mixture | None = None  # several sources mixed by weight (`hpctrain.data.mixture`)
     seq_len: int = 0  # > 0: shards are token streams read as sequences (data.sequences)
     vocab_size: int = 0  # with seq_len: ids must lie below it
 
     def plan(self, epoch: int, stages: tuple[StageParams, ...]) -> EpochPlan:
         """The plan of the stage after `stages` of `epoch`."""
         p = stage_params(self.params, stages)
+        if self.mixture is not None:
+            return plan_mixture(
+                self.mixture,
+                world_size=p.world_size,
+                workers_per_rank=p.workers_per_rank,
+                batch_size=p.batch_size,
+                seed=self.seed,
+                epoch=epoch,
+                remainder=p.remainder,
+                shuffle_buffer=p.shuffle_buffer,
+                stages=stages,
+            )
         return plan(
             list(self.shard_sizes),
             world_size=p.world_size,
@@ -161,6 +175,7 @@ class SampleStream:
         self._opener: ThreadPoolExecutor | None = None
         self._stats = ReadStats()  # the current pass's counters
         self.worker_id = 0
+        self._owner: Any = None  # a mixture's source of every shard, made on first use
 
     def __getstate__(self) -> dict[str, Any]:
         # threads do not cross process boundaries (forkserver pickles the stream)
@@ -229,12 +244,12 @@ class SampleStream:
         if block >= length:
             block = max(length, 1)
         if the_plan.params.shuffle_buffer <= 1:
-            yield from self._read_range(segments, skip, length, stats)
+            yield from self._read_items(the_plan, stream, segments, skip, length, stats)
             return
         first_block = skip // block
         # one reader for the whole rest of the stream: a shard that spans two blocks stays
         # open between them instead of being reopened and re-skipped
-        items = self._read_range(segments, first_block * block, length, stats)
+        items = self._read_items(the_plan, stream, segments, first_block * block, length, stats)
         for b in range(first_block, math.ceil(length / block)):
             lo, hi = b * block, min(length, (b + 1) * block)
             chunk = list(itertools.islice(items, hi - lo))
@@ -242,6 +257,41 @@ class SampleStream:
             start = skip - lo if b == first_block else 0
             for j in order[start:]:
                 yield chunk[j]
+
+    def _read_items(
+        self,
+        the_plan: EpochPlan,
+        stream: int,
+        segments: list[Segment],
+        lo: int,
+        hi: int,
+        stats: ReadStats,
+    ) -> Iterator[Any]:
+        """Stream items [lo, hi) in reading order; a mixture's sources interleaved."""
+        if not isinstance(the_plan, MixturePlan):
+            return self._read_range(segments, lo, hi, stats)
+        return interleave(
+            the_plan,
+            self.spec.rank,
+            stream,
+            lo,
+            lambda segs: self._read_range(segs, 0, sum(len(s) for s in segs), stats),
+        )
+
+    def _source_counts(self, raw: list[Any], valid: list[bool]) -> list[int]:
+        """A mixture's per-source counters of a batch: valid samples, then samples planned
+        but lost or skipped (after the `STAT_FIELDS` in `_stats`)."""
+        mixture = self.spec.mixture
+        if mixture is None:
+            return []
+        if self._owner is None:
+            self._owner = mixture.source_of_shard()
+        shards = [seg.shard for seg, _, _, _ in raw]
+        missing = [seg.valid and not ok for (seg, _, _, _), ok in zip(raw, valid, strict=True)]
+        n = len(mixture.sources)
+        return source_counts(self._owner, n, shards, valid) + source_counts(
+            self._owner, n, shards, missing
+        )
 
     def _read_range(
         self, segments: list[Segment], lo: int, hi: int, stats: ReadStats
@@ -435,13 +485,15 @@ class SampleStream:
             for pos in missing:
                 kept[pos], keys[pos] = good_sample, good_key
             batch = self.collate(kept)  # type: ignore[arg-type]
-            return pack_batch(batch, keys, valid, memory, {"_stats": counters()}), good
+            stats = counters() + self._source_counts(raw, valid)
+            return pack_batch(batch, keys, valid, memory, {"_stats": stats}), good
         if collator is None:
             collator = Collator(good_sample, good_key, size, memory)
         for pos in missing:
             collator.put(pos, good_sample, good_key)
             keys[pos] = good_key
-        return collator.finish(keys, valid, {"_stats": counters()}), good
+        stats = counters() + self._source_counts(raw, valid)
+        return collator.finish(keys, valid, {"_stats": stats}), good
 
 
 def is_remote(url: str) -> bool:

@@ -42,7 +42,7 @@ def container_binds(cfg: Config) -> tuple[str, ...]:
     candidates = [
         local_folder(cfg.run_dir),
         local_folder(cfg.slurm.folder),
-        local_folder(cfg.data.train),
+        *(local_folder(path) for _, path in cfg.data.train_paths()),
         local_folder(cfg.data.val),
         local_folder(cfg.checkpoint.dir),
         *cfg.slurm.container_binds,

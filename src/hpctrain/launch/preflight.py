@@ -53,7 +53,7 @@ def check_profile(cfg: Config, profile: ClusterProfile) -> Check:
 
 def check_credentials(cfg: Config) -> Check:
     for key, value in (
-        ("data.train", cfg.data.train),
+        *cfg.data.train_paths(),
         ("data.val", cfg.data.val),
         ("checkpoint.dir", cfg.checkpoint.dir),
     ):
@@ -76,10 +76,10 @@ def check_data(cfg: Config) -> list[Check]:
 
     allow_pipe = cfg.data.allow_pipe
     checks = []
-    for key, spec in (("data.train", cfg.data.train), ("data.val", cfg.data.val)):
+    for key, spec in (*cfg.data.train_paths(), ("data.val", cfg.data.val)):
         if not spec:
-            if key == "data.train":
-                checks.append(Check(key, False, "data.train is empty"))
+            if key.startswith("data.train"):
+                checks.append(Check(key, False, f"{key} is empty"))
             continue
         scheme = urlparse(spec).scheme
         if scheme in ("http", "https") and not _is_local_host(urlparse(spec).hostname or ""):

@@ -160,7 +160,7 @@ def check_submission(cfg: Config, job: JobSpec) -> None:
     for i, line in enumerate(job.setup):
         check_setup_line(line, f"slurm.setup[{i}]")
     for key, value in (
-        ("data.train", cfg.data.train),
+        *cfg.data.train_paths(),
         ("data.val", cfg.data.val),
         ("checkpoint.dir", cfg.checkpoint.dir),
         ("run_dir", cfg.run_dir),

@@ -26,6 +26,7 @@ from hpctrain.checkpoint import CheckpointError
 from hpctrain.config import Config, ConfigError, with_overrides
 from hpctrain.data import ShardedLoader, open_index
 from hpctrain.data.index import ShardIndex, ShardIndexError, redact_url
+from hpctrain.data.mixture import open_train_index
 from hpctrain.dist import DistEnv, choose_device, process_group, resolve_env
 from hpctrain.train.entry import setup_logging
 from hpctrain.train.export import locate_checkpoint, read_model_weights
@@ -62,6 +63,12 @@ def class_index(cfg: Config, data_index: ShardIndex) -> ShardIndex:
     every shard, and it names no classes).
     """
     spec = cfg.data.train
+    if not isinstance(spec, str):  # a mixture: its sources agree on the classes
+        try:
+            return open_train_index(cfg.data)
+        except ShardIndexError as exc:
+            log.warning("class names from the data's own index: data.train unreadable (%s)", exc)
+            return data_index
     if not spec or spec.startswith("pipe:") or spec.endswith(".tar") or "{" in spec:
         return data_index
     try:

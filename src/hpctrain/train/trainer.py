@@ -18,7 +18,9 @@ from hpctrain.checkpoint import CheckpointManager, ModelOptimizerState, PerRankS
 from hpctrain.config import Config, ConfigError, config_to_yaml
 from hpctrain.data import ShardedLoader, open_index
 from hpctrain.data.index import ShardIndex
-from hpctrain.dist import DistEnv, new_cpu_group
+from hpctrain.data.mixture import describe as describe_train
+from hpctrain.data.mixture import open_train_index
+from hpctrain.dist import DistEnv, all_reduce_sum, new_cpu_group
 from hpctrain.train.ema import CHECKPOINT_KEY as EMA_KEY
 from hpctrain.train.ema import build_ema
 from hpctrain.train.evaluation import evaluate, to_device
@@ -80,7 +82,7 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.check_config()
         self.configure_torch()
-        train_index = open_index(cfg.data.train, allow_pipe=cfg.data.allow_pipe)
+        train_index = open_train_index(cfg.data)  # one index, or a mixture of sources
         self.task = load_task(cfg, train_index)
         self.build_model()
         self.build_loaders(train_index)
@@ -196,7 +198,7 @@ class Trainer:
             self.steps_per_epoch = max(1, cfg.train.overfit_batches // cfg.train.grad_accum_steps)
         if self.steps_per_epoch == 0:
             raise ConfigError(
-                f"data.batch_size={cfg.data.batch_size}: {cfg.data.train} gives each of {self.env.world_size} ranks "
+                f"data.batch_size={cfg.data.batch_size}: {describe_train(cfg.data.train)} gives each of {self.env.world_size} ranks "
                 f"fewer than train.grad_accum_steps={cfg.train.grad_accum_steps} batches per epoch"
             )
         self.total_steps = cfg.train.max_steps or cfg.train.max_epochs * self.steps_per_epoch
@@ -469,6 +471,10 @@ class Trainer:
         record["samples_seen"] = self.state.samples_seen
         for name, value in self.loader.stats().items():
             record[f"loader_{name}"] = value
+        per_source = self.loader.source_stats()  # a mixture's (every rank has one or none)
+        if per_source:
+            totals = all_reduce_sum([float(v) for v in per_source.values()], self.device)
+            record.update({name: int(v) for name, v in zip(per_source, totals, strict=True)})
         return record
 
     def log_samples(self, batch: Batch) -> None:
