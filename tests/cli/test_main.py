@@ -124,7 +124,7 @@ INTERMIXED = {
     "sync": (["--dry-run", "runs/x"], {"run_dir": "runs/x", "dry_run": True}),
     "convert": (["--shuffle", "src", "--seed", "3", "dest"], {"src": "src", "dest": "dest", "seed": 3, "shuffle": True}),
     "inspect": (["--verify", "d", "--keys", "2"], {"dest": "d", "verify": True, "keys": 2}),
-    "plan": (["--world-size", "2", "d", "--batch-size", "3"], {"data": "d", "world_size": 2, "batch_size": 3}),
+    "plan": (["--world-size", "2", "d", "--batch-size", "3"], {"data": ["d"], "world_size": 2, "batch_size": 3}),
     "submit": (["c.yaml", "--dry-run", "slurm.nodes=2", "--sweep", "train.lr=-1,-2", "seed=3"],
                {"overrides": ["slurm.nodes=2", "seed=3"], "sweep": ["train.lr=-1,-2"], "dry_run": True}),
     # a value that looks like an option after `=` is still an override
