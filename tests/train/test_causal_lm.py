@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -270,17 +271,18 @@ def test_export_pt_and_safetensors_rebuild_the_gpt_from_the_card(
     from hpctrain.cli.main import main
 
     expected = weights(trained, "ddp")
-    for out, load in (
-        (tmp_path / "lm.pt", lambda p: torch.load(p, weights_only=True)),
-        (tmp_path / "lm.safetensors", load_file),
+    for case, out, load in (
+        ("ddp", tmp_path / "ddp.pt", lambda p: torch.load(p, weights_only=True)),
+        ("fsdp", tmp_path / "fsdp.pt", lambda p: torch.load(p, weights_only=True)),
+        ("fsdp", tmp_path / "fsdp.safetensors", load_file),
     ):
-        assert main(["export", str(trained / "ddp"), str(out)]) == 0
+        assert main(["export", str(trained / case), str(out)]) == 0
         card = json.loads(out.with_suffix(".json").read_text())
         assert card["task"] == "causal_lm" and card["seq_len"] == SEQ_LEN and card["step"] == 6
         model = GPT(GPTConfig(**card["model"]))
         model.load_state_dict(load(out))  # strict: exactly the plain model's names
-        for name, value in model.state_dict().items():
-            assert torch.equal(value, expected[name]), name
+        for name, value in model.state_dict().items():  # FSDP2's export: DDP's weights, bitwise
+            assert torch.equal(value, expected[name]), f"{out.name}: {name}"
 
 
 @pytest.mark.distributed
@@ -288,17 +290,26 @@ def test_generate_continues_a_prompt_deterministically(
     trained: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from hpctrain.cli.main import main
+    from hpctrain.train.generate import generate_ids, load_gpt, run_tokenizer
 
     run_dir = str(trained / "ddp")
-    args = ["generate", run_dir, "--prompt", "the cat ", "--max-new-tokens", "12"]
-    assert main(args) == 0
-    first = capsys.readouterr().out
-    assert main(args) == 0
-    assert capsys.readouterr().out == first  # greedy: the same text every time
-    assert first.startswith("the cat ") and len(first.rstrip("\n")) > len("the cat ")
-    sampled = [*args, "--temperature", "1.0", "--top-k", "5", "--seed", "3"]
-    assert main(sampled) == 0
-    once = capsys.readouterr().out
-    assert main(sampled) == 0
-    assert capsys.readouterr().out == once  # the same seed, the same sample
+    assert main(["generate", run_dir, "--prompt", "the cat ", "--max-new-tokens", "12"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("the cat ") and len(printed.rstrip("\n")) > len("the cat ")
+
+    model, tree, step = load_gpt(run_dir)
+    assert step == 6 and not model.training
+    tokenizer = run_tokenizer(tree)
+    prompt = tokenizer.encode("the cat ")
+
+    def continuation(**sampling: Any) -> list[int]:
+        return generate_ids(
+            model, prompt, max_new_tokens=12, window=SEQ_LEN, stop_id=tokenizer.eod_id, **sampling
+        )
+
+    greedy = continuation()
+    assert continuation() == greedy  # greedy: the same text every time
+    assert printed == "the cat " + tokenizer.decode(greedy) + "\n"  # decode drops the EOD
+    sampled = continuation(temperature=1.0, top_k=5, seed=3)
+    assert continuation(temperature=1.0, top_k=5, seed=3) == sampled  # the same seed
     assert main(["generate", str(trained), "--prompt", "x"]) == 4  # no checkpoint there
