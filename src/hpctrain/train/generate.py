@@ -10,6 +10,7 @@ trained model, not a serving path.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict
 from typing import Any
 
@@ -77,7 +78,10 @@ def load_gpt(
 
     store, name, manifest = locate_checkpoint(source, best=best)
     where = store.path(name)
-    weights = read_model_weights(store, name, manifest)
+    with warnings.catch_warnings():
+        # DCP's note that it loads without a process group: what this one process means to do
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        weights = read_model_weights(store, name, manifest)
     tree = run_config(manifest, where)
     cfg = gpt_config_for(tree, weights, where)
     model = GPT(cfg)
