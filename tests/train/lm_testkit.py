@@ -8,13 +8,12 @@ ids too short for another, dropped by the loader.
 
 from __future__ import annotations
 
-import hashlib
 import io
-import json
 import random
 import tarfile
 from pathlib import Path
 
+from hpctrain.data.index import ShardIndex, ShardInfo, index_to_bytes
 from hpctrain.data.tokens import encode_tokens
 
 SEQ_LEN = 32
@@ -43,37 +42,19 @@ def write_token_shards(
     """`folder/shard-<i>.tar` + `folder/index.json`; returns the index path."""
     folder.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
-    entries = []
+    shards = []
     for i in range(num_shards):
         name = f"shard-{i:06d}.tar"
-        buffer = io.BytesIO()
-        with tarfile.open(fileobj=buffer, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-            for j, doc in enumerate(documents(rng, TOKENS_PER_SHARD)):
+        with tarfile.open(folder / name, "w", format=tarfile.USTAR_FORMAT) as tar:
+            docs = documents(rng, TOKENS_PER_SHARD)
+            for j, doc in enumerate(docs):
                 data = encode_tokens(doc, "tokens.u16")
                 member = tarfile.TarInfo(f"{i:03d}-{j:04d}.tokens.u16")
                 member.size = len(data)
                 tar.addfile(member, io.BytesIO(data))
-            count = j + 1
-        data = buffer.getvalue()
-        (folder / name).write_bytes(data)
-        entries.append(
-            {
-                "url": name,
-                "num_samples": count,
-                "num_bytes": len(data),
-                "sha256": hashlib.sha256(data).hexdigest(),
-                "num_tokens": TOKENS_PER_SHARD,
-            }
-        )
-    index = {
-        "format": "hpctrain-shards",
-        "version": 1,
-        "num_samples": sum(e["num_samples"] for e in entries),
-        "num_bytes": sum(e["num_bytes"] for e in entries),
-        "num_tokens": TOKENS_PER_SHARD * num_shards,
-        "shards": entries,
-        "tokenizer": tokenizer or BYTES_TOKENIZER,
-    }
+        size = (folder / name).stat().st_size
+        shards.append(ShardInfo(name, len(docs), size, num_tokens=TOKENS_PER_SHARD))
+    index = ShardIndex(shards=tuple(shards), tokenizer=tokenizer or dict(BYTES_TOKENIZER))
     path = folder / "index.json"
-    path.write_text(json.dumps(index))
+    path.write_bytes(index_to_bytes(index))
     return path

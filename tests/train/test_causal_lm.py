@@ -16,12 +16,19 @@ import torch
 from hpctrain.config import ConfigError, load_config
 from hpctrain.data.decode import SampleError
 from hpctrain.data.index import ShardIndex, ShardInfo
+from hpctrain.data.sequences import num_sequences, sequence_key
 from hpctrain.train.models.gpt import GPT, GPTConfig
 from hpctrain.train.task import load_task
 from hpctrain.train.tasks.causal_lm import CausalLM
 from tests.checkpoint.test_resume_e2e import assert_same_training_state
 from tests.train.helpers import REPO, run_two_ranks
-from tests.train.lm_testkit import BYTES_TOKENIZER, SEQ_LEN, SEQUENCES_PER_SHARD, write_token_shards
+from tests.train.lm_testkit import (
+    BYTES_TOKENIZER,
+    SEQ_LEN,
+    SEQUENCES_PER_SHARD,
+    TOKENS_PER_SHARD,
+    write_token_shards,
+)
 
 TOKEN_INDEX = ShardIndex(
     shards=(ShardInfo("a.tar", 10, num_tokens=1000),), tokenizer=dict(BYTES_TOKENIZER)
@@ -248,7 +255,10 @@ def test_elastic_two_ranks_to_one_trains_every_remaining_sequence_once(
     trained: Path, lm_shards: Path
 ) -> None:
     keys = sample_keys(trained / "elastic")
-    expected = {f"shard-{s:06d}/{i}" for s in range(4) for i in range(SEQUENCES_PER_SHARD)}
+    assert num_sequences(TOKENS_PER_SHARD, SEQ_LEN) == SEQUENCES_PER_SHARD
+    expected = {
+        sequence_key(f"shard-{s:06d}", i) for s in range(4) for i in range(SEQUENCES_PER_SHARD)
+    }
     assert len(keys) == len(set(keys)) == len(expected), "every sequence of the epoch once"
     assert set(keys) == expected
 
