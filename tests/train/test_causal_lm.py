@@ -94,7 +94,7 @@ def test_eval_sums_and_bits_per_byte() -> None:
         sums = lm.eval_metrics(model, b)
     assert float(sums["count"]) == 3 and float(sums["tokens"]) == 3 * SEQ_LEN
     metrics = lm.summarize({k: v.double() for k, v in sums.items()})
-    loss = float(lm.token_losses(model, b["tokens"])[:3].mean())
+    loss = float(lm.token_losses(model, b["tokens"]).detach()[:3].mean())
     assert metrics["loss"] == pytest.approx(loss, rel=1e-6)
     assert metrics["perplexity"] == pytest.approx(math.exp(loss), rel=1e-6)
     assert metrics["bits_per_byte"] == pytest.approx(loss / math.log(2), rel=1e-6)
@@ -323,3 +323,29 @@ def test_generate_continues_a_prompt_deterministically(
     sampled = continuation(temperature=1.0, top_k=5, seed=3)
     assert continuation(temperature=1.0, top_k=5, seed=3) == sampled  # the same seed
     assert main(["generate", str(trained), "--prompt", "x"]) == 4  # no checkpoint there
+
+
+def test_a_tokenizer_file_is_the_one_the_shards_were_converted_with(tmp_path: Path) -> None:
+    """predict and generate decode with the file the index names, checked by its sha256."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from hpctrain.data.tokenizer import load_tokenizer
+    from hpctrain.train.tasks.causal_lm import load_index_tokenizer
+
+    def save_bpe(path: Path, vocab_size: int) -> None:
+        tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+        tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+        trainer = tokenizers.trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+        )
+        tok.train_from_iterator(["the cat sat on the mat"] * 20, trainer=trainer)
+        tok.save(str(path))
+
+    path = tmp_path / "tokenizer.json"
+    save_bpe(path, 270)
+    info = load_tokenizer(str(path)).info()
+    assert load_index_tokenizer(info).sha256 == info["sha256"]
+    save_bpe(path, 265)  # the file changed since the conversion
+    with pytest.raises(ConfigError, match=rf"tokenizer {path}: sha256 .* is not that of the file"):
+        load_index_tokenizer(info)

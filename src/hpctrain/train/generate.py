@@ -22,6 +22,7 @@ from hpctrain.data.locate import open_index
 from hpctrain.data.tokenizer import Tokenizer, check_tokenizer, load_tokenizer
 from hpctrain.errors import DataError, UsageError
 from hpctrain.train.models.gpt import GPT, GPTConfig, gpt_config
+from hpctrain.train.tasks.causal_lm import load_index_tokenizer
 
 CAUSAL_LM = "causal_lm"
 EMBEDDING = "tok_embeddings.weight"
@@ -197,30 +198,25 @@ def generate_text(
 
 def run_tokenizer(tree: dict[str, Any], spec: str = "") -> Tokenizer:
     """The tokenizer of a causal_lm run: `spec` ("bytes" or a tokenizer.json path) when given,
-    else the run's `data.tokenizer`, else the one its training index names (read from
-    `data.train`). A tokenizer.json must be the file the shards were converted with (sha256).
+    else the run's `data.tokenizer`, else the one its training index names (`data.train`),
+    checked against that index when it can be read (a tokenizer.json by its sha256).
 
     Raises:
-        UsageError: the training index cannot be read (give --tokenizer), or the file differs.
+        UsageError: no tokenizer given and the training index cannot be read.
+        ConfigError: a tokenizer other than the one the index records.
     """
     data = tree.get("data") or {}
-    spec = spec or str(data.get("tokenizer") or "")
-    expected_sha = ""
-    if not spec:
-        train = str(data.get("train") or "")
-        try:
-            index = open_index(train)
-        except DataError as exc:
+    configured = spec or str(data.get("tokenizer") or "")
+    train = str(data.get("train") or "")
+    try:
+        index = open_index(train)
+    except DataError as exc:
+        if not configured:
             raise UsageError(
                 f"the run's training index {train!r} names its tokenizer but cannot be read "
                 f"({exc}); give --tokenizer bytes|PATH"
             ) from None
-        info = check_tokenizer(index, "", train)
-        spec, expected_sha = str(info["name"]), str(info.get("sha256") or "")
-    tokenizer = load_tokenizer(spec)
-    if expected_sha and tokenizer.sha256 != expected_sha:
-        raise UsageError(
-            f"tokenizer {spec}: sha256 {tokenizer.sha256[:12]} is not that of the file the "
-            f"run's shards were converted with ({expected_sha[:12]}); give --tokenizer PATH"
-        )
-    return tokenizer
+        return load_tokenizer(configured)  # nothing to check it against
+    key = "--tokenizer" if spec else "data.tokenizer"
+    info = check_tokenizer(index, configured, train, key=key)
+    return load_index_tokenizer(info, configured)

@@ -47,12 +47,34 @@ def index_tokenizer(index: ShardIndex, spec: str, key: str, configured: str) -> 
     return check_tokenizer(index, configured, where)
 
 
-class SequenceTransform:
-    """Check a packed sequence and hand it on as int64 `{"key", "tokens": [seq_len + 1]}`."""
+def load_index_tokenizer(info: dict[str, Any], configured: str = "") -> Tokenizer:
+    """The tokenizer an index's `info` describes: `configured` ("bytes" or a tokenizer.json
+    path), else the spec it was converted with (its name), checked by sha256 when a file.
 
-    def __init__(self, seq_len: int, vocab_size: int) -> None:
+    Raises:
+        ConfigError: the file's sha256 is not the one the index records.
+        TokenizerError: the file cannot be loaded (missing, or the tokenizers library).
+    """
+    spec = configured or str(info["name"])
+    tokenizer = load_tokenizer(spec)
+    expected = str(info.get("sha256") or "")
+    if expected and tokenizer.sha256 != expected:
+        raise ConfigError(
+            f"tokenizer {spec}: sha256 {tokenizer.sha256[:12]} is not that of the file the "
+            f"shards were converted with ({expected[:12]})"
+        )
+    return tokenizer
+
+
+class SequenceTransform:
+    """Check a packed sequence and hand it on as int64 `{"key", "tokens": [seq_len + 1]}`.
+
+    Ids need no check here: the loader refuses ids outside the index tokenizer's vocabulary
+    (`hpctrain.data.sequences`), and the model's is at least as large.
+    """
+
+    def __init__(self, seq_len: int) -> None:
         self.length = seq_len + 1
-        self.vocab_size = vocab_size
 
     def __call__(self, sample: Sample) -> Sample:
         key = sample["key"]
@@ -95,7 +117,6 @@ class CausalLM:
                 f"model.vocab_size={cfg.model.vocab_size}: smaller than the vocabulary of the "
                 f"tokenizer {self.tokenizer['name']!r} of {cfg.data.train} ({vocab})"
             )
-        self.eod_id = int(self.tokenizer["eod_id"])
         m = cfg.model
         self.model_cfg: GPTConfig = gpt_config(
             m.name,
@@ -112,11 +133,9 @@ class CausalLM:
         self._text_tokenizer: Tokenizer | None = None  # loaded when `predict` first decodes
 
     def text_tokenizer(self) -> Tokenizer:
-        """The tokenizer itself (for decoding): `data.tokenizer`, else the file the index names."""
+        """The tokenizer itself (for decoding), see `load_index_tokenizer`."""
         if self._text_tokenizer is None:
-            self._text_tokenizer = load_tokenizer(
-                self.cfg.data.tokenizer or str(self.tokenizer["name"])
-            )
+            self._text_tokenizer = load_index_tokenizer(self.tokenizer, self.cfg.data.tokenizer)
         return self._text_tokenizer
 
     def flops_per_token(self) -> int:
@@ -127,10 +146,10 @@ class CausalLM:
         return GPT(self.model_cfg)
 
     def train_transform(self) -> SequenceTransform:
-        return SequenceTransform(self.seq_len, self.model_cfg.vocab_size)
+        return SequenceTransform(self.seq_len)
 
     def eval_transform(self) -> SequenceTransform:
-        return SequenceTransform(self.seq_len, self.model_cfg.vocab_size)
+        return SequenceTransform(self.seq_len)
 
     def token_losses(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         """Cross-entropy in nats of every target position, [B, seq_len], fp32."""
