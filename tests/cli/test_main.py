@@ -137,6 +137,7 @@ INTERMIXED = {
              {"source": "runs/x", "overrides": ["data.val=v"], "checkpoint": "best", "nproc": 2}),
     "predict": (["runs/x", "--out", "p", "seed=1", "--format", "shards"],
                 {"source": "runs/x", "overrides": ["seed=1"], "out": "p", "format": "shards"}),
+    "generate": (["--prompt", "hi", "runs/x", "--top-k", "3"], {"source": "runs/x", "prompt": "hi", "top_k": 3}),
 }  # fmt: skip
 
 

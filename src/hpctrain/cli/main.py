@@ -36,6 +36,7 @@ VERBS = [
     "bench",
     "eval",
     "predict",
+    "generate",
 ]
 
 

@@ -24,6 +24,7 @@ from hpctrain.dist import DistEnv, all_reduce_sum, new_cpu_group
 from hpctrain.train.ema import CHECKPOINT_KEY as EMA_KEY
 from hpctrain.train.ema import build_ema
 from hpctrain.train.evaluation import evaluate, to_device
+from hpctrain.train.flops import throughput_fields
 from hpctrain.train.gpu_stats import GpuCounters
 from hpctrain.train.memory import OOMSnapshots
 from hpctrain.train.metrics import IntervalMeter, MetricMonitor, MetricsWriter, peak_memory_mb
@@ -464,6 +465,10 @@ class Trainer:
             "epoch": self.state.epoch,
         }
         record.update(summary)
+        # tokens/s and MFU for tasks that define tokens_per_sample (causal_lm)
+        record.update(
+            throughput_fields(self.task, summary["samples_per_s"], self.env.world_size, self.device)
+        )
         record["lr"] = self.lr
         record["grad_norm"] = float(self.grad_norm)  # of the logged step
         record["peak_memory_mb"] = peak_memory_mb(self.device)
