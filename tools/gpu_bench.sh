@@ -7,8 +7,9 @@
 # MFU against the GPU's published dense bf16 peak. Last, the LLM case (`hpctrain bench gpu`):
 # the largest GPT preset that fits, bf16, FSDP2 over the GPUs, compiled, on token shards;
 # tokens/s, MFU, peak memory and data wait (--lm-preset gpt-1b for the MFU goal).
-# Runs the same on one H200 machine and on a Jean Zay node, from inside the job as ONE task (the script starts one process per visible GPU
-# itself; on one GPU, ddp and fsdp run unwrapped: FSDP2 needs two GPUs or more):
+# Runs the same on one H200 machine and on a Jean Zay node, from inside the job as ONE task
+# (the script starts one process per visible GPU itself; on one GPU, ddp and fsdp run
+# unwrapped: FSDP2 needs two GPUs or more):
 #
 #   tools/gpu_bench.sh                            # everything with defaults
 #   tools/gpu_bench.sh --steps 500 --images 50000 --workers 8 --batch-size 192

@@ -51,14 +51,11 @@ def test_counts_every_id_of_every_shard(tmp_path: Path) -> None:
     assert (counts[1], counts[2], counts[3], counts[7], counts[256]) == (3, 1, 1, 1, 3)
 
 
-def test_entropy_and_bits_per_byte_by_hand() -> None:
+def test_entropy_by_hand() -> None:
     counts = np.zeros(257, dtype=np.int64)
-    counts[[10, 11, 256]] = [2, 1, 1]  # "aab" + end of document: 4 tokens, 3 bytes
+    counts[[10, 11, 256]] = [2, 1, 1]  # "aab" + end of document
     per_token = -(2 * math.log2(0.5) + 2 * math.log2(0.25)) / 4
     assert unigram_bits(counts, counts, smoothing=0.0) == pytest.approx(per_token)
-    assert unigram_bits(counts, counts, per_byte_eod_id=256, smoothing=0.0) == pytest.approx(
-        per_token * 4 / 3
-    )
     # An id never seen in training costs finite bits under add-one smoothing.
     unseen = np.zeros(257, dtype=np.int64)
     unseen[12] = 1
@@ -73,9 +70,10 @@ def test_baseline_of_a_split_pair(tmp_path: Path) -> None:
     baseline = unigram_baseline(read_index(train), train, read_index(val), val)
     assert baseline.unit == "byte"
     assert (baseline.train_tokens, baseline.val_tokens) == (4, 4)
-    assert baseline.train_entropy == pytest.approx(-(2 * math.log2(0.5) + 2 * math.log2(0.25)) / 3)
+    # Bits per id: the end-of-document id is the separator byte between documents.
+    assert baseline.train_entropy == pytest.approx(-(2 * math.log2(0.5) + 2 * math.log2(0.25)) / 4)
     p = {1: 3 / 261, 2: 2 / 261, 256: 2 / 261}
-    expected = -(math.log2(p[1]) + 2 * math.log2(p[2]) + math.log2(p[256])) / 3
+    expected = -(math.log2(p[1]) + 2 * math.log2(p[2]) + math.log2(p[256])) / 4
     assert baseline.val_cross_entropy == pytest.approx(expected)
     assert "bits per byte" in baseline.describe()
     other = write_token_index(tmp_path / "other", [[[1, 256]]], tokenizer={**BYTES, "sha256": "x"})

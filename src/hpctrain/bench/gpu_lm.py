@@ -157,21 +157,17 @@ def choose_preset(
 
 
 def preset_shapes(vocab_size: int) -> list[PresetShape]:
-    """Every GPT preset with its parameter count, measured on the meta device."""
-    import torch
-
+    """Every GPT preset with its parameter count for `vocab_size`."""
     from hpctrain.train.models import gpt
 
     shapes = []
     for name in gpt.PRESETS:
-        with torch.device("meta"):
-            model = gpt.build_gpt(name, vocab_size=vocab_size)
-        config = model.config
+        config = gpt.gpt_config(name, vocab_size)
         shapes.append(
             PresetShape(
                 name=name,
-                num_parameters=sum(p.numel() for p in model.parameters()),
-                num_layers=config.num_layers,
+                num_parameters=gpt.num_params(config),
+                num_layers=config.n_layers,
                 dim=config.dim,
                 vocab_size=vocab_size,
             )
@@ -330,7 +326,7 @@ def train_flops_per_token(plan: LMPlan) -> float:
     """Training FLOPs per token of the plan's preset (forward + backward, no recomputation)."""
     from hpctrain.train.models import gpt
 
-    return float(gpt.flops_per_token(plan.preset, vocab_size=plan.vocab_size, seq_len=plan.seq_len))
+    return float(gpt.flops_per_token(gpt.gpt_config(plan.preset, plan.vocab_size), plan.seq_len))
 
 
 def report(run_dir: Path, plan: LMPlan, flops_per_token: float) -> dict[str, Any]:

@@ -9,9 +9,9 @@ split's frequencies, and the cross-entropy of the validation split's tokens unde
 figure a context-free model trained on the training split would reach on the validation
 split, the one to compare a model's validation loss with).
 
-Bits per byte, byte tokenizer: every id but the end-of-document id is one UTF-8 byte; the
-bits spent on end-of-document ids are charged to the bytes of their documents (the total bits
-of the token stream divided by its number of bytes), as `causal_lm` does for its loss.
+Bits per byte, byte tokenizer: every id is one byte of the stream the shards hold, the
+end-of-document id standing for the separator between documents; the figure is bits per id,
+as `causal_lm`'s `val_bits_per_byte` counts it.
 """
 
 from __future__ import annotations
@@ -97,11 +97,7 @@ def count_tokens(
 
 
 def unigram_bits(
-    model_counts: np.ndarray,
-    eval_counts: np.ndarray,
-    *,
-    per_byte_eod_id: int | None = None,
-    smoothing: float = 1.0,
+    model_counts: np.ndarray, eval_counts: np.ndarray, *, smoothing: float = 1.0
 ) -> float:
     """Cross-entropy of `eval_counts`' tokens under the frequencies of `model_counts`.
 
@@ -109,14 +105,11 @@ def unigram_bits(
         model_counts: token counts the unigram model is estimated from.
         eval_counts: token counts of the text it is scored on (the same array for the entropy
             of one split).
-        per_byte_eod_id: for the byte tokenizer, its end-of-document id: the result is then in
-            bits per byte (total bits over the number of ids other than this one) instead of
-            bits per token.
         smoothing: added to every count (Laplace), so that an id absent from `model_counts`
             costs finite bits; 0 gives the plain entropy when both arrays are the same.
 
     Returns:
-        Bits per token (or per byte).
+        Bits per token (per byte for the byte tokenizer).
     """
     if model_counts.shape != eval_counts.shape:
         raise ValueError(
@@ -127,10 +120,7 @@ def unigram_bits(
     if (probs[used] <= 0).any():
         raise ValueError("an evaluated id has probability 0: give smoothing > 0")
     total_bits = float(-(eval_counts[used] * np.log2(probs[used])).sum())
-    units = int(eval_counts.sum())
-    if per_byte_eod_id is not None:
-        units -= int(eval_counts[per_byte_eod_id])
-    return total_bits / max(1, units)
+    return total_bits / max(1, int(eval_counts.sum()))
 
 
 @dataclass(frozen=True)
@@ -171,7 +161,6 @@ def unigram_baseline(
         TokenCountError: see `count_tokens`, or a validation index of another tokenizer.
     """
     tokenizer = tokenizer_facts(train, train_where)
-    eod_id = int(tokenizer["eod_id"]) if tokenizer["name"] == BYTES_TOKENIZER else None
     train_counts = count_tokens(train, train_where, storage_options=storage_options)
     if not train_counts.any():
         raise TokenCountError(f"{train_where}: holds no tokens")
@@ -182,11 +171,11 @@ def unigram_baseline(
                 f"{val_where}: tokenizer {val.tokenizer} differs from {train_where}'s {tokenizer}"
             )
         val_counts = count_tokens(val, val_where, storage_options=storage_options)
-        val_bits = unigram_bits(train_counts, val_counts, per_byte_eod_id=eod_id)
+        val_bits = unigram_bits(train_counts, val_counts)
         val_tokens = int(val_counts.sum())
-    entropy = unigram_bits(train_counts, train_counts, per_byte_eod_id=eod_id, smoothing=0.0)
+    entropy = unigram_bits(train_counts, train_counts, smoothing=0.0)
     return UnigramBaseline(
-        unit="byte" if eod_id is not None else "token",
+        unit="byte" if tokenizer["name"] == BYTES_TOKENIZER else "token",
         train_entropy=entropy,
         val_cross_entropy=val_bits,
         train_tokens=int(train_counts.sum()),
