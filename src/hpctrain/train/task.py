@@ -126,6 +126,7 @@ def divide_by_count(sums: Mapping[str, torch.Tensor]) -> dict[str, float]:
 BUILTIN_TASKS = {
     "image_classification": "hpctrain.train.tasks.image_classification:ImageClassification",
     "segmentation": "hpctrain.train.tasks.segmentation:Segmentation",
+    "causal_lm": "hpctrain.train.tasks.causal_lm:CausalLM",
 }
 
 

@@ -19,6 +19,7 @@ from hpctrain.config import Config, ConfigError, config_to_yaml
 from hpctrain.data import ShardedLoader, open_index
 from hpctrain.data.index import ShardIndex
 from hpctrain.dist import DistEnv, all_reduce_tensors, new_cpu_group
+from hpctrain.train.flops import throughput_fields
 from hpctrain.train.metrics import IntervalMeter, MetricMonitor, MetricsWriter, peak_memory_mb
 from hpctrain.train.optim import build_optimizer, build_scheduler
 from hpctrain.train.parallel import no_gradient_sync, parallelize
@@ -452,6 +453,12 @@ class Trainer:
             "epoch": self.state.epoch,
         }
         record.update(summary)
+        # tokens/s and MFU for tasks that define tokens_per_sample (causal_lm)
+        record.update(
+            throughput_fields(
+                self.task, summary["samples_per_s"], self.env.world_size, self.device
+            )
+        )
         record["lr"] = self.lr
         record["grad_norm"] = float(self.grad_norm)  # of the logged step
         record["peak_memory_mb"] = peak_memory_mb(self.device)

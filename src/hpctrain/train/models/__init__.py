@@ -9,18 +9,24 @@ from __future__ import annotations
 from torch import nn
 
 from hpctrain.config import ConfigError
+from hpctrain.train.models.gpt import GPT, PRESETS, GPTConfig, flops_per_token, gpt_config
 from hpctrain.train.models.small_cnn import SmallCNN
 from hpctrain.train.models.unet import UNet
 from hpctrain.train.models.vit_tiny import vit_tiny
 
 __all__ = [
     "CLASSIFIERS",
+    "GPT",
+    "PRESETS",
     "SEGMENTERS",
+    "GPTConfig",
     "SmallCNN",
     "UNet",
     "build_classifier",
     "build_segmenter",
     "check_model_name",
+    "flops_per_token",
+    "gpt_config",
     "vit_tiny",
 ]
 
@@ -81,6 +87,10 @@ def check_model_name(task: str, name: str) -> None:
     Raises:
         ConfigError: naming the model and what the task accepts.
     """
+    if name and task == "causal_lm":
+        if name not in PRESETS:
+            raise ConfigError(f"model.name={name!r}: task causal_lm takes {', '.join(PRESETS)}")
+        return
     if not name or task not in ("image_classification", "segmentation"):
         return
     import torchvision

@@ -1,0 +1,63 @@
+"""Tokens per second and model FLOPs utilization (MFU) for the train records of `metrics.jsonl`.
+
+A task that defines `tokens_per_sample` (an int: `causal_lm` gives `data.seq_len`) gets
+`tokens_per_s` (all ranks) and `tokens_per_s_per_rank` in every train record. One that also
+defines `flops_per_token()` gets, on a CUDA device whose peak is in `PEAK_FLOPS`, `mfu`: the
+FLOPs the model needed per second over what the GPUs could do, `tokens_per_s ×
+flops_per_token / (peak × world_size)`. The peak is the dense bf16 (fp16 on V100) tensor-core
+figure of the vendor's data sheet, whatever precision trains, as torchtitan and PaLM report it.
+On an unknown device or a CPU `mfu` is left out, never guessed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# (substring of torch.cuda.get_device_name, dense bf16/fp16 tensor FLOP/s), most specific first:
+# the first match wins. From NVIDIA's data sheets (without sparsity).
+PEAK_FLOPS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),  # SXM ("NVIDIA H100 80GB HBM3")
+    ("H200", 989e12),
+    ("A100", 312e12),  # SXM and PCIe alike
+    ("V100S", 130e12),
+    ("V100-PCIE", 112e12),
+    ("V100", 125e12),  # SXM2 ("Tesla V100-SXM2-32GB"), fp16 tensor cores (no bf16)
+)
+
+
+def peak_flops(device_name: str) -> float | None:
+    """The dense bf16/fp16 tensor peak of the GPU called `device_name`, or None if unknown."""
+    for pattern, peak in PEAK_FLOPS:
+        if pattern.lower() in device_name.lower():
+            return peak
+    return None
+
+
+def throughput_fields(
+    task: Any, samples_per_s: float, world_size: int, device: torch.device
+) -> dict[str, float]:
+    """`tokens_per_s`, `tokens_per_s_per_rank` and, where the peak is known, `mfu`.
+
+    `samples_per_s` is the train record's (all ranks). Empty for a task without
+    `tokens_per_sample`.
+    """
+    tokens_per_sample = getattr(task, "tokens_per_sample", None)
+    if not tokens_per_sample:
+        return {}
+    tokens_per_s = samples_per_s * tokens_per_sample
+    fields = {"tokens_per_s": tokens_per_s, "tokens_per_s_per_rank": tokens_per_s / world_size}
+    flops_per_token = getattr(task, "flops_per_token", None)
+    if flops_per_token is not None and device.type == "cuda":
+        peak = peak_flops(torch.cuda.get_device_name(device))
+        if peak is not None:
+            fields["mfu"] = mfu(tokens_per_s, flops_per_token(), peak, world_size)
+    return fields
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak: float, world_size: int) -> float:
+    """Achieved model FLOP/s over the peak of `world_size` devices (a fraction, not a %)."""
+    return tokens_per_s * flops_per_token / (peak * world_size)

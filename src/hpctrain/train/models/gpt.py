@@ -1,0 +1,283 @@
+"""A decoder-only transformer (GPT, Llama-style) in plain PyTorch, readable in one file.
+
+token embedding → `n_layers` × Block(RMSNorm → causal self-attention with rotary position
+embeddings → residual; RMSNorm → SwiGLU MLP → residual) → RMSNorm → output projection
+(optionally tied to the embedding). Attention is `F.scaled_dot_product_attention(is_causal=True)`
+(flash kernels on GPUs), with grouped-query attention when `n_kv_heads < n_heads`.
+
+The repeated blocks are `model.blocks` (an `nn.ModuleList`): `train/parallel.py` shards,
+checkpoints and compiles them one by one. The embedding, final norm and output projection
+stay in the root: with tied embeddings the one shared matrix belongs to one FSDP2 unit. Tied
+embeddings do not register a second module: the output is `F.linear(h, embedding.weight)`, so
+the state dict holds the matrix once (`tok_embeddings.weight`), as safetensors wants.
+
+`flops_per_token` gives the training FLOPs per token that MFU is measured against.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hpctrain.config import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    """The shape of a GPT. `n_kv_heads=0` means `n_heads` (plain multi-head attention)."""
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int = 0
+    ffn_dim: int = 0  # 0: SwiGLU's 8/3·dim rounded up to a multiple of 256 (of 32 below dim 512)
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        kv = self.n_kv_heads or self.n_heads
+        for name in ("vocab_size", "dim", "n_layers", "n_heads"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"model.{name}={getattr(self, name)}: must be at least 1")
+        if self.dim % self.n_heads:
+            raise ConfigError(
+                f"model.dim={self.dim}: must be a multiple of model.n_heads={self.n_heads}"
+            )
+        if (self.dim // self.n_heads) % 2:
+            raise ConfigError(
+                f"model.dim / model.n_heads = {self.dim // self.n_heads}: rotary embeddings "
+                "need an even head dimension"
+            )
+        if self.n_heads % kv:
+            raise ConfigError(f"model.n_kv_heads={kv}: must divide model.n_heads={self.n_heads}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        """The SwiGLU hidden size: `ffn_dim`, or 8/3·dim rounded up (the parameter count of a
+        4·dim GELU MLP, as in PaLM and Llama)."""
+        if self.ffn_dim:
+            return self.ffn_dim
+        multiple = 256 if self.dim >= 512 else 32
+        return multiple * math.ceil(8 * self.dim / 3 / multiple)
+
+
+# Shapes by name. The vocabulary comes from the index's tokenizer (model.vocab_size overrides).
+# The 1B/3B/8B shapes are Llama 3.2 1B, 3B and Llama 3 8B; 125M/350M are GPT-3's small and
+# medium shapes with SwiGLU (about 85M/300M parameters besides a 50k-token embedding).
+PRESETS: dict[str, dict[str, int | bool]] = {
+    "gpt-tiny": {"dim": 128, "n_layers": 4, "n_heads": 4, "tie_embeddings": True},
+    "gpt-125m": {"dim": 768, "n_layers": 12, "n_heads": 12, "tie_embeddings": True},
+    "gpt-350m": {"dim": 1024, "n_layers": 24, "n_heads": 16, "tie_embeddings": True},
+    "gpt-1b": {
+        "dim": 2048,
+        "n_layers": 16,
+        "n_heads": 32,
+        "n_kv_heads": 8,
+        "ffn_dim": 8192,
+        "tie_embeddings": True,
+    },
+    "gpt-3b": {
+        "dim": 3072,
+        "n_layers": 28,
+        "n_heads": 24,
+        "n_kv_heads": 8,
+        "ffn_dim": 8192,
+        "tie_embeddings": True,
+    },
+    "gpt-8b": {"dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8, "ffn_dim": 14336},
+}
+DEFAULT_PRESET = "gpt-tiny"
+
+
+def gpt_config(name: str, vocab_size: int, **overrides: int | bool) -> GPTConfig:
+    """The preset `name` (empty: gpt-tiny) with `overrides` applied where they are non-zero.
+
+    `tie_embeddings` overrides only when given as a bool.
+
+    Raises:
+        ConfigError: an unknown preset (naming the known ones) or an impossible shape.
+    """
+    name = name or DEFAULT_PRESET
+    if name not in PRESETS:
+        raise ConfigError(f"model.name={name!r}: not a GPT preset ({', '.join(PRESETS)})")
+    cfg = GPTConfig(vocab_size=vocab_size, **PRESETS[name])  # type: ignore[arg-type]
+    changes: dict[str, Any] = {
+        key: value
+        for key, value in overrides.items()
+        if (isinstance(value, bool) and key == "tie_embeddings")
+        or (value and key != "tie_embeddings")
+    }
+    return replace(cfg, **changes) if changes else cfg
+
+
+def num_params(cfg: GPTConfig, *, embedding: bool = True) -> int:
+    """Parameters of the model built from `cfg` (the tied matrix once); without the
+    input embedding table when `embedding=False`."""
+    d, kv_dim, hidden = cfg.dim, cfg.kv_heads * cfg.head_dim, cfg.hidden_dim
+    per_block = 2 * d * d + 2 * d * kv_dim + 3 * d * hidden + 2 * d  # attention, MLP, norms
+    total = cfg.n_layers * per_block + d  # + the final norm
+    if not cfg.tie_embeddings:
+        total += cfg.vocab_size * d  # the output projection, a matrix of its own
+    if embedding:
+        total += cfg.vocab_size * d
+    return total
+
+
+def flops_per_token(cfg: GPTConfig, seq_len: int) -> int:
+    """Training FLOPs (forward + backward) per token: 6·N + 12·L·d·T.
+
+    N is every parameter that a token's matmuls touch: all parameters except the input
+    embedding table (a lookup, no FLOPs), with the output projection's vocab×dim matrix always
+    counted, tied or not (its matmul runs for every token either way). 6·N: 2 FLOPs per
+    multiply-add in the forward, twice that in the backward (Kaplan et al. 2020, section 2.1).
+    12·L·d·T: the attention scores and their weighted sum, 2·2·T·d multiply-adds per layer
+    forward, ×3 with the backward (PaLM, Chowdhery et al. 2022, appendix B: 6N + 12·L·H·Q·T,
+    H·Q = d). Like PaLM and torchtitan it counts the full T×T score matrix although a causal
+    mask makes half of it unnecessary, so MFU figures compare with theirs.
+    """
+    n = num_params(cfg, embedding=False)
+    if cfg.tie_embeddings:
+        n += cfg.vocab_size * cfg.dim
+    return 6 * n + 12 * cfg.n_layers * cfg.dim * seq_len
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) · weight, computed in fp32 (as under autocast) and cast back."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (normed * self.weight.float()).to(x.dtype)
+
+
+def rotary_tables(
+    seq_len: int, head_dim: int, theta: float, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [seq_len, head_dim] (fp32) of rotary position embeddings (Su et al. 2021).
+
+    Channel pairs (i, i + head_dim/2) rotate by the angle position · theta^(-2i/head_dim):
+    the "half-split" layout of GPT-NeoX and Hugging Face's Llama. Made per forward from
+    `arange`: cheap next to attention, and no buffer for checkpoints or FSDP2 to carry.
+    """
+    inv_freq = theta ** (
+        -torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+    )
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` [B, heads, T, head_dim] by the tables [T, head_dim]; in fp32, cast back."""
+    x32 = x.float()
+    half = x32.shape[-1] // 2
+    rotated = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)
+    return (x32 * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_heads, self.kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.n_heads
+        )
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class SwiGLU(nn.Module):
+    """w2(silu(w1 x) · w3 x) (Shazeer 2020)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attention(norm(x)), then + mlp(norm(x))."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.dim, cfg.hidden_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    """`model(tokens [B, T] int64) -> logits [B, T, vocab_size]`, position t seeing tokens ≤ t."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Normal(0, 0.02) weights; the projections that write into the residual stream (`wo`,
+        `w2`) scaled by 1/sqrt(2·n_layers) so that its variance stays put with depth (GPT-2,
+        Radford et al. 2019, section 2.3); norms at 1."""
+        std = 0.02
+        residual_std = std / math.sqrt(2 * self.cfg.n_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                last = name.rsplit(".", 1)[-1]
+                nn.init.normal_(module.weight, 0.0, residual_std if last in ("wo", "w2") else std)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, 0.0, std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        cos, sin = rotary_tables(tokens.shape[1], self.cfg.head_dim, self.cfg.rope_theta, h.device)
+        for block in self.blocks:
+            h = block(h, cos, sin)
+        h = self.norm(h)
+        if self.output is None:
+            return F.linear(h, self.tok_embeddings.weight)
+        return self.output(h)

@@ -1,0 +1,197 @@
+"""The built-in `causal_lm` task: next-token prediction with a GPT on token shards.
+
+It trains on packed sequences (`data.seq_len: N`): the loader cuts each token shard's stream
+into sequences of N+1 ids and hands batches `{"tokens": int64 [B, N+1], "valid": bool [B],
+"key": [...]}`; the model reads `tokens[:, :-1]` and is scored on `tokens[:, 1:]`. The
+vocabulary and end-of-document id come from the training index's tokenizer (written by
+`hpctrain convert --tokenizer`); the validation index must name the same tokenizer, and so
+must `data.tokenizer` when set.
+
+Loss: cross-entropy over every target position of the valid sequences (fillers after lost
+samples and evaluation padding, `valid=False`, count for nothing). All sequences have N
+targets, so the per-token mean equals the mean over valid sequences of their own means.
+
+Evaluation: `loss` (mean nats per target token over all of `data.val`), `perplexity`
+(exp(loss)) and, for the `bytes` tokenizer, `bits_per_byte` = loss / ln 2: every target token
+counts, end-of-document ids included (one per document, standing for its separator), so it is
+the entropy in bits of the byte stream the shards hold, documents and their ends.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hpctrain.config import Config, ConfigError
+from hpctrain.data.decode import SampleError
+from hpctrain.data.index import ShardIndex
+from hpctrain.data.locate import open_index
+from hpctrain.train.models.gpt import GPT, GPTConfig, flops_per_token, gpt_config
+from hpctrain.train.task import Sample, masked_mean
+
+BYTES_TOKENIZER = "bytes"
+
+
+def index_name(index: ShardIndex, spec: str) -> str:
+    return index.base_url or spec or "(pattern)"
+
+
+def index_tokenizer(index: ShardIndex, spec: str, key: str) -> dict[str, Any]:
+    """The tokenizer the index `spec` (config key `key`) names; ConfigError when it has none."""
+    if index.tokenizer is None:
+        raise ConfigError(
+            f"{key}={spec}: task causal_lm needs token shards, but {index_name(index, spec)} "
+            "names no tokenizer (convert text with `hpctrain convert --tokenizer bytes|PATH`)"
+        )
+    return index.tokenizer
+
+
+class SequenceTransform:
+    """Check a packed sequence and hand it on as int64 `{"key", "tokens": [seq_len + 1]}`."""
+
+    def __init__(self, seq_len: int, vocab_size: int) -> None:
+        self.length = seq_len + 1
+        self.vocab_size = vocab_size
+
+    def __call__(self, sample: Sample) -> Sample:
+        key = sample["key"]
+        tokens = sample.get("tokens")
+        if not isinstance(tokens, torch.Tensor):
+            fields = ", ".join(sorted(k for k in sample if k != "key"))
+            raise SampleError(f"sample {key!r} has no packed `tokens` sequence (fields: {fields})")
+        if tokens.shape != (self.length,):
+            raise SampleError(
+                f"sample {key!r}: tokens of shape {list(tokens.shape)}, expected [{self.length}] "
+                "(data.seq_len + 1)"
+            )
+        return {"key": key, "tokens": tokens.long()}
+
+
+class CausalLM:
+    """A GPT (`model.name`: a preset of `hpctrain.train.models.gpt`) trained on next tokens."""
+
+    def __init__(self, cfg: Config, index: ShardIndex) -> None:
+        self.cfg = cfg
+        self.seq_len = int(getattr(cfg.data, "seq_len", 0))
+        if self.seq_len <= 0:
+            raise ConfigError(
+                "data.seq_len=0: task causal_lm trains on packed sequences; set data.seq_len "
+                "(tokens per training sequence, e.g. 512)"
+            )
+        self.tokenizer = index_tokenizer(index, cfg.data.train, "data.train")
+        if cfg.data.val:
+            val_index = open_index(cfg.data.val, allow_pipe=cfg.data.allow_pipe)
+            val_tokenizer = index_tokenizer(val_index, cfg.data.val, "data.val")
+            if val_tokenizer != self.tokenizer:
+                raise ConfigError(
+                    f"data.val={cfg.data.val}: its tokenizer {describe(val_tokenizer)} differs "
+                    f"from data.train's ({cfg.data.train}) {describe(self.tokenizer)}"
+                )
+        vocab = int(self.tokenizer["vocab_size"])
+        if cfg.model.vocab_size and cfg.model.vocab_size < vocab:
+            raise ConfigError(
+                f"model.vocab_size={cfg.model.vocab_size}: smaller than the vocabulary of the "
+                f"tokenizer {self.tokenizer['name']!r} of {cfg.data.train} ({vocab})"
+            )
+        self.eod_id = int(self.tokenizer["eod_id"])
+        m = cfg.model
+        self.model_cfg: GPTConfig = gpt_config(
+            m.name,
+            m.vocab_size or vocab,
+            dim=m.dim,
+            n_layers=m.n_layers,
+            n_heads=m.n_heads,
+            n_kv_heads=m.n_kv_heads,
+            ffn_dim=m.ffn_dim,
+            **({} if m.tie_embeddings is None else {"tie_embeddings": m.tie_embeddings}),
+        )
+        # Read by the trainer's metrics (hpctrain.train.flops): tokens/s and MFU.
+        self.tokens_per_sample = self.seq_len
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token of this model at `data.seq_len` (see `gpt.flops_per_token`)."""
+        return flops_per_token(self.model_cfg, self.seq_len)
+
+    def build_model(self) -> nn.Module:
+        return GPT(self.model_cfg)
+
+    def train_transform(self) -> SequenceTransform:
+        return SequenceTransform(self.seq_len, self.model_cfg.vocab_size)
+
+    def eval_transform(self) -> SequenceTransform:
+        return SequenceTransform(self.seq_len, self.model_cfg.vocab_size)
+
+    def token_losses(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy in nats of every target position, [B, seq_len], fp32."""
+        logits = model(tokens[:, :-1]).float()  # fp32 under autocast too
+        targets = tokens[:, 1:]
+        losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+        return losses.view_as(targets)
+
+    def loss(
+        self, model: nn.Module, batch: dict[str, Any]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        losses = self.token_losses(model, batch["tokens"])
+        # Every sequence has seq_len targets: the mean of valid sequences' means is the
+        # mean over their tokens.
+        return masked_mean(losses.mean(dim=1), batch["valid"]), {}
+
+    def eval_metrics(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        losses = self.token_losses(model, batch["tokens"])
+        valid = batch["valid"].float()
+        return {
+            "loss": (losses.sum(dim=1) * valid).sum(),
+            "tokens": valid.sum() * losses.shape[1],
+            "count": valid.sum(),
+        }
+
+    def summarize(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        """loss (nats per token), perplexity and, for the bytes tokenizer, bits per byte."""
+        loss = float(sums["loss"]) / max(1.0, float(sums["tokens"]))
+        metrics = {"loss": loss, "perplexity": math.exp(min(loss, 700.0))}
+        if self.tokenizer["name"] == BYTES_TOKENIZER:
+            metrics["bits_per_byte"] = loss / math.log(2)
+        return metrics
+
+    @torch.no_grad()
+    def predict(self, model: nn.Module, batch: dict[str, Any]) -> list[dict[str, Any]]:
+        """One dict per sequence, in batch order: its key, mean loss (nats per token), the
+        fraction of positions where the greedy (argmax) next token is right, and the greedy
+        token after the sequence's last one."""
+        tokens = batch["tokens"]
+        logits = model(tokens).float()  # every position, the last one's next token too
+        targets = tokens[:, 1:]
+        losses = F.cross_entropy(
+            logits[:, :-1].flatten(0, 1), targets.flatten(), reduction="none"
+        ).view_as(targets)
+        greedy = logits.argmax(dim=-1)
+        accuracy = (greedy[:, :-1] == targets).float().mean(dim=1)
+        return [
+            {
+                "key": key,
+                "valid": bool(valid),
+                "loss": float(loss),
+                "accuracy": float(acc),
+                "next_token": int(nxt),
+            }
+            for key, valid, loss, acc, nxt in zip(
+                batch["key"],
+                batch["valid"].tolist(),
+                losses.mean(dim=1).tolist(),
+                accuracy.tolist(),
+                greedy[:, -1].tolist(),
+                strict=True,
+            )
+        ]
+
+
+def describe(tokenizer: dict[str, Any]) -> str:
+    sha = str(tokenizer.get("sha256") or "")
+    return (
+        f"{tokenizer.get('name')!r} (vocab_size {tokenizer.get('vocab_size')}, eod_id "
+        f"{tokenizer.get('eod_id')}{', sha256 ' + sha[:12] if sha else ''})"
+    )
