@@ -158,7 +158,7 @@ def test_colour_image_in_a_target_field_is_rgb():
         ("json", b'{"a": [1, 2]}', {"a": [1, 2]}),
         ("txt", "é".encode(), "é"),
         ("caption.text", b"hi", "hi"),
-        ("tokens.u16", b"\x01\x02", b"\x01\x02"),
+        ("tokens.bin", b"\x01\x02", b"\x01\x02"),  # tokens.u16 decodes: test_sequences
         ("weird", b"\x00", b"\x00"),
     ],
 )

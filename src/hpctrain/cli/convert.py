@@ -19,6 +19,8 @@ examples:
   hpctrain convert old-shards/ data/small --max-side 256 --quality 90 --resume
   hpctrain convert mypkg.data:make_dataset data/shards --arg split=train --arg size=64
   hpctrain convert hf_saved/ data/shards --column image=img.jpg --column label=cls
+  hpctrain convert corpus/ data/tokens --tokenizer bytes --text-glob '*.py' --val-fraction 0.01
+  hpctrain convert docs.jsonl data/tokens --tokenizer tokenizer.json --text-field content
 
 SRC is a folder SRC/<class>/<image> (classes sorted -> labels); a .csv/.jsonl manifest (every
 column a member: path/label, file columns like mask.png, cls/txt/json, the rest gathered into
@@ -121,6 +123,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="progress bar in a terminal, periodic lines otherwise (default auto)",
     )
+    text = parser.add_argument_group(
+        "text sources (language models: token shards; README 'Language-model data')"
+    )
+    text.add_argument(
+        "--tokenizer",
+        default="",
+        metavar="bytes|PATH",
+        help="tokenize text: 'bytes' (built in) or a tokenizer.json file (never a hub name)",
+    )
+    text.add_argument(
+        "--eod-token",
+        default="",
+        metavar="TOKEN",
+        help="end-of-document token of a tokenizer.json (default: <|endoftext|>, </s>, ...)",
+    )
+    text.add_argument(
+        "--text-field",
+        default="text",
+        metavar="NAME",
+        help=".jsonl/.csv/.parquet: the column holding each document (default text)",
+    )
+    text.add_argument(
+        "--text-glob",
+        default="*.txt",
+        metavar="PATTERN",
+        help="folder of text files: file names to read, recursively (default *.txt)",
+    )
+    text.add_argument(
+        "--text-per-line",
+        action="store_true",
+        help="text files: each non-blank line is a document (default: each file)",
+    )
+    text.add_argument(
+        "--sample-tokens",
+        type=int,
+        default=8192,
+        metavar="N",
+        help="pack whole documents into samples of at most N ids (default 8192)",
+    )
 
 
 def _pairs(values: list[str], flag: str) -> tuple[tuple[str, str], ...]:
@@ -155,6 +196,12 @@ def run(args: argparse.Namespace) -> int:
         resume=args.resume,
         overwrite=args.overwrite,
         progress=args.progress,
+        tokenizer=args.tokenizer,
+        eod_token=args.eod_token,
+        text_field=args.text_field,
+        text_glob=args.text_glob,
+        text_per_line=args.text_per_line,
+        sample_tokens=args.sample_tokens,
     )
     print(result_summary(convert(options)))  # ConvertError/ShardIndexError: data errors (3)
     return 0

@@ -7,6 +7,7 @@ import json
 import sys
 
 from hpctrain.data import open_index, plan
+from hpctrain.data.sequences import sequence_counts, total_dropped_tokens
 from hpctrain.errors import UsageError
 
 HELP = "show the epoch plan: batches per rank, samples dropped or padded, shards per worker"
@@ -39,6 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json", action="store_true", help="machine-readable: summary and every stream's segments"
     )
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        default=0,
+        help="data.seq_len: plan packed sequences of N+1 tokens of a token index (default: 0)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,9 +54,14 @@ def run(args: argparse.Namespace) -> int:
     for r in args.rank or []:
         if not 0 <= r < args.world_size:
             raise UsageError(f"--rank {r} is outside world size {args.world_size}")
+    if args.seq_len < 0:
+        raise UsageError("--seq-len must be >= 0")
     index = open_index(args.data)  # ShardIndexError: a data error, exit code 3
+    sizes = [s.num_samples for s in index.shards]
+    if args.seq_len:  # the plan's items are sequences (hpctrain.data.sequences)
+        sizes = list(sequence_counts(index, args.seq_len))
     p = plan(
-        [s.num_samples for s in index.shards],
+        sizes,
         world_size=args.world_size,
         workers_per_rank=args.workers_per_rank,
         batch_size=args.batch_size,
@@ -68,6 +80,10 @@ def run(args: argparse.Namespace) -> int:
         "shards_per_stream": _spread(table["shards"]),
         "partial_shards_per_stream": _spread(table["partial"]),
     }
+    if args.seq_len:
+        summary["seq_len"] = args.seq_len
+        summary["num_tokens"] = index.num_tokens
+        summary["tokens_dropped"] = total_dropped_tokens(index, args.seq_len)
     ranks = args.rank if args.rank is not None else []
     if args.json:
         out = dict(summary)
@@ -100,6 +116,13 @@ def run(args: argparse.Namespace) -> int:
         f"{p.batches_per_rank * p.batch_size} samples per rank"
     )
     print(f"remainder {args.remainder}: {p.num_dropped} samples dropped, {p.num_padded} padded")
+    if args.seq_len:
+        print(
+            f"seq_len {args.seq_len}: samples are sequences of {args.seq_len}+1 tokens, "
+            f"{p.batches_per_rank * p.batch_size} sequences per rank; "
+            f"{summary['tokens_dropped']} of {index.num_tokens} tokens dropped "
+            "(shard tails shorter than a sequence)"
+        )
     s, q = summary["shards_per_stream"], summary["partial_shards_per_stream"]
     print(f"shards per stream: min {s['min']}, mean {s['mean']:.2f}, max {s['max']}")
     print(f"partly read shards per stream: min {q['min']}, mean {q['mean']:.2f}, max {q['max']}")

@@ -149,6 +149,19 @@ class DataConfig:
         "is a sample error handled by data.on_error; 0: no limit. Default: PIL's",
         min=0,
     )
+    tokenizer: str = _f(
+        "",
+        "language models: the tokenizer the token shards must have been converted with, checked "
+        "against the index before any work: '' takes the index's, 'bytes' the built-in one, or "
+        "the path of a tokenizer.json (compared by sha256)",
+    )
+    seq_len: int = _f(
+        0,
+        "0: samples as stored; N > 0: token shards (an index with a tokenizer) are read as "
+        "packed sequences of N+1 token ids (batch field `tokens`), cut every N tokens from "
+        "each shard's token stream; the tail shorter than a sequence is dropped and counted",
+        min=0,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

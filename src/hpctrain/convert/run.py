@@ -81,6 +81,14 @@ class ConvertOptions:
     resume: bool = False
     overwrite: bool = False
     progress: str = "auto"
+    # Text sources (`hpctrain.convert.text`): a tokenizer ("bytes" or a tokenizer.json path)
+    # selects text mode; these decide the output bytes again.
+    tokenizer: str = ""
+    eod_token: str = ""
+    text_field: str = "text"
+    text_glob: str = "*.txt"
+    text_per_line: bool = False
+    sample_tokens: int = 8192
 
 
 @dataclass
@@ -138,6 +146,11 @@ def command_line(options: ConvertOptions) -> str:
         "prefix",
         "path_column",
         "label_column",
+        "tokenizer",
+        "eod_token",
+        "text_field",
+        "text_glob",
+        "sample_tokens",
     ):
         value = getattr(options, name)
         if value != getattr(defaults, name):
@@ -149,6 +162,8 @@ def command_line(options: ConvertOptions) -> str:
         words += ["--arg", f"{key}={value}"]
     if options.shuffle:
         words.append("--shuffle")
+    if options.text_per_line:
+        words.append("--text-per-line")
     return shlex.join(words)
 
 
@@ -223,6 +238,10 @@ def convert(options: ConvertOptions) -> ConvertResult:
         indexes = {split: read_index(url) for split, url in index_urls.items()}
         return ConvertResult(indexes, index_urls, [], sum(len(i.shards) for i in indexes.values()))
     with tempfile.TemporaryDirectory(prefix="hpctrain-convert-") as spool_dir:
+        from hpctrain.convert import text  # imports this module: here, not at the top
+
+        if text.is_text_conversion(options):
+            return text.convert_text(options, spool_dir, state_url, index_urls)
         plan = _plan(options, spool_dir)
         _prepare_destination(
             options, state_url, index_urls, plan.tasks, plan.fingerprint, plan.layout

@@ -20,6 +20,7 @@ from hpctrain.convert.processes import process_pool
 from hpctrain.convert.sources import ConvertError, shard_urls
 from hpctrain.data.index import INDEX_NAME, ShardIndex, read_index, redact_url
 from hpctrain.data.stream import ShardStream, iter_samples, pipe_label
+from hpctrain.data.tokens import TOKEN_FIELDS, decode_tokens
 from hpctrain.errors import DataError
 
 
@@ -36,6 +37,11 @@ class ShardReport:
     sample_keys: list[str] = field(default_factory=list)  # the first few
     num_classes: int = 0  # the index's class names, when it has them: labels must be below
     max_pixels: int | None = None  # --verify: larger images are bombs (None: the loader's default)
+    # token shards (`hpctrain.data.tokens`): ids counted always; checked against the index's
+    # tokenizer (ids below vocab_size, every sample ending with the EOD id) when it has one
+    expected_tokens: int | None = None
+    num_tokens: int = 0
+    tokenizer: dict[str, Any] | None = None
 
 
 @dataclass
@@ -50,10 +56,15 @@ class DatasetReport:
     class_histogram: Counter[int] = field(default_factory=Counter)
     sample_keys: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)  # every problem, each naming shard and member
+    tokenizer: dict[str, Any] | None = None  # a token index's
 
     @property
     def num_samples(self) -> int:
         return sum(s.num_samples for s in self.shards)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.shards)
 
     @property
     def num_bytes(self) -> int:
@@ -68,6 +79,11 @@ class DatasetReport:
             "num_samples": self.num_samples,
             "num_bytes": self.num_bytes,
             "num_shards": len(self.shards),
+            **(
+                {"num_tokens": self.num_tokens, "tokenizer": self.tokenizer}
+                if self.tokenizer
+                else {}
+            ),
             "class_names": list(self.class_names),
             "class_histogram": {str(k): v for k, v in sorted(self.class_histogram.items())},
             "sample_keys": self.sample_keys,
@@ -203,6 +219,9 @@ def _check_sample(
     shown: str, key: str, members: dict[str, bytes], report: ShardReport, verify: bool
 ) -> None:
     """Decode the fields (`verify`: all of them, with the loader's decoders; else only `cls`)."""
+    for name in members:
+        if name in TOKEN_FIELDS:
+            _check_tokens(shown, key, name, members[name], report)
     label: Any = None
     if verify:
         from hpctrain.data.decode import SampleError, decode_sample
@@ -228,6 +247,28 @@ def _check_sample(
     report.class_histogram[label] += 1
 
 
+def _check_tokens(shown: str, key: str, name: str, data: bytes, report: ShardReport) -> None:
+    """Count a token member's ids; with the index's tokenizer, check their range and the EOD."""
+    try:
+        ids = decode_tokens(data, name)
+    except ValueError as exc:
+        report.errors.append(f"{shown}: {key}.{name}: {exc}")
+        return
+    report.num_tokens += int(ids.size)
+    info = report.tokenizer
+    if info is None:
+        return
+    if ids.size and int(ids.max()) >= info["vocab_size"]:
+        report.errors.append(
+            f"{shown}: {key}.{name}: id {int(ids.max())} >= the tokenizer's vocab_size "
+            f"{info['vocab_size']}"
+        )
+    elif not ids.size or int(ids[-1]) != info["eod_id"]:
+        report.errors.append(
+            f"{shown}: {key}.{name}: does not end with the end-of-document id {info['eod_id']}"
+        )
+
+
 def _compare_with_index(report: ShardReport, sha256: str) -> None:
     """Sizes, digests and counts against the index (checked on every pass: the bytes were read
     and hashed anyway)."""
@@ -244,6 +285,10 @@ def _compare_with_index(report: ShardReport, sha256: str) -> None:
     if report.expected_samples is not None and report.num_samples != report.expected_samples:
         report.errors.append(
             f"{shown}: {report.num_samples} samples, index says {report.expected_samples}"
+        )
+    if report.expected_tokens is not None and report.num_tokens != report.expected_tokens:
+        report.errors.append(
+            f"{shown}: {report.num_tokens} token ids, index says {report.expected_tokens}"
         )
 
 
@@ -278,12 +323,15 @@ def inspect_dataset(
             class_names=index.class_names if index is not None else (),
             shards=[],
             verified=verify,
+            tokenizer=index.tokenizer if index is not None else None,
         )
         tasks = []
         for i, url in enumerate(urls):
             if index is not None:
                 info = index.shards[i]
                 report = ShardReport(info.url, info.num_samples, info.num_bytes, info.sha256)
+                report.expected_tokens = info.num_tokens
+                report.tokenizer = index.tokenizer
             else:
                 report = ShardReport(redact_url(url), None, None)
             report.num_classes = len(dataset.class_names)
@@ -312,6 +360,16 @@ def format_report(report: DatasetReport, *, max_shards: int = 20) -> str:
         f"samples: {report.num_samples} in {len(report.shards)} shards, {report.num_bytes / 1e6:.1f} MB"
         + (f", {len(report.class_names)} classes" if report.class_names else "")
     )
+    if report.tokenizer:
+        tok = report.tokenizer
+        lines.append(
+            f"tokens: {report.num_tokens} ({tok['name']}, vocab_size {tok['vocab_size']}, "
+            f"eod_id {tok['eod_id']}"
+            + (f", sha256 {tok['sha256'][:12]}" if tok["sha256"] else "")
+            + ")"
+        )
+    elif report.num_tokens:
+        lines.append(f"tokens: {report.num_tokens} (no tokenizer in an index: ids not checked)")
     lines.append("shards:")
     width = max((len(s.url) for s in report.shards), default=0)
     for shard in report.shards[:max_shards]:

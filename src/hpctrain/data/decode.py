@@ -12,6 +12,7 @@ its extensions. The decoder of a field is chosen by its LAST extension:
 | `txt text`                                      | str (UTF-8)                              |
 | `npy`                                           | tensor (`np.load(allow_pickle=False)`)   |
 | `pt pth`                                        | `torch.load(weights_only=True)`          |
+| `u16 u32` (token ids, `hpctrain.data.tokens`)   | int64 tensor [num_ids]                   |
 | anything else                                   | the raw bytes                            |
 
 **Target fields.** An image field whose name contains `mask`, `seg`, `label` or `depth`
@@ -54,6 +55,7 @@ from hpctrain.data.fieldnames import (
     is_target_field,
     last_extension,
 )
+from hpctrain.data.tokens import TOKEN_EXTENSIONS, decode_tokens
 from hpctrain.errors import DataError
 
 try:
@@ -131,6 +133,9 @@ def decode_field(
             return _decode_npy(data)
         if ext in TORCH_EXTENSIONS:
             return torch.load(io.BytesIO(bytes(data)), weights_only=True)
+        if ext in TOKEN_EXTENSIONS:
+            # int64, as the packed sequences of data.seq_len: what an embedding takes
+            return torch.from_numpy(decode_tokens(data, name).astype(np.int64))
     except SampleError as exc:
         raise SampleError(f"field {name!r}: {exc}") from exc
     except Exception as exc:  # any decoder's complaint about these bytes is about the data

@@ -40,6 +40,7 @@ from hpctrain.data.samples import (
     is_remote,
     stage_params,
 )
+from hpctrain.data.sequences import sequence_layout
 from hpctrain.data.stream import PIPE_RULE
 from hpctrain.data.transport import PlainMemory, WorkerPool, run_ahead, worker_start_method
 from hpctrain.errors import DataError
@@ -71,7 +72,10 @@ class ShardedLoader:
             it refuses (handled under `cfg.on_error`). Must be picklable when CUDA is
             initialised (workers then start with forkserver).
         decode: replaces the default decoding: `decode(key, members) -> sample`, members
-            being {field name: bytes or memoryview}; run in the workers.
+            being {field name: bytes or memoryview}; run in the workers. Unused with
+            `cfg.seq_len > 0`: the index's token shards are then read as packed sequences,
+            samples `{"key": "<shard stem>/<sequence index>", "tokens": int64 [seq_len + 1]}`
+            (`hpctrain.data.sequences`), and the plan counts sequences, not samples.
         collate: replaces the default collate (see `hpctrain.data.collate`):
             `collate(samples) -> batch`; the batch's top-level tensors travel in the pooled
             buffers, and `key` and `valid` are set by the loader.
@@ -122,9 +126,13 @@ class ShardedLoader:
             remainder=cfg.remainder if train else "pad",
             shuffle_buffer=cfg.shuffle_buffer if train else 0,
         )
+        shard_sizes, vocab_size = tuple(s.num_samples for s in index.shards), 0
+        self.dropped_tokens = 0  # per epoch: token-stream tails too short for a sequence
+        if cfg.seq_len:  # token shards read as packed sequences (data/sequences.py)
+            shard_sizes, vocab_size, self.dropped_tokens = sequence_layout(index, cfg.seq_len)
         spec = StreamSpec(
             urls=urls,
-            shard_sizes=tuple(s.num_samples for s in index.shards),
+            shard_sizes=shard_sizes,
             byte_sizes=tuple(s.num_bytes for s in index.shards),
             rank=rank,
             seed=seed,
@@ -136,6 +144,8 @@ class ShardedLoader:
             storage_options=dict(storage_options or {}),
             max_image_pixels=cfg.max_image_pixels,
             in_process=cfg.workers_per_rank == 0,
+            seq_len=cfg.seq_len,
+            vocab_size=vocab_size,
         )
         self.epoch = 0
         self._stages: tuple[StageParams, ...] = ()  # earlier stages of this epoch
@@ -302,12 +312,18 @@ class ShardedLoader:
             "num_samples": sum(self.shard_sizes),
             "epoch": self.epoch,
             "stages": [s.to_dict() for s in (*self._stages, current)],
+            "seq_len": self.cfg.seq_len,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: exactly when world size and workers match, else re-plan the rest."""
         if state.get("version") != STATE_VERSION:
             raise LoaderStateError(f"loader state version {state.get('version')!r} unknown")
+        # first: another seq_len also changes the counts, this names the cause
+        if int(state.get("seq_len", 0)) != self.cfg.seq_len:
+            raise LoaderStateError(
+                f"the loader state was saved with data.seq_len = {state.get('seq_len', 0)}"
+            )
         if (state["num_shards"], state["num_samples"]) != (
             len(self.shard_sizes),
             sum(self.shard_sizes),

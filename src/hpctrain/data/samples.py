@@ -31,6 +31,7 @@ from hpctrain.data.collate import Batch, BatchMemory, Collator, Sample, pack_bat
 from hpctrain.data.decode import SampleError, decode_sample
 from hpctrain.data.index import redact_url
 from hpctrain.data.planning import EpochPlan, Segment, StageParams, derive_seed, plan
+from hpctrain.data.sequences import iter_sequences, shard_stem
 from hpctrain.data.stream import (
     CorruptShardError,
     ReadStats,
@@ -110,6 +111,8 @@ class StreamSpec:
     backoff_s: float = 0.05
     max_image_pixels: int = 0  # 0: no limit
     in_process: bool = False  # no workers: batches are made in the training process
+    seq_len: int = 0  # > 0: shards are token streams read as sequences (data.sequences)
+    vocab_size: int = 0  # with seq_len: ids must lie below it
 
     def plan(self, epoch: int, stages: tuple[StageParams, ...]) -> EpochPlan:
         """The plan of the stage after `stages` of `epoch`."""
@@ -306,9 +309,7 @@ class SampleStream:
         report_activity(f"reading {redact_url(url)}")
         try:
             with opened.result() if opened is not None else self._open(shard, stats) as f:
-                for index, key, members in iter_samples(
-                    f, want=valid_of.__contains__, stop=expected[-1] + 1, views=True
-                ):
+                for index, key, members in self._iter_items(f, shard, expected):
                     if index != expected[got]:  # cannot happen: `want` filters
                         raise AssertionError((index, expected[got]))
                     got += 1
@@ -328,13 +329,32 @@ class SampleStream:
             for index in expected[got:]:
                 yield valid_of[index], index, None, None
 
+    def _iter_items(
+        self, f: ShardStream, shard: int, wanted: list[int]
+    ) -> Iterator[tuple[int, str, dict[str, Any]]]:
+        """(index, key, members) of the `wanted` (sorted) samples of an open shard, or of
+        its sequences with `data.seq_len` (members then `{"tokens": int64 ids}`)."""
+        if not self.spec.seq_len:
+            want = set(wanted).__contains__
+            yield from iter_samples(f, want=want, stop=wanted[-1] + 1, views=True)
+            return
+        if not self.spec.shard_sizes[shard]:
+            return  # shorter than one sequence (only a filler search asks for one)
+        stem = shard_stem(self.spec.urls[shard])
+        for index, key, ids in iter_sequences(
+            f, wanted, self.spec.seq_len, self.spec.vocab_size, stem
+        ):
+            yield index, key, {"tokens": ids}
+
     # -- samples and batches -------------------------------------------------------------
 
     def make_sample(
         self, key: str, members: dict[str, Any], epoch: int, shard: int, index: int
     ) -> Sample:
         """Decode and transform one sample (`SampleError` for bad data, see the module)."""
-        if self.decode is not None:
+        if self.spec.seq_len:  # a packed sequence: nothing to decode, a Task's decode unused
+            sample: Sample = {"key": key, "tokens": torch.from_numpy(members["tokens"])}
+        elif self.decode is not None:
             sample = self.decode(key, members)
             sample.setdefault("key", key)
         else:
@@ -365,7 +385,7 @@ class SampleStream:
             report_activity(f"reading a filler sample from {redact_url(urls[shard])}")
             try:
                 with self._open(shard, ReadStats(), max_retries=0) as f:
-                    for index, key, members in iter_samples(f, stop=1):
+                    for index, key, members in self._iter_items(f, shard, [0]):
                         return key, self.make_sample(key, members, epoch, shard, index)
             except (ShardReadError, CorruptShardError, SampleError) as exc:
                 log.warning("no filler sample from %s: %s", redact_url(urls[shard]), exc)

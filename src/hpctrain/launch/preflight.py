@@ -15,6 +15,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from hpctrain.config import Config, ConfigError
+from hpctrain.errors import DataError
 from hpctrain.launch.checks import Check
 from hpctrain.launch.cluster_limits import check_live_limits
 from hpctrain.launch.environment import check_job_environment
@@ -100,6 +101,14 @@ def check_data(cfg: Config) -> list[Check]:
             else:
                 checks.append(Check(key, False, f"{shown}: {message}"))
             continue
+        if cfg.data.seq_len:  # packed sequences need a token index: say so before the job
+            from hpctrain.data.sequences import sequence_counts
+
+            try:
+                sequence_counts(index, cfg.data.seq_len)
+            except DataError as exc:
+                checks.append(Check(key, False, str(exc)))
+                continue
         failures = []
         num_shards = len(index.shards)
         for i in sorted({0, num_shards // 2, num_shards - 1})[:SAMPLE_SHARDS]:

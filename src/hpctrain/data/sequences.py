@@ -1,0 +1,206 @@
+"""Packed training sequences: token shards read as fixed-length windows (`data.seq_len`).
+
+With `data.seq_len = N > 0` the loader reads every shard of a token index
+(`hpctrain.data.tokens`) as a run of sequences of N+1 token ids (inputs = the first N,
+targets = the last N). Sequence `i` of a shard is `stream[i*N : i*N + N + 1]` of the shard's
+token stream (its samples' ids, end-of-document ids included, in shard order): consecutive
+sequences share one token, so every token of the shard but its first is a target exactly
+once, and no token is read only as an input. Sequences never cross shards.
+
+A shard of `num_tokens` ids thus holds `(num_tokens - 1) // N` sequences, computable from the
+index alone: the epoch plan (`hpctrain.data.planning`) runs unchanged over per-shard
+*sequence* counts, so equal batches per rank, seeded shuffling, exact and elastic resume all
+hold per sequence. The tail shorter than a sequence (fewer than N tokens after the last
+full sequence, or a whole shard shorter than N+1 tokens) is dropped and counted
+(`dropped_tokens`, shown by `hpctrain plan --seq-len N` and logged by the loader).
+
+Reading (`iter_sequences`) is one pass over a shard: a token member's length comes from its
+tar header, so samples before the first wanted sequence (or between scattered wanted
+sequences after an elastic re-plan) are skipped without being read; only members overlapping
+a wanted sequence are read, checked (width, ids below the vocabulary size) and cut into
+windows. Torch-free, like the rest of the plan: `hpctrain plan` imports it.
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from hpctrain.data.index import INDEX_NAME, ShardIndex, ShardIndexError, join_url, redact_url
+from hpctrain.data.stream import CorruptShardError, ShardStream, iter_members, split_key
+from hpctrain.data.tokens import TOKEN_FIELDS
+
+log = logging.getLogger("hpctrain.data")
+
+NOT_A_TOKEN_INDEX = "not a token index: convert text with `hpctrain convert --tokenizer ...`"
+
+
+class TokenDataError(CorruptShardError):
+    """A token shard whose content breaks the token contract: a sample without a token
+    member, a member length that is not a whole number of ids, an id outside the
+    vocabulary, or fewer tokens than the index counts. A shard error (`data.on_error`)."""
+
+
+def num_sequences(num_tokens: int, seq_len: int) -> int:
+    """Sequences of `seq_len + 1` tokens (overlapping by one) in a stream of `num_tokens`."""
+    if seq_len < 1:
+        raise ValueError(f"seq_len = {seq_len}: must be >= 1")
+    return max(num_tokens - 1, 0) // seq_len
+
+
+def dropped_tokens(num_tokens: int, seq_len: int) -> int:
+    """Tokens of a shard that are in no sequence (its tail; the whole shard if too short)."""
+    n = num_sequences(num_tokens, seq_len)
+    return num_tokens - (n * seq_len + 1) if n else num_tokens
+
+
+def index_label(index: ShardIndex) -> str:
+    """How an error names an index (credentials stripped)."""
+    if index.base_url:
+        return redact_url(join_url(index.base_url, INDEX_NAME))
+    return index.command or "the shard index"
+
+
+def sequence_counts(index: ShardIndex, seq_len: int) -> tuple[int, ...]:
+    """Sequences per shard (index order) for `data.seq_len = seq_len`.
+
+    Raises:
+        ShardIndexError: the index has no tokenizer or a shard without `num_tokens` (it
+            names the index).
+    """
+    if index.tokenizer is None or index.num_tokens is None:
+        raise ShardIndexError(
+            f"{index_label(index)}: data.seq_len = {seq_len} needs token shards, but this is "
+            f"{NOT_A_TOKEN_INDEX}"
+        )
+    return tuple(num_sequences(s.num_tokens or 0, seq_len) for s in index.shards)
+
+
+def total_dropped_tokens(index: ShardIndex, seq_len: int) -> int:
+    """Tokens in no sequence over all shards of a token index (an epoch-independent figure)."""
+    return sum(dropped_tokens(s.num_tokens or 0, seq_len) for s in index.shards)
+
+
+def shard_stem(url: str) -> str:
+    """`.../train-000003.tar` -> `train-000003`: the first part of a sequence's key."""
+    name = posixpath.basename(url.rstrip("/").split("?", 1)[0])
+    return name[: -len(".tar")] if name.endswith(".tar") else name
+
+
+def sequence_key(stem: str, index: int) -> str:
+    """A sequence's key, unique within a dataset of distinctly named shards."""
+    return f"{stem}/{index}"
+
+
+def iter_sequences(
+    stream: ShardStream,
+    wanted: Sequence[int],
+    seq_len: int,
+    vocab_size: int,
+    stem: str,
+) -> Iterator[tuple[int, str, np.ndarray]]:
+    """The wanted sequences of one shard as (sequence index, key, int64 ids [seq_len + 1]).
+
+    Args:
+        stream: the open shard.
+        wanted: sequence indices, sorted, no repeats (scattered after an elastic re-plan).
+        seq_len: N; a sequence holds N+1 ids and starts N ids after the previous one.
+        vocab_size: the index tokenizer's vocabulary size; every id read must be below it.
+        stem: the shard's name without `.tar`, for the keys.
+
+    Raises:
+        TokenDataError: see the class (the message names the sample's key).
+        CorruptShardError: a malformed tar.
+    """
+    if not wanted:
+        return
+    targets = iter(wanted)
+    current: int | None = next(targets)
+    pieces: list[np.ndarray] = []  # tokens read from `held_from` on, contiguous
+    held_from = 0
+    pos = 0  # tokens of the stream before the member being looked at
+    key: str | None = None
+    has_tokens = False
+    for member, read_data in iter_members(stream, views=True):
+        k, field = split_key(member.name)
+        if k != key:
+            if key is not None and not has_tokens:
+                raise TokenDataError(f"sample {key!r} has no token member ({_fields()})")
+            key, has_tokens = k, False
+        dtype = TOKEN_FIELDS.get(field)
+        if dtype is None:
+            continue  # other members (metadata) are not part of the token stream
+        if has_tokens:
+            raise TokenDataError(f"sample {key!r} has more than one token member")
+        has_tokens = True
+        if member.size % dtype.itemsize:
+            raise TokenDataError(
+                f"sample {key!r}: {field} holds {member.size} bytes, not a whole number of "
+                f"{dtype.itemsize}-byte ids"
+            )
+        count = member.size // dtype.itemsize
+        assert current is not None  # the loop returns once the last wanted sequence is out
+        start = current * seq_len
+        if pos + count <= start:
+            pos += count  # entirely before the next wanted sequence: skipped unread
+            continue
+        ids = np.frombuffer(read_data(), dtype=dtype)
+        if ids.size and int(ids.max()) >= vocab_size:
+            bad = int(ids[ids >= vocab_size][0])
+            raise TokenDataError(
+                f"sample {key!r}: token id {bad} is outside the index tokenizer's vocabulary "
+                f"(vocab_size {vocab_size})"
+            )
+        if not pieces:
+            held_from = max(start, pos)
+            ids = ids[held_from - pos :]
+        pieces.append(ids)
+        pos += count
+        if pos < start + seq_len + 1:
+            continue
+        held = np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+        while current is not None and current * seq_len + seq_len + 1 <= pos:
+            lo = current * seq_len - held_from
+            yield current, sequence_key(stem, current), held[lo : lo + seq_len + 1].astype(np.int64)
+            current = next(targets, None)
+        if current is None:
+            return  # no need to read the rest of the shard
+        start = current * seq_len
+        pieces = [held[start - held_from :]] if start < pos else []
+        held_from = start
+    if key is not None and not has_tokens:
+        raise TokenDataError(f"sample {key!r} has no token member ({_fields()})")
+    if current is not None:
+        raise TokenDataError(
+            f"ends after {pos} tokens, before sequence {current} (tokens {current * seq_len} to "
+            f"{current * seq_len + seq_len}) that the index's num_tokens promises"
+        )
+
+
+def _fields() -> str:
+    return " or ".join(TOKEN_FIELDS)
+
+
+def sequence_layout(index: ShardIndex, seq_len: int) -> tuple[tuple[int, ...], int, int]:
+    """What a loader with `data.seq_len = seq_len` needs of a token index: sequences per
+    shard, the vocabulary size, and the tokens per epoch in no sequence (logged here).
+
+    Raises:
+        ShardIndexError: not a token index (see `sequence_counts`).
+    """
+    counts = sequence_counts(index, seq_len)
+    assert index.tokenizer is not None  # sequence_counts refuses an index without one
+    dropped = total_dropped_tokens(index, seq_len)
+    log.info(
+        "%s: %d sequences of %d+1 tokens; %d of %d tokens in shard tails too short for one "
+        "are dropped every epoch",
+        index_label(index),
+        sum(counts),
+        seq_len,
+        dropped,
+        index.num_tokens,
+    )
+    return counts, int(index.tokenizer["vocab_size"]), dropped
