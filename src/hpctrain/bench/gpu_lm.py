@@ -221,7 +221,9 @@ def make_lm_plan(args: argparse.Namespace) -> LMPlan:
         activation_checkpointing=checkpointing or args.activation_checkpointing,
         batch_size=args.batch_size,
         seq_len=args.seq_len,
-        workers_per_rank=args.workers or max(1, min(8, cpus // ranks - 1)),
+        workers_per_rank=(
+            args.workers if args.workers is not None else max(1, min(8, cpus // ranks - 1))
+        ),
         estimated_memory_gib=estimate,
         memory_gib=memory_gib,
         peak_tflops=peak_tflops(gpu_name) if num_gpus else None,
@@ -349,8 +351,10 @@ def report(run_dir: Path, plan: LMPlan, flops_per_token: float) -> dict[str, Any
     steady = train_records[skipped:]
     first_step = train_records[skipped - 1]["step"] if skipped else 0
     ranks = max(1, plan.num_gpus)
-    # A sample is one sequence: seq_len trained positions (inputs with their next token).
-    tokens_per_s = statistics.median(r["samples_per_s"] * plan.seq_len for r in steady)
+    # The trainer's tokens/s (all ranks); a sample is one sequence of seq_len trained tokens.
+    tokens_per_s = statistics.median(
+        r.get("tokens_per_s", r["samples_per_s"] * plan.seq_len) for r in steady
+    )
     out: dict[str, Any] = {
         "plan": asdict(plan),
         "steps_measured": steady[-1]["step"] - first_step,
@@ -415,7 +419,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--vocab-size", type=int, default=32768, help="vocabulary of the random token ids"
     )
-    parser.add_argument("--workers", type=int, default=0, help="loader workers per GPU (0: auto)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="loader workers per GPU (default: the node's CPUs per GPU - 1, at most 8)",
+    )
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     parser.add_argument(
@@ -436,9 +445,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"plan: {json.dumps(asdict(plan))}", flush=True)
     # Every rank reads more than it trains: no epoch boundary inside the measured steps.
     tokens = 2 * args.steps * ranks * plan.batch_size * (plan.seq_len + 1)
-    index = write_token_shards(
-        args.work / "shards", tokens, plan.vocab_size, num_shards=4 * ranks * plan.workers_per_rank
-    )
+    num_shards = 4 * ranks * max(1, plan.workers_per_rank)
+    index = write_token_shards(args.work / "shards", tokens, plan.vocab_size, num_shards)
     run_dir = args.work / "run"
     train(plan, config_overrides(plan, index, run_dir, args.steps), args.work)
     result = report(run_dir, plan, train_flops_per_token(plan))
