@@ -37,7 +37,7 @@ $(LM_DATA)/text/SOURCES.txt: tools/stdlib_corpus.py | $(STAMP)
 
 $(LM_DATA)/shards/train/index.json: $(LM_DATA)/text/SOURCES.txt
 	rm -rf $(LM_DATA)/shards
-	$(BIN)/hpctrain convert $(LM_DATA)/text $(LM_DATA)/shards --tokenizer bytes --text-glob '*.py' --val-fraction 0.05 --seed 0
+	$(BIN)/hpctrain convert $(LM_DATA)/text $(LM_DATA)/shards --tokenizer bytes --text-glob '*.py' --val-fraction 0.05 --samples-per-shard 16 --shuffle --seed 0
 
 # Converts the stdlib (once), trains a byte-level gpt-tiny, prints bits per byte against the
 # unigram baseline (fails if not below it) and a generated continuation.
