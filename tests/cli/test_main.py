@@ -133,6 +133,7 @@ INTERMIXED = {
     "preflight": (["c.yaml", "--no-data", "slurm.time=1:00:00"], {"overrides": ["slurm.time=1:00:00"], "no_data": True}),
     "status": (["-n", "3", "runs/x", "--json"], {"run_dir": "runs/x", "lines": 3, "json": True}),
     "bench": (["loader", "--workers", "1", "d"], {"bench": "loader", "data": "d", "workers": 1}),
+    "generate": (["--prompt", "hi", "runs/x", "--top-k", "3"], {"source": "runs/x", "prompt": "hi", "top_k": 3}),
 }  # fmt: skip
 
 

@@ -20,7 +20,6 @@ from hpctrain.config import Config, with_overrides
 from hpctrain.config.schema import DataConfig
 from hpctrain.data import ShardedLoader, ShardIndexError, ShardReadError, open_index
 from hpctrain.data.decode import decode_sample
-from hpctrain.data.index import ShardIndex, ShardInfo, index_to_bytes
 from hpctrain.data.loader import LoaderStateError
 from hpctrain.data.sequences import (
     TokenDataError,
@@ -33,65 +32,14 @@ from hpctrain.data.stream import ReadStats, open_shard
 from hpctrain.data.tokens import encode_tokens
 from hpctrain.launch.preflight import check_data
 from tests.data.loader_testkit import make_shards
-
-SEQ_LEN = 8
-VOCAB = 300  # > 256: ids need u16
-EOD = 299
-# token-stream lengths come from these documents; shard 2 is shorter than one sequence
-DOCS_PER_SHARD = [(5, 3), (7, 4), (1, 2), (4, 3), (6, 2)]
-
-
-def _documents(shard: int, num_docs: int, max_len: int) -> list[list[int]]:
-    rng = np.random.default_rng(shard)
-    return [
-        rng.integers(0, EOD, int(rng.integers(1, max_len + 1))).tolist() for _ in range(num_docs)
-    ]
-
-
-def write_token_shards(
-    root: Path,
-    docs_per_shard: list[tuple[int, int]] = DOCS_PER_SHARD,
-    *,
-    max_doc_len: int = 11,
-    field: str = "tokens.u16",
-    tokenizer: bool = True,
-    bad: dict[tuple[int, int], dict[str, bytes]] | None = None,
-) -> list[list[int]]:
-    """Token shards `root/train-<i>.tar` and `root/index.json`; returns each shard's stream.
-
-    Shard i holds `docs_per_shard[i] = (documents, documents per sample)`: samples of one or
-    several whole documents, each followed by EOD. `bad[(shard, sample)]` replaces that
-    sample's members (to break the contract on purpose).
-    """
-    root.mkdir(parents=True, exist_ok=True)
-    infos, streams = [], []
-    for shard, (num_docs, per_sample) in enumerate(docs_per_shard):
-        docs = _documents(shard, num_docs, max_doc_len)
-        stream: list[int] = []
-        name = f"train-{shard:06d}.tar"
-        with tarfile.open(root / name, "w", format=tarfile.USTAR_FORMAT) as tar:
-            for sample, lo in enumerate(range(0, num_docs, per_sample)):
-                ids = [t for doc in docs[lo : lo + per_sample] for t in (*doc, EOD)]
-                stream += ids
-                members = {field: encode_tokens(ids, field)}
-                members = (bad or {}).get((shard, sample), members)
-                for member, data in members.items():
-                    info = tarfile.TarInfo(f"doc-{shard:02d}-{sample:04d}.{member}")
-                    info.size = len(data)
-                    tar.addfile(info, io.BytesIO(data))
-        streams.append(stream)
-        infos.append(
-            ShardInfo(
-                url=name,
-                num_samples=-(-num_docs // per_sample),
-                num_bytes=(root / name).stat().st_size,
-                num_tokens=len(stream),
-            )
-        )
-    tok = {"name": "test", "vocab_size": VOCAB, "eod_id": EOD, "sha256": ""}
-    index = ShardIndex(shards=tuple(infos), tokenizer=tok if tokenizer else None)
-    (root / "index.json").write_bytes(index_to_bytes(index))
-    return streams
+from tests.data.token_testkit import (
+    EOD,
+    SEQ_LEN,
+    VOCAB,
+    all_sequence_keys,
+    window,
+    write_token_shards,
+)
 
 
 def cfg(**kw):
@@ -106,12 +54,6 @@ def cfg(**kw):
     return DataConfig(**base)
 
 
-def window(streams: list[list[int]], key: str) -> list[int]:
-    stem, i = key.split("/")
-    start = int(i) * SEQ_LEN
-    return streams[int(stem[-6:])][start : start + SEQ_LEN + 1]
-
-
 def valid_keys(batches) -> list[str]:
     return [k for b in batches for k, ok in zip(b["key"], b["valid"], strict=True) if ok]
 
@@ -121,14 +63,6 @@ def tokens(tmp_path_factory):
     root = tmp_path_factory.mktemp("tokens")
     streams = write_token_shards(root)
     return root, streams
-
-
-def all_sequence_keys(streams: list[list[int]]) -> set[str]:
-    return {
-        sequence_key(f"train-{s:06d}", i)
-        for s, stream in enumerate(streams)
-        for i in range(num_sequences(len(stream), SEQ_LEN))
-    }
 
 
 def test_counts_and_tail_arithmetic():
@@ -308,7 +242,7 @@ def test_a_worker_with_nothing_readable_fills_with_a_sequence_of_another_shard(t
     data = bytearray(path.read_bytes())
     data[10] ^= 0xFF  # the first header: nothing of shard 0 can be read
     path.write_bytes(bytes(data))
-    (tmp_path / "train-000001.tar").write_bytes(b"")  # reading it would log a failure
+    (tmp_path / "train-000001.tar").unlink()  # opening it would log a failure
     c = cfg(batch_size=2, on_error="skip")
     loader = ShardedLoader(open_index(str(tmp_path)), c, rank=0, world_size=1, seed=0, train=False)
     batches = list(loader)
@@ -337,6 +271,19 @@ def test_a_sample_that_breaks_the_token_contract_is_a_data_error(tmp_path, membe
         list(loader)
     with open_shard(str(tmp_path / "train-000001.tar")) as f, pytest.raises(TokenDataError):
         list(iter_sequences(f, [0, 1, 2], SEQ_LEN, VOCAB, "x"))
+
+
+def test_a_shard_with_fewer_tokens_than_the_index_says_is_a_shard_error(tmp_path):
+    streams = write_token_shards(tmp_path, [(4, 1), (4, 2)])
+    data = json.loads((tmp_path / "index.json").read_text())
+    data["shards"][1]["num_tokens"] += 2 * SEQ_LEN
+    data["num_tokens"] += 2 * SEQ_LEN
+    (tmp_path / "index.json").write_text(json.dumps(data))
+    loader = ShardedLoader(
+        open_index(str(tmp_path)), cfg(batch_size=1), rank=0, world_size=1, seed=0, train=False
+    )
+    with pytest.raises(ShardReadError, match=rf"train-000001.tar: ends after {len(streams[1])} "):
+        list(loader)
 
 
 def test_seq_len_needs_a_token_index_naming_it(tmp_path):

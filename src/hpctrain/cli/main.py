@@ -34,6 +34,7 @@ VERBS = [
     "preflight",
     "status",
     "bench",
+    "generate",
 ]
 
 

@@ -26,7 +26,8 @@ class ModelConfig:
         "model of a built-in task; empty: the task's default. image_classification: small_cnn "
         "(default), vit_tiny or a torchvision classifier (resnet18, resnet50, vit_b_16, ...); "
         "segmentation: unet (default) or a torchvision segmentation model (fcn_resnet50, "
-        "deeplabv3_resnet50, lraspp_mobilenet_v3_large, ...)",
+        "deeplabv3_resnet50, lraspp_mobilenet_v3_large, ...); causal_lm: gpt-tiny (default), "
+        "gpt-125m, gpt-350m, gpt-1b, gpt-3b or gpt-8b",
     )
     num_classes: int = _f(0, "number of classes; 0 takes it from the training index", min=0)
     image_size: int = _f(64, "side of the square crop fed to the model, in pixels", min=8)

@@ -338,8 +338,6 @@ class SampleStream:
             want = set(wanted).__contains__
             yield from iter_samples(f, want=want, stop=wanted[-1] + 1, views=True)
             return
-        if not self.spec.shard_sizes[shard]:
-            return  # shorter than one sequence (only a filler search asks for one)
         stem = shard_stem(self.spec.urls[shard])
         for index, key, ids in iter_sequences(
             f, wanted, self.spec.seq_len, self.spec.vocab_size, stem
@@ -382,6 +380,8 @@ class SampleStream:
         sample of another shard (flagged invalid like any filler), so the rank is not short."""
         urls = self.spec.urls
         for shard in [*range(avoid + 1, len(urls)), *range(avoid)]:
+            if not self.spec.shard_sizes[shard]:
+                continue  # nothing to take (with data.seq_len: shorter than one sequence)
             report_activity(f"reading a filler sample from {redact_url(urls[shard])}")
             try:
                 with self._open(shard, ReadStats(), max_retries=0) as f:

@@ -11,7 +11,8 @@ for `model.load_state_dict` of the plain, unwrapped model, or with the `safetens
 For the built-in image classification task the export also writes `<out>.json` (the same name
 with `.json`): the task, model name, number of classes and image size, the normalization, the
 step, and how to rebuild the model; it is checked against the weights (every name and shape)
-before it is written.
+before it is written. For a `causal_lm` run the card holds the GPT's shape
+(`GPTConfig`), the sequence length and how to rebuild the model (`train/generate.py`).
 """
 
 from __future__ import annotations
@@ -217,6 +218,14 @@ def model_card(
         tree = yaml.safe_load(text) if isinstance(text, str) else None
     except yaml.YAMLError:
         tree = None
+    if isinstance(tree, dict) and tree.get("task") == "causal_lm":
+        from hpctrain.train.generate import lm_model_card
+
+        try:
+            card = lm_model_card(tree, weights, "checkpoint")
+        except CheckpointError:
+            return None  # weights the config does not describe: no card that could rebuild them
+        return {**card, "step": int(manifest["step"]), "format": fmt}
     if not isinstance(tree, dict) or tree.get("task", IMAGE_CLASSIFICATION) != IMAGE_CLASSIFICATION:
         return None
     from hpctrain.train.models import build_classifier

@@ -455,9 +455,7 @@ class Trainer:
         record.update(summary)
         # tokens/s and MFU for tasks that define tokens_per_sample (causal_lm)
         record.update(
-            throughput_fields(
-                self.task, summary["samples_per_s"], self.env.world_size, self.device
-            )
+            throughput_fields(self.task, summary["samples_per_s"], self.env.world_size, self.device)
         )
         record["lr"] = self.lr
         record["grad_norm"] = float(self.grad_norm)  # of the logged step

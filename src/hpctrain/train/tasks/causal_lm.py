@@ -30,32 +30,51 @@ from hpctrain.config import Config, ConfigError
 from hpctrain.data.decode import SampleError
 from hpctrain.data.index import ShardIndex
 from hpctrain.data.locate import open_index
+from hpctrain.data.tokenizer import BYTES, Tokenizer, check_tokenizer, load_tokenizer
 from hpctrain.train.models.gpt import GPT, GPTConfig, flops_per_token, gpt_config
 from hpctrain.train.task import Sample, masked_mean
 
-BYTES_TOKENIZER = "bytes"
+
+def index_tokenizer(index: ShardIndex, spec: str, key: str, configured: str) -> dict[str, Any]:
+    """The tokenizer of the index `spec` (config key `key`), checked against `data.tokenizer`
+    (`configured`; "" takes the index's).
+
+    Raises:
+        ConfigError: not a token index, or another tokenizer than the configured one (the
+            message names both and the index).
+    """
+    where = f"{key}={spec} ({index.base_url or 'a shard pattern'})"
+    return check_tokenizer(index, configured, where)
 
 
-def index_name(index: ShardIndex, spec: str) -> str:
-    return index.base_url or spec or "(pattern)"
+def load_index_tokenizer(info: dict[str, Any], configured: str = "") -> Tokenizer:
+    """The tokenizer an index's `info` describes: `configured` ("bytes" or a tokenizer.json
+    path), else the spec it was converted with (its name), checked by sha256 when a file.
 
-
-def index_tokenizer(index: ShardIndex, spec: str, key: str) -> dict[str, Any]:
-    """The tokenizer the index `spec` (config key `key`) names; ConfigError when it has none."""
-    if index.tokenizer is None:
+    Raises:
+        ConfigError: the file's sha256 is not the one the index records.
+        TokenizerError: the file cannot be loaded (missing, or the tokenizers library).
+    """
+    spec = configured or str(info["name"])
+    tokenizer = load_tokenizer(spec)
+    expected = str(info.get("sha256") or "")
+    if expected and tokenizer.sha256 != expected:
         raise ConfigError(
-            f"{key}={spec}: task causal_lm needs token shards, but {index_name(index, spec)} "
-            "names no tokenizer (convert text with `hpctrain convert --tokenizer bytes|PATH`)"
+            f"tokenizer {spec}: sha256 {tokenizer.sha256[:12]} is not that of the file the "
+            f"shards were converted with ({expected[:12]})"
         )
-    return index.tokenizer
+    return tokenizer
 
 
 class SequenceTransform:
-    """Check a packed sequence and hand it on as int64 `{"key", "tokens": [seq_len + 1]}`."""
+    """Check a packed sequence and hand it on as int64 `{"key", "tokens": [seq_len + 1]}`.
 
-    def __init__(self, seq_len: int, vocab_size: int) -> None:
+    Ids need no check here: the loader refuses ids outside the index tokenizer's vocabulary
+    (`hpctrain.data.sequences`), and the model's is at least as large.
+    """
+
+    def __init__(self, seq_len: int) -> None:
         self.length = seq_len + 1
-        self.vocab_size = vocab_size
 
     def __call__(self, sample: Sample) -> Sample:
         key = sample["key"]
@@ -76,16 +95,17 @@ class CausalLM:
 
     def __init__(self, cfg: Config, index: ShardIndex) -> None:
         self.cfg = cfg
-        self.seq_len = int(getattr(cfg.data, "seq_len", 0))
+        self.seq_len = cfg.data.seq_len
         if self.seq_len <= 0:
             raise ConfigError(
                 "data.seq_len=0: task causal_lm trains on packed sequences; set data.seq_len "
                 "(tokens per training sequence, e.g. 512)"
             )
-        self.tokenizer = index_tokenizer(index, cfg.data.train, "data.train")
+        configured = cfg.data.tokenizer
+        self.tokenizer = index_tokenizer(index, cfg.data.train, "data.train", configured)
         if cfg.data.val:
             val_index = open_index(cfg.data.val, allow_pipe=cfg.data.allow_pipe)
-            val_tokenizer = index_tokenizer(val_index, cfg.data.val, "data.val")
+            val_tokenizer = index_tokenizer(val_index, cfg.data.val, "data.val", configured)
             if val_tokenizer != self.tokenizer:
                 raise ConfigError(
                     f"data.val={cfg.data.val}: its tokenizer {describe(val_tokenizer)} differs "
@@ -97,7 +117,6 @@ class CausalLM:
                 f"model.vocab_size={cfg.model.vocab_size}: smaller than the vocabulary of the "
                 f"tokenizer {self.tokenizer['name']!r} of {cfg.data.train} ({vocab})"
             )
-        self.eod_id = int(self.tokenizer["eod_id"])
         m = cfg.model
         self.model_cfg: GPTConfig = gpt_config(
             m.name,
@@ -111,6 +130,13 @@ class CausalLM:
         )
         # Read by the trainer's metrics (hpctrain.train.flops): tokens/s and MFU.
         self.tokens_per_sample = self.seq_len
+        self._text_tokenizer: Tokenizer | None = None  # loaded when `predict` first decodes
+
+    def text_tokenizer(self) -> Tokenizer:
+        """The tokenizer itself (for decoding), see `load_index_tokenizer`."""
+        if self._text_tokenizer is None:
+            self._text_tokenizer = load_index_tokenizer(self.tokenizer, self.cfg.data.tokenizer)
+        return self._text_tokenizer
 
     def flops_per_token(self) -> int:
         """Training FLOPs per token of this model at `data.seq_len` (see `gpt.flops_per_token`)."""
@@ -120,10 +146,10 @@ class CausalLM:
         return GPT(self.model_cfg)
 
     def train_transform(self) -> SequenceTransform:
-        return SequenceTransform(self.seq_len, self.model_cfg.vocab_size)
+        return SequenceTransform(self.seq_len)
 
     def eval_transform(self) -> SequenceTransform:
-        return SequenceTransform(self.seq_len, self.model_cfg.vocab_size)
+        return SequenceTransform(self.seq_len)
 
     def token_losses(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         """Cross-entropy in nats of every target position, [B, seq_len], fp32."""
@@ -153,15 +179,15 @@ class CausalLM:
         """loss (nats per token), perplexity and, for the bytes tokenizer, bits per byte."""
         loss = float(sums["loss"]) / max(1.0, float(sums["tokens"]))
         metrics = {"loss": loss, "perplexity": math.exp(min(loss, 700.0))}
-        if self.tokenizer["name"] == BYTES_TOKENIZER:
+        if self.tokenizer["name"] == BYTES and not self.tokenizer.get("sha256"):
             metrics["bits_per_byte"] = loss / math.log(2)
         return metrics
 
     @torch.no_grad()
     def predict(self, model: nn.Module, batch: dict[str, Any]) -> list[dict[str, Any]]:
-        """One dict per sequence, in batch order: its key, mean loss (nats per token), the
-        fraction of positions where the greedy (argmax) next token is right, and the greedy
-        token after the sequence's last one."""
+        """One dict per sequence, in batch order: its key, whether it is valid, mean loss
+        (nats per token), the fraction of positions where the greedy (argmax) next token is
+        right, and the greedy token after the sequence's last one, as id and decoded text."""
         tokens = batch["tokens"]
         logits = model(tokens).float()  # every position, the last one's next token too
         targets = tokens[:, 1:]
@@ -170,6 +196,7 @@ class CausalLM:
         ).view_as(targets)
         greedy = logits.argmax(dim=-1)
         accuracy = (greedy[:, :-1] == targets).float().mean(dim=1)
+        decode = self.text_tokenizer().decode
         return [
             {
                 "key": key,
@@ -177,6 +204,7 @@ class CausalLM:
                 "loss": float(loss),
                 "accuracy": float(acc),
                 "next_token": int(nxt),
+                "next_text": decode([int(nxt)]),
             }
             for key, valid, loss, acc, nxt in zip(
                 batch["key"],

@@ -1,0 +1,66 @@
+"""`hpctrain generate RUN_DIR|CHECKPOINT --prompt TEXT [--max-new-tokens N ...]`."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "print a causal_lm checkpoint's continuation of a prompt (CPU or one GPU)"
+EPILOG = """examples:
+  hpctrain generate runs/demo-lm --prompt "def main("                      # greedy
+  hpctrain generate runs/demo-lm --prompt "import " --temperature 0.8 --top-k 40 --seed 1
+  hpctrain generate runs/demo-lm/checkpoints/step-400 --prompt "class " --max-new-tokens 50"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "source", help="run folder, checkpoint folder, or one step-<N> checkpoint (path or URL)"
+    )
+    parser.add_argument("--prompt", required=True, help="the text to continue")
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=200, help="tokens to add at most (default 200)"
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature; 0 (default): greedy, the same text every time",
+    )
+    parser.add_argument(
+        "--top-k", type=int, default=0, help="sample among the K likeliest tokens only; 0: all"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
+    parser.add_argument(
+        "--checkpoint",
+        choices=("latest", "best"),
+        default="latest",
+        help="of a run or checkpoint folder: the newest checkpoint or the `best` one",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default="",
+        help="bytes or a tokenizer.json (default: the run's data.tokenizer, else its index's)",
+    )
+    parser.add_argument(
+        "--device",
+        default="",
+        help="cpu, cuda or cuda:N (default: the first GPU if there is one, else cpu)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from hpctrain.train.generate import generate_text
+
+    # CheckpointError (exit 4) for a missing or non-LM checkpoint; UsageError for bad options
+    text = generate_text(
+        args.source,
+        args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+        best=args.checkpoint == "best",
+        device=args.device,
+        tokenizer_spec=args.tokenizer,
+    )
+    print(text, flush=True)
+    return 0

@@ -1,0 +1,222 @@
+"""Text from a trained `causal_lm` checkpoint: `hpctrain generate` (CPU or one GPU).
+
+The weights are read like `hpctrain export` reads them (`train/export.py`: any checkpoint of
+a DDP or FSDP2 run, consolidated in this process). The model is rebuilt from the run's
+resolved config (stored in every checkpoint's manifest) and checked against the weights; the
+vocabulary is the embedding's and tied embeddings are recognised by the absent output matrix.
+Generation recomputes the whole window each step (no key/value cache): a sanity check of a
+trained model, not a serving path.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import asdict
+from typing import Any
+
+import torch
+import yaml
+
+from hpctrain.checkpoint import CheckpointError
+from hpctrain.data.locate import open_index
+from hpctrain.data.tokenizer import Tokenizer, check_tokenizer, load_tokenizer
+from hpctrain.errors import DataError, UsageError
+from hpctrain.train.models.gpt import GPT, GPTConfig, gpt_config
+from hpctrain.train.tasks.causal_lm import load_index_tokenizer
+
+CAUSAL_LM = "causal_lm"
+EMBEDDING = "tok_embeddings.weight"
+
+
+def run_config(manifest: dict[str, Any], where: str) -> dict[str, Any]:
+    """The run's resolved config tree from a checkpoint manifest (as written by the Trainer)."""
+    text = manifest.get("metadata", {}).get("config")
+    try:
+        tree = yaml.safe_load(text) if isinstance(text, str) else None
+    except yaml.YAMLError:
+        tree = None
+    if not isinstance(tree, dict):
+        raise CheckpointError(f"{where}: the manifest holds no run config to rebuild the model")
+    return tree
+
+
+def gpt_config_for(tree: dict[str, Any], weights: dict[str, torch.Tensor], where: str) -> GPTConfig:
+    """The GPTConfig of a causal_lm run's config `tree` whose weights are `weights`.
+
+    Raises:
+        CheckpointError: not a causal_lm run, or weights that are not of the config's shape.
+    """
+    if tree.get("task") != CAUSAL_LM or EMBEDDING not in weights:
+        raise CheckpointError(
+            f"{where}: not a causal_lm checkpoint (task {tree.get('task')!r}); "
+            "hpctrain generate needs a language model"
+        )
+    m = tree.get("model") or {}
+    cfg = gpt_config(
+        str(m.get("name") or ""),
+        int(weights[EMBEDDING].shape[0]),
+        dim=int(m.get("dim") or 0),
+        n_layers=int(m.get("n_layers") or 0),
+        n_heads=int(m.get("n_heads") or 0),
+        n_kv_heads=int(m.get("n_kv_heads") or 0),
+        ffn_dim=int(m.get("ffn_dim") or 0),
+        tie_embeddings="output.weight" not in weights,
+    )
+    with torch.device("meta"):  # shapes only
+        built = {k: tuple(v.shape) for k, v in GPT(cfg).state_dict().items()}
+    if built != {k: tuple(v.shape) for k, v in weights.items()}:
+        raise CheckpointError(
+            f"{where}: the weights are not those of the GPT its config describes ({cfg})"
+        )
+    return cfg
+
+
+def load_gpt(
+    source: str, *, best: bool = False, device: torch.device | None = None
+) -> tuple[GPT, dict[str, Any], int]:
+    """(model in eval mode, the run's config tree, step) from a run folder or checkpoint."""
+    from hpctrain.train.export import locate_checkpoint, read_model_weights
+
+    store, name, manifest = locate_checkpoint(source, best=best)
+    where = store.path(name)
+    with warnings.catch_warnings():
+        # DCP's note that it loads without a process group: what this one process means to do
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        weights = read_model_weights(store, name, manifest)
+    tree = run_config(manifest, where)
+    cfg = gpt_config_for(tree, weights, where)
+    model = GPT(cfg)
+    model.load_state_dict(weights)
+    return model.to(device or torch.device("cpu")).eval(), tree, int(manifest["step"])
+
+
+@torch.no_grad()
+def generate_ids(
+    model: GPT,
+    prompt: list[int],
+    *,
+    max_new_tokens: int,
+    window: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    seed: int = 0,
+    stop_id: int | None = None,
+) -> list[int]:
+    """The ids that follow `prompt`: greedy when `temperature` is 0, else sampled from the
+    softmax of logits / temperature, restricted to the `top_k` most likely (0: all), with a
+    generator seeded by `seed` (the same ids for the same seed). The model sees the last
+    `window` ids (the training `data.seq_len`). Stops after `stop_id` (end of document).
+    """
+    if not prompt:
+        raise ValueError("the prompt holds no tokens")
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt], dtype=torch.long, device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    new: list[int] = []
+    for _ in range(max_new_tokens):
+        logits = model(ids[:, -window:])[0, -1].float()
+        if temperature <= 0:
+            next_id = int(logits.argmax())
+        else:
+            logits = logits / temperature
+            if 0 < top_k < logits.numel():
+                threshold = logits.topk(top_k).values[-1]
+                logits = logits.masked_fill(logits < threshold, float("-inf"))
+            probs = torch.softmax(logits, dim=-1)
+            next_id = int(torch.multinomial(probs, 1, generator=generator))
+        new.append(next_id)
+        if next_id == stop_id:
+            break
+        ids = torch.cat([ids, ids.new_tensor([[next_id]])], dim=1)
+    return new
+
+
+def lm_model_card(tree: dict[str, Any], weights: dict[str, torch.Tensor], where: str) -> dict:
+    """What `hpctrain export` writes beside a causal_lm model's weights: its shape and tokens."""
+    cfg = gpt_config_for(tree, weights, where)
+    data = tree.get("data") or {}
+    return {
+        "task": CAUSAL_LM,
+        "model": asdict(cfg),
+        "seq_len": int(data.get("seq_len") or 0),
+        "input": "token ids int64 [B, T] (T ≤ seq_len); output: logits [B, T, vocab_size]",
+        "rebuild": (
+            "from hpctrain.train.models.gpt import GPT, GPTConfig; "
+            "model = GPT(GPTConfig(**card['model']))"
+        ),
+    }
+
+
+def generate_text(
+    source: str,
+    prompt: str,
+    *,
+    max_new_tokens: int = 200,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    seed: int = 0,
+    best: bool = False,
+    device: str = "",
+    tokenizer_spec: str = "",
+) -> str:
+    """The continuation of `prompt` by the causal_lm checkpoint at `source` (see `generate_ids`).
+
+    The tokenizer is `tokenizer_spec` when given, else the run's (`run_tokenizer`).
+
+    Raises:
+        UsageError: a bad option (negative counts or temperature, an unknown device).
+        CheckpointError: no checkpoint there, or not a causal_lm one.
+    """
+    if max_new_tokens < 1 or top_k < 0 or temperature < 0:
+        raise UsageError(
+            "--max-new-tokens must be at least 1, --top-k and --temperature at least 0"
+        )
+    try:
+        target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        raise UsageError(f"--device {device}: not a device (cpu, cuda, cuda:N)") from None
+    model, tree, _ = load_gpt(source, best=best, device=target)
+    tokenizer = run_tokenizer(tree, tokenizer_spec)
+    ids = tokenizer.encode(prompt)
+    if not ids:
+        raise UsageError("--prompt: the text gives no tokens")
+    window = int((tree.get("data") or {}).get("seq_len") or 0) or len(ids) + max_new_tokens
+    new = generate_ids(
+        model,
+        ids,
+        max_new_tokens=max_new_tokens,
+        window=window,
+        temperature=temperature,
+        top_k=top_k,
+        seed=seed,
+        stop_id=tokenizer.eod_id,
+    )
+    if new and new[-1] == tokenizer.eod_id:
+        new = new[:-1]
+    return prompt + tokenizer.decode(new)
+
+
+def run_tokenizer(tree: dict[str, Any], spec: str = "") -> Tokenizer:
+    """The tokenizer of a causal_lm run: `spec` ("bytes" or a tokenizer.json path) when given,
+    else the run's `data.tokenizer`, else the one its training index names (`data.train`),
+    checked against that index when it can be read (a tokenizer.json by its sha256).
+
+    Raises:
+        UsageError: no tokenizer given and the training index cannot be read.
+        ConfigError: a tokenizer other than the one the index records.
+    """
+    data = tree.get("data") or {}
+    configured = spec or str(data.get("tokenizer") or "")
+    train = str(data.get("train") or "")
+    try:
+        index = open_index(train)
+    except DataError as exc:
+        if not configured:
+            raise UsageError(
+                f"the run's training index {train!r} names its tokenizer but cannot be read "
+                f"({exc}); give --tokenizer bytes|PATH"
+            ) from None
+        return load_tokenizer(configured)  # nothing to check it against
+    key = "--tokenizer" if spec else "data.tokenizer"
+    info = check_tokenizer(index, configured, train, key=key)
+    return load_index_tokenizer(info, configured)
