@@ -105,7 +105,8 @@ def _identity(sample: dict[str, Any]) -> dict[str, Any]:
 
 
 # The byte tokenizer's facts (hpctrain.data.tokens): 256 byte ids and an end-of-document id.
-BYTES_TOKENIZER = {"name": "bytes", "vocab_size": 257, "eod_id": 256, "sha256": ""}
+BYTES_VOCAB_SIZE = 257
+BYTES_TOKENIZER = {"name": "bytes", "vocab_size": BYTES_VOCAB_SIZE, "eod_id": 256, "sha256": ""}
 GPT_BATCH_SIZE = 8
 
 
@@ -118,7 +119,7 @@ def make_batches(
         if kind == "gpt-tiny":
             # The loader's packed sequences: seq_len inputs plus the shifted last target.
             tokens = torch.randint(
-                0, BYTES_TOKENIZER["vocab_size"], (batch_size, seq_len + 1), generator=generator
+                0, BYTES_VOCAB_SIZE, (batch_size, seq_len + 1), generator=generator
             )
             batches.append(
                 {
