@@ -116,3 +116,13 @@ def test_cpu_run_reports_tokens_and_data_wait(tmp_path: Path) -> None:
     assert report["train_gflops_per_token"] > 0
     text = gpu_lm.format_report(report)
     assert "tokens/s" in text and "data wait" in text and "MFU:             n/a" in text
+
+
+def test_refusals_are_usage_errors(tmp_path: Path) -> None:
+    from hpctrain.errors import UsageError
+
+    parser = argparse.ArgumentParser()
+    gpu_lm.add_arguments(parser)
+    args = parser.parse_args(["--device", "cpu", "--preset", "gpt-2", "--work", str(tmp_path)])
+    with pytest.raises(UsageError, match="--preset gpt-2: not a GPT preset"):
+        gpu_lm.make_lm_plan(args)

@@ -37,6 +37,7 @@ from hpctrain.bench.gpu import peak_tflops, usable_cpus
 from hpctrain.convert.tar import ShardTarWriter
 from hpctrain.data.index import ShardIndex, ShardInfo, index_to_bytes
 from hpctrain.data.tokens import encode_tokens, token_field
+from hpctrain.errors import UsageError
 
 HELP = "LLM training on this node's GPUs: tokens/s, MFU, peak memory, data wait"
 # Headroom left by the memory estimate: the caching allocator's fragmentation, CUDA context,
@@ -189,7 +190,7 @@ def make_lm_plan(args: argparse.Namespace) -> LMPlan:
     shapes = preset_shapes(args.vocab_size)
     if args.device == "cuda":
         if not torch.cuda.is_available():
-            raise SystemExit("hpctrain bench gpu: no CUDA GPU visible; --device cpu runs on CPU")
+            raise UsageError("--device cuda: no CUDA GPU visible (--device cpu runs on the CPU)")
         props = torch.cuda.get_device_properties(0)
         num_gpus, gpu_name, memory = torch.cuda.device_count(), props.name, props.total_memory
         memory_gib = memory / 2**30
@@ -200,14 +201,17 @@ def make_lm_plan(args: argparse.Namespace) -> LMPlan:
         memory_gib = physical_memory_gib()
         precision, compile_blocks = "fp32", False  # bf16 is ~40x slower on CPUs without AMX
     ranks = max(1, num_gpus)
-    shape, checkpointing, estimate = choose_preset(
-        shapes,
-        memory_gib,
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        num_ranks=ranks,
-        preset=args.preset,
-    )
+    try:
+        shape, checkpointing, estimate = choose_preset(
+            shapes,
+            memory_gib,
+            batch_size=args.batch_size,
+            seq_len=args.seq_len,
+            num_ranks=ranks,
+            preset=args.preset,
+        )
+    except ValueError as exc:  # an unknown preset, or none that fits
+        raise UsageError(str(exc)) from None
     return LMPlan(
         device=args.device,
         num_gpus=num_gpus,
