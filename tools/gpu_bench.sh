@@ -4,14 +4,19 @@
 # First a smoke pass over the precision matrix's GPU cells (ddp/fsdp x bf16/fp16 x ResNet-50/
 # ViT-B/16, a few steps each: trains with finite losses, or is refused up front where the GPU
 # cannot, e.g. bf16 on a V100). Then prints images/s, the data-wait fraction, peak memory and
-# MFU against the GPU's published dense bf16 peak. Runs the same on one H200 machine and on a
-# Jean Zay node, from inside the job as ONE task (the script starts one process per visible GPU
-# itself; on one GPU, ddp and fsdp run unwrapped: FSDP2 needs two GPUs or more):
+# MFU against the GPU's published dense bf16 peak. Last, the LLM case (`hpctrain bench gpu`):
+# the largest GPT preset that fits, bf16, FSDP2 over the GPUs, compiled, on token shards;
+# tokens/s, MFU, peak memory and data wait (--lm-preset gpt-1b for the MFU goal).
+# Runs the same on one H200 machine and on a Jean Zay node, from inside the job as ONE task
+# (the script starts one process per visible GPU itself; on one GPU, ddp and fsdp run
+# unwrapped: FSDP2 needs two GPUs or more):
 #
 #   tools/gpu_bench.sh                            # everything with defaults
 #   tools/gpu_bench.sh --steps 500 --images 50000 --workers 8 --batch-size 192
 #   tools/gpu_bench.sh --dry-run --images 200     # no GPU needed: plan, data, configs, command
 #   tools/gpu_bench.sh --no-smoke                 # timings only (--smoke-steps N: steps per cell)
+#   tools/gpu_bench.sh --lm-preset gpt-1b --lm-steps 200   # the LLM case's preset and length
+#   tools/gpu_bench.sh --no-lm                    # ResNet-50 only
 #   srun -A abc@h100 -C h100 --nodes=1 --ntasks=1 --gres=gpu:4 --cpus-per-task=96 \
 #        --hint=nomultithread -t 00:30:00 tools/gpu_bench.sh          # a Jean Zay H100 node
 #
@@ -38,9 +43,12 @@ WORKERS=0
 COMPILE=""
 SMOKE=1
 SMOKE_STEPS=3
+LM=1
+LM_PRESET=auto
+LM_STEPS=100
 WORK="${GPU_BENCH_DIR:-/tmp/hpctrain-gpu-bench-${USER:-$(id -un)}}"
 
-usage() { sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+usage() { sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --dry-run) DRY_RUN=1 ;;
@@ -52,6 +60,9 @@ while [[ $# -gt 0 ]]; do
     --compile) COMPILE="--compile" ;;
     --no-smoke) SMOKE=0 ;;
     --smoke-steps) SMOKE_STEPS="$2"; shift ;;
+    --no-lm) LM=0 ;;
+    --lm-preset) LM_PRESET="$2"; shift ;;
+    --lm-steps) LM_STEPS="$2"; shift ;;
     --work) WORK="$2"; shift ;;
     -h|--help) usage 0 ;;
     *) echo "gpu_bench.sh: unknown argument $1" >&2; usage 2 ;;
@@ -78,9 +89,11 @@ bench config "$WORK" --steps "$STEPS" $COMPILE
 NPROC=$(( NUM_GPUS > 0 ? NUM_GPUS : 1 ))
 CMD=("$PYTHON" -m hpctrain train "$WORK/config.yaml" --nproc "$NPROC" --resume none)
 echo "train: ${CMD[*]}"
+LM_CMD=("$PYTHON" -m hpctrain bench gpu --work "$WORK/lm" --preset "$LM_PRESET" --steps "$LM_STEPS")
 if [[ "$DRY_RUN" -eq 1 ]]; then
   "$PYTHON" -m hpctrain config show "$WORK/config.yaml" >/dev/null
   if [[ "$SMOKE" -eq 1 ]]; then bench smoke "$WORK" --dry-run; fi
+  if [[ "$LM" -eq 1 ]]; then echo "lm: ${LM_CMD[*]}"; fi
   echo "dry run: config valid; not training"
   exit 0
 fi
@@ -101,5 +114,9 @@ rm -rf "$WORK/run"
 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "${CMD[@]}"
 bench report "$WORK"
 echo "report: $WORK/report.json"
+if [[ "$LM" -eq 1 ]]; then
+  echo "lm: ${LM_CMD[*]}"
+  OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "${LM_CMD[@]}" || SMOKE_RC=$?
+fi
 if [[ "$SMOKE_RC" -ne 0 ]]; then echo "gpu_bench.sh: smoke cells FAILED (above)" >&2; fi
 exit "$SMOKE_RC"

@@ -22,3 +22,21 @@ def test_trainer_bench_pairs_and_report(tmp_path: Path) -> None:
     assert "reference B / reference A" in lines[0]
     assert lines[1].startswith("mlp cpu time per step: reference loop ")
     assert " ms, Trainer " in lines[1] and "Trainer - reference loop = " in lines[1]
+
+
+def test_gpt_reference_loss_is_the_causal_lm_loss(tmp_path: Path) -> None:
+    """The hand-written loop computes what the `causal_lm` task computes, so the benchmark
+    compares the cost of the same work."""
+    import torch
+
+    from hpctrain.data import open_index
+    from hpctrain.train.task import load_task
+
+    cfg = trainer.bench_config("gpt-tiny", tmp_path, seq_len=16)
+    task = load_task(cfg, open_index(cfg.data.train))
+    model = task.build_model()
+    batch = trainer.make_batches("gpt-tiny", 1, batch_size=2, seq_len=16)[0]
+    assert batch["tokens"].shape == (2, 17)
+    reference, _ = trainer.next_token_loss(model, batch)
+    loss, _ = task.loss(model, batch)
+    torch.testing.assert_close(reference, loss)

@@ -100,6 +100,13 @@ def test_short_body_is_retried_then_reported(tmp_path):
     assert stream.stats.retries == 2
 
 
+def test_empty_member_of_a_shard_of_known_size(tmp_path):
+    path = write_tar(tmp_path / "x.tar", [("a.txt", b""), ("b.txt", b"x")])
+    with open_shard(str(path), size=path.stat().st_size) as f:
+        got = [(k, {e: bytes(v) for e, v in m.items()}) for _i, k, m in iter_samples(f)]
+    assert got == [("a", {"txt": b""}), ("b", {"txt": b"x"})]
+
+
 def test_pipe_failure_is_an_error(tmp_path):
     with pytest.raises(ShardReadError, match="pipe command exited with status 3"):
         samples_of = open_shard("pipe:exit 3", max_retries=1, backoff_s=0, allow_pipe=True)

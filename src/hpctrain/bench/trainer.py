@@ -8,6 +8,10 @@ identical loops differ on this machine right now (if it strays beyond 1.00 ± 0.
 too noisy to read a 2% overhead from). On the MLP, whose step is a fraction of a
 millisecond, the median paired difference per step is the Trainer's fixed overhead.
 
+With `--task causal_lm` the comparison runs on `gpt-tiny` (byte vocabulary, sequences of
+`--seq-len` tokens): the reference loop computes the next-token cross-entropy itself, the
+Trainer goes through the `causal_lm` task as a real run does.
+
 The Trainer is built from a config as for a real run (its loader is never iterated: the
 batches come from memory), with logging and checkpointing off, and steps through the same
 `train_step` + `step_boundary` as `fit`. A last part runs the demo config with 2 loader
@@ -60,6 +64,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--demo-steps", type=int, default=60, help="steps of the data-wait run (0 skips it)"
     )
+    parser.add_argument(
+        "--task",
+        choices=("image_classification", "causal_lm"),
+        default="image_classification",
+        help="image_classification: MLP + resnet18 + demo data wait; causal_lm: gpt-tiny",
+    )
+    parser.add_argument("--gpt-pairs", type=int, default=12, help="interleaved gpt-tiny pairs")
+    parser.add_argument("--gpt-steps", type=int, default=4, help="gpt-tiny steps per segment")
+    parser.add_argument("--seq-len", type=int, default=256, help="gpt-tiny sequence length")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
@@ -91,10 +104,31 @@ def _identity(sample: dict[str, Any]) -> dict[str, Any]:
     return sample
 
 
-def make_batches(kind: str, count: int, batch_size: int = 32) -> list[dict[str, Any]]:
+# The byte tokenizer's facts (hpctrain.data.tokens): 256 byte ids and an end-of-document id.
+BYTES_VOCAB_SIZE = 257
+BYTES_TOKENIZER = {"name": "bytes", "vocab_size": BYTES_VOCAB_SIZE, "eod_id": 256, "sha256": ""}
+GPT_BATCH_SIZE = 8
+
+
+def make_batches(
+    kind: str, count: int, batch_size: int = 32, seq_len: int = 256
+) -> list[dict[str, Any]]:
     generator = torch.Generator().manual_seed(0)
     batches = []
     for i in range(count):
+        if kind == "gpt-tiny":
+            # The loader's packed sequences: seq_len inputs plus the shifted last target.
+            tokens = torch.randint(
+                0, BYTES_VOCAB_SIZE, (batch_size, seq_len + 1), generator=generator
+            )
+            batches.append(
+                {
+                    "tokens": tokens,
+                    "key": [f"{i}-{j}" for j in range(batch_size)],
+                    "valid": torch.ones(batch_size, dtype=torch.bool),
+                }
+            )
+            continue
         if kind == "resnet18":
             image = torch.randint(
                 0, 256, (batch_size, 3, 64, 64), dtype=torch.uint8, generator=generator
@@ -112,22 +146,33 @@ def make_batches(kind: str, count: int, batch_size: int = 32) -> list[dict[str, 
     return batches
 
 
-def bench_config(kind: str, work: Path) -> Config:
-    """A run config whose index names 10 classes and plenty of samples (never read)."""
-    index = ShardIndex(
-        shards=(ShardInfo("unused.tar", 1_000_000),), class_names=tuple(f"c{i}" for i in range(10))
-    )
+def bench_config(kind: str, work: Path, seq_len: int = 256) -> Config:
+    """A run config whose index names 10 classes (or a byte tokenizer) and plenty of samples
+    (never read)."""
+    if kind == "gpt-tiny":
+        tokens = 1_000_000_000
+        index = ShardIndex(
+            shards=(ShardInfo("unused.tar", 1000, 2 * tokens + 1000 * 1024, num_tokens=tokens),),
+            tokenizer=BYTES_TOKENIZER,
+        )
+        model = ["task=causal_lm", "model.name=gpt-tiny", f"data.seq_len={seq_len}"]
+        batch_size = GPT_BATCH_SIZE
+    else:
+        index = ShardIndex(
+            shards=(ShardInfo("unused.tar", 1_000_000),),
+            class_names=tuple(f"c{i}" for i in range(10)),
+        )
+        task = "image_classification" if kind == "resnet18" else f"{__name__}:FeatureMLP"
+        model = [f"task={task}", "model.name=resnet18", "model.image_size=64"]
+        batch_size = 32
     (work / "index.json").write_bytes(index_to_bytes(index))
-    task = "image_classification" if kind == "resnet18" else f"{__name__}:FeatureMLP"
     return load_config(
         None,
         [
             f"run_dir={work / kind}",
-            f"task={task}",
-            "model.name=resnet18",
-            "model.image_size=64",
+            *model,
             f"data.train={work / 'index.json'}",
-            "data.batch_size=32",
+            f"data.batch_size={batch_size}",
             "data.workers_per_rank=0",
             "train.max_steps=1000000",
             "train.log_every=1000000",  # logging off
@@ -145,9 +190,9 @@ def bench_config(kind: str, work: Path) -> Config:
 class ReferenceLoop:
     """The hand-written loop a user would write: forward, backward, AdamW, cosine schedule."""
 
-    def __init__(self, trainer: Any, seed: int) -> None:
+    def __init__(self, trainer: Any, seed: int, kind: str) -> None:
         torch.manual_seed(seed)
-        self.task = trainer.task
+        self.loss = next_token_loss if kind == "gpt-tiny" else trainer.task.loss
         self.model = trainer.task.build_model()
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, foreach=False)
@@ -162,11 +207,18 @@ class ReferenceLoop:
         for _ in range(steps):
             batch = next(batches)
             self.optimizer.zero_grad(set_to_none=True)
-            loss, _ = self.task.loss(self.model, batch)
+            loss, _ = self.loss(self.model, batch)
             loss.backward()
             self.optimizer.step()
             self.scheduler.step()
         return time.perf_counter() - start, time.process_time() - cpu_start
+
+
+def next_token_loss(model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, dict]:
+    """What a user writes for a GPT: cross-entropy of each position's next token."""
+    tokens = batch["tokens"]
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()), {}
 
 
 class TrainerLoop:
@@ -190,17 +242,20 @@ class TrainerLoop:
         return time.perf_counter() - start, time.process_time() - cpu_start
 
 
-def compare(kind: str, pairs: int, steps: int, work: Path) -> dict[str, Any]:
+def compare(kind: str, pairs: int, steps: int, work: Path, seq_len: int = 256) -> dict[str, Any]:
     """Median paired ratios Trainer/reference and reference/reference over `pairs` rounds."""
     from hpctrain.train.trainer import Trainer
 
-    trainer = Trainer(bench_config(kind, work), resolve_env({}), torch.device("cpu"))
+    cfg = bench_config(kind, work, seq_len)
+    trainer = Trainer(cfg, resolve_env({}), torch.device("cpu"))
     loops: dict[str, Any] = {
-        "ref_a": ReferenceLoop(trainer, seed=0),
-        "ref_b": ReferenceLoop(trainer, seed=0),
+        "ref_a": ReferenceLoop(trainer, seed=0, kind=kind),
+        "ref_b": ReferenceLoop(trainer, seed=0, kind=kind),
         "trainer": TrainerLoop(trainer),
     }
-    streams = {name: itertools.cycle(make_batches(kind, 4)) for name in loops}
+    streams = {
+        name: itertools.cycle(make_batches(kind, 4, cfg.data.batch_size, seq_len)) for name in loops
+    }
     for name, loop in loops.items():  # warm-up: allocator, autograd graph, lazy inits
         loop.run(streams[name], max(1, steps // 4))
     wall: dict[str, list[float]] = {name: [] for name in loops}
@@ -342,12 +397,16 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {"threads": 1, "torch": torch.__version__, "compare": []}
     with tempfile.TemporaryDirectory(prefix="hpctrain-bench-trainer-") as tmp:
         work = Path(tmp)
-        for kind, pairs, steps in (
-            ("mlp", args.mlp_pairs, args.mlp_steps),
-            ("resnet18", args.pairs, args.resnet_steps),
-        ):
-            results["compare"].append(compare(kind, pairs, steps, work))
-        if args.demo_steps:
+        if args.task == "causal_lm":
+            cases = [("gpt-tiny", args.gpt_pairs, args.gpt_steps)]
+        else:
+            cases = [
+                ("mlp", args.mlp_pairs, args.mlp_steps),
+                ("resnet18", args.pairs, args.resnet_steps),
+            ]
+        for kind, pairs, steps in cases:
+            results["compare"].append(compare(kind, pairs, steps, work, args.seq_len))
+        if args.demo_steps and args.task == "image_classification":
             torch.set_num_threads(threads)
             shards = demo_shards(args.demo_shards, work)
             if shards is None:

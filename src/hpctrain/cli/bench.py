@@ -17,6 +17,7 @@ BENCHES: dict[str, str] = {
     "convert": "hpctrain.bench.convert",
     "trainer": "hpctrain.bench.trainer",
     "loader": "hpctrain.bench.loader",
+    "gpu": "hpctrain.bench.gpu_lm",
 }
 
 
@@ -31,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    for option in ("dir", "workdir"):  # the folders benches write in (checkpoint, convert)
+    for option in ("dir", "workdir", "work"):  # the folders benches write in (checkpoint, convert)
         folder = getattr(args, option, None)
         if folder:
             try:

@@ -272,6 +272,10 @@ class ShardStream:
     def read_view(self, n: int) -> bytes | memoryview:
         """As `read`, without a copy where one can be saved (a view of the read-ahead buffer
         is never returned: it would keep a whole chunk alive per sample)."""
+        if n <= 0:
+            # an empty member: reading 0 bytes from the file would look like its end, which
+            # is a short body when the index gives the shard's size
+            return b""
         if self._seekable and self._buf_pos >= len(self._buf):
             # the common case on local disk, taken first (a tar member's data, a header):
             # one read of exactly what was asked for
