@@ -192,11 +192,7 @@ def scenario_two_ranks(out: str) -> None:
 
 
 def scenario_save_loop(root: str, async_save: str) -> None:
-    """Wait for a line on stdin, save step 1, say READY, then save steps 2, 3, ... until killed.
-
-    The wait lets a test start (import) several of these at once and still time each kill
-    from its own READY."""
-    sys.stdin.readline()
+    """Save step 1, say READY, then save steps 2, 3, ... until killed."""
     manager = CheckpointManager(root, keep_last=2, async_save=async_save == "1")
     state = {"a": torch.zeros(1 << 20), "b": torch.zeros(1 << 20), "c": torch.zeros(1 << 19)}
     step = 1

@@ -115,58 +115,39 @@ def test_two_ranks_ddp_and_fsdp2_reshard_one_to_two_and_two_to_one(tmp_path):
 @pytest.mark.parametrize("async_save", ["0", "1"])
 def test_sigkill_during_saves_never_leaves_a_half_written_step(tmp_path, async_save):
     rng = random.Random(1234 + int(async_save))
-    # The three workers import torch side by side (one start-up instead of three in a row);
-    # each starts saving only when told, so every kill still lands `delay` after its READY.
-    procs = [
-        subprocess.Popen(
-            [sys.executable, WORKERS, "save_loop", str(tmp_path / f"trial{trial}"), async_save],
+    for trial in range(3):
+        root = tmp_path / f"trial{trial}"
+        proc = subprocess.Popen(
+            [sys.executable, WORKERS, "save_loop", str(root), async_save],
             env=child_env(),
-            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-        for trial in range(3)
-    ]
-    try:
-        for trial, proc in enumerate(procs):
-            check_a_killed_save_loop(proc, tmp_path / f"trial{trial}", trial, rng)
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.communicate()
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.strip() == "READY", proc.stderr.read() if proc.stderr else line
+        delay = rng.uniform(0.0, 1.0)
+        time.sleep(delay)
+        proc.kill()
+        proc.wait()
+        where = f"trial {trial}, kill after {delay:.3f}s"
 
-
-def check_a_killed_save_loop(
-    proc: subprocess.Popen[str], root: Path, trial: int, rng: random.Random
-) -> None:
-    """Let `proc` save, kill it at a random moment, then check what it left in `root`."""
-    assert proc.stdin is not None and proc.stdout is not None
-    proc.stdin.write("GO\n")
-    proc.stdin.flush()
-    line = proc.stdout.readline()
-    assert line.strip() == "READY", proc.stderr.read() if proc.stderr else line
-    delay = rng.uniform(0.0, 1.0)
-    time.sleep(delay)
-    proc.kill()
-    proc.wait()
-    where = f"trial {trial}, kill after {delay:.3f}s"
-
-    store = open_store(str(root))
-    steps = committed_steps(store)
-    assert steps, where
-    for step in steps:  # every committed folder is complete
-        assert verify_checkpoint(store, f"step-{step}")["step"] == step, where
-    # The next start loads the newest committed checkpoint, with that step's data.
-    state = {"a": torch.zeros(1 << 20), "b": torch.zeros(1 << 20), "c": torch.zeros(1 << 19)}
-    states = {"weights": state, "trainer": {"step": 0}}
-    manager = CheckpointManager(str(root), keep_last=2)
-    loaded = manager.load(states)
-    assert loaded == steps[-1], where
-    assert states["trainer"]["step"] == loaded, where
-    for tensor in states["weights"].values():
-        assert bool((tensor == float(loaded)).all()), where
-    assert not [n for n in os.listdir(root) if ".tmp-" in n], where
+        store = open_store(str(root))
+        steps = committed_steps(store)
+        assert steps, where
+        for step in steps:  # every committed folder is complete
+            assert verify_checkpoint(store, f"step-{step}")["step"] == step, where
+        # The next start loads the newest committed checkpoint, with that step's data.
+        state = {"a": torch.zeros(1 << 20), "b": torch.zeros(1 << 20), "c": torch.zeros(1 << 19)}
+        states = {"weights": state, "trainer": {"step": 0}}
+        manager = CheckpointManager(str(root), keep_last=2)
+        loaded = manager.load(states)
+        assert loaded == steps[-1], where
+        assert states["trainer"]["step"] == loaded, where
+        for tensor in states["weights"].values():
+            assert bool((tensor == float(loaded)).all()), where
+        assert not [n for n in os.listdir(root) if ".tmp-" in n], where
 
 
 @pytest.mark.distributed
