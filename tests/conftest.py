@@ -8,6 +8,9 @@ import pytest
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
+# Session fixtures shared by several test packages: defined once (see the module's docstring).
+pytest_plugins = ("tests.shard_fixtures",)
+
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]

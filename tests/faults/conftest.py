@@ -1,6 +1,6 @@
-"""Fixtures of the fault tests: the training tests' shards, and the SLURM tier's cluster."""
+"""Fixtures of the fault tests: the SLURM tier's cluster (the shards are session-wide, in
+tests/shard_fixtures.py)."""
 
-from tests.launch.conftest import slurm_cluster, tiny_shards
-from tests.train.conftest import shapes_shards
+from tests.launch.conftest import slurm_cluster
 
-__all__ = ["shapes_shards", "slurm_cluster", "tiny_shards"]
+__all__ = ["slurm_cluster"]

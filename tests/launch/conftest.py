@@ -1,4 +1,5 @@
-"""Fixtures of the SLURM tier: the local dev cluster (tools/dev-cluster) and tiny shards.
+"""Fixtures of the SLURM tier: the local dev cluster (tools/dev-cluster); its tiny shards
+(`tiny_shards`) are in tests/shard_fixtures.py.
 
 Tests marked `slurm` need a running dev cluster. Its slurm.conf comes from
 HPCTRAIN_SLURM_CONF, else SLURM_CONF, else `tools/dev-cluster env`. When it is not running the
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -70,21 +70,3 @@ def slurm_cluster() -> Iterator[str]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SLURM_CONF", conf)
         yield conf
-
-
-@pytest.fixture(scope="session")
-def tiny_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """200 generated 32 px shape images → `hpctrain convert` → DIR/train and DIR/val shards."""
-    root = tmp_path_factory.mktemp("slurm-shards")
-    images, shards = root / "images", root / "shards"
-    subprocess.run(
-        [sys.executable, str(REPO / "tools" / "make_demo_data.py"), str(images),
-         "--num-images", "240", "--size", "32", "--seed", "1"],
-        check=True, capture_output=True, timeout=120,
-    )  # fmt: skip
-    subprocess.run(
-        [sys.executable, "-m", "hpctrain", "convert", str(images), str(shards),
-         "--val-fraction", "0.2", "--samples-per-shard", "24", "--shuffle", "--seed", "0"],
-        check=True, capture_output=True, timeout=120,
-    )  # fmt: skip
-    return shards

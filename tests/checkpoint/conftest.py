@@ -1,5 +1,0 @@
-"""The shard fixture of the training tests, for the end-to-end resume tests."""
-
-from tests.train.conftest import shapes_shards
-
-__all__ = ["shapes_shards"]
