@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 
 from hpctrain.cli import plan_mixture
 from hpctrain.data import open_index, plan
@@ -95,26 +93,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         out = dict(summary)
         urls = [s.url for s in index.shards]
-        out["stream_segments"] = [
-            {
-                "rank": r,
-                "worker": w,
-                "batches": nb,
-                "segments": [[urls[s.shard], s.start, s.end, s.valid] for s in segments],
-            }
-            for r, w, nb, segments in zip(
-                table["rank"].tolist(),
-                table["worker"].tolist(),
-                table["batches"].tolist(),
-                p.all_segments(),
-                strict=True,
-            )
-            if not ranks or r in ranks
-        ]
-        # json.dumps: only the one-shot encoder is the C one (json.dump goes through the
-        # pure-Python iterencode, the bulk of the time at 100k shards)
-        sys.stdout.write(json.dumps(out, separators=(",", ":")))
-        print()
+        per_stream = (
+            [[urls[s.shard], s.start, s.end, s.valid] for s in segments]
+            for segments in p.all_segments()
+        )
+        plan_mixture.write_plan_json(out, table, per_stream, ranks)
         return 0
     print(
         f"{len(index.shards)} shards, {p.num_samples} samples; epoch {args.epoch}, seed {args.seed}"

@@ -4,8 +4,10 @@ the realized mixture per rank."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
+from collections.abc import Iterable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -107,23 +109,8 @@ def run(args: argparse.Namespace) -> int:
                 strict=True,
             )
         )
-        bounds_list = bounds.tolist()
-        out["stream_segments"] = [
-            {"rank": r, "worker": w, "batches": nb, "segments": rows[lo:hi]}
-            for r, w, nb, lo, hi in zip(
-                table["rank"].tolist(),
-                table["worker"].tolist(),
-                table["batches"].tolist(),
-                bounds_list[:-1],
-                bounds_list[1:],
-                strict=True,
-            )
-            if not ranks or r in ranks
-        ]
-        # json.dumps, not json.dump: only the one-shot encoder is the C one (json.dump
-        # writes through the pure-Python iterencode, ~5x slower at 100k shards)
-        sys.stdout.write(json.dumps(out, separators=(",", ":")))
-        print()
+        per_stream = (rows[lo:hi] for lo, hi in itertools.pairwise(bounds.tolist()))
+        write_plan_json(out, table, per_stream, ranks)
         return 0
     print(
         f"mixture of {len(sources)} sources, {len(index.shards)} shards; "
@@ -160,3 +147,28 @@ def run(args: argparse.Namespace) -> int:
             ]
             print(f"rank {r} worker {w}: {p.stream_batches(w)} batches: {' '.join(segs)}")
     return 0
+
+
+def write_plan_json(
+    out: dict[str, Any],
+    table: dict[str, np.ndarray],
+    segments: Iterable[Sequence[Any]],
+    ranks: list[int],
+) -> None:
+    """Print `out` plus `stream_segments` (one entry per stream of `table`, with its rows
+    from `segments`, of the ranks in `ranks` or all) as one compact JSON line."""
+    out["stream_segments"] = [
+        {"rank": r, "worker": w, "batches": nb, "segments": rows}
+        for r, w, nb, rows in zip(
+            table["rank"].tolist(),
+            table["worker"].tolist(),
+            table["batches"].tolist(),
+            segments,
+            strict=True,
+        )
+        if not ranks or r in ranks
+    ]
+    # json.dumps, not json.dump: only the one-shot encoder is the C one (json.dump
+    # writes through the pure-Python iterencode, ~5x slower at 100k shards)
+    sys.stdout.write(json.dumps(out, separators=(",", ":")))
+    print()
