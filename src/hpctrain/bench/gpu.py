@@ -35,38 +35,19 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[3]
+from hpctrain.train.flops import peak_flops
 
-# Published dense (no sparsity) tensor-core peaks in TFLOP/s, bf16 (fp16 for V100, which has
-# no bf16). First match wins, so specific names come before the names they contain.
-PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
-    ("GH200", 989.0),
-    ("H200", 989.0),
-    ("H100 PCIe", 756.0),
-    ("H100 NVL", 835.0),
-    ("H100", 989.0),  # SXM (Jean Zay gpu_p6: "NVIDIA H100 80GB HBM3")
-    ("B200", 2250.0),
-    ("A100", 312.0),  # SXM4 and PCIe (Jean Zay gpu_p5)
-    ("L40S", 362.0),
-    ("A40", 150.0),
-    ("L4", 121.0),
-    ("A10", 125.0),
-    ("V100S", 130.0),
-    ("V100-PCIE", 112.0),
-    ("V100", 125.0),  # SXM2, fp16 (Jean Zay gpu_p13, gpu_p2)
-)
+REPO = Path(__file__).resolve().parents[3]
 
 
 def peak_tflops(gpu_name: str) -> float | None:
-    """The published peak of `gpu_name`, or None; `HPCTRAIN_PEAK_TFLOPS` overrides."""
+    """The published peak of `gpu_name` (`hpctrain.train.flops.PEAK_FLOPS`) in TFLOP/s, or
+    None; `HPCTRAIN_PEAK_TFLOPS` overrides."""
     override = os.environ.get("HPCTRAIN_PEAK_TFLOPS")
     if override:
         return float(override)
-    upper = gpu_name.upper()
-    for key, value in PEAK_TFLOPS:
-        if key.upper() in upper:
-            return value
-    return None
+    peak = peak_flops(gpu_name)
+    return None if peak is None else peak / 1e12
 
 
 @dataclass(frozen=True)

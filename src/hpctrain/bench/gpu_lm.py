@@ -8,7 +8,7 @@ activation checkpointing when the memory estimate needs it. The report takes the
 intervals of `metrics.jsonl` (the first ones hold compilation and loader start-up) and prints
 tokens/s, the data-wait fraction, peak memory and MFU: tokens/s per GPU x the model's training
 FLOPs per token (`flops_per_token` of `hpctrain.train.models.gpt`: 6 x parameters plus the
-attention term) / the GPU's published dense bf16 peak (`hpctrain.bench.gpu.PEAK_TFLOPS`).
+attention term) / the GPU's published dense bf16 peak (`hpctrain.train.flops.PEAK_FLOPS`).
 
 Everything but the GPU runs on a CPU too (`--device cpu --preset gpt-tiny --steps 2`: fp32,
 no compile), which is how the tests exercise it; `tools/gpu_bench.sh` runs it after the

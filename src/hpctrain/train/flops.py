@@ -11,21 +11,30 @@ On an unknown device or a CPU `mfu` is left out, never guessed.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch-free at import: `hpctrain bench gpu` reads the table before torch
+    import torch
 
-# (substring of torch.cuda.get_device_name, dense bf16/fp16 tensor FLOP/s), most specific first:
-# the first match wins. From NVIDIA's data sheets (without sparsity).
+# (substring of torch.cuda.get_device_name, dense bf16 tensor FLOP/s; fp16 on V100, which has no
+# bf16), from NVIDIA's data sheets without sparsity. The first match wins, so specific names come
+# before the names they contain (GH200 before H200, H100 PCIe before H100, A100 before A10, L40S
+# before L4). The one table: `hpctrain bench gpu` reads it too.
 PEAK_FLOPS: tuple[tuple[str, float], ...] = (
+    ("GH200", 989e12),
+    ("H200", 989e12),
     ("H100 PCIe", 756e12),
     ("H100 NVL", 835e12),
-    ("H100", 989e12),  # SXM ("NVIDIA H100 80GB HBM3")
-    ("H200", 989e12),
-    ("A100", 312e12),  # SXM and PCIe alike
+    ("H100", 989e12),  # SXM (Jean Zay gpu_p6: "NVIDIA H100 80GB HBM3")
+    ("B200", 2250e12),
+    ("A100", 312e12),  # SXM4 and PCIe alike (Jean Zay gpu_p5)
+    ("L40S", 362e12),
+    ("A40", 150e12),
+    ("L4", 121e12),
+    ("A10", 125e12),
     ("V100S", 130e12),
     ("V100-PCIE", 112e12),
-    ("V100", 125e12),  # SXM2 ("Tesla V100-SXM2-32GB"), fp16 tensor cores (no bf16)
+    ("V100", 125e12),  # SXM2 ("Tesla V100-SXM2-32GB"; Jean Zay gpu_p13, gpu_p2)
 )
 
 
@@ -52,6 +61,8 @@ def throughput_fields(
     fields = {"tokens_per_s": tokens_per_s, "tokens_per_s_per_rank": tokens_per_s / world_size}
     flops_per_token = getattr(task, "flops_per_token", None)
     if flops_per_token is not None and device.type == "cuda":
+        import torch
+
         peak = peak_flops(torch.cuda.get_device_name(device))
         if peak is not None:
             fields["mfu"] = mfu(tokens_per_s, flops_per_token(), peak, world_size)
