@@ -474,7 +474,7 @@ class MixturePlan(EpochPlan):
         Stream by stream (rank-major), as `EpochPlan.remaining_sequence`; padding repeats
         and dropped slots are not carried over.
         """
-        n, bsz, buf = self.num_samples, self.batch_size, self.block_size
+        n = self.num_samples
         num_sources = len(self.sources)
         parts: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = [
             [] for _ in range(num_sources)
@@ -501,22 +501,9 @@ class MixturePlan(EpochPlan):
                     sh, ix = self.sources[s].positions(pos)
                     parts[s].append((sh, ix, ix + 1))
 
-        for rank in range(self.world_size):
-            for worker in range(self.streams_per_rank):
-                a, b = self.stream_slots(rank, worker)
-                m = self.consumed_batches(worker, consumed) * bsz
-                length = b - a
-                if m >= length:
-                    continue
-                block = m // buf
-                block_lo = block * buf
-                block_len = min(buf, length - block_lo)
-                if m > block_lo:
-                    order = self.shuffle_order(rank, worker, block, block_len)
-                    add_single(np.sort(order[m - block_lo :]) + a + block_lo)
-                    add_slots(a + block_lo + block_len, b)
-                else:
-                    add_slots(a + m, b)
+        for left, lo, hi in self.remaining_slots(consumed):
+            add_single(left)
+            add_slots(lo, hi)
         return [_sequence(p) for p in parts]
 
     def remaining_sequence(self, consumed: int) -> SampleSequence:

@@ -33,7 +33,7 @@ the new world size / workers. A loader state is the epoch plus the list of stage
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from typing import Any
@@ -295,13 +295,35 @@ class EpochPlan:
 
     # -- resume --------------------------------------------------------------------------
 
+    def remaining_slots(self, consumed: int) -> Iterator[tuple[np.ndarray, int, int]]:
+        """What each stream (rank-major) has not emitted after `consumed` batches per rank:
+        the slots left of its partly read shuffle block (sorted; empty when it stopped at a
+        block boundary), then the untouched slot range [lo, hi). Slots may lie past
+        `num_samples` (padding): the caller keeps the ones it carries over."""
+        bsz, buf = self.batch_size, self.block_size
+        for rank in range(self.world_size):
+            for worker in range(self.streams_per_rank):
+                a, b = self.stream_slots(rank, worker)
+                m = self.consumed_batches(worker, consumed) * bsz
+                length = b - a
+                if m >= length:
+                    continue
+                block = m // buf
+                block_lo = block * buf
+                if m > block_lo:
+                    block_len = min(buf, length - block_lo)
+                    order = self.shuffle_order(rank, worker, block, block_len)
+                    yield np.sort(order[m - block_lo :]) + a + block_lo, a + block_lo + block_len, b
+                else:
+                    yield np.zeros(0, dtype=np.int64), a + m, b
+
     def remaining_sequence(self, consumed: int) -> SampleSequence:
         """Valid samples not yet emitted after `consumed` batches per rank, as a new sequence.
 
         Order: stream by stream (rank-major), each stream's partial block first (in position
         order), then the rest of the stream. Pads and dropped samples are not carried over.
         """
-        n, bsz, buf = self.num_samples, self.batch_size, self.block_size
+        n = self.num_samples
         shards: list[np.ndarray] = []
         starts: list[np.ndarray] = []
         ends: list[np.ndarray] = []
@@ -313,28 +335,14 @@ class EpochPlan:
                 starts.append(np.array([seg.start]))
                 ends.append(np.array([seg.end]))
 
-        for rank in range(self.world_size):
-            for worker in range(self.streams_per_rank):
-                a, b = self.stream_slots(rank, worker)
-                m = self.consumed_batches(worker, consumed) * bsz
-                length = b - a
-                if m >= length:
-                    continue
-                block = m // buf
-                block_lo = block * buf
-                block_len = min(buf, length - block_lo)
-                if m > block_lo:
-                    order = self.shuffle_order(rank, worker, block, block_len)
-                    left = np.sort(order[m - block_lo :]) + a + block_lo
-                    left = left[left < n]
-                    if len(left):
-                        sh, ix = self.sequence.positions(left)
-                        shards.append(sh)
-                        starts.append(ix)
-                        ends.append(ix + 1)
-                    add_range(a + block_lo + block_len, b)
-                else:
-                    add_range(a + m, b)
+        for left, lo, hi in self.remaining_slots(consumed):
+            left = left[left < n]
+            if len(left):
+                sh, ix = self.sequence.positions(left)
+                shards.append(sh)
+                starts.append(ix)
+                ends.append(ix + 1)
+            add_range(lo, hi)
         if not shards:
             empty = np.zeros(0, dtype=np.int64)
             return SampleSequence(empty, empty, empty)
