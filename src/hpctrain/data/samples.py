@@ -119,30 +119,19 @@ class StreamSpec:
     def plan(self, epoch: int, stages: tuple[StageParams, ...]) -> EpochPlan:
         """The plan of the stage after `stages` of `epoch`."""
         p = stage_params(self.params, stages)
+        layout: dict[str, Any] = {
+            "world_size": p.world_size,
+            "workers_per_rank": p.workers_per_rank,
+            "batch_size": p.batch_size,
+            "seed": self.seed,
+            "epoch": epoch,
+            "remainder": p.remainder,
+            "shuffle_buffer": p.shuffle_buffer,
+            "stages": stages,
+        }
         if self.mixture is not None:
-            return plan_mixture(
-                self.mixture,
-                world_size=p.world_size,
-                workers_per_rank=p.workers_per_rank,
-                batch_size=p.batch_size,
-                seed=self.seed,
-                epoch=epoch,
-                remainder=p.remainder,
-                shuffle_buffer=p.shuffle_buffer,
-                stages=stages,
-            )
-        return plan(
-            list(self.shard_sizes),
-            world_size=p.world_size,
-            workers_per_rank=p.workers_per_rank,
-            batch_size=p.batch_size,
-            seed=self.seed,
-            epoch=epoch,
-            remainder=p.remainder,
-            shuffle_buffer=p.shuffle_buffer,
-            shuffle_shards=self.train,
-            stages=stages,
-        )
+            return plan_mixture(self.mixture, **layout)
+        return plan(list(self.shard_sizes), shuffle_shards=self.train, **layout)
 
 
 class SampleStream:
