@@ -55,7 +55,7 @@ from hpctrain.convert.processes import process_pool
 from hpctrain.convert.progress import Progress
 from hpctrain.convert.sources import ConvertError, ConvertOptionError, sample_key
 from hpctrain.convert.tar import ShardTarWriter, member_num_bytes
-from hpctrain.convert.writer import EncodeOptions, ShardResult, ShardTask, _Output
+from hpctrain.convert.writer import EncodeOptions, ShardOutput, ShardResult, ShardTask
 from hpctrain.data.index import (
     INDEX_NAME,
     ShardIndex,
@@ -494,7 +494,7 @@ class _SpoolReader:
 
 
 def _write(plan: _ShardPlan, reader: _SpoolReader, field: str) -> ShardResult:
-    output = _Output(plan.url)
+    output = ShardOutput(plan.url)
     try:
         writer = ShardTarWriter(output.file)
         for key, members in plan.samples:

@@ -185,7 +185,7 @@ def is_local(url: str) -> bool:
     return isinstance(fs, LocalFileSystem)
 
 
-class _Output:
+class ShardOutput:
     """A shard's output file that only shows up under its final name once committed.
 
     Local files: written to a hidden temporary name in the same folder, fsynced, renamed.
@@ -230,7 +230,7 @@ class _Output:
 
 def write_shard(task: ShardTask, on_sample: Callable[[], Any] | None = None) -> ShardResult:
     """Write one shard (see module doc). Raises `ConvertError` on a bad sample under `fail`."""
-    output = _Output(task.url)
+    output = ShardOutput(task.url)
     reader = ShardReader()
     skipped: list[tuple[str, str]] = []
     num_samples = 0
