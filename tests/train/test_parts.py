@@ -51,7 +51,9 @@ def test_unknown_model_and_task_are_config_errors() -> None:
         build_classifier("nope", 3)
     with pytest.raises(ConfigError, match="task='no.such.module:Task'"):
         load_task(load_config(None, ["task=no.such.module:Task"]), INDEX)
-    with pytest.raises(ConfigError, match="expected one of causal_lm, image_classification, segmentation"):
+    with pytest.raises(
+        ConfigError, match="expected one of causal_lm, image_classification, segmentation"
+    ):
         load_task(load_config(None, ["task=whatever"]), INDEX)
 
 
