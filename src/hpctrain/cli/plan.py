@@ -118,14 +118,7 @@ def run(args: argparse.Namespace) -> int:
     s, q = summary["shards_per_stream"], summary["partial_shards_per_stream"]
     print(f"shards per stream: min {s['min']}, mean {s['mean']:.2f}, max {s['max']}")
     print(f"partly read shards per stream: min {q['min']}, mean {q['mean']:.2f}, max {q['max']}")
-    for r in ranks:
-        for w in range(p.streams_per_rank):
-            parts = [
-                f"{index.shards[seg.shard].url}[{seg.start}:{seg.end}]"
-                + ("" if seg.valid else " (pad)")
-                for seg in p.stream_segments(r, w)
-            ]
-            print(f"rank {r} worker {w}: {p.stream_batches(w)} batches: {' '.join(parts)}")
+    plan_mixture.print_stream_segments(p, index, ranks)
     return 0
 
 

@@ -13,7 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from hpctrain.data.index import ShardIndex
 from hpctrain.data.mixture import open_mixture, plan_mixture
+from hpctrain.data.planning import EpochPlan
 from hpctrain.data.sequences import sequence_counts
 from hpctrain.errors import UsageError
 
@@ -138,14 +140,7 @@ def run(args: argparse.Namespace) -> int:
             f"{src['name']} {int(c)}" for src, c in zip(sources, per_rank[r], strict=True)
         )
         print(f"rank {r}: {parts}")
-    for r in ranks:
-        for w in range(p.streams_per_rank):
-            segs = [
-                f"{index.shards[seg.shard].url}[{seg.start}:{seg.end}]"
-                + ("" if seg.valid else " (pad)")
-                for seg in p.stream_segments(r, w)
-            ]
-            print(f"rank {r} worker {w}: {p.stream_batches(w)} batches: {' '.join(segs)}")
+    print_stream_segments(p, index, ranks)
     return 0
 
 
@@ -172,3 +167,15 @@ def write_plan_json(
     # writes through the pure-Python iterencode, ~5x slower at 100k shards)
     sys.stdout.write(json.dumps(out, separators=(",", ":")))
     print()
+
+
+def print_stream_segments(p: EpochPlan, index: ShardIndex, ranks: list[int]) -> None:
+    """One line per stream of `ranks`: its batches and its shard ranges (pads marked)."""
+    for r in ranks:
+        for w in range(p.streams_per_rank):
+            segs = [
+                f"{index.shards[seg.shard].url}[{seg.start}:{seg.end}]"
+                + ("" if seg.valid else " (pad)")
+                for seg in p.stream_segments(r, w)
+            ]
+            print(f"rank {r} worker {w}: {p.stream_batches(w)} batches: {' '.join(segs)}")
