@@ -111,8 +111,9 @@ class _HashingStream(ShardStream):
         self.num_bytes = 0
         super().__init__(url)
 
-    def read_view(self, n: int) -> bytes | memoryview:
-        data = super().read_view(n)
+    def _read_raw(self, n: int) -> bytes:
+        # every byte comes from the file through here once, in order (read-ahead included)
+        data = super()._read_raw(n)
         self.sha256.update(data)
         self.num_bytes += len(data)
         return data

@@ -102,16 +102,18 @@ class Collator:
         specs.append(("valid", (size,), torch.bool))
         self.num_fields = len(self.tensors) + len(self.scalars) + len(self.others)
         self.views, self.send = memory.allocate(specs)
+        # each field's B rows, made at once: indexing a row per sample cost ~2.5 us here
+        self.rows = {name: self.views[name].unbind(0) for name, _s, _d in self.tensors}
 
     def put(self, pos: int, sample: Sample, key: str) -> None:
         """Write `sample` (whose key is `key`) at position `pos` of the batch."""
-        views = self.views
+        rows = self.rows
         for name, shape, dtype in self.tensors:
             value = sample.get(name, _MISSING)
-            tensor = _as_tensor(value)
+            tensor = value if type(value) is torch.Tensor else _as_tensor(value)
             if tensor is None or tensor.shape != shape or tensor.dtype != dtype:
                 self._mismatch(name, f"{list(shape)} {dtype}", value, key)
-            views[name][pos].copy_(tensor)
+            rows[name][pos].copy_(tensor)
         for name, values in self.scalars.items():
             value = sample.get(name, _MISSING)
             kind = self.scalar_types[name]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import struct
 import subprocess
 import time
 import zlib
@@ -39,7 +40,8 @@ from hpctrain.data.index import redact_url
 from hpctrain.errors import DataError
 
 BLOCK = 512
-READ_CHUNK = 1 << 20
+ZERO_BLOCK = bytes(BLOCK)
+READ_CHUNK = 1 << 20  # what a non-seekable stream reads ahead of what it was asked for
 MAX_RAW_READ = 64 << 20  # one read's most: a huge size field must not allocate it at once
 MAX_META_BYTES = 1 << 20  # a PAX header or GNU long name beyond this is not a real one
 
@@ -140,7 +142,7 @@ class ShardStream:
         self.stats = stats if stats is not None else ReadStats()
         self.storage_options = storage_options or {}
         self.raw_pos = 0  # bytes received from the file
-        self._buf: bytes | memoryview = b""
+        self._buf = b""  # read ahead of the caller; `_buf_pos` is the first unread byte
         self._buf_pos = 0
         self.retries_left = max_retries
         self._sleep = sleep
@@ -184,7 +186,9 @@ class ShardStream:
                 # file returns short instead: a `CorruptShardError`/`ShardReadError` that
                 # `data.on_error` handles. Each member is read straight into a bytes object
                 # of its own: one copy from the page cache, none after it (`read_view`).
-                self._file = open(path, "rb")  # noqa: SIM115  (closed by _close_file)
+                # Unbuffered: a header is one 512-byte read and a member's data one read
+                # into its own bytes object; a buffered reader would copy both once more.
+                self._file = open(path, "rb", buffering=0)  # noqa: SIM115  (_close_file)
                 self.length = os.fstat(self._file.fileno()).st_size
             else:
                 self._file = fs.open(path, "rb")
@@ -193,6 +197,7 @@ class ShardStream:
             if offset:
                 self._file.seek(offset)
         self.raw_pos = offset
+        self._buf, self._buf_pos = b"", 0
 
     def _discard(self, n: int) -> None:
         while n > 0:
@@ -261,54 +266,85 @@ class ShardStream:
             return chunk
 
     def read(self, n: int) -> bytes:
-        """Exactly `n` bytes, or fewer only at the real end of the shard.
-
-        Reads go to the file in chunks of at least `READ_CHUNK`: a tar sample takes 4+ small
-        reads, and each read of an fsspec HTTP stream is a round trip to its event-loop thread.
-        """
+        """Exactly `n` bytes, or fewer only at the real end of the shard."""
         data = self.read_view(n)
         return data if isinstance(data, bytes) else bytes(data)
 
     def read_view(self, n: int) -> bytes | memoryview:
-        """As `read`, without a copy where one can be saved (a view of the read-ahead buffer
-        is never returned: it would keep a whole chunk alive per sample)."""
+        """As `read`; a subclass may return a memoryview where that saves a copy.
+
+        A seekable file is read exactly as asked: reading ahead would read what `skip` is
+        meant to seek past, and a local file's reads are cheap system calls (an unbuffered
+        read of a member's bytes: one copy from the page cache, none after it). A stream
+        (HTTP, `pipe:`) reads at least `READ_CHUNK` at a time and serves small reads (tar
+        headers) from that buffer: each read of an fsspec HTTP stream is a round trip to
+        its event-loop thread.
+        """
         if n <= 0:
             # an empty member: reading 0 bytes from the file would look like its end, which
             # is a short body when the index gives the shard's size
             return b""
-        if self._seekable and self._buf_pos >= len(self._buf):
-            # the common case on local disk, taken first (a tar member's data, a header):
-            # one read of exactly what was asked for
+        if self._seekable and self._buf_pos >= len(self._buf):  # nothing buffered
             chunk = self._read_raw(n)
-            if len(chunk) == n or not chunk:
-                return chunk
-            parts: list[bytes | memoryview] = [chunk]
-            want = n - len(chunk)
-        else:
-            parts, want = [], n
+            return chunk if len(chunk) == n else self._read_more(n, chunk)
+        pos = self._buf_pos
+        end = pos + n
+        if end <= len(self._buf):
+            self._buf_pos = end
+            return self._buf[pos:end]
+        return self._read_more(n)
+
+    def _read_more(self, n: int, first: bytes = b"") -> bytes:
+        """`read_view` when the buffer does not hold all `n` bytes (`first`: what a read of
+        a seekable file gave, short)."""
+        rest = self._buf[self._buf_pos :] if self._buf_pos < len(self._buf) else first
+        parts = [rest] if rest else []
+        want = n - len(rest)
+        if not first and not rest and self._seekable:
+            return b""  # the end of the file
+        self._buf, self._buf_pos = b"", 0
         while want > 0:
-            if self._buf_pos >= len(self._buf):
-                if self._seekable:
-                    # no read-ahead on seekable files: it would read what `skip` is meant to
-                    # seek past (their own buffers serve the small reads); what is read is
-                    # exactly what was asked for, so it is returned as it is, not sliced
-                    chunk = self._read_raw(want)
-                    if not chunk:
-                        break
-                    parts.append(chunk)
-                    want -= len(chunk)
-                    continue
-                self._buf = self._read_raw(max(want, READ_CHUNK))
-                self._buf_pos = 0
-                if not self._buf:
-                    break
-            take = self._buf[self._buf_pos : self._buf_pos + want]
-            self._buf_pos += len(take)
-            parts.append(take)
-            want -= len(take)
+            if self._seekable or want >= READ_CHUNK:
+                chunk = self._read_raw(want)
+            else:
+                chunk = self._read_raw(READ_CHUNK)
+                if len(chunk) > want:
+                    self._buf, self._buf_pos = chunk, want
+                    chunk = chunk[:want]
+            if not chunk:
+                break
+            parts.append(chunk)
+            want -= len(chunk)
         if not parts:
             return b""
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def read_member(self, size: int, padded: int, views: bool = False) -> bytes | memoryview:
+        """A tar member's `size` data bytes, consuming its `padded` bytes (data + padding).
+
+        Raises:
+            CorruptShardError: the shard ends before the data does.
+        """
+        pos = self._buf_pos
+        if pos + padded <= len(self._buf):  # a small member of a stream's read-ahead
+            self._buf_pos = pos + padded
+            return self._buf[pos : pos + size]
+        if self._seekable and pos >= len(self._buf):
+            # One read for the data and the next header, which is then served from `_buf`:
+            # a system call less per member. The bytes object is the member's own (the
+            # header is copied out of it), so holding it keeps nothing else alive.
+            data = self._read_raw(padded + BLOCK)
+            if len(data) > padded:
+                self._buf, self._buf_pos = data, padded
+            elif data and len(data) < padded:  # a short read: read the rest as asked
+                data += self.read(padded - len(data))
+        else:
+            data = self.read(padded)
+        if len(data) < size:
+            raise CorruptShardError("truncated tar member")
+        if len(data) == size:
+            return data
+        return memoryview(data)[:size] if views else data[:size]
 
     def _check_eof(self) -> None:
         """At EOF: a short body (before the index's size, or a failed pipe) is a fault."""
@@ -408,6 +444,8 @@ def pipe_label(url: str) -> str:
 
 
 _DECIMAL = re.compile(r"[0-9]+", re.ASCII)
+# the fields of a tar header that are read: name, size, checksum, type, magic, USTAR prefix
+_HEADER = struct.Struct("100s24x12s12x8sc100x6s82x155s12x")
 
 
 def header_checksum(header: bytes) -> int:
@@ -424,6 +462,9 @@ def header_checksum(header: bytes) -> int:
 
 def _parse_number(field_: bytes, what: str, at: int) -> int:
     """A header's numeric field: octal text, or GNU base-256 for sizes >= 8 GiB."""
+    if field_[-1:] == b"\0" and field_[:-1].isdigit():  # the usual form: digits, then NUL
+        with contextlib.suppress(ValueError):  # an 8 or a 9: refused below
+            return int(field_[:-1], 8)
     if field_ and field_[0] & 0x80:
         if field_[0] != 0x80:  # 0xff: a negative base-256 number
             raise CorruptShardError(f"negative tar {what} in the header at byte {at}")
@@ -468,6 +509,71 @@ def _check_size(stream: ShardStream, size: int, at: int) -> None:
         )
 
 
+def tar_entries(stream: ShardStream) -> Iterator[tuple[str, int, int]]:
+    """Regular-file members of a tar stream as (name, size, padded size), the stream left at
+    each member's data. The caller consumes exactly `padded` bytes of it (`read_member` or
+    `skip`) before asking for the next one.
+
+    Raises:
+        CorruptShardError: anything malformed, named with its byte offset.
+    """
+    long_name: str | None = None
+    pax: dict[str, str] = {}
+    while True:
+        buf, pos = stream._buf, stream._buf_pos
+        if pos + BLOCK <= len(buf):  # the header is buffered (the usual case): inlined
+            header = buf[pos : pos + BLOCK]
+            stream._buf_pos = pos + BLOCK
+            at = stream.raw_pos - len(buf) + pos
+        else:
+            at = stream.pos
+            header = stream.read(BLOCK)
+            if len(header) < BLOCK:
+                if not header:
+                    return  # archive without end blocks: accepted, as tar does
+                raise CorruptShardError("truncated tar header")
+        if header == ZERO_BLOCK:
+            return
+        raw_name, raw_size, raw_sum, kind, magic, raw_prefix = _HEADER.unpack(header)
+        if _parse_number(raw_sum, "checksum", at) != header_checksum(header):
+            raise CorruptShardError(f"bad tar header checksum at byte {at}")
+        size = _parse_number(raw_size, "size", at)
+        if kind in (b"x", b"L", b"g"):
+            if size > MAX_META_BYTES:
+                raise CorruptShardError(f"tar metadata member of {size} bytes at byte {at}")
+            _check_size(stream, size, at)
+            data = stream.read_member(size, -(-size // BLOCK) * BLOCK)
+            if kind == b"x":
+                pax = _parse_pax(bytes(data), at + BLOCK)
+            elif kind == b"L":
+                long_name = bytes(data).rstrip(b"\0").decode("utf-8", "replace")
+            continue
+        if long_name is not None:
+            name = long_name
+        elif "path" in pax:
+            name = pax["path"]
+        else:
+            name = raw_name.split(b"\0", 1)[0].decode("utf-8", "replace")
+            if raw_prefix[0] and magic.startswith(b"ustar"):
+                prefix = raw_prefix.split(b"\0", 1)[0].decode("utf-8", "replace")
+                name = f"{prefix}/{name}"
+        if pax:
+            if "size" in pax:
+                if not _DECIMAL.fullmatch(pax["size"]):
+                    raise CorruptShardError(f"PAX size {pax['size'][:20]!r} at byte {at}")
+                size = int(pax["size"])
+            pax = {}
+        long_name = None
+        padded = -(-size // BLOCK) * BLOCK
+        if stream.length is not None and size > stream.length - at - BLOCK:
+            _check_size(stream, size, at)
+        if kind not in (b"0", b"\0", b"7"):
+            if stream.skip(padded) > padded - size:
+                raise CorruptShardError("truncated tar member")
+            continue
+        yield name, size, padded
+
+
 def iter_members(
     stream: ShardStream, *, views: bool = False
 ) -> Iterator[tuple[Member, Callable[[], bytes]]]:
@@ -480,64 +586,12 @@ def iter_members(
     Raises:
         CorruptShardError: anything malformed, named with its byte offset.
     """
-    read = stream.read_view if views else stream.read
-    long_name: str | None = None
-    pax: dict[str, str] = {}
-    while True:
-        at = stream.pos
-        header = stream.read(BLOCK)
-        if len(header) < BLOCK:
-            if not header:
-                return  # archive without end blocks: accepted, as tar does
-            raise CorruptShardError("truncated tar header")
-        if header == b"\0" * BLOCK:
-            return
-        stored = _parse_number(header[148:156], "checksum", at)
-        if stored != header_checksum(header):
-            raise CorruptShardError(f"bad tar header checksum at byte {at}")
-        size = _parse_number(header[124:136], "size", at)
-        kind = header[156:157]
-        if kind in (b"x", b"L", b"g"):
-            if size > MAX_META_BYTES:
-                raise CorruptShardError(f"tar metadata member of {size} bytes at byte {at}")
-            _check_size(stream, size, at)
-            data = stream.read(-(-size // BLOCK) * BLOCK)[:size]
-            if len(data) < size:
-                raise CorruptShardError("truncated tar member")
-            if kind == b"x":
-                pax = _parse_pax(data, at + BLOCK)
-            elif kind == b"L":
-                long_name = data.rstrip(b"\0").decode("utf-8", "replace")
-            continue
-        if long_name is not None:
-            name = long_name
-        elif "path" in pax:
-            name = pax["path"]
-        else:
-            name = header[:100].split(b"\0", 1)[0].decode("utf-8", "replace")
-            if header[257:262] == b"ustar":
-                prefix = header[345:500].split(b"\0", 1)[0].decode("utf-8", "replace")
-                if prefix:
-                    name = f"{prefix}/{name}"
-        if "size" in pax:
-            if not _DECIMAL.fullmatch(pax["size"]):
-                raise CorruptShardError(f"PAX size {pax['size'][:20]!r} at byte {at}")
-            size = int(pax["size"])
-        padded = -(-size // BLOCK) * BLOCK
-        long_name, pax = None, {}
-        _check_size(stream, size, at)
-        if kind not in (b"0", b"\0", b"7"):
-            if stream.skip(padded) > padded - size:
-                raise CorruptShardError("truncated tar member")
-            continue
+    for name, size, padded in tar_entries(stream):
         state = {"done": False}
 
         def read_data(size: int = size, padded: int = padded, state: dict = state) -> bytes:
             state["done"] = True
-            data = read(padded)
-            if len(data) < size:
-                raise CorruptShardError("truncated tar member")
-            return data[:size]  # type: ignore[return-value]  # a memoryview only when asked for
+            return stream.read_member(size, padded, views)  # type: ignore[return-value]
 
         yield Member(name, size), read_data
         if not state["done"] and stream.skip(padded) > padded - size:
@@ -571,10 +625,10 @@ def iter_samples(
     """
     index = -1
     key: str | None = None
-    members: dict[str, bytes] = {}
+    members: dict[str, Any] = {}
     wanted = True
-    for member, read_data in iter_members(stream, views=views):
-        k, ext = split_key(member.name)
+    for name, size, padded in tar_entries(stream):
+        k, ext = split_key(name)
         if k != key:
             if key is not None and wanted:
                 yield index, key, members
@@ -583,11 +637,14 @@ def iter_samples(
                 return
             key, members = k, {}
             wanted = want is None or want(index)
-        if wanted:
-            if ext in members:
-                # webdataset#205: a duplicate member would silently replace the first one
-                raise CorruptShardError(f"duplicate member {member.name!r}")
-            members[ext] = read_data()
+        if not wanted:
+            if stream.skip(padded) > padded - size:
+                raise CorruptShardError("truncated tar member")
+            continue
+        if ext in members:
+            # webdataset#205: a duplicate member would silently replace the first one
+            raise CorruptShardError(f"duplicate member {name!r}")
+        members[ext] = stream.read_member(size, padded, views)
     if key is not None and wanted:
         yield index, key, members
 

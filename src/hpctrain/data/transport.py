@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import math
 import multiprocessing as mp
 import os
@@ -221,6 +222,10 @@ def _work(
     _activity = activity
     ignore_job_signals()
     torch.set_num_threads(1)  # as DataLoader workers: one core each, no oversubscription
+    # What the worker inherited (torch, the training process's objects) is never garbage:
+    # out of the collector's sight, a collection scans only what the worker made. Full
+    # collections over the inherited heap cost ~10 us per sample of tar reading here.
+    gc.freeze()
     set_worker_info(
         worker=worker, num_workers=num_workers, seed=getattr(source, "seed", 0), dataset=source
     )
