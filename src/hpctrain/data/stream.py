@@ -444,6 +444,9 @@ def pipe_label(url: str) -> str:
 
 
 _DECIMAL = re.compile(r"[0-9]+", re.ASCII)
+# a numeric header field as tar writers write it: octal digits (spaces before), then NULs or
+# spaces; anything else takes `_parse_number`'s slower path, whose result is the same
+_OCTAL = re.compile(rb" *([0-7]+)[ \0]*")
 # the fields of a tar header that are read: name, size, checksum, type, magic, USTAR prefix
 _HEADER = struct.Struct("100s24x12s12x8sc100x6s82x155s12x")
 
@@ -464,9 +467,9 @@ def header_checksum(header: bytes) -> int:
 
 def _parse_number(field_: bytes, what: str, at: int) -> int:
     """A header's numeric field: octal text, or GNU base-256 for sizes >= 8 GiB."""
-    if field_[-1:] == b"\0" and field_[:-1].isdigit():  # the usual form: digits, then NUL
-        with contextlib.suppress(ValueError):  # an 8 or a 9: refused below
-            return int(field_[:-1], 8)
+    usual = _OCTAL.fullmatch(field_)  # one C call for the usual form
+    if usual is not None:
+        return int(usual[1], 8)
     if field_ and field_[0] & 0x80:
         if field_[0] != 0x80:  # 0xff: a negative base-256 number
             raise CorruptShardError(f"negative tar {what} in the header at byte {at}")
