@@ -185,7 +185,8 @@ class ShardStream:
                 # traceback, and no Python handler can resume after it. A read of a shrunk
                 # file returns short instead: a `CorruptShardError`/`ShardReadError` that
                 # `data.on_error` handles. Each member is read straight into a bytes object
-                # of its own: one copy from the page cache, none after it (`read_view`).
+                # of its own, with the next header: one copy from the page cache, none
+                # after it (`read_member`).
                 # Unbuffered: a header is one 512-byte read and a member's data one read
                 # into its own bytes object; a buffered reader would copy both once more.
                 self._file = open(path, "rb", buffering=0)  # noqa: SIM115  (_close_file)
