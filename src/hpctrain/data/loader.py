@@ -15,7 +15,6 @@ epochs, so `set_epoch` on the main process's copy alone would never reach them.
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 from collections.abc import Iterator
 from dataclasses import replace
@@ -211,19 +210,14 @@ class ShardedLoader:
     # -- iteration -----------------------------------------------------------------------
 
     def _start_workers(self) -> WorkerPool:
-        # Workers fork here. Freezing the GC first keeps the children's collector off the
-        # parent's objects, whose refcount/GC writes would otherwise copy their pages.
-        gc.freeze()
-        try:
-            return WorkerPool(
-                self._stream,
-                self.cfg.workers_per_rank,
-                prefetch=self.cfg.prefetch_factor,
-                context=worker_start_method(),
-                timeout_s=self.cfg.timeout_s,
-            )
-        finally:
-            gc.unfreeze()
+        # workers freeze what they inherit themselves (`transport._work`)
+        return WorkerPool(
+            self._stream,
+            self.cfg.workers_per_rank,
+            prefetch=self.cfg.prefetch_factor,
+            context=worker_start_method(),
+            timeout_s=self.cfg.timeout_s,
+        )
 
     def _raw_batches(self) -> Iterator[dict[str, Any]]:
         """The pass's batches as the workers send them (or as made here, without workers)."""

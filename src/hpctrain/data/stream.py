@@ -184,11 +184,9 @@ class ShardStream:
                 # touches the lost pages (the decoder), which kills the process without a
                 # traceback, and no Python handler can resume after it. A read of a shrunk
                 # file returns short instead: a `CorruptShardError`/`ShardReadError` that
-                # `data.on_error` handles. Each member is read straight into a bytes object
-                # of its own, with the next header: one copy from the page cache, none
-                # after it (`read_member`).
-                # Unbuffered: a header is one 512-byte read and a member's data one read
-                # into its own bytes object; a buffered reader would copy both once more.
+                # `data.on_error` handles. Unbuffered: each member is read straight into a
+                # bytes object of its own, with the next header (`read_member`): one copy
+                # from the page cache, where a buffered reader would copy once more.
                 self._file = open(path, "rb", buffering=0)  # noqa: SIM115  (_close_file)
                 self.length = os.fstat(self._file.fileno()).st_size
             else:
@@ -287,7 +285,7 @@ class ShardStream:
             return b""
         if self._seekable and self._buf_pos >= len(self._buf):  # nothing buffered
             chunk = self._read_raw(n)
-            return chunk if len(chunk) == n else self._read_more(n, chunk)
+            return chunk if len(chunk) == n or not chunk else self._read_more(n, chunk)
         pos = self._buf_pos
         end = pos + n
         if end <= len(self._buf):
@@ -298,11 +296,9 @@ class ShardStream:
     def _read_more(self, n: int, first: bytes = b"") -> bytes:
         """`read_view` when the buffer does not hold all `n` bytes (`first`: what a read of
         a seekable file gave, short)."""
-        rest = self._buf[self._buf_pos :] if self._buf_pos < len(self._buf) else first
+        rest = first or self._buf[self._buf_pos :]
         parts = [rest] if rest else []
         want = n - len(rest)
-        if not first and not rest and self._seekable:
-            return b""  # the end of the file
         self._buf, self._buf_pos = b"", 0
         while want > 0:
             if self._seekable or want >= READ_CHUNK:
@@ -346,6 +342,12 @@ class ShardStream:
         if len(data) == size:
             return data
         return memoryview(data)[:size] if views else data[:size]
+
+    def skip_member(self, size: int, padded: int) -> None:
+        """Skip a tar member's `padded` bytes unread (`CorruptShardError`: the shard ends
+        before its data does)."""
+        if self.skip(padded) > padded - size:
+            raise CorruptShardError("truncated tar member")
 
     def _check_eof(self) -> None:
         """At EOF: a short body (before the index's size, or a failed pipe) is a fault."""
@@ -526,18 +528,12 @@ def tar_entries(stream: ShardStream) -> Iterator[tuple[str, int, int]]:
     long_name: str | None = None
     pax: dict[str, str] = {}
     while True:
-        buf, pos = stream._buf, stream._buf_pos
-        if pos + BLOCK <= len(buf):  # the header is buffered (the usual case): inlined
-            header = buf[pos : pos + BLOCK]
-            stream._buf_pos = pos + BLOCK
-            at = stream.raw_pos - len(buf) + pos
-        else:
-            at = stream.pos
-            header = stream.read(BLOCK)
-            if len(header) < BLOCK:
-                if not header:
-                    return  # archive without end blocks: accepted, as tar does
-                raise CorruptShardError("truncated tar header")
+        at = stream.pos
+        header = stream.read(BLOCK)
+        if len(header) < BLOCK:
+            if not header:
+                return  # archive without end blocks: accepted, as tar does
+            raise CorruptShardError("truncated tar header")
         if header == ZERO_BLOCK:
             return
         raw_name, raw_size, raw_sum, kind, magic, raw_prefix = _HEADER.unpack(header)
@@ -571,11 +567,9 @@ def tar_entries(stream: ShardStream) -> Iterator[tuple[str, int, int]]:
             pax = {}
         long_name = None
         padded = -(-size // BLOCK) * BLOCK
-        if stream.length is not None and size > stream.length - at - BLOCK:
-            _check_size(stream, size, at)
+        _check_size(stream, size, at)
         if kind not in (b"0", b"\0", b"7"):
-            if stream.skip(padded) > padded - size:
-                raise CorruptShardError("truncated tar member")
+            stream.skip_member(size, padded)
             continue
         yield name, size, padded
 
@@ -600,8 +594,8 @@ def iter_members(
             return stream.read_member(size, padded, views)  # type: ignore[return-value]
 
         yield Member(name, size), read_data
-        if not state["done"] and stream.skip(padded) > padded - size:
-            raise CorruptShardError("truncated tar member")
+        if not state["done"]:
+            stream.skip_member(size, padded)
 
 
 def split_key(name: str) -> tuple[str, str]:
@@ -644,8 +638,7 @@ def iter_samples(
             key, members = k, {}
             wanted = want is None or want(index)
         if not wanted:
-            if stream.skip(padded) > padded - size:
-                raise CorruptShardError("truncated tar member")
+            stream.skip_member(size, padded)
             continue
         if ext in members:
             # webdataset#205: a duplicate member would silently replace the first one

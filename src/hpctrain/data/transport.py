@@ -223,10 +223,10 @@ def _work(
     ignore_job_signals()
     torch.set_num_threads(1)  # as DataLoader workers: one core each, no oversubscription
     # What the worker inherited (torch, the training process's objects) is never garbage:
-    # out of the collector's sight, a collection scans only what the worker made. A forked
-    # worker inherits the heap frozen already (`ShardedLoader._start_workers` freezes it
-    # around the fork); a forkserver's worker does not. Full collections over torch's heap
-    # cost ~10 us per sample of tar reading here (BENCHMARKS.md, "Figures behind the code").
+    # out of the collector's sight, a collection scans only what the worker made (full
+    # collections over torch's heap cost ~10 us per sample of tar reading here), and its
+    # refcount/GC writes do not copy the parent's pages. Here, not around the fork: this
+    # covers forked and forkserver workers alike.
     gc.freeze()
     set_worker_info(
         worker=worker, num_workers=num_workers, seed=getattr(source, "seed", 0), dataset=source
