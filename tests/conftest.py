@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Iterator
 
 import pytest
 
@@ -25,3 +27,19 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"skipped in CI, where every non-GPU test must run: {reason}"
+
+
+@pytest.fixture(autouse=True)
+def _release_run_locks_left_held() -> Iterator[None]:
+    """Release the run locks a test left held (a CheckpointManager it did not close).
+
+    A held lock's renewal thread would outlive its test and act during later ones: CI once saw
+    it fail, and print a logging traceback, under another test's `seteuid(nobody)`.
+    """
+    lock = sys.modules.get("hpctrain.checkpoint.lock")
+    before = set(lock._held) if lock is not None else set()
+    yield
+    lock = sys.modules.get("hpctrain.checkpoint.lock")
+    for path in [] if lock is None else [p for p in list(lock._held) if p not in before]:
+        held, _ = lock._held.pop(path)
+        held.release()

@@ -20,6 +20,10 @@ one of the kinds below, so the CLI needs to know only these.
 
 from __future__ import annotations
 
+import os
+import sys
+from collections.abc import Mapping
+
 EXIT_BUG = 1
 EXIT_CONFIG = 2
 EXIT_DATA = 3
@@ -68,3 +72,28 @@ class LaunchFailure(HpctrainError):
 
     exit_code = EXIT_LAUNCH
     label = "launch error"
+
+
+def rank_tag(environ: Mapping[str, str] | None = None) -> str:
+    """` [rank R]` in a rank of a multi-process run, where every rank prints its own error.
+
+    Ranks come from `train --nproc`/torchrun (RANK, WORLD_SIZE) or srun (SLURM_PROCID,
+    SLURM_NTASKS), as in `hpctrain.dist`.
+    """
+    env = os.environ if environ is None else environ
+    for rank, size in (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS")):
+        if env.get(size, "1") not in ("", "1") and rank in env:
+            return f" [rank {env[rank]}]"
+    return ""
+
+
+def print_error_line(verb: str, exc: HpctrainError, *, tag: str = "") -> None:
+    """`hpctrain VERB[ [rank R]]: <label>: <message>` on stderr, in one line and one write.
+
+    One write keeps each rank's line whole where several ranks share one stderr: with
+    PYTHONUNBUFFERED=1 (common on clusters), print() writes the text and its newline apart,
+    and another rank's line can land between them.
+    """
+    message = " ".join(str(exc).splitlines())  # one line, even from a multi-line cause
+    sys.stderr.write(f"hpctrain {verb}{tag}: {exc.label}: {message}\n")
+    sys.stderr.flush()

@@ -193,3 +193,29 @@ def test_a_rank_of_a_multi_process_run_tags_its_line(
     rank = env.get("RANK", env.get("SLURM_PROCID"))
     assert main(["train", str(tmp_path / "nope.yaml")]) == EXIT_CONFIG
     assert capsys.readouterr().err.startswith(f"hpctrain train [rank {rank}]: config error: ")
+
+
+def test_an_error_line_is_one_write_even_unbuffered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ranks sharing one stderr keep whole lines only if each line is one write: print()
+    writes the newline apart, and under PYTHONUNBUFFERED=1 that is a second write(2), after
+    which another rank's line could land (CI once saw two ranks' lines run together)."""
+    writes: list[str] = []
+
+    class Unbuffered:  # what sys.stderr passes to write(2) under PYTHONUNBUFFERED=1
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    for key in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", DEBUG_ENV):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr("sys.stderr", Unbuffered())
+    assert main(["train", str(tmp_path / "nope.yaml")]) == EXIT_CONFIG
+    assert len(writes) == 1 and writes[0].startswith("hpctrain train [rank 1]: config error: ")
+    assert writes[0].endswith("\n"), writes

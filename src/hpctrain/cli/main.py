@@ -14,7 +14,7 @@ import traceback
 from collections.abc import Sequence
 
 from hpctrain import __version__
-from hpctrain.errors import HpctrainError
+from hpctrain.errors import HpctrainError, print_error_line, rank_tag
 
 # Set by `hpctrain --debug`, so that the ranks `train --nproc` starts inherit it.
 DEBUG_ENV = "HPCTRAIN_DEBUG"
@@ -118,9 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Any other exception is a bug and keeps its traceback (exit code 1).
         if show_tracebacks(args):
             traceback.print_exc()
-        message = " ".join(str(exc).splitlines())  # one line, even from a multi-line cause
-        tag = _rank_tag() if args.verb in ("train", "eval", "predict") else ""
-        print(f"hpctrain {args.verb}{tag}: {exc.label}: {message}", file=sys.stderr)
+        tag = rank_tag() if args.verb in ("train", "eval", "predict") else ""
+        print_error_line(args.verb, exc, tag=tag)
         return exc.exit_code
 
 
@@ -128,18 +127,6 @@ def show_tracebacks(args: argparse.Namespace) -> bool:
     """`hpctrain --debug`, HPCTRAIN_DEBUG=1, or `hpctrain train --debug` (debug mode)."""
     in_debug_mode = args.verb == "train" and bool(getattr(args, "debug", False))
     return in_debug_mode or os.environ.get(DEBUG_ENV, "") not in ("", "0")
-
-
-def _rank_tag() -> str:
-    """` [rank R]` in a rank of a multi-process run, where every rank prints its own error.
-
-    Ranks come from `train --nproc`/torchrun (RANK, WORLD_SIZE) or srun (SLURM_PROCID,
-    SLURM_NTASKS), as in `hpctrain.dist`.
-    """
-    for rank, size in (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS")):
-        if os.environ.get(size, "1") not in ("", "1") and rank in os.environ:
-            return f" [rank {os.environ[rank]}]"
-    return ""
 
 
 if __name__ == "__main__":

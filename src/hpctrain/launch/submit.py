@@ -29,7 +29,7 @@ import submitit
 
 from hpctrain.compat_submitit import render_submission
 from hpctrain.config import Config, with_overrides
-from hpctrain.errors import HpctrainError
+from hpctrain.errors import HpctrainError, print_error_line, rank_tag
 from hpctrain.launch.container import exec_words
 from hpctrain.launch.prepare import slurm_folder
 from hpctrain.launch.profiles import JobSpec, LaunchError
@@ -82,10 +82,7 @@ def exit_with_one_line(
     env = os.environ if environ is None else environ
     if env.get("HPCTRAIN_DEBUG", "") not in ("", "0"):
         traceback.print_exc()
-    rank = env.get("SLURM_PROCID")
-    tag = f" [rank {rank}]" if rank is not None and env.get("SLURM_NTASKS", "1") != "1" else ""
-    message = " ".join(str(exc).splitlines())
-    print(f"hpctrain {verb}{tag}: {exc.label}: {message}", file=sys.stderr, flush=True)
+    print_error_line(verb, exc, tag=rank_tag(env))
     raise SystemExit(exc.exit_code)
 
 
