@@ -41,6 +41,9 @@ CASES: dict[str, list[str]] = {
     "ddp": ["train.strategy=ddp", *EMA, *EMA_EVAL],
     "fsdp": ["train.strategy=fsdp", *EMA, *EMA_EVAL],
     "fsdp-interrupted": ["train.strategy=fsdp", *EMA, *EMA_EVAL],
+    # FSDP2 keeping the gathered parameters after forward: an evaluation (no backward) leaves
+    # them gathered, and the swap back must still reach the next training step.
+    "fsdp-kept": ["train.strategy=fsdp", "train.reshard_after_forward=false", *EMA, *EMA_EVAL],
 }
 BF16 = ["train.strategy=fsdp", "train.precision=bf16", *EMA]
 

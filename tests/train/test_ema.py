@@ -69,8 +69,11 @@ def load(path: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.distributed
-def test_ddp_and_fsdp2_give_bitwise_equal_fp32_emas(two_ranks: Path) -> None:
-    ddp, fsdp = load(two_ranks / "ddp.ema.pt"), load(two_ranks / "fsdp.ema.pt")
+@pytest.mark.parametrize("case", ["fsdp", "fsdp-kept"])
+def test_ddp_and_fsdp2_give_bitwise_equal_fp32_emas(two_ranks: Path, case: str) -> None:
+    """`fsdp-kept`: reshard_after_forward=false, where an evaluation leaves the parameters
+    gathered; the steps after it must train the weights, not the EMA swapped in for it."""
+    ddp, fsdp = load(two_ranks / "ddp.ema.pt"), load(two_ranks / f"{case}.ema.pt")
     assert list(ddp) == ["1.weight", "1.bias", "3.weight", "3.bias"]
     for name in ddp:
         assert ddp[name].dtype == torch.float32
@@ -100,14 +103,15 @@ def test_sigusr2_and_resume_give_the_ema_of_the_uninterrupted_run(two_ranks: Pat
 def test_evaluation_with_the_ema_says_so(two_ranks: Path) -> None:
     evals = {
         case: [r for r in read_jsonl(two_ranks / case / "metrics.jsonl") if r["kind"] == "eval"]
-        for case in ("ddp", "fsdp")
+        for case in ("ddp", "fsdp", "fsdp-kept")
     }
     assert [r["step"] for r in evals["ddp"]] == [2, 4, 4]  # every 2 steps, and at the end
     assert all(r["weights"] == "ema" and r["val_samples"] == 80 for r in evals["ddp"])
     # FSDP2 evaluated the same (EMA) weights: the swap reached the shards forward gathers.
-    for ddp, fsdp in zip(evals["ddp"], evals["fsdp"], strict=True):
-        assert fsdp["weights"] == "ema"
-        assert fsdp["val_loss"] == pytest.approx(ddp["val_loss"], rel=1e-6)
+    for ddp, fsdp, kept in zip(evals["ddp"], evals["fsdp"], evals["fsdp-kept"], strict=True):
+        for record in (fsdp, kept):
+            assert record["weights"] == "ema"
+            assert record["val_loss"] == pytest.approx(ddp["val_loss"], rel=1e-6)
 
 
 @pytest.mark.distributed

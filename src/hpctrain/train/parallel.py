@@ -143,3 +143,35 @@ def no_gradient_sync(model: nn.Module, skip: bool) -> Iterator[None]:
             wrapped.set_requires_gradient_sync(True)
         return
     yield
+
+
+def reshard(model: nn.Module) -> None:
+    """Free the parameters FSDP2 keeps gathered after a forward without backward (an evaluation).
+
+    A module sharded with `reshard_after_forward=False` (`train.reshard_after_forward: false`,
+    and the fp32 norm group under mixed precision) keeps its gathered copy after a forward
+    under no_grad, and its next forward uses that copy as it is. Anything written into the
+    shards in between (the EMA swapped in or out, `hpctrain.train.ema`) would go unseen:
+    measured here, the training step after an evaluation with the EMA computed with the EMA.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def broadcast_buffers(model: nn.Module) -> None:
+    """Rank 0's buffers to every rank under FSDP2, as DDP does before its forwards.
+
+    FSDP2 shards parameters, not buffers: each rank's BatchNorm running statistics follow its
+    own batches, so an evaluation would mix the ranks' statistics, and a checkpoint holds one
+    rank's copy (DCP keeps any one of replicated tensors). Called before each evaluation and
+    save, it makes both use rank 0's statistics, which follow the same course as under DDP.
+    """
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule) and dist.is_initialized() and dist.get_world_size() > 1:
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
