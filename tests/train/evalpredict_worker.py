@@ -56,6 +56,17 @@ def main() -> None:
                 "checkpoint.keep_last=1",
             ],
             "fsdp": ["train.strategy=fsdp", "train.max_steps=1", "data.val="],
+            # FSDP2 evaluating its EMA (train.ema_eval), the best checkpoint kept by it
+            "ema": [
+                "train.strategy=fsdp",
+                "train.max_steps=2",
+                "train.eval_every=1",
+                "train.ema_decay=0.5",
+                "train.ema_eval=true",
+                "checkpoint.monitor=val_loss",
+                "checkpoint.mode=min",
+                "checkpoint.keep_best=1",
+            ],
         }.items():
             cfg = load_config(None, [f"run_dir={out / name}", *common, *overrides])
             assert Trainer(cfg, env, device).fit() == 0
@@ -70,6 +81,11 @@ def main() -> None:
             out / "fsdp" / "config.yaml", [f"data.val={val}", "train.strategy=none"]
         )
         assert run_eval(fsdp_as_ddp, out=str(out / "eval-fsdp-as-ddp.json")) == 0
+        ema = load_config(out / "ema" / "config.yaml")
+        assert run_eval(ema, checkpoint="best", out=str(out / "eval-ema-best.json")) == 0
+        trained = load_config(out / "ema" / "config.yaml", ["train.ema_eval=false"])
+        assert run_eval(trained, checkpoint="best", out=str(out / "eval-ema-trained.json")) == 0
+        assert run_predict(ema, data=val, out=str(out / "pred-ema"), fmt="jsonl") == 0
         assert run_predict(ddp, data=val, out=str(out / "pred-ddp"), fmt="jsonl") == 0
         assert run_predict(fsdp, data=val, out=str(out / "pred-fsdp"), fmt="shards") == 0
         # A shard broken mid-file, read in a loader worker: what it loses is counted.

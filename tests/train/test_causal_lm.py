@@ -325,6 +325,37 @@ def test_generate_continues_a_prompt_deterministically(
     assert main(["generate", str(trained), "--prompt", "x"]) == 4  # no checkpoint there
 
 
+def test_generate_reads_the_weights_the_run_evaluated_with(
+    lm_shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run with `train.ema_eval` evaluated its EMA: generate reads it too, unless --no-ema."""
+    from hpctrain.cli.main import main
+    from hpctrain.train.ema import plain_name
+    from hpctrain.train.generate import load_gpt
+    from tests.train.lm_worker import overrides
+    from tests.train.test_trainer import build
+
+    run_dir = tmp_path / "run"
+    extra = ("train.max_steps=2", "train.ema_decay=0.5", "train.ema_eval=true", "data.val=")
+    trainer = build(load_config(None, overrides(lm_shards, run_dir, *extra)))
+    assert trainer.fit() == 0 and trainer.ema is not None
+    averaged = {plain_name(k): v for k, v in trainer.ema.state_dict().items()}
+    trained = {k: v.detach() for k, v in trainer.model.state_dict().items()}
+    by_default, _, _ = load_gpt(str(run_dir))
+    without, _, _ = load_gpt(str(run_dir), ema=False)
+    for name, value in by_default.state_dict().items():
+        torch.testing.assert_close(value, averaged.get(name, trained[name]), rtol=0, atol=0)
+        torch.testing.assert_close(without.state_dict()[name], trained[name], rtol=0, atol=0)
+    assert any(not torch.equal(averaged[n], trained[n]) for n in averaged), "EMA == weights"
+    greedy = ["generate", str(run_dir), "--prompt", "the ", "--max-new-tokens", "4"]
+    capsys.readouterr()  # the training's progress lines
+    printed = []
+    for option in ("--no-ema", "--ema", None):
+        assert main([*greedy, option] if option else greedy) == 0
+        printed.append(capsys.readouterr().out)
+    assert printed[1] == printed[2] and all(text.startswith("the ") for text in printed), printed
+
+
 def test_a_tokenizer_file_is_the_one_the_shards_were_converted_with(tmp_path: Path) -> None:
     """predict and generate decode with the file the index names, checked by its sha256."""
     tokenizers = pytest.importorskip("tokenizers")

@@ -76,13 +76,15 @@ def done(shapes_shards: Path, tmp_path_factory: pytest.TempPathFactory, s3_endpo
 
 
 @pytest.mark.distributed
-def test_eval_of_the_best_checkpoint_matches_the_training_evaluation(done: Path) -> None:
-    record = json.loads((done / "eval-ddp-best.json").read_text())
-    best = (done / "ddp" / "checkpoints" / "best").read_text().strip()
+@pytest.mark.parametrize("run", ["ddp", "ema"])
+def test_eval_of_the_best_checkpoint_matches_the_training_evaluation(done: Path, run: str) -> None:
+    """`ema`: an FSDP2 run that evaluated (and kept its best checkpoint by) its EMA."""
+    record = json.loads((done / f"eval-{run}-best.json").read_text())
+    best = (done / run / "checkpoints" / "best").read_text().strip()
     assert record["checkpoint"].endswith(best) and record["step"] == int(best.split("-")[1])
     training = [
         json.loads(line)
-        for line in (done / "ddp" / "metrics.jsonl").read_text().splitlines()
+        for line in (done / run / "metrics.jsonl").read_text().splitlines()
         if '"eval"' in line
     ]
     same_step = next(r for r in training if r["step"] == record["step"])
@@ -90,6 +92,17 @@ def test_eval_of_the_best_checkpoint_matches_the_training_evaluation(done: Path)
         assert record[key] == pytest.approx(same_step[key], rel=1e-6), key
     assert record["val_samples"] == 80 and record["world_size"] == 2
     assert record["loader_samples_lost"] == 0
+    assert record["weights"] == same_step.get("weights", "model")
+
+
+@pytest.mark.distributed
+def test_eval_and_predict_of_an_ema_run_read_its_ema_unless_told(done: Path) -> None:
+    ema = json.loads((done / "eval-ema-best.json").read_text())
+    trained = json.loads((done / "eval-ema-trained.json").read_text())
+    assert (ema["weights"], trained["weights"]) == ("ema", "model")
+    assert ema["step"] == trained["step"] and ema["val_loss"] != trained["val_loss"]
+    manifest = json.loads((done / "pred-ema" / "manifest.json").read_text())
+    assert manifest["weights"] == "ema" and manifest["num_samples"] == 80
 
 
 @pytest.mark.distributed

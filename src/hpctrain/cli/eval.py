@@ -14,7 +14,9 @@ EPILOG = """examples:
   hpctrain eval runs/demo --checkpoint best data.val=data/test/index.json --nproc 2
   hpctrain eval configs/demo.yaml --checkpoint runs/demo/checkpoints/step-400
 The record is printed as one JSON line and written to RUN_DIR/eval/step-<N>.<data>.json
-(or --out); under srun every task runs this same command."""
+(or --out); under srun every task runs this same command. The weights are those the training
+evaluated with: the EMA when the run has train.ema_eval=true (train.ema_eval=false: the
+trained weights); the record says which ("weights": "ema" or "model")."""
 
 
 def add_source_arguments(parser: argparse.ArgumentParser, what: str) -> None:

@@ -36,6 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="of a run or checkpoint folder: the newest checkpoint or the `best` one",
     )
     parser.add_argument(
+        "--ema",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the EMA of the weights (train.ema_decay) or, with --no-ema, the trained weights "
+        "(default: those the run evaluated with, its train.ema_eval)",
+    )
+    parser.add_argument(
         "--tokenizer",
         default="",
         help="bytes or a tokenizer.json (default: the run's data.tokenizer, else its index's)",
@@ -61,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
         best=args.checkpoint == "best",
         device=args.device,
         tokenizer_spec=args.tokenizer,
+        ema=args.ema,
     )
     print(text, flush=True)
     return 0

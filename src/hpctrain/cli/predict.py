@@ -14,7 +14,8 @@ EPILOG = """examples:
   hpctrain predict runs/demo/checkpoints/step-400 --data 'new/shard-{000000..000003}.tar' \\
       --out s3://bucket/preds --format shards --nproc 2
 DEST gets one part per rank and manifest.json, written last: without it the output is
-incomplete. The task's predict(model, batch) decides what each sample gets."""
+incomplete. The task's predict(model, batch) decides what each sample gets. The weights are
+those the training evaluated with (the EMA under train.ema_eval=true; override it to choose)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

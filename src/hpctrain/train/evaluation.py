@@ -125,6 +125,7 @@ def run_eval(cfg: Config, *, checkpoint: str = "latest", out: str = "") -> int:
             "kind": "eval",
             "step": run.step,
             "checkpoint": run.checkpoint,
+            "weights": run.weights,
             "data": run.data,
             "world_size": run.env.world_size,
             **metrics,

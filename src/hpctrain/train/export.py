@@ -131,7 +131,8 @@ def read_model_weights(
         if not averaged:
             raise CheckpointError(
                 f"{store.path(name)}: holds no EMA weights (the run trained without "
-                "train.ema_decay); export without --ema"
+                "train.ema_decay); read its trained weights: without --ema "
+                "(export, generate) or with train.ema_eval=false (eval, predict)"
             )
         names = [key[len(EMA_PREFIX) :] for key in averaged]
         unknown = sorted(n for n in names if MODEL_PREFIX + n not in weights)

@@ -72,18 +72,28 @@ def gpt_config_for(tree: dict[str, Any], weights: dict[str, torch.Tensor], where
 
 
 def load_gpt(
-    source: str, *, best: bool = False, device: torch.device | None = None
+    source: str,
+    *,
+    best: bool = False,
+    device: torch.device | None = None,
+    ema: bool | None = None,
 ) -> tuple[GPT, dict[str, Any], int]:
-    """(model in eval mode, the run's config tree, step) from a run folder or checkpoint."""
+    """(model in eval mode, the run's config tree, step) from a run folder or checkpoint.
+
+    `ema`: read the EMA of the weights (`train.ema_decay`) instead of the trained ones; None
+    (default): the weights the training evaluated with (EMA when its `train.ema_eval` was on).
+    """
     from hpctrain.train.export import locate_checkpoint, read_model_weights
 
     store, name, manifest = locate_checkpoint(source, best=best)
     where = store.path(name)
+    tree = run_config(manifest, where)
+    if ema is None:
+        ema = bool((tree.get("train") or {}).get("ema_eval"))
     with warnings.catch_warnings():
         # DCP's note that it loads without a process group: what this one process means to do
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        weights = read_model_weights(store, name, manifest)
-    tree = run_config(manifest, where)
+        weights = read_model_weights(store, name, manifest, ema=ema)
     cfg = gpt_config_for(tree, weights, where)
     model = GPT(cfg)
     model.load_state_dict(weights)
@@ -158,8 +168,10 @@ def generate_text(
     best: bool = False,
     device: str = "",
     tokenizer_spec: str = "",
+    ema: bool | None = None,
 ) -> str:
-    """The continuation of `prompt` by the causal_lm checkpoint at `source` (see `generate_ids`).
+    """The continuation of `prompt` by the causal_lm checkpoint at `source` (see `generate_ids`)
+    with its trained weights or their EMA (`ema`, see `load_gpt`).
 
     The tokenizer is `tokenizer_spec` when given, else the run's (`run_tokenizer`).
 
@@ -175,7 +187,7 @@ def generate_text(
         target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except RuntimeError:
         raise UsageError(f"--device {device}: not a device (cpu, cuda, cuda:N)") from None
-    model, tree, _ = load_gpt(source, best=best, device=target)
+    model, tree, _ = load_gpt(source, best=best, device=target, ema=ema)
     tokenizer = run_tokenizer(tree, tokenizer_spec)
     ids = tokenizer.encode(prompt)
     if not ids:

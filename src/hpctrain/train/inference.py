@@ -6,6 +6,11 @@ model from the same seed, loads the weights, then wraps it as training would
 (`train.strategy`, `train.precision`: DDP, or FSDP2 sharding it again) and reads the data
 with an evaluation loader: index order, padded to equal batches on every rank with padding
 flagged `valid=False`, so every sample is seen exactly once in the job.
+
+The weights are those the training evaluated with: the EMA's (`ema.<name>`, with the model's
+buffers) when the run's `train.ema_eval` is true, so that `hpctrain eval --checkpoint best`
+measures what picked the best checkpoint; `train.ema_eval=false` on the command line reads the
+trained weights instead.
 """
 
 from __future__ import annotations
@@ -109,6 +114,7 @@ class InferenceRun:
     loader: ShardedLoader
     step: int  # the checkpoint's
     checkpoint: str  # its folder (credentials stripped)
+    weights: str  # "ema" (train.ema_eval) or "model"
     data: str  # the data spec (credentials stripped)
 
 
@@ -143,7 +149,8 @@ def inference_session(
     data_index = open_index(data, allow_pipe=cfg.data.allow_pipe)
     store, name, manifest = find_checkpoint(cfg, checkpoint)
     where = redact_url(store.path(name))
-    weights = read_model_weights(store, name, manifest)  # this process alone: see the module
+    ema = cfg.train.ema_eval  # the weights the training evaluated with: see the module
+    weights = read_model_weights(store, name, manifest, ema=ema)  # this process alone
     log.info("rank %d/%d on %s: %s, data %s", env.rank, env.world_size, device, where, data)
     # A caller that already joined the job's process group (a test, a notebook) keeps it.
     group = (
@@ -189,6 +196,7 @@ def inference_session(
                 loader=loader,
                 step=int(manifest["step"]),
                 checkpoint=where,
+                weights="ema" if ema else "model",
                 data=redact_url(data),
             )
         finally:

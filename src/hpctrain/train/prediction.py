@@ -270,6 +270,7 @@ def run_predict(
             "output": fmt,
             "task": cfg.task,
             "checkpoint": run.checkpoint,
+            "weights": run.weights,
             "step": run.step,
             "data": run.data,
             "data_num_samples": run.loader.index.num_samples,
