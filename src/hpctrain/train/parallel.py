@@ -174,4 +174,7 @@ def broadcast_buffers(model: nn.Module) -> None:
 
     if isinstance(model, FSDPModule) and dist.is_initialized() and dist.get_world_size() > 1:
         for buffer in model.buffers():
-            dist.broadcast(buffer, src=0)
+            # Statistics are real numbers and counts; a bool mask or a complex RoPE table is
+            # a constant (and not every backend broadcasts those dtypes).
+            if buffer.is_floating_point() or buffer.dtype in (torch.int64, torch.int32):
+                dist.broadcast(buffer, src=0)
