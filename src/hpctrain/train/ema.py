@@ -28,6 +28,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from hpctrain.train.parallel import reshard
+
 # Module-name parts that wrappers of blocks insert: torch.compile, activation checkpointing
 # (reserved names; DDP's root `module.` is dropped by naming the parameters of DDP's module).
 WRAPPER_PARTS = ("_orig_mod", "_checkpoint_wrapped_module")
@@ -57,6 +59,7 @@ class WeightEMA:
         if not 0.0 < decay < 1.0:
             raise ValueError(f"EMA decay must be in (0, 1), got {decay}")
         self.decay = decay
+        self.model = model
         inner = model.module if isinstance(model, DistributedDataParallel) else model
         named = [(plain_name(n), p) for n, p in inner.named_parameters() if p.requires_grad]
         self.names = [name for name, _ in named]
@@ -86,7 +89,10 @@ class WeightEMA:
 
         Evaluation with the EMA runs between two calls. One parameter at a time goes through
         a temporary copy, so the swap needs memory for the largest (shard of a) parameter only.
+        The swap writes into FSDP2's shards: gathered copies are freed first, or the next
+        forward would use them as they are (`hpctrain.train.parallel.reshard`).
         """
+        reshard(self.model)
         for param, weight in zip(self.params, self._locals, strict=True):
             local = _local(param)
             kept = local.clone()

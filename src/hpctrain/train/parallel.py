@@ -150,8 +150,8 @@ def reshard(model: nn.Module) -> None:
 
     A module sharded with `reshard_after_forward=False` (`train.reshard_after_forward: false`,
     and the fp32 norm group under mixed precision) keeps its gathered copy after a forward
-    under no_grad, and its next forward uses that copy as it is. Anything written into the
-    shards in between (the EMA swapped in or out, `hpctrain.train.ema`) would go unseen:
+    under no_grad, and its next forward uses that copy as it is. Whatever writes into the
+    shards in place calls this first (the EMA's swap, `hpctrain.train.ema`): without it,
     measured here, the training step after an evaluation with the EMA computed with the EMA.
     """
     from torch.distributed.fsdp import FSDPModule

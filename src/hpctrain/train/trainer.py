@@ -29,7 +29,7 @@ from hpctrain.train.gpu_stats import GpuCounters
 from hpctrain.train.memory import OOMSnapshots
 from hpctrain.train.metrics import IntervalMeter, MetricMonitor, MetricsWriter, peak_memory_mb
 from hpctrain.train.optim import build_optimizer, build_scheduler
-from hpctrain.train.parallel import broadcast_buffers, no_gradient_sync, parallelize, reshard
+from hpctrain.train.parallel import broadcast_buffers, no_gradient_sync, parallelize
 from hpctrain.train.precision import device_facts, make_grad_scaler, plan_training
 from hpctrain.train.preemption import REQUEUE_EXIT_CODE, PreemptionFlag
 from hpctrain.train.profiling import StepProfiler
@@ -446,7 +446,6 @@ class Trainer:
                 evaluate(self.task, self.model, self.val_loader, self.precision, self.device)
             )
         finally:
-            reshard(self.model)  # FSDP2 then gathers the shards as they are after the swap
             if ema is not None:
                 ema.swap()
         if self.ema is not None:
