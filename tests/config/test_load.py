@@ -125,3 +125,28 @@ def test_times_stay_text_and_exponents_are_numbers(tmp_path: Path) -> None:
     assert cfg.slurm.time == "20:00:00"
     assert cfg.train.lr == pytest.approx(1e-3)
     assert load_config(None, ["slurm.time=1:30:00", "train.lr=3e-4"]).slurm.time == "1:30:00"
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("train:\n  lr: 0.1\nseed: 1\ntrain:\n  max_steps: 4\n", "'train' at lines 1 and 4"),
+        ("train:\n  lr: 0.1\n  lr: 0.2\n", "'train.lr' at lines 2 and 3"),
+        ("data:\n  train:\n  - {path: a, weight: 1, weight: 2}\n", "'data.train[0].weight'"),
+    ],
+)
+def test_a_duplicate_key_is_refused_naming_it_and_both_lines(
+    tmp_path: Path, text: str, fragment: str
+) -> None:
+    """PyYAML keeps the last value: a second `train:` block would replace the first."""
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=rf"^{path}: duplicate key ") as err:
+        load_config(path)
+    assert fragment in str(err.value)
+    with pytest.raises(ConfigError, match=r"\(command line\): duplicate key 'a' at lines 1 and 1"):
+        load_config(None, ["task_options={a: 1, a: 2}"])
+
+
+def test_a_merge_key_may_still_override(tmp_path: Path) -> None:
+    path = write(tmp_path, "task_options:\n  base: &b {x: 1, y: 2}\n  run: {<<: *b, x: 3}\n")
+    assert load_config(path).task_options["run"] == {"x": 3, "y": 2}

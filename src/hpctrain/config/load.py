@@ -55,9 +55,57 @@ _ConfigYamlLoader.add_implicit_resolver(
 )
 
 
+class YamlRefused(yaml.YAMLError):
+    """YAML that parses but is refused (a duplicate key); the message says why, not where."""
+
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+def _refuse_duplicate_keys(node: yaml.Node) -> None:
+    """Raise YamlRefused for a key given twice in one mapping, at any depth.
+
+    PyYAML keeps the last value silently, so a second `train:` block would replace the whole
+    first one. Merge keys (`<<: *base`) are YAML's way of overriding and stay allowed.
+    """
+    seen: set[int] = set()  # an alias is the same node again: check it once
+
+    def walk(node: yaml.Node, path: str) -> None:
+        if id(node) in seen:
+            return
+        seen.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                walk(item, f"{path}[{i}]")
+        elif isinstance(node, yaml.MappingNode):
+            lines: dict[tuple[str, str], int] = {}
+            for key, value in node.value:
+                name = str(key.value) if isinstance(key, yaml.ScalarNode) else "?"
+                dotted = f"{path}.{name}" if path else name
+                if isinstance(key, yaml.ScalarNode) and key.tag != _MERGE_TAG:
+                    line = key.start_mark.line + 1
+                    if (key.tag, key.value) in lines:
+                        raise YamlRefused(
+                            f"duplicate key {dotted!r} at lines {lines[key.tag, key.value]} "
+                            f"and {line} (the second would replace the first)"
+                        )
+                    lines[key.tag, key.value] = line
+                walk(value, dotted)
+
+    walk(node, "")
+
+
 def load_yaml(text: str) -> Any:
-    """Parse config YAML (safe: no Python objects; no base-60 numbers)."""
-    return yaml.load(text, Loader=_ConfigYamlLoader)  # a SafeLoader subclass: no Python objects
+    """Parse config YAML (safe: no Python objects; no base-60 numbers; no duplicate keys)."""
+    loader = _ConfigYamlLoader(text)  # a SafeLoader subclass: no Python objects
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _refuse_duplicate_keys(node)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
 
 
 class ConfigError(HpctrainError, ValueError):
@@ -219,6 +267,8 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"override {text!r} (command line): expected key.sub=value")
     try:
         value = load_yaml(raw) if raw.strip() else ""
+    except YamlRefused as exc:
+        raise ConfigError(f"override {text!r} (command line): {exc}") from None
     except yaml.YAMLError:
         value = raw
     return key, value
@@ -244,6 +294,8 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
         try:
             loaded = load_yaml(text)
+        except YamlRefused as exc:
+            raise ConfigError(f"{path}: {exc}") from None
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" line {mark.line + 1}" if mark is not None else ""
