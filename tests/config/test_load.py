@@ -150,3 +150,28 @@ def test_a_duplicate_key_is_refused_naming_it_and_both_lines(
 def test_a_merge_key_may_still_override(tmp_path: Path) -> None:
     path = write(tmp_path, "task_options:\n  base: &b {x: 1, y: 2}\n  run: {<<: *b, x: 3}\n")
     assert load_config(path).task_options["run"] == {"x": 3, "y": 2}
+
+
+def test_string_keys_keep_the_text_yaml_1_1_would_read_as_a_bool_date_or_number(
+    tmp_path: Path,
+) -> None:
+    """`logging.wandb: off` is the documented value, not False; `slurm.qos=yes` not True."""
+    path = write(
+        tmp_path,
+        "logging:\n  wandb: off\n  run_name: 2024-01-01\nslurm:\n  qos: yes\n  account: 0123\n"
+        "  setup: [on, 1.50]\ndata:\n  pin_memory: off\ntask_options: {a: yes, b: 0x10}\n",
+    )
+    cfg = load_config(path)
+    assert cfg.logging.wandb == "off" and cfg.logging.run_name == "2024-01-01"
+    assert cfg.slurm.qos == "yes" and cfg.slurm.account == "0123"
+    assert cfg.slurm.setup == ["on", "1.50"]
+    assert cfg.data.pin_memory is False  # a bool key still reads YAML's booleans
+    assert cfg.task_options == {"a": True, "b": 16}  # free-form: the values YAML reads
+    cfg = load_config(
+        None, ["slurm.qos=yes", "logging.run_name=2024-01-01", "logging.wandb=off", "seed=0x10"]
+    )
+    assert (cfg.slurm.qos, cfg.logging.run_name, cfg.logging.wandb) == ("yes", "2024-01-01", "off")
+    assert cfg.seed == 16
+    assert load_config_from_yaml(config_to_yaml(cfg)) == cfg  # saved quoted, read back as text
+    with pytest.raises(ConfigError, match=r"^train.lr=True \(command line\): expected a number"):
+        load_config(None, ["train.lr=yes"])

@@ -95,9 +95,59 @@ def _refuse_duplicate_keys(node: yaml.Node) -> None:
     walk(node, "")
 
 
+@dataclasses.dataclass(frozen=True)
+class _Plain:
+    """An unquoted YAML scalar read as a boolean, number or date, with the text it was written as.
+
+    A string-typed key takes the text (`logging.wandb: off` is "off", not False; `slurm.qos:
+    yes` is "yes"; `logging.run_name: 2024-01-01` is not a date; `slurm.account: 0123` is not
+    83); every other key takes the value. Only `load_config` sees these: `_coerce` unwraps them.
+    """
+
+    value: Any
+    text: str
+
+    def __repr__(self) -> str:  # messages show the value as YAML read it
+        return repr(self.value)
+
+
+class _TextKeepingLoader(_ConfigYamlLoader):
+    """The config loader, with its booleans, numbers and dates wrapped in `_Plain`."""
+
+
+def _keeping_text(tag: str) -> Any:
+    construct_value = yaml.SafeLoader.yaml_constructors[tag]
+
+    def construct(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> Any:
+        return _Plain(construct_value(loader, node), str(node.value))
+
+    return construct
+
+
+for _tag in ("bool", "int", "float", "timestamp"):
+    _TextKeepingLoader.add_constructor(
+        f"tag:yaml.org,2002:{_tag}", _keeping_text(f"tag:yaml.org,2002:{_tag}")
+    )
+
+
+def _plain(value: Any) -> Any:
+    """`value` with every `_Plain` inside it replaced by its value (for free-form keys)."""
+    if isinstance(value, _Plain):
+        return value.value
+    if isinstance(value, dict):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
 def load_yaml(text: str) -> Any:
     """Parse config YAML (safe: no Python objects; no base-60 numbers; no duplicate keys)."""
-    loader = _ConfigYamlLoader(text)  # a SafeLoader subclass: no Python objects
+    return _load_yaml(text, _ConfigYamlLoader)
+
+
+def _load_yaml(text: str, loader_class: type[_ConfigYamlLoader]) -> Any:
+    loader = loader_class(text)  # a SafeLoader subclass: no Python objects
     try:
         node = loader.get_single_node()
         if node is None:
@@ -130,6 +180,10 @@ def _describe(tp: Any) -> str:
 def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
     """Check `value` against the annotation `tp`; ints are accepted where floats are expected."""
     origin = typing.get_origin(tp)
+    if isinstance(value, _Plain) and origin is None:
+        if tp is str:
+            return value.text  # YAML 1.1 would make `off` False and `2024-01-01` a date
+        value = value.value
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None and type(None) in args:
@@ -162,9 +216,9 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
     if origin is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{key}={value!r} ({source}): expected a mapping")
-        return dict(value)
+        return _plain(dict(value))
     if tp is Any:
-        return value
+        return _plain(value)
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -262,11 +316,17 @@ def _collect_sources(
 
 def parse_override(text: str) -> tuple[str, Any]:
     """`a.b=c` → ("a.b", c), with c parsed as a YAML scalar (`7` → 7, `true` → True)."""
+    key, value = _parse_override(text)
+    return key, _plain(value)
+
+
+def _parse_override(text: str) -> tuple[str, Any]:
+    """`parse_override` with booleans, numbers and dates kept with their text (`_Plain`)."""
     key, sep, raw = text.partition("=")
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {text!r} (command line): expected key.sub=value")
     try:
-        value = load_yaml(raw) if raw.strip() else ""
+        value = _load_yaml(raw, _TextKeepingLoader) if raw.strip() else ""
     except YamlRefused as exc:
         raise ConfigError(f"override {text!r} (command line): {exc}") from None
     except yaml.YAMLError:
@@ -293,7 +353,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         except OSError as exc:
             raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
         try:
-            loaded = load_yaml(text)
+            loaded = _load_yaml(text, _TextKeepingLoader)
         except YamlRefused as exc:
             raise ConfigError(f"{path}: {exc}") from None
         except yaml.YAMLError as exc:
@@ -307,7 +367,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         tree = loaded
         _collect_sources(tree, str(path), "", sources)
     for text in overrides:
-        key, value = parse_override(text)
+        key, value = _parse_override(text)
         _set_dotted(tree, key, value)
         sources[key] = "command line"
     return _build(Config, tree, sources, "")
@@ -340,7 +400,7 @@ def with_overrides(cfg: Config, overrides: Sequence[str]) -> Config:
     tree = config_to_dict(cfg)
     sources: dict[str, str] = {"": "resolved config"}
     for text in overrides:
-        key, value = parse_override(text)
+        key, value = _parse_override(text)
         _set_dotted(tree, key, value)
         sources[key] = "command line"
     return _build(Config, tree, sources, "")
