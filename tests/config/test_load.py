@@ -175,3 +175,34 @@ def test_string_keys_keep_the_text_yaml_1_1_would_read_as_a_bool_date_or_number(
     assert load_config_from_yaml(config_to_yaml(cfg)) == cfg  # saved quoted, read back as text
     with pytest.raises(ConfigError, match=r"^train.lr=True \(command line\): expected a number"):
         load_config(None, ["train.lr=yes"])
+
+
+@pytest.mark.parametrize(
+    ("content", "fragment"),
+    [
+        (b"logging:\n  run_name: caf\xe9\n", "line 2: not UTF-8 text (byte 0xe9)"),
+        (b"a.yaml" + b"\0" * 100 + b"0000644\0", "not a text file (it holds NUL bytes)"),
+        (b"#" * (4 * 2**20 + 1), "larger than 4 MiB"),
+    ],
+)
+def test_a_file_that_is_no_config_text_is_one_line(
+    tmp_path: Path, content: bytes, fragment: str
+) -> None:
+    """A Latin-1 config, a tar file given as the config, a huge file: not a traceback."""
+    path = tmp_path / "run.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=rf"^{path}") as err:
+        load_config(path)
+    assert fragment in str(err.value)
+
+
+def test_an_endless_file_is_read_up_to_the_cap() -> None:
+    with pytest.raises(ConfigError, match=r"^/dev/zero: larger than 4 MiB"):
+        load_config("/dev/zero")
+
+
+def test_a_utf8_byte_order_mark_is_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_bytes("\ufeffseed: 3\nlogging:\n  run_name: café\n".encode())
+    cfg = load_config(path)
+    assert (cfg.seed, cfg.logging.run_name) == (3, "café")

@@ -334,6 +334,38 @@ def _parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
+# A config is a few KiB; reading more than this is a wrong path (a tar file, /dev/zero).
+MAX_CONFIG_BYTES = 4 * 2**20
+
+
+def read_config_text(path: Path) -> str:
+    """The text of a config file: UTF-8 (a byte-order mark is skipped), at most 4 MiB.
+
+    Raises:
+        ConfigError: the file cannot be read, is larger, or is not UTF-8 text (a tar file).
+    """
+    try:
+        with path.open("rb") as file:
+            data = file.read(MAX_CONFIG_BYTES + 1)  # never all of /dev/zero
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"{path}: larger than {MAX_CONFIG_BYTES // 2**20} MiB, the most a config file may "
+            "hold: not a config file?"
+        )
+    if b"\0" in data:
+        raise ConfigError(f"{path}: not a text file (it holds NUL bytes): not a config file?")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(
+            f"{path} line {line}: not UTF-8 text (byte 0x{data[exc.start]:02x}); save the "
+            "config as UTF-8"
+        ) from None
+
+
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
     """Load a config file (or the defaults), apply overrides and validate everything.
 
@@ -348,10 +380,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     sources: dict[str, str] = {}
     if path is not None:
         path = Path(path)
-        try:
-            text = path.read_text()
-        except OSError as exc:
-            raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+        text = read_config_text(path)
         try:
             loaded = _load_yaml(text, _TextKeepingLoader)
         except YamlRefused as exc:
