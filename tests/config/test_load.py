@@ -206,3 +206,45 @@ def test_a_utf8_byte_order_mark_is_skipped(tmp_path: Path) -> None:
     path.write_bytes("\ufeffseed: 3\nlogging:\n  run_name: café\n".encode())
     cfg = load_config(path)
     assert (cfg.seed, cfg.logging.run_name) == (3, "café")
+
+
+def alias_bomb(levels: int = 9) -> str:
+    """A few hundred bytes of YAML that expand to 9**levels values (the billion laughs)."""
+    lines = ['l0: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"  l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, levels)]
+    return "task_options:\n  " + "\n  ".join(line.strip() for line in lines) + "\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("task_options: {x: " + "[" * 5000 + "]" * 5000 + "}\n", "nested deeper than 100 levels"),
+        (alias_bomb(), "more than 100000 values once its aliases are expanded"),
+        ("task_options: &x {a: [*x]}\n", "an alias inside the node it names"),
+        # each part is shallow; the aliases make it 120 levels deep
+        (
+            "task_options:\n  a: &a "
+            + "[" * 60
+            + "]" * 60
+            + "\n  b: "
+            + "[" * 60
+            + "*a"
+            + "]" * 60
+            + "\n",
+            "nested deeper than 100 levels",
+        ),
+    ],
+)
+def test_too_deep_or_too_large_yaml_is_refused_before_anything_else(
+    tmp_path: Path, text: str, fragment: str
+) -> None:
+    """Were a RecursionError and, for a 900-byte alias bomb, 20 s then a MemoryError."""
+    path = write(tmp_path, text + "nokey: 1\n")  # refused before the unknown key is reported
+    with pytest.raises(ConfigError, match=rf"^{path}: ") as err:
+        load_config(path)
+    assert fragment in str(err.value)
+
+
+def test_too_deep_an_override_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"^override .* \(command line\): nested deeper"):
+        load_config(None, ["task_options={x: " + "[" * 5000 + "]" * 5000 + "}"])

@@ -32,7 +32,22 @@ class _ConfigYamlLoader(yaml.SafeLoader):
 
     PyYAML follows YAML 1.1, where `20:00:00` is the integer 72000 (and SLURM would read
     "72000" as minutes). Exponents without a dot (`lr: 1e-3`) are floats here, as in YAML 1.2.
+    Nesting stops at MAX_YAML_DEPTH while composing: the composer recurses once per level.
     """
+
+    _depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:  # type: ignore[override]
+        self._depth += 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                mark = self.peek_event().start_mark
+                raise YamlRefused(
+                    f"nested deeper than {MAX_YAML_DEPTH} levels (line {mark.line + 1})"
+                )
+            return super().compose_node(parent, index)  # type: ignore[no-any-return]
+        finally:
+            self._depth -= 1
 
 
 _INT_TAG, _FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
@@ -62,21 +77,46 @@ class YamlRefused(yaml.YAMLError):
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
-def _refuse_duplicate_keys(node: yaml.Node) -> None:
-    """Raise YamlRefused for a key given twice in one mapping, at any depth.
+# Far beyond any config (a mixture source is 4 levels deep), far below Python's recursion limit
+# (the composer and every tree walk recurse once per level).
+MAX_YAML_DEPTH = 100
+# Values once aliases are expanded: a 900-byte alias bomb holds billions.
+MAX_YAML_VALUES = 100_000
 
-    PyYAML keeps the last value silently, so a second `train:` block would replace the whole
-    first one. Merge keys (`<<: *base`) are YAML's way of overriding and stay allowed.
+
+def _check_tree(root: yaml.Node) -> None:
+    """Raise YamlRefused for a duplicate key, too deep a tree or too many values, at any depth.
+
+    PyYAML keeps the last value of a key given twice silently, so a second `train:` block
+    would replace the whole first one; merge keys (`<<: *base`) are YAML's way of overriding
+    and stay allowed. Depth and size are counted with aliases expanded (each node is measured
+    once), before anything is built from the tree.
     """
-    seen: set[int] = set()  # an alias is the same node again: check it once
+    measured: dict[int, tuple[int, int]] = {}  # id(node) -> (values, levels), aliases expanded
+    open_nodes: set[int] = set()
 
-    def walk(node: yaml.Node, path: str) -> None:
-        if id(node) in seen:
-            return
-        seen.add(id(node))
+    def too_deep(node: yaml.Node) -> YamlRefused:
+        return YamlRefused(
+            f"nested deeper than {MAX_YAML_DEPTH} levels (line {node.start_mark.line + 1})"
+        )
+
+    def walk(node: yaml.Node, path: str, depth: int) -> tuple[int, int]:
+        if depth > MAX_YAML_DEPTH:
+            raise too_deep(node)
+        if id(node) in measured:  # an alias of a node already measured
+            values, levels = measured[id(node)]
+            if depth + levels - 1 > MAX_YAML_DEPTH:
+                raise too_deep(node)
+            return values, levels
+        if id(node) in open_nodes:
+            raise YamlRefused(
+                f"{path or 'the document'}: an alias inside the node it names "
+                f"(line {node.start_mark.line + 1}): a structure without end"
+            )
+        open_nodes.add(id(node))
+        children: list[tuple[yaml.Node, str]] = []
         if isinstance(node, yaml.SequenceNode):
-            for i, item in enumerate(node.value):
-                walk(item, f"{path}[{i}]")
+            children = [(item, f"{path}[{i}]") for i, item in enumerate(node.value)]
         elif isinstance(node, yaml.MappingNode):
             lines: dict[tuple[str, str], int] = {}
             for key, value in node.value:
@@ -90,9 +130,21 @@ def _refuse_duplicate_keys(node: yaml.Node) -> None:
                             f"and {line} (the second would replace the first)"
                         )
                     lines[key.tag, key.value] = line
-                walk(value, dotted)
+                children += [(key, dotted), (value, dotted)]
+        values, levels = 1, 1
+        for child, child_path in children:
+            child_values, child_levels = walk(child, child_path, depth + 1)
+            values, levels = values + child_values, max(levels, child_levels + 1)
+            if values > MAX_YAML_VALUES:
+                raise YamlRefused(
+                    f"more than {MAX_YAML_VALUES} values once its aliases are expanded "
+                    f"(line {node.start_mark.line + 1}): an alias bomb?"
+                )
+        open_nodes.discard(id(node))
+        measured[id(node)] = (values, levels)
+        return values, levels
 
-    walk(node, "")
+    walk(root, "", 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +204,7 @@ def _load_yaml(text: str, loader_class: type[_ConfigYamlLoader]) -> Any:
         node = loader.get_single_node()
         if node is None:
             return None
-        _refuse_duplicate_keys(node)
+        _check_tree(node)
         return loader.construct_document(node)
     finally:
         loader.dispose()
