@@ -248,3 +248,49 @@ def test_too_deep_or_too_large_yaml_is_refused_before_anything_else(
 def test_too_deep_an_override_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"^override .* \(command line\): nested deeper"):
         load_config(None, ["task_options={x: " + "[" * 5000 + "]" * 5000 + "}"])
+
+
+MIXTURE = (
+    "data:\n  train:\n  - {path: a/index.json, weight: 2}\n"
+    "  - {path: b/index.json, weight: 1, name: b}\n"
+)
+
+
+def test_an_override_sets_a_key_of_a_list_item(tmp_path: Path) -> None:
+    """`data.train[0].weight=3`, the form error messages print, sweeps a mixture weight."""
+    path = write(tmp_path, MIXTURE)
+    cfg = load_config(path, ["data.train[0].weight=3", "data.train[1].name=bb"])
+    assert not isinstance(cfg.data.train, str)
+    assert [(s.weight, s.name) for s in cfg.data.train] == [(3.0, ""), (1.0, "bb")]
+    again = with_overrides(cfg, ["data.train[1].weight=0.5"])  # a resolved config too
+    assert not isinstance(again.data.train, str)
+    assert [s.weight for s in again.data.train] == [3.0, 0.5]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "data.train[2].weight=3",
+            "override 'data.train[2].weight=3' (command line): data.train has 2 items, so no "
+            "item 2",
+        ),
+        (
+            "data.train.0.weight=3",
+            "override 'data.train.0.weight=3' (command line): data.train is a list; name an "
+            "item as in data.train[0].weight=3",
+        ),
+        ("data.train[0].wieght=3", "unknown key 'data.train[0].wieght' (command line)"),
+        ("data.train[0].weight=x", "data.train[0].weight='x' (command line): expected a number"),
+        ("data.val[0].path=x", "override 'data.val[0].path=x' (command line): data.val is not"),
+        ("nope.x=1", "unknown key 'nope' (command line)"),
+        ("train={lr: -1}", "train.lr=-1.0 (command line): must be >= 0.0"),
+    ],
+)
+def test_a_bad_override_is_blamed_on_the_command_line(
+    tmp_path: Path, override: str, message: str
+) -> None:
+    """Were "unknown key ... (defaults)" or blamed on the file."""
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, MIXTURE), [override])
+    assert str(err.value).startswith(message)

@@ -229,8 +229,13 @@ def _describe(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp).replace("typing.", ""))
 
 
-def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
-    """Check `value` against the annotation `tp`; ints are accepted where floats are expected."""
+def _coerce(
+    value: Any, tp: Any, key: str, source: str, sources: Mapping[str, str] | None = None
+) -> Any:
+    """Check `value` against the annotation `tp`; ints are accepted where floats are expected.
+
+    `sources` (dotted key -> where it came from) names the source of a list item's keys.
+    """
     origin = typing.get_origin(tp)
     if isinstance(value, _Plain) and origin is None:
         if tp is str:
@@ -244,12 +249,12 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
             # a list: the list member's own error names the item and key that is wrong
             lists = [a for a in args if typing.get_origin(a) is list]
             if lists:
-                return _coerce(value, lists[0], key, source)
+                return _coerce(value, lists[0], key, source, sources)
         for arg in args:
             if arg is type(None):
                 continue
             try:
-                return _coerce(value, arg, key, source)
+                return _coerce(value, arg, key, source, sources)
             except ConfigError:
                 continue
         raise ConfigError(f"{key}={value!r} ({source}): expected {_describe(tp)}")
@@ -258,11 +263,13 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
         if isinstance(value, str) or not isinstance(value, Sequence):
             raise ConfigError(f"{key}={value!r} ({source}): expected a list")
         if dataclasses.is_dataclass(item_tp):
+            sources = sources or {}
             items = []
             for i, v in enumerate(value):
+                item_source = sources.get(f"{key}[{i}]", source)
                 if not isinstance(v, Mapping):
-                    raise ConfigError(f"{key}[{i}]={v!r} ({source}): expected a mapping")
-                items.append(_build(item_tp, v, {"": source}, f"{key}[{i}]."))  # type: ignore[arg-type]
+                    raise ConfigError(f"{key}[{i}]={v!r} ({item_source}): expected a mapping")
+                items.append(_build(item_tp, v, sources, f"{key}[{i}].", item_source))  # type: ignore[arg-type]
             return items
         return [_coerce(v, item_tp, f"{key}[{i}]", source) for i, v in enumerate(value)]
     if origin is dict:
@@ -319,13 +326,20 @@ def _check(value: Any, f: dataclasses.Field[Any], key: str, source: str) -> None
         )
 
 
-def _build(cls: type[T], raw: Mapping[str, Any], sources: Mapping[str, str], prefix: str) -> T:
+def _build(
+    cls: type[T],
+    raw: Mapping[str, Any],
+    sources: Mapping[str, str],
+    prefix: str,
+    parent_source: str | None = None,
+) -> T:
+    """`cls` from `raw`; `sources` name where each dotted key came from (else its parent's)."""
     fields = _fields_by_key(cls)
     hints = typing.get_type_hints(cls)
     kwargs: dict[str, Any] = {}
     for key, value in raw.items():
         dotted = f"{prefix}{key}"
-        source = sources.get(dotted, sources.get("", "defaults"))
+        source = sources.get(dotted, parent_source or sources.get("", "defaults"))
         if key not in fields:
             allowed = ", ".join(sorted(fields))
             raise ConfigError(f"unknown key {dotted!r} ({source}); allowed here: {allowed}")
@@ -336,24 +350,67 @@ def _build(cls: type[T], raw: Mapping[str, Any], sources: Mapping[str, str], pre
                 raise ConfigError(
                     f"{dotted}={value!r} ({source}): expected a mapping of {key}.* keys"
                 )
-            kwargs[f.name] = _build(tp, value, sources, f"{dotted}.")  # type: ignore[arg-type]
+            kwargs[f.name] = _build(tp, value, sources, f"{dotted}.", source)  # type: ignore[arg-type]
             continue
-        coerced = _coerce(value, tp, dotted, source)
+        coerced = _coerce(value, tp, dotted, source, sources)
         _check(coerced, f, dotted, source)
         kwargs[f.name] = coerced
     return cls(**kwargs)
 
 
-def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
-    node = tree
-    parts = dotted.split(".")
-    for part in parts[:-1]:
-        child = node.get(part)
-        if not isinstance(child, dict):
-            child = {}
-            node[part] = child
-        node = child
-    node[parts[-1]] = value
+# One part of an override's key: a name, then list indices (`train`, `train[0]`).
+_KEY_PART = re.compile(r"([^.\[\]]+)((?:\[[0-9]+\])*)")
+
+
+def _set_override(tree: dict[str, Any], sources: dict[str, str], text: str) -> None:
+    """Apply the override `text` (`a.b=c`, `data.train[0].weight=3`) to `tree`.
+
+    Every key the override sets, creates or replaces is recorded in `sources` as coming from
+    the command line. A list item must exist already: an override can change a mixture
+    source's weight, not add a source.
+    """
+    key, value = _parse_override(text)
+    parts = [_KEY_PART.fullmatch(part) for part in key.split(".")]
+    node: Any = tree
+    dotted = ""
+    for n, match in enumerate(parts):
+        assert match is not None  # _parse_override checked the key
+        name, indices = match.group(1), [int(i) for i in re.findall(r"[0-9]+", match.group(2))]
+        steps: list[str | int] = [name, *indices]
+        for m, step in enumerate(steps):
+            last = n == len(parts) - 1 and m == len(steps) - 1
+            if isinstance(step, int):
+                if not isinstance(node, list):
+                    raise ConfigError(
+                        f"override {text!r} (command line): {dotted} is not a list here"
+                    )
+                if step >= len(node):
+                    raise ConfigError(
+                        f"override {text!r} (command line): {dotted} has {len(node)} "
+                        f"item{'s' if len(node) != 1 else ''}, so no item {step} (an override "
+                        "changes an item, it does not add one)"
+                    )
+                dotted = f"{dotted}[{step}]"
+            else:
+                dotted = f"{dotted}.{step}" if dotted else step
+            if last:
+                node[step] = value
+                sources[dotted] = "command line"
+                return
+            child = node[step] if isinstance(step, int) else node.get(step)
+            if isinstance(child, list) and m == len(steps) - 1:
+                rest = [p.group(0) for p in parts[n + 1 :] if p is not None]
+                item = rest.pop(0) if rest[0].isdigit() else "0"
+                example = ".".join([f"{dotted}[{item}]", *rest])
+                raise ConfigError(
+                    f"override {text!r} (command line): {dotted} is a list; name an item "
+                    f"as in {example}={text.partition('=')[2]}"
+                )
+            if not isinstance(child, (dict, list)):
+                child = {}
+                node[step] = child
+                sources[dotted] = "command line"  # created (or replaced) by the override
+            node = child
 
 
 def _collect_sources(
@@ -375,8 +432,11 @@ def parse_override(text: str) -> tuple[str, Any]:
 def _parse_override(text: str) -> tuple[str, Any]:
     """`parse_override` with booleans, numbers and dates kept with their text (`_Plain`)."""
     key, sep, raw = text.partition("=")
-    if not sep or not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override {text!r} (command line): expected key.sub=value")
+    if not sep or not key or any(not _KEY_PART.fullmatch(part) for part in key.split(".")):
+        raise ConfigError(
+            f"override {text!r} (command line): expected key.sub=value (a list item: "
+            "key[0].sub=value)"
+        )
     try:
         value = _load_yaml(raw, _TextKeepingLoader) if raw.strip() else ""
     except YamlRefused as exc:
@@ -448,9 +508,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         tree = loaded
         _collect_sources(tree, str(path), "", sources)
     for text in overrides:
-        key, value = _parse_override(text)
-        _set_dotted(tree, key, value)
-        sources[key] = "command line"
+        _set_override(tree, sources, text)
     return _build(Config, tree, sources, "")
 
 
@@ -481,9 +539,7 @@ def with_overrides(cfg: Config, overrides: Sequence[str]) -> Config:
     tree = config_to_dict(cfg)
     sources: dict[str, str] = {"": "resolved config"}
     for text in overrides:
-        key, value = _parse_override(text)
-        _set_dotted(tree, key, value)
-        sources[key] = "command line"
+        _set_override(tree, sources, text)
     return _build(Config, tree, sources, "")
 
 
