@@ -1,3 +1,4 @@
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -294,3 +295,33 @@ def test_a_bad_override_is_blamed_on_the_command_line(
     with pytest.raises(ConfigError) as err:
         load_config(write(tmp_path, MIXTURE), [override])
     assert str(err.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("data.train[1].weight=0", "data.train[1].weight=0.0 (command line): must be > 0"),
+        ("data.train[0].weight=-2", "data.train[0].weight=-2.0 (command line): must be > 0"),
+        (
+            "data.samples_per_epoch=3000000001",
+            "data.samples_per_epoch=3000000001 (command line): must be <= 3000000000 (the "
+            "largest epoch a mixture plans)",
+        ),
+    ],
+)
+def test_mixture_values_the_plan_refuses_are_config_errors(
+    tmp_path: Path, override: str, message: str
+) -> None:
+    """Were accepted here and refused once the data was opened (a data error, exit 3)."""
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, MIXTURE), [override])
+    assert str(err.value) == message
+    assert load_config(None, ["data.samples_per_epoch=3000000000"]).data.samples_per_epoch
+
+
+def test_the_largest_samples_per_epoch_is_the_plans() -> None:
+    from hpctrain.config.schema import DataConfig
+    from hpctrain.data.mixture import MAX_SLOTS
+
+    (f,) = [f for f in dataclasses.fields(DataConfig) if f.name == "samples_per_epoch"]
+    assert f.metadata["max"] == MAX_SLOTS

@@ -318,6 +318,9 @@ def _check(value: Any, f: dataclasses.Field[Any], key: str, source: str) -> None
     low = f.metadata.get("min")
     if low is not None and value < low:
         raise ConfigError(f"{key}={value!r} ({source}): must be >= {low}")
+    above = f.metadata.get("above")
+    if above is not None and value <= above:
+        raise ConfigError(f"{key}={value!r} ({source}): must be > {above:g}")
     high = f.metadata.get("max")
     if high is not None and value > high:
         reason = f.metadata.get("max_reason", "")

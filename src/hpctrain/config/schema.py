@@ -1,7 +1,8 @@
 """The typed config tree. YAML files and `a.b=c` overrides only fill these dataclasses.
 
 Each field may carry metadata that the loader checks before any work starts:
-`choices` (allowed values), `min` and `max` (the allowed range; `max_reason` says why), `key` (the YAML name when it is a
+`choices` (allowed values), `min` and `max` (the allowed range; `max_reason` says why), `above`
+(a bound the value must exceed), `key` (the YAML name when it is a
 Python keyword, e.g. `checkpoint.async`), and `help` (shown in the README's reference).
 """
 
@@ -105,7 +106,7 @@ class SourceConfig:
     """One source of a mixture (`data.train` as a list; see README "Mixing several datasets")."""
 
     path: str = _f("", "the source's shards: an index.json path/URL or a shard pattern")
-    weight: float = _f(1.0, "relative share of the training samples (> 0)", min=0.0)
+    weight: float = _f(1.0, "relative share of the training samples (> 0)", above=0.0)
     name: str = _f("", "names its metrics (samples_seen/<name>); empty: the index's folder name")
 
 
@@ -170,6 +171,8 @@ class DataConfig:
         0,
         "a mixture's epoch in samples (all ranks); 0: the sum of its sources' samples",
         min=0,
+        max=3_000_000_000,  # hpctrain.data.mixture.MAX_SLOTS (config imports no data code)
+        max_reason="the largest epoch a mixture plans",
     )
     seq_len: int = _f(
         0,
