@@ -325,3 +325,20 @@ def test_the_largest_samples_per_epoch_is_the_plans() -> None:
 
     (f,) = [f for f in dataclasses.fields(DataConfig) if f.name == "samples_per_epoch"]
     assert f.metadata["max"] == MAX_SLOTS
+
+
+@pytest.mark.parametrize(
+    ("checkpoint_dir", "root"),
+    [
+        ("", "runs/x/checkpoints"),
+        ("ckpts", "runs/x/ckpts"),
+        ("../shared/ckpts", "runs/x/../shared/ckpts"),
+        ("/store/ckpts", "/store/ckpts"),
+        ("s3://bucket/ckpts", "s3://bucket/ckpts"),
+        ("$SCRATCH/ckpts", "$SCRATCH/ckpts"),
+    ],
+)
+def test_a_relative_checkpoint_dir_is_under_the_run_folder(checkpoint_dir: str, root: str) -> None:
+    """Not under the current directory, which eval, export or a requeued job may not share."""
+    cfg = load_config(None, ["run_dir=runs/x", f"checkpoint.dir={checkpoint_dir}"])
+    assert cfg.checkpoint_root() == root

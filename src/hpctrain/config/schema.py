@@ -9,6 +9,7 @@ Python keyword, e.g. `checkpoint.async`), and `help` (shown in the README's refe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import PurePosixPath
 from typing import Any
 
 
@@ -257,7 +258,9 @@ class TrainConfig:
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     dir: str = _f(
-        "", "where checkpoints go: a local path or an fsspec URL; empty: RUN_DIR/checkpoints"
+        "",
+        "where checkpoints go: a local path (a relative one is under RUN_DIR) or an fsspec URL; "
+        "empty: RUN_DIR/checkpoints",
     )
     every_steps: int = _f(0, "save every N optimizer steps; 0 disables", min=0)
     every_minutes: float = _f(0.0, "save every N minutes of training; 0 disables", min=0.0)
@@ -390,3 +393,21 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
+
+    def checkpoint_root(self) -> str:
+        """Where this run's checkpoints are: see `checkpoint_root`."""
+        return checkpoint_root(self.checkpoint.dir, self.run_dir)
+
+
+def checkpoint_root(checkpoint_dir: str, run_dir: str) -> str:
+    """`checkpoint.dir` with a relative path taken under `run_dir`; empty: RUN_DIR/checkpoints.
+
+    Relative to the run folder, not to the current directory: `eval` or `export` from
+    another directory, or a requeued job started elsewhere, find the same checkpoints.
+    URLs, absolute paths and paths the node expands (`$SCRATCH/...`, `~/...`) are kept.
+    """
+    if not checkpoint_dir:
+        return str(PurePosixPath(run_dir) / "checkpoints")
+    if "://" in checkpoint_dir or checkpoint_dir.startswith(("/", "$", "~")):
+        return checkpoint_dir
+    return str(PurePosixPath(run_dir) / checkpoint_dir)

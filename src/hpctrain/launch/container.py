@@ -44,7 +44,7 @@ def container_binds(cfg: Config) -> tuple[str, ...]:
         local_folder(cfg.slurm.folder),
         *(local_folder(path) for _, path in cfg.data.train_paths()),
         local_folder(cfg.data.val),
-        local_folder(cfg.checkpoint.dir),
+        local_folder(cfg.checkpoint_root() if cfg.checkpoint.dir else ""),  # else in run_dir
         *cfg.slurm.container_binds,
     ]
     binds: list[str] = []

@@ -164,7 +164,7 @@ def check_checkpoint_trust(cfg: Config) -> Check:
     from hpctrain.checkpoint.safety import CheckpointError
     from hpctrain.checkpoint.storage import is_local, open_store
 
-    root = cfg.checkpoint.dir or str(Path(cfg.run_dir) / "checkpoints")
+    root = cfg.checkpoint_root()
     paths = [root]
     if cfg.checkpoint.resume not in ("latest", "none"):
         paths.append(cfg.checkpoint.resume)

@@ -76,8 +76,9 @@ def locate_checkpoint(path: str, *, best: bool = False) -> tuple[Store, str, dic
     config_path = Path(path) / "config.yaml"
     if "://" not in path and config_path.is_file():
         from hpctrain.config import load_config
+        from hpctrain.config.schema import checkpoint_root
 
-        root = load_config(str(config_path)).checkpoint.dir or str(Path(path) / "checkpoints")
+        root = checkpoint_root(load_config(str(config_path)).checkpoint.dir, path)
     store = open_store(root)
     steps = committed_steps(store)
     if best:

@@ -20,7 +20,6 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,7 +51,7 @@ def find_checkpoint(cfg: Config, which: str) -> tuple[Any, str, dict[str, Any]]:
     Raises:
         CheckpointError: none there, or damaged (exit code 4).
     """
-    root = cfg.checkpoint.dir or str(Path(cfg.run_dir) / "checkpoints")
+    root = cfg.checkpoint_root()
     if which in ("", "latest"):
         return locate_checkpoint(root)
     if which == "best":

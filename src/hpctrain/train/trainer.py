@@ -212,7 +212,7 @@ class Trainer:
         cfg = self.cfg
         self.state = TrainState()
         self.checkpoints = CheckpointManager(
-            cfg.checkpoint.dir or str(self.run_dir / "checkpoints"),
+            cfg.checkpoint_root(),
             keep_last=cfg.checkpoint.keep_last,
             keep_every=cfg.checkpoint.keep_every,
             async_save=cfg.checkpoint.async_save,
