@@ -153,6 +153,39 @@ def test_options_and_overrides_in_any_order(verb: str) -> None:
     assert {key: getattr(args, key) for key in expected} == expected
 
 
+# Overrides before the config path too (issue #32 item 5): a key=value is never the path.
+OVERRIDE_FIRST = {
+    "train": ["run_dir=runs/x", "c.yaml", "seed=1"],
+    "config": ["show", "run_dir=runs/x", "c.yaml", "seed=1"],
+    "submit": ["run_dir=runs/x", "--dry-run", "c.yaml", "seed=1"],
+    "sbatch": ["run_dir=runs/x", "c.yaml", "seed=1", "--profile", "generic"],
+    "preflight": ["run_dir=runs/x", "--no-data", "c.yaml", "seed=1"],
+    "eval": ["run_dir=runs/x", "c.yaml", "--nproc", "2", "seed=1"],
+    "predict": ["run_dir=runs/x", "--out", "p", "c.yaml", "seed=1"],
+}
+
+
+@pytest.mark.parametrize("verb", sorted(OVERRIDE_FIRST))
+def test_an_override_before_the_config_path_is_an_override(verb: str) -> None:
+    args = parse_arguments(build_parser([verb]), [verb, *OVERRIDE_FIRST[verb]])
+    assert getattr(args, "source" if verb in ("eval", "predict") else "config") == "c.yaml"
+    assert args.overrides == ["run_dir=runs/x", "seed=1"]  # in their order: the last one wins
+
+
+def test_a_path_with_an_equals_sign_is_still_a_path() -> None:
+    args = parse_arguments(build_parser(["train"]), ["train", "runs/lr=0.1/config.yaml", "seed=1"])
+    assert (args.config, args.overrides) == ("runs/lr=0.1/config.yaml", ["seed=1"])
+
+
+def test_only_overrides_and_no_config_path_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_arguments(build_parser(["train"]), ["train", "run_dir=runs/x", "seed=1"])
+    assert exit_info.value.code == 2
+    assert "required: config (KEY=VALUE is an override)" in capsys.readouterr().err
+
+
 def test_an_override_after_an_option_reaches_the_job_script(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

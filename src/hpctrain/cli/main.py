@@ -14,6 +14,7 @@ import traceback
 from collections.abc import Sequence
 
 from hpctrain import __version__
+from hpctrain.config.load import is_override
 from hpctrain.errors import HpctrainError, print_error_line, rank_tag
 
 # Set by `hpctrain --debug`, so that the ranks `train --nproc` starts inherit it.
@@ -93,6 +94,28 @@ def parse_arguments(parser: argparse.ArgumentParser, argv: Sequence[str]) -> arg
         return parser.parse_args(argv)
     args.verb = verb
     args.show_tracebacks = bool(head)
+    return separate_overrides(args, sub)
+
+
+def separate_overrides(
+    args: argparse.Namespace, sub: argparse.ArgumentParser
+) -> argparse.Namespace:
+    """Overrides before the config path: argparse gives the first word to CONFIG (or SOURCE).
+
+    A `key=value` word is never a path, so `train run_dir=runs/x configs/demo.yaml` trains
+    configs/demo.yaml with the override; the overrides keep their order (the last one wins).
+    """
+    overrides = getattr(args, "overrides", None)
+    for name in ("config", "source"):
+        first = getattr(args, name, None)
+        if not isinstance(first, str) or not isinstance(overrides, list):
+            continue
+        words = [first, *overrides]
+        paths = [word for word in words if not is_override(word)]
+        if not paths:
+            sub.error(f"the following arguments are required: {name} (KEY=VALUE is an override)")
+        setattr(args, name, words.pop(words.index(paths[0])))
+        args.overrides = words  # a second path stays here, where it is refused as no key=value
     return args
 
 

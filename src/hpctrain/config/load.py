@@ -426,6 +426,15 @@ def _collect_sources(
             _collect_sources(value, source, f"{dotted}.", out)
 
 
+# A word of the command line that is an override: KEY=VALUE with a dotted key of names.
+_OVERRIDE_WORD = re.compile(r"[A-Za-z_][\w-]*(?:\[[0-9]+\])*(?:\.[A-Za-z_][\w-]*(?:\[[0-9]+\])*)*=")
+
+
+def is_override(word: str) -> bool:
+    """Whether a command-line word is a `dotted.key=value` override (never a config path)."""
+    return _OVERRIDE_WORD.match(word) is not None
+
+
 def parse_override(text: str) -> tuple[str, Any]:
     """`a.b=c` → ("a.b", c), with c parsed as a YAML scalar (`7` → 7, `true` → True)."""
     key, value = _parse_override(text)
