@@ -342,3 +342,12 @@ def test_a_relative_checkpoint_dir_is_under_the_run_folder(checkpoint_dir: str, 
     """Not under the current directory, which eval, export or a requeued job may not share."""
     cfg = load_config(None, ["run_dir=runs/x", f"checkpoint.dir={checkpoint_dir}"])
     assert cfg.checkpoint_root() == root
+
+
+@pytest.mark.parametrize("word", ["nan", "inf", "-inf", "NaN", "Infinity", ".nan", ".inf", "1e999"])
+def test_every_spelling_of_nan_and_inf_is_not_a_finite_number(word: str) -> None:
+    """`nan`/`inf` said "expected a number", `.nan`/`.inf`/`1e999` "expected a finite number"."""
+    with pytest.raises(
+        ConfigError, match=r"^train.lr=.* \(command line\): expected a finite number$"
+    ):
+        load_config(None, [f"train.lr={word}"])

@@ -299,6 +299,9 @@ def _coerce(
                 # NaN passes every `min` check (nan < 0 is False) and inf never ends a wait
                 raise ConfigError(f"{key}={value!r} ({source}): expected a finite number")
             return number
+        if isinstance(value, str) and _is_non_finite_word(value):
+            # `nan`, `inf` (YAML 1.2 spells them .nan, .inf): the same message as for those
+            raise ConfigError(f"{key}={value!r} ({source}): expected a finite number")
         raise ConfigError(f"{key}={value!r} ({source}): expected a number")
     if tp is str:
         if isinstance(value, str):
@@ -307,6 +310,14 @@ def _coerce(
             return str(value)
         raise ConfigError(f"{key}={value!r} ({source}): expected a string")
     raise AssertionError(f"unsupported config annotation {tp!r} for {key}")
+
+
+def _is_non_finite_word(text: str) -> bool:
+    """`nan`, `inf`, `-Infinity`...: text Python reads as a float that is not finite."""
+    try:
+        return not math.isfinite(float(text))
+    except ValueError:
+        return False
 
 
 def _check(value: Any, f: dataclasses.Field[Any], key: str, source: str) -> None:
