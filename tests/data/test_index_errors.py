@@ -1,0 +1,67 @@
+"""User mistakes in data and plan options: one line naming the index or option, no traceback."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hpctrain.cli.main import main
+from hpctrain.data.index import ShardIndexError
+from hpctrain.data.locate import open_index
+from hpctrain.errors import EXIT_DATA
+from tests.data.loader_testkit import make_shards
+
+
+def write_empty_index(root: Path, shards: list[dict[str, object]] | None = None) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    index = {"format": "hpctrain-shards", "version": 1, "shards": shards or []}
+    (root / "index.json").write_text(json.dumps(index))
+    return root
+
+
+def test_an_index_without_samples_is_refused_naming_it_however_it_is_opened(tmp_path):
+    empty = write_empty_index(tmp_path / "empty")
+    for spec in (str(empty), f"{empty}/", str(empty / "index.json")):
+        with pytest.raises(ShardIndexError, match=r"empty/index.json: the index lists no shards"):
+            open_index(spec)
+    (tmp_path / "nil").mkdir()
+    (tmp_path / "nil" / "x.tar").write_bytes(b"\0" * 1024)  # a tar file without members
+    zero = write_empty_index(tmp_path / "zero", [{"url": "x.tar", "num_samples": 0}])
+    with pytest.raises(ShardIndexError, match=r"zero/index.json: .* 1 shard\(s\) hold no samples"):
+        open_index(str(zero))
+    with pytest.raises(ShardIndexError, match=r"nil/x.tar: .* hold no samples"):
+        open_index(str(tmp_path / "nil" / "x.tar"))
+
+
+def one_line(err: str, verb: str) -> str:
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith(f"hpctrain {verb}")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("key", ["data.train", "data.val"])
+def test_train_with_an_empty_index_is_one_data_error_naming_it(key, tmp_path, capsys):
+    make_shards(tmp_path / "shards", [4])
+    empty = write_empty_index(tmp_path / "empty")
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"run_dir: {tmp_path / 'run'}\nmodel: {{name: small_cnn, image_size: 8}}\n"
+        f"data: {{train: {tmp_path / 'shards'}, batch_size: 2, workers_per_rank: 0}}\n"
+        "train: {max_steps: 1, precision: fp32}\n"
+    )
+    assert main(["train", str(config), f"{key}={empty}"]) == EXIT_DATA
+    line = one_line(capsys.readouterr().err, "train")
+    assert f"data error: {empty}/index.json: the index lists no shards" in line
+
+
+def test_plan_of_an_empty_index_or_mixture_source_names_it(tmp_path, capsys):
+    make_shards(tmp_path / "a", [4])
+    empty = write_empty_index(tmp_path / "empty")
+    size = ["--world-size", "1", "--batch-size", "2"]
+    for data in ([str(empty)], [str(tmp_path / "a"), str(empty)]):
+        assert main(["plan", *data, *size]) == EXIT_DATA
+        line = one_line(capsys.readouterr().err, "plan")
+        assert f"{empty}/index.json: the index lists no shards" in line
