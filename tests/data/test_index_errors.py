@@ -10,7 +10,8 @@ import pytest
 from hpctrain.cli.main import main
 from hpctrain.data.index import ShardIndexError
 from hpctrain.data.locate import open_index
-from hpctrain.errors import EXIT_DATA
+from hpctrain.data.mixture import MAX_PASSES_PER_EPOCH, Mixture, MixtureError, Source
+from hpctrain.errors import EXIT_CONFIG, EXIT_DATA
 from tests.data.loader_testkit import make_shards
 
 
@@ -65,3 +66,25 @@ def test_plan_of_an_empty_index_or_mixture_source_names_it(tmp_path, capsys):
         assert main(["plan", *data, *size]) == EXIT_DATA
         line = one_line(capsys.readouterr().err, "plan")
         assert f"{empty}/index.json: the index lists no shards" in line
+
+
+def test_plan_weights_that_are_not_numbers_are_a_usage_error_naming_the_flag(tmp_path, capsys):
+    make_shards(tmp_path / "a", [4])
+    make_shards(tmp_path / "b", [4], prefix="b")
+    data = [str(tmp_path / "a"), str(tmp_path / "b"), "--world-size", "1", "--batch-size", "2"]
+    for weights in ("a,b", "1,nan", "1,-2", "1,"):
+        assert main(["plan", *data, "--weights", weights]) == EXIT_CONFIG
+        line = one_line(capsys.readouterr().err, "plan")
+        assert f"usage error: --weights {weights}: " in line and "not a number > 0" in line
+
+
+def test_an_epoch_that_repeats_a_small_source_too_often_is_refused_before_planning():
+    sources = (Source("big", 1.0, 0, (6, 6)), Source("tiny", 1.0, 2, (8,)))
+    Mixture(sources, samples_per_epoch=2 * 8 * MAX_PASSES_PER_EPOCH)  # at the bound: planned
+    with pytest.raises(MixtureError, match=r"data.samples_per_epoch=3000000000: data.train\[1\] "):
+        Mixture(sources, samples_per_epoch=3_000_000_000)  # was ~1e8 passes: MemoryError
+    many = (Source("wide", 1.0, 0, (1,) * 200_000), Source("tiny", 1.0, 200_000, (1000,)))
+    with pytest.raises(
+        MixtureError, match=r"\(wide, 200000 samples, weight 1\) would be read 100 "
+    ):
+        Mixture(many, samples_per_epoch=40_000_000)  # 100 passes of 200k shards: 2e7 segments

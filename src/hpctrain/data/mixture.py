@@ -62,6 +62,11 @@ from hpctrain.data.planning import (
 WEIGHT_UNITS = 1 << 52
 # slot indices times quotas must fit in int64 (the schedule's closed form multiplies them)
 MAX_SLOTS = 3_000_000_000
+# An epoch's plan holds one segment per shard per pass of each source (a pass costs ~70 us to
+# plan however small its source): these bound a rank's planning time (seconds) and memory (a
+# few hundred MB) when a small source repeats, e.g. a large data.samples_per_epoch.
+MAX_PASSES_PER_EPOCH = 100_000
+MAX_PLAN_SEGMENTS = 1 << 24
 _CHUNK = 1 << 16  # slots whose source is computed at once in a worker
 T = TypeVar("T")
 
@@ -145,6 +150,29 @@ class Mixture:
         if self.samples_per_epoch < 0 or self.num_slots > MAX_SLOTS:
             raise MixtureError(
                 f"data.samples_per_epoch={self.samples_per_epoch}: must lie in [0, {MAX_SLOTS}]"
+            )
+        self._check_plan_size()
+
+    def _check_plan_size(self) -> None:
+        """Refuse, before any work, an epoch whose plan would repeat a small source so often
+        that planning it takes minutes or all memory (the plan holds every pass)."""
+        passes = [-(-q // s.num_samples) for q, s in zip(self.quotas(), self.sources, strict=True)]
+        costs = [p * len(s.shard_sizes) for p, s in zip(passes, self.sources, strict=True)]
+        segments = sum(costs)
+        worst = max(range(len(passes)), key=lambda i: passes[i])
+        if passes[worst] <= MAX_PASSES_PER_EPOCH:  # the source that adds the most segments
+            worst = max(range(len(passes)), key=lambda i: (passes[i] > 1, costs[i]))
+        if passes[worst] > MAX_PASSES_PER_EPOCH or (
+            segments > MAX_PLAN_SEGMENTS and passes[worst] > 1
+        ):
+            src = self.sources[worst]
+            raise MixtureError(
+                f"data.samples_per_epoch={self.samples_per_epoch}: data.train[{worst}] "
+                f"({src.name}, {src.num_samples} samples, weight {src.weight:g}) would be read "
+                f"{passes[worst]} times per epoch ({segments} shard passes in all); an epoch "
+                f"plans at most {MAX_PASSES_PER_EPOCH} passes of a source and "
+                f"{MAX_PLAN_SEGMENTS} shard passes: lower data.samples_per_epoch or that "
+                "source's weight"
             )
 
     @property
