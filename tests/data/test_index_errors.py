@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -11,6 +12,7 @@ from hpctrain.cli.main import main
 from hpctrain.data.index import ShardIndexError
 from hpctrain.data.locate import open_index
 from hpctrain.data.mixture import MAX_PASSES_PER_EPOCH, Mixture, MixtureError, Source
+from hpctrain.data.mixture import source_names as names_of
 from hpctrain.errors import EXIT_CONFIG, EXIT_DATA
 from tests.data.loader_testkit import make_shards
 
@@ -88,3 +90,22 @@ def test_an_epoch_that_repeats_a_small_source_too_often_is_refused_before_planni
         MixtureError, match=r"\(wide, 200000 samples, weight 1\) would be read 100 "
     ):
         Mixture(many, samples_per_epoch=40_000_000)  # 100 passes of 200k shards: 2e7 segments
+
+
+def test_sources_with_the_same_folder_name_are_named_after_the_folder_above(tmp_path, capsys):
+    """`convert --val-fraction` makes `web/train` and `books/train`: both `train` by default."""
+    for name in ("web", "books", "x/code", "y/code"):
+        make_shards(tmp_path / name / "train", [4])
+    size = ["--world-size", "1", "--batch-size", "2"]
+    data = [str(tmp_path / "web" / "train"), f"{tmp_path}/books/train/index.json"]
+    assert main(["plan", *data, "--weights", "5,3", *size]) == 0
+    out = capsys.readouterr().out
+    assert "  web: weight 0.625" in out and "  books: weight 0.375" in out
+    assert names_of(
+        [SimpleNamespace(path="s3://train", name=""), SimpleNamespace(path="train", name="")]
+    ) == ["train", "train"]
+    clash = [str(tmp_path / "x" / "code" / "train"), str(tmp_path / "y" / "code" / "train")]
+    assert main(["plan", *clash, *size]) == EXIT_DATA
+    line = one_line(capsys.readouterr().err, "plan")
+    assert "name 'code' is also the name of data.train[0]" in line and "--names" in line
+    assert main(["plan", *clash, *size, "--names", "x,y"]) == 0

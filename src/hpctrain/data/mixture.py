@@ -138,7 +138,8 @@ class Mixture:
             if names.index(s.name) != i:
                 raise MixtureError(
                     f"data.train[{i}]: name {s.name!r} is also the name of data.train"
-                    f"[{names.index(s.name)}]; give each source its own name"
+                    f"[{names.index(s.name)}]; give each source its own name "
+                    "(data.train[i].name; hpctrain plan: --names a,b,...)"
                 )
             if not (s.weight > 0 and math.isfinite(s.weight)):
                 raise MixtureError(f"data.train[{i}].weight={s.weight!r}: must be > 0")
@@ -749,13 +750,33 @@ def check_compatible(names: Sequence[str], indexes: Sequence[Any]) -> None:
             raise MixtureError(f"{where} name different classes")
 
 
-def default_name(path: str) -> str:
-    """A source's name from its path: the folder holding the index (`.../web/index.json`
-    → web), else the last path component."""
+def _folders(path: str) -> list[str]:
+    """The path's components, a trailing `*.json` (the index file) left out."""
     parts = [p for p in path.rstrip("/").split("/") if p]
     if parts and parts[-1].endswith(".json") and len(parts) > 1:
         parts = parts[:-1]
+    return parts
+
+
+def default_name(path: str) -> str:
+    """A source's name from its path: the folder holding the index (`.../web/index.json`
+    → web), else the last path component."""
+    parts = _folders(path)
     return os.path.basename(parts[-1]) if parts else path
+
+
+def source_names(sources: Sequence[Any]) -> list[str]:
+    """Each source's name (`name`, `path` attributes): its own, else `default_name`; where
+    two default names collide (`a/train` and `b/train`, as `convert --val-fraction` makes
+    them), the folder above (`a`, `b`). Names still equal are refused by `Mixture`."""
+    names = [src.name or default_name(src.path) for src in sources]
+    counts = {n: names.count(n) for n in names}
+    for i, src in enumerate(sources):
+        parts = _folders(src.path)
+        # a folder above, not the "s3:" of s3://train
+        if not src.name and counts[names[i]] > 1 and len(parts) > 1 and parts[-2][-1:] != ":":
+            names[i] = parts[-2]
+    return names
 
 
 @dataclass(frozen=True)
@@ -779,15 +800,14 @@ def open_mixture(
 ) -> MixtureIndex:
     """Open every source's index (`path`, `weight`, `name` attributes, as `SourceConfig`)
     and check they can be mixed, before any work."""
-    indexes, parts, names = [], [], []
+    indexes, parts = [], []
+    names = source_names(sources)
     first = 0
-    for i, src in enumerate(sources):
+    for i, (src, name) in enumerate(zip(sources, names, strict=True)):
         if not src.path:
             raise MixtureError(f"data.train[{i}].path is empty")
         index = open_index(src.path, storage_options, allow_pipe=allow_pipe)
-        name = src.name or default_name(src.path)
         indexes.append(index)
-        names.append(name)
         sizes = tuple(s.num_samples for s in index.shards)
         parts.append(Source(name, float(src.weight), first, sizes))
         first += len(sizes)
