@@ -109,3 +109,16 @@ def test_sources_with_the_same_folder_name_are_named_after_the_folder_above(tmp_
     line = one_line(capsys.readouterr().err, "plan")
     assert "name 'code' is also the name of data.train[0]" in line and "--names" in line
     assert main(["plan", *clash, *size, "--names", "x,y"]) == 0
+
+
+def test_plan_eval_pads_as_evaluation_does(tmp_path, capsys):
+    make_shards(tmp_path, [4, 4, 4])  # 12 samples on 5 ranks of batch 1
+    size = [str(tmp_path), "--world-size", "5", "--batch-size", "1"]
+    assert main(["plan", *size, "--eval"]) == 0
+    assert "remainder pad: 0 samples dropped, 3 padded" in capsys.readouterr().out
+    assert main(["plan", *size]) == 0  # training keeps data.remainder's default
+    assert "remainder drop: 2 samples dropped, 0 padded" in capsys.readouterr().out
+    assert main(["plan", *size, "--eval", "--remainder", "drop"]) == EXIT_CONFIG
+    assert "--eval --remainder drop: evaluation always pads" in one_line(
+        capsys.readouterr().err, "plan"
+    )
