@@ -162,7 +162,7 @@ class ImageClassification:
             )
         if num_classes < len(index.class_names):  # a label would index past the model's output
             raise ConfigError(
-                f"model.num_classes={num_classes}: the index {index.base_url or '(pattern)'} names {len(index.class_names)} classes"
+                f"model.num_classes={num_classes}: the index {where} names {len(index.class_names)} classes"
             )
         self.num_classes = num_classes
         self.class_names = tuple(index.class_names)
