@@ -95,13 +95,28 @@ def test_local_members_are_read_once_and_outlive_the_stream(tmp_path):
         assert [(i, k, m) for i, k, m in iter_samples(f, views=True)] == expected
 
 
-def test_short_body_is_retried_then_reported(tmp_path):
+def test_short_body_of_a_remote_shard_is_retried_then_reported(tmp_path):
     path = write_tar(tmp_path / "x.tar", [("k.jpg", b"x" * 5000)])
     size = path.stat().st_size
-    stream = ShardStream(str(path), size=size + 512, max_retries=2, sleep=lambda _s: None)
+    url = "memory://short/x.tar"  # a filesystem that is not local: a short body may pass
+    fsspec.filesystem("memory").pipe_file(url, path.read_bytes())
+    stream = ShardStream(url, size=size + 512, max_retries=2, sleep=lambda _s: None)
     with pytest.raises(ShardReadError, match="still failing after 2 retries: TransientReadError"):
         stream.read(size + 512)
     assert stream.stats.retries == 2
+
+
+def test_a_truncated_local_shard_is_corrupt_at_once_naming_the_sizes(tmp_path):
+    path = write_tar(tmp_path / "x.tar", [("k.jpg", b"x" * 5000), ("k.cls", b"1")])
+    size = path.stat().st_size
+    path.write_bytes(path.read_bytes()[:5632])  # cut after the first member (512 + 5120)
+    sleeps: list[float] = []
+    stream = ShardStream(str(path), size=size, max_retries=5, sleep=sleeps.append)
+    with pytest.raises(
+        CorruptShardError, match=f"truncated: the file holds 5632 bytes, the index says {size} "
+    ):
+        list(iter_samples(stream))
+    assert stream.stats.retries == 0 and sleeps == []  # was 5 retries of "body ended"
 
 
 def test_empty_member_of_a_shard_of_known_size(tmp_path):

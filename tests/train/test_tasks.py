@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -363,3 +364,16 @@ def test_model_names_checked_per_task_without_building() -> None:
         check_model_name("image_classification", "unet")
     with pytest.raises(ConfigError, match="model.name='resnet18': task segmentation takes unet"):
         check_model_name("segmentation", "resnet18")
+
+
+def test_a_one_class_index_says_a_classifier_needs_two_classes() -> None:
+    one = ShardIndex(shards=(ShardInfo("a.tar", 10),), base_url="data/one", class_names=("star",))
+    for overrides, shown in (([], "model.num_classes=0"), (["model.num_classes=1"], "=1")):
+        with pytest.raises(
+            ConfigError,
+            match=rf"{shown}: a classifier needs at least 2 classes; the index data/one names "
+            r"1 \('star'\)",
+        ):
+            load_task(load_config(None, overrides), one)
+    with pytest.raises(ConfigError, match=r"=0: the index data/one names no classes; set model"):
+        load_task(load_config(None, []), replace(one, class_names=()))

@@ -27,9 +27,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, required=True, help="samples per batch per rank")
     parser.add_argument("--epoch", type=int, default=0, help="epoch to plan (default: 0)")
     parser.add_argument("--seed", type=int, default=0, help="run seed (default: 0)")
-    parser.add_argument("--remainder", choices=("drop", "pad"), default="drop")
     parser.add_argument(
-        "--eval", action="store_true", help="evaluation order: shards in index order, no shuffle"
+        "--remainder",
+        choices=("drop", "pad"),
+        default=None,
+        help="data.remainder (default: drop; with --eval: pad, as evaluation does)",
+    )
+    parser.add_argument(
+        "--eval",
+        action="store_true",
+        help="evaluation's plan: shards in index order, no shuffle, the remainder padded",
     )
     parser.add_argument(
         "--rank",
@@ -58,6 +65,10 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--rank {r} is outside world size {args.world_size}")
     if args.seq_len < 0:
         raise UsageError("--seq-len must be >= 0")
+    if args.eval and args.remainder == "drop":
+        # evaluation pads and counts every sample (hpctrain.data.loader): a drop plan is not its
+        raise UsageError("--eval --remainder drop: evaluation always pads (--remainder pad)")
+    args.remainder = args.remainder or ("pad" if args.eval else "drop")
     if len(args.data) > 1:
         return plan_mixture.run(args)
     args.data = args.data[0]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import sys
 from collections.abc import Iterable, Sequence
 from types import SimpleNamespace
@@ -40,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """The mixture's plan: summary, passes per source, realized mixture per rank."""
     paths = list(args.data)
-    weights = [float(w) for w in args.weights.split(",")] if args.weights else [1.0] * len(paths)
+    weights = _weights(args.weights) if args.weights else [1.0] * len(paths)
     names = args.names.split(",") if args.names else [""] * len(paths)
     if len(weights) != len(paths) or len(names) != len(paths):
         raise UsageError(f"--weights/--names: give one per DATA ({len(paths)})")
@@ -142,6 +143,23 @@ def run(args: argparse.Namespace) -> int:
         print(f"rank {r}: {parts}")
     print_stream_segments(p, index, ranks)
     return 0
+
+
+def _weights(text: str) -> list[float]:
+    """`--weights 5,3,2` as numbers, each finite and > 0 (a usage error names the flag)."""
+    weights = []
+    for part in text.split(","):
+        try:
+            w = float(part)
+        except ValueError:
+            w = math.nan
+        if not (w > 0 and math.isfinite(w)):
+            raise UsageError(
+                f"--weights {text}: {part.strip()!r} is not a number > 0 (give one per DATA, "
+                "comma-separated: --weights 5,3,2)"
+            )
+        weights.append(w)
+    return weights
 
 
 def write_plan_json(

@@ -8,7 +8,14 @@ from typing import Any
 
 import fsspec
 
-from hpctrain.data.index import INDEX_NAME, ShardIndex, ShardIndexError, ShardInfo, read_index
+from hpctrain.data.index import (
+    INDEX_NAME,
+    ShardIndex,
+    ShardIndexError,
+    ShardInfo,
+    read_index,
+    redact_url,
+)
 from hpctrain.data.stream import (
     PIPE_RULE,
     CorruptShardError,
@@ -74,17 +81,30 @@ def open_index(
             to shell commands (`data.allow_pipe`). An index's entries never may.
 
     Raises:
-        ShardIndexError: no index there, or an unreadable one (the message names the URL).
+        ShardIndexError: no index there, an unreadable one, or one without samples (the
+            message names the URL).
     """
     if spec.startswith("pipe:"):
         if not allow_pipe:
             raise ShardIndexError(f"{pipe_label(spec)}: {PIPE_RULE}")
-        return _count_pattern(spec, storage_options, allow_pipe=True)
+        return _require_samples(_count_pattern(spec, storage_options, allow_pipe=True), spec)
     if spec.endswith(".json"):
-        return read_index(spec, storage_options)
+        return _require_samples(read_index(spec, storage_options), spec)
     if spec.endswith(".tar") or _BRACE.search(spec):
-        return _count_pattern(spec, storage_options, allow_pipe=False)
-    return read_index(f"{spec.rstrip('/')}/{INDEX_NAME}", storage_options)
+        return _require_samples(_count_pattern(spec, storage_options, allow_pipe=False), spec)
+    url = f"{spec.rstrip('/')}/{INDEX_NAME}"
+    return _require_samples(read_index(url, storage_options), url)
+
+
+def _require_samples(index: ShardIndex, spec: str) -> ShardIndex:
+    """Every reader of an index (train, val, a mixture source, eval, predict, plan) needs a
+    sample: an empty index is the user's data, named here, not a loader's traceback."""
+    where = pipe_label(spec) if spec.startswith("pipe:") else redact_url(spec)
+    if not index.shards:
+        raise ShardIndexError(f'{where}: the index lists no shards ("shards": [])')
+    if index.num_samples == 0:
+        raise ShardIndexError(f"{where}: the index's {len(index.shards)} shard(s) hold no samples")
+    return index
 
 
 def _count_pattern(

@@ -62,6 +62,11 @@ from hpctrain.data.planning import (
 WEIGHT_UNITS = 1 << 52
 # slot indices times quotas must fit in int64 (the schedule's closed form multiplies them)
 MAX_SLOTS = 3_000_000_000
+# An epoch's plan holds one segment per shard per pass of each source (a pass costs ~70 us to
+# plan however small its source): these bound a rank's planning time (seconds) and memory (a
+# few hundred MB) when a small source repeats, e.g. a large data.samples_per_epoch.
+MAX_PASSES_PER_EPOCH = 100_000
+MAX_PLAN_SEGMENTS = 1 << 24
 _CHUNK = 1 << 16  # slots whose source is computed at once in a worker
 T = TypeVar("T")
 
@@ -133,7 +138,8 @@ class Mixture:
             if names.index(s.name) != i:
                 raise MixtureError(
                     f"data.train[{i}]: name {s.name!r} is also the name of data.train"
-                    f"[{names.index(s.name)}]; give each source its own name"
+                    f"[{names.index(s.name)}]; give each source its own name "
+                    "(data.train[i].name; hpctrain plan: --names a,b,...)"
                 )
             if not (s.weight > 0 and math.isfinite(s.weight)):
                 raise MixtureError(f"data.train[{i}].weight={s.weight!r}: must be > 0")
@@ -145,6 +151,29 @@ class Mixture:
         if self.samples_per_epoch < 0 or self.num_slots > MAX_SLOTS:
             raise MixtureError(
                 f"data.samples_per_epoch={self.samples_per_epoch}: must lie in [0, {MAX_SLOTS}]"
+            )
+        self._check_plan_size()
+
+    def _check_plan_size(self) -> None:
+        """Refuse, before any work, an epoch whose plan would repeat a small source so often
+        that planning it takes minutes or all memory (the plan holds every pass)."""
+        passes = [-(-q // s.num_samples) for q, s in zip(self.quotas(), self.sources, strict=True)]
+        costs = [p * len(s.shard_sizes) for p, s in zip(passes, self.sources, strict=True)]
+        segments = sum(costs)
+        worst = max(range(len(passes)), key=lambda i: passes[i])
+        if passes[worst] <= MAX_PASSES_PER_EPOCH:  # the source that adds the most segments
+            worst = max(range(len(passes)), key=lambda i: (passes[i] > 1, costs[i]))
+        if passes[worst] > MAX_PASSES_PER_EPOCH or (
+            segments > MAX_PLAN_SEGMENTS and passes[worst] > 1
+        ):
+            src = self.sources[worst]
+            raise MixtureError(
+                f"data.samples_per_epoch={self.samples_per_epoch}: data.train[{worst}] "
+                f"({src.name}, {src.num_samples} samples, weight {src.weight:g}) would be read "
+                f"{passes[worst]} times per epoch ({segments} shard passes in all); an epoch "
+                f"plans at most {MAX_PASSES_PER_EPOCH} passes of a source and "
+                f"{MAX_PLAN_SEGMENTS} shard passes: lower data.samples_per_epoch or that "
+                "source's weight"
             )
 
     @property
@@ -721,13 +750,33 @@ def check_compatible(names: Sequence[str], indexes: Sequence[Any]) -> None:
             raise MixtureError(f"{where} name different classes")
 
 
-def default_name(path: str) -> str:
-    """A source's name from its path: the folder holding the index (`.../web/index.json`
-    → web), else the last path component."""
+def _folders(path: str) -> list[str]:
+    """The path's components, a trailing `*.json` (the index file) left out."""
     parts = [p for p in path.rstrip("/").split("/") if p]
     if parts and parts[-1].endswith(".json") and len(parts) > 1:
         parts = parts[:-1]
+    return parts
+
+
+def default_name(path: str) -> str:
+    """A source's name from its path: the folder holding the index (`.../web/index.json`
+    → web), else the last path component."""
+    parts = _folders(path)
     return os.path.basename(parts[-1]) if parts else path
+
+
+def source_names(sources: Sequence[Any]) -> list[str]:
+    """Each source's name (`name`, `path` attributes): its own, else `default_name`; where
+    two default names collide (`a/train` and `b/train`, as `convert --val-fraction` makes
+    them), the folder above (`a`, `b`). Names still equal are refused by `Mixture`."""
+    names = [src.name or default_name(src.path) for src in sources]
+    counts = {n: names.count(n) for n in names}
+    for i, src in enumerate(sources):
+        parts = _folders(src.path)
+        # a folder above, not the "s3:" of s3://train
+        if not src.name and counts[names[i]] > 1 and len(parts) > 1 and parts[-2][-1:] != ":":
+            names[i] = parts[-2]
+    return names
 
 
 @dataclass(frozen=True)
@@ -751,15 +800,14 @@ def open_mixture(
 ) -> MixtureIndex:
     """Open every source's index (`path`, `weight`, `name` attributes, as `SourceConfig`)
     and check they can be mixed, before any work."""
-    indexes, parts, names = [], [], []
+    indexes, parts = [], []
+    names = source_names(sources)
     first = 0
-    for i, src in enumerate(sources):
+    for i, (src, name) in enumerate(zip(sources, names, strict=True)):
         if not src.path:
             raise MixtureError(f"data.train[{i}].path is empty")
         index = open_index(src.path, storage_options, allow_pipe=allow_pipe)
-        name = src.name or default_name(src.path)
         indexes.append(index)
-        names.append(name)
         sizes = tuple(s.num_samples for s in index.shards)
         parts.append(Source(name, float(src.weight), first, sizes))
         first += len(sizes)

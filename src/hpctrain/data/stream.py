@@ -150,6 +150,7 @@ class ShardStream:
         self.length: int | None = None  # the file's size where the filesystem tells it
         self._proc: subprocess.Popen[bytes] | None = None
         self._seekable = False
+        self._local = False  # a local file: a short read is a truncated file, not a fault
         self._open_at(0)
 
     # -- opening -------------------------------------------------------------------------
@@ -178,7 +179,8 @@ class ShardStream:
         else:
             fs, path = fsspec.core.url_to_fs(url, **self.storage_options)
             self._seekable = True
-            if isinstance(fs, LocalFileSystem):
+            self._local = isinstance(fs, LocalFileSystem)
+            if self._local:
                 # Read, never memory-mapped: a mapped shard truncated while it is read (a
                 # copy in progress, rsync --inplace, a quota) raises SIGBUS in whatever
                 # touches the lost pages (the decoder), which kills the process without a
@@ -257,6 +259,8 @@ class ShardStream:
                 chunk = self._file.read(min(n, MAX_RAW_READ))
                 if not chunk:
                     self._check_eof()
+            except CorruptShardError:
+                raise  # a local file cut short: no retry makes it longer
             except Exception as exc:
                 self._retry(exc)
                 continue
@@ -356,6 +360,12 @@ class ShardStream:
             if code != 0:
                 raise TransientReadError(f"pipe command exited with status {code}")
         if self.size and self.raw_pos < self.size:
+            if self._local:  # a file, not a connection: its end is where it was cut
+                length = os.fstat(self._file.fileno()).st_size  # now, not when opened
+                raise CorruptShardError(
+                    f"truncated: the file holds {length} bytes, the index says "
+                    f"{self.size} (cut short by a copy or a write that did not finish?)"
+                )
             raise TransientReadError(f"body ended at byte {self.raw_pos} of {self.size}")
 
     def available(self) -> int | None:

@@ -214,7 +214,7 @@ def check_task(cfg: Config) -> Check:
     from hpctrain.train.models import check_model_name
 
     try:
-        check_model_name(cfg.task, cfg.model.name)
+        check_model_name(cfg.task, cfg.model.name, cfg.model.image_size)
     except ConfigError as exc:
         return Check("model", False, str(exc))
     return Check("task", True, f"{target} imports")

@@ -24,6 +24,7 @@ __all__ = [
     "UNet",
     "build_classifier",
     "build_segmenter",
+    "check_image_size",
     "check_model_name",
     "flops_per_token",
     "gpt_config",
@@ -35,10 +36,65 @@ CLASSIFIERS: tuple[str, ...] = ("small_cnn", "vit_tiny")
 SEGMENTERS: tuple[str, ...] = ("unet",)
 
 
+# The smallest input each torchvision classifier family takes (found by forward passes of
+# torchvision 0.29, checked by tests/train/test_torchvision_models.py): below it a pooling or
+# convolution window is larger than its feature map and the first step fails. Families not
+# listed take any model.image_size (>= 8); ViTs and MaxViT have their own rule (below).
+MIN_IMAGE_SIZE: dict[str, int] = {
+    "alexnet": 63,
+    "convnext_": 32,
+    "densenet": 29,
+    "googlenet": 15,
+    "inception_v3": 75,
+    "squeezenet1_0": 21,
+    "squeezenet1_1": 17,
+    "vgg": 32,
+}
+MAXVIT_PARTITION = 7  # maxvit_t's window: every block's input must be a multiple of it
+
+
+def _maxvit_block_sizes(image_size: int) -> list[int]:
+    """The input side of each of maxvit_t's 4 blocks: the stem and every block's first layer
+    halve the side (a 3x3 convolution of stride 2 and padding 1), as torchvision's
+    `_make_block_input_shapes`."""
+    side, sizes = (image_size - 1) // 2 + 1, []
+    for _ in range(4):
+        side = (side - 1) // 2 + 1
+        sizes.append(side)
+    return sizes
+
+
+def check_image_size(name: str, image_size: int) -> None:
+    """Refuse a `model.image_size` that torchvision classifier `name` cannot take, before
+    any work (it would fail at the first forward pass, after the queue wait).
+
+    Raises:
+        ConfigError: naming model.name, model.image_size and what the model needs.
+    """
+    where = f"model.name={name}: model.image_size={image_size}"
+    if name.startswith("vit_"):
+        patch = int(name.rsplit("_", 1)[1])  # vit_b_16: 16 px patches
+        if image_size % patch:
+            raise ConfigError(f"{where} must be a multiple of its {patch} px patches")
+    if name.startswith("maxvit_"):
+        sizes = _maxvit_block_sizes(image_size)
+        if any(side % MAXVIT_PARTITION for side in sizes):
+            raise ConfigError(
+                f"{where} gives block inputs of {sizes} px; each must be a multiple of its "
+                f"{MAXVIT_PARTITION} px partitions (e.g. model.image_size 224, 448)"
+            )
+    for prefix, least in MIN_IMAGE_SIZE.items():
+        if name.startswith(prefix) and image_size < least:
+            raise ConfigError(f"{where}: the model needs at least {least} px")
+
+
 def build_classifier(name: str, num_classes: int, image_size: int = 224) -> nn.Module:
     """`small_cnn`, `vit_tiny` or any torchvision classification model, randomly initialised.
 
-    `image_size` matters to ViTs only (their position embeddings have one entry per patch).
+    `image_size` matters to ViTs and MaxViT (their position tables and windows follow the
+    input) and is checked against what the model can take (`check_image_size`). GoogLeNet and
+    Inception v3 are built without their auxiliary heads: a training step reads one logits
+    tensor, and the heads only exist for ImageNet-era training recipes.
     """
     if name == "small_cnn":
         return SmallCNN(num_classes)
@@ -52,11 +108,16 @@ def build_classifier(name: str, num_classes: int, image_size: int = 224) -> nn.M
             f"model.name={name!r}: not small_cnn, vit_tiny nor a torchvision classification "
             "model (e.g. resnet18, resnet50, vit_b_16)"
         )
+    check_image_size(name, image_size)
+    options: dict[str, object] = {}
     if name.startswith("vit_"):
-        return torchvision.models.get_model(
-            name, weights=None, num_classes=num_classes, image_size=image_size
-        )
-    return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+        options["image_size"] = image_size
+    elif name.startswith("maxvit_"):
+        options["input_size"] = (image_size, image_size)
+    elif name in ("googlenet", "inception_v3"):
+        # init_weights=True: their own truncated-normal init (what None picks, with a warning)
+        options.update(aux_logits=False, init_weights=True)
+    return torchvision.models.get_model(name, weights=None, num_classes=num_classes, **options)
 
 
 def build_segmenter(name: str, num_classes: int) -> nn.Module:
@@ -80,9 +141,10 @@ def build_segmenter(name: str, num_classes: int) -> nn.Module:
     )
 
 
-def check_model_name(task: str, name: str) -> None:
+def check_model_name(task: str, name: str, image_size: int | None = None) -> None:
     """Refuse a `model.name` that the built-in `task` cannot build, without building it
     (for `hpctrain preflight`); empty is the task's default. Other tasks are not checked.
+    With `image_size`, a classifier's `model.image_size` is checked too (`check_image_size`).
 
     Raises:
         ConfigError: naming the model and what the task accepts.
@@ -103,3 +165,5 @@ def check_model_name(task: str, name: str) -> None:
         raise ConfigError(
             f"model.name={name!r}: task {task} takes {', '.join(own)} or a torchvision {kind} model"
         )
+    if image_size is not None and task == "image_classification" and name not in own:
+        check_image_size(name, image_size)

@@ -28,6 +28,7 @@ from hpctrain.config import Config, ConfigError
 from hpctrain.data.decode import SampleError
 from hpctrain.data.fieldnames import last_extension
 from hpctrain.data.index import ShardIndex
+from hpctrain.data.mixture import describe
 from hpctrain.train.models import build_classifier
 from hpctrain.train.task import Sample, masked_mean
 from hpctrain.train.tasks.vision import as_rgb, check_scale, find_field, image_field, normalize
@@ -146,13 +147,22 @@ class ImageClassification:
         self.options = cfg.classification
         self.scale = check_scale(cfg.augment.scale_min, cfg.augment.scale_max)
         num_classes = cfg.model.num_classes or len(index.class_names)
-        if num_classes < 2:
+        where = index.base_url or describe(cfg.data.train)
+        if not index.class_names and num_classes < 2:
             raise ConfigError(
-                f"model.num_classes=0: the index {index.base_url or '(pattern)'} names no classes; set model.num_classes"
+                f"model.num_classes={cfg.model.num_classes}: the index {where} names no classes; set "
+                "model.num_classes (a classifier needs at least 2 classes)"
+            )
+        if num_classes < 2:
+            names = ", ".join(repr(c) for c in index.class_names)
+            raise ConfigError(
+                f"model.num_classes={cfg.model.num_classes}: a classifier needs at least 2 classes; the "
+                f"index {where} names {len(index.class_names)} ({names}): add a folder per "
+                "class and convert again"
             )
         if num_classes < len(index.class_names):  # a label would index past the model's output
             raise ConfigError(
-                f"model.num_classes={num_classes}: the index {index.base_url or '(pattern)'} names {len(index.class_names)} classes"
+                f"model.num_classes={num_classes}: the index {where} names {len(index.class_names)} classes"
             )
         self.num_classes = num_classes
         self.class_names = tuple(index.class_names)
