@@ -18,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from hpctrain.launch.profiles import LaunchError
+from hpctrain.train.hangs import newest_dump
 
 # States after which the job will not run again by itself.
 DONE_STATES = frozenset({"COMPLETED"})
@@ -54,6 +55,7 @@ class RunStatus:
     jobs: list[JobRow] = field(default_factory=list)  # every job, requeue and array task
     error_line: str = ""  # the last error line a rank wrote, when one failed
     error_path: str = ""  # the log it is in
+    hangs_path: str = ""  # the newest RUN_DIR/hangs/<time> folder of Python stacks
 
     @property
     def failed(self) -> bool:
@@ -248,6 +250,8 @@ def run_status(run_dir: str, *, num_lines: int = 10) -> RunStatus:
     folder = Path(run_dir)
     record = read_job_record(folder)
     status = RunStatus(run_dir=run_dir, last_step=last_step(folder))
+    dumps = newest_dump(folder)
+    status.hangs_path = str(dumps) if dumps is not None else ""
     if not record.get("job_id"):
         return status
     status.job_id = record["job_id"]
