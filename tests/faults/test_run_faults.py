@@ -7,8 +7,10 @@ the fault from outside, as it happens on a cluster: a signal to one rank or to t
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -192,6 +194,32 @@ def test_a_step_over_step_timeout_s_writes_the_stacks_and_ends_the_run(shapes_sh
     text = (folder / "rank-0.txt").read_text()
     assert "in wait_for_a_file_that_never_comes" in text, text  # where it hung
     assert logged_steps(run_dir) == 2
+
+
+def test_a_straggling_rank_is_named_in_the_metrics_and_the_log(shapes_shards, tmp_path):
+    run_dir = tmp_path / "run"
+    args = train_args(
+        shapes_shards,
+        run_dir,
+        "task=tests.faults.hang_tasks:StragglingImageClassification",
+        "task_options.sleep_s=0.15",
+        "train.max_steps=10",
+        "data.val=",
+    )
+    done = run_hpctrain("train", *args, "--nproc", "2", timeout=240)
+    records = [
+        json.loads(line)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if '"kind": "train"' in line
+    ]
+    assert len(records) == 10
+    slowest = [r["slowest_rank"] for r in records]
+    assert slowest.count(1) >= 0.8 * len(records), slowest
+    assert all(r["compute_time_s_worst"] >= 0.15 for r in records if r["slowest_rank"] == 1)
+    warnings = [line for line in done.stderr.splitlines() if "straggler: rank" in line]
+    # Once per occurrence (a busy machine may cut one in two: H::...once_after_three... pins it).
+    assert 1 <= len(warnings) <= 2, done.stderr[-3000:]
+    assert all(f"straggler: rank 1 on {socket.gethostname()} computes" in w for w in warnings)
 
 
 def test_ranks_and_their_workers_die_with_a_killed_launcher(shapes_shards, tmp_path):

@@ -21,6 +21,7 @@ from hpctrain.train.hangs import (
     newest_dump,
     write_dump,
 )
+from hpctrain.train.metrics import StragglerWatch
 
 GLOO_TIMEOUT = (
     "[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] "
@@ -136,13 +137,32 @@ def test_the_flight_recorder_is_set_unless_the_user_set_it(tmp_path):
     assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "nccl" / "local-29500-rank-")
 
 
-def test_status_points_to_the_dumps(tmp_path, monkeypatch, capsys):
+def test_a_straggler_is_named_once_after_three_slow_logged_steps(caplog, monkeypatch):
+    # Two ranks' host names without two processes (the 2-rank run is in test_run_faults.py).
+    monkeypatch.setattr("hpctrain.train.metrics.all_hostnames", lambda: ["n0", "n1"])
+    watch = StragglerWatch()
+    slow, even = [0.01, 0.05], [0.01, 0.011]  # two ranks: above 1.5x the median is 3x the other
+    with caplog.at_level(logging.WARNING, logger="hpctrain"):
+        fields = [watch.observe(times) for times in (slow, slow, even, slow, slow, slow, slow)]
+    assert [f["slowest_rank"] for f in fields] == [1, 1, 1, 1, 1, 1, 1]
+    assert fields[0]["compute_time_s_worst"] == 0.05
+    assert fields[0]["compute_time_s_median"] == pytest.approx(0.03)
+    warnings = [r.getMessage() for r in caplog.records if "straggler" in r.getMessage()]
+    assert len(warnings) == 1, warnings  # the first two slow steps were cut by an even one
+    assert warnings[0].startswith("straggler: rank 1 on n1 computes 50 ms per step")
+
+
+def test_status_points_to_the_dumps_and_the_last_straggler_line(tmp_path, monkeypatch, capsys):
     from hpctrain.cli.main import main
     from hpctrain.launch import status as status_mod
 
     (tmp_path / "slurm").mkdir()
     (tmp_path / "slurm" / "job_id").write_text("3\n")
-    (tmp_path / "slurm" / "3.out").write_text("step 30 loss 0.1\n")
+    (tmp_path / "slurm" / "3.out").write_text(
+        "12:00:01 [rank 0] WARNING straggler: rank 1 on n1 computes 150 ms per step\n"
+        "12:00:09 [rank 0] WARNING straggler: rank 3 on n2 computes 170 ms per step\n"
+        "step 30 loss 0.1\n"
+    )
     folder = write_dump(tmp_path, 0, "SIGUSR1 received: training goes on")
     # No SLURM cluster in this test: sacct's answers are stand-ins.
     monkeypatch.setattr(status_mod, "query_state", lambda job_id: ("RUNNING", "0:0", 0))
@@ -150,3 +170,4 @@ def test_status_points_to_the_dumps(tmp_path, monkeypatch, capsys):
     assert main(["status", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert f"stacks:    {folder}  (Python stacks of hung ranks; README)" in out
+    assert "straggler: 12:00:09 [rank 0] WARNING straggler: rank 3 on n2 computes 170 ms" in out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -127,6 +128,25 @@ def all_reduce_max(value: float, device: torch.device) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
+
+
+def all_gather_floats(value: float, device: torch.device) -> list[float]:
+    """Every rank's `value`, in rank order (`[value]` without a process group)."""
+    if not dist.is_initialized():
+        return [value]
+    local = torch.tensor([value], dtype=torch.float64, device=device)
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    return [float(t.item()) for t in gathered]
+
+
+def all_hostnames() -> list[str]:
+    """Every rank's host name, in rank order (one all-gather; this host alone without a group)."""
+    if not dist.is_initialized():
+        return [socket.gethostname()]
+    names: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(names, socket.gethostname())
+    return [str(name) for name in names]
 
 
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:

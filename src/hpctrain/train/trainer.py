@@ -332,6 +332,8 @@ class Trainer:
                 with self.precision.autocast():
                     loss, values = self.task.loss(self.model, batch)
                 scaled = loss / accum if accum > 1 else loss
+                if micro == accum - 1:  # up to the first gradient collective: the straggler check
+                    compute_time = time.perf_counter() - start - data_wait
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             # Sums stay on the device: nothing waits for them until a log step.
             detached = loss.detach().float()  # float(): a no-op unless a task returns bf16
@@ -365,6 +367,7 @@ class Trainer:
             step_time=time.perf_counter() - start,
             data_wait=data_wait,
             values=values,
+            compute_time=compute_time,
         )
 
     def clip_and_measure_gradients(self) -> None:
