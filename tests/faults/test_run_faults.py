@@ -7,8 +7,10 @@ the fault from outside, as it happens on a cluster: a signal to one rank or to t
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -135,6 +137,89 @@ def test_stopped_rank_ends_the_job_within_the_collective_timeout(shapes_shards, 
     assert proc.returncode not in (0, None), err[-3000:]
     assert "rank 1 was stopped (hung, not running): killed by the launcher" in err, err[-3000:]
     assert took < 150
+    # Rank 0 wrote where it waited before giving up; its error and the launcher name the folder.
+    (folder,) = (run_dir / "hangs").glob("*Z")
+    text = (folder / "rank-0.txt").read_text()
+    assert "a collective timed out (train.collective_timeout_s=10 s)" in text, text
+    assert "The call that timed out" in text and "trainer.py" in text, text
+    # Waiting in DDP's forward or backward, or in the flags' all-reduce: torch.distributed.
+    assert any(f"in {name}" in text for name in ("train_step", "agree_on_flags")), text
+    assert "site-packages/torch/" in text and "distributed" in text, text
+    assert "Python stacks of all threads" in text, text
+    assert "hang error: a collective waited train.collective_timeout_s=10 s" in err, err[-3000:]
+    launcher_line = err.strip().splitlines()[-1]
+    assert launcher_line.startswith("hpctrain train: rank 0 exited with code 1"), launcher_line
+    assert launcher_line.endswith(f"Python stacks in {folder} (rank-0.txt)"), launcher_line
+
+
+def test_sigusr1_writes_every_ranks_stacks_and_training_goes_on(shapes_shards, tmp_path):
+    run_dir = tmp_path / "run"
+    with training(run_dir, shapes_shards) as proc:
+        os.kill(proc.pid, signal.SIGUSR1)  # the launcher forwards it to every rank
+        folders = lambda: list((run_dir / "hangs").glob("*Z"))  # noqa: E731
+        wait_for(
+            lambda: len(folders()) == 1 and len(list(folders()[0].glob("rank-*.txt"))) == 2,
+            "both ranks' stacks in one folder",
+        )
+        steps = logged_steps(run_dir)
+        wait_for(lambda: logged_steps(run_dir) >= steps + 2, "training to go on")
+        assert proc.poll() is None
+    for rank in (0, 1):
+        text = (folders()[0] / f"rank-{rank}.txt").read_text()
+        assert text.startswith(f"rank {rank} on ") and "SIGUSR1 received" in text, text
+        assert "in fit" in text, text  # the main thread's frames, mid-training
+
+
+def test_a_step_over_step_timeout_s_writes_the_stacks_and_ends_the_run(shapes_shards, tmp_path):
+    run_dir = tmp_path / "run"
+    args = train_args(
+        shapes_shards,
+        run_dir,
+        "task=tests.faults.hang_tasks:StuckImageClassification",
+        "train.max_steps=20",
+        "train.step_timeout_s=3",
+        "data.val=",
+    )
+    started = time.monotonic()
+    done = run_hpctrain("train", *args, check=False, timeout=240)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert time.monotonic() - started < 240
+    (folder,) = (run_dir / "hangs").glob("*Z")
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith(
+        "hpctrain train: hang error: no training step finished within train.step_timeout_s=3 s "
+        "(step 3 ran 3 s)"
+    ), line
+    assert line.endswith(f"Python stacks of every thread in {folder}"), line
+    text = (folder / "rank-0.txt").read_text()
+    assert "in wait_for_a_file_that_never_comes" in text, text  # where it hung
+    assert logged_steps(run_dir) == 2
+
+
+def test_a_straggling_rank_is_named_in_the_metrics_and_the_log(shapes_shards, tmp_path):
+    run_dir = tmp_path / "run"
+    args = train_args(
+        shapes_shards,
+        run_dir,
+        "task=tests.faults.hang_tasks:StragglingImageClassification",
+        "task_options.sleep_s=0.15",
+        "train.max_steps=10",
+        "data.val=",
+    )
+    done = run_hpctrain("train", *args, "--nproc", "2", timeout=240)
+    records = [
+        json.loads(line)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if '"kind": "train"' in line
+    ]
+    assert len(records) == 10
+    slowest = [r["slowest_rank"] for r in records]
+    assert slowest.count(1) >= 0.8 * len(records), slowest
+    assert all(r["compute_time_s_worst"] >= 0.15 for r in records if r["slowest_rank"] == 1)
+    warnings = [line for line in done.stderr.splitlines() if "straggler: rank" in line]
+    # Once per occurrence (a busy machine may cut one in two: H::...once_after_three... pins it).
+    assert 1 <= len(warnings) <= 2, done.stderr[-3000:]
+    assert all(f"straggler: rank 1 on {socket.gethostname()} computes" in w for w in warnings)
 
 
 def test_ranks_and_their_workers_die_with_a_killed_launcher(shapes_shards, tmp_path):

@@ -53,6 +53,10 @@ def run(args: argparse.Namespace) -> int:
         if status.error_line:
             print(f"error:     {status.error_line}")
             print(f"           ({status.error_path})")
+        if status.hangs_path:
+            print(f"stacks:    {status.hangs_path}  (Python stacks of hung ranks; README)")
+        if status.straggler_line:
+            print(f"straggler: {status.straggler_line}")
         if status.log_tail:
             print(f"log:       {status.log_path}")
             for line in status.log_tail:

@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
             forwarded += ["--resume", args.resume]
         if args.overfit_batches:
             forwarded += ["--overfit-batches", str(args.overfit_batches)]
-        return run_local(forwarded, args.nproc)
+        return run_local(forwarded, args.nproc, run_dir=cfg.run_dir)
     from hpctrain.train import run_training
 
     return run_training(cfg)

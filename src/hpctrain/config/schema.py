@@ -238,6 +238,11 @@ class TrainConfig:
         "seconds any collective (training, checkpoint, flags) waits for the other ranks before the job fails; a hung rank then ends the job instead of holding the allocation",
         min=1.0,
     )
+    step_timeout_s: float = _f(
+        0.0,
+        "seconds a training step may take before the rank writes the Python stacks of its threads to RUN_DIR/hangs/ and ends the job (a hang outside collectives: a stuck read, a deadlock); 0 disables",
+        min=0.0,
+    )
     early_stop_patience: int = _f(
         0,
         "stop after N evaluations in a row without a better checkpoint.monitor; 0 disables",

@@ -2,6 +2,8 @@
 
 from hpctrain.dist.env import DistEnv, expand_hostlist, port_from_job_id, resolve_env
 from hpctrain.dist.group import (
+    all_gather_floats,
+    all_hostnames,
     all_reduce_max,
     all_reduce_sum,
     all_reduce_tensors,
@@ -15,6 +17,8 @@ from hpctrain.dist.group import (
 
 __all__ = [
     "DistEnv",
+    "all_gather_floats",
+    "all_hostnames",
     "all_reduce_max",
     "all_reduce_sum",
     "all_reduce_tensors",

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Iterator
+import socket
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -33,17 +35,43 @@ def backend_for(device: torch.device) -> str:
 
 
 DEFAULT_TIMEOUT_S = 600.0  # train.collective_timeout_s
+FLIGHT_RECORDER_ENTRIES = "2000"  # collectives each rank keeps in its ring buffer
+
+
+def flight_recorder_env(environ: Mapping[str, str], hang_dir: Path) -> dict[str, str]:
+    """The NCCL flight recorder's variables the user did not set: record the last
+    collectives, and on a timeout dump them to `hang_dir/nccl/<job>-rank-<R>` (torch adds the
+    rank). `<job>` is the same on every rank of one start and differs between starts (a
+    requeued job keeps its id but not its restart count): `JOBID-RESTARTS-PORT`, or `local-PORT`.
+    Read them with `torchfrtrace HANG_DIR/nccl -p <job>-rank-`."""
+    job = "-".join(
+        environ[name]
+        for name in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "MASTER_PORT")
+        if environ.get(name)
+    )
+    job = job if environ.get("SLURM_JOB_ID") else f"local-{job}"
+    wanted = {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": FLIGHT_RECORDER_ENTRIES,
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(hang_dir / "nccl" / f"{job}-rank-"),
+    }
+    return {name: value for name, value in wanted.items() if name not in environ}
 
 
 def init_process_group(
-    env: DistEnv, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S
+    env: DistEnv,
+    device: torch.device,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    hang_dir: Path | None = None,
 ) -> None:
     """Join the job's process group through `env://` (a no-op for a single process).
 
     `timeout_s` bounds every collective on the group: a rank that waits longer for a peer
     (hung, stopped, or dead without closing its connections) raises instead of holding the
     allocation. Groups made later need it again (`new_cpu_group`): torch gives them its own
-    default (30 min for gloo), not this group's.
+    default (30 min for gloo), not this group's. On GPUs with `hang_dir` (RUN_DIR/hangs),
+    NCCL's flight recorder is switched on unless the user set its variables
+    (`flight_recorder_env`): ProcessGroupNCCL reads them when it is made, here.
     """
     if not env.is_distributed or dist.is_initialized():
         return
@@ -53,6 +81,9 @@ def init_process_group(
     os.environ["WORLD_SIZE"] = str(env.world_size)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        if hang_dir is not None:
+            (hang_dir / "nccl").mkdir(parents=True, exist_ok=True)
+            os.environ.update(flight_recorder_env(os.environ, hang_dir))
     dist.init_process_group(
         backend=backend_for(device),
         init_method="env://",
@@ -77,10 +108,13 @@ def new_cpu_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.ProcessGroup:
 
 @contextmanager
 def process_group(
-    env: DistEnv, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S
+    env: DistEnv,
+    device: torch.device,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    hang_dir: Path | None = None,
 ) -> Iterator[None]:
     """Init on entry, always tear down on exit (also on errors, so no rank lingers)."""
-    init_process_group(env, device, timeout_s)
+    init_process_group(env, device, timeout_s, hang_dir)
     try:
         yield
     finally:
@@ -94,6 +128,25 @@ def all_reduce_max(value: float, device: torch.device) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
+
+
+def all_gather_floats(value: float, device: torch.device) -> list[float]:
+    """Every rank's `value`, in rank order (`[value]` without a process group)."""
+    if not dist.is_initialized():
+        return [value]
+    local = torch.tensor([value], dtype=torch.float64, device=device)
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    return [float(t.item()) for t in gathered]
+
+
+def all_hostnames() -> list[str]:
+    """Every rank's host name, in rank order (one all-gather; this host alone without a group)."""
+    if not dist.is_initialized():
+        return [socket.gethostname()]
+    names: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(names, socket.gethostname())
+    return [str(name) for name in names]
 
 
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:

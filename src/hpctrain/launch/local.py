@@ -11,6 +11,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
+
+from hpctrain.train.hangs import newest_dump
 
 # Set in every rank the launcher starts: the launcher's pid, so the rank dies with it.
 LAUNCHER_PID_ENV = "HPCTRAIN_LAUNCHER_PID"
@@ -74,6 +77,7 @@ def run_local(
     poll_s: float = 0.2,
     grace_s: float = 5.0,
     term_wait_s: float = 30.0,
+    run_dir: str = "",
 ) -> int:
     """Run `python -m hpctrain <verb> <argv>` as `nproc` ranks on this machine.
 
@@ -81,8 +85,9 @@ def run_local(
     local run exercises the same preemption path as a SLURM job. When one rank fails, the
     others get `grace_s` to exit on their own (e.g. after the same save), then SIGTERM, then
     SIGKILL after `term_wait_s`; a stopped rank (hung in SIGSTOP) is killed at once. Failures
-    are reported on stderr, one line naming each rank and how it ended. Ranks die with the
-    launcher, even when it is killed with SIGKILL (`exit_with_launcher`).
+    are reported on stderr, one line naming each rank and how it ended, and the folder of
+    the Python stacks the ranks wrote meanwhile (`run_dir`/hangs, `train.hangs`). Ranks die
+    with the launcher, even when it is killed with SIGKILL (`exit_with_launcher`).
 
     Returns:
         0 when every rank succeeded, the common code when every rank ended with the same
@@ -90,6 +95,7 @@ def run_local(
         failed first, as a shell gives it (128 + N for a rank killed by signal N).
     """
     port = free_port()
+    started = time.time()
     procs: list[subprocess.Popen[bytes]] = []
     for rank in range(nproc):
         env = dict(os.environ)
@@ -142,6 +148,10 @@ def run_local(
     for rank, code in enumerate(final):
         if rank != first_failed and code != 0:
             report.append(notes.get(rank) or describe_exit(rank, code))
+    dumps = newest_dump(Path(run_dir), since=started) if run_dir else None
+    if dumps is not None:
+        ranks = ", ".join(sorted(p.name for p in dumps.glob("rank-*.txt")))
+        report.append(f"Python stacks in {dumps} ({ranks})")
     print(f"hpctrain {verb}: {'; '.join(report)}", file=sys.stderr, flush=True)
     return shell_code(final[first_failed])
 

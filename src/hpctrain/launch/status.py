@@ -18,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from hpctrain.launch.profiles import LaunchError
+from hpctrain.train.hangs import newest_dump
 
 # States after which the job will not run again by itself.
 DONE_STATES = frozenset({"COMPLETED"})
@@ -54,6 +55,8 @@ class RunStatus:
     jobs: list[JobRow] = field(default_factory=list)  # every job, requeue and array task
     error_line: str = ""  # the last error line a rank wrote, when one failed
     error_path: str = ""  # the log it is in
+    hangs_path: str = ""  # the newest RUN_DIR/hangs/<time> folder of Python stacks
+    straggler_line: str = ""  # the last "straggler: rank R on HOST ..." warning of the logs
 
     @property
     def failed(self) -> bool:
@@ -230,6 +233,21 @@ def last_error_line(paths: list[Path]) -> tuple[str, str]:
     return "", ""
 
 
+def last_straggler_line(paths: list[Path]) -> str:
+    """The last straggler warning (`hpctrain.train.metrics.StragglerWatch`) in the newest
+    log that has one."""
+    existing = [p for p in paths if p.is_file()]
+    for path in sorted(existing, key=lambda p: p.stat().st_mtime, reverse=True):
+        found = ""
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for raw in f:
+                if "straggler: rank " in raw:
+                    found = raw.strip()
+        if found:
+            return found
+    return ""
+
+
 def task_logs(run_dir: Path, record: dict[str, str], job_ids: list[str]) -> list[Path]:
     """The logs the jobs of this run folder wrote: submitit's per-task files, the sbatch log."""
     paths: list[Path] = []
@@ -248,14 +266,18 @@ def run_status(run_dir: str, *, num_lines: int = 10) -> RunStatus:
     folder = Path(run_dir)
     record = read_job_record(folder)
     status = RunStatus(run_dir=run_dir, last_step=last_step(folder))
+    dumps = newest_dump(folder)
+    status.hangs_path = str(dumps) if dumps is not None else ""
     if not record.get("job_id"):
         return status
     status.job_id = record["job_id"]
     status.state, status.exit_code, status.requeues = query_state(status.job_id)
     job_ids = recorded_job_ids(folder, record)
     status.jobs = query_jobs(job_ids)
+    logs = task_logs(folder, record, job_ids)
+    status.straggler_line = last_straggler_line(logs)
     if status.failed or any(row.state in FAILED_STATES for row in status.jobs):
-        status.error_line, status.error_path = last_error_line(task_logs(folder, record, job_ids))
+        status.error_line, status.error_path = last_error_line(logs)
     for key in ("stderr", "stdout"):
         lines = tail(Path(record.get(key, "")), num_lines) if record.get(key) else []
         if lines:

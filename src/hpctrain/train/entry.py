@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -50,7 +51,7 @@ def run_training(cfg: Config) -> int:
     # Anomaly detection names the forward op that made a NaN gradient (slow: debug mode only);
     # as a context it is switched off again when an in-process run returns.
     with (
-        process_group(env, device, cfg.train.collective_timeout_s),
+        process_group(env, device, cfg.train.collective_timeout_s, Path(cfg.run_dir) / "hangs"),
         torch.autograd.set_detect_anomaly(cfg.train.debug),
     ):
         trainer = Trainer(cfg, env, device)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hpctrain.config import ConfigError
-from hpctrain.dist import all_reduce_max, all_reduce_sum
+from hpctrain.dist import all_gather_floats, all_hostnames, all_reduce_max, all_reduce_sum
 
 if TYPE_CHECKING:
     from hpctrain.train.trackers import Trackers
@@ -21,10 +22,56 @@ if TYPE_CHECKING:
 log = logging.getLogger("hpctrain")
 
 
+class StragglerWatch:
+    """Names a rank that computes slowly: its compute time per step stays above `ratio` times
+    the median rank's for `patience` logged steps in a row; warned once per such occurrence.
+
+    Every rank gets the same per-rank times (one all-gather), so every rank takes the same
+    decisions here (the host-name gather at a warning is a collective of all ranks).
+    """
+
+    def __init__(self, ratio: float = 1.5, patience: int = 3) -> None:
+        self.ratio, self.patience = ratio, patience
+        self.streak = 0
+        self.hosts: list[str] | None = None
+
+    def observe(self, compute_s: list[float]) -> dict[str, Any]:
+        """Per-rank compute times of one log interval → the record's fields (and the warning)."""
+        median = statistics.median(compute_s)
+        worst = max(compute_s)
+        slowest = compute_s.index(worst)
+        self.streak = self.streak + 1 if worst > self.ratio * median > 0 else 0
+        if self.streak == self.patience:
+            if self.hosts is None:
+                self.hosts = all_hostnames()
+            if is_main_rank():
+                log.warning(
+                    "straggler: rank %d on %s computes %.0f ms per step, %.1fx the median "
+                    "rank's %.0f ms, for %d logged steps in a row",
+                    slowest,
+                    self.hosts[slowest],
+                    worst * 1000,
+                    worst / median,
+                    median * 1000,
+                    self.patience,
+                )
+        return {
+            "compute_time_s_median": median,
+            "compute_time_s_worst": worst,
+            "slowest_rank": slowest,
+        }
+
+
+def is_main_rank() -> bool:
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
 class IntervalMeter:
-    """Sums over the steps since the last log line: step time, data wait, loss, samples."""
+    """Sums over the steps since the last log line: step time, data wait, compute time (this
+    rank's, from the start of a step to its first gradient collective), loss, samples."""
 
     def __init__(self) -> None:
+        self.stragglers = StragglerWatch()
         self.reset()
 
     def reset(self) -> None:
@@ -32,21 +79,30 @@ class IntervalMeter:
         self.samples = 0
         self.step_time = 0.0
         self.data_wait = 0.0
+        self.compute_time = 0.0
         # Tensors, summed on the device: reading them (a sync) happens only at log steps.
         self.sums: dict[str, torch.Tensor] = {}
 
     def add(
-        self, *, samples: int, step_time: float, data_wait: float, values: dict[str, torch.Tensor]
+        self,
+        *,
+        samples: int,
+        step_time: float,
+        data_wait: float,
+        values: dict[str, torch.Tensor],
+        compute_time: float = 0.0,
     ) -> None:
         self.steps += 1
         self.samples += samples
         self.step_time += step_time
         self.data_wait += data_wait
+        self.compute_time += compute_time
         for name, value in values.items():
             self.sums[name] = self.sums[name] + value if name in self.sums else value.clone()
 
     def summarize(self, device: torch.device, world_size: int) -> dict[str, float]:
-        """Reduce over ranks (one all-reduce of sums, one of the worst data wait)."""
+        """Reduce over ranks (one all-reduce of sums, one of the worst data wait, one
+        all-gather of each rank's compute time: the straggler check)."""
         steps = max(1, self.steps)
         local_wait = self.data_wait / self.step_time if self.step_time > 0 else 0.0
         names = sorted(self.sums)
@@ -74,6 +130,7 @@ class IntervalMeter:
                 "data_wait_fraction_worst": min(1.0, worst),
             }
         )
+        out.update(self.stragglers.observe(all_gather_floats(self.compute_time / steps, device)))
         return out
 
 

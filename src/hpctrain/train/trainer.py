@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +27,7 @@ from hpctrain.train.ema import build_ema
 from hpctrain.train.evaluation import evaluate, to_device
 from hpctrain.train.flops import throughput_fields
 from hpctrain.train.gpu_stats import GpuCounters
+from hpctrain.train.hangs import HangWatch
 from hpctrain.train.memory import OOMSnapshots
 from hpctrain.train.metrics import IntervalMeter, MetricMonitor, MetricsWriter, peak_memory_mb
 from hpctrain.train.optim import build_optimizer, build_scheduler
@@ -223,6 +225,13 @@ class Trainer:
             keep_best=cfg.checkpoint.keep_best,
         )
         self.preemption = PreemptionFlag(cfg.checkpoint.signals, cfg.checkpoint.deadline_margin_s)
+        self.hangs = HangWatch(
+            self.run_dir,
+            self.env.rank,
+            step_timeout_s=cfg.train.step_timeout_s,
+            collective_timeout_s=cfg.train.collective_timeout_s,
+            dump_on_usr1=signal.SIGUSR1 not in self.preemption.signals,
+        )
         self.meter = IntervalMeter()
         self.lr = 0.0
         self.grad_norm = torch.zeros(())
@@ -263,9 +272,10 @@ class Trainer:
         self.model.train()
         status = "failed"  # how the run ends, for the trackers
         try:
+            self.hangs.install()  # SIGUSR1 and train.step_timeout_s: stacks in RUN_DIR/hangs
             while self.state.step < self.total_steps:
                 self.profiler.at_step(self.state.step)
-                with self.memory.watch(self.state.step + 1):
+                with self.memory.watch(self.state.step + 1), self.hangs.step(self.state.step + 1):
                     self.train_step(batches)
                 if self.step_boundary(metrics):
                     status = "preempted"
@@ -290,7 +300,11 @@ class Trainer:
                 self.print_summary(final_eval)
             status = "finished"
             return 0
+        except Exception as exc:
+            self.hangs.report_timeout(exc)  # a timed-out collective: dump, name the folder
+            raise
         finally:
+            self.hangs.uninstall()
             self.profiler.close()
             self.memory.close()
             metrics.close(status)
@@ -318,6 +332,8 @@ class Trainer:
                 with self.precision.autocast():
                     loss, values = self.task.loss(self.model, batch)
                 scaled = loss / accum if accum > 1 else loss
+                if micro == accum - 1:  # up to the first gradient collective: the straggler check
+                    compute_time = time.perf_counter() - start - data_wait
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             # Sums stay on the device: nothing waits for them until a log step.
             detached = loss.detach().float()  # float(): a no-op unless a task returns bf16
@@ -351,6 +367,7 @@ class Trainer:
             step_time=time.perf_counter() - start,
             data_wait=data_wait,
             values=values,
+            compute_time=compute_time,
         )
 
     def clip_and_measure_gradients(self) -> None:

@@ -1,0 +1,57 @@
+"""Tasks that hang or straggle on purpose, for the tests of `hpctrain.train.hangs` and of the
+straggler check (`hpctrain.train.metrics.StragglerWatch`)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from hpctrain.config import Config
+from hpctrain.data.index import ShardIndex
+from hpctrain.train.tasks.image_classification import ImageClassification
+
+
+class StragglingImageClassification(ImageClassification):
+    """Rank `task_options.slow_rank` (default 1) computes `task_options.sleep_s` longer per step.
+
+    The sleep comes after the model's forward, where a slow GPU is slow: before it, the slow
+    rank would also hold its peers in DDP's buffer broadcast at the forward's start, and they
+    would measure its sleep as their own compute time.
+    """
+
+    def __init__(self, cfg: Config, index: ShardIndex) -> None:
+        super().__init__(cfg, index)
+        slow = int(cfg.task_options.get("slow_rank", 1)) == int(os.environ.get("RANK", "0"))
+        self.sleep_s = float(cfg.task_options.get("sleep_s", 0.15)) if slow else 0.0
+
+    def loss(
+        self, model: nn.Module, batch: dict[str, Any]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        result = super().loss(model, batch)
+        time.sleep(self.sleep_s)
+        return result
+
+
+class StuckImageClassification(ImageClassification):
+    """Sleeps for an hour in step `task_options.stuck_step` (default 3): a hang outside collectives."""
+
+    def __init__(self, cfg: Config, index: ShardIndex) -> None:
+        super().__init__(cfg, index)
+        self.stuck_step = int(cfg.task_options.get("stuck_step", 3))
+        self.steps = 0
+
+    def loss(
+        self, model: nn.Module, batch: dict[str, Any]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        self.steps += 1
+        if self.steps == self.stuck_step:
+            wait_for_a_file_that_never_comes()
+        return super().loss(model, batch)
+
+
+def wait_for_a_file_that_never_comes() -> None:
+    time.sleep(3600)
