@@ -67,9 +67,52 @@ def test_a_tracker_that_cannot_start_is_named(tmp_path, monkeypatch):
         port = probe.getsockname()[1]
     cfg = make_cfg(tmp_path, f"logging.mlflow=http://127.0.0.1:{port}")
     with pytest.raises(
-        ConfigError, match=f"logging.mlflow=http://127.0.0.1:{port}: cannot start the tracked run"
+        ConfigError, match=f"logging.mlflow=http://127.0.0.1:{port}: no answer from"
     ):
         Trackers.start(cfg, world_size=1)
+
+
+UNANSWERED_SCENARIO = """
+import sys, time
+from hpctrain.config import Config, ConfigError, with_overrides
+from hpctrain.train.trackers import Trackers
+
+cfg = with_overrides(Config(), [f"run_dir={sys.argv[1]}", sys.argv[2]])
+began = time.monotonic()
+try:
+    Trackers.start(cfg, world_size=1, resumed=False)
+except ConfigError as exc:
+    print(f"{time.monotonic() - began:.1f}", exc, sep="\\t")
+"""
+
+
+@pytest.mark.parametrize("tracker", ["mlflow", "wandb"])
+def test_a_server_that_does_not_answer_fails_in_seconds_naming_it(tmp_path, tracker):
+    """Issue 32: MLflow's HTTP retries took 4 minutes on a closed port (W&B waits 90 s)."""
+    with socket.socket() as probe:  # a loopback port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://someone:s3cret@127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "WANDB_"))}
+    env.update(PYTHONPATH=str(REPO / "src"), MLFLOW_DISABLE_TELEMETRY="true")
+    if tracker == "mlflow":
+        override = f"logging.mlflow={url}"
+    else:
+        override = "logging.wandb=online"
+        env.update(WANDB_BASE_URL=url, WANDB_API_KEY="0" * 40, WANDB_DIR=str(tmp_path))
+    done = subprocess.run(
+        [sys.executable, "-c", UNANSWERED_SCENARIO, str(tmp_path / "run"), override],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=tmp_path,
+    )
+    seconds, _, message = done.stdout.strip().partition("\t")
+    assert message, (done.stdout, done.stderr[-2000:])
+    assert float(seconds) < 15, message
+    assert f"logging.{tracker}=" in message and f"no answer from http://127.0.0.1:{port}" in message
+    assert "s3cret" not in done.stdout + done.stderr and "\n" not in message
 
 
 def test_run_params_name_the_code_and_the_job(tmp_path, monkeypatch):
