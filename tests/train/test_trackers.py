@@ -247,6 +247,36 @@ def test_mlflow_local_store_one_run_across_starts(tmp_path, monkeypatch):
     assert (run_dir / "mlflow" / "mlflow.db").is_file()
 
 
+def test_mlflow_file_store_follows_mlflows_rule(tmp_path, monkeypatch):
+    """Issue 32: `./mlruns` was refused even with MLFLOW_ALLOW_FILE_STORE=true."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    monkeypatch.chdir(tmp_path)
+    cfg = make_cfg(tmp_path / "run", "logging.mlflow=./mlruns", "logging.project=shapes")
+    for refused in (None, "false", "0"):  # MLflow 3 refuses its file store unless told
+        if refused is None:
+            monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+        else:
+            monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", refused)
+        with pytest.raises(ConfigError, match="needs MLFLOW_ALLOW_FILE_STORE=true"):
+            check_trackers(cfg.logging)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "yes")
+    with pytest.raises(ConfigError, match="MLFLOW_ALLOW_FILE_STORE='yes': must be true, false"):
+        check_trackers(cfg.logging)
+    for allowed in ("1", "TRUE"):
+        monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", allowed)
+        check_trackers(cfg.logging)
+    (tmp_path / "run").mkdir()
+    run = Trackers.start(cfg, world_size=1)
+    run.log(train_record(1, 0.5))
+    run.close("finished")
+    client = MlflowClient(tracking_uri="./mlruns")
+    history = client.get_metric_history(run.state["mlflow_run_id"], "loss")
+    assert [(m.step, m.value) for m in history] == [(1, 0.5)]
+    assert (tmp_path / "mlruns").is_dir()
+
+
 # ------------------------------------------------------------------------------ W&B offline
 @pytest.fixture
 def network_trap() -> Iterator[tuple[str, list[bytes]]]:

@@ -71,15 +71,36 @@ def requirements(cfg: LoggingConfig) -> list[tuple[str, str, str]]:
 
 def check_trackers(cfg: LoggingConfig) -> None:
     """Fail before any work when a tracker is on but its package is missing, or
-    `logging.mlflow` is neither off, local nor a URI (ConfigError)."""
-    if cfg.mlflow not in ("off", MLFLOW_LOCAL) and not _URI.match(cfg.mlflow):
+    `logging.mlflow` is neither off, local, a URI nor a file store MLflow allows
+    (ConfigError)."""
+    file_store = cfg.mlflow not in ("off", MLFLOW_LOCAL) and _is_file_store(cfg.mlflow)
+    if file_store and not file_store_allowed():
         raise ConfigError(
             f"logging.mlflow={cfg.mlflow!r}: must be off, local or a tracking URI "
-            "(sqlite:///path/mlflow.db, http://host:5000)"
+            "(sqlite:///path/mlflow.db, http://host:5000); a folder (MLflow's file store, "
+            "./mlruns) needs MLFLOW_ALLOW_FILE_STORE=true, as MLflow 3 does"
         )
     for key, module, pip in requirements(cfg):
         if importlib.util.find_spec(module) is None:
             raise ConfigError(f"{key} needs the {module} package: {pip} (or set it to off)")
+
+
+def _is_file_store(uri: str) -> bool:
+    """A folder or a `file:` URI: MLflow's file store (its `""` and `file` schemes)."""
+    return uri.startswith("file:") or not _URI.match(uri)
+
+
+def file_store_allowed() -> bool:
+    """MLflow's rule for its file store: `MLFLOW_ALLOW_FILE_STORE` is true or 1 (in any case);
+    false, 0 or unset refuse it; another value is an error, as MLflow makes it."""
+    value = os.environ.get("MLFLOW_ALLOW_FILE_STORE")
+    if value is None:
+        return False
+    if value.lower() not in ("true", "false", "1", "0"):
+        raise ConfigError(
+            f"MLFLOW_ALLOW_FILE_STORE={value!r}: must be true, false, 1 or 0 (MLflow's rule)"
+        )
+    return value.lower() in ("true", "1")
 
 
 def _is_sqlite(uri: str) -> bool:
