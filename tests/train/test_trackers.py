@@ -115,6 +115,31 @@ def test_a_server_that_does_not_answer_fails_in_seconds_naming_it(tmp_path, trac
     assert "s3cret" not in done.stdout + done.stderr and "\n" not in message
 
 
+def test_a_server_that_answers_is_left_to_the_client():
+    """Any answer counts, a TLS handshake the probe cannot verify included: the tracker's
+    client has its own certificate settings (MLFLOW_TRACKING_SERVER_CERT_PATH, ...)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(4)
+
+    def answer() -> None:
+        for reply in (b"HTTP/1.0 404 Not Found\r\nContent-Length: 0\r\n\r\n", b"not TLS\r\n"):
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(4096)
+                conn.sendall(reply)
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    port = server.getsockname()[1]
+    try:
+        trackers.check_server("logging.mlflow=x", f"http://127.0.0.1:{port}")  # a 404
+        trackers.check_server("logging.mlflow=x", f"https://127.0.0.1:{port}")  # not TLS
+    finally:
+        thread.join(timeout=10)
+        server.close()
+
+
 def test_run_params_name_the_code_and_the_job(tmp_path, monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "81234")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "2")

@@ -29,6 +29,7 @@ import logging
 import math
 import os
 import re
+import ssl
 import subprocess
 import time
 import urllib.error
@@ -139,6 +140,8 @@ def check_server(key: str, url: str, timeout_s: float = SERVER_TIMEOUT_S) -> Non
         return
     except (OSError, ValueError) as exc:  # URLError, a timeout, a refused or reset connection
         reason = getattr(exc, "reason", None) or exc
+        if isinstance(reason, ssl.SSLError):
+            return  # a server answered; its certificate is for the client's settings to judge
         raise ConfigError(
             f"{key}: no answer from {shown_url(url)} within {timeout_s:g} s ({reason}); "
             "is the server running, and can this node reach it? (compute nodes often cannot)"
