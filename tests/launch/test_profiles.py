@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from hpctrain.config import Config, with_overrides
@@ -37,11 +39,45 @@ def test_jean_zay_profiles_hold_the_idris_facts() -> None:
     assert a100.partitions["gpu_p5"].gpus_per_node == 8
     assert h100.partitions["gpu_p6"].constraint == "h100"
     assert h100.partitions["gpu_p6"].gpus_per_node == 4
-    assert "qos_gpu-t4" not in a100.qos_max_minutes  # A100 has no t4
     assert v100.qos_max_minutes == {"qos_gpu-t3": 1200, "qos_gpu-t4": 6000, "qos_gpu-dev": 120}
     assert "bf16" not in v100.precisions and "bf16" in a100.precisions
     assert {p.account_suffix for p in (v100, a100, h100)} == {"@v100", "@a100", "@h100"}
     assert all(p.hint == "nomultithread" for p in (v100, a100, h100))
+
+
+# The site's QoS names per partition (issue 29: the A100 and H100 profiles once carried the V100
+# names, and every job they gave was rejected). Sources are in each profile's comments;
+# preflight's live `sacctmgr` check stays the final word.
+JEAN_ZAY_QOS = {
+    "jean-zay-v100": ("qos_gpu-t3", {"qos_gpu-t3": 1200, "qos_gpu-t4": 6000, "qos_gpu-dev": 120}),
+    "jean-zay-a100": ("qos_gpu_a100-t3", {"qos_gpu_a100-t3": 1200, "qos_gpu_a100-dev": 120}),
+    "jean-zay-h100": (
+        "qos_gpu_h100-t3",
+        {"qos_gpu_h100-t3": 1200, "qos_gpu_h100-t4": 6000, "qos_gpu_h100-dev": 120},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(JEAN_ZAY_QOS))
+def test_jean_zay_profiles_carry_the_sites_qos_names(name: str) -> None:
+    default, limits = JEAN_ZAY_QOS[name]
+    profile = load_profile(name)
+    assert profile.qos_max_minutes == limits
+    assert profile.default_qos == default
+    assert all(set(p.qos) <= set(limits) for p in profile.partitions.values())
+    job = job_for(name)
+    assert job.qos == default and job.time_minutes <= limits[default]
+    for qos, minutes in limits.items():  # each QoS takes its own limit, and not a minute more
+        assert job_for(name, f"slurm.qos={qos}", f"slurm.time={minutes}").qos == qos
+        with pytest.raises(LaunchError, match=f"above the {qos} limit"):
+            job_for(name, f"slurm.qos={qos}", f"slurm.time={minutes + 1}")
+
+
+def test_jean_zay_profiles_cite_their_sources() -> None:
+    for name in JEAN_ZAY_QOS:
+        text = Path(load_profile(name).source).read_text()
+        assert "Sources of each fact" in text and "idris.fr" in text
+        assert "NOT CONFIRMED" in text  # what no public source showed is marked as such
 
 
 def test_overrides_replace_profile_values() -> None:
@@ -66,9 +102,18 @@ def test_overrides_replace_profile_values() -> None:
 @pytest.mark.parametrize(
     ("profile", "overrides", "expected"),
     [
-        ("jean-zay-a100", ["slurm.time='30:00:00'"], "above the qos_gpu-t3 limit of 20:00:00"),
+        (
+            "jean-zay-a100",
+            ["slurm.time='30:00:00'"],
+            "above the qos_gpu_a100-t3 limit of 20:00:00",
+        ),
         ("jean-zay-v100", ["slurm.qos=qos_gpu-dev", "slurm.time=180"], "qos_gpu-dev ≤ 02:00:00"),
-        ("jean-zay-a100", ["slurm.qos=qos_gpu-t4"], "allows qos_gpu-t3, qos_gpu-dev"),
+        (
+            "jean-zay-a100",
+            ["slurm.qos=qos_gpu_a100-t4"],
+            "allows qos_gpu_a100-t3, qos_gpu_a100-dev",
+        ),
+        ("jean-zay-h100", ["slurm.qos=qos_gpu-t3"], "allows qos_gpu_h100-t3, qos_gpu_h100-t4"),
         ("jean-zay-h100", ["slurm.gpus_per_node=8"], "allowed: 1-4"),
         ("jean-zay-v100", ["train.precision=bf16"], "allowed: auto, fp32, fp16"),
         ("jean-zay-a100", ["slurm.account=abc@v100"], "<project>@a100"),

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,3 +62,36 @@ def test_bad_profile_settings_are_named(tmp_path):
             parse_steps(text)
     with pytest.raises(ConfigError, match=r"profile.ranks=\[2\]: the run has 2 rank\(s\), 0..1"):
         StepProfiler("1-2", [2], rank=0, world_size=2, run_dir=tmp_path, device=torch.device("cpu"))
+
+
+CPU_ONLY_SCENARIO = """
+import sys
+from pathlib import Path
+import torch
+from hpctrain.train.profiling import StepProfiler
+
+profiler = StepProfiler("1-2", [], rank=0, world_size=1, run_dir=Path(sys.argv[1]),
+                        device=torch.device("cpu"))
+model = torch.nn.Linear(8, 8)
+for done in range(3):
+    profiler.at_step(done)
+    model(torch.randn(4, 8)).sum().backward()
+profiler.close()
+"""
+
+
+def test_profiling_without_a_gpu_prints_no_alarming_error(tmp_path):
+    """Issue 32: torch's profiler logged `ERROR: ... gpuGetDeviceCount failed` on CPU-only
+    machines. A fresh process: Kineto reads its log level once, at its first use."""
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(Path(__file__).parents[2] / "src"))
+    done = subprocess.run(
+        [sys.executable, "-c", CPU_ONLY_SCENARIO, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "gpuGetDeviceCount" not in done.stderr and "ERROR" not in done.stderr, done.stderr
+    assert "aten::" in (tmp_path / "profile" / "rank-0.steps-1-2.pt.trace.json").read_text()

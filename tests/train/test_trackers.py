@@ -67,9 +67,77 @@ def test_a_tracker_that_cannot_start_is_named(tmp_path, monkeypatch):
         port = probe.getsockname()[1]
     cfg = make_cfg(tmp_path, f"logging.mlflow=http://127.0.0.1:{port}")
     with pytest.raises(
-        ConfigError, match=f"logging.mlflow=http://127.0.0.1:{port}: cannot start the tracked run"
+        ConfigError, match=f"logging.mlflow=http://127.0.0.1:{port}: no answer from"
     ):
         Trackers.start(cfg, world_size=1)
+
+
+UNANSWERED_SCENARIO = """
+import sys, time
+from hpctrain.config import Config, ConfigError, with_overrides
+from hpctrain.train.trackers import Trackers
+
+cfg = with_overrides(Config(), [f"run_dir={sys.argv[1]}", sys.argv[2]])
+began = time.monotonic()
+try:
+    Trackers.start(cfg, world_size=1, resumed=False)
+except ConfigError as exc:
+    print(f"{time.monotonic() - began:.1f}", exc, sep="\\t")
+"""
+
+
+@pytest.mark.parametrize("tracker", ["mlflow", "wandb"])
+def test_a_server_that_does_not_answer_fails_in_seconds_naming_it(tmp_path, tracker):
+    """Issue 32: MLflow's HTTP retries took 4 minutes on a closed port (W&B waits 90 s)."""
+    with socket.socket() as probe:  # a loopback port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://someone:s3cret@127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "WANDB_"))}
+    env.update(PYTHONPATH=str(REPO / "src"), MLFLOW_DISABLE_TELEMETRY="true")
+    if tracker == "mlflow":
+        override = f"logging.mlflow={url}"
+    else:
+        override = "logging.wandb=online"
+        env.update(WANDB_BASE_URL=url, WANDB_API_KEY="0" * 40, WANDB_DIR=str(tmp_path))
+    done = subprocess.run(
+        [sys.executable, "-c", UNANSWERED_SCENARIO, str(tmp_path / "run"), override],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=tmp_path,
+    )
+    seconds, _, message = done.stdout.strip().partition("\t")
+    assert message, (done.stdout, done.stderr[-2000:])
+    assert float(seconds) < 15, message
+    assert f"logging.{tracker}=" in message and f"no answer from http://127.0.0.1:{port}" in message
+    assert "s3cret" not in done.stdout + done.stderr and "\n" not in message
+
+
+def test_a_server_that_answers_is_left_to_the_client():
+    """Any answer counts, a TLS handshake the probe cannot verify included: the tracker's
+    client has its own certificate settings (MLFLOW_TRACKING_SERVER_CERT_PATH, ...)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(4)
+
+    def answer() -> None:
+        for reply in (b"HTTP/1.0 404 Not Found\r\nContent-Length: 0\r\n\r\n", b"not TLS\r\n"):
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(4096)
+                conn.sendall(reply)
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    port = server.getsockname()[1]
+    try:
+        trackers.check_server("logging.mlflow=x", f"http://127.0.0.1:{port}")  # a 404
+        trackers.check_server("logging.mlflow=x", f"https://127.0.0.1:{port}")  # not TLS
+    finally:
+        thread.join(timeout=10)
+        server.close()
 
 
 def test_run_params_name_the_code_and_the_job(tmp_path, monkeypatch):
@@ -202,6 +270,36 @@ def test_mlflow_local_store_one_run_across_starts(tmp_path, monkeypatch):
     assert sorted(accuracy) == [(3, 0.5), (4, 0.75)]
     assert "note" not in run.data.metrics and "kind" not in run.data.metrics
     assert (run_dir / "mlflow" / "mlflow.db").is_file()
+
+
+def test_mlflow_file_store_follows_mlflows_rule(tmp_path, monkeypatch):
+    """Issue 32: `./mlruns` was refused even with MLFLOW_ALLOW_FILE_STORE=true."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    monkeypatch.chdir(tmp_path)
+    cfg = make_cfg(tmp_path / "run", "logging.mlflow=./mlruns", "logging.project=shapes")
+    for refused in (None, "false", "0"):  # MLflow 3 refuses its file store unless told
+        if refused is None:
+            monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+        else:
+            monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", refused)
+        with pytest.raises(ConfigError, match="needs MLFLOW_ALLOW_FILE_STORE=true"):
+            check_trackers(cfg.logging)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "yes")
+    with pytest.raises(ConfigError, match="MLFLOW_ALLOW_FILE_STORE='yes': must be true, false"):
+        check_trackers(cfg.logging)
+    for allowed in ("1", "TRUE"):
+        monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", allowed)
+        check_trackers(cfg.logging)
+    (tmp_path / "run").mkdir()
+    run = Trackers.start(cfg, world_size=1)
+    run.log(train_record(1, 0.5))
+    run.close("finished")
+    client = MlflowClient(tracking_uri="./mlruns")
+    history = client.get_metric_history(run.state["mlflow_run_id"], "loss")
+    assert [(m.step, m.value) for m in history] == [(1, 0.5)]
+    assert (tmp_path / "mlruns").is_dir()
 
 
 # ------------------------------------------------------------------------------ W&B offline

@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 
 LOCK_NAME = ".lock"
 _READ_ONLY = (errno.EACCES, errno.EPERM, errno.EROFS)
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 LEASE_S = 120.0
 SETTLE_S = 1.0
 
@@ -182,6 +183,14 @@ class RunLock:
             except PermissionError as exc:  # an object store that lets this user only read
                 self._unlocked(exc)
                 return
+            except OSError as exc:
+                if exc.errno in _NO_SPACE:  # a full disk, not another run: say which
+                    raise OSError(
+                        exc.errno,
+                        f"{os.strerror(exc.errno)}: cannot write the run lock record "
+                        f"{self.path} (the file system is full, not locked by another run)",
+                    ) from exc
+                raise
             if not flock_granted:  # another run may have written its record at the same time
                 time.sleep(self.settle_s)
                 record = self._read()

@@ -540,6 +540,7 @@ class CheckpointManager:
                 self._commit(step, manifest, writer)
                 self._pending.set_result(None)
             except (Exception, CheckpointException) as exc:
+                self._discard_failed(tmp)
                 self._pending.set_exception(exc)
             self._pending_where = where
             self.wait()
@@ -745,8 +746,34 @@ class CheckpointManager:
     def _finish_async(
         self, upload: Future[Any], step: int, manifest: dict[str, Any], writer: Any
     ) -> None:
-        upload.result()
-        self._commit(step, manifest, writer)
+        try:
+            upload.result()
+            self._commit(step, manifest, writer)
+        except BaseException:
+            self._discard_failed(f"{TMP_PREFIX}{step}")
+            raise
+
+    def _discard_failed(self, tmp: str) -> None:
+        """Rank 0: remove the temporary folder of a save that failed, lock still held.
+
+        DCP reports a failed write on rank 0 only once every rank's write returned, and a
+        writer returns only once none of its threads writes any more (storage.py): nothing
+        writes into `tmp` now. Left in place, a save that filled the disk would keep it full,
+        and the next start could not even write its run lock. Committed folders are never
+        touched: `tmp` is gone once its commit renamed it.
+        """
+        if self._rank != 0:
+            return
+        try:
+            if self._store.exists(tmp):
+                self._store.rmtree(tmp)
+                log.warning("removed %s of the failed save", self._store.path(tmp))
+        except OSError as exc:
+            log.warning(
+                "could not remove %s of the failed save (%s); the next start removes it",
+                self._store.path(tmp),
+                exc.strerror or exc,
+            )
 
     def _commit(self, step: int, manifest: dict[str, Any], writer: Any) -> None:
         """Rank 0: manifest, fsync, rename, `latest`, retention (see the module docstring)."""

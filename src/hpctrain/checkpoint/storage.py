@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import io
 import os
 import shutil
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -170,27 +172,54 @@ class _ChecksumTransforms(_StorageWriterTransforms):
 
 
 class _ErrorRecordingFileSystem:
-    """DCP's file system, remembering every error raised while a stream is open.
+    """DCP's file system, remembering every error raised while a stream is open, and able to
+    tell when no writer thread writes any more.
 
     DCP's extra writer threads only print their exception and return no results; without
-    this, a save whose second thread hit a full disk would look complete.
+    this, a save whose second thread hit a full disk would look complete. And when DCP's own
+    thread fails, DCP returns without joining the others: they may still be writing into the
+    save's folder (on a full disk, filling what the removal of that folder frees). After an
+    error no new file is opened, and `stop_writing` returns once every open one is closed.
     """
 
     def __init__(self, fs: Any, errors: list[BaseException]) -> None:
         self._fs = fs
         self._errors = errors
+        self._streams = threading.Condition()
+        self._open = 0
+        self._stopped = False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._fs, name)
 
+    def start_writing(self) -> None:
+        with self._streams:
+            self._stopped = False
+
+    def stop_writing(self) -> None:
+        """Refuse new files; return once no writer thread has a file open."""
+        with self._streams:
+            self._stopped = True
+            self._streams.wait_for(lambda: self._open == 0)
+
     @contextlib.contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        with self._streams:
+            if self._stopped:  # another writer failed: this save is lost, write nothing more
+                raise OSError(errno.ECANCELED, f"{path}: not written, another writer failed")
+            self._open += 1
         try:
             with self._fs.create_stream(path, mode) as stream:
                 yield stream
         except BaseException as exc:
+            with self._streams:
+                self._stopped = True
             self._errors.append(exc)
             raise
+        finally:
+            with self._streams:
+                self._open -= 1
+                self._streams.notify_all()
 
 
 class ChecksumWriter:
@@ -216,9 +245,19 @@ class ChecksumWriter:
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         self._item_crcs.clear()
         self._errors.clear()
-        results = super().write_data(plan, planner).wait()  # type: ignore[misc]
+        self.fs.start_writing()
+        failure: BaseException | None = None
+        try:
+            results = super().write_data(plan, planner).wait()  # type: ignore[misc]
+        except BaseException as exc:
+            self.fs.stop_writing()  # the caller may remove the folder once this returns
+            failure = exc
         if self._errors:
-            raise self._errors[0]
+            failure = self._errors[0]  # the first failure, not a writer refused after it
+        if failure is not None:
+            # Raised here, not in the `except`: that would replace the `__context__` of the
+            # first failure, where the OS error behind torch.save's RuntimeError is.
+            raise failure
         if len(results) != len(plan.items):
             raise OSError(f"DCP wrote {len(results)} of {len(plan.items)} items (a writer failed)")
         if self.compute_checksums:

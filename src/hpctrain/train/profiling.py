@@ -10,6 +10,7 @@ steps no profiler runs. A run resumed inside the range records the steps left of
 from __future__ import annotations
 
 import logging
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,13 @@ class StepProfiler:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if self.device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
+            if not torch.cuda.is_available():
+                # Kineto (torch's profiler library) asks the CUDA driver for its devices when
+                # it collects a trace, also of CPU activity only, and logs "ERROR: ...
+                # gpuGetDeviceCount failed" where there is none: harmless, and alarming.
+                # Level 5 hides its messages up to ERROR (read at its first use in the
+                # process); a KINETO_LOG_LEVEL of the user's own wins.
+                os.environ.setdefault("KINETO_LOG_LEVEL", "5")
             self.profiler = torch.profiler.profile(activities=activities, record_shapes=True)
             self.profiler.start()
             self.first_step = done + 1

@@ -29,8 +29,12 @@ import logging
 import math
 import os
 import re
+import ssl
 import subprocess
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar
@@ -45,6 +49,7 @@ log = logging.getLogger("hpctrain")
 TRACKING_FILE = "tracking.json"
 _URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")  # a scheme: sqlite:, http:, databricks:...
 MLFLOW_LOCAL = "local"
+SERVER_TIMEOUT_S = 5.0  # how long a tracker's server may take to answer at the start
 # Run parameters that may differ between the starts of one run (a requeue, another world
 # size after a resume): MLflow params cannot change, so these go to tags there.
 PER_START_KEYS = ("slurm_job_id", "slurm_restart_count", "world_size", "start")
@@ -67,15 +72,36 @@ def requirements(cfg: LoggingConfig) -> list[tuple[str, str, str]]:
 
 def check_trackers(cfg: LoggingConfig) -> None:
     """Fail before any work when a tracker is on but its package is missing, or
-    `logging.mlflow` is neither off, local nor a URI (ConfigError)."""
-    if cfg.mlflow not in ("off", MLFLOW_LOCAL) and not _URI.match(cfg.mlflow):
+    `logging.mlflow` is neither off, local, a URI nor a file store MLflow allows
+    (ConfigError)."""
+    file_store = cfg.mlflow not in ("off", MLFLOW_LOCAL) and _is_file_store(cfg.mlflow)
+    if file_store and not file_store_allowed():
         raise ConfigError(
             f"logging.mlflow={cfg.mlflow!r}: must be off, local or a tracking URI "
-            "(sqlite:///path/mlflow.db, http://host:5000)"
+            "(sqlite:///path/mlflow.db, http://host:5000); a folder (MLflow's file store, "
+            "./mlruns) needs MLFLOW_ALLOW_FILE_STORE=true, as MLflow 3 does"
         )
     for key, module, pip in requirements(cfg):
         if importlib.util.find_spec(module) is None:
             raise ConfigError(f"{key} needs the {module} package: {pip} (or set it to off)")
+
+
+def _is_file_store(uri: str) -> bool:
+    """A folder or a `file:` URI: MLflow's file store (its `""` and `file` schemes)."""
+    return uri.startswith("file:") or not _URI.match(uri)
+
+
+def file_store_allowed() -> bool:
+    """MLflow's rule for its file store: `MLFLOW_ALLOW_FILE_STORE` is true or 1 (in any case);
+    false, 0 or unset refuse it; another value is an error, as MLflow makes it."""
+    value = os.environ.get("MLFLOW_ALLOW_FILE_STORE")
+    if value is None:
+        return False
+    if value.lower() not in ("true", "false", "1", "0"):
+        raise ConfigError(
+            f"MLFLOW_ALLOW_FILE_STORE={value!r}: must be true, false, 1 or 0 (MLflow's rule)"
+        )
+    return value.lower() in ("true", "1")
 
 
 def _is_sqlite(uri: str) -> bool:
@@ -87,6 +113,39 @@ def mlflow_uri(cfg: LoggingConfig, run_dir: Path) -> str:
     if cfg.mlflow == MLFLOW_LOCAL:
         return f"sqlite:///{(run_dir / 'mlflow' / 'mlflow.db').resolve()}"
     return cfg.mlflow
+
+
+def shown_url(url: str) -> str:
+    """`url` without the user and password it may carry (`https://user:token@host`)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+def check_server(key: str, url: str, timeout_s: float = SERVER_TIMEOUT_S) -> None:
+    """Fail within about `timeout_s` with one line (a ConfigError naming `key` and `url`,
+    without credentials) when nothing answers HTTP at `url`.
+
+    The trackers' own clients retry for minutes (MLflow's backoff took 4 min on a closed
+    port, W&B waits 90 s): minutes of a GPU allocation before the run could say why. Any HTTP
+    answer, an error status included, is a server: the tracker's client says the rest.
+    """
+    request = urllib.request.Request(url, method="GET")
+    try:
+        urllib.request.urlopen(request, timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return
+    except (OSError, ValueError) as exc:  # URLError, a timeout, a refused or reset connection
+        reason = getattr(exc, "reason", None) or exc
+        if isinstance(reason, ssl.SSLError):
+            return  # a server answered; its certificate is for the client's settings to judge
+        raise ConfigError(
+            f"{key}: no answer from {shown_url(url)} within {timeout_s:g} s ({reason}); "
+            "is the server running, and can this node reach it? (compute nodes often cannot)"
+        ) from None
 
 
 # ------------------------------------------------------------------------- run parameters
@@ -196,6 +255,10 @@ class WandbTracker:
         if mode == "offline":
             os.environ["WANDB_ERROR_REPORTING"] = "false"  # no Sentry reports from offline nodes
         import wandb
+
+        if mode == "online":
+            base_url = os.environ.get("WANDB_BASE_URL") or wandb.Settings().base_url
+            check_server(f"logging.wandb={cfg.wandb}", base_url)
 
         self.run = wandb.init(
             dir=str(run_dir),
@@ -394,9 +457,11 @@ class Trackers:
         if cfg.logging.mlflow != "off":
             uri = mlflow_uri(cfg.logging, run_dir)
             run_id = state.get("mlflow_run_id") if state.get("mlflow_uri") == uri else None
+            key = f"logging.mlflow={shown_url(cfg.logging.mlflow)}"
+            if uri.startswith(("http://", "https://")):
+                check_server(key, uri)
             mlflow_run = _started(
-                f"logging.mlflow={cfg.logging.mlflow}",
-                lambda: MlflowTracker(run_dir, cfg.logging, run_id, name, params),
+                key, lambda: MlflowTracker(run_dir, cfg.logging, run_id, name, params)
             )
             trackers["mlflow"] = mlflow_run
             state["mlflow_run_id"], state["mlflow_uri"] = mlflow_run.id, uri
