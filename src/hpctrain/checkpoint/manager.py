@@ -9,7 +9,8 @@ Layout of a checkpoint root (`checkpoint.dir`, default `RUN_DIR/checkpoints`):
     best                 "step-<N>": the best by `checkpoint.monitor` (with `keep_best`)
     .tmp-step-<N>/       a save in progress (or killed); never loaded, removed on restart
     .damaged-step-<N>/   a checkpoint that failed verification when an older one was loaded
-    .abandoned-step-<N>/ a checkpoint past the step a run resumed from (e.g. a rollback)
+    .abandoned-step-<N>/ a checkpoint past the step a run resumed from (e.g. a rollback), or
+                         an earlier run's, set aside by a start with `--resume none`
     .lock                the run lock (lock.py): one run at a time owns the root
 
 Commit protocol (rank 0, after every rank's DCP write returned, which DCP reports only once
@@ -611,6 +612,9 @@ class CheckpointManager:
         """
         self.wait()
         if which == "none":
+            if self._rank == 0:
+                self._set_aside_all()
+            self._broadcast(None)  # no rank saves before rank 0 has set them aside
             return None
         skip: set[str] = set()  # rank 0: checkpoints found damaged while reading
         while True:
@@ -957,6 +961,23 @@ class CheckpointManager:
         if newer and self.keep_best:  # `best` may name one of them
             self._scores.clear()
             self._point_best(self._read_scores(committed_steps(self._store)))
+
+    def _set_aside_all(self) -> None:
+        """Rank 0, `--resume none`: set aside every committed step of the root (an earlier
+        run's), so that this run's steps and `latest` are its own only.
+
+        Left in place, an old `step-<N>` would turn this run's save of step N into a no-op,
+        and `latest` would bring the old run back on the next automatic resume. The pointers
+        are removed: the folders they name are set aside, kept under their new names.
+        """
+        steps = committed_steps(self._store)
+        if not steps:
+            return
+        self._set_aside(steps, ABANDONED_PREFIX, "an earlier run's: --resume none starts over")
+        for pointer in (LATEST_NAME, BEST_NAME):
+            if self._store.exists(pointer):
+                self._store.rmtree(pointer)
+        self._scores.clear()
 
     def _prepare_per_rank(self, states: dict[str, Any], saved_world_size: int) -> dict[str, Any]:
         to_load = {}

@@ -1,0 +1,104 @@
+"""Starting, resuming and ending a run in this process: a fresh start over an older run's
+checkpoints, validation data without sequences, resumes that fail or change precision,
+the evaluations at the end."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hpctrain.config import Config, load_config
+from hpctrain.dist import resolve_env
+from hpctrain.train.trainer import Trainer
+
+CPU = torch.device("cpu")
+MLP = "examples.custom_task:ThumbnailMLP"
+
+
+def make_config(shards: Path, run_dir: Path, *overrides: str) -> Config:
+    """A tiny in-process run on the custom-task MLP, saving every 2 steps."""
+    return load_config(
+        None,
+        [
+            f"run_dir={run_dir}",
+            f"task={MLP}",
+            "task_options.hidden=16",
+            f"data.train={shards / 'train' / 'index.json'}",
+            "data.batch_size=16",
+            "data.workers_per_rank=0",
+            "data.shuffle_buffer=16",
+            "model.image_size=16",
+            "train.max_steps=4",
+            "train.strategy=none",
+            "checkpoint.every_steps=2",
+            "checkpoint.keep_last=10",
+            "logging.progress=lines",
+            *overrides,
+        ],
+    )
+
+
+def fit(cfg: Config) -> Trainer:
+    trainer = Trainer(cfg, resolve_env({}), CPU)
+    assert trainer.fit() == 0
+    return trainer
+
+
+def saved_seed(step_dir: Path) -> int:
+    """The `seed` of the config the run that saved `step_dir` had."""
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    seeds = [
+        line for line in manifest["metadata"]["config"].splitlines() if line.startswith("seed:")
+    ]
+    return int(seeds[0].split(":")[1])
+
+
+def names(folder: Path) -> set[str]:
+    return {p.name for p in folder.iterdir()}
+
+
+@pytest.mark.parametrize("new_steps", [2, 6])
+def test_resume_none_sets_the_older_runs_checkpoints_aside(
+    shapes_shards: Path, tmp_path: Path, new_steps: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    fit(make_config(shapes_shards, tmp_path, "seed=1"))
+    root = tmp_path / "checkpoints"
+    assert {"step-2", "step-4"} <= names(root)
+    with caplog.at_level(logging.WARNING):
+        fresh = make_config(
+            shapes_shards,
+            tmp_path,
+            "seed=7",
+            f"train.max_steps={new_steps}",
+            "checkpoint.resume=none",
+        )
+        fit(fresh)
+    steps = sorted(n for n in names(root) if n.startswith("step-"))
+    assert steps == sorted(f"step-{s}" for s in range(2, new_steps + 1, 2))
+    assert all(saved_seed(root / s) == 7 for s in steps), "the older run's steps are mixed in"
+    assert (root / "latest").read_text().strip() == f"step-{new_steps}"
+    # Nothing of the older run is deleted; the log names each one set aside.
+    assert {".abandoned-step-2", ".abandoned-step-4"} <= names(root)
+    assert saved_seed(root / ".abandoned-step-4") == 1
+    text = caplog.text
+    assert "set aside step-2" in text and "set aside step-4" in text and "--resume none" in text
+    # The next start resumes the new run, not the older one.
+    again = Trainer(
+        make_config(shapes_shards, tmp_path, "seed=7", f"train.max_steps={new_steps}"),
+        resolve_env({}),
+        CPU,
+    )
+    again.resume()
+    assert again.state.step == new_steps
+    assert again.checkpoints.loaded_manifest is not None
+    assert again.checkpoints.loaded_manifest["metadata"]["config"] == saved_config(root, new_steps)
+    again.checkpoints.close()
+
+
+def saved_config(root: Path, step: int) -> Any:
+    return json.loads((root / f"step-{step}" / "manifest.json").read_text())["metadata"]["config"]
