@@ -11,10 +11,14 @@ from typing import Any
 
 import pytest
 import torch
+from examples.custom_task import ThumbnailMLP
+from torch import nn
 
-from hpctrain.config import Config, load_config
+from hpctrain.config import Config, ConfigError, load_config
 from hpctrain.dist import resolve_env
+from hpctrain.train.evaluation import run_eval
 from hpctrain.train.trainer import Trainer
+from tests.train import lm_testkit
 
 CPU = torch.device("cpu")
 MLP = "examples.custom_task:ThumbnailMLP"
@@ -102,3 +106,92 @@ def test_resume_none_sets_the_older_runs_checkpoints_aside(
 
 def saved_config(root: Path, step: int) -> Any:
     return json.loads((root / f"step-{step}" / "manifest.json").read_text())["metadata"]["config"]
+
+
+# ---------------------------------------------------------------- validation data, the end
+
+
+def lm_config(run_dir: Path, train: Path, *overrides: str) -> Config:
+    return load_config(
+        None,
+        [
+            f"run_dir={run_dir}",
+            "task=causal_lm",
+            f"data.train={train}",
+            f"data.seq_len={lm_testkit.SEQ_LEN}",
+            "data.batch_size=4",
+            "data.workers_per_rank=0",
+            "model.dim=16",
+            "model.n_layers=1",
+            "model.n_heads=2",
+            "train.max_steps=1",
+            "train.strategy=none",
+            "logging.progress=lines",
+            *overrides,
+        ],
+    )
+
+
+def test_validation_data_without_a_sequence_is_refused_before_training_and_eval(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    train = lm_testkit.write_token_shards(tmp_path / "train", 1, seed=1)
+    monkeypatch.setattr(lm_testkit, "TOKENS_PER_SHARD", lm_testkit.SEQ_LEN)  # one id short
+    val = lm_testkit.write_token_shards(tmp_path / "val", 2, seed=2)
+    run_dir = tmp_path / "run"
+    with pytest.raises(ConfigError) as info:
+        Trainer(lm_config(run_dir, train, f"data.val={val}"), resolve_env({}), CPU)
+    assert str(info.value) == (
+        f"data.val={val}: no sequence of data.seq_len={lm_testkit.SEQ_LEN}: every shard holds "
+        f"fewer than {lm_testkit.SEQ_LEN + 1} tokens (lower data.seq_len or give more text)"
+    )
+    assert not (run_dir / "checkpoints").exists()  # refused before any training
+    fit(lm_config(run_dir, train))  # without data.val: a checkpoint to evaluate
+    with pytest.raises(ConfigError, match=r"^data.val=.*: no sequence of data.seq_len=32"):
+        run_eval(lm_config(run_dir, train, f"data.val={val}"))
+
+
+class FailingEvalMLP(ThumbnailMLP):
+    """The custom-task MLP whose evaluation fails (a bug in a user's metrics)."""
+
+    def eval_metrics(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        raise RuntimeError("a bug in eval_metrics")
+
+
+def test_the_last_step_is_saved_before_the_final_evaluation(
+    shapes_shards: Path, tmp_path: Path
+) -> None:
+    cfg = make_config(
+        shapes_shards,
+        tmp_path,
+        f"task={__name__}:FailingEvalMLP",
+        f"data.val={shapes_shards / 'val' / 'index.json'}",
+        "train.max_steps=3",
+        "train.eval_every=0",
+    )
+    with pytest.raises(RuntimeError, match="a bug in eval_metrics"):
+        Trainer(cfg, resolve_env({}), CPU).fit()
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-3"
+
+
+def test_the_final_evaluation_scores_the_last_checkpoint(
+    shapes_shards: Path, tmp_path: Path
+) -> None:
+    """Saved before its evaluation, the last step still gets its score and `best`."""
+    trainer = fit(
+        make_config(
+            shapes_shards,
+            tmp_path,
+            f"data.val={shapes_shards / 'val' / 'index.json'}",
+            "train.max_steps=3",
+            "train.eval_every=0",
+            "checkpoint.every_steps=0",
+            "checkpoint.monitor=val_accuracy",
+            "checkpoint.keep_best=1",
+        )
+    )
+    root = tmp_path / "checkpoints"
+    manifest = json.loads((root / "step-3" / "manifest.json").read_text())
+    assert manifest["score"] == {"monitor": "val_accuracy", "value": trainer.monitor.best[0]}
+    assert manifest["metadata"]["monitor"] == trainer.monitor.state_dict()
+    assert (root / "best").read_text().strip() == "step-3"

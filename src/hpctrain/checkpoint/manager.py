@@ -557,6 +557,25 @@ class CheckpointManager:
         self._pending_where = where
         self._pending_step = step
 
+    def annotate(self, step: int, *, metadata: dict, score: float | None) -> None:
+        """Replace the metadata and score of committed checkpoint `step` (collective).
+
+        For an evaluation of the step that ran after its save (the final one: saved first,
+        so that an evaluation that fails loses no training). Retention and `best` then take
+        the new score into account.
+        """
+        self.wait()
+        if self._rank == 0:
+            name = step_dir_name(step)
+            path = f"{name}/{MANIFEST_NAME}"
+            manifest = parse_manifest(self._store.read_bytes(path), self._store.path(path), name)
+            head = self._manifest_head(step, metadata, score)
+            manifest.update(metadata=head["metadata"], score=head["score"])
+            self._store.write_atomic(path, json.dumps(manifest).encode())
+            self._scores.pop(step, None)
+            self._apply_retention(protect=step)
+        self._broadcast(None)  # every rank returns after the manifest is replaced
+
     def wait(self) -> None:
         """Finish an in-flight save; raise `CheckpointSaveError` if it failed on any rank.
 

@@ -23,7 +23,7 @@ from hpctrain.data.mixture import open_train_index
 from hpctrain.dist import DistEnv, all_reduce_sum, new_cpu_group
 from hpctrain.train.ema import CHECKPOINT_KEY as EMA_KEY
 from hpctrain.train.ema import build_ema
-from hpctrain.train.evaluation import evaluate, to_device
+from hpctrain.train.evaluation import evaluate, require_items, to_device
 from hpctrain.train.flops import throughput_fields
 from hpctrain.train.gpu_stats import GpuCounters
 from hpctrain.train.memory import OOMSnapshots
@@ -189,6 +189,7 @@ class Trainer:
                 train=False,
                 **loader_args,
             )
+            require_items(self.val_loader, "data.val", cfg.data.val, cfg.data.seq_len)
 
     def plan_steps(self) -> None:
         """Steps per epoch and in all (known before the first batch), and the LR schedule."""
@@ -279,12 +280,18 @@ class Trainer:
                     )
                     break
             self.profiler.close()
+            if self.checkpoints.latest_step() != self.state.step:
+                self.save()  # before the final evaluation: one that fails loses no training
             final_eval = self.evaluate() if self.val_loader is not None else None
             if final_eval is not None:
                 metrics.write(final_eval)
                 self.monitor.observe(final_eval)
-            if self.checkpoints.latest_step() != self.state.step:
-                self.save()
+                if self.monitor.name:  # the saved step's score and monitor state, for best
+                    self.checkpoints.annotate(
+                        self.state.step,
+                        metadata=self.checkpoint_metadata(),
+                        score=self.monitor.score_at(self.state.step),
+                    )
             self.checkpoints.wait()
             if self.env.is_main:
                 self.print_summary(final_eval)
@@ -517,10 +524,13 @@ class Trainer:
         self.checkpoints.save(
             self.state.step,
             self.checkpoint_states(),
-            metadata={"config": config_to_yaml(self.cfg), "monitor": self.monitor.state_dict()},
+            metadata=self.checkpoint_metadata(),
             score=self.monitor.score_at(self.state.step),
         )
         self.last_save = time.monotonic()
+
+    def checkpoint_metadata(self) -> dict[str, Any]:
+        return {"config": config_to_yaml(self.cfg), "monitor": self.monitor.state_dict()}
 
     def resume(self) -> None:
         step = self.checkpoints.load(
