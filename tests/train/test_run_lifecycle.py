@@ -14,6 +14,7 @@ import torch
 from examples.custom_task import ThumbnailMLP
 from torch import nn
 
+from hpctrain.checkpoint import CheckpointError
 from hpctrain.config import Config, ConfigError, load_config
 from hpctrain.dist import resolve_env
 from hpctrain.train.evaluation import run_eval
@@ -195,3 +196,28 @@ def test_the_final_evaluation_scores_the_last_checkpoint(
     assert manifest["score"] == {"monitor": "val_accuracy", "value": trainer.monitor.best[0]}
     assert manifest["metadata"]["monitor"] == trainer.monitor.state_dict()
     assert (root / "best").read_text().strip() == "step-3"
+
+
+# ---------------------------------------------------------------- resumes
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ("task_options.hidden=8", "task_options.hidden=8 (saved: 16)"),
+        ("train.optimizer=sgd", "train.optimizer='sgd' (saved: 'adamw')"),
+    ],
+)
+def test_a_failed_resume_names_the_changed_key_and_keeps_config_yaml(
+    shapes_shards: Path, tmp_path: Path, change: str, named: str
+) -> None:
+    fit(make_config(shapes_shards, tmp_path, "train.max_steps=2"))
+    saved = (tmp_path / "config.yaml").read_text()
+    with pytest.raises(CheckpointError) as info:
+        Trainer(make_config(shapes_shards, tmp_path, change), resolve_env({}), CPU).fit()
+    message = str(info.value)
+    assert "step-2: load failed" in message and "\n" not in message
+    assert "the config differs from the checkpoint's in " in message
+    assert named in message and "train.max_steps=4 (saved: 2)" in message
+    assert "--resume none" in message
+    assert (tmp_path / "config.yaml").read_text() == saved  # `eval` of the run still works

@@ -469,6 +469,7 @@ class CheckpointManager:
         best_steps({}, keep_best=0, mode=mode)  # refuses an unknown mode now, not at a commit
         self._scores: dict[int, float | None] = {}  # rank 0: step -> score, read from manifests
         self.loaded_manifest: dict[str, Any] | None = None
+        self.tried_manifest: dict[str, Any] | None = None  # of a load that failed, to explain it
         self.missing_states: list[str] = []  # `optional` states the loaded checkpoint lacked
         self._store = open_store(root)
         self._distributed = dist.is_available() and dist.is_initialized()
@@ -637,6 +638,7 @@ class CheckpointManager:
             return None
         skip: set[str] = set()  # rank 0: checkpoints found damaged while reading
         while True:
+            self.tried_manifest = None
             choice: tuple[str, str, dict[str, Any]] | str | None = None
             if self._rank == 0:
                 try:
@@ -655,6 +657,7 @@ class CheckpointManager:
             if choice is None:
                 return None
             root, name, manifest = choice
+            self.tried_manifest = manifest
             try:
                 return self._load_chosen(states, root, name, manifest, optional)
             except ChecksumMismatchError as exc:

@@ -6,15 +6,22 @@ import json
 import logging
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import yaml
 
-from hpctrain.checkpoint import CheckpointManager, ModelOptimizerState, PerRankState, RNGState
+from hpctrain.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    ModelOptimizerState,
+    PerRankState,
+    RNGState,
+)
 from hpctrain.config import Config, ConfigError, config_to_yaml
 from hpctrain.data import ShardedLoader, open_index
 from hpctrain.data.index import ShardIndex
@@ -73,6 +80,38 @@ def require_tensorboard() -> None:
             "logging.tensorboard=true needs the tensorboard package: "
             "pip install 'hpctrain[tensorboard]' (or set logging.tensorboard=false)"
         ) from None
+
+
+def config_changes(cfg: Config, saved: object, limit: int = 8) -> list[str]:
+    """`key=value (saved: old)` for each key where `cfg` differs from a checkpoint's saved
+    config (its YAML text); [] when there is none to compare with."""
+    if not isinstance(saved, str):
+        return []
+    try:
+        old = yaml.safe_load(saved)
+    except yaml.YAMLError:
+        return []
+    if not isinstance(old, dict):
+        return []
+
+    def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            if isinstance(value, dict) and value:
+                out.update(flat(value, f"{prefix}{key}."))
+            else:
+                out[f"{prefix}{key}"] = value
+        return out
+
+    new, old = flat(yaml.safe_load(config_to_yaml(cfg))), flat(old)  # both as YAML reads them
+    changed = [
+        f"{key}={new.get(key)!r} (saved: {old.get(key)!r})"
+        for key in sorted(new.keys() | old.keys())
+        if new.get(key) != old.get(key) and key != "checkpoint.resume"
+    ]
+    if len(changed) > limit:
+        changed[limit:] = [f"and {len(changed) - limit} more"]
+    return changed
 
 
 class Trainer:
@@ -246,6 +285,7 @@ class Trainer:
         self.prepare_run_dir()
         self.preemption.install()
         self.resume()
+        self.write_run_config()
         metrics = MetricsWriter(
             self.run_dir,
             enabled=self.env.is_main,
@@ -533,9 +573,20 @@ class Trainer:
         return {"config": config_to_yaml(self.cfg), "monitor": self.monitor.state_dict()}
 
     def resume(self) -> None:
-        step = self.checkpoints.load(
-            self.checkpoint_states(), which=self.cfg.checkpoint.resume, optional=(EMA_KEY,)
-        )
+        try:
+            step = self.checkpoints.load(
+                self.checkpoint_states(), which=self.cfg.checkpoint.resume, optional=(EMA_KEY,)
+            )
+        except CheckpointError as exc:
+            tried = self.checkpoints.tried_manifest
+            changes = config_changes(self.cfg, tried["metadata"].get("config")) if tried else []
+            if not changes:
+                raise
+            raise type(exc)(
+                f"{str(exc).rstrip('.')}; the config differs from the checkpoint's in "
+                f"{', '.join(changes)}: set back the key that changes what the checkpoint "
+                "holds (model, optimizer, precision), or start over with --resume none"
+            ) from None
         if step is None:
             return
         if self.ema is not None and EMA_KEY in self.checkpoints.missing_states:
@@ -604,12 +655,22 @@ class Trainer:
 
     def prepare_run_dir(self) -> None:
         if self.env.is_main:
-            try:
-                self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-                (self.run_dir / "config.yaml").write_text(config_to_yaml(self.cfg))
-            except OSError as exc:
-                raise ConfigError(
-                    f"run_dir={self.cfg.run_dir!r}: cannot write the run folder: {exc.strerror or exc}"
-                ) from None
+            self.write_run_folder(
+                lambda: self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            )
         if self.cfg.data.sample_log:
             self.sample_log_path().parent.mkdir(parents=True, exist_ok=True)
+
+    def write_run_config(self) -> None:
+        """`RUN_DIR/config.yaml`, once the resume succeeded: a failed one keeps the run's own."""
+        if self.env.is_main:
+            path = self.run_dir / "config.yaml"
+            self.write_run_folder(lambda: path.write_text(config_to_yaml(self.cfg)))
+
+    def write_run_folder(self, write: Callable[[], object]) -> None:
+        try:
+            write()
+        except OSError as exc:
+            raise ConfigError(
+                f"run_dir={self.cfg.run_dir!r}: cannot write the run folder: {exc.strerror or exc}"
+            ) from None
