@@ -221,3 +221,33 @@ def test_a_failed_resume_names_the_changed_key_and_keeps_config_yaml(
     assert named in message and "train.max_steps=4 (saved: 2)" in message
     assert "--resume none" in message
     assert (tmp_path / "config.yaml").read_text() == saved  # `eval` of the run still works
+
+
+@pytest.mark.parametrize("saved_precision", ["fp32", "bf16"])
+def test_a_resume_into_fp16_starts_a_fresh_gradient_scaler(
+    shapes_shards: Path, tmp_path: Path, saved_precision: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Moving a run from an A100 (bf16) to a V100 (fp16): the checkpoint has no scaler."""
+    with torch.autocast("cpu", dtype=torch.float16):
+        if torch.nn.Linear(2, 2)(torch.ones(1, 2)).dtype != torch.float16:
+            pytest.skip("this torch has no fp16 autocast on CPU")
+    fit(
+        make_config(
+            shapes_shards, tmp_path, f"train.precision={saved_precision}", "train.max_steps=1"
+        )
+    )
+    with caplog.at_level(logging.WARNING):
+        resumed = fit(
+            make_config(shapes_shards, tmp_path, "train.precision=fp16", "train.max_steps=2")
+        )
+    assert resumed.state.step == 2 and resumed.scaler is not None
+    assert "the checkpoint of step 1 has no fp16 gradient scaler" in caplog.text
+    # ... and the scaler saved from then on comes back on the next resume
+    again = Trainer(
+        make_config(shapes_shards, tmp_path, "train.precision=fp16", "train.max_steps=2"),
+        resolve_env({}),
+        CPU,
+    )
+    again.resume()
+    assert "scaler" not in again.checkpoints.missing_states
+    again.checkpoints.close()

@@ -45,6 +45,8 @@ from hpctrain.train.trackers import check_trackers, start_trackers
 
 log = logging.getLogger("hpctrain")
 
+SCALER_KEY = "scaler"  # fp16's gradient scaler in checkpoints (no other precision saves one)
+
 
 class TrainState:
     """Counters that make a run resumable: optimizer steps, epoch, samples trained on."""
@@ -554,7 +556,7 @@ class Trainer:
             "rng": PerRankState(RNGState()),
         }
         if self.scaler is not None:
-            states["scaler"] = self.scaler
+            states[SCALER_KEY] = self.scaler
         if self.ema is not None:
             states[EMA_KEY] = self.ema
         return states
@@ -575,7 +577,9 @@ class Trainer:
     def resume(self) -> None:
         try:
             step = self.checkpoints.load(
-                self.checkpoint_states(), which=self.cfg.checkpoint.resume, optional=(EMA_KEY,)
+                self.checkpoint_states(),
+                which=self.cfg.checkpoint.resume,
+                optional=(EMA_KEY, SCALER_KEY),
             )
         except CheckpointError as exc:
             tried = self.checkpoints.tried_manifest
@@ -593,6 +597,13 @@ class Trainer:
             self.ema.reset()
             log.warning(
                 "the checkpoint of step %d has no EMA: the EMA starts from its weights", step
+            )
+        if self.scaler is not None and SCALER_KEY in self.checkpoints.missing_states:
+            log.warning(
+                "the checkpoint of step %d has no fp16 gradient scaler (saved with another "
+                "train.precision): a fresh one starts at scale %g",
+                step,
+                self.scaler.get_scale(),
             )
         self.resumed_loader = True
         if self.checkpoints.loaded_manifest is not None:
