@@ -16,6 +16,7 @@ from torch import nn
 
 from hpctrain.checkpoint import CheckpointError
 from hpctrain.config import Config, ConfigError, load_config
+from hpctrain.data.mixture import MixtureError
 from hpctrain.dist import resolve_env
 from hpctrain.train.evaluation import run_eval
 from hpctrain.train.trainer import Trainer
@@ -251,3 +252,33 @@ def test_a_resume_into_fp16_starts_a_fresh_gradient_scaler(
     again.resume()
     assert "scaler" not in again.checkpoints.missing_states
     again.checkpoints.close()
+
+
+def test_a_resume_with_an_added_mixture_source_plans_it_from_the_next_epoch(
+    shapes_shards: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    curated, web = shapes_shards / "train", shapes_shards / "val"
+    two = f"{{path: {curated}, name: curated}}, {{path: {web}, name: web}}"
+    fit(make_config(shapes_shards, tmp_path, f"data.train=[{two}]", "train.max_steps=2"))
+    three = f"data.train=[{two}, {{path: {web}, name: extra}}]"
+    with caplog.at_level(logging.INFO):
+        resumed = fit(make_config(shapes_shards, tmp_path, three, "train.log_every=1"))
+    assert "mixture sources added (extra) at epoch 0: epoch 1 starts a new plan" in caplog.text
+    assert resumed.state.step == 4 and resumed.state.epoch == 1  # epoch 0 ended at step 2
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in records if r["kind"] == "train"][-1]
+    assert last["samples_seen/extra"] > 0
+    # Other changes are refused, naming the sources and the way on.
+    one = f"data.train=[{{path: {curated}, name: curated}}, {{path: {web}, name: other}}]"
+    with pytest.raises(MixtureError) as info:  # a data error: exit 3
+        fit(make_config(shapes_shards, tmp_path, one))
+    message = str(info.value)
+    assert message.startswith(
+        "the mixture's sources changed since the checkpoint: removed web; removed extra; "
+        "added other before them."
+    )
+    assert "the saved sources (curated, web, extra) unchanged and in that order" in message
+    assert "--resume none" in message and "other shards" not in message
+    bigger = f"data.train=[{{path: {curated}, name: curated}}, {{path: {curated}, name: web}}]"
+    with pytest.raises(MixtureError, match=r"changed web \(2 -> 8 shards, 80 -> 320 samples\)"):
+        fit(make_config(shapes_shards, tmp_path, bigger))
