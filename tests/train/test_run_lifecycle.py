@@ -282,3 +282,20 @@ def test_a_resume_with_an_added_mixture_source_plans_it_from_the_next_epoch(
     bigger = f"data.train=[{{path: {curated}, name: curated}}, {{path: {curated}, name: web}}]"
     with pytest.raises(MixtureError, match=r"changed web \(2 -> 8 shards, 80 -> 320 samples\)"):
         fit(make_config(shapes_shards, tmp_path, bigger))
+
+
+@pytest.mark.parametrize(("max_steps", "evaluated"), [(4, [2, 4]), (5, [2, 4, 5])])
+def test_the_last_step_is_evaluated_once(
+    shapes_shards: Path, tmp_path: Path, max_steps: int, evaluated: list[int]
+) -> None:
+    fit(
+        make_config(
+            shapes_shards,
+            tmp_path,
+            f"data.val={shapes_shards / 'val' / 'index.json'}",
+            f"train.max_steps={max_steps}",
+            "train.eval_every=2",
+        )
+    )
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "eval"] == evaluated

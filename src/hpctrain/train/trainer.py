@@ -280,6 +280,7 @@ class Trainer:
         self.gpu_counters = GpuCounters(self.device, self.flag_group)
         self.last_save = time.monotonic()
         self.resumed_loader = False
+        self.last_eval: dict[str, Any] | None = None  # the newest evaluation record
 
     # ---------------------------------------------------------------- the loop
     def fit(self) -> int:
@@ -324,8 +325,11 @@ class Trainer:
             self.profiler.close()
             if self.checkpoints.latest_step() != self.state.step:
                 self.save()  # before the final evaluation: one that fails loses no training
-            final_eval = self.evaluate() if self.val_loader is not None else None
-            if final_eval is not None:
+            final_eval = self.last_eval  # the last step's, when eval_every evaluated it
+            if final_eval is not None and final_eval["step"] != self.state.step:
+                final_eval = None
+            if final_eval is None and self.val_loader is not None:
+                final_eval = self.evaluate()
                 metrics.write(final_eval)
                 self.monitor.observe(final_eval)
                 if self.monitor.name:  # the saved step's score and monitor state, for best
@@ -433,7 +437,7 @@ class Trainer:
             metrics.write(self.log_record())
         eval_every = self.cfg.train.eval_every
         if self.val_loader is not None and eval_every and step % eval_every == 0:
-            record = self.evaluate()
+            record = self.last_eval = self.evaluate()
             metrics.write(record)
             if self.monitor.observe(record):  # among the checkpoint.keep_best best so far
                 self.save()
