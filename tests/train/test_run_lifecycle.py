@@ -21,6 +21,7 @@ from hpctrain.dist import resolve_env
 from hpctrain.train.evaluation import run_eval
 from hpctrain.train.trainer import Trainer
 from tests.train import lm_testkit
+from tests.train.helpers import REPO, run_hpctrain
 
 CPU = torch.device("cpu")
 MLP = "examples.custom_task:ThumbnailMLP"
@@ -299,3 +300,31 @@ def test_the_last_step_is_evaluated_once(
     )
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "eval"] == evaluated
+
+
+def test_a_resume_is_logged_once_with_its_checkpoint(
+    shapes_shards: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    fit(make_config(shapes_shards, tmp_path, "train.max_steps=2"))
+    with caplog.at_level(logging.INFO):
+        fit(make_config(shapes_shards, tmp_path, "train.max_steps=3"))
+    resumed = [r.getMessage() for r in caplog.records if "resumed from" in r.getMessage()]
+    assert resumed == [f"resumed from step 2 (epoch 0) of {tmp_path / 'checkpoints' / 'step-2'}"]
+
+
+@pytest.mark.distributed
+def test_local_ranks_say_how_they_were_started(tmp_path: Path) -> None:
+    """`--nproc 2` spawns the ranks itself: no torchrun is involved (a data error ends them)."""
+    proc = run_hpctrain(
+        "train",
+        str(REPO / "configs" / "demo.yaml"),
+        f"run_dir={tmp_path / 'run'}",
+        f"data.train={tmp_path / 'nope' / 'index.json'}",
+        "--nproc",
+        "2",
+        check=False,
+        timeout=120,
+    )
+    assert proc.returncode == 3, proc.stderr
+    assert "[rank 0] INFO rank 0/2 on cpu (local spawn: hpctrain train --nproc 2)" in proc.stderr
+    assert "torchrun" not in proc.stderr

@@ -469,6 +469,7 @@ class CheckpointManager:
         best_steps({}, keep_best=0, mode=mode)  # refuses an unknown mode now, not at a commit
         self._scores: dict[int, float | None] = {}  # rank 0: step -> score, read from manifests
         self.loaded_manifest: dict[str, Any] | None = None
+        self.loaded_from = ""  # the path of the loaded checkpoint
         self.tried_manifest: dict[str, Any] | None = None  # of a load that failed, to explain it
         self.missing_states: list[str] = []  # `optional` states the loaded checkpoint lacked
         self._store = open_store(root)
@@ -711,8 +712,8 @@ class CheckpointManager:
             if not isinstance(states[key], PerRankState):
                 states[key] = value
         self.loaded_manifest = manifest
+        self.loaded_from = store.path(name)  # the caller logs the resume, with its own detail
         self._parent = int(manifest["step"])
-        log.info("resumed from %s (step %d)", store.path(name), manifest["step"])
         return int(manifest["step"])
 
     def latest_step(self) -> int | None:

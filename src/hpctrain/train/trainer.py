@@ -614,7 +614,12 @@ class Trainer:
             self.monitor.load_state_dict(
                 self.checkpoints.loaded_manifest["metadata"].get("monitor")
             )
-        log.info("resumed from step %d (epoch %d)", self.state.step, self.state.epoch)
+        log.info(
+            "resumed from step %d (epoch %d) of %s",
+            self.state.step,
+            self.state.epoch,
+            self.checkpoints.loaded_from,
+        )
         if self.cfg.data.sample_log:
             self.truncate_sample_log()
 
