@@ -161,7 +161,6 @@ def test_load_none_empty_and_explicit(tmp_path):
     assert manager.load(states_of(model, optimizer)) is None  # nothing saved yet
     manager.save(5, states_of(model, optimizer, 5))
     manager.save(6, states_of(model, optimizer, 6))
-    assert manager.load(states_of(model, optimizer), which="none") is None
     other = CheckpointManager(str(tmp_path / "other"), keep_last=1)
     states = states_of(model, optimizer)
     assert other.load(states, which=str(tmp_path / "ck" / "step-5")) == 5
@@ -169,6 +168,14 @@ def test_load_none_empty_and_explicit(tmp_path):
     assert other.load(states, which=str(tmp_path / "ck")) == 6  # a root: its newest
     with pytest.raises(CheckpointError, match="neither a checkpoint"):
         other.load(states, which=str(tmp_path / "nowhere"))
+    # A fresh start: the steps are another run's now, set aside (kept) with their pointer.
+    assert manager.load(states_of(model, optimizer), which="none") is None
+    assert sorted(os.listdir(tmp_path / "ck")) == [
+        ".abandoned-step-5",
+        ".abandoned-step-6",
+        ".lock",
+    ]
+    assert manager.load(states_of(model, optimizer)) is None
 
 
 def test_leftovers_of_killed_saves_are_ignored_and_removed(tmp_path):

@@ -201,7 +201,7 @@ def test_state_of_other_sources_is_refused(tmp_path):
     state = ShardedLoader(index, data_cfg(0), rank=0, world_size=1, seed=5).state_dict()
     swapped = open_mixture(list(reversed(sources(str(tmp_path)))))
     loader = ShardedLoader(swapped, data_cfg(0), rank=0, world_size=1, seed=5)
-    with pytest.raises(MixtureError, match="saved for the sources"):
+    with pytest.raises(MixtureError, match=r"sources changed since the checkpoint: reordered"):
         loader.load_state_dict(state)
 
 

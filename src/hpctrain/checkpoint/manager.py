@@ -9,7 +9,8 @@ Layout of a checkpoint root (`checkpoint.dir`, default `RUN_DIR/checkpoints`):
     best                 "step-<N>": the best by `checkpoint.monitor` (with `keep_best`)
     .tmp-step-<N>/       a save in progress (or killed); never loaded, removed on restart
     .damaged-step-<N>/   a checkpoint that failed verification when an older one was loaded
-    .abandoned-step-<N>/ a checkpoint past the step a run resumed from (e.g. a rollback)
+    .abandoned-step-<N>/ a checkpoint past the step a run resumed from (e.g. a rollback), or
+                         an earlier run's, set aside by a start with `--resume none`
     .lock                the run lock (lock.py): one run at a time owns the root
 
 Commit protocol (rank 0, after every rank's DCP write returned, which DCP reports only once
@@ -468,6 +469,8 @@ class CheckpointManager:
         best_steps({}, keep_best=0, mode=mode)  # refuses an unknown mode now, not at a commit
         self._scores: dict[int, float | None] = {}  # rank 0: step -> score, read from manifests
         self.loaded_manifest: dict[str, Any] | None = None
+        self.loaded_from = ""  # the path of the loaded checkpoint
+        self.tried_manifest: dict[str, Any] | None = None  # of a load that failed, to explain it
         self.missing_states: list[str] = []  # `optional` states the loaded checkpoint lacked
         self._store = open_store(root)
         self._distributed = dist.is_available() and dist.is_initialized()
@@ -557,6 +560,25 @@ class CheckpointManager:
         self._pending_where = where
         self._pending_step = step
 
+    def annotate(self, step: int, *, metadata: dict, score: float | None) -> None:
+        """Replace the metadata and score of committed checkpoint `step` (collective).
+
+        For an evaluation of the step that ran after its save (the final one: saved first,
+        so that an evaluation that fails loses no training). Retention and `best` then take
+        the new score into account.
+        """
+        self.wait()
+        if self._rank == 0:
+            name = step_dir_name(step)
+            path = f"{name}/{MANIFEST_NAME}"
+            manifest = parse_manifest(self._store.read_bytes(path), self._store.path(path), name)
+            head = self._manifest_head(step, metadata, score)
+            manifest.update(metadata=head["metadata"], score=head["score"])
+            self._store.write_atomic(path, json.dumps(manifest).encode())
+            self._scores.pop(step, None)
+            self._apply_retention(protect=step)
+        self._broadcast(None)  # every rank returns after the manifest is replaced
+
     def wait(self) -> None:
         """Finish an in-flight save; raise `CheckpointSaveError` if it failed on any rank.
 
@@ -612,9 +634,13 @@ class CheckpointManager:
         """
         self.wait()
         if which == "none":
+            if self._rank == 0:
+                self._set_aside_all()
+            self._broadcast(None)  # no rank saves before rank 0 has set them aside
             return None
         skip: set[str] = set()  # rank 0: checkpoints found damaged while reading
         while True:
+            self.tried_manifest = None
             choice: tuple[str, str, dict[str, Any]] | str | None = None
             if self._rank == 0:
                 try:
@@ -633,6 +659,7 @@ class CheckpointManager:
             if choice is None:
                 return None
             root, name, manifest = choice
+            self.tried_manifest = manifest
             try:
                 return self._load_chosen(states, root, name, manifest, optional)
             except ChecksumMismatchError as exc:
@@ -686,8 +713,8 @@ class CheckpointManager:
             if not isinstance(states[key], PerRankState):
                 states[key] = value
         self.loaded_manifest = manifest
+        self.loaded_from = store.path(name)  # the caller logs the resume, with its own detail
         self._parent = int(manifest["step"])
-        log.info("resumed from %s (step %d)", store.path(name), manifest["step"])
         return int(manifest["step"])
 
     def latest_step(self) -> int | None:
@@ -984,6 +1011,23 @@ class CheckpointManager:
         if newer and self.keep_best:  # `best` may name one of them
             self._scores.clear()
             self._point_best(self._read_scores(committed_steps(self._store)))
+
+    def _set_aside_all(self) -> None:
+        """Rank 0, `--resume none`: set aside every committed step of the root (an earlier
+        run's), so that this run's steps and `latest` are its own only.
+
+        Left in place, an old `step-<N>` would turn this run's save of step N into a no-op,
+        and `latest` would bring the old run back on the next automatic resume. The pointers
+        are removed: the folders they name are set aside, kept under their new names.
+        """
+        steps = committed_steps(self._store)
+        if not steps:
+            return
+        self._set_aside(steps, ABANDONED_PREFIX, "an earlier run's: --resume none starts over")
+        for pointer in (LATEST_NAME, BEST_NAME):
+            if self._store.exists(pointer):
+                self._store.rmtree(pointer)
+        self._scores.clear()
 
     def _prepare_per_rank(self, states: dict[str, Any], saved_world_size: int) -> dict[str, Any]:
         to_load = {}

@@ -351,7 +351,8 @@ class ShardedLoader:
             raise LoaderStateError(
                 f"the loader state was saved with data.seq_len = {state.get('seq_len', 0)}"
             )
-        if (state["num_shards"], state["num_samples"]) != (
+        mixed = self.mixture is not None and "mixture" in state  # checked by source below
+        if not mixed and (state["num_shards"], state["num_samples"]) != (
             len(self.shard_sizes),
             sum(self.shard_sizes),
         ):
@@ -388,21 +389,21 @@ class ShardedLoader:
                 + ("a mixture" if self.mixture is not None else "one source")
             )
         saved = state["mixture"]
-        mix.check_state_sources(self.mixture, saved)
-        if mix.same_weights(self.mixture, saved):
+        added = mix.check_state_sources(self.mixture, saved)
+        if not added and mix.same_weights(self.mixture, saved):
             self._set_mixture(mix.with_state_origin(self.mixture, saved))
             return False
         old_sources = tuple(
             replace(s, weight=float(w))
-            for s, w in zip(self.mixture.sources, saved["weights"], strict=True)
+            for s, w in zip(self.mixture.sources, saved["weights"], strict=False)
         )
         old = mix.with_state_origin(
             mix.Mixture(old_sources, int(saved["samples_per_epoch"])), saved
         )
         self._set_mixture(mix.rebase(old, self.mixture, self.seed, self.epoch, stages))
         log.info(
-            "mixture weights changed at epoch %d: epoch %d starts a new plan from every "
-            "source's position",
+            "mixture %s at epoch %d: epoch %d starts a new plan from every source's position",
+            f"sources added ({', '.join(added)})" if added else "weights changed",
             self.epoch,
             self.epoch + 1,
         )

@@ -241,17 +241,36 @@ class Mixture:
         }
 
 
-def check_state_sources(mixture: Mixture, state: Mapping[str, Any]) -> None:
-    """Refuse a saved mixture state whose sources are not this mixture's (names, shards)."""
-    mine = (list(mixture.names), [len(s.shard_sizes) for s in mixture.sources])
-    mine_samples = [s.num_samples for s in mixture.sources]
-    theirs = (list(state["names"]), list(state["num_shards"]))
-    if mine != theirs or mine_samples != list(state["num_samples"]):
-        raise MixtureError(
-            f"the loader state was saved for the sources {theirs[0]} "
-            f"({theirs[1]} shards, {list(state['num_samples'])} samples); this run mixes "
-            f"{mine[0]} ({mine[1]} shards, {mine_samples} samples)"
+def check_state_sources(mixture: Mixture, state: Mapping[str, Any]) -> list[str]:
+    """The names of the sources `mixture` adds after those of a saved mixture state; refuse
+    (naming the sources removed, changed or moved, and the way on) any other difference."""
+    saved = [
+        (name, int(shards), int(samples))
+        for name, shards, samples in zip(
+            state["names"], state["num_shards"], state["num_samples"], strict=True
         )
+    ]
+    mine = [(s.name, len(s.shard_sizes), s.num_samples) for s in mixture.sources]
+    if mine[: len(saved)] == saved:
+        return [name for name, _, _ in mine[len(saved) :]]
+    stats = {name: (shards, samples) for name, shards, samples in saved}
+    mine_names = {name for name, _, _ in mine}
+    changes = [f"removed {name}" for name in stats if name not in mine_names]
+    changes += [f"added {name} before them" for name, _, _ in mine if name not in stats]
+    changes += [
+        f"changed {name} ({stats[name][0]} -> {shards} shards, "
+        f"{stats[name][1]} -> {samples} samples)"
+        for name, shards, samples in mine
+        if name in stats and stats[name] != (shards, samples)
+    ]
+    if not changes:
+        changes = [f"reordered (saved as {', '.join(stats)})"]
+    raise MixtureError(
+        f"the mixture's sources changed since the checkpoint: {'; '.join(changes)}. "
+        f"A resume needs the saved sources ({', '.join(stats)}) unchanged and in that order; "
+        "new sources may follow them (the next epoch then starts a new plan): "
+        "set data.train back, or start over with --resume none"
+    )
 
 
 def with_state_origin(mixture: Mixture, state: Mapping[str, Any]) -> Mixture:
@@ -692,8 +711,8 @@ def plan_mixture(
 def rebase(
     mixture: Mixture, new: Mixture, seed: int, epoch: int, stages: Sequence[StageParams]
 ) -> Mixture:
-    """`new` (other weights or epoch length) starting at epoch `epoch + 1`, each source's
-    stream continuing where `mixture` left it after `stages` of `epoch`: first the samples the
+    """`new` (other weights or epoch length, maybe sources added after the old ones)
+    starting at epoch `epoch + 1`, each old source's stream continuing where `mixture` left it after `stages` of `epoch`: first the samples the
     interrupted epoch had not read, then the rest of its old stream."""
     last = plan_mixture(
         mixture,
@@ -723,6 +742,8 @@ def rebase(
             ]
         position = old.position + max(end - old.num_leftover, 0)
         origins.append(SourceOrigin(tuple(rest), position))
+    # Sources `new` adds after the old ones start their streams at the new plan.
+    origins += [SourceOrigin()] * (len(new.sources) - len(mixture.sources))
     return Mixture(
         new.sources, new.samples_per_epoch, origin_epoch=epoch + 1, origins=tuple(origins)
     )

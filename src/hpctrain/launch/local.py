@@ -17,6 +17,8 @@ from hpctrain.train.hangs import newest_dump
 
 # Set in every rank the launcher starts: the launcher's pid, so the rank dies with it.
 LAUNCHER_PID_ENV = "HPCTRAIN_LAUNCHER_PID"
+# Set in every rank too: how it was started, for its first log line (read by train/entry.py).
+LAUNCHER_ENV = "HPCTRAIN_LAUNCHER"
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -108,6 +110,7 @@ def run_local(
             MASTER_PORT=str(port),
         )
         env[LAUNCHER_PID_ENV] = str(os.getpid())
+        env[LAUNCHER_ENV] = f"local spawn: hpctrain {verb} --nproc {nproc}"
         procs.append(subprocess.Popen([sys.executable, "-m", "hpctrain", verb, *argv], env=env))
 
     def forward(signum: int, _frame: object) -> None:

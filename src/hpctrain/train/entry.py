@@ -45,7 +45,8 @@ def run_training(cfg: Config) -> int:
         env.rank,
         env.world_size,
         device,
-        env.source,
+        # `hpctrain train --nproc N` sets RANK/WORLD_SIZE like torchrun, and says so here
+        os.environ.get("HPCTRAIN_LAUNCHER") or env.source,
         cfg.run_dir,
     )
     # Anomaly detection names the forward op that made a NaN gradient (slow: debug mode only);

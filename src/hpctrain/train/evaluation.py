@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hpctrain.config import Config
+from hpctrain.config import Config, ConfigError
 from hpctrain.data import ShardedLoader
 from hpctrain.dist import all_reduce_tensors
 from hpctrain.train.task import Batch, Task, divide_by_count
@@ -38,6 +38,22 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
         k: v.to(device, non_blocking=v.is_pinned()) if isinstance(v, torch.Tensor) else v
         for k, v in batch.items()
     }
+
+
+def require_items(loader: ShardedLoader, key: str, spec: str, seq_len: int) -> None:
+    """Refuse data to evaluate on that holds nothing to evaluate (its metrics would be 0/0).
+
+    Checked before any work: a training would otherwise fail at its first evaluation.
+    """
+    if sum(loader.shard_sizes):
+        return
+    why = (
+        f"no sequence of data.seq_len={seq_len}: every shard holds fewer than {seq_len + 1} "
+        "tokens (lower data.seq_len or give more text)"
+        if seq_len
+        else "no samples"
+    )
+    raise ConfigError(f"{key}={spec}: {why}")
 
 
 @torch.no_grad()
@@ -114,6 +130,7 @@ def run_eval(cfg: Config, *, checkpoint: str = "latest", out: str = "") -> int:
     from hpctrain.train.inference import inference_session
 
     with inference_session(cfg, checkpoint, cfg.data.val, key="data.val", predict=False) as run:
+        require_items(run.loader, "data.val", cfg.data.val, cfg.data.seq_len)
         if run.env.is_main:
             check_trackers(cfg.logging)  # a missing package fails before the work, not after
         metrics = evaluate(run.task, run.model, run.loader, run.precision, run.device)

@@ -7,15 +7,22 @@ import logging
 import random
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import yaml
 
-from hpctrain.checkpoint import CheckpointManager, ModelOptimizerState, PerRankState, RNGState
+from hpctrain.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    ModelOptimizerState,
+    PerRankState,
+    RNGState,
+)
 from hpctrain.config import Config, ConfigError, config_to_yaml
 from hpctrain.data import ShardedLoader, open_index
 from hpctrain.data.index import ShardIndex
@@ -24,7 +31,7 @@ from hpctrain.data.mixture import open_train_index
 from hpctrain.dist import DistEnv, all_reduce_sum, new_cpu_group
 from hpctrain.train.ema import CHECKPOINT_KEY as EMA_KEY
 from hpctrain.train.ema import build_ema
-from hpctrain.train.evaluation import evaluate, to_device
+from hpctrain.train.evaluation import evaluate, require_items, to_device
 from hpctrain.train.flops import throughput_fields
 from hpctrain.train.gpu_stats import GpuCounters
 from hpctrain.train.hangs import HangWatch
@@ -39,6 +46,8 @@ from hpctrain.train.task import Batch, load_task
 from hpctrain.train.trackers import check_trackers, start_trackers
 
 log = logging.getLogger("hpctrain")
+
+SCALER_KEY = "scaler"  # fp16's gradient scaler in checkpoints (no other precision saves one)
 
 
 class TrainState:
@@ -75,6 +84,38 @@ def require_tensorboard() -> None:
             "logging.tensorboard=true needs the tensorboard package: "
             "pip install 'hpctrain[tensorboard]' (or set logging.tensorboard=false)"
         ) from None
+
+
+def config_changes(cfg: Config, saved: object, limit: int = 8) -> list[str]:
+    """`key=value (saved: old)` for each key where `cfg` differs from a checkpoint's saved
+    config (its YAML text); [] when there is none to compare with."""
+    if not isinstance(saved, str):
+        return []
+    try:
+        old = yaml.safe_load(saved)
+    except yaml.YAMLError:
+        return []
+    if not isinstance(old, dict):
+        return []
+
+    def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            if isinstance(value, dict) and value:
+                out.update(flat(value, f"{prefix}{key}."))
+            else:
+                out[f"{prefix}{key}"] = value
+        return out
+
+    new, old = flat(yaml.safe_load(config_to_yaml(cfg))), flat(old)  # both as YAML reads them
+    changed = [
+        f"{key}={new.get(key)!r} (saved: {old.get(key)!r})"
+        for key in sorted(new.keys() | old.keys())
+        if new.get(key) != old.get(key) and key != "checkpoint.resume"
+    ]
+    if len(changed) > limit:
+        changed[limit:] = [f"and {len(changed) - limit} more"]
+    return changed
 
 
 class Trainer:
@@ -191,6 +232,7 @@ class Trainer:
                 train=False,
                 **loader_args,
             )
+            require_items(self.val_loader, "data.val", cfg.data.val, cfg.data.seq_len)
 
     def plan_steps(self) -> None:
         """Steps per epoch and in all (known before the first batch), and the LR schedule."""
@@ -247,6 +289,7 @@ class Trainer:
         self.gpu_counters = GpuCounters(self.device, self.flag_group)
         self.last_save = time.monotonic()
         self.resumed_loader = False
+        self.last_eval: dict[str, Any] | None = None  # the newest evaluation record
 
     # ---------------------------------------------------------------- the loop
     def fit(self) -> int:
@@ -254,6 +297,7 @@ class Trainer:
         self.prepare_run_dir()
         self.preemption.install()
         self.resume()
+        self.write_run_config()
         metrics = MetricsWriter(
             self.run_dir,
             enabled=self.env.is_main,
@@ -289,12 +333,21 @@ class Trainer:
                     )
                     break
             self.profiler.close()
-            final_eval = self.evaluate() if self.val_loader is not None else None
-            if final_eval is not None:
+            if self.checkpoints.latest_step() != self.state.step:
+                self.save()  # before the final evaluation: one that fails loses no training
+            final_eval = self.last_eval  # the last step's, when eval_every evaluated it
+            if final_eval is not None and final_eval["step"] != self.state.step:
+                final_eval = None
+            if final_eval is None and self.val_loader is not None:
+                final_eval = self.evaluate()
                 metrics.write(final_eval)
                 self.monitor.observe(final_eval)
-            if self.checkpoints.latest_step() != self.state.step:
-                self.save()
+                if self.monitor.name:  # the saved step's score and monitor state, for best
+                    self.checkpoints.annotate(
+                        self.state.step,
+                        metadata=self.checkpoint_metadata(),
+                        score=self.monitor.score_at(self.state.step),
+                    )
             self.checkpoints.wait()
             if self.env.is_main:
                 self.print_summary(final_eval)
@@ -401,7 +454,7 @@ class Trainer:
             metrics.write(self.log_record())
         eval_every = self.cfg.train.eval_every
         if self.val_loader is not None and eval_every and step % eval_every == 0:
-            record = self.evaluate()
+            record = self.last_eval = self.evaluate()
             metrics.write(record)
             if self.monitor.observe(record):  # among the checkpoint.keep_best best so far
                 self.save()
@@ -524,7 +577,7 @@ class Trainer:
             "rng": PerRankState(RNGState()),
         }
         if self.scaler is not None:
-            states["scaler"] = self.scaler
+            states[SCALER_KEY] = self.scaler
         if self.ema is not None:
             states[EMA_KEY] = self.ema
         return states
@@ -534,15 +587,31 @@ class Trainer:
         self.checkpoints.save(
             self.state.step,
             self.checkpoint_states(),
-            metadata={"config": config_to_yaml(self.cfg), "monitor": self.monitor.state_dict()},
+            metadata=self.checkpoint_metadata(),
             score=self.monitor.score_at(self.state.step),
         )
         self.last_save = time.monotonic()
 
+    def checkpoint_metadata(self) -> dict[str, Any]:
+        return {"config": config_to_yaml(self.cfg), "monitor": self.monitor.state_dict()}
+
     def resume(self) -> None:
-        step = self.checkpoints.load(
-            self.checkpoint_states(), which=self.cfg.checkpoint.resume, optional=(EMA_KEY,)
-        )
+        try:
+            step = self.checkpoints.load(
+                self.checkpoint_states(),
+                which=self.cfg.checkpoint.resume,
+                optional=(EMA_KEY, SCALER_KEY),
+            )
+        except CheckpointError as exc:
+            tried = self.checkpoints.tried_manifest
+            changes = config_changes(self.cfg, tried["metadata"].get("config")) if tried else []
+            if not changes:
+                raise
+            raise type(exc)(
+                f"{str(exc).rstrip('.')}; the config differs from the checkpoint's in "
+                f"{', '.join(changes)}: set back the key that changes what the checkpoint "
+                "holds (model, optimizer, precision), or start over with --resume none"
+            ) from None
         if step is None:
             return
         if self.ema is not None and EMA_KEY in self.checkpoints.missing_states:
@@ -550,12 +619,24 @@ class Trainer:
             log.warning(
                 "the checkpoint of step %d has no EMA: the EMA starts from its weights", step
             )
+        if self.scaler is not None and SCALER_KEY in self.checkpoints.missing_states:
+            log.warning(
+                "the checkpoint of step %d has no fp16 gradient scaler (saved with another "
+                "train.precision): a fresh one starts at scale %g",
+                step,
+                self.scaler.get_scale(),
+            )
         self.resumed_loader = True
         if self.checkpoints.loaded_manifest is not None:
             self.monitor.load_state_dict(
                 self.checkpoints.loaded_manifest["metadata"].get("monitor")
             )
-        log.info("resumed from step %d (epoch %d)", self.state.step, self.state.epoch)
+        log.info(
+            "resumed from step %d (epoch %d) of %s",
+            self.state.step,
+            self.state.epoch,
+            self.checkpoints.loaded_from,
+        )
         if self.cfg.data.sample_log:
             self.truncate_sample_log()
 
@@ -611,12 +692,22 @@ class Trainer:
 
     def prepare_run_dir(self) -> None:
         if self.env.is_main:
-            try:
-                self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-                (self.run_dir / "config.yaml").write_text(config_to_yaml(self.cfg))
-            except OSError as exc:
-                raise ConfigError(
-                    f"run_dir={self.cfg.run_dir!r}: cannot write the run folder: {exc.strerror or exc}"
-                ) from None
+            self.write_run_folder(
+                lambda: self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            )
         if self.cfg.data.sample_log:
             self.sample_log_path().parent.mkdir(parents=True, exist_ok=True)
+
+    def write_run_config(self) -> None:
+        """`RUN_DIR/config.yaml`, once the resume succeeded: a failed one keeps the run's own."""
+        if self.env.is_main:
+            path = self.run_dir / "config.yaml"
+            self.write_run_folder(lambda: path.write_text(config_to_yaml(self.cfg)))
+
+    def write_run_folder(self, write: Callable[[], object]) -> None:
+        try:
+            write()
+        except OSError as exc:
+            raise ConfigError(
+                f"run_dir={self.cfg.run_dir!r}: cannot write the run folder: {exc.strerror or exc}"
+            ) from None
