@@ -33,6 +33,7 @@ from hpctrain.convert.sources import (
     ListOptions,
     SampleRef,
     Source,
+    is_python_spec,
     list_source,
 )
 from hpctrain.convert.writer import (
@@ -46,6 +47,7 @@ from hpctrain.convert.writer import (
 from hpctrain.data.index import (
     INDEX_NAME,
     ShardIndex,
+    ShardIndexError,
     ShardInfo,
     index_to_bytes,
     read_index,
@@ -223,6 +225,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
     state file), write the shards, then commit (`skipped.txt`, the indexes, state file removed).
     """
     _validate(options)
+    check_apart(options.src, options.dest)
     splits = ["train", "val"] if options.val_fraction > 0 else [""]
     index_urls = {
         split: _join(folder, INDEX_NAME)
@@ -269,6 +272,62 @@ def _validate(options: ConvertOptions) -> None:
         raise ConvertError(
             "memory:// lives inside one process: use --workers 1 with a memory:// destination"
         )
+
+
+def _location(url: str) -> tuple[str, str]:
+    """(protocol, absolute path) of a URL; local paths with symlinks resolved."""
+    fs, path = fsspec.core.url_to_fs(url)
+    if isinstance(fs, LocalFileSystem):
+        return "file", os.path.realpath(path)
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return protocol, posixpath.normpath("/" + path.strip("/"))
+
+
+def _source_locations(src: str) -> list[str]:
+    """The files and folders a conversion of `src` reads (for `check_apart`).
+
+    A pattern stands for the folder of its fixed part; a shard or an index for its folder and
+    the folders of the shards it lists; a Python callable reads no path.
+    """
+    if is_python_spec(src):
+        return []
+    cut = min((i for i in (src.find(c) for c in "{*?[") if i >= 0), default=-1)
+    if cut >= 0:
+        return [posixpath.dirname(src[:cut]) or "."]
+    lowered = src.lower().split("?", 1)[0]
+    locations = [src]
+    if lowered.endswith((".tar", ".json")):
+        locations.append(posixpath.dirname(src) or ".")
+    index_url = src if lowered.endswith(".json") else _join(src, INDEX_NAME)
+    try:
+        if _exists(index_url):
+            index = read_index(index_url)
+            locations += [posixpath.dirname(index.shard_url(i)) for i in range(len(index.shards))]
+    except (ShardIndexError, OSError, ValueError):
+        pass  # not an index: the source kinds report what it is
+    return locations
+
+
+def check_apart(src: str, dest: str) -> None:
+    """Refuse a DEST that is, holds or lies inside what the conversion reads.
+
+    `--overwrite` deletes DEST's index and shards before the source is read, and a DEST inside
+    an image folder becomes one of its classes: both must be refused before anything is touched.
+    """
+    where, target = _location(dest)
+    for location in dict.fromkeys(_source_locations(src)):
+        protocol, path = _location(location)
+        if protocol != where:
+            continue
+        if path == target or _inside(path, target) or _inside(target, path):
+            raise ConvertOptionError(
+                f"DEST {redact_url(dest)} is, holds or lies inside the source "
+                f"{redact_url(location)}: write the shards to a folder apart from the source"
+            )
+
+
+def _inside(path: str, folder: str) -> bool:
+    return path.startswith(folder.rstrip("/") + "/")
 
 
 @dataclass(frozen=True)

@@ -142,6 +142,11 @@ _CALLABLE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\
 KINDS = ("folder", "manifest", "shards", "python", "arrow")
 
 
+def is_python_spec(src: str) -> bool:
+    """SRC names a Python callable (`pkg.module:function`), not a path."""
+    return bool(_CALLABLE.fullmatch(src)) and not os.path.exists(src)
+
+
 def detect_kind(src: str) -> str:
     """Guess the source kind from the URL and what is there."""
     lowered = src.lower().split("?", 1)[0]
@@ -151,7 +156,7 @@ def detect_kind(src: str) -> str:
         return "arrow"
     if lowered.endswith(".tar") or "{" in src or lowered.endswith(INDEX_NAME):
         return "shards"
-    if _CALLABLE.fullmatch(src) and not os.path.exists(src):
+    if is_python_spec(src):
         return "python"
     fs, path = _fs_and_path(src)
     if not fs.isdir(path):
