@@ -62,3 +62,43 @@ def test_text_dest_inside_the_corpus_is_refused(
     before = snapshot(tokens)
     assert convert(tokens, tokens, "--overwrite", "--sample-tokens", "2") == 2
     assert snapshot(tokens) == before
+
+
+def test_two_layouts_in_one_folder_are_refused_or_replaced(
+    image_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lay = tmp_path / "lay"
+    assert convert(image_folder, lay, "--samples-per-shard", "10") == 0
+    before = snapshot(lay)
+    capsys.readouterr()
+    # A flat index beside train/ and val/: `data.train: lay` trained on validation samples.
+    assert convert(image_folder, lay, "--val-fraction", "0.2") == 3
+    err = capsys.readouterr().err
+    assert f"holds a layout without --val-fraction ({lay}/index.json)" in err
+    assert "--overwrite" in err
+    assert snapshot(lay) == before
+    (lay / "notes.txt").write_text("mine")
+    assert convert(image_folder, lay, "--val-fraction", "0.2", "--overwrite") == 0
+    assert sorted(snapshot(lay)) == [
+        "notes.txt",
+        "train/index.json",
+        "train/train-000000.tar",
+        "val/index.json",
+        "val/val-000000.tar",
+    ]
+    (lay / "val" / "mine.txt").write_text("mine")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("hello")
+    assert convert(corpus, lay, "--tokenizer", "bytes") == 3  # text conversions too
+    assert "holds a train/ and val/ layout" in capsys.readouterr().err
+    assert convert(image_folder, lay, "--samples-per-shard", "10", "--overwrite") == 0
+    assert sorted(snapshot(lay)) == [
+        "index.json",
+        "notes.txt",
+        "shard-000000.tar",
+        "shard-000001.tar",
+        "shard-000002.tar",
+        "val/mine.txt",
+    ]
+    assert not (lay / "train").exists()

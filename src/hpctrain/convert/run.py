@@ -482,9 +482,20 @@ def _prepare_destination(
             raise ConvertError(
                 f"{dest}: already holds shards or an index; use --overwrite to replace them"
             )
+    other = _other_layout(options.dest, layout)
+    if not options.overwrite:
+        found = [url for url in other if _exists(url)]
+        if found:
+            raise ConvertError(
+                f"{dest}: holds {_layout_name(found)} ({', '.join(map(redact_url, found))}) where "
+                f"this conversion writes {_layout_name(list(index_urls))}; use --overwrite to "
+                "replace it"
+            )
     if options.overwrite and not options.resume:
-        for url in index_urls.values():
+        for url in [*index_urls.values(), *other]:
             _remove(url)  # first: no index may describe shards while they are rewritten
+        for url, index in other.items():
+            _remove_listed_shards(url, index)
         for folder, prefix in layout.values():
             fs, path = fsspec.core.url_to_fs(folder)
             if fs.isdir(path):
@@ -501,6 +512,33 @@ def _prepare_destination(
         ) from None
     state = {"fingerprint": fingerprint, "command": command_line(options)}
     _write_bytes(state_url, (json.dumps(state, indent=1) + "\n").encode())
+
+
+def _other_layout(dest: str, layout: dict[str, tuple[str, str]]) -> dict[str, ShardIndex | None]:
+    """The index URLs of the layout this conversion does not write (flat vs train/ and val/),
+    with the index read (its shards are what `--overwrite` removes besides it)."""
+    urls = [_join(dest, INDEX_NAME)]
+    if "" in layout:
+        urls = [_join(_join(dest, split), INDEX_NAME) for split in ("train", "val")]
+    return {url: read_index(url) if _exists(url) else None for url in urls}
+
+
+def _layout_name(index_urls: list[str]) -> str:
+    return "a train/ and val/ layout" if len(index_urls) > 1 else "a layout without --val-fraction"
+
+
+def _remove_listed_shards(index_url: str, index: ShardIndex | None) -> None:
+    """Delete the shards an index of DEST lists in its own folder (nothing it names elsewhere),
+    then its split folder when that is left empty."""
+    if index is None:
+        return
+    folder = posixpath.dirname(index_url)
+    for shard in index.shards:
+        if "/" not in shard.url and ":" not in shard.url and shard.url.endswith(".tar"):
+            _remove(_join(folder, shard.url))
+    fs, path = fsspec.core.url_to_fs(folder)
+    if posixpath.basename(folder) in ("train", "val") and fs.isdir(path) and not fs.ls(path):
+        fs.rmdir(path)
 
 
 def _run_tasks(tasks: list[ShardTask], workers: int, progress: Progress) -> dict[str, ShardResult]:
