@@ -178,7 +178,9 @@ def detect_kind(src: str) -> str:
         n.endswith((".arrow", ".parquet")) for n in names
     ):
         return "arrow"
-    has_dirs = any(e["type"] == "directory" for e in entries)
+    has_dirs = any(
+        e["type"] == "directory" or (e.get("islink") and os.path.isdir(e["name"])) for e in entries
+    )
     has_tars = any(e["name"].endswith(".tar") for e in entries)
     return "shards" if has_tars and not has_dirs else "folder"
 
@@ -209,6 +211,55 @@ def list_source(src: str, kind: str = "auto", options: ListOptions | None = None
     raise ConvertOptionError(f"unknown source kind {kind!r} ({', '.join(KINDS)})")
 
 
+def _local_files(root: str) -> dict[str, int]:
+    """path -> size of every file under the local folder `root`, symlinked folders followed.
+
+    A folder that leads back to one above it (a symlink loop) is an error naming it: walking
+    it would never end. A symlink to nothing is kept as a file (reading it fails, by name).
+    """
+    files: dict[str, int] = {}
+    start = os.stat(root)
+    stack = [(root, frozenset({(start.st_dev, start.st_ino)}))]
+    while stack:
+        folder, above = stack.pop()
+        try:
+            entries = list(os.scandir(folder))
+        except OSError as exc:
+            raise ConvertError(f"{folder}: cannot list: {exc.strerror or exc}") from None
+        for entry in entries:
+            try:
+                is_dir = entry.is_dir()  # follows symlinks
+                info = entry.stat() if is_dir or not entry.is_symlink() else os.stat(entry.path)
+            except OSError:  # a dangling symlink
+                files[entry.path] = 0
+                continue
+            if not is_dir:
+                files[entry.path] = info.st_size
+                continue
+            identity = (info.st_dev, info.st_ino)
+            if identity in above:
+                raise ConvertError(
+                    f"{entry.path}: a symlink loop (it leads back to {os.path.realpath(entry.path)}, "
+                    "a folder above it)"
+                )
+            stack.append((entry.path, above | {identity}))
+    return files
+
+
+def find_files(src: str) -> dict[str, int]:
+    """path -> size of every file under the folder `src` (recursively; folder symlinks followed)."""
+    fs, root = _fs_and_path(src)
+    root = root.rstrip("/") or "/"
+    if isinstance(fs, LocalFileSystem):
+        return _local_files(root)
+    found = fs.find(root, detail=True)
+    return {
+        path: int(info.get("size") or 0)
+        for path, info in found.items()
+        if info["type"] != "directory"
+    }
+
+
 def list_image_folder(src: str) -> Source:
     """`src/<class>/**/<file>`: classes sorted by name give labels 0..C-1 (as torchvision's ImageFolder).
 
@@ -220,26 +271,27 @@ def list_image_folder(src: str) -> Source:
     if not fs.isdir(root):
         raise ConvertError(f"{redact_url(src)}: source folder not found")
     root = root.rstrip("/")
+    local = isinstance(fs, LocalFileSystem)
     class_dirs = sorted(
         posixpath.basename(e["name"].rstrip("/"))
         for e in fs.ls(root, detail=True)
-        if e["type"] == "directory"
+        # a symlinked class folder (e.g. $SCRATCH -> $STORE) is a class folder
+        if (e["type"] == "directory" or (local and e.get("islink") and os.path.isdir(e["name"])))
         and not posixpath.basename(e["name"].rstrip("/")).startswith(".")
     )
     if not class_dirs:
         raise ConvertError(f"{redact_url(src)}: no class folders (expected SRC/<class>/<image>)")
     samples: list[SampleRef] = []
     for label, name in enumerate(class_dirs):
-        found = fs.find(posixpath.join(root, name), detail=True)
+        found = find_files(full_url(fs, posixpath.join(root, name)))
         for path in sorted(found):
-            info = found[path]
-            if info["type"] == "directory" or posixpath.basename(path).startswith("."):
+            if posixpath.basename(path).startswith("."):
                 continue
             samples.append(
                 SampleRef(
                     key=sample_key(len(samples)),
                     url=full_url(fs, path),
-                    size=int(info.get("size") or 0),
+                    size=found[path],
                     label=label,
                 )
             )

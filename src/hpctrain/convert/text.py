@@ -53,7 +53,7 @@ from hpctrain.convert import run
 from hpctrain.convert.layout import DEFAULT_SHARD_SIZE, plan_fingerprint
 from hpctrain.convert.processes import process_pool
 from hpctrain.convert.progress import Progress
-from hpctrain.convert.sources import ConvertError, ConvertOptionError, sample_key
+from hpctrain.convert.sources import ConvertError, ConvertOptionError, find_files, sample_key
 from hpctrain.convert.tar import ShardTarWriter, member_num_bytes
 from hpctrain.convert.writer import EncodeOptions, ShardOutput, ShardResult, ShardTask
 from hpctrain.data.index import (
@@ -276,12 +276,12 @@ def _text_files(src: str, pattern: str) -> list[tuple[str, int]]:
         return [(src, int(fs.size(path) or 0))]
     base = path.rstrip("/")
     found = []
-    for name, info in sorted(fs.find(path, detail=True).items()):
+    for name, size in sorted(find_files(src).items()):
         relative = name[len(base) :].lstrip("/")
         if any(part.startswith(".") for part in relative.split("/")):
             continue
         if fnmatch.fnmatchcase(posixpath.basename(name), pattern):
-            found.append((posixpath.join(src.rstrip("/"), relative), int(info.get("size") or 0)))
+            found.append((posixpath.join(src.rstrip("/"), relative), size))
     if not found:
         raise ConvertError(f"{shown}: no files named like {pattern!r} (--text-glob)")
     return found

@@ -1,0 +1,64 @@
+"""What convert reads from its sources: symlinks, keys, manifests' encodings, label columns."""
+
+from __future__ import annotations
+
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from hpctrain.cli.main import main
+from hpctrain.data.index import read_index
+
+from .conftest import image_bytes
+
+
+def convert(*args: str | Path) -> int:
+    return main(["convert", *map(str, args), "--progress", "none"])
+
+
+def test_symlinked_class_folders_and_subfolders_are_followed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = tmp_path / "store"  # $STORE, where $SCRATCH's class folders link to
+    for name in ("square", "star", "extra"):
+        (store / name).mkdir(parents=True)
+        for i in range(2):
+            (store / name / f"{i}.jpg").write_bytes(image_bytes(i))
+    imgs = tmp_path / "imgs"
+    (imgs / "circle").mkdir(parents=True)
+    (imgs / "circle" / "0.jpg").write_bytes(image_bytes(9))
+    (imgs / "circle" / "more").symlink_to(store / "extra")  # a folder inside a class
+    (imgs / "square").symlink_to(store / "square")
+    (imgs / "star").symlink_to(store / "star")
+    assert convert(imgs, tmp_path / "out") == 0
+    index = read_index(str(tmp_path / "out" / "index.json"))
+    assert index.class_names == ("circle", "square", "star")
+    assert index.num_samples == 7
+    index_folder = tmp_path / "out"
+    with tarfile.open(index_folder / index.shards[0].url) as tar:
+        labels = [
+            int(tar.extractfile(m).read())  # type: ignore[union-attr]
+            for m in tar
+            if m.name.endswith(".cls")
+        ]
+    assert labels == [0, 0, 0, 1, 1, 2, 2]  # circle: its own image and the linked folder's two
+    # A loop is a clear error naming the path, not a walk without end.
+    (store / "star" / "again").symlink_to(imgs)
+    assert convert(imgs, tmp_path / "loop") == 3
+    err = capsys.readouterr().err
+    assert f"{imgs}/star/again/star: a symlink loop" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_symlinked_folders_of_a_text_corpus_are_read(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "b.txt").write_text("linked document")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("own document")
+    (corpus / "linked").symlink_to(elsewhere)
+    assert convert(corpus, tmp_path / "tokens", "--tokenizer", "bytes") == 0
+    index = read_index(str(tmp_path / "tokens" / "index.json"))
+    assert index.num_tokens == len("own document") + len("linked document") + 2
