@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import re
 import tarfile
 from pathlib import Path
 
@@ -62,3 +64,40 @@ def test_symlinked_folders_of_a_text_corpus_are_read(tmp_path: Path) -> None:
     assert convert(corpus, tmp_path / "tokens", "--tokenizer", "bytes") == 0
     index = read_index(str(tmp_path / "tokens" / "index.json"))
     assert index.num_tokens == len("own document") + len("linked document") + 2
+
+
+@pytest.mark.parametrize(
+    "key", ["../../etc/x", "a/../../b", "/etc/x", "a//b", "./x", "a/./b", "a/", "..\\x"]
+)
+def test_keys_leaving_the_folder_are_refused_naming_them(key: str) -> None:
+    from hpctrain.convert.generated import encode_sample
+    from hpctrain.errors import DataError
+
+    with pytest.raises(DataError, match=f"key {re.escape(repr(key))}"):
+        encode_sample({"__key__": key, "txt": "x"}, 0, "m:f")
+    key_ok, _ = encode_sample({"__key__": "train/a/x", "txt": "x"}, 0, "m:f")
+    assert key_ok == "train/a/x"  # folders inside the shard stay allowed
+
+
+def test_python_and_shard_sources_with_dotdot_keys_write_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "evilkeys.py").write_text(
+        "def make():\n    return [{'__key__': '../../etc/x', 'txt': 'owned'}]\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert convert("evilkeys:make", tmp_path / "out") == 3
+    err = capsys.readouterr().err
+    assert "evilkeys:make: sample 0: key '../../etc/x'" in err
+    assert not (tmp_path / "out").exists()
+    # A shard made elsewhere (re-sharding copies keys as they are).
+    shard = tmp_path / "in" / "shard-000000.tar"
+    shard.parent.mkdir()
+    with tarfile.open(shard, "w", format=tarfile.USTAR_FORMAT) as tar:
+        info = tarfile.TarInfo("../../etc/x.txt")
+        info.size = 5
+        tar.addfile(info, io.BytesIO(b"owned"))
+    assert convert(shard.parent, tmp_path / "out2") == 3
+    assert f"{shard}: key '../../etc/x'" in capsys.readouterr().err
+    assert not (tmp_path / "out2").exists()

@@ -127,6 +127,12 @@ def sample_key(position: int) -> str:
     return f"{position:09d}"
 
 
+def unsafe_key(key: str) -> bool:
+    """A key whose members would land outside the folder a shard is extracted into (a part
+    that is `..`, `.` or empty, an absolute path, a backslash), or that reads back differently."""
+    return key.startswith("/") or "\\" in key or any(p in ("", ".", "..") for p in key.split("/"))
+
+
 def _fs_and_path(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
     fs, path = fsspec.core.url_to_fs(url)
     return fs, path
@@ -348,6 +354,11 @@ def list_shards(src: str) -> Source:
                 continue
             if key != current or name is None:
                 if current is not None and group:
+                    if unsafe_key(current.removeprefix("./")):
+                        raise ConvertError(
+                            f"{redact_url(url)}: key {current!r} has a '..', '.' or empty part "
+                            "or is absolute: its members would lie outside the folder"
+                        )
                     samples.append(
                         SampleRef(
                             key=current.removeprefix("./"),
