@@ -7,6 +7,7 @@ import re
 import tarfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from hpctrain.cli.main import main
@@ -101,3 +102,44 @@ def test_python_and_shard_sources_with_dotdot_keys_write_nothing(
     assert convert(shard.parent, tmp_path / "out2") == 3
     assert f"{shard}: key '../../etc/x'" in capsys.readouterr().err
     assert not (tmp_path / "out2").exists()
+
+
+BOM = b"\xef\xbb\xbf"  # Excel's "CSV UTF-8" begins with it
+
+
+def test_manifests_with_a_byte_order_mark(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for i in range(2):
+        (tmp_path / f"{i}.jpg").write_bytes(image_bytes(i))
+    (tmp_path / "label_first.csv").write_bytes(BOM + b"label,path\ncat,0.jpg\ndog,1.jpg\n")
+    (tmp_path / "path_first.csv").write_bytes(BOM + b"path,label\n0.jpg,cat\n1.jpg,dog\n")
+    (tmp_path / "rows.jsonl").write_bytes(
+        BOM + b'{"path": "0.jpg", "label": "cat"}\n{"path": "1.jpg", "label": "dog"}\n'
+    )
+    for name in ("label_first.csv", "path_first.csv", "rows.jsonl"):
+        out = tmp_path / f"out-{name}"
+        assert convert(tmp_path / name, out) == 0
+        index = read_index(str(out / "index.json"))
+        assert index.class_names == ("cat", "dog")
+        with tarfile.open(out / index.shards[0].url) as tar:
+            names = ["000000000.jpg", "000000000.cls", "000000001.jpg", "000000001.cls"]
+            assert tar.getnames() == names
+    (tmp_path / "latin1.csv").write_bytes(b"path,label\n0.jpg,caf\xe9\n")
+    assert convert(tmp_path / "latin1.csv", tmp_path / "out-latin1") == 3
+    assert f"{tmp_path}/latin1.csv:2: not valid UTF-8" in capsys.readouterr().err
+
+
+def test_text_sources_with_a_byte_order_mark(tmp_path: Path) -> None:
+    (tmp_path / "docs.csv").write_bytes(BOM + b"text,id\nhello,1\n")
+    (tmp_path / "docs.jsonl").write_bytes(BOM + b'{"text": "hello"}\n')
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_bytes(BOM + b"hello")
+    for src in ("docs.csv", "docs.jsonl", "corpus"):
+        out = tmp_path / f"out-{src}"
+        assert convert(tmp_path / src, out, "--tokenizer", "bytes") == 0
+        with tarfile.open(out / "shard-000000.tar") as tar:
+            member = tar.extractfile(tar.getmembers()[0])
+            assert member is not None
+            ids = np.frombuffer(member.read(), dtype="<u2")
+        assert ids.tolist() == [*b"hello", 256], src

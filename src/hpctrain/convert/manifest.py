@@ -45,10 +45,16 @@ _SCALAR_EXTENSIONS = ("cls", "cls2", "txt", "text", "json")
 def read_manifest_rows(src: str) -> list[dict[str, Any]]:
     """The rows of a CSV (header row) or JSONL manifest, as dicts."""
     try:
-        with fsspec.open(src, "rt", encoding="utf-8", newline="") as f:
-            text = f.read()
+        with fsspec.open(src, "rb") as f:
+            data = f.read()
     except FileNotFoundError:
         raise ConvertError(f"{redact_url(src)}: manifest not found") from None
+    try:
+        # utf-8-sig: Excel's "CSV UTF-8" starts with a byte-order mark, which is not text
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ConvertError(f"{redact_url(src)}:{line}: not valid UTF-8") from None
     if _is_csv(src):
         return list(csv.DictReader(io.StringIO(text)))
     rows = []

@@ -32,6 +32,7 @@ error naming the file and line (or row): `--on-error fail` stops, `skip` lists i
 
 from __future__ import annotations
 
+import codecs
 import csv
 import fnmatch
 import hashlib
@@ -161,6 +162,7 @@ def _file_documents(url: str, per_line: bool) -> Iterator[tuple[str, str | None,
     except OSError as exc:
         yield shown, None, f"cannot read: {exc.strerror or exc}"
         return
+    data = data.removeprefix(codecs.BOM_UTF8)  # a byte-order mark is not text
     if not per_line:
         try:
             yield shown, data.decode("utf-8"), ""
@@ -319,6 +321,8 @@ def _jsonl_records(src: str) -> Iterator[tuple[str, bytes]]:
     shown = _redact(src)
     with fsspec.open(src, "rb") as f:
         for number, line in enumerate(f, 1):
+            if number == 1:
+                line = line.removeprefix(codecs.BOM_UTF8)
             if line.strip():
                 yield f"{shown}:{number}", line
 
@@ -330,7 +334,7 @@ def _csv_records(src: str, field: str) -> Iterator[tuple[str, str]]:
     with fsspec.open(src, "rb") as f:
         # surrogateescape keeps undecodable bytes as lone surrogates: the worker reports them
         # per row instead of the whole file failing to decode.
-        text = io.TextIOWrapper(f, encoding="utf-8", errors="surrogateescape", newline="")
+        text = io.TextIOWrapper(f, encoding="utf-8-sig", errors="surrogateescape", newline="")
         reader = csv.DictReader(text)
         if reader.fieldnames is None or field not in reader.fieldnames:
             raise ConvertOptionError(
