@@ -455,3 +455,18 @@ def test_resume_after_an_interrupted_text_conversion(
     ours, theirs = files(tmp_path / "out"), files(reference)
     assert ours.pop("index.json") != theirs.pop("index.json")  # the command names DEST
     assert ours == theirs
+
+
+@pytest.mark.parametrize("value", ["-1", "0"])
+def test_samples_per_shard_below_one_is_refused_like_images(
+    corpus: Path, image_folder: Path, tmp_path: Path, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hpctrain.cli.main import main
+
+    common = ["--samples-per-shard", value, "--progress", "none"]
+    assert main(["convert", str(corpus), str(tmp_path / "t"), "--tokenizer", "bytes", *common]) == 2
+    text_error = capsys.readouterr().err
+    assert main(["convert", str(image_folder), str(tmp_path / "i"), *common]) == 2
+    assert text_error == capsys.readouterr().err
+    assert "usage error: --samples-per-shard must be >= 1" in text_error
+    assert not (tmp_path / "t").exists()

@@ -262,6 +262,8 @@ def _validate(options: ConvertOptions) -> None:
         raise ConvertOptionError("--workers must be >= 1")
     if options.samples_per_shard is not None and options.shard_size is not None:
         raise ConvertOptionError("give --samples-per-shard or --shard-size, not both")
+    if options.samples_per_shard is not None and options.samples_per_shard < 1:
+        raise ConvertOptionError("--samples-per-shard must be >= 1")  # text conversions too
     if not 0.0 <= options.val_fraction < 1.0:
         raise ConvertOptionError(f"--val-fraction {options.val_fraction}: must be in [0, 1)")
     for name in ("max_side", "quality"):
