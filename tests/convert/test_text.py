@@ -470,3 +470,27 @@ def test_samples_per_shard_below_one_is_refused_like_images(
     assert text_error == capsys.readouterr().err
     assert "usage error: --samples-per-shard must be >= 1" in text_error
     assert not (tmp_path / "t").exists()
+
+
+def word_tokenizer(path: Path, vocab: dict[str, int]) -> Path:
+    """A word-level tokenizer.json with exactly `vocab` (ids as given) and `<|endoftext|>`."""
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.save(str(path))
+    return path
+
+
+def test_ids_that_are_not_contiguous_fit_the_vocab_size(tmp_path: Path) -> None:
+    # 6 tokens, one of them id 50: the vocabulary must hold 51 ids, not 6.
+    spec = word_tokenizer(tmp_path / "tok.json", {"[UNK]": 0, "a": 1, "b": 2, "c": 3, "d": 50})
+    assert load_tokenizer(str(spec)).vocab_size == 51
+    (tmp_path / "docs.jsonl").write_text('{"text": "a d b"}\n')
+    out = tmp_path / "out"
+    convert(ConvertOptions(str(tmp_path / "docs.jsonl"), str(out), tokenizer=str(spec)))
+    index = read_index(str(out / "index.json"))
+    assert index.tokenizer is not None and index.tokenizer["vocab_size"] == 51
+    samples, _ = stream_of(out / "index.json")
+    assert samples[0].tolist() == [1, 50, 2, index.tokenizer["eod_id"]]
+    assert not inspect_dataset(str(out))[0].errors

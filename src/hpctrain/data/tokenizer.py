@@ -10,6 +10,7 @@ Torch-free, and importable without the optional `tokenizers` library (only loadi
   without the tokenizer's post-processor specials (no BOS/CLS added): documents are separated
   by the EOD id alone. The EOD id is the token named by `eod_token` when given, else the first
   of `EOD_CANDIDATES` the tokenizer knows; a tokenizer with none of them is an error.
+  `vocab_size` is the largest id + 1 (ids need not be contiguous).
 
 A token index (`hpctrain.data.index`) records the tokenizer's `info()`: name, vocab_size,
 eod_id and the sha256 of the file ("" for the built-in). `check_tokenizer` compares a run's
@@ -145,7 +146,10 @@ def load_tokenizer(spec: str, eod_token: str = "") -> Tokenizer:
                 "its vocabulary; name one with --eod-token TOKEN"
             )
         eod_id = found[0][1]
-    vocab_size = int(hf.get_vocab_size(with_added_tokens=True))
+    # Ids need not be contiguous (a tokenizer.json may hold id 50 among 6 tokens): the ids
+    # written must all lie below vocab_size, which also picks tokens.u16 or tokens.u32.
+    ids = [*hf.get_vocab(with_added_tokens=True).values(), *hf.get_added_tokens_decoder()]
+    vocab_size = max(int(hf.get_vocab_size(with_added_tokens=True)), max(ids, default=-1) + 1)
     return Tokenizer(spec, vocab_size, int(eod_id), file_sha256(spec), hf)
 
 
