@@ -494,3 +494,36 @@ def test_ids_that_are_not_contiguous_fit_the_vocab_size(tmp_path: Path) -> None:
     samples, _ = stream_of(out / "index.json")
     assert samples[0].tolist() == [1, 50, 2, index.tokenizer["eod_id"]]
     assert not inspect_dataset(str(out))[0].errors
+
+
+def test_special_token_text_inside_a_document_is_ordinary_text(
+    hf_tokenizer: Path, tmp_path: Path
+) -> None:
+    # Web text holds the string "<|endoftext|>": it must not end the document there.
+    tok = load_tokenizer(str(hf_tokenizer))
+    text = "before <|endoftext|> after"
+    ids = tok.encode(text)
+    assert tok.eod_id not in ids and tok.decode(ids) == text
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    out = tmp_path / "out"
+    convert(ConvertOptions(str(tmp_path / "docs.jsonl"), str(out), tokenizer=str(hf_tokenizer)))
+    samples, _ = stream_of(out / "index.json")
+    docs = documents_of(samples, tok.eod_id)
+    assert len(docs) == 1 and tok.decode(docs[0]) == text
+
+
+def test_eod_token_must_be_a_special_token(hf_tokenizer: Path, tmp_path: Path) -> None:
+    vocab = json.loads(hf_tokenizer.read_text())["model"]["vocab"]
+    word = next(t for t in vocab if len(t) > 2 and t.isalpha())  # an ordinary word of it
+    with pytest.raises(TokenizerError, match=f"--eod-token '{word}' is an ordinary token"):
+        load_tokenizer(str(hf_tokenizer), word)
+    with pytest.raises(TokenizerError, match="--eod-token 'nothing-like-it' is not in its"):
+        load_tokenizer(str(hf_tokenizer), "nothing-like-it")
+    assert load_tokenizer(str(hf_tokenizer), "<pad>").eod_id == 0  # a special token: fine
+    # A candidate that is only an ordinary word is no end-of-document token either.
+    spec = word_tokenizer(tmp_path / "w.json", {"[UNK]": 0, "</s>": 1, "a": 2})
+    data = json.loads(spec.read_text())
+    data["added_tokens"] = []  # "</s>" only in the ordinary vocabulary
+    spec.write_text(json.dumps(data))
+    with pytest.raises(TokenizerError, match="is a special token of it; name one with"):
+        load_tokenizer(str(spec))

@@ -242,6 +242,9 @@ def tokenize_chunk(chunk: _Chunk, job: _Job) -> _ChunkResult:
         except UnicodeEncodeError:  # lone surrogates: CSV bytes that were not UTF-8
             errors.append((where, "not valid UTF-8"))
             return
+        if np.any(ids == job.eod_id):  # a model whose ordinary vocabulary holds the EOD's id
+            errors.append((where, f"encodes to the end-of-document id {job.eod_id} inside it"))
+            return
         pieces.append(np.append(ids, job.eod_id))
 
     if chunk.shard:
