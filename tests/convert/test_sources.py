@@ -143,3 +143,48 @@ def test_text_sources_with_a_byte_order_mark(tmp_path: Path) -> None:
             assert member is not None
             ids = np.frombuffer(member.read(), dtype="<u2")
         assert ids.tolist() == [*b"hello", 256], src
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--label-column", "y"], "--label-column: does nothing for a folder source"),
+        (["--path-column", "p"], "--path-column: does nothing for a folder source"),
+        (["--column", "a=b"], "--column: does nothing for a folder source"),
+        (["--arg", "k=v"], "--arg: does nothing for a folder source"),
+        (["--text-field", "content"], "--text-field: only for text sources (with --tokenizer)"),
+        (["--sample-tokens", "64"], "--sample-tokens: only for text sources (with --tokenizer)"),
+        (["--val-fraction", "0.2", "--prefix", "x"], "--prefix: does nothing with --val-fraction"),
+        (["--tokenizer", "bytes", "--label-column", "y"], "--label-column: not for text sources"),
+        (["--tokenizer", "bytes", "--text-field", "t"], "--text-field: does nothing for a folder"),
+    ],
+)
+def test_options_that_do_nothing_for_the_source_are_refused(
+    image_folder: Path,
+    tmp_path: Path,
+    args: list[str],
+    message: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert convert(image_folder, tmp_path / "out", *args) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_text_options_that_do_nothing_for_a_table_or_index_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "docs.jsonl").write_text('{"text": "hello"}\n')
+    common = ["--tokenizer", "bytes"]
+    assert convert(tmp_path / "docs.jsonl", tmp_path / "a", *common, "--text-glob", "*.md") == 2
+    assert "--text-glob: does nothing for a table" in capsys.readouterr().err
+    (tmp_path / "one.txt").write_text("hello")
+    assert convert(tmp_path / "one.txt", tmp_path / "b", *common, "--text-glob", "*.md") == 2
+    assert "--text-glob: does nothing for a text file" in capsys.readouterr().err
+    assert convert(tmp_path / "docs.jsonl", tmp_path / "tokens", *common) == 0
+    assert convert(tmp_path / "tokens", tmp_path / "c", "--eod-token", "<|endoftext|>") == 2
+    assert "--eod-token: does nothing for a token index" in capsys.readouterr().err
+    (tmp_path / "list.csv").write_text("path\n0.jpg\n")
+    assert convert(tmp_path / "list.csv", tmp_path / "d", "--column", "a=b") == 2
+    assert "--column: does nothing for a manifest source" in capsys.readouterr().err

@@ -18,6 +18,7 @@ import os
 import posixpath
 import shlex
 import tempfile
+from collections.abc import Iterable
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ from hpctrain.convert.sources import (
     ListOptions,
     SampleRef,
     Source,
+    detect_kind,
     is_python_spec,
     list_source,
 )
@@ -266,6 +268,10 @@ def _validate(options: ConvertOptions) -> None:
         raise ConvertOptionError("--samples-per-shard must be >= 1")  # text conversions too
     if not 0.0 <= options.val_fraction < 1.0:
         raise ConvertOptionError(f"--val-fraction {options.val_fraction}: must be in [0, 1)")
+    if options.val_fraction > 0 and given(options, ["prefix"]):
+        raise ConvertOptionError(
+            "--prefix: does nothing with --val-fraction (its shards are named train-*, val-*)"
+        )
     for name in ("max_side", "quality"):
         value = getattr(options, name)
         if value is not None and not (1 <= value <= (100 if name == "quality" else 1 << 16)):
@@ -343,9 +349,46 @@ class _Plan:
     fingerprint: str
 
 
+# The source kinds each source option does something for; text options need --tokenizer.
+_OPTION_KINDS = {
+    "path_column": ("manifest",),
+    "label_column": ("manifest", "arrow"),
+    "columns": ("arrow",),
+    "args": ("python",),
+}
+_TEXT_OPTIONS = ("eod_token", "text_field", "text_glob", "text_per_line", "sample_tokens")
+
+
+def flag_of(name: str) -> str:
+    """The command-line flag of a `ConvertOptions` field."""
+    return {"source_kind": "--source", "columns": "--column", "args": "--arg"}.get(
+        name, "--" + name.replace("_", "-")
+    )
+
+
+def given(options: ConvertOptions, names: Iterable[str]) -> list[str]:
+    """The flags of the fields among `names` that differ from their defaults."""
+    defaults = ConvertOptions(src="", dest="")
+    return [flag_of(n) for n in names if getattr(options, n) != getattr(defaults, n)]
+
+
+def _check_options_apply(options: ConvertOptions, kind: str) -> None:
+    """Refuse an option that does nothing for this source: it was meant for something."""
+    for name, kinds in _OPTION_KINDS.items():
+        if kind not in kinds and given(options, [name]):
+            raise ConvertOptionError(
+                f"{flag_of(name)}: does nothing for a {kind} source ({redact_url(options.src)}); "
+                f"it is for {' and '.join(kinds)} sources"
+            )
+    for flag in given(options, _TEXT_OPTIONS):
+        raise ConvertOptionError(f"{flag}: only for text sources (with --tokenizer)")
+
+
 def _plan(options: ConvertOptions, spool_dir: str) -> _Plan:
     """List the source, split it, order it and cut it into shards (no output written yet)."""
-    source = list_source(options.src, options.source_kind, list_options(options, spool_dir))
+    kind = detect_kind(options.src) if options.source_kind == "auto" else options.source_kind
+    _check_options_apply(options, kind)
+    source = list_source(options.src, kind, list_options(options, spool_dir))
     if options.val_fraction > 0:
         train, val = split_train_val(source.samples, options.val_fraction, options.seed)
         if not val or not train:

@@ -213,7 +213,7 @@ def list_source(src: str, kind: str = "auto", options: ListOptions | None = None
     if kind == "arrow":
         from hpctrain.convert.arrow import list_arrow
 
-        return list_arrow(src, options.columns, options.spool_dir)
+        return list_arrow(src, options.columns, options.spool_dir, options.label_column)
     raise ConvertOptionError(f"unknown source kind {kind!r} ({', '.join(KINDS)})")
 
 

@@ -521,30 +521,38 @@ def _scan(plan: _ShardPlan) -> ShardResult:
     return ShardResult(plan.url, len(plan.samples), len(data), hashlib.sha256(data).hexdigest(), ())
 
 
-def _validate(options: run.ConvertOptions) -> None:
+def _validate(options: run.ConvertOptions, index: ShardIndex | None) -> None:
+    """Refuse options out of range, and options that do nothing for this text source."""
     if options.sample_tokens < 1:
         raise ConvertOptionError("--sample-tokens must be >= 1")
-    ignored = [
-        flag
-        for flag, value, default in (
-            ("--max-side", options.max_side, None),
-            ("--quality", options.quality, None),
-            ("--source", options.source_kind, "auto"),
-            ("--column", options.columns, ()),
-            ("--arg", options.args, ()),
-        )
-        if value != default
-    ]
+    ignored = run.given(
+        options,
+        ("max_side", "quality", "source_kind", "columns", "args", "path_column", "label_column"),
+    )
     if ignored:
         raise ConvertOptionError(f"{', '.join(ignored)}: not for text sources (--tokenizer)")
+    table = options.src.split("?", 1)[0].lower().endswith(TEXT_SUFFIXES)
+    if index is not None:
+        kind, unused = "token index", ("eod_token", "text_field", "text_glob", "text_per_line")
+    elif table:
+        kind, unused = "table (.jsonl/.csv/.parquet)", ("text_glob",)
+    else:
+        fs, path = fsspec.core.url_to_fs(options.src)
+        if not fs.exists(path):
+            return  # reading it says so
+        is_folder = fs.isdir(path)
+        kind = "folder of text files" if is_folder else "text file"
+        unused = ("text_field",) if is_folder else ("text_field", "text_glob")
+    for flag in run.given(options, unused):
+        raise ConvertOptionError(f"{flag}: does nothing for a {kind} ({_redact(options.src)})")
 
 
 def convert_text(
     options: run.ConvertOptions, spool_dir: str, state_url: str, index_urls: dict[str, str]
 ) -> run.ConvertResult:
     """Convert a text source or token index into token shards (see the module doc)."""
-    _validate(options)
     index = source_index(options.src)
+    _validate(options, index)
     if index is not None and index.tokenizer is None:
         raise ConvertOptionError(
             f"{_redact(options.src)}: an index of shards that hold no tokens; --tokenizer "
