@@ -527,3 +527,24 @@ def test_eod_token_must_be_a_special_token(hf_tokenizer: Path, tmp_path: Path) -
     spec.write_text(json.dumps(data))
     with pytest.raises(TokenizerError, match="is a special token of it; name one with"):
         load_tokenizer(str(spec))
+
+
+def test_progress_counts_documents_and_tokens(
+    corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hpctrain.cli.main import main
+
+    out = tmp_path / "out"
+    assert (
+        main(["convert", str(corpus), str(out), "--tokenizer", "bytes", "--progress", "plain"]) == 0
+    )
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("tokenize:")]
+    tokens = sum(len(doc.encode()) + 1 for doc in DOCS)  # each document and its EOD
+    assert lines[-1].startswith(f"tokenize: {len(DOCS)}/{len(DOCS)} documents (100%), ")
+    assert f" docs/s, {tokens} tokens (" in lines[-1] and "img/s" not in lines[-1]
+    (tmp_path / "docs.jsonl").write_text('{"text": "ab"}\n{"text": "c"}\n')
+    args = ["--tokenizer", "bytes", "--progress", "plain"]
+    assert main(["convert", str(tmp_path / "docs.jsonl"), str(tmp_path / "t"), *args]) == 0
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("tokenize:")]
+    assert lines[-1].startswith("tokenize: 2 documents, ")  # a table: no total known ahead
+    assert "5 tokens (" in lines[-1] and "ETA" not in lines[-1]

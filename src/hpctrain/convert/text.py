@@ -621,10 +621,20 @@ def _tokenize(
     digests = []
     chunks: Iterable[_Chunk] = _chunks(options, index)
     if index is not None or not options.src.lower().endswith(TEXT_SUFFIXES):
-        chunks = list(chunks)  # file names or shard URLs only: cheap, and gives a total
-    total = len(chunks) if isinstance(chunks, list) else 0
-    # a table's chunks are read as they go: no total to show progress against
-    progress = Progress(total, options.progress if total else "none", label="tokenize")
+        chunks = list(chunks)  # file names or shard URLs only: cheap
+    # A file is a document unless --text-per-line: then, and for tables (read as they go) and
+    # token indexes, the number of documents is known only at the end.
+    total = 0
+    if isinstance(chunks, list) and index is None and not options.text_per_line:
+        total = sum(len(chunk.files) for chunk in chunks)
+    progress = Progress(
+        total,
+        options.progress,
+        label="tokenize",
+        unit="documents",
+        rate_unit="docs/s",
+        count_tokens=True,
+    )
     try:
         for result in _ordered_map(tokenize_chunk, chunks, job, options.workers):
             if result.errors and options.on_error == "fail":
@@ -638,7 +648,7 @@ def _tokenize(
             starts.append(np.concatenate(([0], np.cumsum(result.lengths)[:-1])).astype(np.int64))
             lengths.append(result.lengths)
             spools.append(result.spool)
-            progress.update(1)
+            progress.update(result.lengths.size + len(result.errors), int(result.lengths.sum()))
     finally:
         progress.close()
     if not lengths or not sum(x.size for x in lengths):
