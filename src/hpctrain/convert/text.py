@@ -532,6 +532,7 @@ def _validate(options: run.ConvertOptions, index: ShardIndex | None) -> None:
     if ignored:
         raise ConvertOptionError(f"{', '.join(ignored)}: not for text sources (--tokenizer)")
     table = options.src.split("?", 1)[0].lower().endswith(TEXT_SUFFIXES)
+    unused: tuple[str, ...]
     if index is not None:
         kind, unused = "token index", ("eod_token", "text_field", "text_glob", "text_per_line")
     elif table:
