@@ -102,3 +102,17 @@ def test_two_layouts_in_one_folder_are_refused_or_replaced(
         "val/mine.txt",
     ]
     assert not (lay / "train").exists()
+
+
+def test_a_skipped_txt_of_the_user_is_not_removed(
+    image_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "skipped.txt").write_text("my own notes")
+    # The commit writes DEST/skipped.txt, or removes it when nothing was skipped.
+    assert convert(image_folder, dest) == 3
+    assert f"{dest}/skipped.txt: not written by a conversion here" in capsys.readouterr().err
+    assert (dest / "skipped.txt").read_text() == "my own notes"
+    assert convert(image_folder, dest, "--overwrite") == 0  # the user said so
+    assert not (dest / "skipped.txt").exists()

@@ -527,6 +527,12 @@ def _prepare_destination(
             raise ConvertError(
                 f"{dest}: already holds shards or an index; use --overwrite to replace them"
             )
+        skipped_url = _join(options.dest, SKIPPED_NAME)
+        if _exists(skipped_url):  # no conversion of ours is there: the file is the user's
+            raise ConvertError(
+                f"{redact_url(skipped_url)}: not written by a conversion here (the commit would "
+                "replace or remove it); move it, or use --overwrite"
+            )
     other = _other_layout(options.dest, layout)
     if not options.overwrite:
         found = [url for url in other if _exists(url)]
