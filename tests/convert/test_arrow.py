@@ -223,3 +223,13 @@ def test_label_column_is_cls_as_in_manifests(
         assert convert(str(tmp_path / src), str(tmp_path / "x"), "--label-column", "kind") == 2
         err = capsys.readouterr().err
         assert f"--label-column kind: {tmp_path / src} has no column 'kind'" in err
+
+
+def test_a_label_column_of_lists_is_a_bad_sample_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pq.write_table(pa.table({"x.bin": [b"a", b"b"], "label": [[1], [2]]}), tmp_path / "t.parquet")
+    assert convert(str(tmp_path / "t.parquet"), str(tmp_path / "out")) == 3
+    err = capsys.readouterr().err.strip()
+    assert "row 1" in err and "column 'label': [1] is not an integer" in err
+    assert len(err.splitlines()) == 1

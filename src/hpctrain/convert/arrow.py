@@ -198,7 +198,12 @@ def plan_columns(
             kind = "file"
         elif pa.types.is_binary(type_) or pa.types.is_large_binary(type_):
             kind = "binary"
-        elif plain_label and name == label_column and feature.get("_type") != "ClassLabel":
+        elif (
+            plain_label
+            and name == label_column
+            and feature.get("_type") != "ClassLabel"
+            and not pa.types.is_nested(type_)  # a list is no label: each row a bad sample
+        ):
             kind = "label"
         else:
             kind = "value"
