@@ -109,7 +109,7 @@ def test_parquet_glob_with_column_mapping(tmp_path: Path) -> None:
     assert samples["k04"] == {
         "seg.png": palette_png(4),
         "txt": b"c4",
-        "json": b'{"label":4}',  # no ClassLabel feature in parquet: a plain column, gathered
+        "cls": b"4",  # the label column is cls, as in manifests
     }
     assert "--column junk=" in read_index(str(dest / "index.json")).command
 
@@ -181,3 +181,55 @@ def test_file_structs_that_are_not_images_keep_their_bytes(tmp_path: Path) -> No
     pq.write_table(table, tmp_path / "a.parquet")
     assert convert(str(tmp_path / "a.parquet"), str(tmp_path / "out")) == 0
     assert [s["audio.wav"] for s in read_back(tmp_path / "out").values()] == sounds
+
+
+def test_label_column_is_cls_as_in_manifests(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One rule for every tabular source: the label column (`--label-column`) becomes `cls`."""
+    images = [{"bytes": image_bytes(i), "path": None} for i in range(3)]
+    table = pa.table(
+        {
+            "image": pa.array(images, IMAGE),
+            "label": ["dog", "cat", "dog"],
+            "species": [7, 3, 7],
+        }
+    )
+    pq.write_table(table, tmp_path / "t.parquet")
+    manifest = tmp_path / "m.jsonl"
+    for i in range(3):
+        (tmp_path / f"{i}.jpg").write_bytes(image_bytes(i))
+    manifest.write_text(
+        "".join(
+            json.dumps({"path": f"{i}.jpg", "label": label, "species": species}) + "\n"
+            for i, (label, species) in enumerate(zip(["dog", "cat", "dog"], [7, 3, 7], strict=True))
+        )
+    )
+    for src in ("t.parquet", "m.jsonl"):
+        assert convert(str(tmp_path / src), str(tmp_path / f"{src}-out")) == 0
+        index = read_index(str(tmp_path / f"{src}-out" / "index.json"))
+        assert index.class_names == ("cat", "dog"), src
+        samples = read_back(tmp_path / f"{src}-out")
+        assert [s["cls"] for s in samples.values()] == [b"1", b"0", b"1"], src
+        assert [s["json"] for s in samples.values()] == [
+            b'{"species":7}',
+            b'{"species":3}',
+            b'{"species":7}',
+        ], src
+        out = tmp_path / f"{src}-species"
+        assert convert(str(tmp_path / src), str(out), "--label-column", "species") == 0
+        assert read_index(str(out / "index.json")).class_names == ()  # integers: the labels
+        assert [s["cls"] for s in read_back(out).values()] == [b"7", b"3", b"7"], src
+        assert convert(str(tmp_path / src), str(tmp_path / "x"), "--label-column", "kind") == 2
+        err = capsys.readouterr().err
+        assert f"--label-column kind: {tmp_path / src} has no column 'kind'" in err
+
+
+def test_a_label_column_of_lists_is_a_bad_sample_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pq.write_table(pa.table({"x.bin": [b"a", b"b"], "label": [[1], [2]]}), tmp_path / "t.parquet")
+    assert convert(str(tmp_path / "t.parquet"), str(tmp_path / "out")) == 3
+    err = capsys.readouterr().err.strip()
+    assert "row 1" in err and "column 'label': [1] is not an integer" in err
+    assert len(err.splitlines()) == 1

@@ -455,3 +455,96 @@ def test_resume_after_an_interrupted_text_conversion(
     ours, theirs = files(tmp_path / "out"), files(reference)
     assert ours.pop("index.json") != theirs.pop("index.json")  # the command names DEST
     assert ours == theirs
+
+
+@pytest.mark.parametrize("value", ["-1", "0"])
+def test_samples_per_shard_below_one_is_refused_like_images(
+    corpus: Path, image_folder: Path, tmp_path: Path, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hpctrain.cli.main import main
+
+    common = ["--samples-per-shard", value, "--progress", "none"]
+    assert main(["convert", str(corpus), str(tmp_path / "t"), "--tokenizer", "bytes", *common]) == 2
+    text_error = capsys.readouterr().err
+    assert main(["convert", str(image_folder), str(tmp_path / "i"), *common]) == 2
+    assert text_error == capsys.readouterr().err
+    assert "usage error: --samples-per-shard must be >= 1" in text_error
+    assert not (tmp_path / "t").exists()
+
+
+def word_tokenizer(path: Path, vocab: dict[str, int]) -> Path:
+    """A word-level tokenizer.json with exactly `vocab` (ids as given) and `<|endoftext|>`."""
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.save(str(path))
+    return path
+
+
+def test_ids_that_are_not_contiguous_fit_the_vocab_size(tmp_path: Path) -> None:
+    # 6 tokens, one of them id 50: the vocabulary must hold 51 ids, not 6.
+    spec = word_tokenizer(tmp_path / "tok.json", {"[UNK]": 0, "a": 1, "b": 2, "c": 3, "d": 50})
+    assert load_tokenizer(str(spec)).vocab_size == 51
+    (tmp_path / "docs.jsonl").write_text('{"text": "a d b"}\n')
+    out = tmp_path / "out"
+    convert(ConvertOptions(str(tmp_path / "docs.jsonl"), str(out), tokenizer=str(spec)))
+    index = read_index(str(out / "index.json"))
+    assert index.tokenizer is not None and index.tokenizer["vocab_size"] == 51
+    samples, _ = stream_of(out / "index.json")
+    assert samples[0].tolist() == [1, 50, 2, index.tokenizer["eod_id"]]
+    assert not inspect_dataset(str(out))[0].errors
+
+
+def test_special_token_text_inside_a_document_is_ordinary_text(
+    hf_tokenizer: Path, tmp_path: Path
+) -> None:
+    # Web text holds the string "<|endoftext|>": it must not end the document there.
+    tok = load_tokenizer(str(hf_tokenizer))
+    text = "before <|endoftext|> after"
+    ids = tok.encode(text)
+    assert tok.eod_id not in ids and tok.decode(ids) == text
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    out = tmp_path / "out"
+    convert(ConvertOptions(str(tmp_path / "docs.jsonl"), str(out), tokenizer=str(hf_tokenizer)))
+    samples, _ = stream_of(out / "index.json")
+    docs = documents_of(samples, tok.eod_id)
+    assert len(docs) == 1 and tok.decode(docs[0]) == text
+
+
+def test_eod_token_must_be_a_special_token(hf_tokenizer: Path, tmp_path: Path) -> None:
+    vocab = json.loads(hf_tokenizer.read_text())["model"]["vocab"]
+    word = next(t for t in vocab if len(t) > 2 and t.isalpha())  # an ordinary word of it
+    with pytest.raises(TokenizerError, match=f"--eod-token '{word}' is an ordinary token"):
+        load_tokenizer(str(hf_tokenizer), word)
+    with pytest.raises(TokenizerError, match="--eod-token 'nothing-like-it' is not in its"):
+        load_tokenizer(str(hf_tokenizer), "nothing-like-it")
+    assert load_tokenizer(str(hf_tokenizer), "<pad>").eod_id == 0  # a special token: fine
+    # A candidate that is only an ordinary word is no end-of-document token either.
+    spec = word_tokenizer(tmp_path / "w.json", {"[UNK]": 0, "</s>": 1, "a": 2})
+    data = json.loads(spec.read_text())
+    data["added_tokens"] = []  # "</s>" only in the ordinary vocabulary
+    spec.write_text(json.dumps(data))
+    with pytest.raises(TokenizerError, match="is a special token of it; name one with"):
+        load_tokenizer(str(spec))
+
+
+def test_progress_counts_documents_and_tokens(
+    corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hpctrain.cli.main import main
+
+    out = tmp_path / "out"
+    assert (
+        main(["convert", str(corpus), str(out), "--tokenizer", "bytes", "--progress", "plain"]) == 0
+    )
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("tokenize:")]
+    tokens = sum(len(doc.encode()) + 1 for doc in DOCS)  # each document and its EOD
+    assert lines[-1].startswith(f"tokenize: {len(DOCS)}/{len(DOCS)} documents (100%), ")
+    assert f" docs/s, {tokens} tokens (" in lines[-1] and "img/s" not in lines[-1]
+    (tmp_path / "docs.jsonl").write_text('{"text": "ab"}\n{"text": "c"}\n')
+    args = ["--tokenizer", "bytes", "--progress", "plain"]
+    assert main(["convert", str(tmp_path / "docs.jsonl"), str(tmp_path / "t"), *args]) == 0
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("tokenize:")]
+    assert lines[-1].startswith("tokenize: 2 documents, ")  # a table: no total known ahead
+    assert "5 tokens (" in lines[-1] and "ETA" not in lines[-1]

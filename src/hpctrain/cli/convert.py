@@ -101,7 +101,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="manifest column with the image path/URL (default path)",
     )
     parser.add_argument(
-        "--label-column", default="label", help="manifest column with the label (default label)"
+        "--label-column",
+        default="label",
+        help="manifest/Arrow/parquet column with the label, written as cls (default label)",
     )
     parser.add_argument(
         "--column",

@@ -17,7 +17,9 @@ the value's type:
 - binary: the bytes (a field name without an extension gets the image format when the bytes
   are an image);
 - a single `ClassLabel` column is written as `cls` unless `--column` says otherwise, and its
-  names become the index's class names;
+  names become the index's class names; the label column (`--label-column`, default `label`)
+  is `cls` by the manifest rule: integers as they are, else the sorted distinct values are the
+  class names (read from every row before the first is written);
 - scalars as in manifests: `cls`, `cls2`, `*.cls` integers; `txt`, `text`, `*.txt` text;
   `json`, `*.json` JSON; every other column (numbers, strings, lists) gathered into `json`.
 
@@ -73,7 +75,8 @@ def _pyarrow() -> Any:
 class _Column:
     name: str  # in the table
     field: str  # the member it becomes (or the key in the gathered json)
-    kind: str  # "file" (a {bytes, path} struct) | "binary" | "value" | "key"
+    kind: str  # "file" (a {bytes, path} struct) | "binary" | "value" | "key" | "label"
+    classes: tuple[str, ...] = ()  # "label": the class names its text values are positions in
 
 
 def arrow_files(src: str) -> tuple[list[str], dict[str, Any], str]:
@@ -116,13 +119,15 @@ def arrow_files(src: str) -> tuple[list[str], dict[str, Any], str]:
     return [full_url(fs, p) for p in found], {}, base
 
 
-def iter_batches(url: str) -> Iterator[Any]:
-    """Record batches of a parquet file, an Arrow IPC stream (save_to_disk) or an Arrow file."""
+def iter_batches(url: str, columns: list[str] | None = None) -> Iterator[Any]:
+    """Record batches of a parquet file, an Arrow IPC stream (save_to_disk) or an Arrow file
+    (`columns`: only those, where the format can read them alone)."""
     pa = _pyarrow()
     with fsspec.open(url, "rb") as f:
         try:
             if url.split("?", 1)[0].endswith(".parquet"):
-                yield from pa.parquet.ParquetFile(f).iter_batches(batch_size=BATCH_ROWS)
+                parquet = pa.parquet.ParquetFile(f)
+                yield from parquet.iter_batches(batch_size=BATCH_ROWS, columns=columns)
                 return
             try:
                 reader = pa.ipc.open_stream(f)
@@ -145,9 +150,16 @@ def _is_file_struct(pa: Any, type_: Any) -> bool:
 
 
 def plan_columns(
-    src: str, schema: Any, features: dict[str, Any], mapping: Iterable[tuple[str, str]]
+    src: str,
+    schema: Any,
+    features: dict[str, Any],
+    mapping: Iterable[tuple[str, str]],
+    label_column: str = "label",
 ) -> tuple[list[_Column], tuple[str, ...]]:
-    """Which column becomes which field, and the class names of the column written as `cls`."""
+    """Which column becomes which field, and the class names of the column written as `cls`.
+
+    Text class names of a plain label column are found later (`_label_classes`: every row).
+    """
     pa = _pyarrow()
     shown = redact_url(src)
     renames = dict(mapping)
@@ -157,9 +169,18 @@ def plan_columns(
                 f"--column {name}={renames[name]}: {shown} has no column {name!r}; "
                 f"columns: {', '.join(schema.names)}"
             )
+    if label_column != "label" and label_column not in schema.names:
+        raise ConvertOptionError(
+            f"--label-column {label_column}: {shown} has no column {label_column!r}; "
+            f"columns: {', '.join(schema.names)}"
+        )
     class_labels = [n for n in schema.names if (features.get(n) or {}).get("_type") == "ClassLabel"]
     if len(class_labels) == 1 and class_labels[0] not in renames and "cls" not in schema.names:
         renames[class_labels[0]] = "cls"
+    # The label column is `cls`, as in manifests (unless --column says otherwise).
+    plain_label = label_column in schema.names and label_column not in renames
+    if plain_label:
+        renames[label_column] = "cls"
     class_names: tuple[str, ...] = ()
     columns = []
     owners: dict[str, str] = {}  # member -> the column that writes it
@@ -177,10 +198,17 @@ def plan_columns(
             kind = "file"
         elif pa.types.is_binary(type_) or pa.types.is_large_binary(type_):
             kind = "binary"
+        elif (
+            plain_label
+            and name == label_column
+            and feature.get("_type") != "ClassLabel"
+            and not pa.types.is_nested(type_)  # a list is no label: each row a bad sample
+        ):
+            kind = "label"
         else:
             kind = "value"
         field = check_field_name(field, f"{shown}: column {name!r}")
-        if kind == "value" and scalar_member(field, 0, csv_text=False) is None:
+        if kind in ("value", "label") and scalar_member(field, 0, csv_text=False) is None:
             gathered.append(name)
         elif field in owners:
             raise ConvertOptionError(
@@ -236,6 +264,8 @@ def encode_row(
                 members.append(_named(column, data, path))
             elif column.kind == "binary":
                 members.append(_named(column, bytes(value)))
+            elif column.kind == "label" and column.classes:
+                members.append((column.field, str(column.classes.index(str(value))).encode()))
             else:
                 data = scalar_member(column.field, value, csv_text=False)
                 if data is None:
@@ -252,7 +282,29 @@ def encode_row(
     return key, members
 
 
-def list_arrow(src: str, mapping: Iterable[tuple[str, str]], spool_dir: str) -> Source:
+def _label_classes(
+    columns: list[_Column], files: list[str]
+) -> tuple[list[_Column], tuple[str, ...]]:
+    """The columns with the class names of a text label column (read from every file first,
+    as manifests do: sorted distinct values; all integers: no names, the integers are labels)."""
+    from hpctrain.convert.manifest import label_class_names
+
+    labels = [c for c in columns if c.kind == "label"]
+    if not labels:
+        return columns, ()
+    name = labels[0].name
+    values = {
+        v for url in files for b in iter_batches(url, [name]) for v in b.column(name).to_pylist()
+    }
+    classes = label_class_names(values)
+    return [
+        _Column(c.name, c.field, c.kind, classes) if c.kind == "label" else c for c in columns
+    ], classes
+
+
+def list_arrow(
+    src: str, mapping: Iterable[tuple[str, str]], spool_dir: str, label_column: str = "label"
+) -> Source:
     """Read every row of the Arrow/parquet source into the spool (see module doc)."""
     pa = _pyarrow()
     files, features, base = arrow_files(src)
@@ -266,7 +318,11 @@ def list_arrow(src: str, mapping: Iterable[tuple[str, str]], spool_dir: str) -> 
         for url in files:
             for batch in iter_batches(url):
                 if columns is None:
-                    columns, class_names = plan_columns(src, batch.schema, features, mapping)
+                    columns, class_names = plan_columns(
+                        src, batch.schema, features, mapping, label_column
+                    )
+                    columns, found = _label_classes(columns, files)
+                    class_names = found or class_names
                     names = batch.schema.names
                 elif batch.schema.names != names:
                     raise ConvertError(

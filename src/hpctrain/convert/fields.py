@@ -73,7 +73,11 @@ def file_extension(url: str) -> str:
 
 def int_text(value: Any) -> bytes:
     """An integer label as the text of a `cls` member (a ValueError for anything else)."""
-    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float, str))
+        or (isinstance(value, float) and not value.is_integer())
+    ):
         raise ValueError(f"{value!r} is not an integer")
     if isinstance(value, str):
         value = value.strip()

@@ -34,6 +34,7 @@ from hpctrain.convert.sources import (
     SampleRef,
     Source,
     sample_key,
+    unsafe_key,
 )
 from hpctrain.convert.tar import ShardTarWriter, member_header
 from hpctrain.errors import DataError
@@ -119,14 +120,12 @@ def check_key(value: Any, where: str) -> str:
         raise DataError(f"{where}: key {value!r} is not a str or an int")
     key = str(value)
     # the loader splits a member name at the first dot after the last slash: the key's end
-    if (
-        not key
-        or "." in key.rsplit("/", 1)[-1]
-        or key.startswith("/")
-        or any(c.isspace() for c in key)
-    ):
+    if not key or "." in key.rsplit("/", 1)[-1] or any(c.isspace() for c in key):
+        raise DataError(f"{where}: key {key!r} is empty, has a dot or whitespace")
+    if unsafe_key(key):  # "../../etc/x" would be a tar member outside the folder
         raise DataError(
-            f"{where}: key {key!r} is empty, has a dot or whitespace, or starts with '/'"
+            f"{where}: key {key!r} has a '..', '.' or empty part or is absolute: its members "
+            "would lie outside the folder"
         )
     return key
 

@@ -24,6 +24,7 @@ import io
 import json
 import os
 import posixpath
+from collections.abc import Iterable
 from typing import Any
 
 import fsspec
@@ -35,7 +36,14 @@ from hpctrain.convert.fields import (
     last_extension,
     scalar_member,
 )
-from hpctrain.convert.sources import ConvertError, FieldRef, SampleRef, Source, sample_key
+from hpctrain.convert.sources import (
+    ConvertError,
+    ConvertOptionError,
+    FieldRef,
+    SampleRef,
+    Source,
+    sample_key,
+)
 from hpctrain.data.index import redact_url
 from hpctrain.errors import DataError
 
@@ -45,10 +53,16 @@ _SCALAR_EXTENSIONS = ("cls", "cls2", "txt", "text", "json")
 def read_manifest_rows(src: str) -> list[dict[str, Any]]:
     """The rows of a CSV (header row) or JSONL manifest, as dicts."""
     try:
-        with fsspec.open(src, "rt", encoding="utf-8", newline="") as f:
-            text = f.read()
+        with fsspec.open(src, "rb") as f:
+            data = f.read()
     except FileNotFoundError:
         raise ConvertError(f"{redact_url(src)}: manifest not found") from None
+    try:
+        # utf-8-sig: Excel's "CSV UTF-8" starts with a byte-order mark, which is not text
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ConvertError(f"{redact_url(src)}:{line}: not valid UTF-8") from None
     if _is_csv(src):
         return list(csv.DictReader(io.StringIO(text)))
     rows = []
@@ -69,20 +83,30 @@ def _is_csv(src: str) -> bool:
     return src.lower().split("?", 1)[0].endswith(".csv")
 
 
+def label_class_names(values: Iterable[Any]) -> tuple[str, ...]:
+    """The class names of a label column's values: () when every value is an integer (the
+    labels are those integers), else the sorted distinct values (labels are positions).
+
+    The one rule of every tabular source (manifests, Arrow/parquet).
+    """
+    present = {v for v in values if v not in (None, "")}
+    if all(
+        (isinstance(v, int) and not isinstance(v, bool))
+        or (isinstance(v, str) and v.strip().lstrip("-").isdigit())
+        for v in present
+    ):
+        return ()
+    return tuple(sorted({str(v) for v in present}))
+
+
 def _labels(
     rows: list[dict[str, Any]], label_column: str
 ) -> tuple[list[int | None], tuple[str, ...]]:
-    """Each row's label and the class names: integers as they are, else sorted distinct values."""
+    """Each row's label and the class names (`label_class_names`)."""
     values = [row.get(label_column) for row in rows]
-    present = [v for v in values if v not in (None, "")]
-    if not present:
-        return [None] * len(rows), ()
-    if all(
-        isinstance(v, int) or (isinstance(v, str) and v.strip().lstrip("-").isdigit())
-        for v in present
-    ):
+    class_names = label_class_names(values)
+    if not class_names:
         return [None if v in (None, "") else int(v) for v in values], ()
-    class_names = tuple(sorted({str(v) for v in present}))
     position = {name: i for i, name in enumerate(class_names)}
     return [None if v in (None, "") else position[str(v)] for v in values], class_names
 
@@ -111,6 +135,14 @@ def list_manifest(src: str, *, path_column: str = "path", label_column: str = "l
         raise ConvertError(f"{redact_url(src)}: empty manifest")
     name = redact_url(src)
     columns = list(dict.fromkeys(column for row in rows for column in row))
+    for flag, column, default in (
+        ("--path-column", path_column, "path"),
+        ("--label-column", label_column, "label"),
+    ):
+        if column != default and column not in columns:
+            raise ConvertOptionError(
+                f"{flag} {column}: {name} has no column {column!r}; columns: {', '.join(columns)}"
+            )
     has_path = path_column in columns
     if has_path:
         for number, row in enumerate(rows, 1):

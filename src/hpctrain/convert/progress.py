@@ -14,13 +14,15 @@ def _duration(seconds: float) -> str:
 
 
 class Progress:
-    """Counts samples; shows a tqdm bar (`bar`), a line every `interval` seconds (`plain`) or nothing.
+    """Counts items; shows a tqdm bar (`bar`), a line every `interval` seconds (`plain`) or nothing.
 
     Args:
-        total: samples expected.
+        total: items expected (0: not known; the lines show no percentage and no ETA).
         mode: "auto" (bar when `stream` is a terminal, else plain), "bar", "plain" or "none".
         label: prefix of every line.
         interval: seconds between plain lines.
+        unit: what is counted (`samples`, `documents`), and `rate_unit` its rate.
+        count_tokens: also count tokens (`update(n, tokens=...)`) and show their rate.
     """
 
     def __init__(
@@ -31,6 +33,9 @@ class Progress:
         label: str = "convert",
         interval: float = 30.0,
         stream: TextIO | None = None,
+        unit: str = "samples",
+        rate_unit: str = "img/s",
+        count_tokens: bool = False,
     ) -> None:
         self.stream = stream or sys.stderr
         if mode == "auto":
@@ -39,19 +44,32 @@ class Progress:
         self.total = total
         self.label = label
         self.interval = interval
+        self.unit = unit
+        self.rate_unit = rate_unit
+        self.count_tokens = count_tokens
         self.count = 0
+        self.tokens = 0
         self.start = time.monotonic()
         self._last_line = self.start
         self._bar: Any = None
         if mode == "bar":
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, desc=label, unit="img", file=self.stream, smoothing=0.1)
+            self._bar = tqdm(
+                total=total or None,
+                desc=label,
+                unit=rate_unit.removesuffix("/s"),
+                file=self.stream,
+                smoothing=0.1,
+            )
 
-    def update(self, n: int = 1) -> None:
+    def update(self, n: int = 1, tokens: int = 0) -> None:
         self.count += n
+        self.tokens += tokens
         if self._bar is not None:
             self._bar.update(n)
+            if self.count_tokens:
+                self._bar.set_postfix_str(f"{self.tokens} tokens", refresh=False)
         elif self.mode == "plain":
             now = time.monotonic()
             if now - self._last_line >= self.interval:
@@ -61,14 +79,20 @@ class Progress:
     def _line(self, now: float) -> None:
         elapsed = max(now - self.start, 1e-9)
         rate = self.count / elapsed
-        eta = (self.total - self.count) / rate if rate > 0 else 0.0
-        percent = 100.0 * self.count / self.total if self.total else 100.0
-        print(
-            f"{self.label}: {self.count}/{self.total} samples ({percent:.0f}%), {rate:.0f} img/s, "
-            f"elapsed {_duration(elapsed)}, ETA {_duration(eta)}",
-            file=self.stream,
-            flush=True,
-        )
+        line = f"{self.label}: {self.count}"
+        if self.total:
+            percent = 100.0 * self.count / self.total
+            line += f"/{self.total} {self.unit} ({percent:.0f}%)"
+        else:
+            line += f" {self.unit}"
+        line += f", {rate:.0f} {self.rate_unit}"
+        if self.count_tokens:
+            line += f", {self.tokens} tokens ({self.tokens / elapsed:.0f} tokens/s)"
+        line += f", elapsed {_duration(elapsed)}"
+        if self.total:
+            eta = (self.total - self.count) / rate if rate > 0 else 0.0
+            line += f", ETA {_duration(eta)}"
+        print(line, file=self.stream, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:

@@ -18,6 +18,7 @@ import os
 import posixpath
 import shlex
 import tempfile
+from collections.abc import Iterable
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass, field
 
@@ -33,6 +34,8 @@ from hpctrain.convert.sources import (
     ListOptions,
     SampleRef,
     Source,
+    detect_kind,
+    is_python_spec,
     list_source,
 )
 from hpctrain.convert.writer import (
@@ -46,6 +49,7 @@ from hpctrain.convert.writer import (
 from hpctrain.data.index import (
     INDEX_NAME,
     ShardIndex,
+    ShardIndexError,
     ShardInfo,
     index_to_bytes,
     read_index,
@@ -223,6 +227,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
     state file), write the shards, then commit (`skipped.txt`, the indexes, state file removed).
     """
     _validate(options)
+    check_apart(options.src, options.dest)
     splits = ["train", "val"] if options.val_fraction > 0 else [""]
     index_urls = {
         split: _join(folder, INDEX_NAME)
@@ -259,8 +264,14 @@ def _validate(options: ConvertOptions) -> None:
         raise ConvertOptionError("--workers must be >= 1")
     if options.samples_per_shard is not None and options.shard_size is not None:
         raise ConvertOptionError("give --samples-per-shard or --shard-size, not both")
+    if options.samples_per_shard is not None and options.samples_per_shard < 1:
+        raise ConvertOptionError("--samples-per-shard must be >= 1")  # text conversions too
     if not 0.0 <= options.val_fraction < 1.0:
         raise ConvertOptionError(f"--val-fraction {options.val_fraction}: must be in [0, 1)")
+    if options.val_fraction > 0 and given(options, ["prefix"]):
+        raise ConvertOptionError(
+            "--prefix: does nothing with --val-fraction (its shards are named train-*, val-*)"
+        )
     for name in ("max_side", "quality"):
         value = getattr(options, name)
         if value is not None and not (1 <= value <= (100 if name == "quality" else 1 << 16)):
@@ -269,6 +280,62 @@ def _validate(options: ConvertOptions) -> None:
         raise ConvertError(
             "memory:// lives inside one process: use --workers 1 with a memory:// destination"
         )
+
+
+def _location(url: str) -> tuple[str, str]:
+    """(protocol, absolute path) of a URL; local paths with symlinks resolved."""
+    fs, path = fsspec.core.url_to_fs(url)
+    if isinstance(fs, LocalFileSystem):
+        return "file", os.path.realpath(path)
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return protocol, posixpath.normpath("/" + path.strip("/"))
+
+
+def _source_locations(src: str) -> list[str]:
+    """The files and folders a conversion of `src` reads (for `check_apart`).
+
+    A pattern stands for the folder of its fixed part; a shard or an index for its folder and
+    the folders of the shards it lists; a Python callable reads no path.
+    """
+    if is_python_spec(src):
+        return []
+    cut = min((i for i in (src.find(c) for c in "{*?[") if i >= 0), default=-1)
+    if cut >= 0:
+        return [posixpath.dirname(src[:cut]) or "."]
+    lowered = src.lower().split("?", 1)[0]
+    locations = [src]
+    if lowered.endswith((".tar", ".json")):
+        locations.append(posixpath.dirname(src) or ".")
+    index_url = src if lowered.endswith(".json") else _join(src, INDEX_NAME)
+    try:
+        if _exists(index_url):
+            index = read_index(index_url)
+            locations += [posixpath.dirname(index.shard_url(i)) for i in range(len(index.shards))]
+    except (ShardIndexError, OSError, ValueError):
+        pass  # not an index: the source kinds report what it is
+    return locations
+
+
+def check_apart(src: str, dest: str) -> None:
+    """Refuse a DEST that is, holds or lies inside what the conversion reads.
+
+    `--overwrite` deletes DEST's index and shards before the source is read, and a DEST inside
+    an image folder becomes one of its classes: both must be refused before anything is touched.
+    """
+    where, target = _location(dest)
+    for location in dict.fromkeys(_source_locations(src)):
+        protocol, path = _location(location)
+        if protocol != where:
+            continue
+        if path == target or _inside(path, target) or _inside(target, path):
+            raise ConvertOptionError(
+                f"DEST {redact_url(dest)} is, holds or lies inside the source "
+                f"{redact_url(location)}: write the shards to a folder apart from the source"
+            )
+
+
+def _inside(path: str, folder: str) -> bool:
+    return path.startswith(folder.rstrip("/") + "/")
 
 
 @dataclass(frozen=True)
@@ -282,9 +349,46 @@ class _Plan:
     fingerprint: str
 
 
+# The source kinds each source option does something for; text options need --tokenizer.
+_OPTION_KINDS = {
+    "path_column": ("manifest",),
+    "label_column": ("manifest", "arrow"),
+    "columns": ("arrow",),
+    "args": ("python",),
+}
+_TEXT_OPTIONS = ("eod_token", "text_field", "text_glob", "text_per_line", "sample_tokens")
+
+
+def flag_of(name: str) -> str:
+    """The command-line flag of a `ConvertOptions` field."""
+    return {"source_kind": "--source", "columns": "--column", "args": "--arg"}.get(
+        name, "--" + name.replace("_", "-")
+    )
+
+
+def given(options: ConvertOptions, names: Iterable[str]) -> list[str]:
+    """The flags of the fields among `names` that differ from their defaults."""
+    defaults = ConvertOptions(src="", dest="")
+    return [flag_of(n) for n in names if getattr(options, n) != getattr(defaults, n)]
+
+
+def _check_options_apply(options: ConvertOptions, kind: str) -> None:
+    """Refuse an option that does nothing for this source: it was meant for something."""
+    for name, kinds in _OPTION_KINDS.items():
+        if kind not in kinds and given(options, [name]):
+            raise ConvertOptionError(
+                f"{flag_of(name)}: does nothing for a {kind} source ({redact_url(options.src)}); "
+                f"it is for {' and '.join(kinds)} sources"
+            )
+    for flag in given(options, _TEXT_OPTIONS):
+        raise ConvertOptionError(f"{flag}: only for text sources (with --tokenizer)")
+
+
 def _plan(options: ConvertOptions, spool_dir: str) -> _Plan:
     """List the source, split it, order it and cut it into shards (no output written yet)."""
-    source = list_source(options.src, options.source_kind, list_options(options, spool_dir))
+    kind = detect_kind(options.src) if options.source_kind == "auto" else options.source_kind
+    _check_options_apply(options, kind)
+    source = list_source(options.src, kind, list_options(options, spool_dir))
     if options.val_fraction > 0:
         train, val = split_train_val(source.samples, options.val_fraction, options.seed)
         if not val or not train:
@@ -423,9 +527,26 @@ def _prepare_destination(
             raise ConvertError(
                 f"{dest}: already holds shards or an index; use --overwrite to replace them"
             )
+        skipped_url = _join(options.dest, SKIPPED_NAME)
+        if _exists(skipped_url):  # no conversion of ours is there: the file is the user's
+            raise ConvertError(
+                f"{redact_url(skipped_url)}: not written by a conversion here (the commit would "
+                "replace or remove it); move it, or use --overwrite"
+            )
+    other = _other_layout(options.dest, layout)
+    if not options.overwrite:
+        found = [url for url in other if _exists(url)]
+        if found:
+            raise ConvertError(
+                f"{dest}: holds {_layout_name(found)} ({', '.join(map(redact_url, found))}) where "
+                f"this conversion writes {_layout_name(list(index_urls))}; use --overwrite to "
+                "replace it"
+            )
     if options.overwrite and not options.resume:
-        for url in index_urls.values():
+        for url in [*index_urls.values(), *other]:
             _remove(url)  # first: no index may describe shards while they are rewritten
+        for url, index in other.items():
+            _remove_listed_shards(url, index)
         for folder, prefix in layout.values():
             fs, path = fsspec.core.url_to_fs(folder)
             if fs.isdir(path):
@@ -442,6 +563,33 @@ def _prepare_destination(
         ) from None
     state = {"fingerprint": fingerprint, "command": command_line(options)}
     _write_bytes(state_url, (json.dumps(state, indent=1) + "\n").encode())
+
+
+def _other_layout(dest: str, layout: dict[str, tuple[str, str]]) -> dict[str, ShardIndex | None]:
+    """The index URLs of the layout this conversion does not write (flat vs train/ and val/),
+    with the index read (its shards are what `--overwrite` removes besides it)."""
+    urls = [_join(dest, INDEX_NAME)]
+    if "" in layout:
+        urls = [_join(_join(dest, split), INDEX_NAME) for split in ("train", "val")]
+    return {url: read_index(url) if _exists(url) else None for url in urls}
+
+
+def _layout_name(index_urls: list[str]) -> str:
+    return "a train/ and val/ layout" if len(index_urls) > 1 else "a layout without --val-fraction"
+
+
+def _remove_listed_shards(index_url: str, index: ShardIndex | None) -> None:
+    """Delete the shards an index of DEST lists in its own folder (nothing it names elsewhere),
+    then its split folder when that is left empty."""
+    if index is None:
+        return
+    folder = posixpath.dirname(index_url)
+    for shard in index.shards:
+        if "/" not in shard.url and ":" not in shard.url and shard.url.endswith(".tar"):
+            _remove(_join(folder, shard.url))
+    fs, path = fsspec.core.url_to_fs(folder)
+    if posixpath.basename(folder) in ("train", "val") and fs.isdir(path) and not fs.ls(path):
+        fs.rmdir(path)
 
 
 def _run_tasks(tasks: list[ShardTask], workers: int, progress: Progress) -> dict[str, ShardResult]:

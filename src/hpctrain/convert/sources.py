@@ -127,6 +127,12 @@ def sample_key(position: int) -> str:
     return f"{position:09d}"
 
 
+def unsafe_key(key: str) -> bool:
+    """A key whose members would land outside the folder a shard is extracted into (a part
+    that is `..`, `.` or empty, an absolute path, a backslash), or that reads back differently."""
+    return key.startswith("/") or "\\" in key or any(p in ("", ".", "..") for p in key.split("/"))
+
+
 def _fs_and_path(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
     fs, path = fsspec.core.url_to_fs(url)
     return fs, path
@@ -142,6 +148,11 @@ _CALLABLE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\
 KINDS = ("folder", "manifest", "shards", "python", "arrow")
 
 
+def is_python_spec(src: str) -> bool:
+    """SRC names a Python callable (`pkg.module:function`), not a path."""
+    return bool(_CALLABLE.fullmatch(src)) and not os.path.exists(src)
+
+
 def detect_kind(src: str) -> str:
     """Guess the source kind from the URL and what is there."""
     lowered = src.lower().split("?", 1)[0]
@@ -151,7 +162,7 @@ def detect_kind(src: str) -> str:
         return "arrow"
     if lowered.endswith(".tar") or "{" in src or lowered.endswith(INDEX_NAME):
         return "shards"
-    if _CALLABLE.fullmatch(src) and not os.path.exists(src):
+    if is_python_spec(src):
         return "python"
     fs, path = _fs_and_path(src)
     if not fs.isdir(path):
@@ -173,7 +184,9 @@ def detect_kind(src: str) -> str:
         n.endswith((".arrow", ".parquet")) for n in names
     ):
         return "arrow"
-    has_dirs = any(e["type"] == "directory" for e in entries)
+    has_dirs = any(
+        e["type"] == "directory" or (e.get("islink") and os.path.isdir(e["name"])) for e in entries
+    )
     has_tars = any(e["name"].endswith(".tar") for e in entries)
     return "shards" if has_tars and not has_dirs else "folder"
 
@@ -200,8 +213,57 @@ def list_source(src: str, kind: str = "auto", options: ListOptions | None = None
     if kind == "arrow":
         from hpctrain.convert.arrow import list_arrow
 
-        return list_arrow(src, options.columns, options.spool_dir)
+        return list_arrow(src, options.columns, options.spool_dir, options.label_column)
     raise ConvertOptionError(f"unknown source kind {kind!r} ({', '.join(KINDS)})")
+
+
+def _local_files(root: str) -> dict[str, int]:
+    """path -> size of every file under the local folder `root`, symlinked folders followed.
+
+    A folder that leads back to one above it (a symlink loop) is an error naming it: walking
+    it would never end. A symlink to nothing is kept as a file (reading it fails, by name).
+    """
+    files: dict[str, int] = {}
+    start = os.stat(root)
+    stack = [(root, frozenset({(start.st_dev, start.st_ino)}))]
+    while stack:
+        folder, above = stack.pop()
+        try:
+            entries = list(os.scandir(folder))
+        except OSError as exc:
+            raise ConvertError(f"{folder}: cannot list: {exc.strerror or exc}") from None
+        for entry in entries:
+            try:
+                is_dir = entry.is_dir()  # follows symlinks
+                info = entry.stat() if is_dir or not entry.is_symlink() else os.stat(entry.path)
+            except OSError:  # a dangling symlink
+                files[entry.path] = 0
+                continue
+            if not is_dir:
+                files[entry.path] = info.st_size
+                continue
+            identity = (info.st_dev, info.st_ino)
+            if identity in above:
+                raise ConvertError(
+                    f"{entry.path}: a symlink loop (it leads back to {os.path.realpath(entry.path)}, "
+                    "a folder above it)"
+                )
+            stack.append((entry.path, above | {identity}))
+    return files
+
+
+def find_files(src: str) -> dict[str, int]:
+    """path -> size of every file under the folder `src` (recursively; folder symlinks followed)."""
+    fs, root = _fs_and_path(src)
+    root = root.rstrip("/") or "/"
+    if isinstance(fs, LocalFileSystem):
+        return _local_files(root)
+    found = fs.find(root, detail=True)
+    return {
+        path: int(info.get("size") or 0)
+        for path, info in found.items()
+        if info["type"] != "directory"
+    }
 
 
 def list_image_folder(src: str) -> Source:
@@ -215,26 +277,27 @@ def list_image_folder(src: str) -> Source:
     if not fs.isdir(root):
         raise ConvertError(f"{redact_url(src)}: source folder not found")
     root = root.rstrip("/")
+    local = isinstance(fs, LocalFileSystem)
     class_dirs = sorted(
         posixpath.basename(e["name"].rstrip("/"))
         for e in fs.ls(root, detail=True)
-        if e["type"] == "directory"
+        # a symlinked class folder (e.g. $SCRATCH -> $STORE) is a class folder
+        if (e["type"] == "directory" or (local and e.get("islink") and os.path.isdir(e["name"])))
         and not posixpath.basename(e["name"].rstrip("/")).startswith(".")
     )
     if not class_dirs:
         raise ConvertError(f"{redact_url(src)}: no class folders (expected SRC/<class>/<image>)")
     samples: list[SampleRef] = []
     for label, name in enumerate(class_dirs):
-        found = fs.find(posixpath.join(root, name), detail=True)
+        found = find_files(full_url(fs, posixpath.join(root, name)))
         for path in sorted(found):
-            info = found[path]
-            if info["type"] == "directory" or posixpath.basename(path).startswith("."):
+            if posixpath.basename(path).startswith("."):
                 continue
             samples.append(
                 SampleRef(
                     key=sample_key(len(samples)),
                     url=full_url(fs, path),
-                    size=int(info.get("size") or 0),
+                    size=found[path],
                     label=label,
                 )
             )
@@ -291,6 +354,11 @@ def list_shards(src: str) -> Source:
                 continue
             if key != current or name is None:
                 if current is not None and group:
+                    if unsafe_key(current.removeprefix("./")):
+                        raise ConvertError(
+                            f"{redact_url(url)}: key {current!r} has a '..', '.' or empty part "
+                            "or is absolute: its members would lie outside the folder"
+                        )
                     samples.append(
                         SampleRef(
                             key=current.removeprefix("./"),

@@ -32,6 +32,7 @@ error naming the file and line (or row): `--on-error fail` stops, `skip` lists i
 
 from __future__ import annotations
 
+import codecs
 import csv
 import fnmatch
 import hashlib
@@ -53,7 +54,7 @@ from hpctrain.convert import run
 from hpctrain.convert.layout import DEFAULT_SHARD_SIZE, plan_fingerprint
 from hpctrain.convert.processes import process_pool
 from hpctrain.convert.progress import Progress
-from hpctrain.convert.sources import ConvertError, ConvertOptionError, sample_key
+from hpctrain.convert.sources import ConvertError, ConvertOptionError, find_files, sample_key
 from hpctrain.convert.tar import ShardTarWriter, member_num_bytes
 from hpctrain.convert.writer import EncodeOptions, ShardOutput, ShardResult, ShardTask
 from hpctrain.data.index import (
@@ -161,6 +162,7 @@ def _file_documents(url: str, per_line: bool) -> Iterator[tuple[str, str | None,
     except OSError as exc:
         yield shown, None, f"cannot read: {exc.strerror or exc}"
         return
+    data = data.removeprefix(codecs.BOM_UTF8)  # a byte-order mark is not text
     if not per_line:
         try:
             yield shown, data.decode("utf-8"), ""
@@ -240,6 +242,9 @@ def tokenize_chunk(chunk: _Chunk, job: _Job) -> _ChunkResult:
         except UnicodeEncodeError:  # lone surrogates: CSV bytes that were not UTF-8
             errors.append((where, "not valid UTF-8"))
             return
+        if np.any(ids == job.eod_id):  # a model whose ordinary vocabulary holds the EOD's id
+            errors.append((where, f"encodes to the end-of-document id {job.eod_id} inside it"))
+            return
         pieces.append(np.append(ids, job.eod_id))
 
     if chunk.shard:
@@ -276,12 +281,12 @@ def _text_files(src: str, pattern: str) -> list[tuple[str, int]]:
         return [(src, int(fs.size(path) or 0))]
     base = path.rstrip("/")
     found = []
-    for name, info in sorted(fs.find(path, detail=True).items()):
+    for name, size in sorted(find_files(src).items()):
         relative = name[len(base) :].lstrip("/")
         if any(part.startswith(".") for part in relative.split("/")):
             continue
         if fnmatch.fnmatchcase(posixpath.basename(name), pattern):
-            found.append((posixpath.join(src.rstrip("/"), relative), int(info.get("size") or 0)))
+            found.append((posixpath.join(src.rstrip("/"), relative), size))
     if not found:
         raise ConvertError(f"{shown}: no files named like {pattern!r} (--text-glob)")
     return found
@@ -319,6 +324,8 @@ def _jsonl_records(src: str) -> Iterator[tuple[str, bytes]]:
     shown = _redact(src)
     with fsspec.open(src, "rb") as f:
         for number, line in enumerate(f, 1):
+            if number == 1:
+                line = line.removeprefix(codecs.BOM_UTF8)
             if line.strip():
                 yield f"{shown}:{number}", line
 
@@ -330,7 +337,7 @@ def _csv_records(src: str, field: str) -> Iterator[tuple[str, str]]:
     with fsspec.open(src, "rb") as f:
         # surrogateescape keeps undecodable bytes as lone surrogates: the worker reports them
         # per row instead of the whole file failing to decode.
-        text = io.TextIOWrapper(f, encoding="utf-8", errors="surrogateescape", newline="")
+        text = io.TextIOWrapper(f, encoding="utf-8-sig", errors="surrogateescape", newline="")
         reader = csv.DictReader(text)
         if reader.fieldnames is None or field not in reader.fieldnames:
             raise ConvertOptionError(
@@ -514,30 +521,39 @@ def _scan(plan: _ShardPlan) -> ShardResult:
     return ShardResult(plan.url, len(plan.samples), len(data), hashlib.sha256(data).hexdigest(), ())
 
 
-def _validate(options: run.ConvertOptions) -> None:
+def _validate(options: run.ConvertOptions, index: ShardIndex | None) -> None:
+    """Refuse options out of range, and options that do nothing for this text source."""
     if options.sample_tokens < 1:
         raise ConvertOptionError("--sample-tokens must be >= 1")
-    ignored = [
-        flag
-        for flag, value, default in (
-            ("--max-side", options.max_side, None),
-            ("--quality", options.quality, None),
-            ("--source", options.source_kind, "auto"),
-            ("--column", options.columns, ()),
-            ("--arg", options.args, ()),
-        )
-        if value != default
-    ]
+    ignored = run.given(
+        options,
+        ("max_side", "quality", "source_kind", "columns", "args", "path_column", "label_column"),
+    )
     if ignored:
         raise ConvertOptionError(f"{', '.join(ignored)}: not for text sources (--tokenizer)")
+    table = options.src.split("?", 1)[0].lower().endswith(TEXT_SUFFIXES)
+    unused: tuple[str, ...]
+    if index is not None:
+        kind, unused = "token index", ("eod_token", "text_field", "text_glob", "text_per_line")
+    elif table:
+        kind, unused = "table (.jsonl/.csv/.parquet)", ("text_glob",)
+    else:
+        fs, path = fsspec.core.url_to_fs(options.src)
+        if not fs.exists(path):
+            return  # reading it says so
+        is_folder = fs.isdir(path)
+        kind = "folder of text files" if is_folder else "text file"
+        unused = ("text_field",) if is_folder else ("text_field", "text_glob")
+    for flag in run.given(options, unused):
+        raise ConvertOptionError(f"{flag}: does nothing for a {kind} ({_redact(options.src)})")
 
 
 def convert_text(
     options: run.ConvertOptions, spool_dir: str, state_url: str, index_urls: dict[str, str]
 ) -> run.ConvertResult:
     """Convert a text source or token index into token shards (see the module doc)."""
-    _validate(options)
     index = source_index(options.src)
+    _validate(options, index)
     if index is not None and index.tokenizer is None:
         raise ConvertOptionError(
             f"{_redact(options.src)}: an index of shards that hold no tokens; --tokenizer "
@@ -606,10 +622,20 @@ def _tokenize(
     digests = []
     chunks: Iterable[_Chunk] = _chunks(options, index)
     if index is not None or not options.src.lower().endswith(TEXT_SUFFIXES):
-        chunks = list(chunks)  # file names or shard URLs only: cheap, and gives a total
-    total = len(chunks) if isinstance(chunks, list) else 0
-    # a table's chunks are read as they go: no total to show progress against
-    progress = Progress(total, options.progress if total else "none", label="tokenize")
+        chunks = list(chunks)  # file names or shard URLs only: cheap
+    # A file is a document unless --text-per-line: then, and for tables (read as they go) and
+    # token indexes, the number of documents is known only at the end.
+    total = 0
+    if isinstance(chunks, list) and index is None and not options.text_per_line:
+        total = sum(len(chunk.files) for chunk in chunks)
+    progress = Progress(
+        total,
+        options.progress,
+        label="tokenize",
+        unit="documents",
+        rate_unit="docs/s",
+        count_tokens=True,
+    )
     try:
         for result in _ordered_map(tokenize_chunk, chunks, job, options.workers):
             if result.errors and options.on_error == "fail":
@@ -623,7 +649,7 @@ def _tokenize(
             starts.append(np.concatenate(([0], np.cumsum(result.lengths)[:-1])).astype(np.int64))
             lengths.append(result.lengths)
             spools.append(result.spool)
-            progress.update(1)
+            progress.update(result.lengths.size + len(result.errors), int(result.lengths.sum()))
     finally:
         progress.close()
     if not lengths or not sum(x.size for x in lengths):

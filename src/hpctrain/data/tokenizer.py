@@ -7,9 +7,12 @@ Torch-free, and importable without the optional `tokenizers` library (only loadi
   its ids 0..255, the end-of-document (EOD) id is 256, the vocabulary 257 ids.
 - A PATH to a Hugging Face `tokenizer.json`. Compute nodes are offline, so a hub name is never
   fetched: a spec that is not an existing file is an error naming it. Texts are encoded
-  without the tokenizer's post-processor specials (no BOS/CLS added): documents are separated
-  by the EOD id alone. The EOD id is the token named by `eod_token` when given, else the first
-  of `EOD_CANDIDATES` the tokenizer knows; a tokenizer with none of them is an error.
+  without the tokenizer's post-processor specials (no BOS/CLS added), and the text of a
+  special token inside a text is ordinary text (`encode_special_tokens`): documents are
+  separated by the EOD id alone. The EOD id is the special token named by `eod_token` when
+  given, else the first of `EOD_CANDIDATES` that is a special token of the tokenizer; an
+  ordinary word, or a tokenizer with none of them, is an error. `vocab_size` is the largest
+  id + 1 (ids need not be contiguous).
 
 A token index (`hpctrain.data.index`) records the tokenizer's `info()`: name, vocab_size,
 eod_id and the sha256 of the file ("" for the built-in). `check_tokenizer` compares a run's
@@ -132,20 +135,32 @@ def load_tokenizer(spec: str, eod_token: str = "") -> Tokenizer:
         hf = tokenizers.Tokenizer.from_file(spec)
     except Exception as exc:  # the Rust side raises its own exception type
         raise TokenizerError(f"{spec}: not a readable tokenizer.json: {exc}") from None
+    # Special tokens are matched in no document: a web page holding the text "<|endoftext|>"
+    # is one document, encoded as ordinary text, not two split at an EOD id.
+    hf.encode_special_tokens = True
+    added = hf.get_added_tokens_decoder()
+    specials = {token.content: int(i) for i, token in added.items() if token.special}
     if eod_token:
-        eod_id = hf.token_to_id(eod_token)
-        if eod_id is None:
-            raise TokenizerError(f"{spec}: --eod-token {eod_token!r} is not in its vocabulary")
+        if eod_token not in specials:
+            what = "an ordinary token" if hf.token_to_id(eod_token) is not None else "not"
+            raise TokenizerError(
+                f"{spec}: --eod-token {eod_token!r} is {what} in its vocabulary, not a special "
+                f"token (documents could hold it); its special tokens: "
+                f"{', '.join(sorted(specials)) or 'none'}"
+            )
+        eod_id = specials[eod_token]
     else:
-        found = [(t, hf.token_to_id(t)) for t in EOD_CANDIDATES]
-        found = [(t, i) for t, i in found if i is not None]
+        found = [specials[t] for t in EOD_CANDIDATES if t in specials]
         if not found:
             raise TokenizerError(
-                f"{spec}: none of the end-of-document tokens {', '.join(EOD_CANDIDATES)} is in "
-                "its vocabulary; name one with --eod-token TOKEN"
+                f"{spec}: none of the end-of-document tokens {', '.join(EOD_CANDIDATES)} is a "
+                "special token of it; name one with --eod-token TOKEN"
             )
-        eod_id = found[0][1]
-    vocab_size = int(hf.get_vocab_size(with_added_tokens=True))
+        eod_id = found[0]
+    # Ids need not be contiguous (a tokenizer.json may hold id 50 among 6 tokens): the ids
+    # written must all lie below vocab_size, which also picks tokens.u16 or tokens.u32.
+    ids = [*hf.get_vocab(with_added_tokens=True).values(), *added]
+    vocab_size = max(int(hf.get_vocab_size(with_added_tokens=True)), max(ids, default=-1) + 1)
     return Tokenizer(spec, vocab_size, int(eod_id), file_sha256(spec), hf)
 
 
