@@ -1,0 +1,85 @@
+"""Verbs that use a trained checkpoint (predict, eval, export, generate) on one tiny CPU run:
+what they refuse to overwrite, the class names that travel with the model, and one-line errors.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from hpctrain.cli.main import main
+from hpctrain.errors import EXIT_CONFIG
+from tests.train.helpers import REPO, run_hpctrain
+
+CLASSES = ("circle", "square", "star")
+
+
+def image_shards(root: Path, classes: tuple[str, ...], *, val_fraction: float = 0.0) -> Path:
+    """root/images/<class>/<n>.jpg (6 random 16 px images a class) converted to root/shards."""
+    rng = np.random.default_rng(len(root.name))
+    for name in classes:
+        (root / "images" / name).mkdir(parents=True)
+        for i in range(6):
+            pixels = rng.integers(0, 256, size=(16, 16, 3), dtype=np.uint8)
+            buffer = io.BytesIO()
+            Image.fromarray(pixels).save(buffer, format="JPEG")
+            (root / "images" / name / f"{i}.jpg").write_bytes(buffer.getvalue())
+    args = ["convert", str(root / "images"), str(root / "shards")]
+    assert main([*args, "--val-fraction", str(val_fraction)] if val_fraction else args) == 0
+    return root / "shards"
+
+
+def tiny_run(run_dir: Path, shards: Path, *overrides: str) -> Path:
+    """Two steps of small_cnn on `shards` (DIR/train, DIR/val), a checkpoint at each."""
+    run_hpctrain(
+        "train", str(REPO / "configs" / "demo.yaml"), f"run_dir={run_dir}",
+        f"data.train={shards / 'train'}", f"data.val={shards / 'val'}", "data.batch_size=4",
+        "data.workers_per_rank=0", "model.image_size=16", "train.max_epochs=0",
+        "train.max_steps=2", "train.warmup_steps=0", "train.eval_every=1",
+        "checkpoint.every_steps=1", *overrides,
+    )  # fmt: skip
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("use")
+    shards = image_shards(root / "data", CLASSES, val_fraction=0.5)
+    return tiny_run(root / "run", shards)
+
+
+def test_predict_refuses_an_out_that_is_or_holds_data(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """#31 item 5: `--out` onto the dataset deleted its index.json."""
+    val = run.parent / "data" / "shards" / "val"
+    before = {p.name: p.read_bytes() for p in val.iterdir()}
+    for out in (val, val / "preds", val.parent):
+        for fmt in ("jsonl", "shards"):
+            code = main(["predict", str(run), "--data", str(val), "--out", str(out),
+                         "--format", fmt])  # fmt: skip
+            assert code == EXIT_CONFIG, out
+            assert "lies inside --data" in capsys.readouterr().err
+    other = tmp_path / "other"  # another dataset's folder, not the one read
+    other.mkdir()
+    (other / "index.json").write_text('{"shards": []}')
+    assert main(["predict", str(run), "--data", str(val), "--out", str(other)]) == EXIT_CONFIG
+    assert "holds a data index (index.json) that no prediction wrote" in capsys.readouterr().err
+    assert (other / "index.json").read_text() == '{"shards": []}'
+    assert {p.name: p.read_bytes() for p in val.iterdir()} == before
+    assert not (val / "preds").exists()
+
+
+def test_predict_replaces_only_its_own_previous_prediction(run: Path, tmp_path: Path) -> None:
+    out = tmp_path / "preds"
+    val = run.parent / "data" / "shards" / "val"
+    assert main(["predict", str(run), "--data", str(val), "--out", str(out), "--format",
+                 "shards"]) == 0  # fmt: skip
+    (out / "part-notes.txt").write_text("mine")  # the user's, though named part-*
+    assert main(["predict", str(run), "--data", str(val), "--out", str(out)]) == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["manifest.json", "part-00000-of-00001.jsonl", "part-notes.txt"]
