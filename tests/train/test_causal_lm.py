@@ -287,7 +287,7 @@ def test_export_pt_and_safetensors_rebuild_the_gpt_from_the_card(
         ("fsdp", tmp_path / "fsdp.safetensors", load_file),
     ):
         assert main(["export", str(trained / case), str(out)]) == 0
-        card = json.loads(out.with_suffix(".json").read_text())
+        card = json.loads(out.with_name(out.name + ".json").read_text())
         assert card["task"] == "causal_lm" and card["seq_len"] == SEQ_LEN and card["step"] == 6
         model = GPT(GPTConfig(**card["model"]))
         model.load_state_dict(load(out))  # strict: exactly the plain model's names

@@ -11,7 +11,8 @@ EPILOG = """examples:
   hpctrain export runs/demo/checkpoints/step-400 model.pt   # one checkpoint
   hpctrain export runs/demo model-ema.safetensors --ema     # the EMA (train.ema_decay)
 Load it with: model.load_state_dict(torch.load("model.pt", weights_only=True))
-or: safetensors.torch.load_file("model.safetensors"); built-in models also get model.json."""
+or: safetensors.torch.load_file("model.safetensors"); built-in models also get a model card,
+OUT.json (model.safetensors.json)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

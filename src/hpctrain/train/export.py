@@ -12,8 +12,9 @@ With `ema=True` (`--ema`), the parameters are those of the EMA (`train.ema_decay
 `ema.<name>` beside `app.model.<name>`, see `hpctrain.train.ema`) and the buffers (BatchNorm
 running statistics) those of the model.
 
-For the built-in image classification task the export also writes `<out>.json` (the same name
-with `.json`): the task, model name, number of classes and image size, the normalization, the
+For the built-in image classification task the export also writes `<out>.json` (the weights'
+file name with `.json` added: `model.safetensors.json`, so two exports into one folder keep
+their own cards; an `out` ending in `.json` is refused, it could be another export's card): the task, model name, number of classes and image size, the normalization, the
 step, and how to rebuild the model; it is checked against the weights (every name and shape)
 before it is written. For a `causal_lm` run the card holds the GPT's shape
 (`GPTConfig`), the sequence length and how to rebuild the model (`train/generate.py`).
@@ -193,6 +194,11 @@ def export_weights(
         ema: export the EMA of the weights (`train.ema_decay`) instead of the weights.
     """
     fmt = format_of(out, fmt)
+    if str(out).endswith(".json"):
+        raise UsageError(
+            f"{out}: a .json name is a model card's (an export writes its card to OUT.json); "
+            "name the weights .pt or .safetensors"
+        )
     if fmt == "safetensors":
         try:
             import safetensors.torch  # noqa: F401
@@ -206,7 +212,7 @@ def export_weights(
     out = Path(out)
     step = int(manifest["step"])
     card = model_card(manifest, weights, fmt)
-    card_path = out.with_suffix(".json") if card is not None else None
+    card_path = card_file(out) if card is not None else None
 
     def write_weights(f: Any) -> None:
         if fmt == "pt":
@@ -234,6 +240,11 @@ def export_weights(
         out=out,
         model_card=card_path,
     )
+
+
+def card_file(out: Path) -> Path:
+    """The model card of the weights file `out`: `model.safetensors` → `model.safetensors.json`."""
+    return out.with_name(out.name + ".json")
 
 
 def _write_atomic(out: Path, write: Any) -> None:
