@@ -5,6 +5,8 @@ what they refuse to overwrite, the class names that travel with the model, and o
 from __future__ import annotations
 
 import io
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -83,3 +85,25 @@ def test_predict_replaces_only_its_own_previous_prediction(run: Path, tmp_path: 
     assert main(["predict", str(run), "--data", str(val), "--out", str(out)]) == 0
     names = sorted(p.name for p in out.iterdir())
     assert names == ["manifest.json", "part-00000-of-00001.jsonl", "part-notes.txt"]
+
+
+def test_eval_out_a_folder_is_one_line(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """#31 item 24: an IsADirectoryError traceback after the whole evaluation."""
+    assert main(["eval", str(run), "--out", str(tmp_path)]) == EXIT_CONFIG
+    assert f"--out {tmp_path}: is a folder" in capsys.readouterr().err
+
+
+def test_evals_of_two_folders_of_one_name_keep_two_records(run: Path, tmp_path: Path) -> None:
+    """#31 item 31: both wrote eval/step-2.val.json, the second over the first."""
+    val = run.parent / "data" / "shards" / "val"
+    shutil.copytree(val, tmp_path / "other" / "val")
+    records = set()
+    for data in (val, tmp_path / "other" / "val", tmp_path / "other" / "val" / "index.json"):
+        assert main(["eval", str(run), f"data.val={data}"]) == 0
+        records |= {p.name for p in (run / "eval").glob("step-2.val-*.json")}
+    assert len(records) == 2  # the folder and its index.json are one dataset
+    for name in records:
+        record = json.loads((run / "eval" / name).read_text())
+        assert record["record"].endswith(name) and record["val_samples"] == 9
