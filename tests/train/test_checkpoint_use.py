@@ -107,3 +107,72 @@ def test_evals_of_two_folders_of_one_name_keep_two_records(run: Path, tmp_path: 
     for name in records:
         record = json.loads((run / "eval" / name).read_text())
         assert record["record"].endswith(name) and record["val_samples"] == 9
+
+
+@pytest.fixture(scope="module")
+def other_classes(run: Path) -> Path:
+    """A dataset naming 2 classes, `circle` and `star`, where the run's model has 3."""
+    return image_shards(run.parent / "other", ("circle", "star"))
+
+
+def test_train_refuses_validation_data_of_other_classes(
+    run: Path, other_classes: Path, tmp_path: Path
+) -> None:
+    """#31 item 6: val label 1 (star) was scored as the model's class 1 (square)."""
+    shards = run.parent / "data" / "shards"
+    proc = run_hpctrain(
+        "train", str(REPO / "configs" / "demo.yaml"), f"run_dir={tmp_path / 'r'}",
+        f"data.train={shards / 'train'}", f"data.val={other_classes}", "train.max_steps=1",
+        check=False,
+    )  # fmt: skip
+    assert proc.returncode == 3, proc.stderr
+    assert (
+        "data error: data.val names the classes ['circle', 'star'], data.train "
+        "['circle', 'square', 'star']"
+    ) in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "r" / "checkpoints").exists()
+
+
+def test_eval_refuses_and_predict_warns_on_data_of_other_classes(
+    run: Path, other_classes: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["eval", str(run), f"data.val={other_classes}"]) == 3
+    err = capsys.readouterr().err
+    assert (
+        "data.val names the classes ['circle', 'star'], the model ['circle', 'square', 'star']"
+        in err
+    )
+    out = tmp_path / "preds"
+    assert main(["predict", str(run), "--data", str(other_classes), "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert (
+        "--data names the classes ['circle', 'star'], the model ['circle', 'square', 'star']" in err
+    )
+    first = json.loads((out / "part-00000-of-00001.jsonl").read_text().splitlines()[0])
+    assert first["class"] in CLASSES
+
+
+def test_class_names_travel_with_the_checkpoint_and_the_export(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """#31 item 7: the names were read from the current data.train, so re-converting it with
+    renamed classes changed what an old checkpoint's predictions said."""
+    manifest = json.loads((run / "checkpoints" / "step-2" / "manifest.json").read_text())
+    assert manifest["metadata"]["class_names"] == list(CLASSES)
+    renamed = tmp_path / "train"
+    shutil.copytree(run.parent / "data" / "shards" / "train", renamed)
+    index = json.loads((renamed / "index.json").read_text())
+    index["class_names"] = ["a", "b", "c"]
+    (renamed / "index.json").write_text(json.dumps(index))
+    val = run.parent / "data" / "shards" / "val"
+    out = tmp_path / "preds"
+    args = ["--data", str(val), "--out", str(out), f"data.train={renamed}"]
+    assert main(["predict", str(run), *args]) == 0
+    err = capsys.readouterr().err
+    assert "data.train names the classes ['a', 'b', 'c'], the checkpoint" in err
+    lines = (out / "part-00000-of-00001.jsonl").read_text().splitlines()
+    assert {json.loads(line)["class"] for line in lines} <= set(CLASSES)
+    assert main(["eval", str(run), f"data.train={renamed}"]) == 0  # val agrees with the model
+    assert main(["export", str(run), str(tmp_path / "m.pt")]) == 0
+    card = json.loads((tmp_path / "m.pt.json").read_text())
+    assert card["class_names"] == list(CLASSES)

@@ -14,8 +14,9 @@ running statistics) those of the model.
 
 For the built-in image classification task the export also writes `<out>.json` (the weights'
 file name with `.json` added: `model.safetensors.json`, so two exports into one folder keep
-their own cards; an `out` ending in `.json` is refused, it could be another export's card): the task, model name, number of classes and image size, the normalization, the
-step, and how to rebuild the model; it is checked against the weights (every name and shape)
+their own cards; an `out` ending in `.json` is refused, it could be another export's card):
+the task, model name, number and names of the classes (the checkpoint's), image size, the
+normalization, the step, and how to rebuild the model; it is checked against the weights (every name and shape)
 before it is written. For a `causal_lm` run the card holds the GPT's shape
 (`GPTConfig`), the sequence length and how to rebuild the model (`train/generate.py`).
 """
@@ -290,6 +291,7 @@ def model_card(
         return {**card, "step": int(manifest["step"]), "format": fmt}
     if not isinstance(tree, dict) or tree.get("task", IMAGE_CLASSIFICATION) != IMAGE_CLASSIFICATION:
         return None
+    from hpctrain.train.classes import checkpoint_class_names
     from hpctrain.train.models import build_classifier
     from hpctrain.train.tasks.vision import MEAN, STD
 
@@ -318,6 +320,8 @@ def model_card(
             "image_size": image_size,
             "channels_last": bool(model_cfg.get("channels_last", False)),
         },
+        # the training index's, as the checkpoint stores them (empty: an older checkpoint)
+        "class_names": list(checkpoint_class_names(manifest)),
         # logits: softmax over classes, or with multi_label a sigmoid per class
         "multi_label": bool((tree.get("classification") or {}).get("multi_label", False)),
         "input": {

@@ -21,6 +21,7 @@ from hpctrain.data.index import ShardIndex
 from hpctrain.data.mixture import describe as describe_train
 from hpctrain.data.mixture import open_train_index
 from hpctrain.dist import DistEnv, all_reduce_sum, new_cpu_group
+from hpctrain.train.classes import check_class_names
 from hpctrain.train.ema import CHECKPOINT_KEY as EMA_KEY
 from hpctrain.train.ema import build_ema
 from hpctrain.train.evaluation import evaluate, to_device
@@ -180,8 +181,10 @@ class Trainer:
             train_index, cfg.data, transform=self.task.train_transform(), train=True, **loader_args
         )
         self.val_loader = None
+        self.class_names = train_index.class_names  # stored in every checkpoint
         if cfg.data.val:
             val_index = open_index(cfg.data.val, allow_pipe=cfg.data.allow_pipe)
+            check_class_names(self.class_names, "data.train", val_index.class_names, "data.val")
             self.val_loader = ShardedLoader(
                 val_index,
                 cfg.data,
@@ -517,7 +520,11 @@ class Trainer:
         self.checkpoints.save(
             self.state.step,
             self.checkpoint_states(),
-            metadata={"config": config_to_yaml(self.cfg), "monitor": self.monitor.state_dict()},
+            metadata={
+                "config": config_to_yaml(self.cfg),
+                "monitor": self.monitor.state_dict(),
+                "class_names": list(self.class_names),
+            },
             score=self.monitor.score_at(self.state.step),
         )
         self.last_save = time.monotonic()
