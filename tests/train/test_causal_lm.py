@@ -113,8 +113,7 @@ def test_predict_gives_one_record_per_sequence() -> None:
     b = batch(2)
     b["valid"] = torch.tensor([True, False])
     records = lm.predict(model, b)
-    assert [r["key"] for r in records] == ["s/0", "s/1"]
-    assert [r["valid"] for r in records] == [True, False]
+    assert len(records) == 2 and not {"key", "valid"} & set(records[0])  # the writer's fields
     json.dumps(records)  # JSON-able
     loss = lm.token_losses(model, b["tokens"]).mean(dim=1)
     assert records[0]["loss"] == pytest.approx(float(loss[0]), rel=1e-5)

@@ -176,3 +176,29 @@ def test_class_names_travel_with_the_checkpoint_and_the_export(
     assert main(["export", str(run), str(tmp_path / "m.pt")]) == 0
     card = json.loads((tmp_path / "m.pt.json").read_text())
     assert card["class_names"] == list(CLASSES)
+
+
+@pytest.fixture(scope="module")
+def lm_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two steps of a tiny GPT on byte-token shards, a checkpoint at the end."""
+    from hpctrain.config import load_config
+    from tests.train.lm_testkit import write_token_shards
+    from tests.train.lm_worker import overrides
+    from tests.train.test_trainer import build
+
+    root = tmp_path_factory.mktemp("lm")
+    write_token_shards(root / "shards" / "train", 1, seed=1)
+    write_token_shards(root / "shards" / "val", 1, seed=2)
+    cfg = load_config(None, overrides(root / "shards", root / "run", "train.max_steps=2"))
+    assert build(cfg).fit() == 0
+    return root / "run"
+
+
+def test_predict_of_a_causal_lm_writes_one_line_a_sequence(lm_run: Path, tmp_path: Path) -> None:
+    """#31 item 17: the task's predict returned `key`/`valid`, which the writer refused."""
+    val = lm_run.parent / "shards" / "val"
+    assert main(["predict", str(lm_run), "--data", str(val), "--out", str(tmp_path / "p")]) == 0
+    lines = [json.loads(line) for line in (tmp_path / "p" / "part-00000-of-00001.jsonl").open()]
+    assert len(lines) == len({line["key"] for line in lines}) == 16  # every sequence once
+    assert set(lines[0]) == {"key", "loss", "accuracy", "next_token", "next_text"}
+    assert 0 < lines[0]["loss"] < 10 and 0 <= lines[0]["next_token"] < 257
