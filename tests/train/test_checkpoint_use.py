@@ -7,6 +7,8 @@ from __future__ import annotations
 import io
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -202,3 +204,29 @@ def test_predict_of_a_causal_lm_writes_one_line_a_sequence(lm_run: Path, tmp_pat
     assert len(lines) == len({line["key"] for line in lines}) == 16  # every sequence once
     assert set(lines[0]) == {"key", "loss", "accuracy", "next_token", "next_text"}
     assert 0 < lines[0]["loss"] < 10 and 0 <= lines[0]["next_token"] < 257
+
+
+def test_generate_bad_options_are_one_line(
+    lm_run: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """#31 item 22: tracebacks for a missing GPU, a NaN temperature, a non-UTF-8 prompt."""
+    import torch
+
+    generate = ["generate", str(lm_run), "--prompt", "the ", "--max-new-tokens", "2"]
+    for option, value, message in (
+        ("--temperature", "nan", "--temperature nan: must be a finite number >= 0"),
+        ("--temperature", "inf", "--temperature inf: must be a finite number >= 0"),
+        ("--device", "tpu", "--device tpu: not a device (cpu, cuda, cuda:N)"),
+    ):
+        assert main([*generate, option, value]) == EXIT_CONFIG, value
+        assert message in capsys.readouterr().err
+    # a machine without a GPU (mocked: this one may have one)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main([*generate, "--device", "cuda"]) == EXIT_CONFIG
+    assert "--device cuda: no CUDA GPU here; use --device cpu" in capsys.readouterr().err
+    monkeypatch.undo()
+    latin1 = [sys.executable, "-m", "hpctrain", "generate", str(lm_run), "--prompt", b"caf\xe9"]
+    proc = subprocess.run(latin1, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == EXIT_CONFIG, proc.stderr
+    assert "usage error: --prompt: not UTF-8 text" in proc.stderr and "Traceback" not in proc.stderr
+    assert main([*generate, "--device", "cpu"]) == 0
