@@ -230,3 +230,18 @@ def test_generate_bad_options_are_one_line(
     assert proc.returncode == EXIT_CONFIG, proc.stderr
     assert "usage error: --prompt: not UTF-8 text" in proc.stderr and "Traceback" not in proc.stderr
     assert main([*generate, "--device", "cpu"]) == 0
+
+
+def test_the_demo_config_keeps_a_best_checkpoint(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """#32 item 2: README's `export runs/demo model.safetensors --best` and `eval runs/demo
+    --checkpoint best` failed after `make demo` ("no best checkpoint"); `run` is a tiny run
+    of configs/demo.yaml."""
+    assert main(["config", "show", str(REPO / "configs" / "demo.yaml")]) == 0
+    shown = capsys.readouterr().out
+    assert "monitor: val_accuracy" in shown and "keep_best: 1" in shown
+    best = (run / "checkpoints" / "best").read_text().strip()
+    assert main(["eval", str(run), "--checkpoint", "best", "--out", str(tmp_path / "e.json")]) == 0
+    assert json.loads((tmp_path / "e.json").read_text())["checkpoint"].endswith(best)
+    assert main(["export", str(run), str(tmp_path / "model.safetensors"), "--best"]) == 0
