@@ -245,3 +245,22 @@ def test_the_demo_config_keeps_a_best_checkpoint(
     assert main(["eval", str(run), "--checkpoint", "best", "--out", str(tmp_path / "e.json")]) == 0
     assert json.loads((tmp_path / "e.json").read_text())["checkpoint"].endswith(best)
     assert main(["export", str(run), str(tmp_path / "model.safetensors"), "--best"]) == 0
+
+
+def test_export_of_an_ema_eval_run_writes_the_ema_unless_told(tmp_path: Path) -> None:
+    """#32 item 7: `export --best` of a `train.ema_eval` run wrote the trained weights, not the
+    EMA whose evaluation picked the checkpoint (eval, predict and generate read the EMA)."""
+    import torch
+
+    shards = image_shards(tmp_path / "data", CLASSES, val_fraction=0.5)
+    run = tiny_run(tmp_path / "run", shards, "train.ema_decay=0.5", "train.ema_eval=true")
+    exported = {}
+    for option in (None, "--ema", "--no-ema"):
+        out = tmp_path / f"{(option or 'default').lstrip('-')}.pt"
+        assert main(["export", str(run), str(out), "--best", *([option] if option else [])]) == 0
+        exported[option] = torch.load(out, weights_only=True)
+    default, ema, trained = exported[None], exported["--ema"], exported["--no-ema"]
+    assert all(torch.equal(default[k], ema[k]) for k in default)
+    assert any(not torch.equal(default[k], trained[k]) for k in default)
+    assert json.loads((tmp_path / "default.pt.json").read_text())["ema"] is True
+    assert "ema" not in json.loads((tmp_path / "no-ema.pt.json").read_text())

@@ -8,7 +8,9 @@ writes them with `torch.save` so that `torch.load(path, weights_only=True)` give
 for `model.load_state_dict` of the plain, unwrapped model, or with the `safetensors` library
 (`format="safetensors"`), which any tool loads without hpctrain or pickle.
 
-With `ema=True` (`--ema`), the parameters are those of the EMA (`train.ema_decay`, stored as
+With `ema=None` (the default) the weights are those the training evaluated with, as for every
+verb that reads weights (eval, predict, generate): the EMA's when the run's `train.ema_eval`
+is true, else the trained ones. With `ema=True` (`--ema`), the parameters are those of the EMA (`train.ema_decay`, stored as
 `ema.<name>` beside `app.model.<name>`, see `hpctrain.train.ema`) and the buffers (BatchNorm
 running statistics) those of the model.
 
@@ -59,6 +61,7 @@ class ExportResult:
     num_elements: int
     out: Path
     model_card: Path | None = None  # the JSON that rebuilds a built-in model, if written
+    ema: bool = False  # the parameters are the EMA's
 
 
 def locate_checkpoint(path: str, *, best: bool = False) -> tuple[Store, str, dict]:
@@ -183,7 +186,7 @@ def export_weights(
     *,
     fmt: str | None = None,
     best: bool = False,
-    ema: bool = False,
+    ema: bool | None = None,
 ) -> ExportResult:
     """Write the consolidated model weights of the checkpoint at `path` to `out` (atomically).
 
@@ -192,7 +195,8 @@ def export_weights(
         out: the file to write (local).
         fmt: "pt" (`torch.save`) or "safetensors"; None: from `out`'s suffix.
         best: export the checkpoint `best` names instead of the newest.
-        ema: export the EMA of the weights (`train.ema_decay`) instead of the weights.
+        ema: export the EMA of the weights (`train.ema_decay`) or (False) the trained weights;
+            None: those the training evaluated with (the EMA under its `train.ema_eval`).
     """
     fmt = format_of(out, fmt)
     if str(out).endswith(".json"):
@@ -209,6 +213,8 @@ def export_weights(
                 "pip install 'hpctrain[safetensors]'"
             ) from None
     store, name, manifest = locate_checkpoint(path, best=best)
+    if ema is None:  # `--best` picked it by the weights the training evaluated with
+        ema = bool(((config_tree(manifest) or {}).get("train") or {}).get("ema_eval"))
     weights = read_model_weights(store, name, manifest, ema=ema)
     out = Path(out)
     step = int(manifest["step"])
@@ -240,6 +246,7 @@ def export_weights(
         num_elements=sum(v.numel() for v in weights.values()),
         out=out,
         model_card=card_path,
+        ema=ema,
     )
 
 
@@ -264,6 +271,18 @@ def _write_atomic(out: Path, write: Any) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def config_tree(manifest: dict[str, Any]) -> dict[str, Any] | None:
+    """The run's resolved config as a tree, from a checkpoint's manifest (None: none there)."""
+    import yaml
+
+    text = manifest.get("metadata", {}).get("config")
+    try:
+        tree = yaml.safe_load(text) if isinstance(text, str) else None
+    except yaml.YAMLError:
+        tree = None
+    return tree if isinstance(tree, dict) else None
+
+
 def model_card(
     manifest: dict[str, Any], weights: dict[str, torch.Tensor], fmt: str
 ) -> dict[str, Any] | None:
@@ -274,13 +293,7 @@ def model_card(
     took it from the index); a model built from the card is checked to have exactly the
     weights' names and shapes.
     """
-    import yaml
-
-    text = manifest.get("metadata", {}).get("config")
-    try:
-        tree = yaml.safe_load(text) if isinstance(text, str) else None
-    except yaml.YAMLError:
-        tree = None
+    tree = config_tree(manifest)
     if isinstance(tree, dict) and tree.get("task") == "causal_lm":
         from hpctrain.train.generate import lm_model_card
 
