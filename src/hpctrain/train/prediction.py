@@ -212,8 +212,8 @@ def data_folder(data: str) -> str:
 def same_or_nested(a: str, b: str) -> bool:
     """Whether one of two paths/URLs is the other or lies inside it."""
     if "://" not in a and "://" not in b:
-        x, y = Path(a).resolve(), Path(b).resolve()
-        return x == y or x.is_relative_to(y) or y.is_relative_to(x)
+        first, second = Path(a).resolve(), Path(b).resolve()
+        return first.is_relative_to(second) or second.is_relative_to(first)
     x, y = a.rstrip("/") + "/", b.rstrip("/") + "/"
     return x.startswith(y) or y.startswith(x)
 
