@@ -264,3 +264,12 @@ def test_export_of_an_ema_eval_run_writes_the_ema_unless_told(tmp_path: Path) ->
     assert any(not torch.equal(default[k], trained[k]) for k in default)
     assert json.loads((tmp_path / "default.pt.json").read_text())["ema"] is True
     assert "ema" not in json.loads((tmp_path / "no-ema.pt.json").read_text())
+
+
+def test_predict_with_two_ranks_refuses_before_starting_them(
+    run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    val = run.parent / "data" / "shards" / "val"
+    assert main(["predict", str(run), "--data", str(val), "--out", str(val), "--nproc", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("lies inside --data") == 1 and "[rank" not in err

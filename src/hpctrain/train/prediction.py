@@ -250,6 +250,21 @@ def check_destination(fs: Any, root: str, out: str, data: str) -> None:
         )
 
 
+def open_destination(out: str, data: str) -> tuple[Any, str]:
+    """(filesystem, root) of `--out`, checked by `check_destination`.
+
+    Raises:
+        UsageError: see `check_destination`; or `out` cannot be read.
+    """
+    try:
+        fs, root = fsspec.core.url_to_fs(out)
+        root = root.rstrip("/") or "/"
+        check_destination(fs, root, out, data)
+    except OSError as exc:
+        raise UsageError(f"--out {redact_url(out)}: cannot read there: {exc}") from None
+    return fs, root
+
+
 def clear_destination(fs: Any, root: str) -> None:
     """Remove a previous prediction's manifest (first: it would vouch for old parts), index
     and parts from `root`; nothing else there is touched (`check_destination` has made sure
@@ -290,12 +305,7 @@ def run_predict(
         raise UsageError(f"--format {fmt}: must be one of {'|'.join(FORMATS)}")
     if not out:
         raise UsageError("--out is empty: give a folder or fsspec URL for the predictions")
-    try:
-        fs, root = fsspec.core.url_to_fs(out)
-        root = root.rstrip("/") or "/"
-        check_destination(fs, root, out, data)  # before any work: nothing of the user's lost
-    except OSError as exc:
-        raise UsageError(f"--out {redact_url(out)}: cannot read there: {exc}") from None
+    fs, root = open_destination(out, data)  # before any work: nothing of the user's lost
     with inference_session(cfg, checkpoint, data, key="--data", predict=True) as run:
         predict = getattr(run.task, "predict", None)
         if not callable(predict):
