@@ -113,8 +113,7 @@ def test_predict_gives_one_record_per_sequence() -> None:
     b = batch(2)
     b["valid"] = torch.tensor([True, False])
     records = lm.predict(model, b)
-    assert [r["key"] for r in records] == ["s/0", "s/1"]
-    assert [r["valid"] for r in records] == [True, False]
+    assert len(records) == 2 and not {"key", "valid"} & set(records[0])  # the writer's fields
     json.dumps(records)  # JSON-able
     loss = lm.token_losses(model, b["tokens"]).mean(dim=1)
     assert records[0]["loss"] == pytest.approx(float(loss[0]), rel=1e-5)
@@ -287,7 +286,7 @@ def test_export_pt_and_safetensors_rebuild_the_gpt_from_the_card(
         ("fsdp", tmp_path / "fsdp.safetensors", load_file),
     ):
         assert main(["export", str(trained / case), str(out)]) == 0
-        card = json.loads(out.with_suffix(".json").read_text())
+        card = json.loads(out.with_name(out.name + ".json").read_text())
         assert card["task"] == "causal_lm" and card["seq_len"] == SEQ_LEN and card["step"] == 6
         model = GPT(GPTConfig(**card["model"]))
         model.load_state_dict(load(out))  # strict: exactly the plain model's names

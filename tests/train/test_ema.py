@@ -150,7 +150,7 @@ def test_export_ema_as_pt_and_safetensors_loads_without_hpctrain(
     assert main(["export", str(run_dir), str(tmp_path / "ema.safetensors"), "--ema"]) == 0
     assert "(step 4, EMA)" in capsys.readouterr().out
     result = export_weights(str(run_dir), tmp_path / "ema.pt", ema=True)
-    plain = export_weights(str(run_dir), tmp_path / "model.pt")
+    plain = export_weights(str(run_dir), tmp_path / "model.pt", ema=False)  # ema_eval: EMA
     for weights in (load_file(str(tmp_path / "ema.safetensors")), load(result.out)):
         assert weights.keys() == saved.keys()
         for name in saved:

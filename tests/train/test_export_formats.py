@@ -78,7 +78,7 @@ def test_safetensors_loads_without_hpctrain_and_the_card_rebuilds_the_model(tmp_
     expected_sum = float(sum(t.double().sum() for t in saved[2].values()))
     assert loaded["sum"] == pytest.approx(expected_sum, rel=1e-12)
 
-    card = json.loads(out.with_suffix(".json").read_text())
+    card = json.loads(out.with_name(out.name + ".json").read_text())
     assert card["task"] == "image_classification" and card["step"] == 2
     assert card["model"] == {
         "name": "small_cnn",
@@ -101,10 +101,10 @@ def test_best_exports_the_checkpoint_the_pointer_names(tmp_path):
     saved = save_checkpoints(tmp_path / "ck", cfg, num_classes=4, scores={1: 0.9, 2: 0.1, 3: 0.2})
     out = tmp_path / "best.pt"
     result = export_weights(str(tmp_path / "ck"), out, best=True)
-    assert result.step == 1 and result.model_card == tmp_path / "best.json"
+    assert result.step == 1 and result.model_card == tmp_path / "best.pt.json"
     exported = torch.load(out, weights_only=True)
     assert all(torch.equal(exported[k], saved[1][k]) for k in saved[1])
-    assert json.loads((tmp_path / "best.json").read_text())["format"] == "pt"
+    assert json.loads((tmp_path / "best.pt.json").read_text())["format"] == "pt"
     newest = export_weights(str(tmp_path / "ck"), tmp_path / "newest.pt", fmt="pt")
     assert newest.step == 3
 
@@ -136,7 +136,24 @@ def test_a_custom_task_gets_weights_but_no_card(tmp_path):
     )
     manager.close()
     result = export_weights(str(tmp_path / "ck"), tmp_path / "w.safetensors")
-    assert result.model_card is None and not (tmp_path / "w.json").exists()
+    assert result.model_card is None and not (tmp_path / "w.safetensors.json").exists()
     from safetensors.torch import load_file
 
     assert sorted(load_file(tmp_path / "w.safetensors")) == ["bias", "weight"]
+
+
+def test_each_export_keeps_its_own_card_and_a_json_out_is_refused(tmp_path, capsys):
+    """#31 item 23, #32 item 3: `export RUN w.json` wrote the card over the weights; the
+    cards of `model.safetensors` and `model.pt` were both `model.json`."""
+    cfg = with_overrides(Config(), ["model.name=small_cnn", "model.image_size=16"])
+    save_checkpoints(tmp_path / "ck", cfg, num_classes=3, scores={1: 0.5})
+    for name in ("model.safetensors", "model.pt"):
+        assert main(["export", str(tmp_path / "ck"), str(tmp_path / name)]) == 0
+    for name, fmt in (("model.safetensors", "safetensors"), ("model.pt", "pt")):
+        card = json.loads((tmp_path / f"{name}.json").read_text())
+        assert (card["weights"], card["format"]) == (name, fmt)
+    assert not (tmp_path / "model.json").exists()
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "ck"), str(tmp_path / "weights.json")]) == 2
+    assert "weights.json: a .json name is a model card's" in capsys.readouterr().err
+    assert not (tmp_path / "weights.json").exists()

@@ -268,6 +268,8 @@ def test_debug_flag_loads_in_process_with_anomaly_detection(
             "task=tests.train.tasks:RecordingMLP",
             f"data.train={shapes_shards / 'train' / 'index.json'}",
             "data.val=",
+            "checkpoint.monitor=",  # the demo config ranks checkpoints by val_accuracy
+            "checkpoint.keep_best=0",
             "data.batch_size=16",
             "data.workers_per_rank=2",
             "train.max_steps=3",

@@ -13,7 +13,7 @@ EPILOG = """examples:
   hpctrain eval runs/demo                                   # newest checkpoint, over data.val
   hpctrain eval runs/demo --checkpoint best data.val=data/test/index.json --nproc 2
   hpctrain eval configs/demo.yaml --checkpoint runs/demo/checkpoints/step-400
-The record is printed as one JSON line and written to RUN_DIR/eval/step-<N>.<data>.json
+The record is printed as one JSON line and written to RUN_DIR/eval/step-<N>.<data>-<hash>.json
 (or --out); under srun every task runs this same command. The weights are those the training
 evaluated with: the EMA when the run has train.ema_eval=true (train.ema_eval=false: the
 trained weights); the record says which ("weights": "ema" or "model")."""
@@ -42,7 +42,9 @@ def add_source_arguments(parser: argparse.ArgumentParser, what: str) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_source_arguments(parser, "config file, run folder, or one step-<N> checkpoint folder")
     parser.add_argument(
-        "--out", default="", help="the record's file (default RUN_DIR/eval/step-<N>.<data>.json)"
+        "--out",
+        default="",
+        help="the record's file (default RUN_DIR/eval/step-<N>.<data>-<hash>.json)",
     )
 
 
@@ -70,6 +72,9 @@ def run(args: argparse.Namespace) -> int:
     if os.environ.get(LAUNCHER_PID_ENV):  # a rank of `--nproc N`: never outlive the launcher
         exit_with_launcher()
     cfg, checkpoint = resolve(args)  # validate before starting any process
+    from hpctrain.train.evaluation import check_record_path
+
+    check_record_path(args.out)
     if args.nproc > 1:
         forwarded = [args.source, *args.overrides, *forwarded_options(args, ("checkpoint", "out"))]
         return run_local(forwarded, args.nproc, verb="eval")

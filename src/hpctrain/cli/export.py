@@ -1,4 +1,4 @@
-"""`hpctrain export RUN_DIR_OR_CHECKPOINT OUT [--format pt|safetensors] [--best] [--ema]`."""
+"""`hpctrain export RUN_DIR_OR_CHECKPOINT OUT [--format pt|safetensors] [--best] [--[no-]ema]`."""
 
 from __future__ import annotations
 
@@ -10,8 +10,11 @@ EPILOG = """examples:
   hpctrain export runs/demo model.safetensors --best        # the best by checkpoint.monitor
   hpctrain export runs/demo/checkpoints/step-400 model.pt   # one checkpoint
   hpctrain export runs/demo model-ema.safetensors --ema     # the EMA (train.ema_decay)
+  hpctrain export runs/demo model.pt --no-ema               # the trained weights, always
 Load it with: model.load_state_dict(torch.load("model.pt", weights_only=True))
-or: safetensors.torch.load_file("model.safetensors"); built-in models also get model.json."""
+or: safetensors.torch.load_file("model.safetensors"); built-in models also get a model card,
+OUT.json (model.safetensors.json). The weights are those the training evaluated with (the EMA
+under train.ema_eval, as eval, predict and generate read them) unless --ema/--no-ema says."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,8 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--ema",
-        action="store_true",
-        help="the EMA of the weights (runs with train.ema_decay) instead of the trained weights",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the EMA of the weights (train.ema_decay) or, with --no-ema, the trained weights "
+        "(default: those the run evaluated with, its train.ema_eval)",
     )
 
 
@@ -43,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     # CheckpointError: exit code 4
     result = export_weights(args.source, args.out, fmt=args.format, best=args.best, ema=args.ema)
     print(
-        f"exported {result.source} (step {result.step}{', EMA' if args.ema else ''}): "
+        f"exported {result.source} (step {result.step}{', EMA' if result.ema else ''}): "
         f"{result.num_tensors} tensors, "
         f"{result.num_elements:,} values -> {result.out}"
     )

@@ -44,6 +44,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.out:
         raise UsageError("--out is required: a folder or fsspec URL for the predictions")
     cfg, checkpoint = resolve(args)
+    from hpctrain.train.prediction import open_destination
+
+    open_destination(args.out, args.data or cfg.data.val)  # refused before starting ranks
     if args.nproc > 1:
         forwarded = [
             args.source,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 from hpctrain.errors import UsageError
@@ -27,15 +28,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Exit status: 0 running or completed, 1 failed/cancelled/timed out.
 
-    No such folder is a usage error (2); a folder without a SLURM job a launch error (6).
+    No such folder is a usage error (2); a folder without a SLURM job (a local run) or with a
+    damaged job record a launch error (6). With `--json` those are a JSON object too (stdout:
+    what is known, `error` and `exit_code`; the usual line on stderr), with the same code.
     """
-    if not Path(args.run_dir).is_dir():
-        raise UsageError(f"{args.run_dir}: not a run folder")
-    status = run_status(args.run_dir, num_lines=args.lines)
-    if not status.job_id:
-        raise LaunchError(
-            f"{args.run_dir}: no SLURM job recorded (RUN_DIR/slurm/job.json or job_id)"
-        )
+    status = None
+    try:
+        if not Path(args.run_dir).is_dir():
+            raise UsageError(f"{args.run_dir}: not a run folder")
+        status = run_status(args.run_dir, num_lines=args.lines)
+        if not status.job_id:
+            raise LaunchError(
+                f"{args.run_dir}: no SLURM job recorded (RUN_DIR/slurm/job.json or job_id)"
+            )
+    except (UsageError, LaunchError) as exc:
+        if not args.json:
+            raise
+        known = dataclasses.asdict(status) if status is not None else {"run_dir": args.run_dir}
+        print(json.dumps({**known, "error": str(exc), "exit_code": exc.exit_code}), flush=True)
+        print(f"hpctrain status: {exc.label}: {exc}", file=sys.stderr)
+        return exc.exit_code
     if args.json:
         print(json.dumps({**dataclasses.asdict(status), "failed": status.failed}))
     else:

@@ -6,6 +6,7 @@ One implementation serves the Trainer's periodic and final evaluations and `hpct
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -18,7 +19,9 @@ from torch import nn
 
 from hpctrain.config import Config, ConfigError
 from hpctrain.data import ShardedLoader
+from hpctrain.data.index import redact_url
 from hpctrain.dist import all_reduce_tensors
+from hpctrain.errors import UsageError
 from hpctrain.train.task import Batch, Task, divide_by_count
 from hpctrain.train.trackers import check_trackers
 
@@ -107,6 +110,24 @@ def data_name(spec: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", leaf) or "data"
 
 
+def record_name(spec: str) -> str:
+    """The data's part of an eval record's name: `data_name` and 8 hex digits of the resolved
+    path (`val-1a2b3c4d`), so two data folders with one last name get two records."""
+    spec = spec.split("?", 1)[0].rstrip("/")
+    if "://" in spec:
+        canonical = redact_url(spec)
+    else:
+        canonical = str(Path(spec).resolve())
+    canonical = canonical.removesuffix("/index.json")
+    return f"{data_name(spec)}-{hashlib.sha256(canonical.encode()).hexdigest()[:8]}"
+
+
+def check_record_path(out: str) -> None:
+    """Refuse an `--out` that cannot be the record's file (a folder), before any work."""
+    if out and Path(out).is_dir():
+        raise UsageError(f"--out {out}: is a folder; give the record's file name")
+
+
 def write_json_atomic(path: Path, record: dict[str, Any]) -> None:
     """`path` holds the whole record or nothing: written to a temporary name, then renamed."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -114,6 +135,8 @@ def write_json_atomic(path: Path, record: dict[str, Any]) -> None:
     try:
         tmp.write_text(json.dumps(record, indent=1) + "\n")
         tmp.replace(path)
+    except OSError as exc:  # a folder in the way, a read-only place, a full disk
+        raise UsageError(f"{path}: cannot write the record: {exc.strerror or exc}") from None
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -124,11 +147,15 @@ def run_eval(cfg: Config, *, checkpoint: str = "latest", out: str = "") -> int:
     Loads the model of `checkpoint` (`latest`, `best`, or a path: see
     `hpctrain.train.inference.find_checkpoint`), evaluates it over `cfg.data.val` with the
     task's `eval_metrics`/`summarize`, and rank 0 prints the record as one JSON line on
-    stdout, writes it to `out` (default `RUN_DIR/eval/step-<N>.<data>.json`) and sends it
-    to the trackers `logging.*` turns on.
+    stdout, writes it to `out` (default `RUN_DIR/eval/step-<N>.<data>-<hash>.json`, see
+    `record_name`) and sends it to the trackers `logging.*` turns on.
+
+    Raises:
+        UsageError: `out` is a folder or cannot be written.
     """
     from hpctrain.train.inference import inference_session
 
+    check_record_path(out)
     with inference_session(cfg, checkpoint, cfg.data.val, key="data.val", predict=False) as run:
         require_items(run.loader, "data.val", cfg.data.val, cfg.data.seq_len)
         if run.env.is_main:
@@ -148,7 +175,8 @@ def run_eval(cfg: Config, *, checkpoint: str = "latest", out: str = "") -> int:
             **metrics,
             **lost,
         }
-        path = Path(out) if out else Path(cfg.run_dir) / "eval" / f"step-{run.step}.{name}.json"
+        default = Path(cfg.run_dir) / "eval" / f"step-{run.step}.{record_name(cfg.data.val)}.json"
+        path = Path(out) if out else default
         record["record"] = str(path)
         write_json_atomic(path, record)
         print(json.dumps(record), flush=True)

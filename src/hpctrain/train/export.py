@@ -8,13 +8,17 @@ writes them with `torch.save` so that `torch.load(path, weights_only=True)` give
 for `model.load_state_dict` of the plain, unwrapped model, or with the `safetensors` library
 (`format="safetensors"`), which any tool loads without hpctrain or pickle.
 
-With `ema=True` (`--ema`), the parameters are those of the EMA (`train.ema_decay`, stored as
+With `ema=None` (the default) the weights are those the training evaluated with, as for every
+verb that reads weights (eval, predict, generate): the EMA's when the run's `train.ema_eval`
+is true, else the trained ones. With `ema=True` (`--ema`), the parameters are those of the EMA (`train.ema_decay`, stored as
 `ema.<name>` beside `app.model.<name>`, see `hpctrain.train.ema`) and the buffers (BatchNorm
 running statistics) those of the model.
 
-For the built-in image classification task the export also writes `<out>.json` (the same name
-with `.json`): the task, model name, number of classes and image size, the normalization, the
-step, and how to rebuild the model; it is checked against the weights (every name and shape)
+For the built-in image classification task the export also writes `<out>.json` (the weights'
+file name with `.json` added: `model.safetensors.json`, so two exports into one folder keep
+their own cards; an `out` ending in `.json` is refused, it could be another export's card):
+the task, model name, number and names of the classes (the checkpoint's), image size, the
+normalization, the step, and how to rebuild the model; it is checked against the weights (every name and shape)
 before it is written. For a `causal_lm` run the card holds the GPT's shape
 (`GPTConfig`), the sequence length and how to rebuild the model (`train/generate.py`).
 """
@@ -57,6 +61,7 @@ class ExportResult:
     num_elements: int
     out: Path
     model_card: Path | None = None  # the JSON that rebuilds a built-in model, if written
+    ema: bool = False  # the parameters are the EMA's
 
 
 def locate_checkpoint(path: str, *, best: bool = False) -> tuple[Store, str, dict]:
@@ -182,7 +187,7 @@ def export_weights(
     *,
     fmt: str | None = None,
     best: bool = False,
-    ema: bool = False,
+    ema: bool | None = None,
 ) -> ExportResult:
     """Write the consolidated model weights of the checkpoint at `path` to `out` (atomically).
 
@@ -191,9 +196,15 @@ def export_weights(
         out: the file to write (local).
         fmt: "pt" (`torch.save`) or "safetensors"; None: from `out`'s suffix.
         best: export the checkpoint `best` names instead of the newest.
-        ema: export the EMA of the weights (`train.ema_decay`) instead of the weights.
+        ema: export the EMA of the weights (`train.ema_decay`) or (False) the trained weights;
+            None: those the training evaluated with (the EMA under its `train.ema_eval`).
     """
     fmt = format_of(out, fmt)
+    if str(out).endswith(".json"):
+        raise UsageError(
+            f"{out}: a .json name is a model card's (an export writes its card to OUT.json); "
+            "name the weights .pt or .safetensors"
+        )
     if fmt == "safetensors":
         try:
             import safetensors.torch  # noqa: F401
@@ -203,11 +214,13 @@ def export_weights(
                 "pip install 'hpctrain[safetensors]'"
             ) from None
     store, name, manifest = locate_checkpoint(path, best=best)
+    if ema is None:  # `--best` picked it by the weights the training evaluated with
+        ema = bool(((config_tree(manifest) or {}).get("train") or {}).get("ema_eval"))
     weights = read_model_weights(store, name, manifest, ema=ema)
     out = Path(out)
     step = int(manifest["step"])
     card = model_card(manifest, weights, fmt)
-    card_path = out.with_suffix(".json") if card is not None else None
+    card_path = card_file(out) if card is not None else None
 
     def write_weights(f: Any) -> None:
         if fmt == "pt":
@@ -234,7 +247,13 @@ def export_weights(
         num_elements=sum(v.numel() for v in weights.values()),
         out=out,
         model_card=card_path,
+        ema=ema,
     )
+
+
+def card_file(out: Path) -> Path:
+    """The model card of the weights file `out`: `model.safetensors` → `model.safetensors.json`."""
+    return out.with_name(out.name + ".json")
 
 
 def _write_atomic(out: Path, write: Any) -> None:
@@ -253,6 +272,18 @@ def _write_atomic(out: Path, write: Any) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def config_tree(manifest: dict[str, Any]) -> dict[str, Any] | None:
+    """The run's resolved config as a tree, from a checkpoint's manifest (None: none there)."""
+    import yaml
+
+    text = manifest.get("metadata", {}).get("config")
+    try:
+        tree = yaml.safe_load(text) if isinstance(text, str) else None
+    except yaml.YAMLError:
+        tree = None
+    return tree if isinstance(tree, dict) else None
+
+
 def model_card(
     manifest: dict[str, Any], weights: dict[str, torch.Tensor], fmt: str
 ) -> dict[str, Any] | None:
@@ -263,13 +294,7 @@ def model_card(
     took it from the index); a model built from the card is checked to have exactly the
     weights' names and shapes.
     """
-    import yaml
-
-    text = manifest.get("metadata", {}).get("config")
-    try:
-        tree = yaml.safe_load(text) if isinstance(text, str) else None
-    except yaml.YAMLError:
-        tree = None
+    tree = config_tree(manifest)
     if isinstance(tree, dict) and tree.get("task") == "causal_lm":
         from hpctrain.train.generate import lm_model_card
 
@@ -280,6 +305,7 @@ def model_card(
         return {**card, "step": int(manifest["step"]), "format": fmt}
     if not isinstance(tree, dict) or tree.get("task", IMAGE_CLASSIFICATION) != IMAGE_CLASSIFICATION:
         return None
+    from hpctrain.train.classes import checkpoint_class_names
     from hpctrain.train.models import build_classifier
     from hpctrain.train.tasks.vision import MEAN, STD
 
@@ -308,6 +334,8 @@ def model_card(
             "image_size": image_size,
             "channels_last": bool(model_cfg.get("channels_last", False)),
         },
+        # the training index's, as the checkpoint stores them (empty: an older checkpoint)
+        "class_names": list(checkpoint_class_names(manifest)),
         # logits: softmax over classes, or with multi_label a sigmoid per class
         "multi_label": bool((tree.get("classification") or {}).get("multi_label", False)),
         "input": {

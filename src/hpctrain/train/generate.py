@@ -10,6 +10,7 @@ trained model, not a serving path.
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import asdict
 from typing import Any
@@ -157,6 +158,31 @@ def lm_model_card(tree: dict[str, Any], weights: dict[str, torch.Tensor], where:
     }
 
 
+def generation_device(device: str) -> torch.device:
+    """`--device`: cpu, cuda or cuda:N (one that exists here); default the first GPU, else cpu.
+
+    Raises:
+        UsageError: not such a device, or a GPU this machine does not have.
+    """
+    if not device:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        target = torch.device(device)
+    except RuntimeError:
+        target = None
+    if target is None or target.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {device}: not a device (cpu, cuda, cuda:N)")
+    if target.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise UsageError(f"--device {device}: no CUDA GPU here; use --device cpu")
+        if (target.index or 0) >= count:
+            raise UsageError(
+                f"--device {device}: this machine has {count} GPU(s), cuda:0 to cuda:{count - 1}"
+            )
+    return target
+
+
 def generate_text(
     source: str,
     prompt: str,
@@ -176,17 +202,21 @@ def generate_text(
     The tokenizer is `tokenizer_spec` when given, else the run's (`run_tokenizer`).
 
     Raises:
-        UsageError: a bad option (negative counts or temperature, an unknown device).
+        UsageError: a bad option (negative counts, a negative or non-finite temperature, a
+            device this machine lacks, a prompt that is not UTF-8).
         CheckpointError: no checkpoint there, or not a causal_lm one.
     """
-    if max_new_tokens < 1 or top_k < 0 or temperature < 0:
-        raise UsageError(
-            "--max-new-tokens must be at least 1, --top-k and --temperature at least 0"
-        )
+    if max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens {max_new_tokens}: must be at least 1")
+    if top_k < 0:
+        raise UsageError(f"--top-k {top_k}: must be at least 0")
+    if not (math.isfinite(temperature) and temperature >= 0):  # NaN compares False
+        raise UsageError(f"--temperature {temperature}: must be a finite number >= 0")
     try:
-        target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except RuntimeError:
-        raise UsageError(f"--device {device}: not a device (cpu, cuda, cuda:N)") from None
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:  # bytes of another encoding, kept by Python as surrogates
+        raise UsageError("--prompt: not UTF-8 text (convert it, e.g. with iconv)") from None
+    target = generation_device(device)
     model, tree, _ = load_gpt(source, best=best, device=target, ema=ema)
     tokenizer = run_tokenizer(tree, tokenizer_spec)
     ids = tokenizer.encode(prompt)

@@ -19,7 +19,7 @@ import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from hpctrain.data import ShardedLoader, open_index
 from hpctrain.data.index import ShardIndex, ShardIndexError, redact_url
 from hpctrain.data.mixture import open_train_index
 from hpctrain.dist import DistEnv, choose_device, process_group, resolve_env
+from hpctrain.train.classes import check_class_names, checkpoint_class_names, differ, mismatch
 from hpctrain.train.entry import setup_logging
 from hpctrain.train.export import locate_checkpoint, read_model_weights
 from hpctrain.train.parallel import parallelize
@@ -82,6 +83,40 @@ def class_index(cfg: Config, data_index: ShardIndex) -> ShardIndex:
         return data_index
 
 
+def model_classes(
+    cfg: Config, manifest: dict[str, Any], data_index: ShardIndex, key: str, *, strict: bool
+) -> ShardIndex:
+    """The index the task is built from, with the checkpoint's class names, checked against the
+    data's.
+
+    A checkpoint stores its training index's class names (`metadata.class_names`): they are
+    the model's, also when `data.train` has since been re-converted with other names (a
+    warning). Older checkpoints keep `class_index`'s names. Data that names other classes is
+    refused with `strict` (eval: its labels would be scored as other classes) and warned
+    about otherwise (predict: the outputs carry the model's names).
+
+    Raises:
+        ClassNamesError: `strict` and the data names other classes than the model (exit 3).
+    """
+    index = class_index(cfg, data_index)
+    names = checkpoint_class_names(manifest)
+    if names:
+        if differ(names, index.class_names) and index is not data_index:
+            log.warning(
+                "%s; the model's are the checkpoint's",
+                mismatch(names, "the checkpoint", index.class_names, "data.train"),
+            )
+        index = replace(index, class_names=names)
+    if strict:
+        check_class_names(index.class_names, "the model", data_index.class_names, key)
+    elif differ(index.class_names, data_index.class_names):
+        log.warning(
+            "%s; the predictions name the model's classes",
+            mismatch(index.class_names, "the model", data_index.class_names, key),
+        )
+    return index
+
+
 def load_weights(model: nn.Module, weights: dict[str, torch.Tensor], where: str) -> None:
     """Copy the checkpoint's weights into `model`; a mismatch names the first keys at fault."""
     own = model.state_dict()
@@ -130,7 +165,8 @@ def inference_session(
 
     Raises:
         ConfigError: no data given; ShardIndexError: the data cannot be read (naming it);
-        CheckpointError: no usable checkpoint. All before any process group or model.
+        CheckpointError: no usable checkpoint; ClassNamesError: eval data naming other
+        classes than the model. All before any process group or model.
     """
     env = resolve_env()
     setup_logging(env)
@@ -150,6 +186,7 @@ def inference_session(
     where = redact_url(store.path(name))
     ema = cfg.train.ema_eval  # the weights the training evaluated with: see the module
     weights = read_model_weights(store, name, manifest, ema=ema)  # this process alone
+    classes = model_classes(cfg, manifest, data_index, key, strict=not predict)
     log.info("rank %d/%d on %s: %s, data %s", env.rank, env.world_size, device, where, data)
     # A caller that already joined the job's process group (a test, a notebook) keeps it.
     group = (
@@ -161,7 +198,7 @@ def inference_session(
         plan = plan_training(
             cfg.train, device_facts(device, compile=cfg.train.compile), env.world_size
         )
-        task = load_task(cfg, class_index(cfg, data_index))
+        task = load_task(cfg, classes)
         torch.manual_seed(cfg.seed)  # FSDP2 needs equal weights everywhere: they are loaded
         model = task.build_model()
         load_weights(model, weights, where)

@@ -12,7 +12,9 @@ rank 0 writes the manifest last. The layout of DEST (a local folder or any fsspe
 A part is written under a temporary name (`.tmp.part-...`) and renamed when its rank has
 finished; the manifest appears only once every rank's part is in place, so a DEST without
 `manifest.json` is not a complete prediction (a failed or killed job leaves none). A new
-prediction into the same DEST first removes the old manifest, index and parts.
+prediction into the same DEST first removes the old manifest, index and parts (only a
+prediction's: a DEST that is, holds or lies inside the data, or holds another index or
+manifest, is refused before any work).
 
 Values: JSON-able values go as they are; tensors and numpy arrays become lists in JSONL and
 `KEY.<name>.npy` members in shards (gathered JSON-able values in `KEY.json`), except a field
@@ -27,7 +29,9 @@ import hashlib
 import io
 import json
 import logging
+import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import fsspec
@@ -50,6 +54,7 @@ MANIFEST_VERSION = 1
 INDEX_NAME = "index.json"
 PART_PREFIX = "part-"
 TMP_PREFIX = ".tmp."
+PART_NAME = re.compile(r"part-\d{5}-of-\d{5}\.(jsonl|tar)")  # `part_name`'s
 
 
 def part_name(rank: int, world_size: int, fmt: str) -> str:
@@ -195,9 +200,75 @@ class PartWriter:
             pass
 
 
+def data_folder(data: str) -> str:
+    """The folder a data spec reads from: an index's or a shard pattern's folder, or itself."""
+    spec = data.rstrip("/")
+    leaf = spec.rsplit("/", 1)[-1]
+    if leaf.endswith((".json", ".tar")) or "{" in leaf or "*" in leaf:
+        return spec.rsplit("/", 1)[0] if "/" in spec else "."
+    return spec
+
+
+def same_or_nested(a: str, b: str) -> bool:
+    """Whether one of two paths/URLs is the other or lies inside it."""
+    if "://" not in a and "://" not in b:
+        first, second = Path(a).resolve(), Path(b).resolve()
+        return first.is_relative_to(second) or second.is_relative_to(first)
+    x, y = a.rstrip("/") + "/", b.rstrip("/") + "/"
+    return x.startswith(y) or y.startswith(x)
+
+
+def check_destination(fs: Any, root: str, out: str, data: str) -> None:
+    """Refuse an `--out` that would overwrite what a prediction did not write.
+
+    Raises:
+        UsageError: `out` is, holds or lies inside the data read, holds a data index (not a
+            previous prediction's), or a `manifest.json` that is not a prediction's.
+    """
+    where = f"--out {redact_url(out)}"
+    if data and same_or_nested(out, data_folder(data)):
+        raise UsageError(
+            f"{where}: is, contains or lies inside --data {redact_url(data)}; "
+            "write predictions to a folder of their own"
+        )
+    manifest_path = f"{root}/{MANIFEST_NAME}"
+    manifest: Any = None
+    if fs.exists(manifest_path):
+        try:
+            manifest = json.loads(fs.cat_file(manifest_path))
+        except (OSError, ValueError):
+            manifest = None
+        if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+            raise UsageError(
+                f"{where}: holds a {MANIFEST_NAME} that is not a prediction's; "
+                "choose another folder"
+            )
+    if fs.exists(f"{root}/{INDEX_NAME}") and manifest is None:
+        raise UsageError(
+            f"{where}: holds a data index ({INDEX_NAME}) that no prediction wrote; "
+            "choose another folder"
+        )
+
+
+def open_destination(out: str, data: str) -> tuple[Any, str]:
+    """(filesystem, root) of `--out`, checked by `check_destination`.
+
+    Raises:
+        UsageError: see `check_destination`; or `out` cannot be read.
+    """
+    try:
+        fs, root = fsspec.core.url_to_fs(out)
+        root = root.rstrip("/") or "/"
+        check_destination(fs, root, out, data)
+    except OSError as exc:
+        raise UsageError(f"--out {redact_url(out)}: cannot read there: {exc}") from None
+    return fs, root
+
+
 def clear_destination(fs: Any, root: str) -> None:
     """Remove a previous prediction's manifest (first: it would vouch for old parts), index
-    and parts from `root`; nothing else there is touched."""
+    and parts from `root`; nothing else there is touched (`check_destination` has made sure
+    the manifest and index there are a prediction's)."""
     fs.makedirs(root, exist_ok=True)
     for name in (MANIFEST_NAME, INDEX_NAME):
         if fs.exists(f"{root}/{name}"):
@@ -208,7 +279,7 @@ def clear_destination(fs: Any, root: str) -> None:
         entries = []
     for entry in entries:
         leaf = str(entry).rstrip("/").rsplit("/", 1)[-1]
-        if leaf.startswith((PART_PREFIX, TMP_PREFIX + PART_PREFIX)):
+        if PART_NAME.fullmatch(leaf.removeprefix(TMP_PREFIX)):
             fs.rm(entry)
 
 
@@ -234,6 +305,7 @@ def run_predict(
         raise UsageError(f"--format {fmt}: must be one of {'|'.join(FORMATS)}")
     if not out:
         raise UsageError("--out is empty: give a folder or fsspec URL for the predictions")
+    fs, root = open_destination(out, data)  # before any work: nothing of the user's lost
     with inference_session(cfg, checkpoint, data, key="--data", predict=True) as run:
         predict = getattr(run.task, "predict", None)
         if not callable(predict):
@@ -242,8 +314,6 @@ def run_predict(
             )
         env = run.env
         try:
-            fs, root = fsspec.core.url_to_fs(out)
-            root = root.rstrip("/") or "/"
             if env.is_main:
                 clear_destination(fs, root)
         except OSError as exc:

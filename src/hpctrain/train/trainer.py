@@ -29,6 +29,7 @@ from hpctrain.data.index import ShardIndex
 from hpctrain.data.mixture import describe as describe_train
 from hpctrain.data.mixture import open_train_index
 from hpctrain.dist import DistEnv, all_reduce_sum, new_cpu_group
+from hpctrain.train.classes import check_class_names
 from hpctrain.train.ema import CHECKPOINT_KEY as EMA_KEY
 from hpctrain.train.ema import build_ema
 from hpctrain.train.evaluation import evaluate, require_items, to_device
@@ -223,8 +224,10 @@ class Trainer:
             train_index, cfg.data, transform=self.task.train_transform(), train=True, **loader_args
         )
         self.val_loader = None
+        self.class_names = train_index.class_names  # stored in every checkpoint
         if cfg.data.val:
             val_index = open_index(cfg.data.val, allow_pipe=cfg.data.allow_pipe)
+            check_class_names(self.class_names, "data.train", val_index.class_names, "data.val")
             self.val_loader = ShardedLoader(
                 val_index,
                 cfg.data,
@@ -593,7 +596,11 @@ class Trainer:
         self.last_save = time.monotonic()
 
     def checkpoint_metadata(self) -> dict[str, Any]:
-        return {"config": config_to_yaml(self.cfg), "monitor": self.monitor.state_dict()}
+        return {
+            "config": config_to_yaml(self.cfg),
+            "monitor": self.monitor.state_dict(),
+            "class_names": list(self.class_names),
+        }
 
     def resume(self) -> None:
         try:

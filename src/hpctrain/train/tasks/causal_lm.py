@@ -187,9 +187,10 @@ class CausalLM:
 
     @torch.no_grad()
     def predict(self, model: nn.Module, batch: dict[str, Any]) -> list[dict[str, Any]]:
-        """One dict per sequence, in batch order: its key, whether it is valid, mean loss
-        (nats per token), the fraction of positions where the greedy (argmax) next token is
-        right, and the greedy token after the sequence's last one, as id and decoded text."""
+        """One dict per sequence, in batch order: its mean loss (nats per token), the fraction
+        of positions where the greedy (argmax) next token is right, and the greedy token after
+        the sequence's last one, as id and decoded text. The key is the writer's to add, and
+        invalid rows (padding) are the writer's to drop (`hpctrain.train.prediction`)."""
         tokens = batch["tokens"]
         logits = model(tokens).float()  # every position, the last one's next token too
         targets = tokens[:, 1:]
@@ -201,16 +202,12 @@ class CausalLM:
         decode = self.text_tokenizer().decode
         return [
             {
-                "key": key,
-                "valid": bool(valid),
                 "loss": float(loss),
                 "accuracy": float(acc),
                 "next_token": int(nxt),
                 "next_text": decode([int(nxt)]),
             }
-            for key, valid, loss, acc, nxt in zip(
-                batch["key"],
-                batch["valid"].tolist(),
+            for loss, acc, nxt in zip(
                 losses.mean(dim=1).tolist(),
                 accuracy.tolist(),
                 greedy[:, -1].tolist(),
