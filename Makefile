@@ -1,4 +1,5 @@
-# hpctrain — the set-up commands (see README.md): `make demo`, `make demo-lm` and `make test`.
+# hpctrain — the set-up commands (see README.md): `make demo`, `make demo-lm`, `make test`
+# and `make test-fast`.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -6,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 DEMO_DATA := data/demo
 LM_DATA := data/demo-lm
 
-.PHONY: venv demo demo-lm test lint format clean
+.PHONY: venv demo demo-lm test test-fast lint format clean
 
 venv: $(STAMP)
 
@@ -50,6 +51,10 @@ demo-lm: $(LM_DATA)/shards/train/index.json
 # The whole suite; the SLURM tier runs against a local dev cluster that tools/run-tests starts.
 test: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" tools/run-tests
+
+# The unit tier and the docs blocks that do not train: no SLURM, no multi-process, no servers.
+test-fast: $(STAMP)
+	PATH="$(CURDIR)/$(BIN):$$PATH" tools/run-tests --fast
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests tools

@@ -71,6 +71,7 @@ def test_resnet50_training_flops_and_report(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is for machines without GPUs")
+@pytest.mark.slow  # a subprocess or worker processes: seconds, not the unit tier's ms
 def test_dry_run_generates_shards_and_a_valid_config(tmp_path: Path) -> None:
     proc = subprocess.run(
         [

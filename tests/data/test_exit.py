@@ -67,6 +67,7 @@ SCRIPT = textwrap.dedent(
     ("mode", "rc"),
     [("global", 0), ("crash", 1), ("mid-epoch", 1), ("close", 0), ("child", 0)],
 )
+@pytest.mark.slow  # a subprocess or worker processes: seconds, not the unit tier's ms
 def test_the_process_exits_with_its_workers(tmp_path, mode, rc):
     make_shards(tmp_path / "shards", [8, 8, 8])
     proc = subprocess.run(

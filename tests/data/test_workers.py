@@ -168,6 +168,7 @@ PARENT = textwrap.dedent(
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow  # a subprocess or worker processes: seconds, not the unit tier's ms
 def test_workers_exit_when_the_training_process_is_killed():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run(
@@ -259,6 +260,7 @@ def test_python_random_differs_across_workers_and_repeats_across_runs(tmp_path):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow  # a subprocess or worker processes: seconds, not the unit tier's ms
 def test_workers_started_from_a_forkserver(tmp_path, monkeypatch):
     """What a GPU run uses (a forked child of a CUDA process cannot use CUDA): the dataset,
     pipes and semaphores are pickled to the workers instead of inherited."""

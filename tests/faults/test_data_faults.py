@@ -248,6 +248,7 @@ BUSY_PARENT = textwrap.dedent(
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and prctl are Linux's")
 @pytest.mark.parametrize("busy", ["python", "c", "thread"])
+@pytest.mark.slow  # a subprocess or worker processes: seconds, not the unit tier's ms
 def test_a_busy_worker_dies_with_the_killed_training_process(tmp_path, busy):
     make_shards(tmp_path, SIZES)
     env = {
@@ -303,6 +304,7 @@ class SleepOn:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow  # a subprocess or worker processes: seconds, not the unit tier's ms
 def test_a_stalled_worker_fails_the_step_naming_it_and_its_shard(tmp_path):
     index = make_shards(tmp_path, SIZES)
     stall = SleepOn("s0001-00002", 4.0)

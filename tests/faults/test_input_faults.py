@@ -241,7 +241,13 @@ CASES = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("case", CASES)
+# preflight runs the job's Python in a login shell (torch imported): seconds each
+PREFLIGHT_CASES = {"submit-missing-data", "sbatch-missing-data", "preflight-unreachable-url", "preflight-bad-task"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=[pytest.mark.slow] * (c in PREFLIGHT_CASES)) for c in CASES]
+)
 def test_bad_input_is_one_line_with_its_kind_exit_code(
     case: str, data: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -328,6 +334,7 @@ def test_permission_denied_names_the_file(data: Path, capsys: pytest.CaptureFixt
         shutil.rmtree(folder)
 
 
+@pytest.mark.distributed  # a subprocess or worker processes: seconds, not the unit tier's ms
 def test_a_data_error_in_two_local_ranks_is_one_line_per_rank_and_exit_3(
     data: Path, tmp_path: Path
 ) -> None:

@@ -123,6 +123,7 @@ def test_preflight_fails_on_a_missing_image(tmp_path: Path) -> None:
     assert not check.ok and "no such image file" in check.message
 
 
+@pytest.mark.slow  # a subprocess or worker processes: seconds, not the unit tier's ms
 def test_preflight_checks_imports_inside_the_image(tmp_path: Path) -> None:
     image = tmp_path / "hpctrain.sif"
     image.write_bytes(b"SIF stand-in")

@@ -123,6 +123,7 @@ def test_hpctrain_not_importable_fails(tmp_path: Path) -> None:
     assert "hpctrain is not installed here" in bad["hpctrain import"]
 
 
+@pytest.mark.slow  # a subprocess or worker processes: seconds, not the unit tier's ms
 def test_a_missing_module_command_names_the_line(tmp_path: Path) -> None:
     """`module` does not exist on this machine: the setup line fails in the login shell."""
     checks = check_job_environment(job_for("jean-zay-v100", "module load python/3.11.5"))

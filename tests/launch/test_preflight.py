@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from hpctrain.cli.main import main
 from hpctrain.config import Config, with_overrides
 from hpctrain.launch.preflight import failed, format_checks, preflight
@@ -21,6 +23,7 @@ def by_name(checks):  # type: ignore[no-untyped-def]
     return {c.name: c for c in checks}
 
 
+@pytest.mark.slow  # a subprocess or worker processes: seconds, not the unit tier's ms
 def test_good_config_passes(tiny_shards: Path, tmp_path: Path) -> None:
     checks = checks_for(
         f"run_dir={tmp_path / 'run'}",
@@ -52,6 +55,7 @@ def test_all_problems_reported_at_once(tmp_path: Path) -> None:
         assert "\n" not in check.message
 
 
+@pytest.mark.slow  # a subprocess or worker processes: seconds, not the unit tier's ms
 def test_credentials_and_internet_urls(tmp_path: Path) -> None:
     checks = by_name(
         checks_for(
@@ -65,12 +69,14 @@ def test_credentials_and_internet_urls(tmp_path: Path) -> None:
     assert "s3cret" not in format_checks(list(checks.values()))
 
 
+@pytest.mark.slow  # a subprocess or worker processes: seconds, not the unit tier's ms
 def test_empty_account_on_jean_zay_is_a_warning(tmp_path: Path) -> None:
     checks = by_name(checks_for(f"run_dir={tmp_path}", "data.train=x", profile="jean-zay-h100"))
     assert checks["profile"].ok and checks["profile"].warning
     assert "<project>@h100" in checks["profile"].message
 
 
+@pytest.mark.slow  # a subprocess or worker processes: seconds, not the unit tier's ms
 def test_preflight_verb_exit_status(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     code = main(["preflight", str(REPO / "configs" / "demo.yaml"), f"run_dir={tmp_path}",
                  f"data.train={tmp_path / 'nope'}", "--profile", "local-dev"])  # fmt: skip

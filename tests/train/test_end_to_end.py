@@ -50,6 +50,7 @@ def test_two_ranks_train_disjoint_samples_and_resume(shapes_shards: Path, tmp_pa
     assert len(all_keys) == len(set(all_keys)), "a sample was trained twice within the first epoch"
 
 
+@pytest.mark.slow  # a subprocess or worker processes: seconds, not the unit tier's ms
 def test_single_process_run_reports_accuracy(shapes_shards: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "single"
     proc = run_hpctrain("train", *train_args(shapes_shards, run_dir, "train.max_steps=4"))

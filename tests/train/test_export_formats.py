@@ -60,6 +60,7 @@ LOAD_WITHOUT_HPCTRAIN = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a subprocess or worker processes: seconds, not the unit tier's ms
 def test_safetensors_loads_without_hpctrain_and_the_card_rebuilds_the_model(tmp_path):
     cfg = with_overrides(Config(), ["model.name=small_cnn", "model.image_size=32"])  # classes: 0
     saved = save_checkpoints(tmp_path / "ck", cfg, num_classes=3, scores={1: 0.5, 2: 0.4})

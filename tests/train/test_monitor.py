@@ -53,6 +53,7 @@ def test_misconfigured_monitor_is_named():
     assert not MetricMonitor("").observe(record(1, 0.5))  # off: never saves
 
 
+@pytest.mark.slow  # a subprocess or worker processes: seconds, not the unit tier's ms
 def test_a_run_stops_early_keeps_its_best_and_profiles_the_chosen_steps(shapes_shards, tmp_path):
     """val_samples never changes: the first evaluation stays the best (a tie goes to the
     earlier step), and two more without a better value stop the run."""
@@ -87,6 +88,7 @@ def test_a_run_stops_early_keeps_its_best_and_profiles_the_chosen_steps(shapes_s
     assert trace["traceEvents"]
 
 
+@pytest.mark.slow  # a subprocess or worker processes: seconds, not the unit tier's ms
 def test_monitor_without_validation_data_is_refused(shapes_shards, tmp_path):
     from tests.train.helpers import run_hpctrain, train_args
 

@@ -222,6 +222,7 @@ def test_a_damaged_tracking_record_is_named(tmp_path):
 
 
 # ------------------------------------------------------------------------------ MLflow
+@pytest.mark.slow  # a subprocess or worker processes: seconds, not the unit tier's ms
 def test_mlflow_local_store_one_run_across_starts(tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 
@@ -395,6 +396,7 @@ def wandb_history(folder: Path) -> list[tuple[int, dict[str, float]]]:
     return rows
 
 
+@pytest.mark.slow  # a subprocess or worker processes: seconds, not the unit tier's ms
 def test_wandb_offline_one_run_across_starts_touches_no_network(tmp_path, network_trap):
     proxy, received = network_trap
     run_dir = tmp_path / "run"
@@ -462,6 +464,7 @@ def test_sync_finds_the_offline_folders_in_the_order_of_starts(tmp_path):
     assert "--dry-run" in wandb_sync_command(run_dir, dry_run=True)
 
 
+@pytest.mark.slow  # a subprocess or worker processes: seconds, not the unit tier's ms
 def test_sync_cli_lists_a_real_offline_run_and_names_bad_folders(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()

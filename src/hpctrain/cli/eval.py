@@ -11,7 +11,7 @@ from hpctrain.launch.local import LAUNCHER_PID_ENV, exit_with_launcher, run_loca
 HELP = "evaluate a checkpoint's model over a dataset (the task's metrics; one JSON record)"
 EPILOG = """examples:
   hpctrain eval runs/demo                                   # newest checkpoint, over data.val
-  hpctrain eval runs/demo --checkpoint best data.val=data/test/index.json --nproc 2
+  hpctrain eval runs/demo --checkpoint best data.val=data/demo/shards/train/index.json --nproc 2
   hpctrain eval configs/demo.yaml --checkpoint runs/demo/checkpoints/step-400
 The record is printed as one JSON line and written to RUN_DIR/eval/step-<N>.<data>-<hash>.json
 (or --out); under srun every task runs this same command. The weights are those the training

@@ -23,7 +23,7 @@ EPILOG = """examples:
   hpctrain submit configs/demo.yaml --profile local-dev --sweep train.lr=0.001,0.003 --max-parallel 1
   hpctrain status runs/demo
   hpctrain submit runs/demo --eval --checkpoint best --profile local-dev   # evaluate on SLURM
-  hpctrain submit runs/demo --predict --data data/test --out preds/ --profile local-dev"""
+  hpctrain submit runs/demo --predict --data data/demo/shards/val --out preds/ --profile local-dev"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
