@@ -74,6 +74,11 @@ def test_timeouts_are_told_from_other_errors():
     assert is_collective_timeout(wrapped)
     assert not is_collective_timeout(RuntimeError("CUDA out of memory"))
     assert not is_collective_timeout(ValueError("data.timeout_s must be > 0"))  # not torch's
+    # a chain that loops (an error whose cause's context is itself) ends: it hung the data errors
+    looping = OSError("shard not found")
+    cause = OSError("read failed")
+    looping.__cause__, cause.__context__ = cause, looping
+    assert not is_collective_timeout(looping)
 
 
 def test_a_timed_out_collective_becomes_one_line_naming_the_dump(tmp_path):

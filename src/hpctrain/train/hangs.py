@@ -118,7 +118,9 @@ def is_collective_timeout(error: BaseException) -> bool:
     "Watchdog caught collective operation timeout" (torch's DistBackendError), anywhere in
     the cause chain (a checkpoint error wrapping it too)."""
     seen: BaseException | None = error
-    while seen is not None:
+    visited: set[int] = set()  # a chain can loop (an error raised while handling its own cause)
+    while seen is not None and id(seen) not in visited:
+        visited.add(id(seen))
         from_torch = type(seen).__module__.startswith("torch") or isinstance(seen, RuntimeError)
         text = str(seen).lower()
         if from_torch and ("timed out" in text or "timeout" in text):
