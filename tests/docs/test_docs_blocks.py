@@ -89,6 +89,7 @@ def _tokenizer_json(path: Path) -> None:
     words = ["<unk>", "</s>", "def", "return", "import", "class", "self", "the", "a"]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["</s>"])  # the end of a document must be a special token
     tok.save(str(path))
 
 
