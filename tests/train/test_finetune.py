@@ -14,10 +14,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from hpctrain.config import ConfigError, load_config
+from hpctrain.train.export import export_weights
 from hpctrain.train.optim import lr_factor, named_parameters
 from tests.train.finetune_worker import FINETUNE, TASK
 from tests.train.helpers import REPO, run_two_ranks
-from tests.train.test_trainer import build, make_config
+from tests.train.test_trainer import build, make_config, train_records
 
 FROZEN = ("1.weight", "1.bias", "3.weight")
 SCALED = ("5.weight", "5.bias")
@@ -109,6 +110,14 @@ def test_frozen_weights_stay_bitwise_and_a_resume_is_exact(
         assert {id(p) for p in optimizer.state} == {
             id(p) for p in resumed.model.parameters() if p.requires_grad
         }
+        # The EMA export: averaged trained parameters, frozen ones as they were.
+        exported = export_weights(str(tmp_path / "straight"), tmp_path / "ema.pt", ema=True)
+        ema_weights = torch.load(exported.out, weights_only=True)
+        assert ema_weights.keys() == final.keys()
+        for name in FROZEN:
+            assert torch.equal(ema_weights[name], initial[name]), name
+        for name in SCALED:
+            assert torch.equal(ema_weights[name], straight.ema.state_dict()[name]), name
         saved = dcp.FileSystemReader(str(step2)).read_metadata().state_dict_metadata
         assert {"app.model.1.weight", "app.optim.state.5.weight.exp_avg"} <= saved.keys()
         assert not [k for k in saved if k.startswith(("app.optim.state.1.", "app.optim.state.3.w"))]
@@ -136,6 +145,21 @@ def test_frozen_weights_stay_bitwise_and_a_resume_is_exact(
     finally:
         close(straight)
         close(resumed)
+
+
+def test_the_logged_lr_is_train_lr_when_every_trained_parameter_is_scaled(
+    shapes_shards: Path, tmp_path: Path
+) -> None:
+    trainer = build(
+        finetune_config(
+            shapes_shards, tmp_path / "run", "train.freeze=['1.*', '3.*']", "train.max_steps=2"
+        )
+    )
+    assert trainer.fit() == 0
+    close(trainer)
+    assert [g["lr_scale"] for g in trainer.optimizer.param_groups] == [10.0, 10.0]
+    logged = [r["lr"] for r in train_records(tmp_path / "run")]
+    assert logged == pytest.approx([0.01 * lr_factor(s, 2, 2, "cosine") for s in range(2)])
 
 
 @pytest.mark.parametrize(
