@@ -191,6 +191,16 @@ class DataConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LrGroupConfig:
+    """One entry of `train.lr_groups` (see README "Fine-tuning: freezing and learning-rate groups")."""
+
+    pattern: str = _f("", "parameter-name glob (fnmatch: * also matches dots), e.g. 'head.*'")
+    lr_scale: float = _f(
+        1.0, "multiplier of train.lr for the parameters it matches (> 0)", above=0.0
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     max_steps: int = _f(0, "optimizer steps to run; 0: run train.max_epochs epochs", min=0)
     max_epochs: int = _f(0, "epochs to run when train.max_steps is 0", min=0)
@@ -257,6 +267,16 @@ class TrainConfig:
     )
     ema_eval: bool = _f(
         False, "evaluate with the EMA weights (train.ema_decay) instead of the trained ones"
+    )
+    freeze: list[str] = _f(
+        [],
+        "parameter-name globs kept frozen (no gradient, no optimizer state), e.g. "
+        "['tok_embeddings.*', 'blocks.0.*']; a glob that matches no parameter is an error",
+    )
+    lr_groups: list[LrGroupConfig] = _f(
+        [],
+        "learning-rate multipliers by parameter-name glob: a list of {pattern, lr_scale}; the "
+        "first matching pattern wins, the other parameters train at train.lr",
     )
 
 

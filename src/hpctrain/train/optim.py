@@ -1,32 +1,161 @@
-"""Optimizer with weight-decay groups, and the learning-rate schedule."""
+"""Frozen parameters, the optimizer's groups (weight decay, learning-rate scales), the schedule.
+
+Parameters are matched by their plain-module names (`blocks.0.attn.wq.weight`: without the
+`module.`, `_orig_mod.` and `_checkpoint_wrapped_module.` parts that DDP, `torch.compile` and
+activation checkpointing add), the names of checkpoints and of the EMA.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from fnmatch import fnmatchcase
+from typing import Any
 
 import torch
+import yaml
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
-from hpctrain.config import TrainConfig
+from hpctrain.config import ConfigError, TrainConfig, config_to_dict
+from hpctrain.train.ema import plain_name
+
+
+def named_parameters(model: nn.Module) -> list[tuple[list[str], nn.Parameter]]:
+    """Each parameter of `model` once, with all its plain names (a shared tensor has several)."""
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    by_id: dict[int, tuple[list[str], nn.Parameter]] = {}
+    for name, param in inner.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), ([], param))[0].append(plain_name(name))
+    return list(by_id.values())
+
+
+def matches(names: list[str], pattern: str) -> bool:
+    return any(fnmatchcase(name, pattern) for name in names)
+
+
+def some_names(named: list[tuple[list[str], nn.Parameter]], limit: int = 4) -> str:
+    """A few of the model's parameter names, for messages about patterns that match none."""
+    names = [names[0] for names, _ in named]
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def freeze_parameters(model: nn.Module, patterns: Sequence[str]) -> tuple[int, int]:
+    """`train.freeze`: no gradient for parameters whose name matches one of `patterns`.
+
+    Call it before `parallelize`: DDP reduces the gradients of the parameters that required
+    them when it wrapped the model (freezing after it fails its next reduction, measured), and
+    FSDP2 copies `requires_grad` into the sharded parameters it creates. FSDP2 reduce-scatters
+    only the gradients that exist, so one unit may hold frozen and trained parameters (FSDP1's
+    flat parameters could not: pytorch/pytorch#104690); frozen ones are sharded all the same.
+
+    Returns:
+        The numbers of trainable and frozen parameter elements.
+
+    Raises:
+        ConfigError: a pattern matches no parameter, or every parameter is frozen.
+    """
+    named = named_parameters(model)
+    for i, pattern in enumerate(patterns):
+        matched = [param for names, param in named if matches(names, pattern)]
+        if not matched:
+            raise ConfigError(
+                f"train.freeze[{i}]={pattern!r}: matches no parameter of the model "
+                f"(its names: {some_names(named)})"
+            )
+        for param in matched:
+            param.requires_grad_(False)
+    trainable = sum(p.numel() for _, p in named if p.requires_grad)
+    frozen = sum(p.numel() for _, p in named if not p.requires_grad)
+    if named and not trainable:
+        raise ConfigError(
+            f"train.freeze={list(patterns)!r}: leaves no parameter of the model to train"
+        )
+    return trainable, frozen
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW or SGD; no weight decay on norms and biases (parameters with one dimension)."""
-    decay: list[nn.Parameter] = []
-    no_decay: list[nn.Parameter] = []
-    for param in model.parameters():
-        if param.requires_grad:
-            (no_decay if param.ndim <= 1 else decay).append(param)
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+    """AdamW or SGD over the trainable parameters, in groups by learning rate and weight decay.
+
+    Groups come in pairs, weight decay then none (norms and biases: parameters with one
+    dimension): first the parameters that no `train.lr_groups` pattern matches, at `train.lr`,
+    then one pair per `train.lr_groups` entry at `train.lr x lr_scale`. Each group holds its
+    `lr_scale` (checkpointed with it). The scheduler multiplies each group's own initial rate,
+    so the ratios hold at every step. Empty groups are left out: DCP saves a group's settings
+    under its parameters' names, so an empty one would come back from a checkpoint without
+    them (AdamW then fails on its missing `betas`).
+
+    Raises:
+        ConfigError: a `train.lr_groups` pattern matches no trainable parameter left to it.
+    """
+    named = named_parameters(model)
+    scales = [1.0] + [group.lr_scale for group in cfg.lr_groups]
+    pairs: list[tuple[list[nn.Parameter], list[nn.Parameter]]] = [([], []) for _ in scales]
+    for names, param in named:
+        if not param.requires_grad:
+            continue
+        k = next(
+            (i + 1 for i, group in enumerate(cfg.lr_groups) if matches(names, group.pattern)), 0
+        )
+        decay, no_decay = pairs[k]
+        (no_decay if param.ndim <= 1 else decay).append(param)
+    for i, group in enumerate(cfg.lr_groups):
+        if not any(pairs[i + 1]):
+            why = (
+                "every parameter it matches is frozen (train.freeze) or taken by an earlier "
+                "entry (the first matching pattern wins)"
+                if any(matches(names, group.pattern) for names, _ in named)
+                else f"matches no parameter of the model (its names: {some_names(named)})"
+            )
+            raise ConfigError(f"train.lr_groups[{i}].pattern={group.pattern!r}: {why}")
+    groups: list[dict[str, Any]] = []
+    for scale, (decay, no_decay) in zip(scales, pairs, strict=True):
+        for params, weight_decay in ((decay, cfg.weight_decay), (no_decay, 0.0)):
+            if params:
+                groups.append(
+                    {
+                        "params": params,
+                        "weight_decay": weight_decay,
+                        "lr": cfg.lr * scale,
+                        "lr_scale": scale,
+                    }
+                )
     # PyTorch's default implementation: foreach (a few kernels for all parameters) on GPUs,
     # per-tensor on CPUs. Both gave DDP and FSDP2 bitwise-equal weights on CPU (torch 2.14.1,
     # measured with foreach=False and True), so there is nothing to pin here.
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
     return torch.optim.AdamW(groups, lr=cfg.lr)
+
+
+def check_same_groups(cfg: TrainConfig, manifest: dict[str, Any] | None) -> None:
+    """Refuse to resume a checkpoint saved with other `train.freeze` or `train.lr_groups`.
+
+    The checkpoint's optimizer holds its parameter groups, their rates and scales: DCP would
+    fail on other groups (a `zip()` error, or a missing key) or, with the same groups, keep
+    the saved scales without a word.
+
+    Raises:
+        ConfigError: one of the two keys differs from the checkpoint's saved config.
+    """
+    saved = (manifest or {}).get("metadata", {}).get("config")
+    try:
+        tree = yaml.safe_load(saved) if isinstance(saved, str) else None
+    except yaml.YAMLError:
+        return
+    if not isinstance(tree, dict) or not isinstance(tree.get("train"), dict):
+        return
+    ours = config_to_dict(cfg)
+    for key in ("freeze", "lr_groups"):
+        theirs = tree["train"].get(key, [])  # [] before these keys existed
+        if ours[key] != theirs:
+            step = (manifest or {}).get("step")
+            raise ConfigError(
+                f"train.{key}={ours[key]!r}: the checkpoint of step {step} was saved with "
+                f"train.{key}={theirs!r}, and its optimizer holds those parameter groups; set "
+                "it back to resume, or train with the new value in a new run folder"
+            )
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str) -> float:

@@ -38,7 +38,12 @@ from hpctrain.train.gpu_stats import GpuCounters
 from hpctrain.train.hangs import HangWatch
 from hpctrain.train.memory import OOMSnapshots
 from hpctrain.train.metrics import IntervalMeter, MetricMonitor, MetricsWriter, peak_memory_mb
-from hpctrain.train.optim import build_optimizer, build_scheduler
+from hpctrain.train.optim import (
+    build_optimizer,
+    build_scheduler,
+    check_same_groups,
+    freeze_parameters,
+)
 from hpctrain.train.parallel import broadcast_buffers, no_gradient_sync, parallelize
 from hpctrain.train.precision import device_facts, make_grad_scaler, plan_training
 from hpctrain.train.preemption import REQUEUE_EXIT_CODE, PreemptionFlag
@@ -193,8 +198,13 @@ class Trainer:
     def build_model(self) -> None:
         """The task's model, moved, wrapped and sharded; its optimizer and gradient scaler."""
         torch.manual_seed(self.cfg.seed)  # identical initial weights on every rank (FSDP2 needs it)
+        model = self.task.build_model()
+        trainable, frozen = freeze_parameters(model, self.cfg.train.freeze)  # before wrapping
+        log.info(
+            "parameters: %s trainable, %s frozen (train.freeze)", f"{trainable:,}", f"{frozen:,}"
+        )
         self.model = parallelize(
-            self.task.build_model(),
+            model,
             self.cfg.train,
             self.plan,
             self.device,
@@ -410,7 +420,8 @@ class Trainer:
         # scaler (DCP creates missing state only for parameters without gradients, and a resume
         # would expect the state it creates).
         self.optimizer.zero_grad(set_to_none=True)
-        self.lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used
+        group = self.optimizer.param_groups[0]  # the rate this step used, of train.lr itself
+        self.lr = group["lr"] / group.get("lr_scale", 1.0)
         self.scheduler.step()
         self.state.step += 1
         self.state.samples_seen += num_samples * self.env.world_size
@@ -610,6 +621,7 @@ class Trainer:
                 optional=(EMA_KEY, SCALER_KEY),
             )
         except CheckpointError as exc:
+            check_same_groups(self.cfg.train, self.checkpoints.tried_manifest)
             tried = self.checkpoints.tried_manifest
             changes = config_changes(self.cfg, tried["metadata"].get("config")) if tried else []
             if not changes:
@@ -619,8 +631,12 @@ class Trainer:
                 f"{', '.join(changes)}: set back the key that changes what the checkpoint "
                 "holds (model, optimizer, precision), or start over with --resume none"
             ) from None
+        except ValueError:  # DCP's own when the optimizer's groups differ: say which key
+            check_same_groups(self.cfg.train, self.checkpoints.tried_manifest)
+            raise
         if step is None:
             return
+        check_same_groups(self.cfg.train, self.checkpoints.loaded_manifest)
         if self.ema is not None and EMA_KEY in self.checkpoints.missing_states:
             self.ema.reset()
             log.warning(
