@@ -182,6 +182,12 @@ class DataConfig:
         "each shard's token stream; the tail shorter than a sequence is dropped and counted",
         min=0,
     )
+    document_mask: bool = _f(
+        True,
+        "with data.seq_len (causal_lm): a token attends only to the earlier tokens of its own "
+        "document, RoPE counting from the document's start (batch field `positions`); false: "
+        "plain causal attention across the documents of a sequence",
+    )
 
     def train_paths(self) -> list[tuple[str, str]]:
         """(dotted key, path) of every training source: one, or each of a mixture's."""
