@@ -14,6 +14,7 @@ from hpctrain.train.models.gpt import (
     PRESETS,
     GPTConfig,
     apply_rotary,
+    choose_kernel,
     flops_per_token,
     gpt_config,
     num_params,
@@ -181,10 +182,11 @@ def test_peak_table_matches_device_names() -> None:
 GQA = GPTConfig(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2)
 
 
-def _packed_after(gpt: GPT, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _packed_after(gpt: GPT, a: torch.Tensor, b: torch.Tensor) -> float:
     """Logits of document `b` packed after document `a` minus those of `b` alone (max abs)."""
     tokens = torch.cat([a, b])[None]
-    positions = torch.cat([torch.arange(a.numel()), torch.arange(b.numel())])[None]
+    ranges = [torch.arange(a.numel()), torch.arange(b.numel())]
+    positions = torch.cat(ranges)[None].to(a.device)
     with torch.no_grad():
         packed = gpt(tokens, positions)[0, a.numel() :]
         alone = gpt(b[None])[0]
@@ -257,3 +259,35 @@ def test_document_masks_train_under_activation_checkpointing_and_compile() -> No
         grads.append(gpt.tok_embeddings.weight.grad)
     torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=1e-6)
     torch.testing.assert_close(grads[2], grads[0], rtol=1e-5, atol=1e-6)
+
+
+def test_the_kernel_is_flex_attention_on_cuda_where_its_triton_kernel_runs() -> None:
+    # torch.device("cuda") is only a name here: nothing runs on a GPU
+    assert choose_kernel(torch.device("cuda", 0), 64) == "flex"
+    assert choose_kernel(torch.device("cuda", 0), 8) == "sdpa"  # tl.dot needs >= 16
+    assert choose_kernel(torch.device("cpu"), 64) == "sdpa"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_flex_attention_on_cuda_is_the_sdpa_mask_function() -> None:
+    cfg = GPTConfig(vocab_size=61, dim=64, n_layers=2, n_heads=4, n_kv_heads=2)
+    gpt = model(cfg).cuda()
+    tokens = torch.randint(0, 61, (2, 200), device="cuda")  # 200: not a multiple of 128
+    positions = torch.tensor(
+        [[*range(30, 100), *range(130)], [*range(150), *range(50)]], device="cuda"
+    )
+    assert choose_kernel(tokens.device, cfg.head_dim) == "flex"
+    out, grads = {}, {}
+    for kernel in ("auto", "sdpa"):
+        gpt.attention_kernel = kernel  # type: ignore[assignment]
+        gpt.zero_grad()
+        out[kernel] = gpt(tokens, positions)
+        out[kernel].square().mean().backward()
+        grads[kernel] = gpt.tok_embeddings.weight.grad.clone()
+    torch.testing.assert_close(out["auto"], out["sdpa"], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(grads["auto"], grads["sdpa"], rtol=1e-3, atol=1e-5)
+    gpt.attention_kernel = "auto"
+    torch.manual_seed(1)
+    a, b = torch.randint(0, 61, (140,)), torch.randint(0, 61, (60,))
+    assert _packed_after(gpt, a.cuda(), b.cuda()) < 1e-4

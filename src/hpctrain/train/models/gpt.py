@@ -233,23 +233,31 @@ def _flex_attention() -> Any:
     return _COMPILED_FLEX
 
 
-def document_mask(positions: torch.Tensor, kernel: AttentionKernel = "auto") -> Any:
+def choose_kernel(device: torch.device, head_dim: int) -> Literal["flex", "sdpa"]:
+    """flex_attention on CUDA where it can run (torch has it; its Triton kernel needs a head
+    dimension of at least 16), else SDPA with a dense mask (see `document_mask`)."""
+    if device.type == "cuda" and head_dim >= 16 and _flex() is not None:
+        return "flex"
+    return "sdpa"
+
+
+def document_mask(positions: torch.Tensor, kernel: AttentionKernel = "sdpa") -> Any:
     """The block-causal mask of packed documents: query i sees key j when j <= i and both
     lie in the same document (a position 0 starts a new one; the tokens before a row's first 0
     continue a document begun in an earlier sequence and form one too).
 
-    Which kernel: on CUDA, flex_attention with a block mask (`"auto"`): it skips the blocks
+    Which kernel (`choose_kernel`): on CUDA flex_attention with a block mask: it skips the blocks
     that cross documents and never builds a T×T tensor, where SDPA with a dense mask loses the
     flash kernel (it takes no arbitrary mask) and falls back to the memory-efficient or math
     kernel. On CPUs (and a torch without flex_attention) SDPA with an explicit boolean mask
     [B, 1, T, T]: flex_attention runs there only unfused (eager) or after a C++ compile, and
     SDPA's CPU flash kernel takes a mask. Both compute the same function (tests/train/test_gpt).
-    `"flex"` or `"sdpa"` forces one (the flex mask then runs eagerly off CUDA).
+    `kernel="flex"` gives a block mask, any other a boolean mask; `GPT.attention_kernel` may
+    force one (flex then runs eagerly off CUDA, as in the tests).
     """
     documents = (positions == 0).cumsum(dim=1)  # [B, T]: a new id at every document start
     b, t = positions.shape
-    if kernel == "auto":
-        kernel = "flex" if positions.device.type == "cuda" and _flex() is not None else "sdpa"
+    on_cuda = positions.device.type == "cuda"
     if kernel == "flex":
 
         def same_document_causal(
@@ -257,8 +265,9 @@ def document_mask(positions: torch.Tensor, kernel: AttentionKernel = "auto") -> 
         ) -> torch.Tensor:
             return (q >= k) & (documents[batch, q] == documents[batch, k])
 
+        # compiled on CUDA: eagerly it would build [B, T, T] intermediates to find the blocks
         return _flex().create_block_mask(
-            same_document_causal, b, None, t, t, device=positions.device
+            same_document_causal, b, None, t, t, device=positions.device, _compile=on_cuda
         )
     causal = torch.ones(t, t, dtype=torch.bool, device=positions.device).tril()
     return (causal & (documents[:, :, None] == documents[:, None, :]))[:, None]
@@ -363,8 +372,12 @@ class GPT(nn.Module):
         cos, sin = rotary_tables(
             tokens.shape[1], self.cfg.head_dim, self.cfg.rope_theta, h.device, positions
         )
-        # one mask for every block (built once per forward, outside any checkpointed block)
-        mask = None if positions is None else document_mask(positions, self.attention_kernel)
+        mask = None
+        if positions is not None:  # one mask for every block, built outside checkpointed ones
+            kernel = self.attention_kernel
+            if kernel == "auto":
+                kernel = choose_kernel(tokens.device, self.cfg.head_dim)
+            mask = document_mask(positions, kernel)
         for block in self.blocks:
             h = block(h, cos, sin, mask)
         h = self.norm(h)
