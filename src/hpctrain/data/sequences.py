@@ -207,8 +207,7 @@ def document_positions(ids: np.ndarray, eod_id: int | None) -> np.ndarray:
     """Each id's position (int64) in its document, for the ids of one sample: 0 at the
     sample's first id and after each `eod_id` (see the module doc)."""
     index = np.arange(ids.size, dtype=np.int64)
-    starts = np.zeros(ids.size, dtype=bool)
-    starts[:1] = True
+    starts = np.zeros(ids.size, dtype=bool)  # after an EOD (the first id's start is index 0)
     if eod_id is not None:
         starts[1:] = ids[:-1] == eod_id
     return index - np.maximum.accumulate(np.where(starts, index, 0))
