@@ -233,12 +233,18 @@ def _flex_attention() -> Any:
     return _COMPILED_FLEX
 
 
-def choose_kernel(device: torch.device, head_dim: int) -> Literal["flex", "sdpa"]:
-    """flex_attention on CUDA where it can run (torch has it; its Triton kernel needs a head
-    dimension of at least 16), else SDPA with a dense mask (see `document_mask`)."""
-    if device.type == "cuda" and head_dim >= 16 and _flex() is not None:
-        return "flex"
-    return "sdpa"
+def choose_kernel(
+    device: torch.device, head_dim: int, capability: tuple[int, int] | None = None
+) -> Literal["flex", "sdpa"]:
+    """flex_attention on CUDA where it runs well, else SDPA with a dense mask (see
+    `document_mask`). Flex needs torch to have it, a head dimension of at least 16 (Triton's
+    tl.dot) and here an Ampere or newer GPU (`capability`, looked up when None): its Triton
+    kernels are sized for their shared memory, and a V100's (sm_70) is smaller (pytorch#133254
+    shows the backward running out of it on 100 KB GPUs), so V100s take SDPA's masked kernel."""
+    if device.type != "cuda" or head_dim < 16 or _flex() is None:
+        return "sdpa"
+    major, _ = capability or torch.cuda.get_device_capability(device)
+    return "flex" if major >= 8 else "sdpa"
 
 
 def document_mask(positions: torch.Tensor, kernel: AttentionKernel = "sdpa") -> Any:
@@ -246,12 +252,12 @@ def document_mask(positions: torch.Tensor, kernel: AttentionKernel = "sdpa") -> 
     lie in the same document (a position 0 starts a new one; the tokens before a row's first 0
     continue a document begun in an earlier sequence and form one too).
 
-    Which kernel (`choose_kernel`): on CUDA flex_attention with a block mask: it skips the blocks
-    that cross documents and never builds a T×T tensor, where SDPA with a dense mask loses the
-    flash kernel (it takes no arbitrary mask) and falls back to the memory-efficient or math
-    kernel. On CPUs (and a torch without flex_attention) SDPA with an explicit boolean mask
-    [B, 1, T, T]: flex_attention runs there only unfused (eager) or after a C++ compile, and
-    SDPA's CPU flash kernel takes a mask. Both compute the same function (tests/train/test_gpt).
+    Which kernel (`choose_kernel`): on CUDA (Ampere and newer) flex_attention with a block
+    mask: it skips the blocks that cross documents and never builds a T×T tensor, where SDPA
+    with a dense mask loses the flash kernel (it takes no arbitrary mask) and falls back to the
+    memory-efficient or math kernel. On CPUs, V100s and a torch without flex_attention, SDPA
+    with an explicit boolean mask [B, 1, T, T]: flex_attention runs on CPUs only unfused
+    (eager) or after a C++ compile, and SDPA's CPU flash kernel takes a mask. Both compute the same function (tests/train/test_gpt).
     `kernel="flex"` gives a block mask, any other a boolean mask; `GPT.attention_kernel` may
     force one (flex then runs eagerly off CUDA, as in the tests).
     """
