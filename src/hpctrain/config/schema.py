@@ -178,7 +178,8 @@ class DataConfig:
     seq_len: int = _f(
         0,
         "0: samples as stored; N > 0: token shards (an index with a tokenizer) are read as "
-        "packed sequences of N+1 token ids (batch field `tokens`), cut every N tokens from "
+        "packed sequences of N+1 token ids (batch fields `tokens` and `positions`, see "
+        "data.document_mask), cut every N tokens from "
         "each shard's token stream; the tail shorter than a sequence is dropped and counted",
         min=0,
     )
