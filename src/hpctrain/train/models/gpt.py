@@ -257,9 +257,10 @@ def document_mask(positions: torch.Tensor, kernel: AttentionKernel = "sdpa") -> 
     with a dense mask loses the flash kernel (it takes no arbitrary mask) and falls back to the
     memory-efficient or math kernel. On CPUs, V100s and a torch without flex_attention, SDPA
     with an explicit boolean mask [B, 1, T, T]: flex_attention runs on CPUs only unfused
-    (eager) or after a C++ compile, and SDPA's CPU flash kernel takes a mask. Both compute the same function (tests/train/test_gpt).
-    `kernel="flex"` gives a block mask, any other a boolean mask; `GPT.attention_kernel` may
-    force one (flex then runs eagerly off CUDA, as in the tests).
+    (eager) or after a C++ compile, and SDPA's CPU flash kernel takes a mask. Both compute the
+    same function (tests/train/test_gpt.py). `kernel="flex"` gives a block mask, any other a
+    boolean mask; `GPT.attention_kernel` may force one (flex then runs eagerly off CUDA, as in
+    the tests).
     """
     documents = (positions == 0).cumsum(dim=1)  # [B, T]: a new id at every document start
     b, t = positions.shape
