@@ -37,6 +37,7 @@ from tests.data.token_testkit import (
     SEQ_LEN,
     VOCAB,
     all_sequence_keys,
+    positions_window,
     window,
     write_token_shards,
 )
@@ -81,9 +82,9 @@ def test_shard_sequences_joined_are_its_documents_minus_the_tail(tokens):
         count = num_sequences(len(stream), SEQ_LEN)
         with open_shard(str(root / f"train-{shard:06d}.tar")) as f:
             got = list(iter_sequences(f, range(count), SEQ_LEN, VOCAB, "s"))
-        assert [i for i, _k, _w in got] == list(range(count))
-        assert all(w.dtype == np.int64 and len(w) == SEQ_LEN + 1 for _i, _k, w in got)
-        joined = [t for i, _k, w in got for t in (w if i == 0 else w[1:]).tolist()]
+        assert [i for i, _k, _w, _p in got] == list(range(count))
+        assert all(w.dtype == np.int64 and len(w) == SEQ_LEN + 1 for _i, _k, w, _p in got)
+        joined = [t for i, _k, w, _p in got for t in (w if i == 0 else w[1:]).tolist()]
         assert joined == stream[: len(stream) - dropped_tokens(len(stream), SEQ_LEN)]
         assert (count == 0) == (len(stream) <= SEQ_LEN)
 
@@ -97,8 +98,8 @@ def test_scattered_sequences_are_read_in_one_pass_skipping_unread_samples(tmp_pa
     stats = ReadStats()
     with open_shard(str(tmp_path / "train-000000.tar"), stats=stats) as f:
         got = list(iter_sequences(f, wanted, SEQ_LEN, VOCAB, "train-000000"))
-    assert [k for _i, k, _w in got] == [f"train-000000/{i}" for i in wanted]
-    for i, _k, w in got:
+    assert [k for _i, k, _w, _p in got] == [f"train-000000/{i}" for i in wanted]
+    for i, _k, w, _p in got:
         assert w.tolist() == stream[i * SEQ_LEN : i * SEQ_LEN + SEQ_LEN + 1]
     assert stats.bytes_skipped > 0  # samples between the windows were never read
 
@@ -110,7 +111,13 @@ def test_scattered_sequences_are_read_in_one_pass_skipping_unread_samples(tmp_pa
     pick=st.randoms(use_true_random=False),
 )
 def test_any_wanted_subset_reads_the_windows_of_the_stream(sample_lengths, seq_len, pick):
-    stream = list(range(sum(sample_lengths)))
+    stream = [i % 5 for i in range(sum(sample_lengths))]  # 0 plays the EOD
+    # positions from the whole stream: 0 at each sample's first id and after each EOD
+    firsts = set(np.cumsum([0, *sample_lengths]).tolist())
+    expected: list[int] = []
+    for t in range(len(stream)):
+        restart = t in firsts or stream[t - 1] == 0
+        expected.append(0 if restart else expected[-1] + 1)
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "s.tar"
         with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
@@ -124,10 +131,11 @@ def test_any_wanted_subset_reads_the_windows_of_the_stream(sample_lengths, seq_l
         count = num_sequences(len(stream), seq_len)
         wanted = sorted(pick.sample(range(count), pick.randint(0, count)))
         with open_shard(str(path)) as f:
-            got = list(iter_sequences(f, wanted, seq_len, len(stream) + 1, "s"))
-    assert [i for i, _k, _w in got] == wanted
-    for i, _k, w in got:
+            got = list(iter_sequences(f, wanted, seq_len, 5, "s", eod_id=0))
+    assert [i for i, _k, _w, _p in got] == wanted
+    for i, _k, w, p in got:
         assert w.tolist() == stream[i * seq_len : i * seq_len + seq_len + 1]
+        assert p.tolist() == expected[i * seq_len : i * seq_len + seq_len + 1]
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -147,10 +155,16 @@ def test_loader_batches_follow_the_plan_with_counts_from_num_tokens(tokens, work
     assert keys == [sequence_key(stems[s], i) for s, i, _v in loader.plan().rank_order(0)]
     assert len(set(keys)) == len(keys) and set(keys) <= all_sequence_keys(streams)
     for b in batches:
-        assert set(b) == {"tokens", "key", "valid"} and bool(b["valid"].all())
+        assert set(b) == {"tokens", "positions", "key", "valid"} and bool(b["valid"].all())
         assert b["tokens"].dtype == torch.int64 and b["tokens"].shape == (3, SEQ_LEN + 1)
-        for key, row in zip(b["key"], b["tokens"], strict=True):
+        # positions travel like tokens (with workers: through the pooled shared memory)
+        assert b["positions"].dtype == torch.int64 and b["positions"].shape == (3, SEQ_LEN + 1)
+        for key, row, positions in zip(b["key"], b["tokens"], b["positions"], strict=True):
             assert row.tolist() == window(streams, key)
+            assert positions.tolist() == positions_window(streams, key)
+            for t in range(1, SEQ_LEN + 1):  # 0 exactly after an EOD, one more elsewhere
+                after_eod = int(row[t - 1]) == EOD
+                assert int(positions[t]) == (0 if after_eod else int(positions[t - 1]) + 1)
     loader.close()
 
 
@@ -186,6 +200,7 @@ def test_exact_resume_gives_identical_remaining_batches(tokens, workers, stop):
     assert len(rest) == len(full) - stop
     for a, b in zip(full[stop:], rest, strict=True):
         assert a["key"] == b["key"] and torch.equal(a["tokens"], b["tokens"])
+        assert torch.equal(a["positions"], b["positions"])
     with pytest.raises(LoaderStateError, match="seq_len = 8"):
         ShardedLoader(index, cfg(seq_len=4), rank=0, world_size=1, seed=7).load_state_dict(state)
 
@@ -206,7 +221,11 @@ def test_elastic_resume_two_ranks_to_one_sees_every_sequence_once(tokens):
     dropped_by_plan = ShardedLoader(index, c, rank=0, world_size=2, seed=1).plan().num_dropped
     loader = ShardedLoader(index, c, rank=0, world_size=1, seed=1)
     loader.load_state_dict(states[0])
-    seen += valid_keys(loader)
+    rest = list(loader)
+    seen += valid_keys(rest)
+    for b in rest:  # re-planned sequences keep their positions aligned with their tokens
+        for key, positions in zip(b["key"], b["positions"], strict=True):
+            assert positions.tolist() == positions_window(streams, key)
     counts = Counter(seen)
     assert set(counts.values()) == {1}
     assert len(counts) == len(all_sequence_keys(streams)) - dropped_by_plan

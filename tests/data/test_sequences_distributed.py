@@ -16,7 +16,13 @@ import torch.multiprocessing as mp
 from hpctrain.config.schema import DataConfig
 from hpctrain.data import ShardedLoader, open_index
 from hpctrain.launch.local import free_port
-from tests.data.token_testkit import SEQ_LEN, all_sequence_keys, window, write_token_shards
+from tests.data.token_testkit import (
+    SEQ_LEN,
+    all_sequence_keys,
+    positions_window,
+    window,
+    write_token_shards,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -39,8 +45,10 @@ def rank_main(rank: int, world_size: int, port: int, root: str) -> None:
     for batch in loader:
         dist.all_reduce(torch.ones(1))  # unequal batch counts would hang here
         steps += 1
-        for key, ok, row in zip(batch["key"], batch["valid"], batch["tokens"], strict=True):
+        rows = zip(batch["key"], batch["valid"], batch["tokens"], batch["positions"], strict=True)
+        for key, ok, row, positions in rows:
             wrong += row.tolist() != window(streams, key)
+            wrong += positions.tolist() != positions_window(streams, key)
             if ok:
                 keys.append(key)
     loader.close()

@@ -80,6 +80,17 @@ def window(streams: list[list[int]], key: str, seq_len: int = SEQ_LEN) -> list[i
     return streams[int(stem[-6:])][start : start + seq_len + 1]
 
 
+def positions_window(streams: list[list[int]], key: str, seq_len: int = SEQ_LEN) -> list[int]:
+    """The positions in documents sequence `key` must hold, from its shard's whole stream
+    (0 at the shard's first id and after each EOD, one more elsewhere)."""
+    stem, i = key.split("/")
+    stream, positions = streams[int(stem[-6:])], []
+    for t in range(len(stream)):
+        positions.append(0 if t == 0 or stream[t - 1] == EOD else positions[-1] + 1)
+    start = int(i) * seq_len
+    return positions[start : start + seq_len + 1]
+
+
 def all_sequence_keys(streams: list[list[int]], seq_len: int = SEQ_LEN) -> set[str]:
     return {
         sequence_key(f"train-{s:06d}", i)

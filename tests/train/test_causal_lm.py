@@ -122,12 +122,48 @@ def test_predict_gives_one_record_per_sequence() -> None:
 
 def test_transform_checks_the_sequence() -> None:
     transform = task().train_transform()
-    out = transform({"key": "s/0", "tokens": torch.arange(SEQ_LEN + 1, dtype=torch.int32)})
+    ids = torch.arange(SEQ_LEN + 1, dtype=torch.int32)
+    out = transform({"key": "s/0", "tokens": ids, "positions": ids})
     assert out["tokens"].dtype == torch.int64 and out["tokens"].shape == (SEQ_LEN + 1,)
+    assert out["positions"].dtype == torch.int64 and torch.equal(out["positions"], ids.long())
+    with pytest.raises(SampleError, match=r"'s/0' has no `positions` beside its tokens"):
+        transform({"key": "s/0", "tokens": ids})
+    # data.document_mask=false: positions are dropped (never travel), none needed
+    plain = task("data.document_mask=false").eval_transform()
+    assert set(plain({"key": "s/0", "tokens": ids, "positions": ids})) == {"key", "tokens"}
+    assert set(plain({"key": "s/0", "tokens": ids})) == {"key", "tokens"}
     with pytest.raises(SampleError, match=r"'s/1': tokens of shape \[5\], expected \[33\]"):
         transform({"key": "s/1", "tokens": torch.arange(5)})
     with pytest.raises(SampleError, match=r"'s/2' has no packed `tokens` sequence \(fields: jpg\)"):
         transform({"key": "s/2", "jpg": b""})
+
+
+def test_document_mask_scores_a_packed_document_as_if_it_were_alone() -> None:
+    # a row of document A (9 ids + EOD) then document B (23 ids, continuing past the row)
+    lm = task()
+    torch.manual_seed(0)
+    model = lm.build_model().eval()
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(1, 257, (1, SEQ_LEN + 1), generator=g)
+    tokens[0, 9] = 256  # the bytes tokenizer's EOD
+    positions = torch.cat([torch.arange(10), torch.arange(SEQ_LEN + 1 - 10)])[None]
+    transform = lm.train_transform()
+    row = transform({"key": "s/0", "tokens": tokens[0], "positions": positions[0]})
+    b = {k: v[None] for k, v in row.items() if k != "key"} | {"valid": torch.ones(1, dtype=bool)}
+    with torch.no_grad():
+        packed = lm.token_losses(model, b["tokens"], b["positions"])[0, 10:]
+        alone = lm.token_losses(model, tokens[:, 10:])[0]
+        assert float((packed - alone).abs().max()) < 1e-5
+        # training and evaluation read the positions the transform kept
+        loss, _ = lm.loss(model, b)
+        torch.testing.assert_close(loss, lm.token_losses(model, tokens, positions).mean())
+        sums = lm.eval_metrics(model, b)
+        torch.testing.assert_close(sums["loss"], lm.token_losses(model, tokens, positions).sum())
+        # data.document_mask=false: plain causal attention, B sees A and its losses move
+        plain = task("data.document_mask=false").train_transform()
+        dropped = plain({"key": "s/0", "tokens": tokens[0], "positions": positions[0]})
+        unmasked = lm.token_losses(model, dropped["tokens"][None])[0, 10:]
+        assert float((unmasked - alone).abs().max()) > 1e-3
 
 
 def test_config_errors_name_the_key_and_the_index() -> None:

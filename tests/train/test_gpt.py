@@ -14,6 +14,7 @@ from hpctrain.train.models.gpt import (
     PRESETS,
     GPTConfig,
     apply_rotary,
+    choose_kernel,
     flops_per_token,
     gpt_config,
     num_params,
@@ -174,3 +175,122 @@ def test_peak_table_matches_device_names() -> None:
     assert peak_flops("NVIDIA H200") == 989e12
     assert peak_flops("NVIDIA GeForce RTX 4090") is None
     assert mfu(1000.0, 1e9, 1e12, 2) == 0.5
+
+
+# --- packed documents: positions and the block-causal document mask ------------------------
+
+GQA = GPTConfig(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2)
+
+
+def _packed_after(gpt: GPT, a: torch.Tensor, b: torch.Tensor) -> float:
+    """Logits of document `b` packed after document `a` minus those of `b` alone (max abs)."""
+    tokens = torch.cat([a, b])[None]
+    ranges = [torch.arange(a.numel()), torch.arange(b.numel())]
+    positions = torch.cat(ranges)[None].to(a.device)
+    with torch.no_grad():
+        packed = gpt(tokens, positions)[0, a.numel() :]
+        alone = gpt(b[None])[0]
+    return float((packed - alone).abs().max())
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "flex"])
+def test_a_document_packed_after_another_gets_the_logits_it_gets_alone(kernel: str) -> None:
+    gpt = model(GQA)
+    gpt.attention_kernel = kernel  # type: ignore[assignment]
+    torch.manual_seed(1)
+    a, b = torch.randint(0, 61, (11,)), torch.randint(0, 61, (9,))
+    assert _packed_after(gpt, a, b) < 1e-5
+
+
+def test_the_same_test_fails_when_the_document_mask_is_dropped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A backend that silently ignores the mask (Megatron-LM#2357) must not pass: with
+    # positions still used by RoPE but plain causal attention, b sees a and its logits move.
+    import hpctrain.train.models.gpt as gpt_module
+
+    monkeypatch.setattr(gpt_module, "document_mask", lambda positions, kernel="auto": None)
+    gpt = model(GQA)
+    torch.manual_seed(1)
+    a, b = torch.randint(0, 61, (11,)), torch.randint(0, 61, (9,))
+    assert _packed_after(gpt, a, b) > 1e-3
+
+
+def test_positions_arange_is_plain_causal_attention() -> None:
+    gpt = model(GQA)
+    tokens = torch.randint(0, 61, (3, 16))
+    with torch.no_grad():
+        plain = gpt(tokens)
+        ranged = gpt(tokens, torch.arange(16).expand(3, 16))
+    torch.testing.assert_close(ranged, plain, rtol=0, atol=1e-5)
+
+
+def test_flex_attention_and_sdpa_masks_compute_the_same_function() -> None:
+    # Both run on CPU here (flex_attention eagerly, torch 2.14); rows start mid-document
+    # (a document begun in an earlier sequence) and hold several documents.
+    gpt = model(GQA)
+    tokens = torch.randint(0, 61, (2, 20))
+    positions = torch.tensor(
+        [
+            [*range(7, 12), *range(8), *range(7)],
+            [*range(3), *range(1), *range(16)],
+        ]
+    )
+    out = {}
+    for kernel in ("sdpa", "flex"):
+        gpt.attention_kernel = kernel  # type: ignore[assignment]
+        with torch.no_grad():
+            out[kernel] = gpt(tokens, positions)
+    torch.testing.assert_close(out["flex"], out["sdpa"], rtol=0, atol=1e-5)
+
+
+def test_document_masks_train_under_activation_checkpointing_and_compile() -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    tokens = torch.randint(0, 61, (2, 12))
+    positions = torch.tensor([[*range(5), *range(7)], [*range(3, 15)]])
+    grads = []
+    for wrap in (None, checkpoint_wrapper, lambda b: torch.compile(b, backend="aot_eager")):
+        gpt = model(GQA).train()
+        if wrap is not None:
+            for parent, name, block in find_blocks(gpt):
+                setattr(parent, name, wrap(block))
+        gpt(tokens, positions).square().mean().backward()
+        grads.append(gpt.tok_embeddings.weight.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(grads[2], grads[0], rtol=1e-5, atol=1e-6)
+
+
+def test_the_kernel_is_flex_attention_on_cuda_where_its_triton_kernel_runs() -> None:
+    # torch.device("cuda") is only a name here, the capability given: nothing runs on a GPU
+    gpu = torch.device("cuda", 0)
+    assert choose_kernel(gpu, 64, (9, 0)) == choose_kernel(gpu, 128, (8, 0)) == "flex"
+    assert choose_kernel(gpu, 64, (7, 0)) == "sdpa"  # V100: SDPA's masked kernel
+    assert choose_kernel(gpu, 8, (9, 0)) == "sdpa"  # tl.dot needs >= 16
+    assert choose_kernel(torch.device("cpu"), 64) == "sdpa"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_flex_attention_on_cuda_is_the_sdpa_mask_function() -> None:
+    cfg = GPTConfig(vocab_size=61, dim=64, n_layers=2, n_heads=4, n_kv_heads=2)
+    gpt = model(cfg).cuda()
+    tokens = torch.randint(0, 61, (2, 200), device="cuda")  # 200: not a multiple of 128
+    positions = torch.tensor(
+        [[*range(30, 100), *range(130)], [*range(150), *range(50)]], device="cuda"
+    )
+    if choose_kernel(tokens.device, cfg.head_dim) != "flex":
+        pytest.skip("flex_attention is not this GPU's kernel (before Ampere)")
+    out, grads = {}, {}
+    for kernel in ("auto", "sdpa"):
+        gpt.attention_kernel = kernel  # type: ignore[assignment]
+        gpt.zero_grad()
+        out[kernel] = gpt(tokens, positions)
+        out[kernel].square().mean().backward()
+        grads[kernel] = gpt.tok_embeddings.weight.grad.clone()
+    torch.testing.assert_close(out["auto"], out["sdpa"], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(grads["auto"], grads["sdpa"], rtol=1e-3, atol=1e-5)
+    gpt.attention_kernel = "auto"
+    torch.manual_seed(1)
+    a, b = torch.randint(0, 61, (140,)), torch.randint(0, 61, (60,))
+    assert _packed_after(gpt, a.cuda(), b.cuda()) < 1e-4

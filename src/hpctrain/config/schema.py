@@ -178,9 +178,16 @@ class DataConfig:
     seq_len: int = _f(
         0,
         "0: samples as stored; N > 0: token shards (an index with a tokenizer) are read as "
-        "packed sequences of N+1 token ids (batch field `tokens`), cut every N tokens from "
+        "packed sequences of N+1 token ids (batch fields `tokens` and `positions`, see "
+        "data.document_mask), cut every N tokens from "
         "each shard's token stream; the tail shorter than a sequence is dropped and counted",
         min=0,
+    )
+    document_mask: bool = _f(
+        True,
+        "with data.seq_len (causal_lm): a token attends only to the earlier tokens of its own "
+        "document, RoPE counting from the document's start (batch field `positions`); false: "
+        "plain causal attention across the documents of a sequence",
     )
 
     def train_paths(self) -> list[tuple[str, str]]:

@@ -74,7 +74,8 @@ class ShardedLoader:
         decode: replaces the default decoding: `decode(key, members) -> sample`, members
             being {field name: bytes or memoryview}; run in the workers. Unused with
             `cfg.seq_len > 0`: the index's token shards are then read as packed sequences,
-            samples `{"key": "<shard stem>/<sequence index>", "tokens": int64 [seq_len + 1]}`
+            samples `{"key": "<shard stem>/<sequence index>", "tokens": int64 [seq_len + 1],
+            "positions": int64 [seq_len + 1]}` (positions in documents: data/sequences.py)
             (`hpctrain.data.sequences`), and the plan counts sequences, not samples.
         collate: replaces the default collate (see `hpctrain.data.collate`):
             `collate(samples) -> batch`; the batch's top-level tensors travel in the pooled
@@ -126,10 +127,11 @@ class ShardedLoader:
             remainder=cfg.remainder if train else "pad",
             shuffle_buffer=cfg.shuffle_buffer if train else 0,
         )
-        shard_sizes, vocab_size = tuple(s.num_samples for s in index.shards), 0
+        shard_sizes, vocab_size, eod_id = tuple(s.num_samples for s in index.shards), 0, None
         self.dropped_tokens = 0  # per epoch: token-stream tails too short for a sequence
         if cfg.seq_len:  # token shards read as packed sequences (data/sequences.py)
             shard_sizes, vocab_size, self.dropped_tokens = sequence_layout(index, cfg.seq_len)
+            eod_id = (index.tokenizer or {}).get("eod_id")  # documents end there (positions)
         # a mixture (`hpctrain.data.mixture.MixtureIndex`) plans training only, over the
         # items the plan counts (packed sequences with data.seq_len)
         mixture = getattr(index, "mixture", None) if train else None
@@ -152,6 +154,7 @@ class ShardedLoader:
             mixture=mixture,
             seq_len=cfg.seq_len,
             vocab_size=vocab_size,
+            eod_id=None if eod_id is None else int(eod_id),
         )
         self.epoch = 0
         self._stages: tuple[StageParams, ...] = ()  # earlier stages of this epoch

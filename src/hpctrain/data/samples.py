@@ -115,6 +115,7 @@ class StreamSpec:
     mixture: Mixture | None = None  # several sources mixed by weight (`hpctrain.data.mixture`)
     seq_len: int = 0  # > 0: shards are token streams read as sequences (data.sequences)
     vocab_size: int = 0  # with seq_len: ids must lie below it
+    eod_id: int | None = None  # with seq_len: the end-of-document id (for positions)
 
     def plan(self, epoch: int, stages: tuple[StageParams, ...]) -> EpochPlan:
         """The plan of the stage after `stages` of `epoch`."""
@@ -372,16 +373,18 @@ class SampleStream:
         self, f: ShardStream, shard: int, wanted: list[int]
     ) -> Iterator[tuple[int, str, dict[str, Any]]]:
         """(index, key, members) of the `wanted` (sorted) samples of an open shard, or of
-        its sequences with `data.seq_len` (members then `{"tokens": int64 ids}`)."""
+        its sequences with `data.seq_len` (members then `{"tokens": int64 ids, "positions":
+        int64 positions in documents}`)."""
         if not self.spec.seq_len:
             want = set(wanted).__contains__
             yield from iter_samples(f, want=want, stop=wanted[-1] + 1, views=True)
             return
         stem = shard_stem(self.spec.urls[shard])
-        for index, key, ids in iter_sequences(
-            f, wanted, self.spec.seq_len, self.spec.vocab_size, stem
+        spec = self.spec
+        for index, key, ids, positions in iter_sequences(
+            f, wanted, spec.seq_len, spec.vocab_size, stem, spec.eod_id
         ):
-            yield index, key, {"tokens": ids}
+            yield index, key, {"tokens": ids, "positions": positions}
 
     # -- samples and batches -------------------------------------------------------------
 
@@ -390,7 +393,11 @@ class SampleStream:
     ) -> Sample:
         """Decode and transform one sample (`SampleError` for bad data, see the module)."""
         if self.spec.seq_len:  # a packed sequence: nothing to decode, a Task's decode unused
-            sample: Sample = {"key": key, "tokens": torch.from_numpy(members["tokens"])}
+            sample: Sample = {
+                "key": key,
+                "tokens": torch.from_numpy(members["tokens"]),
+                "positions": torch.from_numpy(members["positions"]),
+            }
         elif self.decode is not None:
             sample = self.decode(key, members)
             sample.setdefault("key", key)

@@ -19,6 +19,18 @@ tar header, so samples before the first wanted sequence (or between scattered wa
 sequences after an elastic re-plan) are skipped without being read; only members overlapping
 a wanted sequence are read, checked (width, ids below the vocabulary size) and cut into
 windows. Torch-free, like the rest of the plan: `hpctrain plan` imports it.
+
+Each sequence comes with its `positions` (int64 [N+1]): every token's position inside its
+document, 0 at a document's first token, counting on across the sequence start when the
+document began in an earlier sequence. Documents are the shards' own structure
+(`hpctrain.data.tokens`): a sample holds whole documents, each followed by the tokenizer's
+end-of-document (EOD) id, so a document starts at a sample's first token and after each EOD.
+Splitting on the EOD id is safe because it is that structure, not a guess from the text:
+`hpctrain convert` refuses a document whose text encodes to the EOD id (and re-packing an
+index splits its samples at the same ids), so the id never occurs inside a document, unlike a
+separator such as a chat-turn token (torchtitan#3130). Since a document never starts before
+the sample that holds it, a member's positions are known from the member alone: skipping the
+samples before a wanted sequence (resume, elastic re-plan) leaves them unchanged.
 """
 
 from __future__ import annotations
@@ -101,8 +113,10 @@ def iter_sequences(
     seq_len: int,
     vocab_size: int,
     stem: str,
-) -> Iterator[tuple[int, str, np.ndarray]]:
-    """The wanted sequences of one shard as (sequence index, key, int64 ids [seq_len + 1]).
+    eod_id: int | None = None,
+) -> Iterator[tuple[int, str, np.ndarray, np.ndarray]]:
+    """The wanted sequences of one shard as (sequence index, key, int64 ids [seq_len + 1],
+    int64 positions [seq_len + 1]) (positions: see the module doc).
 
     Args:
         stream: the open shard.
@@ -110,6 +124,7 @@ def iter_sequences(
         seq_len: N; a sequence holds N+1 ids and starts N ids after the previous one.
         vocab_size: the index tokenizer's vocabulary size; every id read must be below it.
         stem: the shard's name without `.tar`, for the keys.
+        eod_id: the end-of-document id (None: documents start only at samples' starts).
 
     Raises:
         TokenDataError: see the class (the message names the sample's key).
@@ -120,6 +135,7 @@ def iter_sequences(
     targets = iter(wanted)
     current: int | None = next(targets)
     pieces: list[np.ndarray] = []  # tokens read from `held_from` on, contiguous
+    position_pieces: list[np.ndarray] = []  # their positions in their documents
     held_from = 0
     pos = 0  # tokens of the stream before the member being looked at
     key: str | None = None
@@ -154,22 +170,29 @@ def iter_sequences(
                 f"sample {key!r}: token id {bad} is outside the index tokenizer's vocabulary "
                 f"(vocab_size {vocab_size})"
             )
+        positions = document_positions(ids, eod_id)
         if not pieces:
             held_from = max(start, pos)
-            ids = ids[held_from - pos :]
+            ids, positions = ids[held_from - pos :], positions[held_from - pos :]
         pieces.append(ids)
+        position_pieces.append(positions)
         pos += count
         if pos < start + seq_len + 1:
             continue
         held = np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+        held_positions = np.concatenate(position_pieces)
         while current is not None and current * seq_len + seq_len + 1 <= pos:
             lo = current * seq_len - held_from
-            yield current, sequence_key(stem, current), held[lo : lo + seq_len + 1].astype(np.int64)
+            window = slice(lo, lo + seq_len + 1)
+            name = sequence_key(stem, current)
+            yield current, name, held[window].astype(np.int64), held_positions[window].copy()
             current = next(targets, None)
         if current is None:
             return  # no need to read the rest of the shard
         start = current * seq_len
-        pieces = [held[start - held_from :]] if start < pos else []
+        kept = slice(start - held_from, None)
+        pieces = [held[kept]] if start < pos else []
+        position_pieces = [held_positions[kept]] if start < pos else []
         held_from = start
     if key is not None and not has_tokens:
         raise TokenDataError(f"sample {key!r} has no token member ({_fields()})")
@@ -178,6 +201,16 @@ def iter_sequences(
             f"ends after {pos} tokens, before sequence {current} (tokens {current * seq_len} to "
             f"{current * seq_len + seq_len}) that the index's num_tokens promises"
         )
+
+
+def document_positions(ids: np.ndarray, eod_id: int | None) -> np.ndarray:
+    """Each id's position (int64) in its document, for the ids of one sample: 0 at the
+    sample's first id and after each `eod_id` (see the module doc)."""
+    index = np.arange(ids.size, dtype=np.int64)
+    starts = np.zeros(ids.size, dtype=bool)  # after an EOD (the first id's start is index 0)
+    if eod_id is not None:
+        starts[1:] = ids[:-1] == eod_id
+    return index - np.maximum.accumulate(np.where(starts, index, 0))
 
 
 def _fields() -> str:

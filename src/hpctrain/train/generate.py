@@ -125,6 +125,9 @@ def generate_ids(
     generator = torch.Generator(device=device).manual_seed(seed)
     new: list[int] = []
     for _ in range(max_new_tokens):
+        # One prompt is one document: no positions is the same function as positions =
+        # arange (the rule a data.document_mask run trains with), and a window that slid
+        # past the document's start needs none either: RoPE scores depend on distances only.
         logits = model(ids[:, -window:])[0, -1].float()
         if temperature <= 0:
             next_id = int(logits.argmax())

@@ -5,6 +5,10 @@ embeddings → residual; RMSNorm → SwiGLU MLP → residual) → RMSNorm → ou
 (optionally tied to the embedding). Attention is `F.scaled_dot_product_attention(is_causal=True)`
 (flash kernels on GPUs), with grouped-query attention when `n_kv_heads < n_heads`.
 
+Packed documents (`model(tokens, positions)`): `positions` [B, T] is each token's position in
+its document, 0 where a document starts. RoPE then rotates by those positions and attention
+is block-causal: a token sees only the earlier tokens of its own document (`document_mask`).
+
 The repeated blocks are `model.blocks` (an `nn.ModuleList`): `train/parallel.py` shards,
 checkpoints and compiles them one by one. The embedding, final norm and output projection
 stay in the root: with tied embeddings the one shared matrix belongs to one FSDP2 unit. Tied
@@ -18,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -171,18 +175,28 @@ class RMSNorm(nn.Module):
 
 
 def rotary_tables(
-    seq_len: int, head_dim: int, theta: float, device: torch.device
+    seq_len: int,
+    head_dim: int,
+    theta: float,
+    device: torch.device,
+    positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [seq_len, head_dim] (fp32) of rotary position embeddings (Su et al. 2021).
 
     Channel pairs (i, i + head_dim/2) rotate by the angle position · theta^(-2i/head_dim):
     the "half-split" layout of GPT-NeoX and Hugging Face's Llama. Made per forward from
     `arange`: cheap next to attention, and no buffer for checkpoints or FSDP2 to carry.
+    With `positions` (int [B, seq_len], positions in each document) the tables are
+    [B, 1, seq_len, head_dim] (one per row, broadcast over the heads) instead.
     """
     inv_freq = theta ** (
         -torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
     )
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    if positions is None:
+        where = torch.arange(seq_len, device=device, dtype=torch.float32)
+        angles = torch.outer(where, inv_freq)
+    else:
+        angles = (positions.to(torch.float32)[..., None] * inv_freq)[:, None]
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
 
@@ -195,6 +209,77 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x32 * cos + rotated * sin).to(x.dtype)
 
 
+AttentionKernel = Literal["auto", "flex", "sdpa"]
+
+
+def _flex() -> Any:
+    """`torch.nn.attention.flex_attention` and `create_block_mask`, or None (older torch)."""
+    try:
+        from torch.nn.attention import flex_attention as flex
+    except ImportError:
+        return None
+    return flex
+
+
+_COMPILED_FLEX: Any = None
+
+
+def _flex_attention() -> Any:
+    """flex_attention compiled (once per process): uncompiled it materialises the whole score
+    matrix (it warns as much); compiled it is a fused kernel that skips fully masked blocks."""
+    global _COMPILED_FLEX
+    if _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(_flex().flex_attention, dynamic=False)
+    return _COMPILED_FLEX
+
+
+def choose_kernel(
+    device: torch.device, head_dim: int, capability: tuple[int, int] | None = None
+) -> Literal["flex", "sdpa"]:
+    """flex_attention on CUDA where it runs well, else SDPA with a dense mask (see
+    `document_mask`). Flex needs torch to have it, a head dimension of at least 16 (Triton's
+    tl.dot) and here an Ampere or newer GPU (`capability`, looked up when None): its Triton
+    kernels are sized for their shared memory, and a V100's (sm_70) is smaller (pytorch#133254
+    shows the backward running out of it on 100 KB GPUs), so V100s take SDPA's masked kernel."""
+    if device.type != "cuda" or head_dim < 16 or _flex() is None:
+        return "sdpa"
+    major, _ = capability or torch.cuda.get_device_capability(device)
+    return "flex" if major >= 8 else "sdpa"
+
+
+def document_mask(positions: torch.Tensor, kernel: AttentionKernel = "sdpa") -> Any:
+    """The block-causal mask of packed documents: query i sees key j when j <= i and both
+    lie in the same document (a position 0 starts a new one; the tokens before a row's first 0
+    continue a document begun in an earlier sequence and form one too).
+
+    Which kernel (`choose_kernel`): on CUDA (Ampere and newer) flex_attention with a block
+    mask: it skips the blocks that cross documents and never builds a T×T tensor, where SDPA
+    with a dense mask loses the flash kernel (it takes no arbitrary mask) and falls back to the
+    memory-efficient or math kernel. On CPUs, V100s and a torch without flex_attention, SDPA
+    with an explicit boolean mask [B, 1, T, T]: flex_attention runs on CPUs only unfused
+    (eager) or after a C++ compile, and SDPA's CPU flash kernel takes a mask. Both compute the
+    same function (tests/train/test_gpt.py). `kernel="flex"` gives a block mask, any other a
+    boolean mask; `GPT.attention_kernel` may force one (flex then runs eagerly off CUDA, as in
+    the tests).
+    """
+    documents = (positions == 0).cumsum(dim=1)  # [B, T]: a new id at every document start
+    b, t = positions.shape
+    on_cuda = positions.device.type == "cuda"
+    if kernel == "flex":
+
+        def same_document_causal(
+            batch: torch.Tensor, head: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        ) -> torch.Tensor:
+            return (q >= k) & (documents[batch, q] == documents[batch, k])
+
+        # compiled on CUDA: eagerly it would build [B, T, T] intermediates to find the blocks
+        return _flex().create_block_mask(
+            same_document_causal, b, None, t, t, device=positions.device, _compile=on_cuda
+        )
+    causal = torch.ones(t, t, dtype=torch.bool, device=positions.device).tril()
+    return (causal & (documents[:, :, None] == documents[:, None, :]))[:, None]
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -204,15 +289,24 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any = None
+    ) -> torch.Tensor:
+        """`mask`: None (plain causal), or a `document_mask` (bool tensor or block mask)."""
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.n_heads
-        )
+        gqa = self.kv_heads != self.n_heads
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        elif isinstance(mask, torch.Tensor):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        elif mask.kv_indices.device.type == "cuda":
+            out = _flex_attention()(q, k, v, block_mask=mask, enable_gqa=gqa)
+        else:  # a forced flex mask off CUDA (tests): eager, unfused
+            out = _flex().flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -239,17 +333,25 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.dim, cfg.hidden_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any = None
+    ) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
 class GPT(nn.Module):
-    """`model(tokens [B, T] int64) -> logits [B, T, vocab_size]`, position t seeing tokens ≤ t."""
+    """`model(tokens [B, T] int64, positions=None) -> logits [B, T, vocab_size]`.
+
+    Without `positions`, position t sees tokens ≤ t. With `positions` (int [B, T], a token's
+    position in its document, 0 at a document's first token), t sees only tokens ≤ t of its
+    own document and RoPE rotates by `positions` (see `document_mask`).
+    """
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg
+        self.attention_kernel: AttentionKernel = "auto"  # for document masks, see there
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -272,11 +374,19 @@ class GPT(nn.Module):
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
-        cos, sin = rotary_tables(tokens.shape[1], self.cfg.head_dim, self.cfg.rope_theta, h.device)
+        cos, sin = rotary_tables(
+            tokens.shape[1], self.cfg.head_dim, self.cfg.rope_theta, h.device, positions
+        )
+        mask = None
+        if positions is not None:  # one mask for every block, built outside checkpointed ones
+            kernel = self.attention_kernel
+            if kernel == "auto":
+                kernel = choose_kernel(tokens.device, self.cfg.head_dim)
+            mask = document_mask(positions, kernel)
         for block in self.blocks:
-            h = block(h, cos, sin)
+            h = block(h, cos, sin, mask)
         h = self.norm(h)
         if self.output is None:
             return F.linear(h, self.tok_embeddings.weight)

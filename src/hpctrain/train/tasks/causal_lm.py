@@ -1,8 +1,14 @@
 """The built-in `causal_lm` task: next-token prediction with a GPT on token shards.
 
 It trains on packed sequences (`data.seq_len: N`): the loader cuts each token shard's stream
-into sequences of N+1 ids and hands batches `{"tokens": int64 [B, N+1], "valid": bool [B],
-"key": [...]}`; the model reads `tokens[:, :-1]` and is scored on `tokens[:, 1:]`. The
+into sequences of N+1 ids and hands batches `{"tokens": int64 [B, N+1], "positions": int64
+[B, N+1], "valid": bool [B], "key": [...]}`; the model reads `tokens[:, :-1]` and is scored on
+`tokens[:, 1:]`. With `data.document_mask` (the default) it also reads `positions[:, :-1]`
+(each token's position in its document, `hpctrain.data.sequences`): a token attends only to
+its own document, so a document's predictions do not depend on what was packed before it.
+Training, evaluation and `predict` follow the same rule; `data.document_mask: false` drops
+the positions in the transform (plain causal attention across documents). `generate` feeds
+one prompt, one document, without positions: the same function (positions = arange). The
 vocabulary and end-of-document id come from the training index's tokenizer (written by
 `hpctrain convert --tokenizer`); the validation index must name the same tokenizer, and so
 must `data.tokenizer` when set.
@@ -68,14 +74,17 @@ def load_index_tokenizer(info: dict[str, Any], configured: str = "") -> Tokenize
 
 
 class SequenceTransform:
-    """Check a packed sequence and hand it on as int64 `{"key", "tokens": [seq_len + 1]}`.
+    """Check a packed sequence and hand it on as int64 `{"key", "tokens": [seq_len + 1]}`,
+    with its `positions` [seq_len + 1] when `document_mask` (else they are dropped here, in
+    the loader's workers, and never travel).
 
     Ids need no check here: the loader refuses ids outside the index tokenizer's vocabulary
     (`hpctrain.data.sequences`), and the model's is at least as large.
     """
 
-    def __init__(self, seq_len: int) -> None:
+    def __init__(self, seq_len: int, document_mask: bool = True) -> None:
         self.length = seq_len + 1
+        self.document_mask = document_mask
 
     def __call__(self, sample: Sample) -> Sample:
         key = sample["key"]
@@ -88,7 +97,16 @@ class SequenceTransform:
                 f"sample {key!r}: tokens of shape {list(tokens.shape)}, expected [{self.length}] "
                 "(data.seq_len + 1)"
             )
-        return {"key": key, "tokens": tokens.long()}
+        out = {"key": key, "tokens": tokens.long()}
+        if self.document_mask:
+            positions = sample.get("positions")
+            if not isinstance(positions, torch.Tensor) or positions.shape != tokens.shape:
+                raise SampleError(
+                    f"sample {key!r} has no `positions` beside its tokens (data.document_mask "
+                    "needs the packed sequences of data.seq_len)"
+                )
+            out["positions"] = positions.long()
+        return out
 
 
 class CausalLM:
@@ -148,14 +166,18 @@ class CausalLM:
         return GPT(self.model_cfg)
 
     def train_transform(self) -> SequenceTransform:
-        return SequenceTransform(self.seq_len)
+        return SequenceTransform(self.seq_len, self.cfg.data.document_mask)
 
     def eval_transform(self) -> SequenceTransform:
-        return SequenceTransform(self.seq_len)
+        return SequenceTransform(self.seq_len, self.cfg.data.document_mask)
 
-    def token_losses(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy in nats of every target position, [B, seq_len], fp32."""
-        logits = model(tokens[:, :-1]).float()  # fp32 under autocast too
+    def token_losses(
+        self, model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Cross-entropy in nats of every target position, [B, seq_len], fp32; with
+        `positions` ([B, seq_len + 1]) attention stays within each document."""
+        inputs = (tokens[:, :-1],) if positions is None else (tokens[:, :-1], positions[:, :-1])
+        logits = model(*inputs).float()  # fp32 under autocast too
         targets = tokens[:, 1:]
         losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
         return losses.view_as(targets)
@@ -163,13 +185,13 @@ class CausalLM:
     def loss(
         self, model: nn.Module, batch: dict[str, Any]
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        losses = self.token_losses(model, batch["tokens"])
+        losses = self.token_losses(model, batch["tokens"], batch.get("positions"))
         # Every sequence has seq_len targets: the mean of valid sequences' means is the
         # mean over their tokens.
         return masked_mean(losses.mean(dim=1), batch["valid"]), {}
 
     def eval_metrics(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        losses = self.token_losses(model, batch["tokens"])
+        losses = self.token_losses(model, batch["tokens"], batch.get("positions"))
         valid = batch["valid"].float()
         return {
             "loss": (losses.sum(dim=1) * valid).sum(),
@@ -191,8 +213,9 @@ class CausalLM:
         of positions where the greedy (argmax) next token is right, and the greedy token after
         the sequence's last one, as id and decoded text. The key is the writer's to add, and
         invalid rows (padding) are the writer's to drop (`hpctrain.train.prediction`)."""
-        tokens = batch["tokens"]
-        logits = model(tokens).float()  # every position, the last one's next token too
+        tokens, positions = batch["tokens"], batch.get("positions")
+        inputs = (tokens,) if positions is None else (tokens, positions)
+        logits = model(*inputs).float()  # every position, the last one's next token too
         targets = tokens[:, 1:]
         losses = F.cross_entropy(
             logits[:, :-1].flatten(0, 1), targets.flatten(), reduction="none"
