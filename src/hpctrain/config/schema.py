@@ -48,6 +48,12 @@ class ModelConfig:
     tie_embeddings: bool | None = _f(
         None, "causal_lm: share the embedding and output matrices; null: the preset's"
     )
+    init_from: str = _f(
+        "",
+        "weights to start a new run from (step 0, fresh optimizer; a run with checkpoints "
+        "resumes instead): causal_lm: a Hugging Face folder (config.json + *.safetensors) of "
+        "LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM, which also sets the shape",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -193,6 +193,11 @@ class Trainer:
     def build_model(self) -> None:
         """The task's model, moved, wrapped and sharded; its optimizer and gradient scaler."""
         torch.manual_seed(self.cfg.seed)  # identical initial weights on every rank (FSDP2 needs it)
+        if self.cfg.model.init_from and not hasattr(self.task, "init_weights"):
+            raise ConfigError(
+                f"model.init_from={self.cfg.model.init_from}: task {self.cfg.task} cannot start "
+                "from weights (causal_lm can, from a Hugging Face folder)"
+            )
         self.model = parallelize(
             self.task.build_model(),
             self.cfg.train,
@@ -620,7 +625,11 @@ class Trainer:
                 "holds (model, optimizer, precision), or start over with --resume none"
             ) from None
         if step is None:
+            if self.cfg.model.init_from:
+                self.init_weights()
             return
+        if self.cfg.model.init_from:
+            log.info("model.init_from=%s not read: the run resumes", self.cfg.model.init_from)
         if self.ema is not None and EMA_KEY in self.checkpoints.missing_states:
             self.ema.reset()
             log.warning(
@@ -646,6 +655,14 @@ class Trainer:
         )
         if self.cfg.data.sample_log:
             self.truncate_sample_log()
+
+    def init_weights(self) -> None:
+        """A new run's starting weights from `model.init_from` (the task reads them); the EMA
+        starts from them too."""
+        source = self.task.init_weights(self.model)  # type: ignore[attr-defined]
+        if self.ema is not None:
+            self.ema.reset()
+        log.info("a new run from step 0: %s", source)
 
     def truncate_sample_log(self) -> None:
         """Drop audit lines of steps after the checkpoint: they are trained again."""

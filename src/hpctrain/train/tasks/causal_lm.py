@@ -32,6 +32,7 @@ from hpctrain.data.index import ShardIndex
 from hpctrain.data.locate import open_index
 from hpctrain.data.mixture import describe as describe_train
 from hpctrain.data.tokenizer import BYTES, Tokenizer, check_tokenizer, load_tokenizer
+from hpctrain.train.models import hf
 from hpctrain.train.models.gpt import GPT, GPTConfig, flops_per_token, gpt_config
 from hpctrain.train.task import Sample, masked_mean
 
@@ -114,25 +115,64 @@ class CausalLM:
                     f"from data.train's ({train}) {describe(self.tokenizer)}"
                 )
         vocab = int(self.tokenizer["vocab_size"])
-        if cfg.model.vocab_size and cfg.model.vocab_size < vocab:
+        if cfg.model.init_from:
+            self.model_cfg: GPTConfig = self.hf_model_config(vocab, train)
+        elif cfg.model.vocab_size and cfg.model.vocab_size < vocab:
             raise ConfigError(
                 f"model.vocab_size={cfg.model.vocab_size}: smaller than the vocabulary of the "
                 f"tokenizer {self.tokenizer['name']!r} of {train} ({vocab})"
             )
-        m = cfg.model
-        self.model_cfg: GPTConfig = gpt_config(
-            m.name,
-            m.vocab_size or vocab,
-            dim=m.dim,
-            n_layers=m.n_layers,
-            n_heads=m.n_heads,
-            n_kv_heads=m.n_kv_heads,
-            ffn_dim=m.ffn_dim,
-            **({} if m.tie_embeddings is None else {"tie_embeddings": m.tie_embeddings}),
-        )
+        if not cfg.model.init_from:
+            m = cfg.model
+            self.model_cfg = gpt_config(
+                m.name,
+                m.vocab_size or vocab,
+                dim=m.dim,
+                n_layers=m.n_layers,
+                n_heads=m.n_heads,
+                n_kv_heads=m.n_kv_heads,
+                ffn_dim=m.ffn_dim,
+                **({} if m.tie_embeddings is None else {"tie_embeddings": m.tie_embeddings}),
+            )
         # Read by the trainer's metrics (hpctrain.train.flops): tokens/s and MFU.
         self.tokens_per_sample = self.seq_len
         self._text_tokenizer: Tokenizer | None = None  # loaded when `predict` first decodes
+
+    def hf_model_config(self, vocab: int, train: str) -> GPTConfig:
+        """The GPT's shape from the Hugging Face folder `model.init_from`, checked against the
+        run's `model.*` keys, the tokenizer's vocabulary and `data.seq_len`."""
+        folder = self.cfg.model.init_from
+        hf.check_path(folder)
+        if not hf.is_hf_folder(folder):
+            raise ConfigError(
+                f"{hf.KEY}={folder}: not a Hugging Face model folder (no {hf.CONFIG}), the kind "
+                "task causal_lm starts from"
+            )
+        config = hf.read_hf_config(folder)
+        model_cfg = hf.gpt_config_from_hf(config, folder)
+        hf.check_against_model_keys(model_cfg, self.cfg.model, folder)
+        if model_cfg.vocab_size < vocab:
+            raise ConfigError(
+                f"{hf.KEY}={folder}: vocab_size {model_cfg.vocab_size} is smaller than the "
+                f"vocabulary of the tokenizer {self.tokenizer['name']!r} of {train} ({vocab}); "
+                f"convert the text with the folder's tokenizer.json"
+            )
+        window = config.get("sliding_window")
+        if window and config.get("use_sliding_window", True) and window < self.seq_len:
+            raise ConfigError(
+                f"data.seq_len={self.seq_len}: longer than the sliding_window {window} of "
+                f"{hf.KEY}={folder} (the built-in GPT attends to the whole sequence)"
+            )
+        return model_cfg
+
+    @torch.no_grad()
+    def init_weights(self, model: nn.Module) -> str:
+        """Copy `model.init_from`'s weights into the built model; returns a log line."""
+        folder = self.cfg.model.init_from
+        unused = hf.load_hf_weights(model, folder, self.model_cfg)
+        return f"weights from {hf.KEY}={folder}" + (
+            f" (unused: {', '.join(unused)})" if unused else ""
+        )
 
     def text_tokenizer(self) -> Tokenizer:
         """The tokenizer itself (for decoding), see `load_index_tokenizer`."""

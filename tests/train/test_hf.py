@@ -1,0 +1,252 @@
+"""Hugging Face folders in (`model.init_from`) and out (`export --format hf`), checked against
+the real transformers library on tiny random models it builds and saves itself (no download)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hpctrain.config import ConfigError, load_config
+from hpctrain.dist import DistEnv
+from hpctrain.train.models import hf
+from hpctrain.train.models.gpt import GPT
+from hpctrain.train.trainer import Trainer
+from tests.train.helpers import REPO, run_two_ranks
+from tests.train.lm_testkit import SEQ_LEN, write_token_shards
+
+transformers = pytest.importorskip("transformers")
+
+SHAPE = {
+    "vocab_size": 97,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-5,
+}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # small, so that the 24-token test sequence spans scaled, smoothed and kept frequencies
+    "original_max_position_embeddings": 16,
+}
+
+
+def save_hf(folder: Path, kind: str, *, seed: int = 0, shard: bool = False, **extra: Any) -> Any:
+    """A tiny random transformers model of `kind`, saved to `folder`; returns the model."""
+    config_class = {
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+    }[kind]
+    rope = extra.pop("rope_scaling", None)
+    config = config_class(**{**SHAPE, **extra})
+    if rope is not None:  # transformers 5 keeps RoPE settings in rope_parameters
+        if hasattr(config, "rope_parameters"):
+            config.rope_parameters = {**rope, "rope_theta": 500000.0}
+        else:
+            config.rope_scaling, config.rope_theta = rope, 500000.0
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    if kind == "qwen2":  # random, non-zero biases: zeros would hide a biasless import
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (
+                    layer.self_attn.q_proj,
+                    layer.self_attn.k_proj,
+                    layer.self_attn.v_proj,
+                ):
+                    proj.bias.normal_()
+    model.save_pretrained(folder, max_shard_size="20KB" if shard else "5GB")
+    return model
+
+
+def imported(folder: Path) -> GPT:
+    cfg = hf.gpt_config_from_hf(hf.read_hf_config(str(folder)), str(folder))
+    model = GPT(cfg).eval()
+    hf.load_hf_weights(model, str(folder), cfg)
+    return model
+
+
+def tokens(vocab: int = 97, length: int = 24) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, length), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize(
+    ("kind", "extra"),
+    [
+        ("llama", {"tie_word_embeddings": False}),
+        ("llama", {"tie_word_embeddings": True}),
+        ("llama", {"rope_scaling": LLAMA3_ROPE}),
+        ("mistral", {"sliding_window": None}),
+        ("qwen2", {"tie_word_embeddings": True}),
+    ],
+    ids=["llama-untied", "llama-tied", "llama3-rope", "mistral", "qwen2"],
+)
+def test_init_from_gives_transformers_logits(tmp_path: Path, kind: str, extra: dict) -> None:
+    reference = save_hf(tmp_path, kind, **extra)
+    model = imported(tmp_path)
+    if extra.get("rope_scaling"):
+        assert model.cfg.rope_scaling_factor == 8.0 and model.cfg.rope_theta == 500000.0
+    assert model.cfg.qkv_bias == (kind == "qwen2")
+    assert model.cfg.tie_embeddings == bool(extra.get("tie_word_embeddings", False))
+    with torch.no_grad():
+        expected = reference(tokens()).logits
+        torch.testing.assert_close(model(tokens()), expected, rtol=0, atol=1e-5)
+
+
+def test_sharded_folder_loads_from_its_index(tmp_path: Path) -> None:
+    reference = save_hf(tmp_path, "llama", shard=True)
+    assert (tmp_path / hf.INDEX).is_file() and not (tmp_path / hf.WEIGHTS).exists()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            imported(tmp_path)(tokens()), reference(tokens()).logits, rtol=0, atol=1e-5
+        )
+
+
+def test_other_architecture_is_refused_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ConfigError, match=r"model.init_from=.*GPT2LMHeadModel"):
+        hf.read_hf_config(str(tmp_path))
+
+
+def test_missing_path_and_hub_name_are_one_line_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^model.init_from=\S+: no such file or folder$"):
+        hf.check_path(str(tmp_path / "absent"))
+    with pytest.raises(ConfigError, match=r"huggingface-cli download meta-llama/Llama-3.2-1B"):
+        hf.check_path("meta-llama/Llama-3.2-1B")
+
+
+def test_missing_tensor_is_named(tmp_path: Path) -> None:
+    save_hf(tmp_path, "llama")
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(tmp_path / hf.WEIGHTS)
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, tmp_path / hf.WEIGHTS)
+    with pytest.raises(ConfigError, match=r"model.layers.1.mlp.up_proj.weight"):
+        imported(tmp_path)
+
+
+# ---------------------------------------------------------------- runs
+
+LM_VOCAB = 301  # above the bytes tokenizer's 257 ids; odd: FSDP2 shards it unevenly
+
+
+def run_overrides(folder: Path, shards: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [
+        f"run_dir={run_dir}",
+        "task=causal_lm",
+        f"model.init_from={folder}",
+        f"data.train={shards / 'train' / 'index.json'}",
+        f"data.val={shards / 'val' / 'index.json'}",
+        f"data.seq_len={SEQ_LEN}",
+        "data.batch_size=2",
+        "data.workers_per_rank=0",
+        "train.max_steps=1",
+        "train.lr=0",
+        "train.warmup_steps=0",
+        "train.precision=fp32",
+        "train.deterministic=true",
+        "checkpoint.every_steps=1",
+        "logging.progress=lines",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def lm_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("hf-shards")
+    write_token_shards(root / "train", 1, seed=1)
+    write_token_shards(root / "val", 1, seed=2)
+    return root
+
+
+def train_here(folder: Path, shards: Path, run_dir: Path, *extra: str) -> Trainer:
+    cfg = load_config(None, run_overrides(folder, shards, run_dir, *extra))
+    trainer = Trainer(cfg, DistEnv(0, 0, 1, 1, "127.0.0.1", 0, "single"), torch.device("cpu"))
+    assert trainer.fit() == 0
+    return trainer
+
+
+def test_a_new_run_starts_from_the_folder_and_a_second_resumes(
+    tmp_path: Path, lm_shards: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = tmp_path / "llama"
+    reference = save_hf(folder, "llama", vocab_size=LM_VOCAB, tie_word_embeddings=True)
+    run_dir = tmp_path / "run"
+    with caplog.at_level(logging.INFO, logger="hpctrain"):
+        trainer = train_here(folder, lm_shards, run_dir)
+    assert f"a new run from step 0: weights from model.init_from={folder}" in caplog.text
+    assert trainer.state.step == 1
+    with torch.no_grad():  # lr 0: the weights are still the folder's
+        logits = trainer.model.eval()(tokens(LM_VOCAB))
+        torch.testing.assert_close(logits, reference(tokens(LM_VOCAB)).logits, rtol=0, atol=1e-5)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="hpctrain"):
+        train_here(folder, lm_shards, run_dir, "train.max_steps=2")
+    assert "not read: the run resumes" in caplog.text and "resumed from step 1" in caplog.text
+
+
+def test_bad_init_from_is_one_line_naming_the_key(tmp_path: Path, lm_shards: Path) -> None:
+    small = tmp_path / "small"
+    save_hf(small, "llama")  # 97 ids < the bytes tokenizer's 257
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    cases = {
+        str(small): r"vocab_size 97 is smaller than the vocabulary .* \(257\)",
+        str(tmp_path / "absent"): r"no such file or folder",
+        "meta-llama/Llama-3.2-1B": r"huggingface-cli download meta-llama/Llama-3.2-1B",
+        str(gpt2): r"GPT2LMHeadModel",
+    }
+    for init_from, message in cases.items():
+        cfg = load_config(None, run_overrides(Path(init_from), lm_shards, tmp_path / "run"))
+        env = DistEnv(0, 0, 1, 1, "127.0.0.1", 0, "single")
+        with pytest.raises(ConfigError, match=message) as info:
+            Trainer(cfg, env, torch.device("cpu"))
+        assert str(info.value).startswith(f"model.init_from={init_from}")
+        assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match=r"model.dim=64 disagrees with model.init_from=.*: 32"):
+        Trainer(
+            load_config(None, [*run_overrides(small, lm_shards, tmp_path / "r"), "model.dim=64"]),
+            DistEnv(0, 0, 1, 1, "127.0.0.1", 0, "single"),
+            torch.device("cpu"),
+        )
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(lm_shards: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Any]:
+    """(HF folder, run folder, the transformers model): 2 gloo ranks, FSDP2, 1 step at lr 0."""
+    root = tmp_path_factory.mktemp("hf-fsdp")
+    folder = root / "qwen2"
+    reference = save_hf(folder, "qwen2", vocab_size=LM_VOCAB, tie_word_embeddings=False)
+    run_dir = root / "run"
+    worker = REPO / "tests" / "train" / "hf_worker.py"
+    run_two_ranks(worker, str(folder), str(lm_shards), str(run_dir), timeout=300)
+    return folder, run_dir, reference
+
+
+@pytest.mark.distributed
+def test_fsdp2_ranks_each_load_their_rows_of_the_folder(fsdp_run: tuple) -> None:
+    folder, run_dir, _ = fsdp_run
+    from safetensors.torch import load_file
+
+    from hpctrain.train.export import locate_checkpoint, read_model_weights
+
+    store, name, manifest = locate_checkpoint(str(run_dir))
+    saved = read_model_weights(store, name, manifest)
+    source = load_file(folder / hf.WEIGHTS)
+    cfg = hf.gpt_config_from_hf(hf.read_hf_config(str(folder)), str(folder))
+    assert saved.keys() == hf.hf_names(cfg).keys()
+    for ours, theirs in hf.hf_names(cfg).items():
+        assert torch.equal(saved[ours], source[theirs]), ours
