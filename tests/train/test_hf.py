@@ -224,10 +224,30 @@ def test_bad_init_from_is_one_line_naming_the_key(tmp_path: Path, lm_shards: Pat
         )
 
 
+def write_tokenizer_json(path: Path) -> dict[str, Any]:
+    """A tokenizer.json of the test shards' 257 ids (256 words, then `<|endoftext|>` = 256);
+    returns the index's tokenizer object for it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from hpctrain.data.tokenizer import file_sha256
+
+    vocab = {f"w{i}": i for i in range(256)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens(["<|endoftext|>"])
+    tokenizer.save(str(path))
+    return {"name": str(path), "vocab_size": 257, "eod_id": 256, "sha256": file_sha256(str(path))}
+
+
 @pytest.fixture(scope="module")
-def fsdp_run(lm_shards: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Any]:
-    """(HF folder, run folder, the transformers model): 2 gloo ranks, FSDP2, 1 step at lr 0."""
+def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Any]:
+    """(HF folder, run folder, the transformers model): shards of a tokenizer.json's ids, 2
+    gloo ranks, FSDP2, 1 step at lr 0."""
     root = tmp_path_factory.mktemp("hf-fsdp")
+    info = write_tokenizer_json(root / "tokenizer.json")
+    lm_shards = root / "shards"
+    write_token_shards(lm_shards / "train", 1, seed=1, tokenizer=info)
+    write_token_shards(lm_shards / "val", 1, seed=2, tokenizer=info)
     folder = root / "qwen2"
     reference = save_hf(folder, "qwen2", vocab_size=LM_VOCAB, tie_word_embeddings=False)
     run_dir = root / "run"
@@ -250,3 +270,54 @@ def test_fsdp2_ranks_each_load_their_rows_of_the_folder(fsdp_run: tuple) -> None
     assert saved.keys() == hf.hf_names(cfg).keys()
     for ours, theirs in hf.hf_names(cfg).items():
         assert torch.equal(saved[ours], source[theirs]), ours
+
+
+@pytest.mark.distributed
+def test_export_hf_loads_in_transformers_with_the_same_logits(
+    fsdp_run: tuple, tmp_path: Path
+) -> None:
+    from hpctrain.cli.main import main
+
+    _, run_dir, reference = fsdp_run
+    out = tmp_path / "exported"
+    assert main(["export", str(run_dir), str(out), "--format", "hf"]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
+    assert type(model).__name__ == "Qwen2ForCausalLM"  # the architecture imported from
+    with torch.no_grad():
+        expected = reference(tokens(LM_VOCAB)).logits
+        torch.testing.assert_close(model(tokens(LM_VOCAB)).logits, expected, rtol=0, atol=1e-5)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert tokenizer.eos_token == "<|endoftext|>" and tokenizer.eos_token_id == 256
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 256
+    # an existing folder with files is never written into
+    assert main(["export", str(run_dir), str(out), "--format", "hf"]) != 0
+
+
+def test_export_hf_shards_above_the_threshold(tmp_path: Path, lm_shards: Path) -> None:
+    from hpctrain.train.export import export_hf
+
+    folder = tmp_path / "llama"
+    reference = save_hf(folder, "llama", vocab_size=LM_VOCAB, rope_scaling=LLAMA3_ROPE)
+    train_here(folder, lm_shards, tmp_path / "run")
+    out = tmp_path / "exported"
+    export_hf(str(tmp_path / "run"), out, shard_bytes=20_000)
+    assert (out / hf.INDEX).is_file() and len(list(out.glob("model-*.safetensors"))) > 1
+    assert not (out / "tokenizer.json").exists()  # the bytes tokenizer has no such file
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
+    assert type(model).__name__ == "LlamaForCausalLM"
+    with torch.no_grad():
+        expected = reference(tokens(LM_VOCAB)).logits
+        torch.testing.assert_close(model(tokens(LM_VOCAB)).logits, expected, rtol=0, atol=1e-5)
+
+
+def test_export_hf_refuses_a_vision_run_naming_the_formats(tmp_path: Path) -> None:
+    from hpctrain.config import Config, with_overrides
+    from hpctrain.errors import UsageError
+    from hpctrain.train.export import export_hf
+    from tests.train.test_export_formats import save_checkpoints
+
+    cfg = with_overrides(Config(), ["model.name=small_cnn", "model.image_size=16"])
+    save_checkpoints(tmp_path / "ck", cfg, 2, {1: 0.5})
+    with pytest.raises(UsageError, match=r"^--format hf: .*--format pt or --format safetensors$"):
+        export_hf(str(tmp_path / "ck"), tmp_path / "out")
+    assert not (tmp_path / "out").exists()

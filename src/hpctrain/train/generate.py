@@ -19,6 +19,7 @@ import torch
 import yaml
 
 from hpctrain.checkpoint import CheckpointError
+from hpctrain.config import ConfigError
 from hpctrain.data.locate import open_index
 from hpctrain.data.tokenizer import Tokenizer, check_tokenizer, load_tokenizer
 from hpctrain.errors import DataError, UsageError
@@ -53,16 +54,25 @@ def gpt_config_for(tree: dict[str, Any], weights: dict[str, torch.Tensor], where
             "hpctrain generate needs a language model"
         )
     m = tree.get("model") or {}
-    cfg = gpt_config(
-        str(m.get("name") or ""),
-        int(weights[EMBEDDING].shape[0]),
-        dim=int(m.get("dim") or 0),
-        n_layers=int(m.get("n_layers") or 0),
-        n_heads=int(m.get("n_heads") or 0),
-        n_kv_heads=int(m.get("n_kv_heads") or 0),
-        ffn_dim=int(m.get("ffn_dim") or 0),
-        tie_embeddings="output.weight" not in weights,
-    )
+    if m.get("init_from"):  # the shape is that of the Hugging Face folder the run started from
+        from hpctrain.train.models import hf
+
+        init_from = str(m["init_from"])
+        try:
+            cfg = hf.gpt_config_from_hf(hf.read_hf_config(init_from), init_from)
+        except ConfigError as exc:
+            raise CheckpointError(f"{where}: the run's shape is unknown: {exc}") from None
+    else:
+        cfg = gpt_config(
+            str(m.get("name") or ""),
+            int(weights[EMBEDDING].shape[0]),
+            dim=int(m.get("dim") or 0),
+            n_layers=int(m.get("n_layers") or 0),
+            n_heads=int(m.get("n_heads") or 0),
+            n_kv_heads=int(m.get("n_kv_heads") or 0),
+            ffn_dim=int(m.get("ffn_dim") or 0),
+            tie_embeddings="output.weight" not in weights,
+        )
     with torch.device("meta"):  # shapes only
         built = {k: tuple(v.shape) for k, v in GPT(cfg).state_dict().items()}
     if built != {k: tuple(v.shape) for k, v in weights.items()}:
