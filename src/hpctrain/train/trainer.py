@@ -29,6 +29,7 @@ from hpctrain.data.index import ShardIndex
 from hpctrain.data.mixture import describe as describe_train
 from hpctrain.data.mixture import open_train_index
 from hpctrain.dist import DistEnv, all_reduce_sum, new_cpu_group
+from hpctrain.train import init_from
 from hpctrain.train.classes import check_class_names
 from hpctrain.train.ema import CHECKPOINT_KEY as EMA_KEY
 from hpctrain.train.ema import build_ema
@@ -193,11 +194,7 @@ class Trainer:
     def build_model(self) -> None:
         """The task's model, moved, wrapped and sharded; its optimizer and gradient scaler."""
         torch.manual_seed(self.cfg.seed)  # identical initial weights on every rank (FSDP2 needs it)
-        if self.cfg.model.init_from and not hasattr(self.task, "init_weights"):
-            raise ConfigError(
-                f"model.init_from={self.cfg.model.init_from}: task {self.cfg.task} cannot start "
-                "from weights (causal_lm can, from a Hugging Face folder)"
-            )
+        init_from.check(self.cfg, self.task)
         self.model = parallelize(
             self.task.build_model(),
             self.cfg.train,
@@ -659,7 +656,7 @@ class Trainer:
     def init_weights(self) -> None:
         """A new run's starting weights from `model.init_from` (the task reads them); the EMA
         starts from them too."""
-        source = self.task.init_weights(self.model)  # type: ignore[attr-defined]
+        source = init_from.load_initial_weights(self.model, self.cfg, self.task)
         if self.ema is not None:
             self.ema.reset()
         log.info("a new run from step 0: %s", source)

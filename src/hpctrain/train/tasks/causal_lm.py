@@ -115,14 +115,15 @@ class CausalLM:
                     f"from data.train's ({train}) {describe(self.tokenizer)}"
                 )
         vocab = int(self.tokenizer["vocab_size"])
-        if cfg.model.init_from:
+        from_hf = bool(cfg.model.init_from) and hf.is_hf_folder(cfg.model.init_from)
+        if from_hf:
             self.model_cfg: GPTConfig = self.hf_model_config(vocab, train)
         elif cfg.model.vocab_size and cfg.model.vocab_size < vocab:
             raise ConfigError(
                 f"model.vocab_size={cfg.model.vocab_size}: smaller than the vocabulary of the "
                 f"tokenizer {self.tokenizer['name']!r} of {train} ({vocab})"
             )
-        if not cfg.model.init_from:
+        if not from_hf:
             m = cfg.model
             self.model_cfg = gpt_config(
                 m.name,
@@ -142,12 +143,6 @@ class CausalLM:
         """The GPT's shape from the Hugging Face folder `model.init_from`, checked against the
         run's `model.*` keys, the tokenizer's vocabulary and `data.seq_len`."""
         folder = self.cfg.model.init_from
-        hf.check_path(folder)
-        if not hf.is_hf_folder(folder):
-            raise ConfigError(
-                f"{hf.KEY}={folder}: not a Hugging Face model folder (no {hf.CONFIG}), the kind "
-                "task causal_lm starts from"
-            )
         config = hf.read_hf_config(folder)
         model_cfg = hf.gpt_config_from_hf(config, folder)
         hf.check_against_model_keys(model_cfg, self.cfg.model, folder)
@@ -164,15 +159,6 @@ class CausalLM:
                 f"{hf.KEY}={folder} (the built-in GPT attends to the whole sequence)"
             )
         return model_cfg
-
-    @torch.no_grad()
-    def init_weights(self, model: nn.Module) -> str:
-        """Copy `model.init_from`'s weights into the built model; returns a log line."""
-        folder = self.cfg.model.init_from
-        unused = hf.load_hf_weights(model, folder, self.model_cfg)
-        return f"weights from {hf.KEY}={folder}" + (
-            f" (unused: {', '.join(unused)})" if unused else ""
-        )
 
     def text_tokenizer(self) -> Tokenizer:
         """The tokenizer itself (for decoding), see `load_index_tokenizer`."""
