@@ -321,3 +321,36 @@ def test_export_hf_refuses_a_vision_run_naming_the_formats(tmp_path: Path) -> No
     with pytest.raises(UsageError, match=r"^--format hf: .*--format pt or --format safetensors$"):
         export_hf(str(tmp_path / "ck"), tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_fine_tuned_export_has_the_loss_hpctrain_evaluated(tmp_path: Path, lm_shards: Path) -> None:
+    from hpctrain.train.export import export_hf
+
+    folder = tmp_path / "mistral"
+    save_hf(folder, "mistral", vocab_size=LM_VOCAB, sliding_window=None)
+    run_dir = tmp_path / "run"
+    trainer = train_here(folder, lm_shards, run_dir, "train.max_steps=3", "train.lr=0.01")
+    evals = [
+        json.loads(line)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if json.loads(line)["kind"] == "eval"
+    ]
+    out = tmp_path / "exported"
+    export_hf(str(run_dir), out)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
+    assert type(model).__name__ == "MistralForCausalLM"
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for batch in trainer.val_loader:
+            sequences = batch["tokens"][batch["valid"]]
+            logits = model(sequences[:, :-1]).logits
+            total += float(
+                torch.nn.functional.cross_entropy(
+                    logits.flatten(0, 1), sequences[:, 1:].flatten(), reduction="sum"
+                )
+            )
+            count += sequences[:, 1:].numel()
+    assert count > 0
+    assert total / count == pytest.approx(evals[-1]["val_loss"], rel=1e-4)
+    before = json.loads((folder / "config.json").read_text())
+    assert before["vocab_size"] == LM_VOCAB  # the source folder is untouched
