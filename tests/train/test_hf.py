@@ -354,3 +354,23 @@ def test_fine_tuned_export_has_the_loss_hpctrain_evaluated(tmp_path: Path, lm_sh
     assert total / count == pytest.approx(evals[-1]["val_loss"], rel=1e-4)
     before = json.loads((folder / "config.json").read_text())
     assert before["vocab_size"] == LM_VOCAB  # the source folder is untouched
+
+
+def test_wrapped_blocks_load_under_their_plain_names(tmp_path: Path) -> None:
+    """parallelize wraps blocks in activation checkpointing, then torch.compile: their
+    parameter names gain `_checkpoint_wrapped_module.` and `_orig_mod.` (not run here: a
+    compiled call needs a compiler; the wrappers' names are what the load must map)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    reference = save_hf(tmp_path, "qwen2")
+    cfg = hf.gpt_config_from_hf(hf.read_hf_config(str(tmp_path)), str(tmp_path))
+    model = GPT(cfg).eval()
+    plain = list(model.blocks)
+    for i, block in enumerate(plain):
+        model.blocks[i] = torch.compile(checkpoint_wrapper(block))
+    assert any("_orig_mod._checkpoint_wrapped_module" in n for n, _ in model.named_parameters())
+    hf.load_hf_weights(model, str(tmp_path), cfg)
+    for i, block in enumerate(plain):
+        model.blocks[i] = block
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens()), reference(tokens()).logits, rtol=0, atol=1e-5)
