@@ -216,6 +216,14 @@ def test_bad_init_from_is_one_line_naming_the_key(tmp_path: Path, lm_shards: Pat
             Trainer(cfg, env, torch.device("cpu"))
         assert str(info.value).startswith(f"model.init_from={init_from}")
         assert "\n" not in str(info.value)
+    windowed = tmp_path / "mistral"
+    save_hf(windowed, "mistral", vocab_size=LM_VOCAB, sliding_window=8)
+    with pytest.raises(ConfigError, match=r"^data.seq_len=32: longer than the sliding_window 8"):
+        Trainer(
+            load_config(None, run_overrides(windowed, lm_shards, tmp_path / "r")),
+            DistEnv(0, 0, 1, 1, "127.0.0.1", 0, "single"),
+            torch.device("cpu"),
+        )
     with pytest.raises(ConfigError, match=r"model.dim=64 disagrees with model.init_from=.*: 32"):
         Trainer(
             load_config(None, [*run_overrides(small, lm_shards, tmp_path / "r"), "model.dim=64"]),
@@ -336,6 +344,7 @@ def test_fine_tuned_export_has_the_loss_hpctrain_evaluated(tmp_path: Path, lm_sh
         if json.loads(line)["kind"] == "eval"
     ]
     out = tmp_path / "exported"
+    moved = folder.rename(tmp_path / "moved")  # the checkpoint records what the export needs
     export_hf(str(run_dir), out)
     model = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
     assert type(model).__name__ == "MistralForCausalLM"
@@ -352,7 +361,7 @@ def test_fine_tuned_export_has_the_loss_hpctrain_evaluated(tmp_path: Path, lm_sh
             count += sequences[:, 1:].numel()
     assert count > 0
     assert total / count == pytest.approx(evals[-1]["val_loss"], rel=1e-4)
-    before = json.loads((folder / "config.json").read_text())
+    before = json.loads((moved / "config.json").read_text())
     assert before["vocab_size"] == LM_VOCAB  # the source folder is untouched
 
 

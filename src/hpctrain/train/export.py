@@ -300,7 +300,7 @@ def model_card(
         from hpctrain.train.generate import lm_model_card
 
         try:
-            card = lm_model_card(tree, weights, "checkpoint")
+            card = lm_model_card(tree, weights, "checkpoint", manifest)
         except CheckpointError:
             return None  # weights the config does not describe: no card that could rebuild them
         return {**card, "step": int(manifest["step"]), "format": fmt}
@@ -398,13 +398,14 @@ def export_hf(
     if ema is None:
         ema = bool((tree.get("train") or {}).get("ema_eval"))
     weights = read_model_weights(store, name, manifest, ema=ema)
-    cfg = gpt_config_for(tree, weights, store.path(name))
+    cfg = gpt_config_for(tree, weights, store.path(name), manifest)
+    # The source folder's architecture and token ids, as the run recorded them (a newer run)
+    # or from the folder itself when it is still there.
+    source_config: dict[str, Any] = manifest.get("metadata", {}).get("hf_config") or {}
     init_from = str((tree.get("model") or {}).get("init_from") or "")
-    architecture = "LlamaForCausalLM"
-    source_config: dict[str, Any] = {}
-    if init_from and hf.is_hf_folder(init_from):
+    if not source_config and init_from and hf.is_hf_folder(init_from):
         source_config = hf.read_hf_config(init_from)
-        architecture = source_config["architectures"][0]
+    architecture = (source_config.get("architectures") or ["LlamaForCausalLM"])[0]
     tokenizer = run_tokenizer(tree)
     eos = tokenizer.eod_id
     config = hf.hf_config(cfg, architecture, eos)

@@ -42,8 +42,16 @@ def run_config(manifest: dict[str, Any], where: str) -> dict[str, Any]:
     return tree
 
 
-def gpt_config_for(tree: dict[str, Any], weights: dict[str, torch.Tensor], where: str) -> GPTConfig:
-    """The GPTConfig of a causal_lm run's config `tree` whose weights are `weights`.
+def gpt_config_for(
+    tree: dict[str, Any],
+    weights: dict[str, torch.Tensor],
+    where: str,
+    manifest: dict[str, Any] | None = None,
+) -> GPTConfig:
+    """The GPTConfig of a causal_lm run's config `tree` whose weights are `weights`: the one
+    the checkpoint's `manifest` records (`metadata.gpt`, written by runs since
+    `model.init_from`), else rebuilt from the config (a run started from a Hugging Face folder:
+    from that folder's config.json).
 
     Raises:
         CheckpointError: not a causal_lm run, or weights that are not of the config's shape.
@@ -54,7 +62,13 @@ def gpt_config_for(tree: dict[str, Any], weights: dict[str, torch.Tensor], where
             "hpctrain generate needs a language model"
         )
     m = tree.get("model") or {}
-    if m.get("init_from"):  # the shape is that of the Hugging Face folder the run started from
+    recorded = ((manifest or {}).get("metadata") or {}).get("gpt")
+    if isinstance(recorded, dict):
+        try:
+            cfg = GPTConfig(**recorded)
+        except (TypeError, ConfigError) as exc:
+            raise CheckpointError(f"{where}: its recorded GPT shape is unusable: {exc}") from None
+    elif m.get("init_from"):  # the shape is that of the Hugging Face folder the run started from
         from hpctrain.train.models import hf
 
         init_from = str(m["init_from"])
@@ -105,7 +119,7 @@ def load_gpt(
         # DCP's note that it loads without a process group: what this one process means to do
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         weights = read_model_weights(store, name, manifest, ema=ema)
-    cfg = gpt_config_for(tree, weights, where)
+    cfg = gpt_config_for(tree, weights, where, manifest)
     model = GPT(cfg)
     model.load_state_dict(weights)
     return model.to(device or torch.device("cpu")).eval(), tree, int(manifest["step"])
@@ -152,9 +166,14 @@ def generate_ids(
     return new
 
 
-def lm_model_card(tree: dict[str, Any], weights: dict[str, torch.Tensor], where: str) -> dict:
+def lm_model_card(
+    tree: dict[str, Any],
+    weights: dict[str, torch.Tensor],
+    where: str,
+    manifest: dict[str, Any] | None = None,
+) -> dict:
     """What `hpctrain export` writes beside a causal_lm model's weights: its shape and tokens."""
-    cfg = gpt_config_for(tree, weights, where)
+    cfg = gpt_config_for(tree, weights, where, manifest)
     data = tree.get("data") or {}
     return {
         "task": CAUSAL_LM,

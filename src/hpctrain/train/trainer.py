@@ -598,11 +598,14 @@ class Trainer:
         self.last_save = time.monotonic()
 
     def checkpoint_metadata(self) -> dict[str, Any]:
-        return {
+        metadata = {
             "config": config_to_yaml(self.cfg),
             "monitor": self.monitor.state_dict(),
             "class_names": list(self.class_names),
         }
+        if hasattr(self.task, "model_metadata"):  # e.g. causal_lm's GPT shape, for exports
+            metadata.update(self.task.model_metadata())
+        return metadata
 
     def resume(self) -> None:
         try:

@@ -20,6 +20,7 @@ the entropy in bits of the byte stream the shards hold, documents and their ends
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -116,6 +117,7 @@ class CausalLM:
                 )
         vocab = int(self.tokenizer["vocab_size"])
         from_hf = bool(cfg.model.init_from) and hf.is_hf_folder(cfg.model.init_from)
+        self.hf_source: dict[str, Any] = {}  # architecture and token ids of an imported folder
         if from_hf:
             self.model_cfg: GPTConfig = self.hf_model_config(vocab, train)
         elif cfg.model.vocab_size and cfg.model.vocab_size < vocab:
@@ -152,6 +154,11 @@ class CausalLM:
                 f"vocabulary of the tokenizer {self.tokenizer['name']!r} of {train} ({vocab}); "
                 f"convert the text with the folder's tokenizer.json"
             )
+        self.hf_source = {
+            key: config[key]
+            for key in ("architectures", "bos_token_id", "eos_token_id", "max_position_embeddings")
+            if key in config
+        }
         window = config.get("sliding_window")
         if window and config.get("use_sliding_window", True) and window < self.seq_len:
             raise ConfigError(
@@ -159,6 +166,15 @@ class CausalLM:
                 f"{hf.KEY}={folder} (the built-in GPT attends to the whole sequence)"
             )
         return model_cfg
+
+    def model_metadata(self) -> dict[str, Any]:
+        """What checkpoints record to rebuild the model without the config's sources: the
+        GPT's shape and, when imported, the Hugging Face folder's architecture and token ids
+        (`hpctrain export --format hf` then needs no `model.init_from` folder)."""
+        metadata: dict[str, Any] = {"gpt": asdict(self.model_cfg)}
+        if self.hf_source:
+            metadata["hf_config"] = self.hf_source
+        return metadata
 
     def text_tokenizer(self) -> Tokenizer:
         """The tokenizer itself (for decoding), see `load_index_tokenizer`."""
