@@ -383,3 +383,21 @@ def test_wrapped_blocks_load_under_their_plain_names(tmp_path: Path) -> None:
         model.blocks[i] = block
     with torch.no_grad():
         torch.testing.assert_close(model(tokens()), reference(tokens()).logits, rtol=0, atol=1e-5)
+
+
+def test_warm_start_from_an_imported_run_takes_its_recorded_shape(
+    tmp_path: Path, lm_shards: Path
+) -> None:
+    from hpctrain.train.export import locate_checkpoint, read_model_weights
+
+    folder = tmp_path / "qwen2"
+    save_hf(folder, "qwen2", vocab_size=LM_VOCAB, tie_word_embeddings=True)
+    first = tmp_path / "first"
+    train_here(folder, lm_shards, first, "train.lr=0.01")
+    # no model.* keys: the shape (q/k/v biases included) is the checkpoint's
+    second = train_here(first, lm_shards, tmp_path / "second")
+    assert second.task.model_cfg.qkv_bias and second.task.model_cfg.dim == 32
+    store, name, manifest = locate_checkpoint(str(first))
+    expected = read_model_weights(store, name, manifest)
+    weights = second.model.state_dict()
+    assert all(torch.equal(weights[k], v) for k, v in expected.items())

@@ -118,14 +118,24 @@ class CausalLM:
         vocab = int(self.tokenizer["vocab_size"])
         from_hf = bool(cfg.model.init_from) and hf.is_hf_folder(cfg.model.init_from)
         self.hf_source: dict[str, Any] = {}  # architecture and token ids of an imported folder
+        recorded = self.warm_start_shape() if cfg.model.init_from and not from_hf else None
         if from_hf:
             self.model_cfg: GPTConfig = self.hf_model_config(vocab, train)
+        elif recorded is not None:
+            hf.check_against_model_keys(recorded, cfg.model, cfg.model.init_from)
+            if recorded.vocab_size < vocab:
+                raise ConfigError(
+                    f"{hf.KEY}={cfg.model.init_from}: its vocabulary ({recorded.vocab_size}) is "
+                    f"smaller than that of the tokenizer {self.tokenizer['name']!r} of {train} "
+                    f"({vocab})"
+                )
+            self.model_cfg = recorded
         elif cfg.model.vocab_size and cfg.model.vocab_size < vocab:
             raise ConfigError(
                 f"model.vocab_size={cfg.model.vocab_size}: smaller than the vocabulary of the "
                 f"tokenizer {self.tokenizer['name']!r} of {train} ({vocab})"
             )
-        if not from_hf:
+        if not from_hf and recorded is None:
             m = cfg.model
             self.model_cfg = gpt_config(
                 m.name,
@@ -166,6 +176,24 @@ class CausalLM:
                 f"{hf.KEY}={folder} (the built-in GPT attends to the whole sequence)"
             )
         return model_cfg
+
+    def warm_start_shape(self) -> GPTConfig | None:
+        """The GPT shape the checkpoint at `model.init_from` records (a run folder or
+        checkpoint of a newer causal_lm run), so that a warm start needs no `model.*` keys;
+        None for anything else (the model is then built from the config and must match)."""
+        from hpctrain.checkpoint import CheckpointError
+        from hpctrain.train.export import locate_checkpoint
+
+        try:
+            _, _, manifest = locate_checkpoint(self.cfg.model.init_from)
+        except (CheckpointError, OSError, ValueError):
+            return None  # not a checkpoint: init_from.check names what it is
+        metadata = manifest.get("metadata") or {}
+        recorded = metadata.get("gpt")
+        if not isinstance(recorded, dict):
+            return None
+        self.hf_source = dict(metadata.get("hf_config") or {})
+        return GPTConfig(**recorded)
 
     def model_metadata(self) -> dict[str, Any]:
         """What checkpoints record to rebuild the model without the config's sources: the
