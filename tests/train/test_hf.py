@@ -401,3 +401,12 @@ def test_warm_start_from_an_imported_run_takes_its_recorded_shape(
     expected = read_model_weights(store, name, manifest)
     weights = second.model.state_dict()
     assert all(torch.equal(weights[k], v) for k, v in expected.items())
+
+
+def test_qkv_biases_are_counted_in_the_parameters(tmp_path: Path) -> None:
+    from hpctrain.train.models.gpt import num_params
+
+    save_hf(tmp_path, "qwen2")
+    cfg = hf.gpt_config_from_hf(hf.read_hf_config(str(tmp_path)), str(tmp_path))
+    assert cfg.qkv_bias
+    assert sum(p.numel() for p in GPT(cfg).parameters()) == num_params(cfg)

@@ -380,7 +380,12 @@ def export_hf(
         UsageError: not a causal_lm run (naming the formats that run exports to), or `out`
             in the way.
     """
-    from safetensors.torch import save
+    try:
+        from safetensors.torch import save
+    except ImportError:
+        raise UsageError(
+            "--format hf needs the safetensors package: pip install 'hpctrain[safetensors]'"
+        ) from None
 
     from hpctrain.train.generate import gpt_config_for, run_tokenizer
     from hpctrain.train.models import hf
