@@ -203,7 +203,10 @@ def test_bad_init_from_is_one_line_naming_the_key(tmp_path: Path, lm_shards: Pat
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    sharded = tmp_path / "sharded"
+    save_hf(sharded, "llama", vocab_size=LM_VOCAB, shard=True)
     cases = {
+        str(sharded / hf.INDEX): r"a JSON file \(an index or a model card\), not weights",
         str(small): r"vocab_size 97 is smaller than the vocabulary .* \(257\)",
         str(tmp_path / "absent"): r"no such file or folder",
         "meta-llama/Llama-3.2-1B": r"huggingface-cli download meta-llama/Llama-3.2-1B",
@@ -410,3 +413,20 @@ def test_qkv_biases_are_counted_in_the_parameters(tmp_path: Path) -> None:
     cfg = hf.gpt_config_from_hf(hf.read_hf_config(str(tmp_path)), str(tmp_path))
     assert cfg.qkv_bias
     assert sum(p.numel() for p in GPT(cfg).parameters()) == num_params(cfg)
+
+
+def test_the_ema_starts_from_the_imported_weights(tmp_path: Path, lm_shards: Path) -> None:
+    from safetensors.torch import load_file
+
+    from hpctrain.train.export import locate_checkpoint, read_model_weights
+
+    folder = tmp_path / "llama"
+    save_hf(folder, "llama", vocab_size=LM_VOCAB)
+    run_dir = tmp_path / "run"
+    train_here(folder, lm_shards, run_dir, "train.ema_decay=0.5")  # lr 0: weights stay
+    store, name, manifest = locate_checkpoint(str(run_dir))
+    averaged = read_model_weights(store, name, manifest, ema=True)
+    source = load_file(folder / hf.WEIGHTS)
+    cfg = hf.gpt_config_from_hf(hf.read_hf_config(str(folder)), str(folder))
+    for ours, theirs in hf.hf_names(cfg).items():
+        assert torch.equal(averaged[ours], source[theirs]), ours
