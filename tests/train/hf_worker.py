@@ -2,8 +2,8 @@
 
 Started by `test_hf.py` (RANK/WORLD_SIZE/MASTER_* set like torchrun):
     python tests/train/hf_worker.py HF_FOLDER SHARDS RUN_DIR [OVERRIDE ...]
-FSDP2, fp32, `model.init_from=HF_FOLDER`; the test exports the run and compares with
-transformers.
+FSDP2 (RUN_DIR), then DDP (RUN_DIR-ddp), fp32, `model.init_from=HF_FOLDER`; the test
+exports the runs and compares with transformers.
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ def main() -> None:
     device = choose_device(env, prefer="cpu")
     torch.set_num_threads(1)
     with process_group(env, device):
-        overrides = run_overrides(Path(folder), Path(shards), Path(run_dir), *extra)
-        cfg = load_config(None, [*overrides, "train.strategy=fsdp"])
-        assert Trainer(cfg, env, device).fit() == 0
+        for strategy, where in (("fsdp", run_dir), ("ddp", f"{run_dir}-ddp")):
+            overrides = run_overrides(Path(folder), Path(shards), Path(where), *extra)
+            cfg = load_config(None, [*overrides, f"train.strategy={strategy}"])
+            assert Trainer(cfg, env, device).fit() == 0
 
 
 if __name__ == "__main__":

@@ -252,8 +252,8 @@ def write_tokenizer_json(path: Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Any]:
-    """(HF folder, run folder, the transformers model): shards of a tokenizer.json's ids, 2
-    gloo ranks, FSDP2, 1 step at lr 0."""
+    """(HF folder, FSDP2 run folder, the transformers model): shards of a tokenizer.json's
+    ids, 2 gloo ranks, 1 step at lr 0 with FSDP2 (and into RUN-ddp with DDP)."""
     root = tmp_path_factory.mktemp("hf-fsdp")
     info = write_tokenizer_json(root / "tokenizer.json")
     lm_shards = root / "shards"
@@ -268,13 +268,16 @@ def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Any]
 
 
 @pytest.mark.distributed
-def test_fsdp2_ranks_each_load_their_rows_of_the_folder(fsdp_run: tuple) -> None:
+@pytest.mark.parametrize("suffix", ["", "-ddp"], ids=["fsdp2", "ddp"])
+def test_two_ranks_load_the_folder(fsdp_run: tuple, suffix: str) -> None:
+    """FSDP2: each rank reads its own rows (an odd vocabulary shards unevenly); DDP: names
+    under `module.`."""
     folder, run_dir, _ = fsdp_run
     from safetensors.torch import load_file
 
     from hpctrain.train.export import locate_checkpoint, read_model_weights
 
-    store, name, manifest = locate_checkpoint(str(run_dir))
+    store, name, manifest = locate_checkpoint(f"{run_dir}{suffix}")
     saved = read_model_weights(store, name, manifest)
     source = load_file(folder / hf.WEIGHTS)
     cfg = hf.gpt_config_from_hf(hf.read_hf_config(str(folder)), str(folder))
