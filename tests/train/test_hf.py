@@ -188,6 +188,7 @@ def test_a_new_run_starts_from_the_folder_and_a_second_resumes(
         trainer = train_here(folder, lm_shards, run_dir)
     assert f"a new run from step 0: weights from model.init_from={folder}" in caplog.text
     assert trainer.state.step == 1
+    assert "converted with" not in caplog.text  # the folder has no tokenizer.json
     with torch.no_grad():  # lr 0: the weights are still the folder's
         logits = trainer.model.eval()(tokens(LM_VOCAB))
         torch.testing.assert_close(logits, reference(tokens(LM_VOCAB)).logits, rtol=0, atol=1e-5)
@@ -433,3 +434,15 @@ def test_the_ema_starts_from_the_imported_weights(tmp_path: Path, lm_shards: Pat
     cfg = hf.gpt_config_from_hf(hf.read_hf_config(str(folder)), str(folder))
     for ours, theirs in hf.hf_names(cfg).items():
         assert torch.equal(averaged[ours], source[theirs]), ours
+
+
+def test_shards_of_another_tokenizer_than_the_folders_are_warned_about(
+    tmp_path: Path, lm_shards: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = tmp_path / "llama"
+    save_hf(folder, "llama", vocab_size=LM_VOCAB)
+    write_tokenizer_json(folder / "tokenizer.json")
+    cfg = load_config(None, run_overrides(folder, lm_shards, tmp_path / "run"))
+    with caplog.at_level(logging.WARNING, logger="hpctrain"):
+        Trainer(cfg, DistEnv(0, 0, 1, 1, "127.0.0.1", 0, "single"), torch.device("cpu"))
+    assert "were converted with bytes, not with the folder's tokenizer.json" in caplog.text

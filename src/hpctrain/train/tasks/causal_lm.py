@@ -19,8 +19,10 @@ the entropy in bits of the byte stream the shards hold, documents and their ends
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,10 +34,18 @@ from hpctrain.data.decode import SampleError
 from hpctrain.data.index import ShardIndex
 from hpctrain.data.locate import open_index
 from hpctrain.data.mixture import describe as describe_train
-from hpctrain.data.tokenizer import BYTES, Tokenizer, check_tokenizer, load_tokenizer
+from hpctrain.data.tokenizer import (
+    BYTES,
+    Tokenizer,
+    check_tokenizer,
+    file_sha256,
+    load_tokenizer,
+)
 from hpctrain.train.models import hf
 from hpctrain.train.models.gpt import GPT, GPTConfig, flops_per_token, gpt_config
 from hpctrain.train.task import Sample, masked_mean
+
+log = logging.getLogger(__name__)
 
 
 def index_tokenizer(index: ShardIndex, spec: str, key: str, configured: str) -> dict[str, Any]:
@@ -163,6 +173,19 @@ class CausalLM:
                 f"{hf.KEY}={folder}: vocab_size {model_cfg.vocab_size} is smaller than the "
                 f"vocabulary of the tokenizer {self.tokenizer['name']!r} of {train} ({vocab}); "
                 f"convert the text with the folder's tokenizer.json"
+            )
+        own = Path(folder) / "tokenizer.json"
+        if own.is_file() and file_sha256(str(own)) != self.tokenizer.get("sha256"):
+            # Same-sized vocabularies of other tokens train silently into garbage.
+            log.warning(
+                "%s=%s: the shards of %s were converted with %s, not with the folder's "
+                "tokenizer.json: its embeddings stand for other tokens (convert with "
+                "--tokenizer %s)",
+                hf.KEY,
+                folder,
+                train,
+                self.tokenizer["name"],
+                own,
             )
         self.hf_source = {
             key: config[key]
