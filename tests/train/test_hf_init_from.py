@@ -139,3 +139,18 @@ def test_preflight_checks_that_init_from_exists_and_is_known(tmp_path: Path) -> 
     ):
         failed = check_init_from(with_overrides(Config(), [f"model.init_from={path}"]))
         assert failed is not None and not failed.ok and message in failed.message
+
+
+def test_a_segmentation_file_gets_new_heads_for_other_classes(tmp_path: Path) -> None:
+    from hpctrain.train.models import build_segmenter
+
+    torch.manual_seed(4)
+    source = build_segmenter("lraspp_mobilenet_v3_large", 21).state_dict()  # VOC's 21 classes
+    torch.save(source, tmp_path / "lraspp.pth")
+    cfg = with_overrides(Config(), [f"model.init_from={tmp_path / 'lraspp.pth'}"])
+    model = build_segmenter("lraspp_mobilenet_v3_large", 3)
+    line = init_from.load_initial_weights(model, cfg, task=None)
+    heads = [k for k in source if k.startswith(("classifier.low_", "classifier.high_"))]
+    assert line.endswith(f"re-initialised (shapes differ): {', '.join(sorted(heads))}")
+    loaded = model.state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in source.items() if k not in heads)
