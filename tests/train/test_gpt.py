@@ -51,7 +51,8 @@ def test_changing_a_future_token_leaves_earlier_logits_alone() -> None:
 
 def test_rotary_preserves_norms_and_makes_scores_depend_on_distance_only() -> None:
     head_dim, length = 8, 12
-    cos, sin = rotary_tables(length, head_dim, 10000.0, torch.device("cpu"))
+    one_head = GPTConfig(vocab_size=1, dim=head_dim, n_layers=1, n_heads=1, rope_theta=10000.0)
+    cos, sin = rotary_tables(length, one_head, torch.device("cpu"))
     torch.manual_seed(0)
     q, k = torch.randn(head_dim), torch.randn(head_dim)
     rq = apply_rotary(q.expand(1, 1, length, head_dim), cos, sin)[0, 0]
@@ -87,7 +88,7 @@ def test_tied_embeddings_are_one_matrix_trained_by_both_ends() -> None:
 
 
 def _through_blocks(gpt: GPT, h: torch.Tensor) -> torch.Tensor:
-    cos, sin = rotary_tables(h.shape[1], gpt.cfg.head_dim, gpt.cfg.rope_theta, h.device)
+    cos, sin = rotary_tables(h.shape[1], gpt.cfg, h.device)
     for block in gpt.blocks:
         h = block(h, cos, sin)
     return h

@@ -1,16 +1,20 @@
-"""`hpctrain export RUN_DIR_OR_CHECKPOINT OUT [--format pt|safetensors] [--best] [--[no-]ema]`."""
+"""`hpctrain export RUN_DIR_OR_CHECKPOINT OUT [--format pt|safetensors|hf] [--best] [--[no-]ema]`."""
 
 from __future__ import annotations
 
 import argparse
 
-HELP = "write a checkpoint's model as consolidated weights (.pt or .safetensors; DDP or FSDP2)"
+HELP = (
+    "write a checkpoint's model as consolidated weights (.pt or .safetensors; DDP or FSDP2) "
+    "or a Hugging Face folder (--format hf)"
+)
 EPILOG = """examples:
   hpctrain export runs/demo model.pt                        # newest checkpoint of the run
   hpctrain export runs/demo model.safetensors --best        # the best by checkpoint.monitor
   hpctrain export runs/demo/checkpoints/step-400 model.pt   # one checkpoint
   hpctrain export runs/demo model-ema.safetensors --ema     # the EMA (train.ema_decay)
   hpctrain export runs/demo model.pt --no-ema               # the trained weights, always
+  hpctrain export runs/lm hf-model --format hf              # a folder transformers loads
 Load it with: model.load_state_dict(torch.load("model.pt", weights_only=True))
 or: safetensors.torch.load_file("model.safetensors"); built-in models also get a model card,
 OUT.json (model.safetensors.json). The weights are those the training evaluated with (the EMA
@@ -21,12 +25,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "source", help="run folder, checkpoint folder, or one step-<N> checkpoint (path or URL)"
     )
-    parser.add_argument("out", help="the file to write")
+    parser.add_argument("out", help="the file to write (--format hf: a new folder)")
     parser.add_argument(
         "--format",
-        choices=("pt", "safetensors"),
+        choices=("pt", "safetensors", "hf"),
         default=None,
-        help="file format (default: safetensors for a .safetensors name, else pt)",
+        help="file format (default: safetensors for a .safetensors name, else pt); hf: a "
+        "Hugging Face model folder (causal_lm runs)",
     )
     parser.add_argument(
         "--best",
@@ -43,9 +48,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpctrain.train.export import export_weights
+    from hpctrain.train.export import export_hf, export_weights
 
     # CheckpointError: exit code 4
+    if args.format == "hf":
+        result = export_hf(args.source, args.out, best=args.best, ema=args.ema)
+        print(
+            f"exported {result.source} (step {result.step}{', EMA' if result.ema else ''}): "
+            f"{result.num_tensors} tensors -> {result.out} "
+            "(transformers.AutoModelForCausalLM.from_pretrained)"
+        )
+        return 0
     result = export_weights(args.source, args.out, fmt=args.format, best=args.best, ema=args.ema)
     print(
         f"exported {result.source} (step {result.step}{', EMA' if result.ema else ''}): "

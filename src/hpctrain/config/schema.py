@@ -48,6 +48,17 @@ class ModelConfig:
     tie_embeddings: bool | None = _f(
         None, "causal_lm: share the embedding and output matrices; null: the preset's"
     )
+    init_from: str = _f(
+        "",
+        "weights to start a new run from (step 0, fresh optimizer; a run with checkpoints "
+        "resumes instead): causal_lm: a Hugging Face folder (config.json + *.safetensors) of "
+        "LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM, which also sets the shape; "
+        "any task: an hpctrain run/checkpoint folder or a state dict file (.pt, .pth, "
+        ".safetensors: an export, a torchvision download; a head of another size starts anew)",
+    )
+    init_from_ema: bool = _f(
+        False, "model.init_from a run or checkpoint folder: start from its EMA weights"
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -220,6 +220,27 @@ def check_task(cfg: Config) -> Check:
     return Check("task", True, f"{target} imports")
 
 
+def check_init_from(cfg: Config) -> Check | None:
+    """`model.init_from` exists, is readable and of a known kind (None: not set)."""
+    path = cfg.model.init_from
+    if not path:
+        return None
+    if "$" in path:
+        return Check(
+            "model.init_from", True, f"{path} is expanded on the node; not checked", warning=True
+        )
+    from hpctrain.train.init_from import kind_of
+
+    try:
+        kind = kind_of(path)
+    except ConfigError as exc:
+        return Check("model.init_from", False, str(exc))
+    if not os.access(path, os.R_OK):
+        return Check("model.init_from", False, f"model.init_from={path}: not readable by you")
+    what = {"hf": "a Hugging Face model folder", "run": "an hpctrain run or checkpoint"}
+    return Check("model.init_from", True, f"{path}: {what.get(kind, 'a state dict file')}")
+
+
 def check_python() -> Check:
     """The job runs the interpreter that runs this (submitit and the rendered script use it)."""
     in_venv = sys.prefix != sys.base_prefix or "CONDA_PREFIX" in os.environ
@@ -258,6 +279,9 @@ def preflight(
     if data:
         checks += check_data(cfg)
     checks += [check_task(cfg), check_python()]
+    init_check = check_init_from(cfg)
+    if init_check is not None:
+        checks.append(init_check)
     if environment and job is not None:
         checks += check_job_environment(job, python)
     return checks

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -299,7 +300,7 @@ def model_card(
         from hpctrain.train.generate import lm_model_card
 
         try:
-            card = lm_model_card(tree, weights, "checkpoint")
+            card = lm_model_card(tree, weights, "checkpoint", manifest)
         except CheckpointError:
             return None  # weights the config does not describe: no card that could rebuild them
         return {**card, "step": int(manifest["step"]), "format": fmt}
@@ -352,3 +353,132 @@ def model_card(
             "model = build_classifier(name, num_classes, image_size)"
         ),
     }
+
+
+HF_SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
+
+
+def export_hf(
+    path: str,
+    out: str | Path,
+    *,
+    best: bool = False,
+    ema: bool | None = None,
+    shard_bytes: int = HF_SHARD_BYTES,
+) -> ExportResult:
+    """Write a causal_lm checkpoint as a Hugging Face model folder `out` (`--format hf`).
+
+    `transformers.AutoModelForCausalLM.from_pretrained(out)` loads it without custom code:
+    `config.json` (the architecture the run was imported from, else `LlamaForCausalLM`),
+    `model.safetensors` (above `shard_bytes`, `model-0000N-of-0000M.safetensors` and
+    `model.safetensors.index.json`), `generation_config.json` and, when the run's tokenizer is
+    a tokenizer.json, that file with a `tokenizer_config.json` naming the end-of-document
+    token as EOS. The folder is written beside `out` and renamed into place: an existing,
+    non-empty `out` is refused, never overwritten.
+
+    Raises:
+        UsageError: not a causal_lm run (naming the formats that run exports to), or `out`
+            in the way.
+    """
+    try:
+        from safetensors.torch import save
+    except ImportError:
+        raise UsageError(
+            "--format hf needs the safetensors package: pip install 'hpctrain[safetensors]'"
+        ) from None
+
+    from hpctrain.train.generate import gpt_config_for, run_tokenizer
+    from hpctrain.train.models import hf
+
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UsageError(f"{out}: exists and is not an empty folder; --format hf writes a new one")
+    store, name, manifest = locate_checkpoint(path, best=best)
+    tree = config_tree(manifest) or {}
+    if tree.get("task") != "causal_lm":
+        raise UsageError(
+            f"--format hf: a {tree.get('task', IMAGE_CLASSIFICATION)} run has no Hugging Face "
+            f"causal-LM counterpart; export it with --format {' or --format '.join(FORMATS)}"
+        )
+    if ema is None:
+        ema = bool((tree.get("train") or {}).get("ema_eval"))
+    weights = read_model_weights(store, name, manifest, ema=ema)
+    cfg = gpt_config_for(tree, weights, store.path(name), manifest)
+    # The source folder's architecture and token ids, as the run recorded them (a newer run)
+    # or from the folder itself when it is still there.
+    source_config: dict[str, Any] = manifest.get("metadata", {}).get("hf_config") or {}
+    init_from = str((tree.get("model") or {}).get("init_from") or "")
+    if not source_config and init_from and hf.is_hf_folder(init_from):
+        source_config = hf.read_hf_config(init_from)
+    architecture = (source_config.get("architectures") or ["LlamaForCausalLM"])[0]
+    tokenizer = run_tokenizer(tree)
+    eos = tokenizer.eod_id
+    config = hf.hf_config(cfg, architecture, eos)
+    for key in ("bos_token_id", "max_position_embeddings"):
+        if key in source_config:
+            config[key] = source_config[key]
+    tensors = hf.hf_state_dict(weights, cfg)
+    step = int(manifest["step"])
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    tmp.mkdir(parents=True)
+    try:
+        shards = split_shards(tensors, shard_bytes)
+        metadata = {"format": "pt", "hpctrain_step": str(step)}
+        if len(shards) == 1:
+            (tmp / hf.WEIGHTS).write_bytes(save(shards[0], metadata=metadata))
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards, 1):
+                file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                (tmp / file).write_bytes(save(shard, metadata=metadata))
+                weight_map.update(dict.fromkeys(shard, file))
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / hf.INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        (tmp / hf.CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        generation = {"eos_token_id": eos, "do_sample": False}
+        if "bos_token_id" in config:
+            generation["bos_token_id"] = config["bos_token_id"]
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        if tokenizer.sha256:  # a tokenizer.json; the bytes tokenizer has no HF file
+            shutil.copyfile(tokenizer.name, tmp / "tokenizer.json")
+            eos_token = hf.special_token(Path(tokenizer.name), eos)
+            tokenizer_config = {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": eos_token,
+                "model_max_length": int((tree.get("data") or {}).get("seq_len") or 0) or 2048,
+            }
+            (tmp / "tokenizer_config.json").write_text(
+                json.dumps(tokenizer_config, indent=2) + "\n"
+            )
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        tmp.replace(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return ExportResult(
+        source=store.path(name),
+        step=step,
+        num_tensors=len(tensors),
+        num_elements=sum(v.numel() for v in tensors.values()),
+        out=out,
+        ema=ema,
+    )
+
+
+def split_shards(
+    tensors: dict[str, torch.Tensor], shard_bytes: int
+) -> list[dict[str, torch.Tensor]]:
+    """Tensors in name order, grouped into shards of at most `shard_bytes` (a larger tensor
+    alone in its shard)."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key in sorted(tensors):
+        nbytes = tensors[key].numel() * tensors[key].element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = tensors[key]
+        size += nbytes
+    return shards

@@ -19,6 +19,7 @@ import torch
 import yaml
 
 from hpctrain.checkpoint import CheckpointError
+from hpctrain.config import ConfigError
 from hpctrain.data.locate import open_index
 from hpctrain.data.tokenizer import Tokenizer, check_tokenizer, load_tokenizer
 from hpctrain.errors import DataError, UsageError
@@ -41,8 +42,16 @@ def run_config(manifest: dict[str, Any], where: str) -> dict[str, Any]:
     return tree
 
 
-def gpt_config_for(tree: dict[str, Any], weights: dict[str, torch.Tensor], where: str) -> GPTConfig:
-    """The GPTConfig of a causal_lm run's config `tree` whose weights are `weights`.
+def gpt_config_for(
+    tree: dict[str, Any],
+    weights: dict[str, torch.Tensor],
+    where: str,
+    manifest: dict[str, Any] | None = None,
+) -> GPTConfig:
+    """The GPTConfig of a causal_lm run's config `tree` whose weights are `weights`: the one
+    the checkpoint's `manifest` records (`metadata.gpt`, written by runs since
+    `model.init_from`), else rebuilt from the config (a run started from a Hugging Face folder:
+    from that folder's config.json).
 
     Raises:
         CheckpointError: not a causal_lm run, or weights that are not of the config's shape.
@@ -53,16 +62,31 @@ def gpt_config_for(tree: dict[str, Any], weights: dict[str, torch.Tensor], where
             "hpctrain generate needs a language model"
         )
     m = tree.get("model") or {}
-    cfg = gpt_config(
-        str(m.get("name") or ""),
-        int(weights[EMBEDDING].shape[0]),
-        dim=int(m.get("dim") or 0),
-        n_layers=int(m.get("n_layers") or 0),
-        n_heads=int(m.get("n_heads") or 0),
-        n_kv_heads=int(m.get("n_kv_heads") or 0),
-        ffn_dim=int(m.get("ffn_dim") or 0),
-        tie_embeddings="output.weight" not in weights,
-    )
+    recorded = ((manifest or {}).get("metadata") or {}).get("gpt")
+    if isinstance(recorded, dict):
+        try:
+            cfg = GPTConfig(**recorded)
+        except (TypeError, ConfigError) as exc:
+            raise CheckpointError(f"{where}: its recorded GPT shape is unusable: {exc}") from None
+    elif m.get("init_from"):  # the shape is that of the Hugging Face folder the run started from
+        from hpctrain.train.models import hf
+
+        init_from = str(m["init_from"])
+        try:
+            cfg = hf.gpt_config_from_hf(hf.read_hf_config(init_from), init_from)
+        except ConfigError as exc:
+            raise CheckpointError(f"{where}: the run's shape is unknown: {exc}") from None
+    else:
+        cfg = gpt_config(
+            str(m.get("name") or ""),
+            int(weights[EMBEDDING].shape[0]),
+            dim=int(m.get("dim") or 0),
+            n_layers=int(m.get("n_layers") or 0),
+            n_heads=int(m.get("n_heads") or 0),
+            n_kv_heads=int(m.get("n_kv_heads") or 0),
+            ffn_dim=int(m.get("ffn_dim") or 0),
+            tie_embeddings="output.weight" not in weights,
+        )
     with torch.device("meta"):  # shapes only
         built = {k: tuple(v.shape) for k, v in GPT(cfg).state_dict().items()}
     if built != {k: tuple(v.shape) for k, v in weights.items()}:
@@ -95,7 +119,7 @@ def load_gpt(
         # DCP's note that it loads without a process group: what this one process means to do
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         weights = read_model_weights(store, name, manifest, ema=ema)
-    cfg = gpt_config_for(tree, weights, where)
+    cfg = gpt_config_for(tree, weights, where, manifest)
     model = GPT(cfg)
     model.load_state_dict(weights)
     return model.to(device or torch.device("cpu")).eval(), tree, int(manifest["step"])
@@ -145,9 +169,14 @@ def generate_ids(
     return new
 
 
-def lm_model_card(tree: dict[str, Any], weights: dict[str, torch.Tensor], where: str) -> dict:
+def lm_model_card(
+    tree: dict[str, Any],
+    weights: dict[str, torch.Tensor],
+    where: str,
+    manifest: dict[str, Any] | None = None,
+) -> dict:
     """What `hpctrain export` writes beside a causal_lm model's weights: its shape and tokens."""
-    cfg = gpt_config_for(tree, weights, where)
+    cfg = gpt_config_for(tree, weights, where, manifest)
     data = tree.get("data") or {}
     return {
         "task": CAUSAL_LM,

@@ -29,6 +29,7 @@ from hpctrain.data.index import ShardIndex
 from hpctrain.data.mixture import describe as describe_train
 from hpctrain.data.mixture import open_train_index
 from hpctrain.dist import DistEnv, all_reduce_sum, new_cpu_group
+from hpctrain.train import init_from
 from hpctrain.train.classes import check_class_names
 from hpctrain.train.ema import CHECKPOINT_KEY as EMA_KEY
 from hpctrain.train.ema import build_ema
@@ -198,6 +199,7 @@ class Trainer:
     def build_model(self) -> None:
         """The task's model, moved, wrapped and sharded; its optimizer and gradient scaler."""
         torch.manual_seed(self.cfg.seed)  # identical initial weights on every rank (FSDP2 needs it)
+        init_from.check(self.cfg, self.task)
         model = self.task.build_model()
         trainable, frozen = freeze_parameters(model, self.cfg.train.freeze)  # before wrapping
         log.info(
@@ -607,11 +609,14 @@ class Trainer:
         self.last_save = time.monotonic()
 
     def checkpoint_metadata(self) -> dict[str, Any]:
-        return {
+        metadata = {
             "config": config_to_yaml(self.cfg),
             "monitor": self.monitor.state_dict(),
             "class_names": list(self.class_names),
         }
+        if hasattr(self.task, "model_metadata"):  # e.g. causal_lm's GPT shape, for exports
+            metadata.update(self.task.model_metadata())
+        return metadata
 
     def resume(self) -> None:
         try:
@@ -635,8 +640,12 @@ class Trainer:
             check_same_groups(self.cfg.train, self.checkpoints.tried_manifest)
             raise
         if step is None:
+            if self.cfg.model.init_from:
+                self.init_weights()
             return
         check_same_groups(self.cfg.train, self.checkpoints.loaded_manifest)
+        if self.cfg.model.init_from:
+            log.info("model.init_from=%s not read: the run resumes", self.cfg.model.init_from)
         if self.ema is not None and EMA_KEY in self.checkpoints.missing_states:
             self.ema.reset()
             log.warning(
@@ -662,6 +671,14 @@ class Trainer:
         )
         if self.cfg.data.sample_log:
             self.truncate_sample_log()
+
+    def init_weights(self) -> None:
+        """A new run's starting weights from `model.init_from` (the task reads them); the EMA
+        starts from them too."""
+        source = init_from.load_initial_weights(self.model, self.cfg, self.task)
+        if self.ema is not None:
+            self.ema.reset()
+        log.info("a new run from step 0: %s", source)
 
     def truncate_sample_log(self) -> None:
         """Drop audit lines of steps after the checkpoint: they are trained again."""

@@ -44,6 +44,12 @@ class GPTConfig:
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
+    # Llama 3's RoPE scaling (`rope_type: llama3`); factor 0: none.
+    rope_scaling_factor: float = 0.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 8192
 
     def __post_init__(self) -> None:
         kv = self.n_kv_heads or self.n_heads
@@ -134,6 +140,8 @@ def num_params(cfg: GPTConfig, *, embedding: bool = True) -> int:
     input embedding table when `embedding=False`."""
     d, kv_dim, hidden = cfg.dim, cfg.kv_heads * cfg.head_dim, cfg.hidden_dim
     per_block = 2 * d * d + 2 * d * kv_dim + 3 * d * hidden + 2 * d  # attention, MLP, norms
+    if cfg.qkv_bias:
+        per_block += d + 2 * kv_dim
     total = cfg.n_layers * per_block + d  # + the final norm
     if not cfg.tie_embeddings:
         total += cfg.vocab_size * d  # the output projection, a matrix of its own
@@ -174,24 +182,43 @@ class RMSNorm(nn.Module):
         return (normed * self.weight.float()).to(x.dtype)
 
 
+def rope_frequencies(cfg: GPTConfig, device: torch.device) -> torch.Tensor:
+    """The rotary angular frequencies [head_dim / 2], fp32: theta^(-2i/head_dim), with Llama
+    3's scaling when `cfg.rope_scaling_factor` is set (as transformers' `rope_type: llama3`):
+    wavelengths above original_max_positions / low_freq_factor are stretched by the factor,
+    those below original_max_positions / high_freq_factor kept, those between interpolated."""
+    head_dim = cfg.head_dim
+    inv_freq = cfg.rope_theta ** (
+        -torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+    )
+    factor = cfg.rope_scaling_factor
+    if not factor:
+        return inv_freq
+    low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    context = cfg.rope_original_max_positions
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= context / high) & (wavelen <= context / low)
+    return torch.where(medium, smoothed, scaled)
+
+
 def rotary_tables(
     seq_len: int,
-    head_dim: int,
-    theta: float,
+    cfg: GPTConfig,
     device: torch.device,
     positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [seq_len, head_dim] (fp32) of rotary position embeddings (Su et al. 2021).
 
-    Channel pairs (i, i + head_dim/2) rotate by the angle position · theta^(-2i/head_dim):
-    the "half-split" layout of GPT-NeoX and Hugging Face's Llama. Made per forward from
-    `arange`: cheap next to attention, and no buffer for checkpoints or FSDP2 to carry.
-    With `positions` (int [B, seq_len], positions in each document) the tables are
-    [B, 1, seq_len, head_dim] (one per row, broadcast over the heads) instead.
+    Channel pairs (i, i + head_dim/2) rotate by the angle position · frequency i
+    (`rope_frequencies`): the "half-split" layout of GPT-NeoX and Hugging Face's Llama. Made
+    per forward from `arange`: cheap next to attention, and no buffer for checkpoints or
+    FSDP2 to carry. With `positions` (int [B, seq_len], positions in each document) the
+    tables are [B, 1, seq_len, head_dim] (one per row, broadcast over the heads) instead.
     """
-    inv_freq = theta ** (
-        -torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
-    )
+    inv_freq = rope_frequencies(cfg, device)
     if positions is None:
         where = torch.arange(seq_len, device=device, dtype=torch.float32)
         angles = torch.outer(where, inv_freq)
@@ -284,9 +311,9 @@ class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_heads, self.kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
     def forward(
@@ -369,6 +396,8 @@ class GPT(nn.Module):
             if isinstance(module, nn.Linear):
                 last = name.rsplit(".", 1)[-1]
                 nn.init.normal_(module.weight, 0.0, residual_std if last in ("wo", "w2") else std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, 0.0, std)
             elif isinstance(module, RMSNorm):
@@ -376,9 +405,7 @@ class GPT(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
-        cos, sin = rotary_tables(
-            tokens.shape[1], self.cfg.head_dim, self.cfg.rope_theta, h.device, positions
-        )
+        cos, sin = rotary_tables(tokens.shape[1], self.cfg, h.device, positions)
         mask = None
         if positions is not None:  # one mask for every block, built outside checkpointed ones
             kernel = self.attention_kernel

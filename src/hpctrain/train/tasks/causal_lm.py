@@ -25,7 +25,10 @@ the entropy in bits of the byte stream the shards hold, documents and their ends
 
 from __future__ import annotations
 
+import logging
 import math
+from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,9 +40,18 @@ from hpctrain.data.decode import SampleError
 from hpctrain.data.index import ShardIndex
 from hpctrain.data.locate import open_index
 from hpctrain.data.mixture import describe as describe_train
-from hpctrain.data.tokenizer import BYTES, Tokenizer, check_tokenizer, load_tokenizer
+from hpctrain.data.tokenizer import (
+    BYTES,
+    Tokenizer,
+    check_tokenizer,
+    file_sha256,
+    load_tokenizer,
+)
+from hpctrain.train.models import hf
 from hpctrain.train.models.gpt import GPT, GPTConfig, flops_per_token, gpt_config
 from hpctrain.train.task import Sample, masked_mean
+
+log = logging.getLogger(__name__)
 
 
 def index_tokenizer(index: ShardIndex, spec: str, key: str, configured: str) -> dict[str, Any]:
@@ -132,25 +144,106 @@ class CausalLM:
                     f"from data.train's ({train}) {describe(self.tokenizer)}"
                 )
         vocab = int(self.tokenizer["vocab_size"])
-        if cfg.model.vocab_size and cfg.model.vocab_size < vocab:
+        from_hf = bool(cfg.model.init_from) and hf.is_hf_folder(cfg.model.init_from)
+        self.hf_source: dict[str, Any] = {}  # architecture and token ids of an imported folder
+        recorded = self.warm_start_shape() if cfg.model.init_from and not from_hf else None
+        if from_hf:
+            self.model_cfg: GPTConfig = self.hf_model_config(vocab, train)
+        elif recorded is not None:
+            hf.check_against_model_keys(recorded, cfg.model, cfg.model.init_from)
+            if recorded.vocab_size < vocab:
+                raise ConfigError(
+                    f"{hf.KEY}={cfg.model.init_from}: its vocabulary ({recorded.vocab_size}) is "
+                    f"smaller than that of the tokenizer {self.tokenizer['name']!r} of {train} "
+                    f"({vocab})"
+                )
+            self.model_cfg = recorded
+        elif cfg.model.vocab_size and cfg.model.vocab_size < vocab:
             raise ConfigError(
                 f"model.vocab_size={cfg.model.vocab_size}: smaller than the vocabulary of the "
                 f"tokenizer {self.tokenizer['name']!r} of {train} ({vocab})"
             )
-        m = cfg.model
-        self.model_cfg: GPTConfig = gpt_config(
-            m.name,
-            m.vocab_size or vocab,
-            dim=m.dim,
-            n_layers=m.n_layers,
-            n_heads=m.n_heads,
-            n_kv_heads=m.n_kv_heads,
-            ffn_dim=m.ffn_dim,
-            **({} if m.tie_embeddings is None else {"tie_embeddings": m.tie_embeddings}),
-        )
+        if not from_hf and recorded is None:
+            m = cfg.model
+            self.model_cfg = gpt_config(
+                m.name,
+                m.vocab_size or vocab,
+                dim=m.dim,
+                n_layers=m.n_layers,
+                n_heads=m.n_heads,
+                n_kv_heads=m.n_kv_heads,
+                ffn_dim=m.ffn_dim,
+                **({} if m.tie_embeddings is None else {"tie_embeddings": m.tie_embeddings}),
+            )
         # Read by the trainer's metrics (hpctrain.train.flops): tokens/s and MFU.
         self.tokens_per_sample = self.seq_len
         self._text_tokenizer: Tokenizer | None = None  # loaded when `predict` first decodes
+
+    def hf_model_config(self, vocab: int, train: str) -> GPTConfig:
+        """The GPT's shape from the Hugging Face folder `model.init_from`, checked against the
+        run's `model.*` keys, the tokenizer's vocabulary and `data.seq_len`."""
+        folder = self.cfg.model.init_from
+        config = hf.read_hf_config(folder)
+        model_cfg = hf.gpt_config_from_hf(config, folder)
+        hf.check_against_model_keys(model_cfg, self.cfg.model, folder)
+        if model_cfg.vocab_size < vocab:
+            raise ConfigError(
+                f"{hf.KEY}={folder}: vocab_size {model_cfg.vocab_size} is smaller than the "
+                f"vocabulary of the tokenizer {self.tokenizer['name']!r} of {train} ({vocab}); "
+                f"convert the text with the folder's tokenizer.json"
+            )
+        own = Path(folder) / "tokenizer.json"
+        if own.is_file() and file_sha256(str(own)) != self.tokenizer.get("sha256"):
+            # Same-sized vocabularies of other tokens train silently into garbage.
+            log.warning(
+                "%s=%s: the shards of %s were converted with %s, not with the folder's "
+                "tokenizer.json: its embeddings stand for other tokens (convert with "
+                "--tokenizer %s)",
+                hf.KEY,
+                folder,
+                train,
+                self.tokenizer["name"],
+                own,
+            )
+        self.hf_source = {
+            key: config[key]
+            for key in ("architectures", "bos_token_id", "eos_token_id", "max_position_embeddings")
+            if key in config
+        }
+        window = config.get("sliding_window")
+        if window and config.get("use_sliding_window", True) and window < self.seq_len:
+            raise ConfigError(
+                f"data.seq_len={self.seq_len}: longer than the sliding_window {window} of "
+                f"{hf.KEY}={folder} (the built-in GPT attends to the whole sequence)"
+            )
+        return model_cfg
+
+    def warm_start_shape(self) -> GPTConfig | None:
+        """The GPT shape the checkpoint at `model.init_from` records (a run folder or
+        checkpoint of a newer causal_lm run), so that a warm start needs no `model.*` keys;
+        None for anything else (the model is then built from the config and must match)."""
+        from hpctrain.checkpoint import CheckpointError
+        from hpctrain.train.export import locate_checkpoint
+
+        try:
+            _, _, manifest = locate_checkpoint(self.cfg.model.init_from)
+        except (CheckpointError, OSError, ValueError):
+            return None  # not a checkpoint: init_from.check names what it is
+        metadata = manifest.get("metadata") or {}
+        recorded = metadata.get("gpt")
+        if not isinstance(recorded, dict):
+            return None
+        self.hf_source = dict(metadata.get("hf_config") or {})
+        return GPTConfig(**recorded)
+
+    def model_metadata(self) -> dict[str, Any]:
+        """What checkpoints record to rebuild the model without the config's sources: the
+        GPT's shape and, when imported, the Hugging Face folder's architecture and token ids
+        (`hpctrain export --format hf` then needs no `model.init_from` folder)."""
+        metadata: dict[str, Any] = {"gpt": asdict(self.model_cfg)}
+        if self.hf_source:
+            metadata["hf_config"] = self.hf_source
+        return metadata
 
     def text_tokenizer(self) -> Tokenizer:
         """The tokenizer itself (for decoding), see `load_index_tokenizer`."""

@@ -1,0 +1,179 @@
+"""`model.init_from`: the weights a new run starts from (step 0, a fresh optimizer).
+
+Three kinds of PATH (`kind_of`):
+- `hf`: a Hugging Face folder (`config.json`) of a Llama-family causal LM, for `causal_lm`,
+  which also takes the GPT's shape from it (`train/models/hf.py`).
+- `run`: an hpctrain run folder, checkpoint root or `step-<N>` folder (a warm start): its
+  model weights, or with `model.init_from_ema` its EMA's, read like `hpctrain export` reads
+  them. Every key must match the run's model.
+- `file`: a state dict file (`.pt`/`.pth`, `.safetensors`): an hpctrain export, or a
+  torchvision download (`$TORCH_HOME/hub/checkpoints/resnet50-*.pth`). A tensor whose shape
+  differs only in its first dimension (a classifier head of another number of classes) keeps
+  the run's fresh initialisation and the log names it; other missing, unexpected or
+  mis-shaped keys are an error listing them.
+
+Loading goes through `set_model_state_dict(full_state_dict=True)`, which maps the plain
+names onto DDP, FSDP2 (each rank keeps its shard), compiled and checkpoint-wrapped modules.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hpctrain.config import Config, ConfigError
+from hpctrain.train.models import hf
+
+log = logging.getLogger(__name__)
+KEY = hf.KEY
+FILE_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
+
+
+def kind_of(path: str) -> str:
+    """`hf`, `run` or `file` (see the module doc).
+
+    Raises:
+        ConfigError: a missing path (a hub name: how to download it), or a path of no known
+            kind (a shard index, a folder of other files).
+    """
+    hf.check_path(path)
+    p = Path(path)
+    if p.is_dir():
+        if hf.is_hf_folder(path):
+            return "hf"
+        if (p / "config.yaml").is_file() or (p / "manifest.json").is_file():
+            return "run"
+        if any(child.name.startswith("step-") for child in p.iterdir()):
+            return "run"  # a checkpoint root
+        raise ConfigError(
+            f"{KEY}={path}: a folder that is neither a Hugging Face model folder (config.json) "
+            "nor an hpctrain run or checkpoint folder"
+        )
+    if p.name.endswith(".json"):
+        raise ConfigError(
+            f"{KEY}={path}: a JSON file (an index or a model card), not weights; give the "
+            f"folder that holds it or the weights file ({', '.join(FILE_SUFFIXES)})"
+        )
+    if not p.name.endswith(FILE_SUFFIXES):
+        raise ConfigError(
+            f"{KEY}={path}: not a weights file ({', '.join(FILE_SUFFIXES)}) nor a folder"
+        )
+    return "file"
+
+
+def check(cfg: Config, task: Any) -> None:
+    """Refuse, before any model is built, an init_from this run cannot use."""
+    path = cfg.model.init_from
+    if not path:
+        if cfg.model.init_from_ema:
+            raise ConfigError("model.init_from_ema=true: needs model.init_from (a run folder)")
+        return
+    kind = kind_of(path)
+    if kind == "hf" and not hasattr(task, "hf_model_config"):
+        raise ConfigError(
+            f"{KEY}={path}: a Hugging Face causal-LM folder; task {cfg.task} cannot start from "
+            "it (task causal_lm can)"
+        )
+    if cfg.model.init_from_ema and kind != "run":
+        raise ConfigError(
+            f"model.init_from_ema=true: {KEY}={path} is not a run or checkpoint folder (a "
+            "weights file holds one set of weights: export it with --ema)"
+        )
+
+
+def read_state_dict(path: str, *, ema: bool = False) -> dict[str, torch.Tensor]:
+    """The model tensors a `run` or `file` PATH holds, on the CPU."""
+    if kind_of(path) == "run":
+        from hpctrain.checkpoint import CheckpointError
+        from hpctrain.train.export import locate_checkpoint, read_model_weights
+
+        try:
+            store, name, manifest = locate_checkpoint(path)
+            return read_model_weights(store, name, manifest, ema=ema)
+        except CheckpointError as exc:
+            raise ConfigError(f"{KEY}={path}: {exc}") from None
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            return load_file(path)
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # a damaged or foreign file: whatever its loader raises
+        raise ConfigError(f"{KEY}={path}: not a readable state dict: {exc}") from None
+    if isinstance(loaded, dict) and isinstance(loaded.get("state_dict"), dict):
+        loaded = loaded["state_dict"]  # a training-script checkpoint around the weights
+    if not isinstance(loaded, dict) or not all(
+        isinstance(v, torch.Tensor) for v in loaded.values()
+    ):
+        raise ConfigError(f"{KEY}={path}: not a state dict (a mapping of names to tensors)")
+    return loaded
+
+
+def match_keys(
+    source: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], path: str
+) -> list[str]:
+    """The keys of `expected` to keep at their fresh initialisation: those whose shape in
+    `source` differs only in the first dimension (a head of another number of classes).
+
+    Raises:
+        ConfigError: missing, unexpected or otherwise mis-shaped keys, listed.
+    """
+    problems = []
+    missing = sorted(set(expected) - set(source))
+    unexpected = sorted(set(source) - set(expected))
+    if missing:
+        problems.append(f"missing keys: {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected keys: {', '.join(unexpected)}")
+    fresh, wrong = [], []
+    for key in sorted(set(source) & set(expected)):
+        have, want = tuple(source[key].shape), expected[key]
+        if have == want:
+            continue
+        if len(have) == len(want) and have[1:] == want[1:]:
+            fresh.append(key)
+        else:
+            wrong.append(f"{key} {list(have)} (the model's {list(want)})")
+    if wrong:
+        problems.append(f"shapes differ: {', '.join(wrong)}")
+    if problems:
+        raise ConfigError(f"{KEY}={path}: {'; '.join(problems)}")
+    return fresh
+
+
+@torch.no_grad()
+def load_initial_weights(model: nn.Module, cfg: Config, task: Any) -> str:
+    """Copy `model.init_from`'s weights into the built, wrapped `model`; returns a log line."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+
+    path = cfg.model.init_from
+    if kind_of(path) == "hf":
+        unused = hf.load_hf_weights(model, path, task.model_cfg)
+        return f"weights from {KEY}={path}" + (f" (unused: {', '.join(unused)})" if unused else "")
+    source = read_state_dict(path, ema=cfg.model.init_from_ema)
+    # Plain names and global shapes; under FSDP2 the values stay sharded (nothing gathered).
+    expected = {
+        k: tuple(v.shape)
+        for k, v in get_model_state_dict(model).items()
+        if isinstance(v, torch.Tensor)  # DTensors too
+    }
+    fresh = match_keys(source, expected, path)
+    for key in fresh:
+        del source[key]
+    values: dict[str, Any] = dict(source)
+    set_model_state_dict(
+        model, values, options=StateDictOptions(full_state_dict=True, strict=not fresh)
+    )
+    what = "EMA weights" if cfg.model.init_from_ema else "weights"
+    line = f"{what} from {KEY}={path}"
+    if fresh:
+        line += f"; re-initialised (shapes differ): {', '.join(fresh)}"
+    return line
