@@ -40,6 +40,7 @@ def test_lines_name_the_goal_the_ratio_and_the_verdict() -> None:
     state = {
         "bytes": 240e6,
         "methods": {
+            "dd": {"seconds_range": [0.50, 0.60]},
             "hpctrain sync": {"ratio_to_dd": 1.1, "ratio_to_dd_range": [0.9, 1.2]},
             "hpctrain async": {"blocked_ratio_to_sync": 0.3, "blocked_ratio_range": [0.1, 0.6]},
         },
@@ -53,3 +54,5 @@ def test_lines_name_the_goal_the_ratio_and_the_verdict() -> None:
         "noisy",
         "met",
     ]
+    state["methods"]["dd"]["seconds_range"] = [0.5, 1.5]  # the disk itself 3x slower once
+    assert [line.rsplit(" | ", 1)[1] for line in checkpoint_lines(state)] == ["noisy"] * 3
