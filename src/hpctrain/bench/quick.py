@@ -219,7 +219,7 @@ CASES: list[tuple[str, list[str], Callable[[dict[str, Any]], list[str]]]] = [
     (
         "trainer",
         [
-            *("-m", "hpctrain", "bench", "trainer", "--json", "--pairs", "12"),
+            *("-m", "hpctrain", "bench", "trainer", "--json", "--pairs", "24"),
             *("--resnet-steps", "4", "--mlp-pairs", "8", "--demo-steps", "0"),
         ],
         trainer_lines,
