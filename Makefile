@@ -67,3 +67,9 @@ format: $(STAMP)
 
 clean:
 	rm -rf $(VENV) runs/demo runs/demo-lm $(DEMO_DATA) $(LM_DATA) .pytest_cache .mypy_cache .ruff_cache
+
+# Every goal a few minutes here can check, one line each: goal | ratio | met/missed/noisy
+# (hpctrain.bench.quick; not in CI). Run it before changing the loop, the loader or checkpoints.
+.PHONY: bench-quick
+bench-quick: $(STAMP)
+	$(BIN)/python -m hpctrain.bench.quick

@@ -11,7 +11,10 @@ Prints, each a median over interleaved rounds, in CPU microseconds per image:
    hpctrain's reader (`iter_samples`: checksums, every tar format, skip by seeking);
 3. decoding in workers: the decode + transform loop of this process (the limit) against the
    loader with 1 and with 2 workers, paired by epoch, with the loader's own cost (decoding
-   stubbed) for scale.
+   stubbed) for scale;
+4. the ratio the loader's goal is about: its own cost with 2 workers / the floors (the pixel
+   copy side by side + the bare tar read), goal <= 1.5. `--json`: the figures as JSON on
+   stdout, the lines on stderr (`make bench-quick` reads them).
 
 What it showed here: the copy alone takes about the 25 us the loader overhead goal allows,
 and with two workers the decoder itself runs slower per image than alone (BENCHMARKS.md).
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import statistics
 import sys
@@ -32,6 +36,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 COPY_BUFFERS = 5  # a worker's buffers in rotation with the default prefetch (prefetch + 3)
+OUT = sys.stdout  # where the lines go (stderr under --json)
+
+
+def say(line: str) -> None:
+    print(line, file=OUT, flush=True)
 
 
 def median_us(fn: Callable[[], int], rounds: int) -> float:
@@ -112,7 +121,9 @@ def reading_case(shards: list[str], rounds: int) -> tuple[float, float]:
     return statistics.median(a), statistics.median(b)
 
 
-def workers_case(root: Path, images: list, epochs: int) -> None:
+def workers_case(root: Path, images: list, epochs: int) -> dict[str, float]:
+    """Prints the paired limit/loader ratios and the stubbed own cost per worker count;
+    returns `own_cost_us_<workers>`."""
     import torch
 
     import hpctrain.data.samples as samples
@@ -161,14 +172,17 @@ def workers_case(root: Path, images: list, epochs: int) -> None:
     for workers in (1, 2):
         pairs = loader_us(workers, stub=False)
         ratio = statistics.median(lim / us for us, lim in pairs)
-        print(
+        say(
             f"decode + transform, {workers} worker(s): loader "
             f"{statistics.median(us for us, _ in pairs):.0f} us/image, limit "
             f"{statistics.median(lim for _, lim in pairs):.0f}: limit/loader paired {ratio:.3f}"
         )
+    out = {}
     for workers in (1, 2):
         stubbed = statistics.median(us for us, _ in loader_us(workers, stub=True))
-        print(f"loader's own cost (decoding stubbed), {workers} worker(s): {stubbed:.1f} us/image")
+        say(f"loader's own cost (decoding stubbed), {workers} worker(s): {stubbed:.1f} us/image")
+        out[f"own_cost_us_{workers}"] = stubbed
+    return out
 
 
 def main() -> int:
@@ -176,7 +190,10 @@ def main() -> int:
     parser.add_argument("--images", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--json", action="store_true", help="figures as JSON on stdout")
     args = parser.parse_args()
+    global OUT
+    OUT = sys.stderr if args.json else sys.stdout
 
     import torch
 
@@ -187,12 +204,12 @@ def main() -> int:
     images = bench.synthetic_images(args.images, root)
     bench.write_layouts(images, root)
     shards = sorted(glob.glob(str(root / "shards" / "*.tar")))
-    print(f"{args.images} 400x300 JPEGs in {len(shards)} shards; load {os.getloadavg()[0]:.1f}")
+    say(f"{args.images} 400x300 JPEGs in {len(shards)} shards; load {os.getloadavg()[0]:.1f}")
 
     alone = copy_case(COPY_BUFFERS, args.rounds)
     pair = side_by_side(lambda: copy_case(COPY_BUFFERS, args.rounds))
     hot = copy_case(1, args.rounds)
-    print(
+    say(
         f"pixel copy (150 KB into {COPY_BUFFERS} rotating shared buffers): {alone:.1f} us alone, "
         f"{statistics.mean(pair):.1f} us two processes side by side; one cached buffer {hot:.1f} us"
     )
@@ -200,8 +217,28 @@ def main() -> int:
 
     gc.freeze()  # as loader workers do with what they inherit (data/transport.py)
     bare, ours = reading_case(shards, args.rounds)
-    print(f"tar reading per sample: bare loop {bare:.1f} us, hpctrain iter_samples {ours:.1f} us")
-    workers_case(root, images, args.epochs)
+    say(f"tar reading per sample: bare loop {bare:.1f} us, hpctrain iter_samples {ours:.1f} us")
+    results = workers_case(root, images, args.epochs)
+    copy_pair = statistics.mean(pair)
+    floors = copy_pair + bare
+    own = results["own_cost_us_2"]
+    say(
+        f"loader's own cost, 2 workers / floors (pixel copy side by side {copy_pair:.1f} us + "
+        f"bare tar read {bare:.1f} us) = {own:.1f} / {floors:.1f} = {own / floors:.2f} "
+        "(goal <= 1.5)"
+    )
+    if args.json:
+        results.update(
+            copy_alone_us=alone,
+            copy_side_by_side_us=copy_pair,
+            copy_cached_us=hot,
+            tar_bare_us=bare,
+            tar_hpctrain_us=ours,
+            own_cost_us=own,
+            floors_us=floors,
+            own_cost_over_floors=own / floors,
+        )
+        print(json.dumps(results))
     return 0
 
 

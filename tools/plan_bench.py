@@ -5,13 +5,15 @@
 
 Writes the indexes (no shard files: the plan reads only the index) into a temporary folder,
 then times `main(["plan", ...])` in this process (imports excluded; stdout to /dev/null),
-with and without `--json`, the best of `--repeat` runs, side by side.
+with and without `--json`, the best of `--repeat` runs, side by side. `--json`: the times as
+JSON on stdout too (`make bench-quick` reads them).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import sys
 import tempfile
@@ -58,6 +60,7 @@ def run() -> None:
         action="store_true",
         help="only the one-source cases (to time a revision without mixtures)",
     )
+    parser.add_argument("--json", action="store_true", help="the times as JSON on stdout")
     args = parser.parse_args()
     geometry = [
         "--world-size",
@@ -84,9 +87,13 @@ def run() -> None:
             f"B={args.batch_size}; best of {args.repeat}",
             file=sys.stderr,
         )
+        times = {}
         for name, argv in cases.items():
             cpu, wall = best_of(argv, args.repeat)
             print(f"{name:28s} {cpu:6.2f} s CPU {wall:6.2f} s wall", file=sys.stderr)
+            times[name] = {"cpu_s": cpu, "wall_s": wall}
+        if args.json:
+            print(json.dumps(times))
 
 
 if __name__ == "__main__":

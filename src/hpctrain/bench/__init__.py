@@ -12,4 +12,6 @@ of what they measure.
 - `gpu`: the Python half of `tools/gpu_bench.sh`;
 - `loopback`: an HTTP server on 127.0.0.1 (the loader's remote cases, the remote-storage tests);
 - `measure`: CPU-time accounting shared by the benchmarks.
+- `quick`: `make bench-quick`, the goals these benches check, one line each (`goal | ratio |
+  met/missed/noisy`), at sizes of a few minutes on a development machine.
 """

@@ -246,6 +246,10 @@ def run_bench(num_params: int, rounds: int, folder: str) -> dict[str, Any]:
         ratios = [rt["dd"]["total"] / rt[name]["total"] for rt in per_round]
         entry: dict[str, Any] = {
             "seconds": statistics.median(rt[name]["total"] for rt in per_round),
+            "seconds_range": [
+                min(rt[name]["total"] for rt in per_round),
+                max(rt[name]["total"] for rt in per_round),
+            ],
             "mb_per_s": statistics.median(
                 bench.num_bytes / rt[name]["total"] / 1e6 for rt in per_round
             ),

@@ -389,6 +389,10 @@ class Trainer:
         data_wait, num_samples = 0.0, 0
         loss_sum: torch.Tensor | float = 0.0
         metric_sums: dict[str, torch.Tensor] = {}
+        # Here, not right after the optimizer step: freeing the gradients there costs ~5% of a
+        # resnet18 step on a CPU (glibc hands the freed heap back to the OS, and the next forward
+        # page-faults it in again; BENCHMARKS.md). `free_gradients` drops them before a save.
+        self.optimizer.zero_grad(set_to_none=True)
         for micro in range(accum):
             wait_start = time.perf_counter()
             batch = next(batches)
@@ -417,11 +421,6 @@ class Trainer:
             self.optimizer.step()
         if self.ema is not None:
             self.ema.update()
-        # Free the gradients now, not before the next step: a checkpoint saved in between then
-        # holds the optimizer's full state even when every step so far was skipped by the fp16
-        # scaler (DCP creates missing state only for parameters without gradients, and a resume
-        # would expect the state it creates).
-        self.optimizer.zero_grad(set_to_none=True)
         group = self.optimizer.param_groups[0]  # the rate this step used, of train.lr itself
         self.lr = group["lr"] / group.get("lr_scale", 1.0)
         self.scheduler.step()
@@ -523,6 +522,7 @@ class Trainer:
             "step": self.state.step,
             "epoch": self.state.epoch,
         }
+        self.free_gradients()
         broadcast_buffers(self.model)  # FSDP2: rank 0's BatchNorm statistics, as under DDP
         ema = self.ema if self.cfg.train.ema_eval else None
         if ema is not None:
@@ -598,7 +598,18 @@ class Trainer:
             states[EMA_KEY] = self.ema
         return states
 
+    def free_gradients(self) -> None:
+        """Drop the last step's gradients (the next step would): before a checkpoint and an
+        evaluation, which then need no memory for them.
+
+        A checkpoint must see none: DCP creates the optimizer state it lacks (every step so
+        far skipped by the fp16 scaler) only for parameters without gradients, and a resume
+        expects the state it creates.
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+
     def save(self) -> None:
+        self.free_gradients()
         broadcast_buffers(self.model)  # FSDP2: one set of BatchNorm statistics, rank 0's
         self.checkpoints.save(
             self.state.step,
