@@ -302,6 +302,27 @@ def test_the_last_step_is_evaluated_once(
     assert [r["step"] for r in records if r["kind"] == "eval"] == evaluated
 
 
+def test_a_step_both_best_and_due_is_saved_once(
+    shapes_shards: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An evaluation among the best saves the step; the periodic save of that step is the same
+    save, not a second attempt ("already committed; not saved again" after every evaluation)."""
+    with caplog.at_level(logging.INFO):
+        fit(
+            make_config(
+                shapes_shards,
+                tmp_path,
+                f"data.val={shapes_shards / 'val' / 'index.json'}",
+                "train.eval_every=2",
+                "checkpoint.monitor=val_loss",
+                "checkpoint.keep_best=1",
+            )
+        )
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [m for m in messages if "not saved again" in m], messages
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == ["step-2", "step-4"]
+
+
 def test_a_resume_is_logged_once_with_its_checkpoint(
     shapes_shards: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

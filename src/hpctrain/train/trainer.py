@@ -468,20 +468,23 @@ class Trainer:
         if self.is_log_step(step):
             metrics.write(self.log_record())
         eval_every = self.cfg.train.eval_every
+        saved = False  # one save per step: the best-checkpoint save also serves the others
         if self.val_loader is not None and eval_every and step % eval_every == 0:
             record = self.last_eval = self.evaluate()
             metrics.write(record)
             if self.monitor.observe(record):  # among the checkpoint.keep_best best so far
                 self.save()
+                saved = True
         stop_requested, time_due = self.agree_on_flags()
         if stop_requested:
             log.warning("preemption requested: saving step %d, then exiting for requeue", step)
-            self.save()
+            if not saved:
+                self.save()
             self.checkpoints.wait()
             self.preemption.exit_on_signal(REQUEUE_EXIT_CODE)  # saved: a TERM now only ends us
             return True
         every_steps = self.cfg.checkpoint.every_steps
-        if time_due or (every_steps and step % every_steps == 0):
+        if not saved and (time_due or (every_steps and step % every_steps == 0)):
             self.save()
         return False
 
