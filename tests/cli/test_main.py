@@ -10,6 +10,7 @@ import pytest
 
 from hpctrain.cli.main import (
     DEBUG_ENV,
+    EXIT_BROKEN_PIPE,
     VERBS,
     build_parser,
     main,
@@ -252,3 +253,30 @@ def test_an_error_line_is_one_write_even_unbuffered(
     assert main(["train", str(tmp_path / "nope.yaml")]) == EXIT_CONFIG
     assert len(writes) == 1 and writes[0].startswith("hpctrain train [rank 1]: config error: ")
     assert writes[0].endswith("\n"), writes
+
+
+def _into_a_closed_pipe(*args: str) -> tuple[int, str]:
+    """`python -m hpctrain ARGS | head -1` where head has already gone: the reading end of a
+    real pipe is closed before the verb writes, so every write meets EPIPE."""
+    command = [sys.executable, "-m", "hpctrain", *args]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    err = proc.stderr.read()
+    return proc.wait(), err
+
+
+def test_a_reader_that_closes_early_ends_the_verb_quietly(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("hello world " * 50)
+    dest = tmp_path / "tokens"
+    argv = ["convert", str(corpus), str(dest), "--tokenizer", "bytes", "--progress", "none"]
+    assert main([*argv, "--sample-tokens", "4"]) == 0
+    # inspect prints its report in one go (a BrokenPipeError traceback in the verb); config
+    # show's few lines were still buffered (a second error while Python flushed at exit).
+    for args in (["inspect", str(dest)], ["config", "show", "configs/demo.yaml"]):
+        code, err = _into_a_closed_pipe(*args)
+        assert (code, err) == (EXIT_BROKEN_PIPE, ""), args
+    code, err = _into_a_closed_pipe("inspect", str(tmp_path / "nowhere"))
+    assert code == EXIT_DATA and err.count("\n") == 1  # an error keeps its code and line

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import select
 import sys
 import traceback
 from collections.abc import Sequence
@@ -19,6 +20,11 @@ from hpctrain.errors import HpctrainError, print_error_line, rank_tag
 
 # Set by `hpctrain --debug`, so that the ranks `train --nproc` starts inherit it.
 DEBUG_ENV = "HPCTRAIN_DEBUG"
+
+# The exit status of a verb whose stdout reader went away (`hpctrain inspect D | head -1`):
+# 128 + SIGPIPE, what the shell reports for a C tool such as `cat` killed by the same pipe, so
+# that `set -o pipefail` scripts see the usual status; not 0, since the output was cut short.
+EXIT_BROKEN_PIPE = 141
 
 # Order is the order shown in `hpctrain --help`.
 VERBS = [
@@ -135,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.show_tracebacks:
         os.environ[DEBUG_ENV] = "1"
     try:
-        return int(args._run(args))
+        code = int(args._run(args))
     except HpctrainError as exc:
         # A mistake the user can fix: one line and the kind's exit code (hpctrain.errors).
         # Any other exception is a bug and keeps its traceback (exit code 1).
@@ -143,7 +149,37 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         tag = rank_tag() if args.verb in ("train", "eval", "predict") else ""
         print_error_line(args.verb, exc, tag=tag)
-        return exc.exit_code
+        code = exc.exit_code
+    except BrokenPipeError:
+        if not stdout_reader_gone():
+            raise  # another pipe (a worker, a socket): a bug, with its traceback
+        return stdout_closed(EXIT_BROKEN_PIPE)
+    try:
+        sys.stdout.flush()  # here, not at interpreter shutdown, where it is a second traceback
+    except BrokenPipeError:
+        return stdout_closed(code or EXIT_BROKEN_PIPE)
+    return code
+
+
+def stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reading end is closed (POLLERR on its writing end)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll (Windows), no descriptor (tests)
+        return False
+
+
+def stdout_closed(code: int) -> int:
+    """End quietly: what is left in stdout's buffer goes to /dev/null, not to a second
+    BrokenPipeError when Python flushes it at exit (as the `signal` module's docs advise)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return code
 
 
 def show_tracebacks(args: argparse.Namespace) -> bool:
