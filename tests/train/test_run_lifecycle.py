@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,8 @@ from hpctrain.checkpoint import CheckpointError
 from hpctrain.config import Config, ConfigError, load_config
 from hpctrain.data.mixture import MixtureError
 from hpctrain.dist import resolve_env
+from hpctrain.errors import EXIT_DATA
+from hpctrain.train.classes import ClassNamesError
 from hpctrain.train.evaluation import run_eval
 from hpctrain.train.trainer import Trainer
 from tests.train import lm_testkit
@@ -349,3 +352,35 @@ def test_local_ranks_say_how_they_were_started(tmp_path: Path) -> None:
     assert proc.returncode == 3, proc.stderr
     assert "[rank 0] INFO rank 0/2 on cpu (local spawn: hpctrain train --nproc 2)" in proc.stderr
     assert "torchrun" not in proc.stderr
+
+
+def test_a_resume_on_data_of_other_classes_is_refused_before_any_step(
+    shapes_shards: Path, tmp_path: Path
+) -> None:
+    """Sibling of #31 items 6, 7: data.train re-converted with its classes renamed or reordered
+    resumed and trained on shifted labels (the checkpoint's class 1 is now another class)."""
+    data, run_dir = tmp_path / "data", tmp_path / "run"
+    shutil.copytree(shapes_shards / "train", data / "train")
+    fit(make_config(data, run_dir, "train.max_steps=2"))
+    saved_config = (run_dir / "config.yaml").read_text()
+    index_path = data / "train" / "index.json"
+    index = json.loads(index_path.read_text())
+    saved = index["class_names"]
+    index["class_names"] = saved[::-1]
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(ClassNamesError) as info:
+        fit(make_config(data, run_dir))
+    message = str(info.value)
+    assert "\n" not in message and info.value.exit_code == EXIT_DATA
+    assert (
+        f"data.train names the classes {saved[::-1]}, the checkpoint of step 2 {saved}" in message
+    )
+    assert "--resume none" in message
+    assert not (run_dir / "checkpoints" / "step-4").exists()  # not a step trained
+    assert (run_dir / "config.yaml").read_text() == saved_config
+    # A checkpoint saved before class names were stored resumes as before.
+    manifest_path = run_dir / "checkpoints" / "step-2" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["metadata"]["class_names"]
+    manifest_path.write_text(json.dumps(manifest))
+    assert fit(make_config(data, run_dir)).state.step == 4

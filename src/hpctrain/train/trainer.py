@@ -30,7 +30,13 @@ from hpctrain.data.mixture import describe as describe_train
 from hpctrain.data.mixture import open_train_index
 from hpctrain.dist import DistEnv, all_reduce_sum, new_cpu_group
 from hpctrain.train import init_from
-from hpctrain.train.classes import check_class_names
+from hpctrain.train.classes import (
+    ClassNamesError,
+    check_class_names,
+    checkpoint_class_names,
+    differ,
+    mismatch,
+)
 from hpctrain.train.ema import CHECKPOINT_KEY as EMA_KEY
 from hpctrain.train.ema import build_ema
 from hpctrain.train.evaluation import evaluate, require_items, to_device
@@ -658,6 +664,7 @@ class Trainer:
                 self.init_weights()
             return
         check_same_groups(self.cfg.train, self.checkpoints.loaded_manifest)
+        self.check_resumed_class_names(step)
         if self.cfg.model.init_from:
             log.info("model.init_from=%s not read: the run resumes", self.cfg.model.init_from)
         if self.ema is not None and EMA_KEY in self.checkpoints.missing_states:
@@ -685,6 +692,22 @@ class Trainer:
         )
         if self.cfg.data.sample_log:
             self.truncate_sample_log()
+
+    def check_resumed_class_names(self, step: int) -> None:
+        """Refuse to go on training on data whose labels mean other classes than the
+        checkpoint's (data.train re-converted with renamed or reordered classes). A checkpoint
+        saved before class names were stored (none in its manifest) resumes as before.
+
+        Raises:
+            ClassNamesError: the checkpoint and data.train both name classes, not the same.
+        """
+        saved = checkpoint_class_names(self.checkpoints.loaded_manifest or {})
+        if differ(saved, self.class_names):
+            raise ClassNamesError(
+                f"{mismatch(saved, f'the checkpoint of step {step}', self.class_names, 'data.train')}"
+                ": the resumed run would train on shifted labels; convert data.train with the "
+                "checkpoint's classes, or start over with --resume none"
+            )
 
     def init_weights(self) -> None:
         """A new run's starting weights from `model.init_from` (the task reads them); the EMA
