@@ -116,3 +116,35 @@ def test_a_skipped_txt_of_the_user_is_not_removed(
     assert (dest / "skipped.txt").read_text() == "my own notes"
     assert convert(image_folder, dest, "--overwrite") == 0  # the user said so
     assert not (dest / "skipped.txt").exists()
+
+
+def test_text_conversions_keep_one_layout_per_folder_too(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Sibling of #31 item 8 for `--tokenizer`: both directions, refused, then replaced."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(10):
+        (corpus / f"d{i}.txt").write_text(f"document {i} " * 4)
+    lay = tmp_path / "lay"
+    text = [corpus, lay, "--tokenizer", "bytes", "--sample-tokens", "8"]
+    assert convert(*text, "--val-fraction", "0.2") == 0
+    before = snapshot(lay)
+    capsys.readouterr()
+    assert convert(*text) == 3  # a flat index.json beside train/ and val/
+    err = capsys.readouterr().err
+    assert f"holds a train/ and val/ layout ({lay}/train/index.json, {lay}/val/index.json)" in err
+    assert snapshot(lay) == before
+    assert convert(*text, "--overwrite") == 0
+    assert sorted(snapshot(lay)) == ["index.json", "shard-000000.tar"]
+    before = snapshot(lay)
+    assert convert(*text, "--val-fraction", "0.2") == 3  # and back
+    assert f"holds a layout without --val-fraction ({lay}/index.json)" in capsys.readouterr().err
+    assert snapshot(lay) == before
+    assert convert(*text, "--val-fraction", "0.2", "--overwrite") == 0
+    assert sorted(snapshot(lay)) == [
+        "train/index.json",
+        "train/train-000000.tar",
+        "val/index.json",
+        "val/val-000000.tar",
+    ]
