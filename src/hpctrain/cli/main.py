@@ -162,11 +162,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def stdout_reader_gone() -> bool:
-    """Whether stdout is a pipe whose reading end is closed (POLLERR on its writing end)."""
+    """Whether stdout is a pipe whose reading end is closed: POLLERR on its writing end
+    (Linux), POLLHUP on some other systems."""
     try:
         poller = select.poll()
         poller.register(sys.stdout.fileno(), select.POLLOUT)
-        return any(events & select.POLLERR for _, events in poller.poll(0))
+        gone = select.POLLERR | select.POLLHUP
+        return any(events & gone for _, events in poller.poll(0))
     except (AttributeError, OSError, ValueError):  # no poll (Windows), no descriptor (tests)
         return False
 
