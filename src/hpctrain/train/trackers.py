@@ -43,6 +43,7 @@ import torch
 
 import hpctrain
 from hpctrain.config import Config, ConfigError, LoggingConfig, config_to_dict
+from hpctrain.files import write_atomic
 
 log = logging.getLogger("hpctrain")
 
@@ -393,10 +394,7 @@ def read_tracking(run_dir: Path) -> dict[str, Any]:
 
 def write_tracking(run_dir: Path, state: Mapping[str, Any]) -> None:
     """Replace `RUN_DIR/tracking.json` atomically (a kill leaves the old or the new one)."""
-    path = run_dir / TRACKING_FILE
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(state, indent=1) + "\n")
-    os.replace(tmp, path)
+    write_atomic(run_dir / TRACKING_FILE, (json.dumps(state, indent=1) + "\n").encode())
 
 
 T = TypeVar("T")
