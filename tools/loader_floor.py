@@ -127,7 +127,7 @@ def workers_case(root: Path, images: list, epochs: int) -> dict[str, float]:
     import torch
 
     import hpctrain.data.samples as samples
-    from hpctrain.bench import loader as bench
+    from hpctrain.bench import loader_setup as bench
     from hpctrain.bench.measure import process_cpu_seconds, self_cpu_seconds
     from hpctrain.config.schema import DataConfig
     from hpctrain.data import ShardedLoader, open_index
@@ -198,7 +198,7 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(1)
-    from hpctrain.bench import loader as bench
+    from hpctrain.bench import loader_setup as bench
 
     root = Path(tempfile.mkdtemp(prefix="hpctrain-floor-"))
     images = bench.synthetic_images(args.images, root)
