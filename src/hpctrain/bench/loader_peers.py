@@ -18,18 +18,15 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from hpctrain.bench.loader_setup import PeerTransform, Setup, count_images, timed_epoch
+from hpctrain.compat_torch import dataloader_worker_pids, shutdown_dataloader_workers
 
 
 def dataloader_steady(loader: DataLoader) -> tuple[int, float, float]:
     """Second epoch of a torch `DataLoader` (or subclass) with persistent workers, measured
     like `hpctrain_steady`: the process's CPU plus its live workers' from /proc."""
     count_images(loader)  # warm-up epoch: starts the workers
-    # torch keeps the persistent workers' iterator here (no public handle on the processes)
-    iterator = loader._iterator
-    pids = [w.pid for w in iterator._workers] if iterator is not None else []  # type: ignore[attr-defined]
-    count, wall, cpu = timed_epoch(loader, pids)
-    if iterator is not None:  # join the workers now, so that no later case counts their exit
-        iterator._shutdown_workers()  # type: ignore[attr-defined]
+    count, wall, cpu = timed_epoch(loader, dataloader_worker_pids(loader))
+    shutdown_dataloader_workers(loader)  # now, so that no later case counts their exit
     return count, wall, cpu
 
 
