@@ -47,13 +47,7 @@ def litdata_steady(setup: Setup, path: Path) -> tuple[int, float, float]:
     from litdata import StreamingDataLoader, StreamingDataset
 
     dataset = StreamingDataset(str(path), transform=PeerTransform(setup.crop))
-    loader = StreamingDataLoader(
-        dataset,
-        batch_size=setup.batch_size,
-        num_workers=setup.workers,
-        persistent_workers=setup.workers > 0,
-        multiprocessing_context=setup.start_method,
-    )
+    loader = setup.dataloader(dataset, StreamingDataLoader, persistent_workers=setup.workers > 0)
     return dataloader_steady(loader)
 
 
@@ -82,13 +76,7 @@ def streaming_steady(setup: Setup, path: Path) -> tuple[int, float, float]:
             return transform(super().__getitem__(index))
 
     dataset = Decoded(local=str(path), remote=None, shuffle=False, batch_size=setup.batch_size)
-    loader = StreamingDataLoader(
-        dataset,
-        batch_size=setup.batch_size,
-        num_workers=setup.workers,
-        persistent_workers=setup.workers > 0,
-        multiprocessing_context=setup.start_method,
-    )
+    loader = setup.dataloader(dataset, StreamingDataLoader, persistent_workers=setup.workers > 0)
     try:
         return dataloader_steady(loader)
     finally:

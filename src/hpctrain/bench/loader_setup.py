@@ -211,8 +211,12 @@ class Setup:
     def num_images(self) -> int:
         return len(self.images)
 
-    def dataloader(self, dataset: Any, **kwargs: Any) -> DataLoader:
-        return DataLoader(
+    def dataloader(
+        self, dataset: Any, loader_class: type[DataLoader] = DataLoader, **kwargs: Any
+    ) -> DataLoader:
+        """`loader_class` (a torch `DataLoader`, or a peer's subclass) over `dataset` with
+        the setup's batch size, K workers and their start method."""
+        return loader_class(
             dataset,
             batch_size=self.batch_size,
             num_workers=self.workers,
