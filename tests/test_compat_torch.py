@@ -43,3 +43,26 @@ def test_worker_info_is_what_get_worker_info_answers():
         assert (info.id, info.num_workers, info.seed, info.dataset) == (1, 3, 7, "d")
     finally:
         torch_worker._worker_info = saved
+
+
+# --- bench ---
+
+
+def test_dataloader_persistent_workers_pids_and_shutdown():
+    import os
+
+    from torch.utils.data import DataLoader
+
+    from hpctrain.compat_torch import dataloader_worker_pids, shutdown_dataloader_workers
+
+    loader = DataLoader(list(range(4)), batch_size=2, num_workers=1, persistent_workers=True)
+    assert dataloader_worker_pids(loader, strict=True) == []  # none before the first epoch
+    assert len(list(loader)) == 2
+    pids = dataloader_worker_pids(loader, strict=True)
+    assert len(pids) == 1 and os.path.exists(f"/proc/{pids[0]}")
+    shutdown_dataloader_workers(loader, strict=True)
+    assert not os.path.exists(f"/proc/{pids[0]}")  # joined (reaped), not left to the collector
+    single = DataLoader(list(range(4)), batch_size=2)
+    list(single)
+    assert dataloader_worker_pids(single, strict=True) == []
+    shutdown_dataloader_workers(single, strict=True)  # a no-op

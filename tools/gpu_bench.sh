@@ -4,7 +4,7 @@
 # First a smoke pass over the precision matrix's GPU cells (ddp/fsdp x bf16/fp16 x ResNet-50/
 # ViT-B/16, a few steps each: trains with finite losses, or is refused up front where the GPU
 # cannot, e.g. bf16 on a V100). Then prints images/s, the data-wait fraction, peak memory and
-# MFU against the GPU's published dense bf16 peak. Last, the LLM case (`hpctrain bench gpu`):
+# MFU against the GPU's published dense bf16 peak. Last, the LLM case (`hpctrain bench gpu-lm`):
 # the largest GPT preset that fits, bf16, FSDP2 over the GPUs, compiled, on token shards;
 # tokens/s, MFU, peak memory and data wait (--lm-preset gpt-1b for the MFU goal).
 # Runs the same on one H200 machine and on a Jean Zay node, from inside the job as ONE task
@@ -70,7 +70,7 @@ while [[ $# -gt 0 ]]; do
   shift
 done
 
-bench() { "$PYTHON" -m hpctrain.bench.gpu "$@" --batch-size "$BATCH_SIZE" --workers "$WORKERS"; }
+bench() { "$PYTHON" -m hpctrain.bench.gpu_vision "$@" --batch-size "$BATCH_SIZE" --workers "$WORKERS"; }
 
 mkdir -p "$WORK"
 PLAN="$(bench plan)"
@@ -89,7 +89,7 @@ bench config "$WORK" --steps "$STEPS" $COMPILE
 NPROC=$(( NUM_GPUS > 0 ? NUM_GPUS : 1 ))
 CMD=("$PYTHON" -m hpctrain train "$WORK/config.yaml" --nproc "$NPROC" --resume none)
 echo "train: ${CMD[*]}"
-LM_CMD=("$PYTHON" -m hpctrain bench gpu --work "$WORK/lm" --preset "$LM_PRESET" --steps "$LM_STEPS")
+LM_CMD=("$PYTHON" -m hpctrain bench gpu-lm --work "$WORK/lm" --preset "$LM_PRESET" --steps "$LM_STEPS")
 if [[ "$DRY_RUN" -eq 1 ]]; then
   "$PYTHON" -m hpctrain config show "$WORK/config.yaml" >/dev/null
   if [[ "$SMOKE" -eq 1 ]]; then bench smoke "$WORK" --dry-run; fi

@@ -52,7 +52,7 @@ class EitherTransform:
     loader, which reads it from the transformed sample."""
 
     def __init__(self, crop: int) -> None:
-        from hpctrain.bench import loader as bench
+        from hpctrain.bench import loader_setup as bench
 
         self.inner = bench.HpctrainTransform(crop)
 
@@ -114,7 +114,7 @@ def main() -> int:
     import hpctrain_ab.config.schema as schema_b  # type: ignore[import-not-found]
     import hpctrain_ab.data as data_b  # type: ignore[import-not-found]
 
-    from hpctrain.bench import loader as bench
+    from hpctrain.bench import loader_setup as bench
     from hpctrain.bench.measure import process_cpu_seconds, self_cpu_seconds
     from hpctrain.config.schema import DataConfig
     from hpctrain.data import ShardedLoader, open_index

@@ -127,7 +127,7 @@ def workers_case(root: Path, images: list, epochs: int) -> dict[str, float]:
     import torch
 
     import hpctrain.data.samples as samples
-    from hpctrain.bench import loader as bench
+    from hpctrain.bench import loader_setup as bench
     from hpctrain.bench.measure import process_cpu_seconds, self_cpu_seconds
     from hpctrain.config.schema import DataConfig
     from hpctrain.data import ShardedLoader, open_index
@@ -198,35 +198,38 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(1)
-    from hpctrain.bench import loader as bench
+    from hpctrain.bench import loader_setup as bench
 
-    root = Path(tempfile.mkdtemp(prefix="hpctrain-floor-"))
-    images = bench.synthetic_images(args.images, root)
-    bench.write_layouts(images, root)
-    shards = sorted(glob.glob(str(root / "shards" / "*.tar")))
-    say(f"{args.images} 400x300 JPEGs in {len(shards)} shards; load {os.getloadavg()[0]:.1f}")
+    with tempfile.TemporaryDirectory(prefix="hpctrain-floor-") as tmp:
+        root = Path(tmp)
+        images = bench.synthetic_images(args.images, root)
+        bench.write_layouts(images, root)
+        shards = sorted(glob.glob(str(root / "shards" / "*.tar")))
+        load = os.getloadavg()[0]
+        say(f"{args.images} 400x300 JPEGs in {len(shards)} shards; load {load:.1f}")
 
-    alone = copy_case(COPY_BUFFERS, args.rounds)
-    pair = side_by_side(lambda: copy_case(COPY_BUFFERS, args.rounds))
-    hot = copy_case(1, args.rounds)
-    say(
-        f"pixel copy (150 KB into {COPY_BUFFERS} rotating shared buffers): {alone:.1f} us alone, "
-        f"{statistics.mean(pair):.1f} us two processes side by side; one cached buffer {hot:.1f} us"
-    )
-    import gc
+        alone = copy_case(COPY_BUFFERS, args.rounds)
+        pair = side_by_side(lambda: copy_case(COPY_BUFFERS, args.rounds))
+        hot = copy_case(1, args.rounds)
+        say(
+            f"pixel copy (150 KB into {COPY_BUFFERS} rotating shared buffers): {alone:.1f} us "
+            f"alone, {statistics.mean(pair):.1f} us two processes side by side; one cached "
+            f"buffer {hot:.1f} us"
+        )
+        import gc
 
-    gc.freeze()  # as loader workers do with what they inherit (data/transport.py)
-    bare, ours = reading_case(shards, args.rounds)
-    say(f"tar reading per sample: bare loop {bare:.1f} us, hpctrain iter_samples {ours:.1f} us")
-    results = workers_case(root, images, args.epochs)
-    copy_pair = statistics.mean(pair)
-    floors = copy_pair + bare
-    own = results["own_cost_us_2"]
-    say(
-        f"loader's own cost, 2 workers / floors (pixel copy side by side {copy_pair:.1f} us + "
-        f"bare tar read {bare:.1f} us) = {own:.1f} / {floors:.1f} = {own / floors:.2f} "
-        "(goal <= 1.5)"
-    )
+        gc.freeze()  # as loader workers do with what they inherit (data/transport.py)
+        bare, ours = reading_case(shards, args.rounds)
+        say(f"tar reading per sample: bare loop {bare:.1f} us, hpctrain iter_samples {ours:.1f} us")
+        results = workers_case(root, images, args.epochs)
+        copy_pair = statistics.mean(pair)
+        floors = copy_pair + bare
+        own = results["own_cost_us_2"]
+        say(
+            f"loader's own cost, 2 workers / floors (pixel copy side by side {copy_pair:.1f} us + "
+            f"bare tar read {bare:.1f} us) = {own:.1f} / {floors:.1f} = {own / floors:.2f} "
+            "(goal <= 1.5)"
+        )
     if args.json:
         results.update(
             copy_alone_us=alone,

@@ -39,7 +39,7 @@ def main() -> None:
     import torch
 
     import hpctrain.data.samples as samples
-    from hpctrain.bench.loader import HpctrainTransform, synthetic_images, write_shards
+    from hpctrain.bench.loader_setup import HpctrainTransform, synthetic_images, write_shards
     from hpctrain.bench.measure import process_cpu_seconds, self_cpu_seconds
     from hpctrain.config.schema import DataConfig
     from hpctrain.data import ShardedLoader, open_index

@@ -10,6 +10,11 @@ version and the API, instead of the fallback hiding the change.
 |-------------------------------------------------|--------------------------------------|---------------------------------|
 | `torch.UntypedStorage._new_shared(nbytes)`      | a shared-memory buffer made in place | `share_memory_()` (a copy)      |
 | `torch.utils.data._utils.worker._worker_info`   | `get_worker_info()` in our workers   | none: it answers None there     |
+| `DataLoader._iterator._workers`                 | the bench's live workers' pids (CPU) | multiprocessing's live children |
+| `DataLoader._iterator._shutdown_workers()`      | the bench joins workers at once     | none: they exit when collected  |
+
+Public replacements to watch for: a public way to close a `DataLoader`'s persistent workers
+(pytorch/pytorch#64766, #71383) would replace both `DataLoader._iterator` uses.
 """
 
 from __future__ import annotations
@@ -69,6 +74,48 @@ def set_worker_info(
         torch_worker._worker_info = info
     except (ImportError, AttributeError, TypeError) as exc:
         error = _changed("torch.utils.data._utils.worker._worker_info", exc)
+        if strict:
+            raise error from exc
+        warnings.warn(str(error), RuntimeWarning, stacklevel=2)
+
+
+# --- bench ---
+
+
+def dataloader_worker_pids(loader: Any, *, strict: bool = False) -> list[int]:
+    """The process ids of a torch `DataLoader`'s persistent workers, once an epoch has started
+    them ([] when it keeps none: no workers, or not persistent).
+
+    torch keeps them on the loader's private iterator; without it (a torch that moved it) the
+    fallback is this process's live multiprocessing children, with a warning; `strict`: raise
+    `TorchAPIChanged` instead.
+    """
+    try:
+        iterator = loader._iterator
+        return [] if iterator is None else [worker.pid for worker in iterator._workers]
+    except AttributeError as exc:
+        error = _changed("DataLoader._iterator._workers", exc)
+        if strict:
+            raise error from exc
+        warnings.warn(str(error), RuntimeWarning, stacklevel=2)
+    import multiprocessing
+
+    return [child.pid for child in multiprocessing.active_children() if child.pid is not None]
+
+
+def shutdown_dataloader_workers(loader: Any, *, strict: bool = False) -> None:
+    """Stop and join a torch `DataLoader`'s persistent workers now, not when the loader is
+    garbage collected (a no-op when it keeps none).
+
+    Without the private iterator (a torch that moved it) the workers exit when the loader is
+    collected, with a warning; `strict`: raise `TorchAPIChanged` instead.
+    """
+    try:
+        iterator = loader._iterator
+        if iterator is not None:
+            iterator._shutdown_workers()
+    except AttributeError as exc:
+        error = _changed("DataLoader._iterator._shutdown_workers", exc)
         if strict:
             raise error from exc
         warnings.warn(str(error), RuntimeWarning, stacklevel=2)

@@ -126,3 +126,11 @@ def test_refusals_are_usage_errors(tmp_path: Path) -> None:
     args = parser.parse_args(["--device", "cpu", "--preset", "gpt-2", "--work", str(tmp_path)])
     with pytest.raises(UsageError, match="--preset gpt-2: not a GPT preset"):
         gpu_lm.make_lm_plan(args)
+
+
+@pytest.mark.parametrize("name", ["gpu-lm", "gpu"])  # `gpu`: the older name, kept for scripts
+def test_cli_names_run_the_llm_case(name: str) -> None:
+    from hpctrain.cli.main import build_parser, parse_arguments
+
+    args = parse_arguments(build_parser(["bench"]), ["bench", name, "--device", "cpu"])
+    assert args._bench_run is gpu_lm.run and args.device == "cpu"

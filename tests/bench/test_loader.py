@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from hpctrain.bench import loader as bench
+from hpctrain.bench import loader_peers as peers
+from hpctrain.bench.loader_setup import SegmentationTransform, prepare, synthetic_images
 from hpctrain.cli.main import main
 from hpctrain.errors import UsageError
 
@@ -29,15 +31,15 @@ def _importable(module: str) -> bool:
 @pytest.fixture
 def no_peers(monkeypatch):
     """The peer libraries made unimportable, as in CI (which does not install them)."""
-    for peer in bench.PEERS:
+    for peer in peers.PEERS:
         monkeypatch.setitem(sys.modules, peer.module, None)
 
 
 @pytest.fixture
 def setup(tmp_path):
     torch.set_num_threads(1)
-    images = bench.synthetic_images(20)
-    return bench.prepare(tmp_path, images, batch_size=8, workers=1, crop=32)
+    images = synthetic_images(20)
+    return prepare(tmp_path, images, batch_size=8, workers=1, crop=32)
 
 
 def test_bench_loader_runs_all_cases(capsys, no_peers):
@@ -56,16 +58,16 @@ def test_bench_loader_runs_all_cases(capsys, no_peers):
     segmentation = "hpctrain segmentation steady state / segmentation limit (images per CPU-s)"
     assert segmentation in out["ratios"]
     # the peers are skipped with a line each, on stderr so that stdout stays JSON
-    assert set(out["meta"]["skipped"]) == {peer.name for peer in bench.PEERS}
-    for peer in bench.PEERS:
+    assert set(out["meta"]["skipped"]) == {peer.name for peer in peers.PEERS}
+    for peer in peers.PEERS:
         assert f"{peer.name}: skipped, {peer.module} is not installed" in captured.err
         assert "pip install 'hpctrain[bench]'" in captured.err
 
 
 def test_missing_peer_is_skipped_with_a_line(capsys, no_peers):
-    skipped = bench.missing_peers()
-    assert set(skipped) == {bench.LITDATA, bench.STREAMING}
-    assert "litdata is not installed" in skipped[bench.LITDATA]
+    skipped = peers.missing_peers()
+    assert set(skipped) == {peers.LITDATA, peers.STREAMING}
+    assert "litdata is not installed" in skipped[peers.LITDATA]
     summary = {
         name: {
             "images_per_s": 100.0,
@@ -86,14 +88,14 @@ def test_missing_peer_is_skipped_with_a_line(capsys, no_peers):
     }
     lines = bench.format_report(meta, summary, {}).splitlines()
     assert (
-        f"{bench.STREAMING}: skipped, streaming is not installed (import of streaming halted; "
+        f"{peers.STREAMING}: skipped, streaming is not installed (import of streaming halted; "
         "None in sys.modules); pip install 'hpctrain[bench]'"
     ) in lines
 
 
 def test_report_lines_name_both_sides_and_the_unit():
     """Every ratio line reads `A / B (unit): x.xx`; case lines carry both rates."""
-    names = [bench.LIMIT, bench.STEADY, bench.LITDATA, bench.STREAMING]
+    names = [bench.LIMIT, bench.STEADY, peers.LITDATA, peers.STREAMING]
     names += [bench.SEGMENTATION_LIMIT, bench.SEGMENTATION]
     names += [bench.side_by_side_name(2), bench.HPCTRAIN, bench.IMAGE_FOLDER, bench.WEBDATASET]
     summary = {
@@ -134,7 +136,7 @@ def test_segmentation_cases_batch_image_and_mask(setup):
     kept (nearest-neighbour resize of a palette mask), and its limit decodes both."""
     assert bench.segmentation_limit(setup) == setup.num_images
     loader = bench._sharded_loader(
-        setup, setup.segmentation_index, setup.data, bench.SegmentationTransform(setup.crop)
+        setup, setup.segmentation_index, setup.data, SegmentationTransform(setup.crop)
     )
     batches = list(loader)
     assert sum(len(b["image"]) for b in batches) == setup.num_images
@@ -143,21 +145,21 @@ def test_segmentation_cases_batch_image_and_mask(setup):
         assert batch["mask"].shape == (8, 32, 32) and batch["mask"].dtype == torch.uint8
         assert int(batch["mask"].max()) < 21  # class ids, not colours
     count, wall, cpu = bench.hpctrain_steady(
-        setup, setup.segmentation_index, bench.SegmentationTransform(setup.crop)
+        setup, setup.segmentation_index, SegmentationTransform(setup.crop)
     )
     assert count == setup.num_images and wall > 0 and cpu > 0
 
 
-@pytest.mark.parametrize("peer", bench.PEERS, ids=lambda peer: peer.module)
+@pytest.mark.parametrize("peer", peers.PEERS, ids=lambda peer: peer.module)
 def test_peer_case_reads_every_image(setup, peer):
     """With the `bench` extra installed the peer's case runs; without it (CI) the bench
     reports it skipped. No pytest skip: in CI a skipped test counts as failed."""
-    missing = bench.missing_peers()
+    missing = peers.missing_peers()
     if peer.name in missing:
         assert not _importable(peer.module)
         assert missing[peer.name].startswith(f"{peer.module} is not installed (")
         return
-    path = bench.convert_for_peer(setup, peer)
+    path = peers.convert_for_peer(setup, peer)
     count, wall, cpu = peer.read(setup, path)
     assert count == setup.num_images and wall > 0 and cpu > 0
 
@@ -176,5 +178,5 @@ def test_cases_choose_the_groups_run(capsys, no_peers):
         bench.LIMIT,
         "limit x1, forked, side by side",
     ]
-    assert f"{bench.LITDATA}: skipped, litdata is not installed" in "\n".join(lines)
+    assert f"{peers.LITDATA}: skipped, litdata is not installed" in "\n".join(lines)
     assert not any(line.startswith("hpctrain") for line in lines)

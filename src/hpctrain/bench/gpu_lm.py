@@ -1,4 +1,4 @@
-"""`hpctrain bench gpu`: the LLM case of the GPU benchmark (tokens/s, MFU, memory, data wait).
+"""`hpctrain bench gpu-lm` (or `gpu`): the LLM case of the GPU benchmark (tokens/s, MFU, memory, data wait).
 
 The largest GPT preset whose training state fits the GPUs of this node (or the one named by
 `--preset`) trains for `--steps` steps on token shards of random ids written to local disk,
@@ -24,7 +24,6 @@ import json
 import math
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -33,7 +32,13 @@ from typing import Any
 
 import numpy as np
 
-from hpctrain.bench.gpu import peak_tflops, usable_cpus
+from hpctrain.bench.gpu_report import (
+    peak_tflops,
+    report_lines,
+    steady_report,
+    train_records,
+    usable_cpus,
+)
 from hpctrain.convert.tar import ShardTarWriter
 from hpctrain.data.index import ShardIndex, ShardInfo, index_to_bytes
 from hpctrain.data.tokens import encode_tokens, token_field
@@ -343,40 +348,16 @@ def train_flops_per_token(plan: LMPlan) -> float:
 
 def report(run_dir: Path, plan: LMPlan, flops_per_token: float) -> dict[str, Any]:
     """Steady-state figures of `run_dir/metrics.jsonl` (the first two intervals are warm-up)."""
-    records = [
-        json.loads(line)
-        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-        if line.strip()
-    ]
-    train_records = [r for r in records if r.get("kind") == "train"]
-    if not train_records:
-        raise ValueError(f"{run_dir}/metrics.jsonl: no training records")
-    skipped = min(2, len(train_records) - 1)
-    steady = train_records[skipped:]
-    first_step = train_records[skipped - 1]["step"] if skipped else 0
-    ranks = max(1, plan.num_gpus)
-    # The trainer's tokens/s (all ranks); a sample is one sequence of seq_len trained tokens.
-    tokens_per_s = statistics.median(
-        r.get("tokens_per_s", r["samples_per_s"] * plan.seq_len) for r in steady
+    records = train_records(run_dir)
+    return steady_report(
+        records,
+        plan,
+        unit="token",
+        # The trainer's tokens/s (all ranks); a sample is one sequence of seq_len trained tokens.
+        rate=lambda r: r.get("tokens_per_s", r["samples_per_s"] * plan.seq_len),
+        flops_per_unit=flops_per_token,
+        extra={"final_loss": records[-1]["loss"]},
     )
-    out: dict[str, Any] = {
-        "plan": asdict(plan),
-        "steps_measured": steady[-1]["step"] - first_step,
-        "tokens_per_s": tokens_per_s,
-        "tokens_per_s_per_gpu": tokens_per_s / ranks,
-        "step_time_ms": statistics.median(r["step_time_s"] for r in steady) * 1000,
-        "data_wait_fraction": statistics.median(r["data_wait_fraction"] for r in steady),
-        "data_wait_fraction_worst": max(r["data_wait_fraction_worst"] for r in steady),
-        "peak_memory_mb": max(r["peak_memory_mb"] for r in train_records),
-        "final_loss": train_records[-1]["loss"],
-        "train_gflops_per_token": flops_per_token / 1e9,
-        "mfu": None,
-    }
-    if plan.peak_tflops:
-        achieved = tokens_per_s / ranks * flops_per_token
-        out["achieved_tflops_per_gpu"] = achieved / 1e12
-        out["mfu"] = achieved / (plan.peak_tflops * 1e12)
-    return out
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -387,30 +368,24 @@ def format_report(r: dict[str, Any]) -> str:
     features = [plan["precision"], f"strategy {plan['strategy']}"]
     features += ["compile"] if plan["compile"] else []
     features += ["activation checkpointing"] if plan["activation_checkpointing"] else []
-    mfu = (
-        f"{r['mfu']:.1%} = achieved / peak TFLOP/s per GPU ({r['achieved_tflops_per_gpu']:.0f} / "
-        f"{plan['peak_tflops']:.0f}, {plan['precision']})"
-        if r["mfu"] is not None
-        else "n/a (CPU, or a GPU the peak table does not know: set HPCTRAIN_PEAK_TFLOPS)"
+    header = (
+        f"gpu_bench lm: {plan['preset']} ({plan['num_parameters'] / 1e9:.2f} B parameters, "
+        f"vocabulary {plan['vocab_size']}), {', '.join(features)} on {where}, "
+        f"{plan['batch_size']} x {plan['seq_len']} tokens per GPU, "
+        f"{plan['workers_per_rank']} loader workers per GPU"
     )
-    memory = (
-        f"{r['peak_memory_mb'] / 1024:.1f} GiB (rank 0; estimate "
-        f"{plan['estimated_memory_gib']:.1f} of {plan['memory_gib']:.0f} GiB)"
+    lines = report_lines(
+        r,
+        unit="token",
+        memory=(
+            f"{r['peak_memory_mb'] / 1024:.1f} GiB (rank 0; estimate "
+            f"{plan['estimated_memory_gib']:.1f} of {plan['memory_gib']:.0f} GiB)"
+        ),
+        no_mfu="n/a (CPU, or a GPU the peak table does not know: set HPCTRAIN_PEAK_TFLOPS)",
+        step_extra=f", final loss {r['final_loss']:.3f}",
+        gflops_format=".2f",
     )
-    return "\n".join(
-        [
-            f"gpu_bench lm: {plan['preset']} ({plan['num_parameters'] / 1e9:.2f} B parameters, "
-            f"vocabulary {plan['vocab_size']}), {', '.join(features)} on {where}, "
-            f"{plan['batch_size']} x {plan['seq_len']} tokens per GPU, "
-            f"{plan['workers_per_rank']} loader workers per GPU",
-            f"tokens/s:        {r['tokens_per_s']:.0f} ({r['tokens_per_s_per_gpu']:.0f} per GPU), "
-            f"step {r['step_time_ms']:.1f} ms, final loss {r['final_loss']:.3f}",
-            f"data wait:       data wait / step time = {r['data_wait_fraction']:.2%} "
-            f"(worst rank {r['data_wait_fraction_worst']:.2%})",
-            f"peak memory:     {memory}",
-            f"MFU:             {mfu}; {r['train_gflops_per_token']:.2f} GFLOP per trained token",
-        ]
-    )
+    return "\n".join([header, *lines])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

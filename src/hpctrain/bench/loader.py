@@ -22,19 +22,19 @@ and with `--remote`, over an HTTP server on loopback adding `--latency-ms` to ev
 Figures: wall images/s and images per CPU-second (main process + workers, from getrusage; in
 the remote cases the loopback server's too: it runs in a process of its own, from /proc).
 CPU efficiency is stable on a shared machine, wall time is not.
+
+What the cases read (images, layouts, transforms, `Setup`) is in `loader_setup`; the peer
+libraries' cases are in `loader_peers`.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import io
 import json
 import os
 import resource
 import statistics
 import sys
-import tarfile
 import tempfile
 import time
 from collections.abc import Callable
@@ -44,9 +44,22 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
-from hpctrain.bench.measure import cpu_seconds, process_cpu_seconds, self_cpu_seconds
+from hpctrain.bench.loader_peers import PEERS, Peer, convert_for_peer, missing_peers
+from hpctrain.bench.loader_setup import (
+    HpctrainTransform,
+    PilTransform,
+    SegmentationTransform,
+    Setup,
+    count_images,
+    decode_jpeg,
+    images_from_shards,
+    prepare,
+    synthetic_images,
+    timed_epoch,
+)
+from hpctrain.bench.measure import cpu_seconds, process_cpu_seconds
 from hpctrain.errors import UsageError
 
 if TYPE_CHECKING:  # the loader itself is imported when a case runs, not by `hpctrain --help`
@@ -83,154 +96,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
-def synthetic_images(n: int, root: Path | None = None) -> list[tuple[bytes, int]]:
-    """`n` 400x300 JPEGs (a gradient under noise, quality 90) with labels 0-9, in memory
-    (`root` is unused; kept for tools/loader_ab.py)."""
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    out = []
-    base = np.linspace(0, 255, 400, dtype=np.float32)[None, :, None]
-    for i in range(n):
-        noise = rng.normal(0, 20, (300, 400, 3)).astype(np.float32)
-        pixels = np.clip(base + noise + (i * 37) % 100, 0, 255).astype(np.uint8)
-        buf = io.BytesIO()
-        Image.fromarray(pixels).save(buf, format="JPEG", quality=90)
-        out.append((buf.getvalue(), i % 10))
-    return out
-
-
-def images_from_shards(spec: str, n: int) -> list[tuple[bytes, int]]:
-    from hpctrain.data import open_index
-    from hpctrain.data.stream import iter_samples, open_shard
-
-    index = open_index(spec)
-    out: list[tuple[bytes, int]] = []
-    for i in range(len(index.shards)):
-        with open_shard(index.shard_url(i)) as f:
-            for _idx, _key, members in iter_samples(f):
-                image = members.get("jpg") or members.get("jpeg") or members.get("png")
-                if image is not None:
-                    out.append((image, int(members.get("cls", b"0").strip() or 0)))
-                if len(out) >= n:
-                    return out
-    return out
-
-
-def write_layouts(images: list[tuple[bytes, int]], root: Path, per_shard: int = 100) -> None:
-    """The same images as an ImageFolder (root/folder/<cls>/<i>.jpg) and as USTAR shards."""
-    for i, (data, label) in enumerate(images):
-        d = root / "folder" / f"c{label:03d}"
-        d.mkdir(parents=True, exist_ok=True)
-        (d / f"{i:06d}.jpg").write_bytes(data)
-    samples = [{"jpg": data, "cls": str(label).encode()} for data, label in images]
-    write_shards(samples, root / "shards", per_shard)
-
-
-def write_shards(samples: list[dict[str, bytes]], shard_dir: Path, per_shard: int = 100) -> None:
-    """Samples (field name -> bytes) as USTAR shards `KEY.FIELD` + index.json in `shard_dir`."""
-    from hpctrain.data.index import ShardIndex, ShardInfo, index_to_bytes
-
-    shard_dir.mkdir()
-    infos = []
-    for s, lo in enumerate(range(0, len(samples), per_shard)):
-        name = f"bench-{s:06d}.tar"
-        with tarfile.open(shard_dir / name, "w", format=tarfile.USTAR_FORMAT) as tar:
-            for i in range(lo, min(lo + per_shard, len(samples))):
-                for field, payload in samples[i].items():
-                    info = tarfile.TarInfo(f"{i:06d}.{field}")
-                    info.size = len(payload)
-                    tar.addfile(info, io.BytesIO(payload))
-        size = (shard_dir / name).stat().st_size
-        infos.append(
-            ShardInfo(url=name, num_samples=min(per_shard, len(samples) - lo), num_bytes=size)
-        )
-    (shard_dir / "index.json").write_bytes(index_to_bytes(ShardIndex(shards=tuple(infos))))
-
-
-def segmentation_samples(images: list[tuple[bytes, int]]) -> list[dict[str, bytes]]:
-    """The images beside a palette-PNG mask each (`img.jpg` + `mask.png`, the WebDataset
-    names of a segmentation sample): blocks of 21 classes (Pascal VOC's count) shifted per
-    image (under a kB each as PNG)."""
-    import numpy as np
-    from PIL import Image
-
-    out = []
-    for i, (data, _label) in enumerate(images):
-        with Image.open(io.BytesIO(data)) as im:
-            width, height = im.size
-        rows = np.arange(height)[:, None] // 37
-        cols = np.arange(width)[None, :] // 53
-        mask = Image.fromarray(((rows + cols + i) % 21).astype(np.uint8))
-        # an L image given a palette becomes a P image whose indices are these class ids
-        mask.putpalette([(c * 12) % 256 for c in range(21 * 3)])
-        buf = io.BytesIO()
-        mask.save(buf, format="PNG")
-        out.append({"img.jpg": data, "mask.png": buf.getvalue()})
-    return out
-
-
-def decode_jpeg(data: bytes | memoryview) -> Any:
-    """The decoder of every case: the one hpctrain's loader applies to a `jpg` field."""
-    from hpctrain.data.decode import decode_field
-
-    return decode_field("jpg", data)
-
-
-def _tensor_transform(crop: int) -> Callable[..., Any]:
-    from torchvision.transforms import v2
-
-    return v2.Compose([v2.RandomResizedCrop(crop, antialias=True), v2.RandomHorizontalFlip()])
-
-
-class _Sample:  # picklable transform wrappers (DataLoader workers may be spawned)
-    def __init__(self, crop: int) -> None:
-        self.crop = crop
-        self.t: Callable[..., Any] | None = None
-
-    def _transform(self) -> Callable[..., Any]:
-        if self.t is None:
-            self.t = _tensor_transform(self.crop)
-        return self.t
-
-
-class HpctrainTransform(_Sample):
-    """A decoded sample (`jpg`, `cls` fields) -> {"image": cropped and flipped, "label"},
-    as the image_classification task's transform returns it."""
-
-    def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
-        return {"image": self._transform()(sample["jpg"]), "label": sample["cls"]}
-
-
-class SegmentationTransform(_Sample):
-    """One RandomResizedCrop + flip for an image and its mask alike (`tv_tensors`: the mask
-    is resized with nearest neighbours, class ids stay class ids)."""
-
-    def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
-        import torch
-        from torchvision import tv_tensors
-
-        image, mask = self._transform()(
-            tv_tensors.Image(sample["img.jpg"]), tv_tensors.Mask(sample["mask.png"])
-        )
-        # plain tensors again: the batch holds tensors, not the transforms' subclasses
-        return {
-            "key": sample["key"],
-            "image": image.as_subclass(torch.Tensor),
-            "mask": mask.as_subclass(torch.Tensor),
-        }
-
-
-class PilTransform(_Sample):
-    """PIL image -> uint8 tensor -> crop + flip (tensor-first, the faster order here)."""
-
-    def __call__(self, image: Any) -> Any:
-        from torchvision.transforms.v2 import functional as F
-
-        return self._transform()(F.pil_to_tensor(image.convert("RGB")))
-
-
 class _HttpFiles(Dataset):
     """Map-style dataset reading each image with its own HTTP request (fsspec)."""
 
@@ -245,45 +110,6 @@ class _HttpFiles(Dataset):
 
         data = fsspec.filesystem("http").cat_file(self.urls[i])
         return self.t({"jpg": decode_jpeg(data), "cls": self.labels[i]})["image"], self.labels[i]
-
-
-def count_images(loader: Any) -> int:
-    """Images in every batch `loader` yields (dict batches or (images, labels) tuples)."""
-    n = 0
-    for batch in loader:
-        images = batch["image"] if isinstance(batch, dict) else batch[0]
-        n += len(images)
-    return n
-
-
-@dataclass(frozen=True)
-class Setup:
-    """What every case reads: the same images (as an image folder and as shards under `root`)
-    and the settings they share."""
-
-    root: Path
-    images: list[tuple[bytes, int]]  # whole batches: every case reads all
-    segmentation: list[dict[str, bytes]]  # the same images with a mask each (`img.jpg`, `mask.png`)
-    segmentation_index: ShardIndex
-    batch_size: int
-    workers: int
-    crop: int
-    shard_index: ShardIndex
-    data: DataConfig
-    start_method: str | None  # the DataLoader cases' multiprocessing context
-
-    @property
-    def num_images(self) -> int:
-        return len(self.images)
-
-    def dataloader(self, dataset: Any, **kwargs: Any) -> DataLoader:
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            num_workers=self.workers,
-            multiprocessing_context=self.start_method,
-            **kwargs,
-        )
 
 
 @dataclass(frozen=True)
@@ -393,136 +219,9 @@ def hpctrain_steady(
     count_images(loader)  # warm-up epoch: starts the workers
     pids = loader.worker_pids
     loader.set_epoch(1)
-    cpu0 = self_cpu_seconds() + sum(process_cpu_seconds(p) for p in pids)
-    t0 = time.perf_counter()
-    count = count_images(loader)
-    wall = time.perf_counter() - t0
-    cpu = self_cpu_seconds() + sum(process_cpu_seconds(p) for p in pids) - cpu0
+    count, wall, cpu = timed_epoch(loader, pids)
     loader.close()  # join the workers now, so that no later case counts their exit
     return count, wall, cpu
-
-
-def dataloader_steady(loader: DataLoader) -> tuple[int, float, float]:
-    """Second epoch of a torch `DataLoader` (or subclass) with persistent workers, measured
-    like `hpctrain_steady`: the process's CPU plus its live workers' from /proc."""
-    count_images(loader)  # warm-up epoch: starts the workers
-    # torch keeps the persistent workers' iterator here (no public handle on the processes)
-    iterator = loader._iterator
-    pids = [w.pid for w in iterator._workers] if iterator is not None else []  # type: ignore[attr-defined]
-    cpu0 = self_cpu_seconds() + sum(process_cpu_seconds(p) for p in pids)
-    t0 = time.perf_counter()
-    count = count_images(loader)
-    wall = time.perf_counter() - t0
-    cpu = self_cpu_seconds() + sum(process_cpu_seconds(p) for p in pids) - cpu0
-    if iterator is not None:  # join the workers now, so that no later case counts their exit
-        iterator._shutdown_workers()  # type: ignore[attr-defined]
-    return count, wall, cpu
-
-
-class PeerTransform(_Sample):
-    """A peer's stored sample {"jpg": bytes, "cls": int} -> (uint8 crop, label), with the
-    decoder and transform that the hpctrain cases use."""
-
-    def __call__(self, sample: dict[str, Any]) -> tuple[Any, int]:
-        return self._transform()(decode_jpeg(sample["jpg"])), int(sample["cls"])
-
-
-def write_litdata(images: list[tuple[bytes, int]], out: Path, chunk_bytes: int) -> None:
-    """The images as LitData chunks (its `optimize` format, written in this process)."""
-    from litdata.streaming.writer import BinaryWriter
-
-    writer = BinaryWriter(str(out), chunk_bytes=chunk_bytes)
-    for i, (data, label) in enumerate(images):
-        writer.add_item(i, {"jpg": data, "cls": label})
-    writer.done()
-    writer.merge()
-
-
-def litdata_steady(setup: Setup, path: Path) -> tuple[int, float, float]:
-    """LitData's `StreamingDataset` + `StreamingDataLoader` (its recommended pair), K
-    persistent workers, second epoch."""
-    from litdata import StreamingDataLoader, StreamingDataset
-
-    dataset = StreamingDataset(str(path), transform=PeerTransform(setup.crop))
-    loader = StreamingDataLoader(
-        dataset,
-        batch_size=setup.batch_size,
-        num_workers=setup.workers,
-        persistent_workers=setup.workers > 0,
-        multiprocessing_context=setup.start_method,
-    )
-    return dataloader_steady(loader)
-
-
-def write_mds(images: list[tuple[bytes, int]], out: Path, chunk_bytes: int) -> None:
-    """The images as MosaicML Streaming MDS shards."""
-    from streaming import MDSWriter
-
-    with MDSWriter(
-        out=str(out), columns={"jpg": "bytes", "cls": "int"}, size_limit=chunk_bytes
-    ) as w:
-        for data, label in images:
-            w.write({"jpg": data, "cls": label})
-
-
-def streaming_steady(setup: Setup, path: Path) -> tuple[int, float, float]:
-    """MosaicML Streaming's `StreamingDataset` (subclassed to decode in `__getitem__`, as its
-    documentation does) + its `StreamingDataLoader`, K persistent workers, second epoch."""
-    from streaming import StreamingDataLoader, StreamingDataset
-
-    transform = PeerTransform(setup.crop)
-
-    # defined here so that importing this module does not import streaming; the workers are
-    # forked (`worker_start_method`), so the class need not be importable by name
-    class Decoded(StreamingDataset):
-        def __getitem__(self, index: int) -> tuple[Any, int]:
-            return transform(super().__getitem__(index))
-
-    dataset = Decoded(local=str(path), remote=None, shuffle=False, batch_size=setup.batch_size)
-    loader = StreamingDataLoader(
-        dataset,
-        batch_size=setup.batch_size,
-        num_workers=setup.workers,
-        persistent_workers=setup.workers > 0,
-        multiprocessing_context=setup.start_method,
-    )
-    try:
-        return dataloader_steady(loader)
-    finally:
-        # Streaming leaves its lock files in the system's temporary folder, two per dataset
-        for lock in (dataset._shared_barrier.filelock_path, dataset._cache_filelock_path):
-            Path(lock).unlink(missing_ok=True)
-
-
-@dataclass(frozen=True)
-class Peer:
-    """A peer library's case: the module that must import, how to convert, how to read."""
-
-    name: str
-    module: str
-    folder: str  # under the setup's root
-    write: Callable[[list[tuple[bytes, int]], Path, int], None]
-    read: Callable[[Setup, Path], tuple[int, float, float]]
-
-
-LITDATA = "LitData, persistent workers, 2nd epoch"
-STREAMING = "MosaicML Streaming, persistent workers, 2nd epoch"
-PEERS = (
-    Peer(LITDATA, "litdata", "litdata", write_litdata, litdata_steady),
-    Peer(STREAMING, "streaming", "mds", write_mds, streaming_steady),
-)
-BENCH_EXTRA = "pip install 'hpctrain[bench]'"
-
-
-def missing_peers() -> dict[str, str]:
-    """Peer case name -> why it is skipped, for every peer whose library does not import."""
-    skipped = {}
-    for peer in PEERS:
-        try:
-            importlib.import_module(peer.module)
-        except ImportError as exc:
-            skipped[peer.name] = f"{peer.module} is not installed ({exc}); {BENCH_EXTRA}"
-    return skipped
 
 
 def per_file_http(setup: Setup, remote: Remote) -> int:
@@ -714,46 +413,6 @@ def format_report(
     lines += [f"{name}: skipped, {reason}" for name, reason in meta.get("skipped", {}).items()]
     lines += [f"{name}: {value:.2f}" for name, value in comparisons.items()]  # A / B (figure)
     return "\n".join(lines)
-
-
-def prepare(
-    root: Path, images: list[tuple[bytes, int]], *, batch_size: int, workers: int, crop: int
-) -> Setup:
-    """Whole batches of `images` written under `root` in every layout hpctrain's cases read
-    (image folder, shards, segmentation shards), and the settings the cases share."""
-    from hpctrain.config.schema import DataConfig
-    from hpctrain.data import open_index
-    from hpctrain.data.transport import worker_start_method
-
-    images = images[: max(len(images) // batch_size, 1) * batch_size]
-    write_layouts(images, root)
-    segmentation = segmentation_samples(images)
-    write_shards(segmentation, root / "segmentation")
-    return Setup(
-        root=root,
-        images=images,
-        segmentation=segmentation,
-        segmentation_index=open_index(str(root / "segmentation")),
-        batch_size=batch_size,
-        workers=workers,
-        crop=crop,
-        shard_index=open_index(str(root / "shards")),
-        data=DataConfig(
-            batch_size=batch_size,
-            workers_per_rank=workers,
-            shuffle_buffer=0,
-            persistent_workers=False,
-        ),
-        start_method=worker_start_method() if workers else None,
-    )
-
-
-def convert_for_peer(setup: Setup, peer: Peer) -> Path:
-    """The setup's images in `peer`'s own format (once, outside the timing), in chunks of as
-    many bytes as our largest shard; returns the folder that `peer.read` reads."""
-    out = setup.root / peer.folder
-    peer.write(setup.images, out, max(shard.num_bytes for shard in setup.shard_index.shards))
-    return out
 
 
 def run(args: argparse.Namespace) -> int:

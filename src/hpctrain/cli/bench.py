@@ -17,8 +17,10 @@ BENCHES: dict[str, str] = {
     "convert": "hpctrain.bench.convert",
     "trainer": "hpctrain.bench.trainer",
     "loader": "hpctrain.bench.loader",
-    "gpu": "hpctrain.bench.gpu_lm",
+    "gpu-lm": "hpctrain.bench.gpu_lm",
 }
+# name -> the older names it still answers to (`bench gpu` ran the LLM case before `gpu-lm`)
+ALIASES: dict[str, list[str]] = {"gpu-lm": ["gpu"]}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,7 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     benches.required = True
     for name, module_path in BENCHES.items():
         module = importlib.import_module(module_path)
-        sub = benches.add_parser(name, help=module.HELP, description=module.HELP)
+        sub = benches.add_parser(
+            name, aliases=ALIASES.get(name, []), help=module.HELP, description=module.HELP
+        )
         module.add_arguments(sub)
         sub.set_defaults(_bench_run=module.run)
 

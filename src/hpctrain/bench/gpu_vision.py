@@ -1,13 +1,14 @@
-"""The Python half of `tools/gpu_bench.sh`: plan, data, config, and the report.
+"""The vision case of the GPU benchmark, the Python half of `tools/gpu_bench.sh`: plan, data,
+config, the precision matrix's GPU cells, and the ResNet-50 report.
 
 The shell script is the entry point on a GPU node (a Jean Zay node inside a job, or a single
 H200 machine); this module holds the parts that can be tested on a CPU:
 
-    python -m hpctrain.bench.gpu plan --num-gpus N          # workers, batch, precision
-    python -m hpctrain.bench.gpu data DIR --num-images N --size PX
-    python -m hpctrain.bench.gpu config DIR ...             # DIR/config.yaml
-    python -m hpctrain.bench.gpu smoke DIR [--dry-run]      # the matrix's GPU cells
-    python -m hpctrain.bench.gpu report RUN_DIR --num-gpus N ...
+    python -m hpctrain.bench.gpu_vision plan --num-gpus N          # workers, batch, precision
+    python -m hpctrain.bench.gpu_vision data DIR --num-images N --size PX
+    python -m hpctrain.bench.gpu_vision config DIR ...             # DIR/config.yaml
+    python -m hpctrain.bench.gpu_vision smoke DIR [--dry-run]      # the matrix's GPU cells
+    python -m hpctrain.bench.gpu_vision report RUN_DIR --num-gpus N ...
 
 The smoke pass runs the GPU cells of the precision matrix (tests/train/test_matrix.py runs
 the CPU ones): ddp/fsdp x bf16/fp16 on ResNet-50 and ViT-B/16 at 224 px, a few steps each on
@@ -17,7 +18,8 @@ unwrapped (a single process is never wrapped): FSDP2 needs two GPUs or more.
 
 MFU counts the model's FLOPs per trained image (forward measured with
 `torch.utils.flop_counter` on the meta device, backward = 2 x forward) against the GPU's
-published dense bf16 (fp16 on V100) tensor-core peak.
+published dense bf16 (fp16 on V100) tensor-core peak. The report is `gpu_report`'s, shared
+with the LLM case (`gpu_lm`, `hpctrain bench gpu-lm`).
 """
 
 from __future__ import annotations
@@ -25,9 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
-import statistics
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -35,19 +35,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hpctrain.train.flops import peak_flops
+from hpctrain.bench.gpu_report import (
+    peak_tflops,
+    report_lines,
+    steady_report,
+    train_records,
+    usable_cpus,
+)
 
 REPO = Path(__file__).resolve().parents[3]
-
-
-def peak_tflops(gpu_name: str) -> float | None:
-    """The published peak of `gpu_name` (`hpctrain.train.flops.PEAK_FLOPS`) in TFLOP/s, or
-    None; `HPCTRAIN_PEAK_TFLOPS` overrides."""
-    override = os.environ.get("HPCTRAIN_PEAK_TFLOPS")
-    if override:
-        return float(override)
-    peak = peak_flops(gpu_name)
-    return None if peak is None else peak / 1e12
 
 
 @dataclass(frozen=True)
@@ -61,14 +57,6 @@ class Plan:
     workers_per_rank: int
     cpus: int
     peak_tflops: float | None
-
-
-def usable_cpus() -> int:
-    """CPUs this process may run on (the job's allocation under SLURM, cgroup-aware)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def make_plan(
@@ -360,61 +348,34 @@ def report(
     run_dir: Path, plan: Plan, flops_per_image: float, skip_intervals: int = 2
 ) -> dict[str, Any]:
     """Steady-state figures from `run_dir/metrics.jsonl` (the first intervals are warm-up)."""
-    records = [
-        json.loads(line)
-        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-        if line.strip()
-    ]
-    train = [r for r in records if r.get("kind") == "train"]
-    if not train:
-        raise ValueError(f"{run_dir}/metrics.jsonl: no training records")
-    steady = train[skip_intervals:] or train[-1:]
-    first_step = train[len(train) - len(steady) - 1]["step"] if len(steady) < len(train) else 0
-    images_per_s = statistics.median(r["samples_per_s"] for r in steady)
-    out: dict[str, Any] = {
-        "plan": asdict(plan),
-        "steps_measured": steady[-1]["step"] - first_step,
-        "images_per_s": images_per_s,
-        "images_per_s_per_gpu": images_per_s / max(1, plan.num_gpus),
-        "step_time_ms": statistics.median(r["step_time_s"] for r in steady) * 1000,
-        "data_wait_fraction": statistics.median(r["data_wait_fraction"] for r in steady),
-        "data_wait_fraction_worst": max(r["data_wait_fraction_worst"] for r in steady),
-        "peak_memory_mb": max(r["peak_memory_mb"] for r in train),
-        "train_gflops_per_image": flops_per_image / 1e9,
-        "mfu": None,
-    }
-    if plan.peak_tflops:
-        achieved = images_per_s * flops_per_image / max(1, plan.num_gpus)
-        out["achieved_tflops_per_gpu"] = achieved / 1e12
-        out["mfu"] = achieved / (plan.peak_tflops * 1e12)
-    return out
+    return steady_report(
+        train_records(run_dir),
+        plan,
+        unit="image",
+        rate=lambda r: r["samples_per_s"],
+        flops_per_unit=flops_per_image,
+        skip_intervals=skip_intervals,
+    )
 
 
 def format_report(r: dict[str, Any]) -> str:
     plan = r["plan"]
-    mfu = (
-        f"{r['mfu']:.1%} = achieved / peak TFLOP/s per GPU ({r['achieved_tflops_per_gpu']:.0f} / "
-        f"{plan['peak_tflops']:.0f}, {plan['precision']})"
-        if r["mfu"] is not None
-        else "n/a (unknown GPU: set HPCTRAIN_PEAK_TFLOPS)"
+    header = (
+        f"gpu_bench: ResNet-50 224 px, {plan['precision']}, channels_last, DDP on "
+        f"{plan['num_gpus']} x {plan['gpu_name']}, batch {plan['batch_size']}/GPU, "
+        f"{plan['workers_per_rank']} loader workers/GPU ({plan['cpus']} CPUs)"
     )
-    return "\n".join(
-        [
-            f"gpu_bench: ResNet-50 224 px, {plan['precision']}, channels_last, DDP on "
-            f"{plan['num_gpus']} x {plan['gpu_name']}, batch {plan['batch_size']}/GPU, "
-            f"{plan['workers_per_rank']} loader workers/GPU ({plan['cpus']} CPUs)",
-            f"images/s:        {r['images_per_s']:.0f} ({r['images_per_s_per_gpu']:.0f} per GPU), "
-            f"step {r['step_time_ms']:.1f} ms",
-            f"data wait:       data wait / step time = {r['data_wait_fraction']:.2%} "
-            f"(worst rank {r['data_wait_fraction_worst']:.2%})",
-            f"peak memory:     {r['peak_memory_mb'] / 1024:.1f} GiB (rank 0, allocated)",
-            f"MFU:             {mfu}; {r['train_gflops_per_image']:.1f} GFLOP per trained image",
-        ]
+    lines = report_lines(
+        r,
+        unit="image",
+        memory=f"{r['peak_memory_mb'] / 1024:.1f} GiB (rank 0, allocated)",
+        no_mfu="n/a (unknown GPU: set HPCTRAIN_PEAK_TFLOPS)",
     )
+    return "\n".join([header, *lines])
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hpctrain.bench.gpu")
+    parser = argparse.ArgumentParser(prog="python -m hpctrain.bench.gpu_vision")
     sub = parser.add_subparsers(dest="command", required=True)
     p_plan = sub.add_parser("plan")
     p_data = sub.add_parser("data")

@@ -1,4 +1,4 @@
-"""`tools/gpu_bench.sh` without a GPU: the plan, the peak table, FLOPs, the report, a dry run."""
+"""`tools/gpu_bench.sh`'s vision case (`bench/gpu_vision.py`) without a GPU: the plan, the peak table, FLOPs, the report, a dry run."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpctrain.bench import gpu
+from hpctrain.bench import gpu_report, gpu_vision
 from hpctrain.config import load_config
 from tests.train.helpers import REPO
 
@@ -28,24 +28,24 @@ from tests.train.helpers import REPO
 )
 def test_peak_table(name: str, peak: float | None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HPCTRAIN_PEAK_TFLOPS", raising=False)
-    assert gpu.peak_tflops(name) == peak
+    assert gpu_report.peak_tflops(name) == peak
 
 
 def test_plan_uses_the_node_cpus_and_the_gpu_generation() -> None:
-    h200 = gpu.make_plan(1, "NVIDIA H200", 9, 139, cpus=16)
+    h200 = gpu_vision.make_plan(1, "NVIDIA H200", 9, 139, cpus=16)
     assert (h200.precision, h200.batch_size, h200.workers_per_rank) == ("bf16", 256, 15)
-    jean_zay_v100 = gpu.make_plan(4, "Tesla V100-SXM2-32GB", 7, 32, cpus=40)
+    jean_zay_v100 = gpu_vision.make_plan(4, "Tesla V100-SXM2-32GB", 7, 32, cpus=40)
     assert jean_zay_v100.precision == "fp16"  # V100 has no bf16
     assert (jean_zay_v100.batch_size, jean_zay_v100.workers_per_rank) == (128, 9)
-    assert gpu.make_plan(8, "x", 8, 16, cpus=4, workers_per_rank=3).workers_per_rank == 3
+    assert gpu_vision.make_plan(8, "x", 8, 16, cpus=4, workers_per_rank=3).workers_per_rank == 3
     # 4 H100 x 23 workers: 368 workers, 40,000 images -> 108 per shard, 371 shards
-    assert gpu.samples_per_shard(40_000, 4 * 23) == 108
-    assert gpu.samples_per_shard(20_000, 15) == 256
-    assert gpu.samples_per_shard(30, 1) == 16
+    assert gpu_vision.samples_per_shard(40_000, 4 * 23) == 108
+    assert gpu_vision.samples_per_shard(20_000, 15) == 256
+    assert gpu_vision.samples_per_shard(30, 1) == 16
 
 
 def test_resnet50_training_flops_and_report(tmp_path: Path) -> None:
-    flops = gpu.train_flops_per_image("resnet50", 224)
+    flops = gpu_vision.train_flops_per_image("resnet50", 224)
     assert 23e9 < flops < 26e9  # 3 x 4.1 GMAC x 2
     run = tmp_path / "run"
     run.mkdir()
@@ -62,11 +62,11 @@ def test_resnet50_training_flops_and_report(tmp_path: Path) -> None:
         for s in range(10, 60, 10)
     ]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
-    plan = gpu.make_plan(1, "NVIDIA H200", 9, 139, cpus=16)
-    result = gpu.report(run, plan, flops)
+    plan = gpu_vision.make_plan(1, "NVIDIA H200", 9, 139, cpus=16)
+    result = gpu_vision.report(run, plan, flops)
     assert result["steps_measured"] == 30 and result["images_per_s"] == 2540.0
     assert result["mfu"] == pytest.approx(2540.0 * flops / 989e12)
-    text = gpu.format_report(result)
+    text = gpu_vision.format_report(result)
     assert "images/s" in text and "data wait" in text and "MFU" in text and "GiB" in text
 
 
@@ -84,7 +84,7 @@ def test_dry_run_generates_shards_and_a_valid_config(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "dry run: config valid" in proc.stdout and "--nproc 1" in proc.stdout
-    for cell in gpu.SMOKE_CELLS:
+    for cell in gpu_vision.SMOKE_CELLS:
         assert f"smoke {cell.name:22s} config valid" in proc.stdout, proc.stdout
     index = json.loads((tmp_path / "shards" / "index.json").read_text())
     assert sum(s["num_samples"] for s in index["shards"]) == 30
@@ -98,7 +98,7 @@ def test_dry_run_generates_shards_and_a_valid_config(tmp_path: Path) -> None:
 
 
 def test_smoke_cells_are_the_matrix_gpu_cells_and_outcomes(tmp_path: Path) -> None:
-    cells = {(c.strategy, c.precision, c.model) for c in gpu.SMOKE_CELLS}
+    cells = {(c.strategy, c.precision, c.model) for c in gpu_vision.SMOKE_CELLS}
     assert cells == {
         (s, p, m)
         for s in ("ddp", "fsdp")
@@ -111,17 +111,18 @@ def test_smoke_cells_are_the_matrix_gpu_cells_and_outcomes(tmp_path: Path) -> No
         "train.precision=bf16: Tesla V100 (compute capability 7.0) has no bf16; use fp16 or fp32"
     )
     assert (
-        gpu.smoke_outcome(2, f"hpctrain train: config error: {refusal}", run, refusal) == "refused"
+        gpu_vision.smoke_outcome(2, f"hpctrain train: config error: {refusal}", run, refusal)
+        == "refused"
     )
-    assert gpu.smoke_outcome(0, "", run, refusal).startswith("FAILED")
-    assert gpu.smoke_outcome(0, "", run, "") == "FAILED: no loss logged"
+    assert gpu_vision.smoke_outcome(0, "", run, refusal).startswith("FAILED")
+    assert gpu_vision.smoke_outcome(0, "", run, "") == "FAILED: no loss logged"
     (run / "metrics.jsonl").write_text(
         '{"kind": "train", "loss": 6.9}\n{"kind": "train", "loss": NaN}\n'
     )
-    assert gpu.smoke_outcome(0, "", run, "").startswith("FAILED: losses")
+    assert gpu_vision.smoke_outcome(0, "", run, "").startswith("FAILED: losses")
     (run / "metrics.jsonl").write_text('{"kind": "train", "loss": 6.9}\n')
-    assert gpu.smoke_outcome(0, "", run, "") == "trained"
-    assert gpu.smoke_outcome(1, "", run, "") == "FAILED: exit 1"
+    assert gpu_vision.smoke_outcome(0, "", run, "") == "trained"
+    assert gpu_vision.smoke_outcome(1, "", run, "") == "FAILED: exit 1"
 
 
 @pytest.mark.gpu
