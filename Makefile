@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 DEMO_DATA := data/demo
 LM_DATA := data/demo-lm
 
-.PHONY: venv demo demo-lm test test-fast lint format clean
+.PHONY: venv demo demo-lm test test-fast lint format docs clean
 
 venv: $(STAMP)
 
@@ -64,6 +64,10 @@ lint: $(STAMP)
 format: $(STAMP)
 	$(BIN)/ruff format src tests tools
 	$(BIN)/ruff check --fix src tests tools
+
+# Regenerates docs/config-reference.md from the config schema (a test keeps it current).
+docs: $(STAMP)
+	$(BIN)/python tools/config_reference.py
 
 clean:
 	rm -rf $(VENV) runs/demo runs/demo-lm $(DEMO_DATA) $(LM_DATA) .pytest_cache .mypy_cache .ruff_cache

@@ -107,8 +107,7 @@ def test_readme_exit_codes_match_hpctrain_errors() -> None:
     from hpctrain.config import ConfigError
     from hpctrain.errors import CheckpointFailure, DataError, LaunchFailure, RunLockedError
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    table = readme.split("### Errors and exit codes", 1)[1]
+    table = (Path(__file__).resolve().parents[2] / "docs" / "errors.md").read_text()
     rows = dict(re.findall(r"^\| (\d+) \| ([^|]+) \|", table, re.MULTILINE))
     for kind in (ConfigError, DataError, CheckpointFailure, RunLockedError, LaunchFailure):
         assert rows[str(kind.exit_code)].split()[0] == kind.label.split()[0], kind

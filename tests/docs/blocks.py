@@ -12,8 +12,8 @@ block inside a list item). An HTML comment on the line before the fence steers t
 Without one, a block that trains or reads a trained run (``hpctrain train``, ``eval``,
 ``predict``, ``export``, ``generate``, ``plot``, an example's data generator) is slow and the
 others are quick. Single lines that need what this machine lacks are skipped by the rules of
-`LINE_SKIPS`, placeholders are replaced by `SUBSTITUTIONS`: both are the documented set the
-README's "Tests" section points to.
+`LINE_SKIPS`, placeholders are replaced by `SUBSTITUTIONS`: both are the documented set
+docs/testing.md points to.
 """
 
 from __future__ import annotations

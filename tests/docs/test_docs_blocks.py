@@ -1,9 +1,10 @@
 """The docs' shell blocks, run as a user would run them (the `docs` tier; see blocks.py).
 
-Each document gets one scratch folder, set up once: the repo's `configs/` and `examples/`
-with step caps, `tools/` and `slurm/` linked, the demo's data made smaller (300 generated
-images instead of 3,000, converted as `make demo` does) and the files the language-model
-examples name (`corpus/`, `docs.jsonl`, `lines.txt`, `tokenizer.json`). Its blocks then run
+Each document gets one scratch folder, a copy of one made once: the repo's `configs/` and
+`examples/` with step caps, `tools/` and `slurm/` linked, the demo's data made smaller (300
+generated images instead of 3,000, converted as `make demo` does) and the files the
+language-model examples name (`corpus/`, `docs.jsonl`, `lines.txt`, `tokenizer.json`). A page
+that reads a trained run trains it in a block of its own first. Its blocks then run
 there in document order, so a block sees what the blocks above it made (convert, then train,
 then export). A block that exits non-zero fails; a transcript fails when its output no longer
 matches the shown one after masking times, dates, absolute paths and numbers.
@@ -119,9 +120,16 @@ def scratches() -> dict[str, Path]:
     return {}
 
 
+TEMPLATE = ""  # the key of the scratch made once and copied for each document
+
+
 def _scratch_for(doc: str, scratches: dict[str, Path], factory: pytest.TempPathFactory) -> Path:
+    if TEMPLATE not in scratches:  # generating and converting costs seconds; a copy does not
+        scratches[TEMPLATE] = _scratch(factory.mktemp("template"))
     if doc not in scratches:
-        scratches[doc] = _scratch(factory.mktemp(re.sub(r"\W", "_", doc)))
+        folder = factory.mktemp(re.sub(r"\W", "_", doc))
+        shutil.copytree(scratches[TEMPLATE], folder, symlinks=True, dirs_exist_ok=True)
+        scratches[doc] = folder
     return scratches[doc]
 
 
@@ -188,7 +196,7 @@ def test_shell_blocks_are_tagged() -> None:
 
 
 def test_every_help_shows_an_example() -> None:
-    """README: `hpctrain VERB --help` for every verb shows examples."""
+    """README.md: `hpctrain VERB --help` for every verb shows examples."""
     import importlib
 
     from hpctrain.cli.main import VERBS
