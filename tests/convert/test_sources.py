@@ -71,7 +71,7 @@ def test_symlinked_folders_of_a_text_corpus_are_read(tmp_path: Path) -> None:
     "key", ["../../etc/x", "a/../../b", "/etc/x", "a//b", "./x", "a/./b", "a/", "..\\x"]
 )
 def test_keys_leaving_the_folder_are_refused_naming_them(key: str) -> None:
-    from hpctrain.convert.generated import encode_sample
+    from hpctrain.convert.sources.generated import encode_sample
     from hpctrain.errors import DataError
 
     with pytest.raises(DataError, match=f"key {re.escape(repr(key))}"):

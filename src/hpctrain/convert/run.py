@@ -25,19 +25,13 @@ from dataclasses import dataclass, field
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from hpctrain.convert.errors import ConvertError, ConvertOptionError
 from hpctrain.convert.layout import assign_shards, order_samples, plan_fingerprint, split_train_val
 from hpctrain.convert.processes import process_pool
 from hpctrain.convert.progress import Progress
-from hpctrain.convert.sources import (
-    ConvertError,
-    ConvertOptionError,
-    ListOptions,
-    SampleRef,
-    Source,
-    detect_kind,
-    is_python_spec,
-    list_source,
-)
+from hpctrain.convert.sources import detect_kind, list_source
+from hpctrain.convert.sources.base import ListOptions, SampleRef, Source
+from hpctrain.convert.sources.generated import is_python_spec
 from hpctrain.convert.writer import (
     TEMP_MARKER,
     EncodeOptions,

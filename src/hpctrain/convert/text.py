@@ -51,10 +51,12 @@ import fsspec
 import numpy as np
 
 from hpctrain.convert import run
+from hpctrain.convert.errors import ConvertError, ConvertOptionError
 from hpctrain.convert.layout import DEFAULT_SHARD_SIZE, plan_fingerprint
 from hpctrain.convert.processes import process_pool
 from hpctrain.convert.progress import Progress
-from hpctrain.convert.sources import ConvertError, ConvertOptionError, find_files, sample_key
+from hpctrain.convert.sources.arrow import import_pyarrow
+from hpctrain.convert.sources.base import find_files, sample_key
 from hpctrain.convert.tar import ShardTarWriter, member_num_bytes
 from hpctrain.convert.writer import EncodeOptions, ShardOutput, ShardResult, ShardTask
 from hpctrain.data.index import (
@@ -349,9 +351,7 @@ def _csv_records(src: str, field: str) -> Iterator[tuple[str, str]]:
 
 
 def _parquet_records(src: str, field: str) -> Iterator[tuple[str, Any]]:
-    from hpctrain.convert.arrow import _pyarrow
-
-    pa = _pyarrow()
+    pa = import_pyarrow()
     shown = _redact(src)
     with fsspec.open(src, "rb") as f:
         try:

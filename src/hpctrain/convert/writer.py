@@ -19,9 +19,9 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from hpctrain.convert.errors import ConvertError
 from hpctrain.convert.fields import IMAGE_EXTENSIONS, is_target_field, last_extension
-from hpctrain.convert.sources import (
-    ConvertError,
+from hpctrain.convert.sources.base import (
     FieldRef,
     SampleError,
     SampleRef,
