@@ -13,7 +13,8 @@ import pytest
 from hpctrain.config import ConfigError, DataConfig
 from hpctrain.convert import text as text_module
 from hpctrain.convert.errors import ConvertError, ConvertOptionError
-from hpctrain.convert.run import ConvertOptions, convert
+from hpctrain.convert.options import ConvertOptions
+from hpctrain.convert.run import convert
 from hpctrain.convert.verify import format_report, inspect_dataset
 from hpctrain.data.index import read_index
 from hpctrain.data.tokenizer import TokenizerError, check_tokenizer, load_tokenizer

@@ -6,7 +6,8 @@ import argparse
 
 from hpctrain.convert.errors import ConvertOptionError
 from hpctrain.convert.layout import parse_size
-from hpctrain.convert.run import ConvertOptions, convert, result_summary
+from hpctrain.convert.options import ConvertOptions
+from hpctrain.convert.run import convert, result_summary
 from hpctrain.convert.sources import KINDS
 
 HELP = (

@@ -50,21 +50,22 @@ from typing import Any
 import fsspec
 import numpy as np
 
-from hpctrain.convert import run
+from hpctrain.convert import destination
+from hpctrain.convert.destination import Layout
 from hpctrain.convert.errors import ConvertError, ConvertOptionError
 from hpctrain.convert.layout import DEFAULT_SHARD_SIZE, plan_fingerprint
+from hpctrain.convert.options import ConvertOptions, ConvertResult, command_line, given, settings
 from hpctrain.convert.processes import process_pool
 from hpctrain.convert.progress import Progress
 from hpctrain.convert.sources.arrow import import_pyarrow
 from hpctrain.convert.sources.base import find_files, sample_key
 from hpctrain.convert.tar import ShardTarWriter, member_num_bytes
-from hpctrain.convert.writer import EncodeOptions, ShardOutput, ShardResult, ShardTask
+from hpctrain.convert.writer import ShardOutput, ShardResult
 from hpctrain.data.index import (
     INDEX_NAME,
     ShardIndex,
     ShardIndexError,
     ShardInfo,
-    index_to_bytes,
     read_index,
 )
 from hpctrain.data.index import redact_url as _redact
@@ -96,7 +97,7 @@ def source_index(src: str) -> ShardIndex | None:
         return None  # not an index: the source kinds report what it is
 
 
-def is_text_conversion(options: run.ConvertOptions) -> bool:
+def is_text_conversion(options: ConvertOptions) -> bool:
     """Text mode: `--tokenizer` given, or SRC is a token index (resharding keeps its ids)."""
     if options.tokenizer:
         return True
@@ -370,7 +371,7 @@ def _parquet_records(src: str, field: str) -> Iterator[tuple[str, Any]]:
             raise ConvertError(f"{shown}: not readable as parquet: {exc}") from None
 
 
-def _chunks(options: run.ConvertOptions, index: ShardIndex | None) -> Iterator[_Chunk]:
+def _chunks(options: ConvertOptions, index: ShardIndex | None) -> Iterator[_Chunk]:
     """The source's documents in source order, cut into tokenize tasks."""
     src = options.src
     if index is not None:
@@ -448,10 +449,10 @@ class _ShardPlan:
 def _shards(
     order: np.ndarray,
     docs: _Documents,
-    options: run.ConvertOptions,
+    options: ConvertOptions,
     field: str,
-    folder: str,
-    prefix: str,
+    layout: Layout,
+    split: str,
 ) -> list[_ShardPlan]:
     itemsize = TOKEN_FIELDS[field].itemsize
     packed = _pack(docs.length[order], options.sample_tokens)
@@ -461,7 +462,7 @@ def _shards(
     size = tokens = 0
 
     def close() -> None:
-        url = run._join(folder, f"{prefix}-{len(shards):06d}.tar")
+        url = destination.shard_url(layout, split, len(shards))
         shards.append(_ShardPlan(url, tuple(current), tokens))
 
     for position, (first, end) in enumerate(packed):
@@ -521,11 +522,11 @@ def _scan(plan: _ShardPlan) -> ShardResult:
     return ShardResult(plan.url, len(plan.samples), len(data), hashlib.sha256(data).hexdigest(), ())
 
 
-def _validate(options: run.ConvertOptions, index: ShardIndex | None) -> None:
+def _validate(options: ConvertOptions, index: ShardIndex | None) -> None:
     """Refuse options out of range, and options that do nothing for this text source."""
     if options.sample_tokens < 1:
         raise ConvertOptionError("--sample-tokens must be >= 1")
-    ignored = run.given(
+    ignored = given(
         options,
         ("max_side", "quality", "source_kind", "columns", "args", "path_column", "label_column"),
     )
@@ -544,13 +545,11 @@ def _validate(options: run.ConvertOptions, index: ShardIndex | None) -> None:
         is_folder = fs.isdir(path)
         kind = "folder of text files" if is_folder else "text file"
         unused = ("text_field",) if is_folder else ("text_field", "text_glob")
-    for flag in run.given(options, unused):
+    for flag in given(options, unused):
         raise ConvertOptionError(f"{flag}: does nothing for a {kind} ({_redact(options.src)})")
 
 
-def convert_text(
-    options: run.ConvertOptions, spool_dir: str, state_url: str, index_urls: dict[str, str]
-) -> run.ConvertResult:
+def convert_text(options: ConvertOptions, spool_dir: str, layout: Layout) -> ConvertResult:
     """Convert a text source or token index into token shards (see the module doc)."""
     index = source_index(options.src)
     _validate(options, index)
@@ -575,45 +574,40 @@ def convert_text(
         info["eod_id"],
     )
     docs, skipped, digests = _tokenize(options, index, job)
-    splits = ["train", "val"] if options.val_fraction > 0 else [""]
-    layout = run._split_layout(options, splits)
     orders = _split_and_order(options, len(docs.length))
     plans = {
-        split: _shards(order, docs, options, field, *layout[split])
+        split: _shards(order, docs, options, field, layout, split)
         for split, order in orders.items()
     }
     kind = "tokens" if index is not None else "text"
-    settings = {
-        **run._settings(options, kind),
+    output_settings = {
+        **settings(options, kind),
         "tokenizer": info,
         "sample_tokens": options.sample_tokens,
         "text_field": options.text_field,
         "text_glob": options.text_glob,
         "text_per_line": options.text_per_line,
     }
-    fingerprint = plan_fingerprint({}, {**settings, "chunks": digests})
-    tasks = {
-        split: [ShardTask(p.url, (), EncodeOptions(), options.on_error) for p in shard_plans]
-        for split, shard_plans in plans.items()
-    }  # only their URLs are read: which shards exist
-    run._prepare_destination(options, state_url, index_urls, tasks, fingerprint, layout)
+    fingerprint = plan_fingerprint({}, {**output_settings, "chunks": digests})
+    shard_urls = {split: [p.url for p in shard_plans] for split, shard_plans in plans.items()}
+    destination.prepare(options, layout, shard_urls, fingerprint)
     reader = _SpoolReader(docs, job.dtype)
     results: dict[str, ShardResult] = {}
     num_resumed = 0
     for split_plans in plans.values():
         for plan in split_plans:
-            if options.resume and run._exists(plan.url):
+            if options.resume and destination.exists(plan.url):
                 results[plan.url] = _scan(plan)
                 num_resumed += 1
             else:
                 results[plan.url] = _write(plan, reader, field)
-    return _commit(
-        options, plans, results, layout, settings, info, skipped, index_urls, state_url, num_resumed
-    )
+    indexes = _indexes(options, plans, results, layout, output_settings, info, len(skipped))
+    destination.commit(options, layout, indexes, skipped)
+    return ConvertResult(indexes, destination.index_urls_of(layout), skipped, num_resumed)
 
 
 def _tokenize(
-    options: run.ConvertOptions, index: ShardIndex | None, job: _Job
+    options: ConvertOptions, index: ShardIndex | None, job: _Job
 ) -> tuple[_Documents, list[tuple[str, str]], list[str]]:
     """Step 1: every chunk tokenized; under `--on-error fail` the first bad document stops."""
     spools: list[str] = []
@@ -660,7 +654,7 @@ def _tokenize(
     return docs, skipped, digests
 
 
-def _split_and_order(options: run.ConvertOptions, num_docs: int) -> dict[str, np.ndarray]:
+def _split_and_order(options: ConvertOptions, num_docs: int) -> dict[str, np.ndarray]:
     """Document numbers of each split, in write order (val: a seeded choice by document)."""
     everything = np.arange(num_docs)
     if options.val_fraction > 0:
@@ -686,25 +680,16 @@ def _split_and_order(options: run.ConvertOptions, num_docs: int) -> dict[str, np
     return by_split
 
 
-def _commit(
-    options: run.ConvertOptions,
+def _indexes(
+    options: ConvertOptions,
     plans: dict[str, list[_ShardPlan]],
     results: dict[str, ShardResult],
-    layout: dict[str, tuple[str, str]],
-    settings: dict[str, Any],
+    layout: Layout,
+    output_settings: dict[str, Any],
     info: dict[str, Any],
-    skipped: list[tuple[str, str]],
-    index_urls: dict[str, str],
-    state_url: str,
-    num_resumed: int,
-) -> run.ConvertResult:
-    """`skipped.txt`, then each split's index (token counts, tokenizer), then the state file."""
-    skipped_url = run._join(options.dest, run.SKIPPED_NAME)
-    if skipped:
-        text = "".join(f"{where}\t{reason}\n" for where, reason in skipped)
-        run._write_bytes(skipped_url, text.encode())
-    else:
-        run._remove(skipped_url)
+    num_skipped: int,
+) -> dict[str, ShardIndex]:
+    """Each split's index: token counts per shard, the tokenizer."""
     indexes = {}
     for split, split_plans in plans.items():
         shards = tuple(
@@ -717,15 +702,13 @@ def _commit(
             )
             for p in split_plans
         )
-        extra = {**settings, "split": split or None, "num_skipped_documents": len(skipped)}
+        extra = {**output_settings, "split": split or None, "num_skipped_documents": num_skipped}
         extra.pop("tokenizer")  # the index's own key
-        indexes[split] = index = ShardIndex(
+        indexes[split] = ShardIndex(
             shards=shards,
             base_url=layout[split][0],
-            command=run.command_line(options),
+            command=command_line(options),
             extra=extra,
             tokenizer=dict(info),
         )
-        run._write_bytes(index_urls[split], index_to_bytes(index))
-    run._remove(state_url)
-    return run.ConvertResult(indexes, index_urls, skipped, num_resumed)
+    return indexes

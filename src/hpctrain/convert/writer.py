@@ -31,8 +31,7 @@ from hpctrain.convert.sources.base import (
 )
 from hpctrain.convert.tar import ShardTarWriter
 from hpctrain.data.index import redact_url
-
-TEMP_MARKER = ".tmp-"
+from hpctrain.files import TEMP_MARKER
 
 
 @dataclass(frozen=True)
