@@ -10,8 +10,8 @@
 
 A lister turns SRC and the `ListOptions` into a `Source` (`base.py`: the records every kind
 shares). A new source kind is one module with its lister and one line in `LISTERS` (and, when
-it can be recognised from SRC, one test in `detect_kind`). Text sources are read by the token
-pipeline instead (`text.py`: documents, not samples).
+it can be recognised from SRC, one test in `detect_kind`). Text sources (`text.py` here) are
+not in the table: the token pipeline (`convert/text.py`) reads their documents, not samples.
 """
 
 from __future__ import annotations

@@ -21,8 +21,10 @@ from hpctrain.convert.errors import ConvertError
 from hpctrain.data.index import redact_url
 
 
-class SampleError(Exception):
-    """One sample cannot be read or is not an image (skipped under `--on-error skip`)."""
+class SourceRecordError(Exception):
+    """A record of a source (a file, a manifest row, a shard member) that cannot be read or is
+    not an image: its sample is skipped under `--on-error skip`, the conversion stops under
+    `fail`. (A sample the loader cannot decode is `hpctrain.data.decode.SampleError`.)"""
 
     def __init__(self, url: str, reason: str) -> None:
         super().__init__(f"{redact_url(url)}: {reason}")
@@ -240,7 +242,7 @@ class ShardReader:
         self._file.seek(offset)
         data = self._file.read(size)
         if len(data) != size:
-            raise SampleError(url, f"truncated member at offset {offset}")
+            raise SourceRecordError(url, f"truncated member at offset {offset}")
         return bytes(data)
 
     def close(self) -> None:
