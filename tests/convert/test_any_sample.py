@@ -356,7 +356,7 @@ def test_python_source_errors_name_the_callable(
 
 
 def test_python_values_that_cannot_be_encoded_are_named() -> None:
-    from hpctrain.convert.generated import encode_sample
+    from hpctrain.convert.sources.generated import encode_sample
     from hpctrain.errors import DataError
 
     with pytest.raises(
@@ -465,7 +465,7 @@ def test_manifest_shards_through_the_loader(
 
 
 def test_duplicate_keys_are_named(tmp_path: Path) -> None:
-    from hpctrain.convert.generated import Spool
+    from hpctrain.convert.sources.generated import Spool
     from hpctrain.errors import DataError
 
     spool = Spool(str(tmp_path), "m:f")

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from hpctrain.cli.main import main
+from hpctrain.convert.errors import ConvertError
 from hpctrain.convert.layout import assign_shards, parse_size, split_train_val
-from hpctrain.convert.sources import ConvertError, SampleRef
+from hpctrain.convert.sources.base import SampleRef
 from hpctrain.data.index import read_index
 
 from .conftest import CLASSES, image_bytes

@@ -71,7 +71,7 @@ def test_symlinked_folders_of_a_text_corpus_are_read(tmp_path: Path) -> None:
     "key", ["../../etc/x", "a/../../b", "/etc/x", "a//b", "./x", "a/./b", "a/", "..\\x"]
 )
 def test_keys_leaving_the_folder_are_refused_naming_them(key: str) -> None:
-    from hpctrain.convert.generated import encode_sample
+    from hpctrain.convert.sources.generated import encode_sample
     from hpctrain.errors import DataError
 
     with pytest.raises(DataError, match=f"key {re.escape(repr(key))}"):
@@ -188,3 +188,20 @@ def test_text_options_that_do_nothing_for_a_table_or_index_are_refused(
     (tmp_path / "list.csv").write_text("path\n0.jpg\n")
     assert convert(tmp_path / "list.csv", tmp_path / "d", "--column", "a=b") == 2
     assert "--column: does nothing for a manifest source" in capsys.readouterr().err
+
+
+def test_a_new_source_kind_is_one_lister_in_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`list_source` dispatches through `LISTERS`: a kind added there is listed, options passed."""
+    from hpctrain.convert import sources
+    from hpctrain.convert.errors import ConvertOptionError
+    from hpctrain.convert.sources.base import ListOptions, SampleRef, Source
+
+    def list_numbers(src: str, options: ListOptions) -> Source:
+        return Source("numbers", (SampleRef(key=options.label_column, url=src, size=0),))
+
+    monkeypatch.setitem(sources.LISTERS, "numbers", list_numbers)
+    listed = sources.list_source("7", "numbers", ListOptions(label_column="k"))
+    assert listed.samples == (SampleRef(key="k", url="7", size=0),)
+    monkeypatch.delitem(sources.LISTERS, "numbers")
+    with pytest.raises(ConvertOptionError, match="unknown source kind 'numbers'"):
+        sources.list_source("7", "numbers")

@@ -12,8 +12,10 @@ import pytest
 
 from hpctrain.config import ConfigError, DataConfig
 from hpctrain.convert import text as text_module
-from hpctrain.convert.run import ConvertOptions, convert
-from hpctrain.convert.sources import ConvertError, ConvertOptionError
+from hpctrain.convert.errors import ConvertError, ConvertOptionError
+from hpctrain.convert.options import ConvertOptions
+from hpctrain.convert.run import convert
+from hpctrain.convert.sources import text as text_sources
 from hpctrain.convert.verify import format_report, inspect_dataset
 from hpctrain.data.index import read_index
 from hpctrain.data.tokenizer import TokenizerError, check_tokenizer, load_tokenizer
@@ -203,7 +205,7 @@ def test_inspect_flags_ids_against_the_tokenizer(corpus: Path, tmp_path: Path) -
 def test_workers_byte_identical_with_val_split(
     corpus: Path, hf_tokenizer: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(text_module, "CHUNK_FILES", 2)  # several tokenize tasks (forked: seen)
+    monkeypatch.setattr(text_sources, "CHUNK_FILES", 2)  # several tokenize tasks (forked: seen)
     outputs = []
     dest = tmp_path / "out"  # one DEST: the index's command names it
     for workers in (1, 2):

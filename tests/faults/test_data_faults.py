@@ -26,7 +26,8 @@ import pytest
 
 from hpctrain.config import Config, with_overrides
 from hpctrain.config.schema import DataConfig
-from hpctrain.convert.sources import ConvertError, list_shards
+from hpctrain.convert.errors import ConvertError
+from hpctrain.convert.sources.shards import list_shards
 from hpctrain.convert.verify import inspect_dataset
 from hpctrain.data import ShardedLoader, ShardIndexError, ShardReadError, open_index
 from hpctrain.data.index import ShardIndex, ShardInfo, parse_index

@@ -106,7 +106,8 @@ def write_shardwriter(paths: list[Path], labels: list[int], out: Path, per_shard
 def write_ours(
     src: Path, out: Path, per_shard: int, workers: int, max_side: int | None = None
 ) -> None:
-    from hpctrain.convert.run import ConvertOptions, convert
+    from hpctrain.convert.options import ConvertOptions
+    from hpctrain.convert.run import convert
 
     convert(
         ConvertOptions(

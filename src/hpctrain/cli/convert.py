@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 
+from hpctrain.convert.errors import ConvertOptionError
 from hpctrain.convert.layout import parse_size
-from hpctrain.convert.run import ConvertOptions, convert, result_summary
-from hpctrain.convert.sources import KINDS, ConvertOptionError
+from hpctrain.convert.options import ConvertOptions
+from hpctrain.convert.run import convert, result_summary
+from hpctrain.convert.sources import KINDS
 
 HELP = (
     "convert an image folder, a CSV/JSONL manifest, a Python dataset, Arrow/parquet or shards "

@@ -13,7 +13,8 @@ import random
 import re
 from collections.abc import Sequence
 
-from hpctrain.convert.sources import ConvertOptionError, SampleRef
+from hpctrain.convert.errors import ConvertOptionError
+from hpctrain.convert.sources.base import SampleRef
 from hpctrain.convert.tar import BLOCK_SIZE
 
 DEFAULT_SHARD_SIZE = 256 * 10**6  # bytes: ~256 MB streams well and keeps shard counts modest

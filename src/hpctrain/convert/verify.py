@@ -16,8 +16,9 @@ from typing import Any
 
 import fsspec
 
+from hpctrain.convert.errors import ConvertError
 from hpctrain.convert.processes import process_pool
-from hpctrain.convert.sources import ConvertError, shard_urls
+from hpctrain.convert.sources.shards import shard_urls
 from hpctrain.data.index import INDEX_NAME, ShardIndex, read_index, redact_url
 from hpctrain.data.stream import ShardStream, iter_samples, pipe_label
 from hpctrain.data.tokens import TOKEN_FIELDS, decode_tokens

@@ -19,20 +19,19 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from hpctrain.convert.errors import ConvertError
 from hpctrain.convert.fields import IMAGE_EXTENSIONS, is_target_field, last_extension
-from hpctrain.convert.sources import (
-    ConvertError,
+from hpctrain.convert.sources.base import (
     FieldRef,
-    SampleError,
     SampleRef,
     ShardReader,
+    SourceRecordError,
     image_extension,
     read_url,
 )
 from hpctrain.convert.tar import ShardTarWriter
 from hpctrain.data.index import redact_url
-
-TEMP_MARKER = ".tmp-"
+from hpctrain.files import TEMP_MARKER
 
 
 @dataclass(frozen=True)
@@ -92,7 +91,7 @@ def reencode(data: bytes, encode: EncodeOptions, url: str) -> tuple[bytes, str] 
             out = io.BytesIO()
             converted.save(out, format="JPEG", quality=encode.quality or 90)
     except Exception as exc:  # PIL raises many types for bad data
-        raise SampleError(url, f"cannot decode image: {exc}") from None
+        raise SourceRecordError(url, f"cannot decode image: {exc}") from None
     return out.getvalue(), "jpg"
 
 
@@ -121,7 +120,7 @@ def _copied_members(
         if last_extension(field) in IMAGE_EXTENSIONS:
             where = sample.origin or f"{sample.url}#{sample.key}.{field}"
             if image_extension(data) is None:
-                raise SampleError(where, f"{field}: not an image")
+                raise SourceRecordError(where, f"{field}: not an image")
             data, field = _reencoded(data, field, encode, where)
         members.append((f"{sample.key}.{field}", data))
     return members
@@ -131,7 +130,7 @@ def _read_field(sample: SampleRef, field: FieldRef) -> bytes:
     try:
         return read_url(field.url)
     except OSError as exc:
-        raise SampleError(
+        raise SourceRecordError(
             field.url,
             f"{sample.origin}, column {field.column!r}: cannot read: {exc.strerror or exc}",
         ) from None
@@ -145,7 +144,7 @@ def sample_members(
     Order: the image of `url`, `cls`, the other fields in column order, `json`.
     """
     if sample.error:
-        raise SampleError(sample.origin or sample.url, sample.error)
+        raise SourceRecordError(sample.origin or sample.url, sample.error)
     if sample.members:
         return _copied_members(sample, reader, encode)
     members = []
@@ -154,10 +153,12 @@ def sample_members(
         try:
             data = read_url(sample.url)
         except OSError as exc:
-            raise SampleError(sample.url, f"{where}cannot read: {exc.strerror or exc}") from None
+            raise SourceRecordError(
+                sample.url, f"{where}cannot read: {exc.strerror or exc}"
+            ) from None
         detected = image_extension(data)
         if detected is None:
-            raise SampleError(sample.url, f"{where}not an image")
+            raise SourceRecordError(sample.url, f"{where}not an image")
         data, ext = _reencoded(data, detected, encode, sample.url)
         members.append((f"{sample.key}.{ext}", data))
     if sample.label is not None:
@@ -170,7 +171,7 @@ def sample_members(
         name = field.name
         if last_extension(name) in IMAGE_EXTENSIONS:
             if image_extension(data) is None:
-                raise SampleError(
+                raise SourceRecordError(
                     field.url, f"{sample.origin}, column {field.column!r}: not an image"
                 )
             data, name = _reencoded(data, name, encode, field.url)
@@ -239,7 +240,7 @@ def write_shard(task: ShardTask, on_sample: Callable[[], Any] | None = None) -> 
         for sample in task.samples:
             try:
                 members = sample_members(sample, reader, task.encode)
-            except SampleError as exc:
+            except SourceRecordError as exc:
                 if task.on_error == "fail":
                     raise ConvertError(
                         f"{exc} (use --on-error skip to skip and list such samples)"

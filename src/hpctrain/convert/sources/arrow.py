@@ -38,22 +38,23 @@ from typing import Any
 
 import fsspec
 
+from hpctrain.convert.errors import ConvertError, ConvertOptionError
 from hpctrain.convert.fields import (
     check_field_name,
     file_extension,
     json_bytes,
     scalar_member,
 )
-from hpctrain.convert.generated import Spool, check_key
-from hpctrain.convert.sources import (
-    ConvertError,
-    ConvertOptionError,
+from hpctrain.convert.sources.base import (
+    ListOptions,
     Source,
     full_url,
     image_extension,
     read_url,
     sample_key,
 )
+from hpctrain.convert.sources.generated import Spool, check_key
+from hpctrain.convert.sources.manifest import label_class_names
 from hpctrain.data.index import redact_url
 from hpctrain.errors import DataError
 
@@ -61,7 +62,7 @@ EXTRA_HINT = "reading Arrow/parquet needs pyarrow: pip install 'hpctrain[arrow]'
 BATCH_ROWS = 256
 
 
-def _pyarrow() -> Any:
+def import_pyarrow() -> Any:
     try:
         import pyarrow
         import pyarrow.ipc
@@ -122,7 +123,7 @@ def arrow_files(src: str) -> tuple[list[str], dict[str, Any], str]:
 def iter_batches(url: str, columns: list[str] | None = None) -> Iterator[Any]:
     """Record batches of a parquet file, an Arrow IPC stream (save_to_disk) or an Arrow file
     (`columns`: only those, where the format can read them alone)."""
-    pa = _pyarrow()
+    pa = import_pyarrow()
     with fsspec.open(url, "rb") as f:
         try:
             if url.split("?", 1)[0].endswith(".parquet"):
@@ -160,7 +161,7 @@ def plan_columns(
 
     Text class names of a plain label column are found later (`_label_classes`: every row).
     """
-    pa = _pyarrow()
+    pa = import_pyarrow()
     shown = redact_url(src)
     renames = dict(mapping)
     for name in renames:
@@ -287,8 +288,6 @@ def _label_classes(
 ) -> tuple[list[_Column], tuple[str, ...]]:
     """The columns with the class names of a text label column (read from every file first,
     as manifests do: sorted distinct values; all integers: no names, the integers are labels)."""
-    from hpctrain.convert.manifest import label_class_names
-
     labels = [c for c in columns if c.kind == "label"]
     if not labels:
         return columns, ()
@@ -302,14 +301,13 @@ def _label_classes(
     ], classes
 
 
-def list_arrow(
-    src: str, mapping: Iterable[tuple[str, str]], spool_dir: str, label_column: str = "label"
-) -> Source:
-    """Read every row of the Arrow/parquet source into the spool (see module doc)."""
-    pa = _pyarrow()
+def list_arrow(src: str, options: ListOptions) -> Source:
+    """Read every row of the Arrow/parquet source into the spool (see module doc); the
+    columns as `options.columns` renames them, the label column `options.label_column`."""
+    pa = import_pyarrow()
     files, features, base = arrow_files(src)
     shown = redact_url(src)
-    spool = Spool(spool_dir, shown)
+    spool = Spool(options.spool_dir, shown)
     columns: list[_Column] | None = None
     class_names: tuple[str, ...] = ()
     names: list[str] = []
@@ -319,7 +317,7 @@ def list_arrow(
             for batch in iter_batches(url):
                 if columns is None:
                     columns, class_names = plan_columns(
-                        src, batch.schema, features, mapping, label_column
+                        src, batch.schema, features, options.columns, options.label_column
                     )
                     columns, found = _label_classes(columns, files)
                     class_names = found or class_names

@@ -29,6 +29,7 @@ from typing import Any
 
 import fsspec
 
+from hpctrain.convert.errors import ConvertError, ConvertOptionError
 from hpctrain.convert.fields import (
     FILE_EXTENSIONS,
     check_field_name,
@@ -36,14 +37,7 @@ from hpctrain.convert.fields import (
     last_extension,
     scalar_member,
 )
-from hpctrain.convert.sources import (
-    ConvertError,
-    ConvertOptionError,
-    FieldRef,
-    SampleRef,
-    Source,
-    sample_key,
-)
+from hpctrain.convert.sources.base import FieldRef, ListOptions, SampleRef, Source, sample_key
 from hpctrain.data.index import redact_url
 from hpctrain.errors import DataError
 
@@ -128,8 +122,10 @@ def _resolve(base: str, path: str) -> str:
     return path if "://" in path or path.startswith("/") else posixpath.join(base, path)
 
 
-def list_manifest(src: str, *, path_column: str = "path", label_column: str = "label") -> Source:
-    """List a CSV (header row) or JSONL manifest; the column rules are in the module doc."""
+def list_manifest(src: str, options: ListOptions) -> Source:
+    """List a CSV (header row) or JSONL manifest; the column rules are in the module doc (the
+    image path column `options.path_column`, the label column `options.label_column`)."""
+    path_column, label_column = options.path_column, options.label_column
     rows = read_manifest_rows(src)
     if not rows:
         raise ConvertError(f"{redact_url(src)}: empty manifest")

@@ -23,23 +23,27 @@ import contextlib
 import importlib
 import json
 import os
+import re
 import sys
 from collections.abc import Iterable, Iterator
 from typing import Any, BinaryIO
 
+from hpctrain.convert.errors import ConvertError, ConvertOptionError
 from hpctrain.convert.fields import check_field_name, encode_value
-from hpctrain.convert.sources import (
-    ConvertError,
-    ConvertOptionError,
-    SampleRef,
-    Source,
-    sample_key,
-    unsafe_key,
-)
+from hpctrain.convert.sources.base import ListOptions, SampleRef, Source, sample_key, unsafe_key
 from hpctrain.convert.tar import ShardTarWriter, member_header
 from hpctrain.errors import DataError
 
 KEY_FIELDS = ("__key__", "key")
+
+# `package.module:callable`: a Python source. Only ever matched against SRC as the user typed it
+# on the command line: nothing read from an index or a manifest is imported.
+_CALLABLE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
+def is_python_spec(src: str) -> bool:
+    """SRC names a Python callable (`pkg.module:function`), not a path."""
+    return bool(_CALLABLE.fullmatch(src)) and not os.path.exists(src)
 
 
 class Spool:
@@ -221,11 +225,11 @@ def encode_sample(sample: Any, position: int, spec: str) -> tuple[str, list[tupl
     return key, members
 
 
-def list_python(spec: str, args: Iterable[tuple[str, str]], spool_dir: str) -> Source:
-    """Call `spec` with `args`, encode every sample it gives into a spool, list them."""
+def list_python(spec: str, options: ListOptions) -> Source:
+    """Call `spec` with `options.args`, encode every sample it gives into a spool, list them."""
     function = load_callable(spec)
-    dataset = function(**parse_args(args))
-    spool = Spool(spool_dir, spec)
+    dataset = function(**parse_args(options.args))
+    spool = Spool(options.spool_dir, spec)
     try:
         for position, sample in enumerate(iter_dataset(dataset, spec)):
             key, members = encode_sample(sample, position, spec)
