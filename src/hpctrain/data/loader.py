@@ -25,6 +25,7 @@ import torch
 
 from hpctrain.config.schema import DataConfig
 from hpctrain.data import mixture as mix
+from hpctrain.data.buffers import PlainMemory
 from hpctrain.data.index import ShardIndex, ShardIndexError
 from hpctrain.data.planning import EpochPlan, StageParams
 from hpctrain.data.samples import (
@@ -42,7 +43,7 @@ from hpctrain.data.samples import (
 )
 from hpctrain.data.sequences import sequence_layout
 from hpctrain.data.stream import PIPE_RULE
-from hpctrain.data.transport import PlainMemory, WorkerPool, run_ahead, worker_start_method
+from hpctrain.data.transport import WorkerPool, run_ahead, worker_start_method
 from hpctrain.errors import DataError
 
 log = logging.getLogger("hpctrain.data")
