@@ -66,7 +66,8 @@ from hpctrain.data.index import (
     read_index,
 )
 from hpctrain.data.index import redact_url as _redact
-from hpctrain.data.stream import ShardStream, iter_samples
+from hpctrain.data.stream import ShardStream
+from hpctrain.data.tar import iter_samples
 from hpctrain.data.tokenizer import Tokenizer, check_tokenizer, load_tokenizer
 from hpctrain.data.tokens import TOKEN_FIELDS, decode_tokens, encode_tokens, token_field
 

@@ -38,9 +38,9 @@ from hpctrain.data.stream import (
     ReadStats,
     ShardReadError,
     ShardStream,
-    iter_samples,
     open_shard,
 )
+from hpctrain.data.tar import iter_samples
 from hpctrain.data.transport import report_activity, seed_worker_globals
 
 log = logging.getLogger("hpctrain.data")
