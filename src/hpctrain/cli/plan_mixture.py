@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from hpctrain.data.index import ShardIndex
-from hpctrain.data.mixture import open_mixture, plan_mixture
+from hpctrain.data.mixture import plan_mixture
+from hpctrain.data.mixture_index import open_mixture
 from hpctrain.data.planning import EpochPlan
 from hpctrain.data.sequences import sequence_counts
 from hpctrain.errors import UsageError

@@ -24,9 +24,10 @@ import fsspec
 import torch
 
 from hpctrain.config.schema import DataConfig
-from hpctrain.data import mixture as mix
+from hpctrain.data import mixture_resume
 from hpctrain.data.buffers import PlainMemory
 from hpctrain.data.index import ShardIndex, ShardIndexError
+from hpctrain.data.mixture import Mixture
 from hpctrain.data.planning import EpochPlan, StageParams
 from hpctrain.data.samples import (
     CONTROL_INTS,
@@ -133,7 +134,7 @@ class ShardedLoader:
         if cfg.seq_len:  # token shards read as packed sequences (data/sequences.py)
             shard_sizes, vocab_size, self.dropped_tokens = sequence_layout(index, cfg.seq_len)
             eod_id = (index.tokenizer or {}).get("eod_id")  # documents end there (positions)
-        # a mixture (`hpctrain.data.mixture.MixtureIndex`) plans training only, over the
+        # a mixture (`hpctrain.data.mixture_index.MixtureIndex`) plans training only, over the
         # items the plan counts (packed sequences with data.seq_len)
         mixture = getattr(index, "mixture", None) if train else None
         if mixture is not None:
@@ -312,7 +313,7 @@ class ShardedLoader:
         return {**self._stats, **self.source_stats()}
 
     @property
-    def mixture(self) -> mix.Mixture | None:
+    def mixture(self) -> Mixture | None:
         """The mixture this loader plans (None: one source, or evaluation)."""
         return self._stream.spec.mixture
 
@@ -393,18 +394,18 @@ class ShardedLoader:
                 + ("a mixture" if self.mixture is not None else "one source")
             )
         saved = state["mixture"]
-        added = mix.check_state_sources(self.mixture, saved)
-        if not added and mix.same_weights(self.mixture, saved):
-            self._set_mixture(mix.with_state_origin(self.mixture, saved))
+        added = mixture_resume.check_state_sources(self.mixture, saved)
+        if not added and mixture_resume.same_weights(self.mixture, saved):
+            self._set_mixture(mixture_resume.with_state_origin(self.mixture, saved))
             return False
         old_sources = tuple(
             replace(s, weight=float(w))
             for s, w in zip(self.mixture.sources, saved["weights"], strict=False)
         )
-        old = mix.with_state_origin(
-            mix.Mixture(old_sources, int(saved["samples_per_epoch"])), saved
+        old = mixture_resume.with_state_origin(
+            Mixture(old_sources, int(saved["samples_per_epoch"])), saved
         )
-        self._set_mixture(mix.rebase(old, self.mixture, self.seed, self.epoch, stages))
+        self._set_mixture(mixture_resume.rebase(old, self.mixture, self.seed, self.epoch, stages))
         log.info(
             "mixture %s at epoch %d: epoch %d starts a new plan from every source's position",
             f"sources added ({', '.join(added)})" if added else "weights changed",
@@ -415,7 +416,7 @@ class ShardedLoader:
         self._finished_on_load = True  # the trainer moves on to the next epoch
         return True
 
-    def _set_mixture(self, mixture: mix.Mixture) -> None:
+    def _set_mixture(self, mixture: Mixture) -> None:
         if mixture == self.mixture:
             return
         if self._pool is not None:  # workers hold the old plan's spec
