@@ -432,26 +432,15 @@ class MixturePlan(EpochPlan):
     def source_table(self) -> np.ndarray:
         """Valid samples of every source (columns) in every stream (rows, rank-major),
         vectorised: the realized mixture per stream."""
-        table = self.stream_table_slots()
-        a, b = table
+        a, b = self.slot_ranges(*self.all_streams())
         n = self.num_samples
         lo = self.schedule.counts(np.minimum(a, n))
         hi = self.schedule.counts(np.minimum(b, n))
         return (hi - lo).T
 
-    def stream_table_slots(self) -> tuple[np.ndarray, np.ndarray]:
-        """Slot ranges [a, b) of every stream (rank-major)."""
-        k, nb, bsz = self.streams_per_rank, self.batches_per_rank, self.batch_size
-        rank = np.repeat(np.arange(self.world_size), k)
-        worker = np.tile(np.arange(k), self.world_size)
-        batches = nb // k + (worker < nb % k)
-        before = worker * (nb // k) + np.minimum(worker, nb % k)
-        a = (rank * nb + before) * bsz
-        return a, a + batches * bsz
-
     def stream_table(self) -> dict[str, np.ndarray]:
         table = super().stream_table()
-        a, b = self.stream_table_slots()
+        a, b = self.slot_ranges(*self.all_streams())
         n = self.num_samples
         va, vb = np.minimum(a, n), np.minimum(b, n)
         clo, chi = self.schedule.counts(va), self.schedule.counts(vb)
@@ -476,7 +465,7 @@ class MixturePlan(EpochPlan):
         """Every stream's segments as arrays, streams in rank-major order and each stream's
         segments in `stream_segments` order: stream, shard, start, end, valid. Vectorised
         (W=4096, K=8, 100k shards in a fraction of a second)."""
-        a, b = self.stream_table_slots()
+        a, b = self.slot_ranges(*self.all_streams())
         n = self.num_samples
         clo = self.schedule.counts(np.minimum(a, n))
         chi = self.schedule.counts(np.minimum(b, n))
