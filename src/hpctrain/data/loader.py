@@ -24,10 +24,15 @@ import fsspec
 import torch
 
 from hpctrain.config.schema import DataConfig
-from hpctrain.data import mixture_resume
 from hpctrain.data.buffers import PlainMemory
 from hpctrain.data.index import ShardIndex, ShardIndexError
 from hpctrain.data.mixture import Mixture
+from hpctrain.data.mixture_resume import (
+    check_state_sources,
+    rebase,
+    same_weights,
+    with_state_origin,
+)
 from hpctrain.data.planning import EpochPlan, StageParams
 from hpctrain.data.samples import (
     CONTROL_INTS,
@@ -394,18 +399,16 @@ class ShardedLoader:
                 + ("a mixture" if self.mixture is not None else "one source")
             )
         saved = state["mixture"]
-        added = mixture_resume.check_state_sources(self.mixture, saved)
-        if not added and mixture_resume.same_weights(self.mixture, saved):
-            self._set_mixture(mixture_resume.with_state_origin(self.mixture, saved))
+        added = check_state_sources(self.mixture, saved)
+        if not added and same_weights(self.mixture, saved):
+            self._set_mixture(with_state_origin(self.mixture, saved))
             return False
         old_sources = tuple(
             replace(s, weight=float(w))
             for s, w in zip(self.mixture.sources, saved["weights"], strict=False)
         )
-        old = mixture_resume.with_state_origin(
-            Mixture(old_sources, int(saved["samples_per_epoch"])), saved
-        )
-        self._set_mixture(mixture_resume.rebase(old, self.mixture, self.seed, self.epoch, stages))
+        old = with_state_origin(Mixture(old_sources, int(saved["samples_per_epoch"])), saved)
+        self._set_mixture(rebase(old, self.mixture, self.seed, self.epoch, stages))
         log.info(
             "mixture %s at epoch %d: epoch %d starts a new plan from every source's position",
             f"sources added ({', '.join(added)})" if added else "weights changed",
