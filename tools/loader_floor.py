@@ -91,7 +91,8 @@ def side_by_side(fn: Callable[[], float]) -> list[float]:
 
 
 def reading_case(shards: list[str], rounds: int) -> tuple[float, float]:
-    from hpctrain.data.stream import iter_samples, open_shard
+    from hpctrain.data.stream import open_shard
+    from hpctrain.data.tar import iter_samples
 
     def bare() -> int:
         n = 0

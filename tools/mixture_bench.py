@@ -43,7 +43,7 @@ def main() -> None:
     from hpctrain.bench.measure import process_cpu_seconds, self_cpu_seconds
     from hpctrain.config.schema import DataConfig
     from hpctrain.data import ShardedLoader, open_index
-    from hpctrain.data.mixture import open_mixture
+    from hpctrain.data.mixture_index import open_mixture
 
     transform: Any = HpctrainTransform(160)
     if args.no_decode:

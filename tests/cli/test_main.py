@@ -98,7 +98,7 @@ def test_an_unexpected_error_keeps_its_traceback(
     def bug(*args: object) -> None:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr("hpctrain.cli.plan.open_index", bug)
+    monkeypatch.setattr("hpctrain.data.plan_report.open_index", bug)
     with pytest.raises(RuntimeError, match="a bug"):  # Python prints it and exits 1
         main(_missing_index_plan(tmp_path))
 
@@ -204,7 +204,7 @@ def test_a_multi_line_message_is_printed_as_one_line(
         raise DataError("x.json: bad\nsecond line from a library")
 
     monkeypatch.delenv(DEBUG_ENV, raising=False)
-    monkeypatch.setattr("hpctrain.cli.plan.open_index", fail)
+    monkeypatch.setattr("hpctrain.data.plan_report.open_index", fail)
     assert main(_missing_index_plan(tmp_path)) == EXIT_DATA
     err = capsys.readouterr().err
     assert err == "hpctrain plan: data error: x.json: bad second line from a library\n"

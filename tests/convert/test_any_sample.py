@@ -13,7 +13,8 @@ from PIL import Image
 
 from hpctrain.cli.main import main
 from hpctrain.data.index import read_index
-from hpctrain.data.stream import iter_samples, open_shard
+from hpctrain.data.stream import open_shard
+from hpctrain.data.tar import iter_samples
 
 from .conftest import image_bytes
 

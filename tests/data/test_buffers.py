@@ -13,7 +13,7 @@ import torch
 
 from hpctrain.config.schema import DataConfig
 from hpctrain.data import ShardedLoader, open_index
-from hpctrain.data.transport import BatchBuffers, MappedBuffers, PooledBatch, release
+from hpctrain.data.buffers import BatchBuffers, MappedBuffers, PooledBatch, release
 from tests.data.loader_testkit import make_shards
 
 
@@ -173,19 +173,19 @@ def test_batches_kept_by_the_trainer_are_never_overwritten(tmp_path):
 
 def test_steady_state_batches_arrive_without_their_buffers(tmp_path, monkeypatch):
     """Persistent workers: after the first epoch every batch is a handle to a mapped buffer."""
-    from hpctrain.data import transport
+    from hpctrain.data import buffers
 
     make_shards(tmp_path, [16, 16])
     data = DataConfig(batch_size=4, workers_per_rank=2, shuffle_buffer=0, persistent_workers=True)
     loader = ShardedLoader(open_index(str(tmp_path)), data, rank=0, world_size=1, seed=0)
     received = []
-    real = transport.MappedBuffers.receive
+    real = buffers.MappedBuffers.receive
 
     def spy(self, ref):
         received.append((loader.epoch, ref.buffer is not None))
         return real(self, ref)
 
-    monkeypatch.setattr(transport.MappedBuffers, "receive", spy)
+    monkeypatch.setattr(buffers.MappedBuffers, "receive", spy)
     first = [b["key"] for b in loader]
     loader.set_epoch(0)  # the same epoch again, through the same workers
     assert [b["key"] for b in loader] == first

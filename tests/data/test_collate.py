@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from hpctrain.data.buffers import PlainMemory
 from hpctrain.data.collate import BatchError, Collator, pack_batch
-from hpctrain.data.transport import PlainMemory
 
 
 def collate(samples: list[dict], valid: list[bool] | None = None) -> dict:

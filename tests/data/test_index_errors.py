@@ -12,7 +12,7 @@ from hpctrain.cli.main import main
 from hpctrain.data.index import ShardIndexError
 from hpctrain.data.locate import open_index
 from hpctrain.data.mixture import MAX_PASSES_PER_EPOCH, Mixture, MixtureError, Source
-from hpctrain.data.mixture import source_names as names_of
+from hpctrain.data.mixture_index import source_names as names_of
 from hpctrain.errors import EXIT_CONFIG, EXIT_DATA
 from tests.data.loader_testkit import make_shards
 

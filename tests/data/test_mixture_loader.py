@@ -18,7 +18,8 @@ from hpctrain.config.load import ConfigError, load_config
 from hpctrain.config.schema import DataConfig, SourceConfig
 from hpctrain.data import ShardedLoader
 from hpctrain.data.index import ShardIndex, ShardInfo, index_to_bytes
-from hpctrain.data.mixture import MixtureError, open_mixture
+from hpctrain.data.mixture import MixtureError
+from hpctrain.data.mixture_index import open_mixture
 from hpctrain.launch.local import free_port
 from tests.data.loader_testkit import sample_key, write_shard
 from tests.data.token_testkit import SEQ_LEN, write_token_shards

@@ -10,15 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpctrain.data.mixture import (
-    Mixture,
-    MixtureError,
-    Schedule,
-    Source,
-    apportion,
-    plan_mixture,
-    rebase,
-)
+from hpctrain.data.apportion import Schedule, apportion
+from hpctrain.data.mixture import Mixture, MixtureError, Source, plan_mixture
+from hpctrain.data.mixture_resume import rebase
 from hpctrain.data.planning import StageParams
 
 

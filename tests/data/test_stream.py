@@ -17,10 +17,9 @@ from hpctrain.data.stream import (
     ReadStats,
     ShardReadError,
     ShardStream,
-    iter_samples,
     open_shard,
-    split_key,
 )
+from hpctrain.data.tar import iter_samples, split_key
 
 
 def write_tar(path, members, fmt=tarfile.USTAR_FORMAT):

@@ -20,7 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hpctrain.data.stream import CorruptShardError, iter_samples, open_shard
+from hpctrain.data.stream import CorruptShardError, open_shard
+from hpctrain.data.tar import iter_samples
 
 CPU_LIMIT_S = 5.0  # per example; a real read of these shards takes ~1 ms
 

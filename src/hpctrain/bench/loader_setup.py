@@ -46,7 +46,8 @@ def synthetic_images(n: int, root: Path | None = None) -> list[tuple[bytes, int]
 
 def images_from_shards(spec: str, n: int) -> list[tuple[bytes, int]]:
     from hpctrain.data import open_index
-    from hpctrain.data.stream import iter_samples, open_shard
+    from hpctrain.data.stream import open_shard
+    from hpctrain.data.tar import iter_samples
 
     index = open_index(spec)
     out: list[tuple[bytes, int]] = []

@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 
 from hpctrain.cli import plan_mixture
-from hpctrain.data import open_index, plan
-from hpctrain.data.sequences import sequence_counts, total_dropped_tokens
+from hpctrain.data.plan_report import PlanRequest, plan_report
 from hpctrain.errors import UsageError
 
 HELP = "show the epoch plan: batches per rank, samples dropped or padded, shards per worker"
@@ -68,48 +67,24 @@ def run(args: argparse.Namespace) -> int:
     if args.eval and args.remainder == "drop":
         # evaluation pads and counts every sample (hpctrain.data.loader): a drop plan is not its
         raise UsageError("--eval --remainder drop: evaluation always pads (--remainder pad)")
-    args.remainder = args.remainder or ("pad" if args.eval else "drop")
-    if len(args.data) > 1:
-        return plan_mixture.run(args)
-    args.data = args.data[0]
-    index = open_index(args.data)  # ShardIndexError: a data error, exit code 3
-    sizes = [s.num_samples for s in index.shards]
-    if args.seq_len:  # the plan's items are sequences (hpctrain.data.sequences)
-        sizes = list(sequence_counts(index, args.seq_len))
-    p = plan(
-        sizes,
+    request = PlanRequest(
         world_size=args.world_size,
         workers_per_rank=args.workers_per_rank,
         batch_size=args.batch_size,
-        seed=args.seed,
         epoch=args.epoch,
-        remainder=args.remainder,
-        shuffle_shards=not args.eval,
+        seed=args.seed,
+        remainder=args.remainder or ("pad" if args.eval else "drop"),
+        evaluation=args.eval,
+        seq_len=args.seq_len,
     )
-    table = p.stream_table()
-    summary = {
-        **p.summary,
-        "epoch": args.epoch,
-        "seed": args.seed,
-        "num_shards": len(index.shards),
-        "streams": len(table["rank"]),
-        "shards_per_stream": _spread(table["shards"]),
-        "partial_shards_per_stream": _spread(table["partial"]),
-    }
-    if args.seq_len:
-        summary["seq_len"] = args.seq_len
-        summary["num_tokens"] = index.num_tokens
-        summary["tokens_dropped"] = total_dropped_tokens(index, args.seq_len)
     ranks = args.rank if args.rank is not None else []
+    if len(args.data) > 1:
+        return plan_mixture.run(args, request, ranks)
+    report = plan_report(args.data[0], request)
     if args.json:
-        out = dict(summary)
-        urls = [s.url for s in index.shards]
-        per_stream = (
-            [[urls[s.shard], s.start, s.end, s.valid] for s in segments]
-            for segments in p.all_segments()
-        )
-        plan_mixture.write_plan_json(out, table, per_stream, ranks)
+        plan_mixture.print_json(report, ranks)
         return 0
+    p, index, summary = report.plan, report.index, report.summary
     print(
         f"{len(index.shards)} shards, {p.num_samples} samples; epoch {args.epoch}, seed {args.seed}"
     )
@@ -118,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         f"{p.batches_per_rank} batches per rank (every rank), "
         f"{p.batches_per_rank * p.batch_size} samples per rank"
     )
-    print(f"remainder {args.remainder}: {p.num_dropped} samples dropped, {p.num_padded} padded")
+    print(f"remainder {request.remainder}: {p.num_dropped} samples dropped, {p.num_padded} padded")
     if args.seq_len:
         print(
             f"seq_len {args.seq_len}: samples are sequences of {args.seq_len}+1 tokens, "
@@ -131,9 +106,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"partly read shards per stream: min {q['min']}, mean {q['mean']:.2f}, max {q['max']}")
     plan_mixture.print_stream_segments(p, index, ranks)
     return 0
-
-
-def _spread(values) -> dict[str, float]:  # type: ignore[no-untyped-def]
-    if len(values) == 0:
-        return {"min": 0, "mean": 0.0, "max": 0}
-    return {"min": int(values.min()), "mean": float(values.mean()), "max": int(values.max())}

@@ -4,20 +4,14 @@ the realized mixture per rank."""
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import sys
-from collections.abc import Iterable, Sequence
-from types import SimpleNamespace
-from typing import Any
 
-import numpy as np
-
+from hpctrain.config.schema import SourceConfig
 from hpctrain.data.index import ShardIndex
-from hpctrain.data.mixture import open_mixture, plan_mixture
+from hpctrain.data.plan_report import PlanReport, PlanRequest, mixture_report
 from hpctrain.data.planning import EpochPlan
-from hpctrain.data.sequences import sequence_counts
 from hpctrain.errors import UsageError
 
 
@@ -38,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, request: PlanRequest, ranks: list[int]) -> int:
     """The mixture's plan: summary, passes per source, realized mixture per rank."""
     paths = list(args.data)
     weights = _weights(args.weights) if args.weights else [1.0] * len(paths)
@@ -47,84 +41,28 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--weights/--names: give one per DATA ({len(paths)})")
     if args.eval:
         raise UsageError("--eval: a mixture is planned for training only")
-    index = open_mixture(
-        [
-            SimpleNamespace(path=p, weight=w, name=n)
-            for p, w, n in zip(paths, weights, names, strict=True)
-        ],
-        args.samples_per_epoch,
-    )
-    mixture = index.mixture
-    assert mixture is not None
-    if getattr(args, "seq_len", 0):  # the plan's items are packed sequences
-        mixture = mixture.with_shard_sizes(sequence_counts(index, args.seq_len))
-    p = plan_mixture(
-        mixture,
-        world_size=args.world_size,
-        workers_per_rank=args.workers_per_rank,
-        batch_size=args.batch_size,
-        seed=args.seed,
-        epoch=args.epoch,
-        remainder=args.remainder,
-    )
-    per_rank = p.source_table().reshape(p.world_size, p.streams_per_rank, -1).sum(axis=1)
-    quotas = mixture.quotas()
-    table = p.stream_table()
-    sources: list[dict[str, Any]] = []
-    for s, src in enumerate(mixture.sources):
-        lo = (args.epoch - mixture.origin_epoch) * quotas[s]
-        sources.append(
-            {
-                "name": src.name,
-                "weight": src.weight,
-                "num_shards": len(src.shard_sizes),
-                "num_samples": src.num_samples,
-                "samples_this_epoch": quotas[s],
-                "first_pass": lo // src.num_samples,
-                "last_pass": max(lo + quotas[s] - 1, lo) // src.num_samples,
-                "read": int(per_rank[:, s].sum()),
-            }
-        )
-    total_weight = sum(weights)
-    share = per_rank / np.maximum(per_rank.sum(axis=1, keepdims=True), 1)
-    summary = {
-        **p.summary,
-        "epoch": args.epoch,
-        "seed": args.seed,
-        "num_shards": len(index.shards),
-        "streams": len(table["rank"]),
-        "sources": sources,
-    }
-    ranks = args.rank if args.rank is not None else []
+    sources = [
+        SourceConfig(path=p, weight=w, name=n)
+        for p, w, n in zip(paths, weights, names, strict=True)
+    ]
+    report = mixture_report(sources, args.samples_per_epoch, request)
     if args.json:
-        out: dict[str, Any] = dict(summary)
-        out["per_rank_samples"] = per_rank.tolist()
-        urls = index.urls
-        seg = p.segment_table()
-        bounds = np.searchsorted(seg["stream"], np.arange(len(table["rank"]) + 1))
-        # tuples built in C (zip), encoded as JSON arrays: [url, start, end, valid]
-        rows = list(
-            zip(
-                map(urls.__getitem__, seg["shard"].tolist()),
-                seg["start"].tolist(),
-                seg["end"].tolist(),
-                seg["valid"].tolist(),
-                strict=True,
-            )
-        )
-        per_stream = (rows[lo:hi] for lo, hi in itertools.pairwise(bounds.tolist()))
-        write_plan_json(out, table, per_stream, ranks)
+        print_json(report, ranks)
         return 0
+    p, index, rows = report.plan, report.index, report.summary["sources"]
+    assert report.per_rank is not None
     print(
-        f"mixture of {len(sources)} sources, {len(index.shards)} shards; "
-        f"{p.num_samples} samples per epoch; epoch {args.epoch}, seed {args.seed}"
+        f"mixture of {len(rows)} sources, {len(index.shards)} shards; "
+        f"{p.num_samples} samples per epoch; epoch {request.epoch}, seed {request.seed}"
     )
     print(
         f"{p.world_size} ranks x {p.streams_per_rank} streams, batch {p.batch_size}: "
         f"{p.batches_per_rank} batches per rank (every rank)"
     )
-    print(f"remainder {args.remainder}: {p.num_dropped} samples dropped, {p.num_padded} padded")
-    for s, row in enumerate(sources):
+    print(f"remainder {request.remainder}: {p.num_dropped} samples dropped, {p.num_padded} padded")
+    total_weight = sum(weights)
+    share = report.rank_shares()
+    for s, row in enumerate(rows):
         passes = (
             f"pass {row['first_pass']}"
             if row["first_pass"] == row["last_pass"]
@@ -138,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     show = ranks or (list(range(p.world_size)) if p.world_size <= 16 else [])
     for r in show:
         parts = ", ".join(
-            f"{src['name']} {int(c)}" for src, c in zip(sources, per_rank[r], strict=True)
+            f"{row['name']} {int(c)}" for row, c in zip(rows, report.per_rank[r], strict=True)
         )
         print(f"rank {r}: {parts}")
     print_stream_segments(p, index, ranks)
@@ -162,28 +100,11 @@ def _weights(text: str) -> list[float]:
     return weights
 
 
-def write_plan_json(
-    out: dict[str, Any],
-    table: dict[str, np.ndarray],
-    segments: Iterable[Sequence[Any]],
-    ranks: list[int],
-) -> None:
-    """Print `out` plus `stream_segments` (one entry per stream of `table`, with its rows
-    from `segments`, of the ranks in `ranks` or all) as one compact JSON line."""
-    out["stream_segments"] = [
-        {"rank": r, "worker": w, "batches": nb, "segments": rows}
-        for r, w, nb, rows in zip(
-            table["rank"].tolist(),
-            table["worker"].tolist(),
-            table["batches"].tolist(),
-            segments,
-            strict=True,
-        )
-        if not ranks or r in ranks
-    ]
+def print_json(report: PlanReport, ranks: list[int]) -> None:
+    """`report.as_json(ranks)` as one compact JSON line."""
     # json.dumps, not json.dump: only the one-shot encoder is the C one (json.dump
     # writes through the pure-Python iterencode, ~5x slower at 100k shards)
-    sys.stdout.write(json.dumps(out, separators=(",", ":")))
+    sys.stdout.write(json.dumps(report.as_json(ranks), separators=(",", ":")))
     print()
 
 

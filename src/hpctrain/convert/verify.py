@@ -20,7 +20,8 @@ from hpctrain.convert.errors import ConvertError
 from hpctrain.convert.processes import process_pool
 from hpctrain.convert.sources.shards import shard_urls
 from hpctrain.data.index import INDEX_NAME, ShardIndex, read_index, redact_url
-from hpctrain.data.stream import ShardStream, iter_samples, pipe_label
+from hpctrain.data.stream import ShardStream, pipe_label
+from hpctrain.data.tar import iter_samples
 from hpctrain.data.tokens import TOKEN_FIELDS, decode_tokens
 from hpctrain.errors import DataError
 

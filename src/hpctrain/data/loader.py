@@ -1,14 +1,15 @@
 """`ShardedLoader`: the per-rank loader over an epoch plan, with exact and elastic resume.
 
 The parts it drives, one module each: the epoch plan (`hpctrain.data.planning`), each
-worker's stream of samples, read, decoded, transformed and batched
-(`hpctrain.data.samples`, decoding in `hpctrain.data.decode`, batching in
-`hpctrain.data.collate`), and the batch transport: the worker processes and the pooled
-shared-memory buffers batches travel in (`hpctrain.data.transport`). Workers hand over uint8
-images (normalisation belongs on the device: 4x fewer bytes between processes than float32).
+worker's samples, read, decoded, transformed and batched (`SampleReader` in
+`hpctrain.data.samples`, decoding in `hpctrain.data.decode`, batching in
+`hpctrain.data.collate`), and the batch transport: the worker processes
+(`hpctrain.data.transport`) and the pooled shared-memory buffers batches travel in
+(`hpctrain.data.buffers`). Workers hand over uint8 images (normalisation belongs on the
+device: 4x fewer bytes between processes than float32).
 
 Where the epoch and resume position live: in a small shared-memory tensor the workers read
-each time an iteration starts. Persistent workers keep their copy of the stream across
+each time an iteration starts. Persistent workers keep their copy of the `SampleReader` across
 epochs, so `set_epoch` on the main process's copy alone would never reach them.
 """
 
@@ -24,8 +25,15 @@ import fsspec
 import torch
 
 from hpctrain.config.schema import DataConfig
-from hpctrain.data import mixture as mix
+from hpctrain.data.buffers import PlainMemory
 from hpctrain.data.index import ShardIndex, ShardIndexError
+from hpctrain.data.mixture import Mixture
+from hpctrain.data.mixture_resume import (
+    check_state_sources,
+    rebase,
+    same_weights,
+    with_state_origin,
+)
 from hpctrain.data.planning import EpochPlan, StageParams
 from hpctrain.data.samples import (
     CONTROL_INTS,
@@ -33,8 +41,8 @@ from hpctrain.data.samples import (
     STAT_FIELDS,
     Collate,
     Decode,
-    SampleStream,
-    StreamSpec,
+    ReadSpec,
+    SampleReader,
     Transform,
     encode_stage,
     is_remote,
@@ -42,7 +50,7 @@ from hpctrain.data.samples import (
 )
 from hpctrain.data.sequences import sequence_layout
 from hpctrain.data.stream import PIPE_RULE
-from hpctrain.data.transport import PlainMemory, WorkerPool, run_ahead, worker_start_method
+from hpctrain.data.transport import WorkerPool, run_ahead, worker_start_method
 from hpctrain.errors import DataError
 
 log = logging.getLogger("hpctrain.data")
@@ -132,12 +140,12 @@ class ShardedLoader:
         if cfg.seq_len:  # token shards read as packed sequences (data/sequences.py)
             shard_sizes, vocab_size, self.dropped_tokens = sequence_layout(index, cfg.seq_len)
             eod_id = (index.tokenizer or {}).get("eod_id")  # documents end there (positions)
-        # a mixture (`hpctrain.data.mixture.MixtureIndex`) plans training only, over the
+        # a mixture (`hpctrain.data.mixture_index.MixtureIndex`) plans training only, over the
         # items the plan counts (packed sequences with data.seq_len)
         mixture = getattr(index, "mixture", None) if train else None
         if mixture is not None:
             mixture = mixture.with_shard_sizes(shard_sizes)
-        spec = StreamSpec(
+        spec = ReadSpec(
             urls=urls,
             shard_sizes=shard_sizes,
             byte_sizes=tuple(s.num_bytes for s in index.shards),
@@ -165,7 +173,7 @@ class ShardedLoader:
         # the position of a pass, read by the workers when it starts (see `__iter__`)
         self.control = torch.zeros(CONTROL_INTS, dtype=torch.int64)
         self.control.share_memory_()
-        self._stream = SampleStream(
+        self._reader = SampleReader(
             spec, self.control, transform=transform, decode=decode, collate=collate
         )
         self._pool: WorkerPool | None = None  # the worker processes, while they run
@@ -174,22 +182,22 @@ class ShardedLoader:
     def backoff_s(self) -> float:
         """First wait before a shard read is retried (doubles each time); for workers
         started after it is set."""
-        return self._stream.spec.backoff_s
+        return self._reader.spec.backoff_s
 
     @backoff_s.setter
     def backoff_s(self, value: float) -> None:
-        self._stream.spec = replace(self._stream.spec, backoff_s=value)
+        self._reader.spec = replace(self._reader.spec, backoff_s=value)
 
     @property
     def shard_sizes(self) -> tuple[int, ...]:
         """Samples per shard, in index order."""
-        return self._stream.spec.shard_sizes
+        return self._reader.spec.shard_sizes
 
     # -- the plan ------------------------------------------------------------------------
 
     def plan(self) -> EpochPlan:
         """The current stage's plan (the whole epoch unless resumed elastically)."""
-        return self._stream.plan(self.epoch, self._stages)
+        return self._reader.plan(self.epoch, self._stages)
 
     def __len__(self) -> int:
         """Batches per rank in the current epoch (equal on every rank)."""
@@ -215,7 +223,7 @@ class ShardedLoader:
     def _start_workers(self) -> WorkerPool:
         # workers freeze what they inherit themselves (`transport._work`)
         return WorkerPool(
-            self._stream,
+            self._reader,
             self.cfg.workers_per_rank,
             prefetch=self.cfg.prefetch_factor,
             context=worker_start_method(),
@@ -225,7 +233,7 @@ class ShardedLoader:
     def _raw_batches(self) -> Iterator[dict[str, Any]]:
         """The pass's batches as the workers send them (or as made here, without workers)."""
         if self.cfg.workers_per_rank == 0:
-            yield from self._stream.batches(0, PlainMemory())
+            yield from self._reader.batches(0, PlainMemory())
             return
         persistent = self.cfg.persistent_workers
         if self._pool is not None and (self._pool.broken or not persistent):
@@ -311,9 +319,9 @@ class ShardedLoader:
         return {**self._stats, **self.source_stats()}
 
     @property
-    def mixture(self) -> mix.Mixture | None:
+    def mixture(self) -> Mixture | None:
         """The mixture this loader plans (None: one source, or evaluation)."""
-        return self._stream.spec.mixture
+        return self._reader.spec.mixture
 
     def source_stats(self) -> dict[str, int]:
         """A mixture's counters per source, since the loader was built:
@@ -392,18 +400,16 @@ class ShardedLoader:
                 + ("a mixture" if self.mixture is not None else "one source")
             )
         saved = state["mixture"]
-        added = mix.check_state_sources(self.mixture, saved)
-        if not added and mix.same_weights(self.mixture, saved):
-            self._set_mixture(mix.with_state_origin(self.mixture, saved))
+        added = check_state_sources(self.mixture, saved)
+        if not added and same_weights(self.mixture, saved):
+            self._set_mixture(with_state_origin(self.mixture, saved))
             return False
         old_sources = tuple(
             replace(s, weight=float(w))
             for s, w in zip(self.mixture.sources, saved["weights"], strict=False)
         )
-        old = mix.with_state_origin(
-            mix.Mixture(old_sources, int(saved["samples_per_epoch"])), saved
-        )
-        self._set_mixture(mix.rebase(old, self.mixture, self.seed, self.epoch, stages))
+        old = with_state_origin(Mixture(old_sources, int(saved["samples_per_epoch"])), saved)
+        self._set_mixture(rebase(old, self.mixture, self.seed, self.epoch, stages))
         log.info(
             "mixture %s at epoch %d: epoch %d starts a new plan from every source's position",
             f"sources added ({', '.join(added)})" if added else "weights changed",
@@ -414,13 +420,13 @@ class ShardedLoader:
         self._finished_on_load = True  # the trainer moves on to the next epoch
         return True
 
-    def _set_mixture(self, mixture: mix.Mixture) -> None:
+    def _set_mixture(self, mixture: Mixture) -> None:
         if mixture == self.mixture:
             return
         if self._pool is not None:  # workers hold the old plan's spec
             self._stop(self._pool)
-        self._stream.spec = replace(self._stream.spec, mixture=mixture)
-        self._stream._plan_cache = None
+        self._reader.spec = replace(self._reader.spec, mixture=mixture)
+        self._reader._plan_cache = None
 
 
 def pin_batch(batch: dict[str, Any]) -> dict[str, Any]:

@@ -20,11 +20,10 @@ from hpctrain.data.stream import (
     PIPE_RULE,
     CorruptShardError,
     ShardReadError,
-    iter_members,
     open_shard,
     pipe_label,
-    split_key,
 )
+from hpctrain.data.tar import iter_members, split_key
 
 _BRACE = re.compile(r"\{([^{}]*)\}")
 

@@ -31,23 +31,21 @@ Elastic resume: the samples not yet emitted are gathered per source (stream by s
 for one source) and the next stage mixes those with quotas equal to what is left of each, so
 every remaining planned sample of every source is read exactly once.
 
-Weights changed between runs: the interrupted epoch ends at the checkpoint and the next one
-starts a new plan (a new *origin*): each source's stream then begins with the samples of the
-interrupted epoch it had not yet read, followed by the rest of its old stream.
+A resume across runs is `hpctrain.data.mixture_resume` (also when the weights changed); the
+mixture's sources are opened by `hpctrain.data.mixture_index`; the apportionment and the
+`Schedule` of steps 1 and 3 are `hpctrain.data.apportion`.
 """
 
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import numpy as np
 
-from hpctrain.data.index import ShardIndex
-from hpctrain.data.locate import open_index
+from hpctrain.data.apportion import Schedule, apportion
 from hpctrain.data.planning import (
     EpochPlan,
     PlanError,
@@ -57,9 +55,6 @@ from hpctrain.data.planning import (
     derive_seed,
 )
 
-# Weights become integers in these units before apportioning (exact, platform-independent;
-# fine enough that the rounding adds less than N / 2**52 samples to any source's count).
-WEIGHT_UNITS = 1 << 52
 # slot indices times quotas must fit in int64 (the schedule's closed form multiplies them)
 MAX_SLOTS = 3_000_000_000
 # An epoch's plan holds one segment per shard per pass of each source (a pass costs ~70 us to
@@ -239,131 +234,6 @@ class Mixture:
                 for o in self.origins
             ],
         }
-
-
-def check_state_sources(mixture: Mixture, state: Mapping[str, Any]) -> list[str]:
-    """The names of the sources `mixture` adds after those of a saved mixture state; refuse
-    (naming the sources removed, changed or moved, and the way on) any other difference."""
-    saved = [
-        (name, int(shards), int(samples))
-        for name, shards, samples in zip(
-            state["names"], state["num_shards"], state["num_samples"], strict=True
-        )
-    ]
-    mine = [(s.name, len(s.shard_sizes), s.num_samples) for s in mixture.sources]
-    if mine[: len(saved)] == saved:
-        return [name for name, _, _ in mine[len(saved) :]]
-    stats = {name: (shards, samples) for name, shards, samples in saved}
-    mine_names = {name for name, _, _ in mine}
-    changes = [f"removed {name}" for name in stats if name not in mine_names]
-    changes += [f"added {name} before them" for name, _, _ in mine if name not in stats]
-    changes += [
-        f"changed {name} ({stats[name][0]} -> {shards} shards, "
-        f"{stats[name][1]} -> {samples} samples)"
-        for name, shards, samples in mine
-        if name in stats and stats[name] != (shards, samples)
-    ]
-    if not changes:
-        changes = [f"reordered (saved as {', '.join(stats)})"]
-    raise MixtureError(
-        f"the mixture's sources changed since the checkpoint: {'; '.join(changes)}. "
-        f"A resume needs the saved sources ({', '.join(stats)}) unchanged and in that order; "
-        "new sources may follow them (the next epoch then starts a new plan): "
-        "set data.train back, or start over with --resume none"
-    )
-
-
-def with_state_origin(mixture: Mixture, state: Mapping[str, Any]) -> Mixture:
-    """`mixture` with the origin a saved state recorded (same weights and epoch length)."""
-    origins = tuple(
-        SourceOrigin(
-            tuple((int(a), int(b), int(c)) for a, b, c in o["leftover"]), int(o["position"])
-        )
-        for o in state["origins"]
-    )
-    return Mixture(
-        mixture.sources,
-        mixture.samples_per_epoch,
-        origin_epoch=int(state["origin_epoch"]),
-        origins=origins,
-    )
-
-
-def same_weights(mixture: Mixture, state: Mapping[str, Any]) -> bool:
-    return [s.weight for s in mixture.sources] == [float(w) for w in state["weights"]] and (
-        mixture.samples_per_epoch == int(state["samples_per_epoch"])
-    )
-
-
-def apportion(total: int, weights: Sequence[float]) -> list[int]:
-    """`total` split by `weights` with the largest-remainder method, in integers.
-
-    Weights first become integers in `WEIGHT_UNITS` (largest remainder too), so the result is
-    exact and the same on every platform; ties go to the earlier source.
-    """
-    units = _largest_remainder(WEIGHT_UNITS, [float(w) for w in weights], float(sum(weights)))
-    return _largest_remainder_int(total, units)
-
-
-def _largest_remainder(total: int, weights: list[float], weight_sum: float) -> list[int]:
-    shares = [w / weight_sum * total for w in weights]
-    base = [math.floor(x) for x in shares]
-    left = total - sum(base)
-    order = sorted(range(len(weights)), key=lambda i: (-(shares[i] - base[i]), i))
-    for i in order[:left]:
-        base[i] += 1
-    return base
-
-
-def _largest_remainder_int(total: int, units: list[int]) -> list[int]:
-    unit_sum = sum(units)
-    base = [total * u // unit_sum for u in units]
-    rest = [total * u % unit_sum for u in units]
-    left = total - sum(base)
-    for i in sorted(range(len(units)), key=lambda i: (-rest[i], i))[:left]:
-        base[i] += 1
-    return base
-
-
-class Schedule:
-    """Which source every slot of a stage draws from: Bresenham splits in a binary tree.
-
-    At a tree node holding sources `lo..hi-1` with quota `q` (left half `a`), the first `y`
-    slots of the node give `(y a + q // 2) // q` to the left half: monotone, steps of 0 or 1,
-    within 1/2 of `y a / q`, and exactly `a` at `y = q`. A source's count `C_s(x)` is that
-    split applied down the tree, so `C_s(total) = quota_s` exactly.
-    """
-
-    def __init__(self, quotas: Sequence[int]) -> None:
-        self.quotas = np.asarray(quotas, dtype=np.int64)
-        self.total = int(self.quotas.sum())
-        self.depth = math.ceil(math.log2(len(self.quotas))) if len(self.quotas) > 1 else 0
-
-    def counts(self, x: np.ndarray | Sequence[int]) -> np.ndarray:
-        """`C_s(x)` for every source (rows) and slot count in `x` (columns, clipped to
-        [0, total])."""
-        y = np.clip(np.asarray(x, dtype=np.int64), 0, self.total)
-        out = np.empty((len(self.quotas), len(y)), dtype=np.int64)
-        cumulative = np.concatenate([[0], np.cumsum(self.quotas)])
-
-        def split(lo: int, hi: int, y: np.ndarray) -> None:
-            if hi - lo == 1:
-                out[lo] = y
-                return
-            mid = (lo + hi) // 2
-            a = int(cumulative[mid] - cumulative[lo])
-            q = int(cumulative[hi] - cumulative[lo])
-            left = (y * a + q // 2) // q if q else np.zeros_like(y)
-            split(lo, mid, left)
-            split(mid, hi, y - left)
-
-        split(0, len(self.quotas), y)
-        return out
-
-    def sources(self, lo: int, hi: int) -> np.ndarray:
-        """The source of each slot in [lo, hi) (0 <= lo <= hi <= total)."""
-        steps = np.diff(self.counts(np.arange(lo, hi + 1)), axis=1)
-        return np.argmax(steps, axis=0) if hi > lo else np.zeros(0, dtype=np.int64)
 
 
 def cut(seq: SampleSequence, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -562,26 +432,15 @@ class MixturePlan(EpochPlan):
     def source_table(self) -> np.ndarray:
         """Valid samples of every source (columns) in every stream (rows, rank-major),
         vectorised: the realized mixture per stream."""
-        table = self.stream_table_slots()
-        a, b = table
+        a, b = self.slot_ranges(*self.all_streams())
         n = self.num_samples
         lo = self.schedule.counts(np.minimum(a, n))
         hi = self.schedule.counts(np.minimum(b, n))
         return (hi - lo).T
 
-    def stream_table_slots(self) -> tuple[np.ndarray, np.ndarray]:
-        """Slot ranges [a, b) of every stream (rank-major)."""
-        k, nb, bsz = self.streams_per_rank, self.batches_per_rank, self.batch_size
-        rank = np.repeat(np.arange(self.world_size), k)
-        worker = np.tile(np.arange(k), self.world_size)
-        batches = nb // k + (worker < nb % k)
-        before = worker * (nb // k) + np.minimum(worker, nb % k)
-        a = (rank * nb + before) * bsz
-        return a, a + batches * bsz
-
     def stream_table(self) -> dict[str, np.ndarray]:
         table = super().stream_table()
-        a, b = self.stream_table_slots()
+        a, b = self.slot_ranges(*self.all_streams())
         n = self.num_samples
         va, vb = np.minimum(a, n), np.minimum(b, n)
         clo, chi = self.schedule.counts(va), self.schedule.counts(vb)
@@ -606,7 +465,7 @@ class MixturePlan(EpochPlan):
         """Every stream's segments as arrays, streams in rank-major order and each stream's
         segments in `stream_segments` order: stream, shard, start, end, valid. Vectorised
         (W=4096, K=8, 100k shards in a fraction of a second)."""
-        a, b = self.stream_table_slots()
+        a, b = self.slot_ranges(*self.all_streams())
         n = self.num_samples
         clo = self.schedule.counts(np.minimum(a, n))
         chi = self.schedule.counts(np.minimum(b, n))
@@ -706,166 +565,3 @@ def plan_mixture(
         shuffle_buffer=shuffle_buffer,
     )
     return MixturePlan(sources, params, seed=seed, epoch=epoch, stage=len(stages))
-
-
-def rebase(
-    mixture: Mixture, new: Mixture, seed: int, epoch: int, stages: Sequence[StageParams]
-) -> Mixture:
-    """`new` (other weights or epoch length, maybe sources added after the old ones)
-    starting at epoch `epoch + 1`, each old source's stream continuing where `mixture` left it after `stages` of `epoch`: first the samples the
-    interrupted epoch had not read, then the rest of its old stream."""
-    last = plan_mixture(
-        mixture,
-        world_size=stages[-1].world_size,
-        workers_per_rank=stages[-1].workers_per_rank,
-        batch_size=stages[-1].batch_size,
-        seed=seed,
-        epoch=epoch,
-        remainder=stages[-1].remainder,
-        shuffle_buffer=stages[-1].shuffle_buffer,
-        stages=stages[:-1],
-    )
-    left = last.remaining_sources(stages[-1].consumed)
-    origins = []
-    for s, q in enumerate(mixture.quotas()):
-        end = (epoch - mixture.origin_epoch + 1) * q  # where the old stream's next epoch starts
-        old = mixture.origin(s)
-        rest = [
-            (int(a), int(b), int(c))
-            for a, b, c in zip(left[s].shard, left[s].start, left[s].end, strict=True)
-        ]
-        if end < old.num_leftover:
-            seq = mixture.source_slice(s, seed, end, old.num_leftover)
-            rest += [
-                (int(a), int(b), int(c))
-                for a, b, c in zip(seq.shard, seq.start, seq.end, strict=True)
-            ]
-        position = old.position + max(end - old.num_leftover, 0)
-        origins.append(SourceOrigin(tuple(rest), position))
-    # Sources `new` adds after the old ones start their streams at the new plan.
-    origins += [SourceOrigin()] * (len(new.sources) - len(mixture.sources))
-    return Mixture(
-        new.sources, new.samples_per_epoch, origin_epoch=epoch + 1, origins=tuple(origins)
-    )
-
-
-def check_compatible(names: Sequence[str], indexes: Sequence[Any]) -> None:
-    """Sources must agree on the sample kind (token shards or not), the tokenizer and the
-    class names; checked before any work, naming both sources."""
-    first = indexes[0]
-
-    def kind(index: Any) -> str:
-        return "token shards" if getattr(index, "tokenizer", None) is not None else "samples"
-
-    for name, index in zip(names[1:], indexes[1:], strict=True):
-        where = f"data.train: sources {names[0]!r} and {name!r}"
-        if kind(index) != kind(first):
-            raise MixtureError(
-                f"{where} hold different sample kinds ({kind(first)}, {kind(index)})"
-            )
-        if getattr(index, "tokenizer", None) != getattr(first, "tokenizer", None):
-            raise MixtureError(
-                f"{where} use different tokenizers ({first.tokenizer}, {index.tokenizer})"
-            )
-        if first.class_names and index.class_names and first.class_names != index.class_names:
-            raise MixtureError(f"{where} name different classes")
-
-
-def _folders(path: str) -> list[str]:
-    """The path's components, a trailing `*.json` (the index file) left out."""
-    parts = [p for p in path.rstrip("/").split("/") if p]
-    if parts and parts[-1].endswith(".json") and len(parts) > 1:
-        parts = parts[:-1]
-    return parts
-
-
-def default_name(path: str) -> str:
-    """A source's name from its path: the folder holding the index (`.../web/index.json`
-    → web), else the last path component."""
-    parts = _folders(path)
-    return os.path.basename(parts[-1]) if parts else path
-
-
-def source_names(sources: Sequence[Any]) -> list[str]:
-    """Each source's name (`name`, `path` attributes): its own, else `default_name`; where
-    two default names collide (`a/train` and `b/train`, as `convert --val-fraction` makes
-    them), the folder above (`a`, `b`). Names still equal are refused by `Mixture`."""
-    names = [src.name or default_name(src.path) for src in sources]
-    counts = {n: names.count(n) for n in names}
-    for i, src in enumerate(sources):
-        parts = _folders(src.path)
-        # a folder above, not the "s3:" of s3://train
-        if not src.name and counts[names[i]] > 1 and len(parts) > 1 and parts[-2][-1:] != ":":
-            names[i] = parts[-2]
-    return names
-
-
-@dataclass(frozen=True)
-class MixtureIndex(ShardIndex):
-    """The shards of every source of a mixture, concatenated (URLs resolved), and the
-    mixture that plans them. Class names and tokenizer are the sources' common ones."""
-
-    mixture: Mixture | None = None
-    urls: tuple[str, ...] = ()  # every shard's URL, resolved against its own index's folder
-
-    def shard_url(self, i: int) -> str:
-        return self.urls[i]
-
-
-def open_mixture(
-    sources: Sequence[Any],
-    samples_per_epoch: int = 0,
-    *,
-    allow_pipe: bool = False,
-    storage_options: dict[str, Any] | None = None,
-) -> MixtureIndex:
-    """Open every source's index (`path`, `weight`, `name` attributes, as `SourceConfig`)
-    and check they can be mixed, before any work."""
-    indexes, parts = [], []
-    names = source_names(sources)
-    first = 0
-    for i, (src, name) in enumerate(zip(sources, names, strict=True)):
-        if not src.path:
-            raise MixtureError(f"data.train[{i}].path is empty")
-        index = open_index(src.path, storage_options, allow_pipe=allow_pipe)
-        indexes.append(index)
-        sizes = tuple(s.num_samples for s in index.shards)
-        parts.append(Source(name, float(src.weight), first, sizes))
-        first += len(sizes)
-    check_compatible(names, indexes)
-    mixture = Mixture(tuple(parts), samples_per_epoch)
-    shards = tuple(s for index in indexes for s in index.shards)
-    urls = tuple(url for index in indexes for url in _resolve_all(index))
-    return MixtureIndex(
-        shards,
-        class_names=indexes[0].class_names,
-        tokenizer=indexes[0].tokenizer,
-        extra=dict(indexes[0].extra),
-        mixture=mixture,
-        urls=urls,
-    )
-
-
-def _resolve_all(index: ShardIndex) -> list[str]:
-    """`index.shard_url(i)` of every shard (`join_url`'s rule, inlined: at 100k shards the
-    call per shard is a noticeable share of `hpctrain plan`)."""
-    base = index.base_url
-    if not base:
-        return [s.url for s in index.shards]
-    prefix = base.rstrip("/") + "/"
-    return [
-        s.url if "://" in s.url or s.url[:1] == "/" or s.url.startswith("pipe:") else prefix + s.url
-        for s in index.shards
-    ]
-
-
-def open_train_index(data: Any) -> ShardIndex:
-    """`data.train`'s shards: one index (a string) or a mixture (a list of sources)."""
-    if isinstance(data.train, str):
-        return open_index(data.train, allow_pipe=data.allow_pipe)
-    return open_mixture(data.train, data.samples_per_epoch, allow_pipe=data.allow_pipe)
-
-
-def describe(train: Any) -> str:
-    """`data.train` for messages: the path, or the sources' paths."""
-    return train if isinstance(train, str) else ", ".join(s.path for s in train)

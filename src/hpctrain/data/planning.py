@@ -220,17 +220,36 @@ class EpochPlan:
 
     # -- stream geometry ---------------------------------------------------------------
 
-    def stream_batches(self, worker: int) -> int:
-        """Batches of stream `worker` on every rank (round-robin: the first ones get more)."""
+    def stream_batches(self, worker: Any) -> Any:
+        """Batches of stream `worker` on every rank (round-robin: the first ones get more);
+        an int, or an array of them."""
         k = self.streams_per_rank
         return self.batches_per_rank // k + (worker < self.batches_per_rank % k)
 
-    def stream_slots(self, rank: int, worker: int) -> tuple[int, int]:
-        """The stream's slice [a, b) of the padded/cut sequence (slot space)."""
+    def slot_ranges(self, rank: Any, worker: Any) -> tuple[Any, Any]:
+        """Slices [a, b) of the padded/cut sequence (slot space) of streams (rank, worker):
+        ints, or arrays of them (one stream per element).
+
+        A rank's `batches_per_rank` batches lie after those of the ranks before it; stream
+        `worker` holds `stream_batches(worker)` of them, after those of the rank's streams
+        before it. The one place of this arithmetic: the other methods ask it.
+        """
         k, nb, bsz = self.streams_per_rank, self.batches_per_rank, self.batch_size
-        before = worker * (nb // k) + min(worker, nb % k)
+        extra = nb % k  # the first `extra` streams of a rank hold one batch more
+        # min(worker, extra), written so that it takes ints and arrays alike
+        before = worker * (nb // k) + worker - (worker - extra) * (worker > extra)
         a = (rank * nb + before) * bsz
         return a, a + self.stream_batches(worker) * bsz
+
+    def all_streams(self) -> tuple[np.ndarray, np.ndarray]:
+        """(rank, worker) of every stream, rank-major."""
+        k = self.streams_per_rank
+        return np.repeat(np.arange(self.world_size), k), np.tile(np.arange(k), self.world_size)
+
+    def stream_slots(self, rank: int, worker: int) -> tuple[int, int]:
+        """The stream's slice [a, b) of the padded/cut sequence (slot space)."""
+        a, b = self.slot_ranges(rank, worker)
+        return int(a), int(b)
 
     def stream_segments(self, rank: int, worker: int) -> list[Segment]:
         """What stream (rank, worker) reads, in reading order (before the block shuffle)."""
@@ -364,13 +383,9 @@ class EpochPlan:
         Keys: rank, worker, batches, samples, shards (shards the stream opens, padding
         excluded), partial (shards of which it reads only a part).
         """
-        k, nb, bsz = self.streams_per_rank, self.batches_per_rank, self.batch_size
-        rank = np.repeat(np.arange(self.world_size), k)
-        worker = np.tile(np.arange(k), self.world_size)
-        batches = nb // k + (worker < nb % k)
-        before = worker * (nb // k) + np.minimum(worker, nb % k)
-        a = (rank * nb + before) * bsz
-        b = a + batches * bsz
+        rank, worker = self.all_streams()
+        a, b = self.slot_ranges(rank, worker)
+        batches = self.stream_batches(worker)
         n = self.num_samples
         va, vb = np.minimum(a, n), np.minimum(b, n)
         offsets = self.sequence.offsets
@@ -385,19 +400,14 @@ class EpochPlan:
             "rank": rank,
             "worker": worker,
             "batches": batches,
-            "samples": batches * bsz,
+            "samples": b - a,
             "shards": shards,
             "partial": partial,
         }
 
     def all_segments(self) -> list[list[Segment]]:
         """`stream_segments` of every stream (rank-major), vectorised for big plans."""
-        table = self.stream_table()
-        k, bsz = self.streams_per_rank, self.batch_size
-        nb = self.batches_per_rank
-        before = table["worker"] * (nb // k) + np.minimum(table["worker"], nb % k)
-        a = (table["rank"] * nb + before) * bsz
-        b = a + table["samples"]
+        a, b = self.slot_ranges(*self.all_streams())
         n = self.num_samples
         seq = self.sequence
         # cut the valid part of the sequence at every segment and stream boundary

@@ -1,9 +1,8 @@
-"""The per-worker stream of samples: a stream of the epoch plan read, decoded, transformed
-and batched.
+"""Each worker's samples: its stream of the epoch plan read, decoded, transformed and batched.
 
-A worker gets a `StreamSpec` (a small frozen description of what to read: shard URLs and
+A worker gets a `ReadSpec` (a small frozen description of what to read: shard URLs and
 sizes, rank, seed, the stage parameters, how to treat errors) and the user's callables
-(`transform`, and a Task's optional `decode` and `collate`) inside a `SampleStream`; the
+(`transform`, and a Task's optional `decode` and `collate`) inside a `SampleReader`; the
 position of the pass (epoch, earlier stages, batches already consumed) comes from a small
 shared-memory tensor it reads each time a pass starts, so that persistent workers follow the
 training process's `set_epoch` and resumes.
@@ -38,9 +37,9 @@ from hpctrain.data.stream import (
     ReadStats,
     ShardReadError,
     ShardStream,
-    iter_samples,
     open_shard,
 )
+from hpctrain.data.tar import iter_samples
 from hpctrain.data.transport import report_activity, seed_worker_globals
 
 log = logging.getLogger("hpctrain.data")
@@ -95,7 +94,7 @@ def decode_stage(v: list[int]) -> StageParams:
 
 
 @dataclass(frozen=True, kw_only=True)
-class StreamSpec:
+class ReadSpec:
     """What a rank's workers read and how: everything a worker needs from the loader."""
 
     urls: tuple[str, ...]
@@ -135,7 +134,7 @@ class StreamSpec:
         return plan(list(self.shard_sizes), shuffle_shards=self.train, **layout)
 
 
-class SampleStream:
+class SampleReader:
     """What a worker runs: its stream of the plan, read, decoded, transformed and batched.
 
     Args:
@@ -148,7 +147,7 @@ class SampleStream:
 
     def __init__(
         self,
-        spec: StreamSpec,
+        spec: ReadSpec,
         control: torch.Tensor,
         *,
         transform: Transform | None = None,
@@ -168,7 +167,7 @@ class SampleStream:
         self._owner: Any = None  # a mixture's source of every shard, made on first use
 
     def __getstate__(self) -> dict[str, Any]:
-        # threads do not cross process boundaries (forkserver pickles the stream)
+        # threads do not cross process boundaries (forkserver pickles the reader)
         return {**self.__dict__, "_opener": None}
 
     def plan(self, epoch: int, stages: tuple[StageParams, ...]) -> EpochPlan:

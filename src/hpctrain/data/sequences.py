@@ -42,7 +42,8 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from hpctrain.data.index import INDEX_NAME, ShardIndex, ShardIndexError, join_url, redact_url
-from hpctrain.data.stream import CorruptShardError, ShardStream, iter_members, split_key
+from hpctrain.data.stream import CorruptShardError, ShardStream
+from hpctrain.data.tar import iter_members, split_key
 from hpctrain.data.tokens import TOKEN_FIELDS
 
 log = logging.getLogger("hpctrain.data")

@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from hpctrain.data.index import ShardIndex
-from hpctrain.data.stream import iter_samples, open_shard
+from hpctrain.data.stream import open_shard
+from hpctrain.data.tar import iter_samples
 from hpctrain.data.tokens import TOKEN_FIELDS, decode_tokens
 from hpctrain.errors import DataError
 

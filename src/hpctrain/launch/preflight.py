@@ -72,7 +72,8 @@ def check_data(cfg: Config) -> list[Check]:
     requests, `pipe:` patterns with `data.allow_pipe`) and every form it refuses fails here.
     """
     from hpctrain.data import open_index, redact_url
-    from hpctrain.data.stream import ShardReadError, iter_members, open_shard
+    from hpctrain.data.stream import ShardReadError, open_shard
+    from hpctrain.data.tar import iter_members
 
     allow_pipe = cfg.data.allow_pipe
     checks = []

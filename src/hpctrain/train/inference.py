@@ -30,7 +30,7 @@ from hpctrain.checkpoint import CheckpointError
 from hpctrain.config import Config, ConfigError, with_overrides
 from hpctrain.data import ShardedLoader, open_index
 from hpctrain.data.index import ShardIndex, ShardIndexError, redact_url
-from hpctrain.data.mixture import open_train_index
+from hpctrain.data.mixture_index import open_train_index
 from hpctrain.dist import DistEnv, choose_device, process_group, resolve_env
 from hpctrain.train.classes import check_class_names, checkpoint_class_names, differ, mismatch
 from hpctrain.train.entry import setup_logging

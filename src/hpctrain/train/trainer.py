@@ -26,8 +26,8 @@ from hpctrain.checkpoint import (
 from hpctrain.config import Config, ConfigError, config_to_yaml
 from hpctrain.data import ShardedLoader, open_index
 from hpctrain.data.index import ShardIndex
-from hpctrain.data.mixture import describe as describe_train
-from hpctrain.data.mixture import open_train_index
+from hpctrain.data.mixture_index import describe as describe_train
+from hpctrain.data.mixture_index import open_train_index
 from hpctrain.dist import DistEnv, all_reduce_sum, new_cpu_group
 from hpctrain.train import init_from
 from hpctrain.train.classes import (

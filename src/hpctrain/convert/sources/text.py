@@ -35,7 +35,8 @@ from hpctrain.convert.sources.arrow import import_pyarrow
 from hpctrain.convert.sources.base import find_files
 from hpctrain.data.index import INDEX_NAME, ShardIndex, ShardIndexError, read_index
 from hpctrain.data.index import redact_url as _redact
-from hpctrain.data.stream import ShardStream, iter_samples
+from hpctrain.data.stream import ShardStream
+from hpctrain.data.tar import iter_samples
 from hpctrain.data.tokens import TOKEN_FIELDS, decode_tokens
 
 # Work per tokenize task: large enough that a task's overhead is small, small enough that

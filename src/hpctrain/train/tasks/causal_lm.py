@@ -39,7 +39,7 @@ from hpctrain.config import Config, ConfigError
 from hpctrain.data.decode import SampleError
 from hpctrain.data.index import ShardIndex
 from hpctrain.data.locate import open_index
-from hpctrain.data.mixture import describe as describe_train
+from hpctrain.data.mixture_index import describe as describe_train
 from hpctrain.data.tokenizer import (
     BYTES,
     Tokenizer,

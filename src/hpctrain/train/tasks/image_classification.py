@@ -28,7 +28,7 @@ from hpctrain.config import Config, ConfigError
 from hpctrain.data.decode import SampleError
 from hpctrain.data.fieldnames import last_extension
 from hpctrain.data.index import ShardIndex
-from hpctrain.data.mixture import describe
+from hpctrain.data.mixture_index import describe
 from hpctrain.train.models import build_classifier
 from hpctrain.train.task import Sample, masked_mean
 from hpctrain.train.tasks.vision import as_rgb, check_scale, find_field, image_field, normalize
