@@ -420,7 +420,7 @@ def test_latest_pointer_wins_over_a_higher_step(tmp_path):
 
 
 def test_steps_to_try_follow_the_pointer_not_the_clock():
-    from hpctrain.checkpoint.manager import steps_to_try
+    from hpctrain.checkpoint.selection import steps_to_try
 
     assert steps_to_try([1, 2, 3], None) == ([3, 2, 1], [])  # no pointer: highest first
     assert steps_to_try([1, 2, 3], 3) == ([3, 2, 1], [])
