@@ -41,6 +41,7 @@ from hpctrain.checkpoint.retention import best_steps, steps_to_delete
 from hpctrain.checkpoint.safety import CheckpointError
 from hpctrain.checkpoint.storage import ChecksumWriter, Store, crc32c_of
 from hpctrain.errors import CheckpointFailure
+from hpctrain.files import TEMP_MARKER
 
 log = logging.getLogger(__name__)
 
@@ -137,10 +138,19 @@ def discard_failed(store: Store, tmp: str) -> None:
         )
 
 
+# What interrupted saves leave: temporary folders, half-removed steps, pointers being
+# replaced (`files.write_atomic`'s temporary names, and the names older versions used).
+_LEFTOVER_PREFIXES = (
+    TMP_PREFIX,
+    TRASH_PREFIX,
+    *(f"{dot}{pointer}{TEMP_MARKER}" for pointer in (LATEST_NAME, BEST_NAME) for dot in ("", ".")),
+)
+
+
 def remove_leftovers(store: Store) -> None:
-    """Remove what interrupted saves left: temporary folders and pointers, half-removed steps."""
+    """Remove what interrupted saves left in the root (`_LEFTOVER_PREFIXES`)."""
     for entry in store.listdir():
-        if entry.startswith((TMP_PREFIX, TRASH_PREFIX, f"{LATEST_NAME}.tmp-", f"{BEST_NAME}.tmp-")):
+        if entry.startswith(_LEFTOVER_PREFIXES):
             log.warning("removing %s left by an interrupted save", store.path(entry))
             store.rmtree(entry)
 
