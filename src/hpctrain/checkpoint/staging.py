@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint.staging import AsyncStager
+
+from hpctrain.compat_torch import stage_state_dict
 
 
 class ReusedBufferStager(AsyncStager):
@@ -17,19 +18,23 @@ class ReusedBufferStager(AsyncStager):
     device-to-host copies run at full speed. They are rebuilt when the structure changes.
     """
 
-    _synchronize_after_execute = False
-
     def __init__(self) -> None:
         self._buffers: dict[str, Any] | None = None
         self._signature: list[Any] | None = None
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         signature = _signature(state_dict)
-        if self._buffers is None or signature != self._signature:
-            pin = torch.cuda.is_available()
-            self._buffers = _create_cpu_state_dict(state_dict, pin_memory=pin)
-            self._signature = signature
-        return _copy_state_dict(state_dict, self._buffers, type_check=False)
+        if signature != self._signature:
+            self._buffers = None
+        staged, self._buffers = stage_state_dict(
+            state_dict, self._buffers, pin_memory=torch.cuda.is_available()
+        )
+        self._signature = signature
+        return staged
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False  # `stage` copies before it returns: nothing to wait for
 
     def synchronize_staging(self) -> None:
         pass

@@ -29,8 +29,6 @@ from typing import Any
 import crc32c
 import fsspec
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-from torch.distributed.checkpoint.filesystem import _StorageInfo, _StorageWriterTransforms
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
@@ -42,6 +40,7 @@ from hpctrain.checkpoint.safety import (
     SafeFsspecReader,
     check_trusted,
 )
+from hpctrain.compat_torch import FsspecWriter, StorageInfo, StorageWriterTransforms
 from hpctrain.files import fsync_folder, write_atomic
 
 _HASH_CHUNK = 8 << 20
@@ -129,7 +128,7 @@ class Store:
 
 
 @dataclasses.dataclass
-class _ChecksummedInfo(_StorageInfo):
+class _ChecksummedInfo(StorageInfo):
     """DCP's storage info of one item plus its CRC32C, on its way to the coordinator."""
 
     crc32c: int = 0
@@ -157,7 +156,7 @@ class _ChecksumStream(io.IOBase):
         super().close()
 
 
-class _ChecksumTransforms(_StorageWriterTransforms):
+class _ChecksumTransforms(StorageWriterTransforms):
     """Wraps the stream DCP writes each item to (the hook DCP offers per item)."""
 
     def __init__(self, sink: dict[MetadataIndex, int]) -> None:
@@ -288,9 +287,9 @@ class ChecksumWriter:
                         [info.offset, info.length, info.crc32c]
                     )
                     fields = {
-                        f.name: getattr(info, f.name) for f in dataclasses.fields(_StorageInfo)
+                        f.name: getattr(info, f.name) for f in dataclasses.fields(StorageInfo)
                     }
-                    result = dataclasses.replace(result, storage_data=_StorageInfo(**fields))
+                    result = dataclasses.replace(result, storage_data=StorageInfo(**fields))
                 plain.append(result)
             plain_results.append(plain)
         super().finish(metadata, plain_results)  # type: ignore[misc]
