@@ -142,7 +142,7 @@ def load_metadata_bytes(data: bytes, source: str) -> Metadata:
     return metadata
 
 
-def _read_metadata_safely(reader: FileSystemReader, rank: int | None) -> Metadata:
+def _read_metadata_safely(reader: Any, rank: int | None) -> Metadata:
     path = metadata_path(reader, rank)
     with reader.fs.create_stream(path, "rb") as stream:
         data = stream.read()
@@ -212,35 +212,32 @@ def _read_checked(file: IO[bytes], info: StorageInfo, checksums: ItemChecksums) 
     return io.BytesIO(data)
 
 
-class SafeFileSystemReader(FileSystemReader):
-    """`FileSystemReader` that reads `.metadata` through `RestrictedUnpickler` and checks each
-    item it reads against `checksums` (see `storage.py`)."""
+class SafeReader:
+    """Mixin for DCP file readers: `.metadata` through `RestrictedUnpickler`, and each item
+    read checked against `checksums` (see `storage.py`)."""
 
-    def __init__(self, path: str | os.PathLike, checksums: ItemChecksums | None = None) -> None:
-        super().__init__(path)
-        self.checksums = checksums or {}
+    checksums: ItemChecksums
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return _read_metadata_safely(self, kwargs.get("rank"))
 
     def _slice_file(self, file: Any, sinfo: StorageInfo) -> IO[bytes]:
         checked = _read_checked(file, sinfo, self.checksums) if self.checksums else None
-        return checked if checked is not None else super()._slice_file(file, sinfo)
+        if checked is not None:
+            return checked
+        return super()._slice_file(file, sinfo)  # type: ignore[misc]
 
 
-class SafeFsspecReader(FsspecReader):
-    """`FsspecReader` with the checks of `SafeFileSystemReader`."""
-
+class SafeFileSystemReader(SafeReader, FileSystemReader):
     def __init__(self, path: str | os.PathLike, checksums: ItemChecksums | None = None) -> None:
         super().__init__(path)
         self.checksums = checksums or {}
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        return _read_metadata_safely(self, kwargs.get("rank"))
 
-    def _slice_file(self, file: Any, sinfo: StorageInfo) -> IO[bytes]:
-        checked = _read_checked(file, sinfo, self.checksums) if self.checksums else None
-        return checked if checked is not None else super()._slice_file(file, sinfo)
+class SafeFsspecReader(SafeReader, FsspecReader):
+    def __init__(self, path: str | os.PathLike, checksums: ItemChecksums | None = None) -> None:
+        super().__init__(path)
+        self.checksums = checksums or {}
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
