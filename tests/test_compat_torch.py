@@ -66,3 +66,76 @@ def test_dataloader_persistent_workers_pids_and_shutdown():
     list(single)
     assert dataloader_worker_pids(single, strict=True) == []
     shutdown_dataloader_workers(single, strict=True)  # a no-op
+
+
+# --- ckpt ---
+
+
+def test_dcp_classes_come_from_their_private_modules():
+    from torch.distributed.checkpoint import _fsspec_filesystem, filesystem
+
+    from hpctrain import compat_torch
+
+    assert compat_torch.dcp_class("FsspecReader", strict=True) is _fsspec_filesystem.FsspecReader
+    assert compat_torch.dcp_class("FsspecWriter", strict=True) is _fsspec_filesystem.FsspecWriter
+    assert compat_torch.dcp_class("StorageInfo", strict=True) is filesystem._StorageInfo
+    writer_transforms = compat_torch.dcp_class("StorageWriterTransforms", strict=True)
+    assert writer_transforms is filesystem._StorageWriterTransforms
+    assert hasattr(writer_transforms, "transform_save_stream")
+    assert compat_torch.StorageInfo is filesystem._StorageInfo  # the lazy module attribute
+    # The readers check item checksums in this hook: without it they would check nothing.
+    assert callable(getattr(filesystem.FileSystemReader, "_slice_file", None))
+
+
+def test_staging_copies_into_the_buffers_it_made():
+    from hpctrain.compat_torch import stage_state_dict
+
+    state = {"w": torch.arange(4.0), "nested": {"b": torch.ones(2)}, "step": 3}
+    staged, buffers = stage_state_dict(state, None, pin_memory=False, strict=True)
+    assert buffers is not None and staged["step"] == 3
+    assert torch.equal(staged["w"], state["w"]) and staged["w"].data_ptr() != state["w"].data_ptr()
+    state["w"] += 1
+    again, same = stage_state_dict(state, buffers, pin_memory=False, strict=True)
+    assert same is buffers and again["w"].data_ptr() == staged["w"].data_ptr()
+    assert torch.equal(again["w"], state["w"]) and torch.equal(again["nested"]["b"], torch.ones(2))
+
+
+def test_set_element_is_dcp_s_and_the_fallback_does_the_same():
+    from hpctrain.compat_torch import _set_element, set_element
+
+    for setter in (lambda *a: set_element(*a, strict=True), _set_element):
+        root: dict = {"kept": 1}
+        setter(root, ("a", "b", 1, "c"), 5)
+        setter(root, ("top",), 7)
+        assert root == {"kept": 1, "a": {"b": [None, {"c": 5}]}, "top": 7}
+
+
+def test_metadata_path_is_the_one_the_reader_reads(tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from hpctrain.compat_torch import metadata_path
+
+    reader = FileSystemReader(str(tmp_path))
+    assert str(metadata_path(reader, strict=True)) == str(tmp_path / ".metadata")
+    assert str(metadata_path(reader, 2, strict=True)) == str(tmp_path / "__2.metadata")
+
+
+def test_the_fallbacks_of_a_torch_without_them_give_the_same(tmp_path, monkeypatch):
+    import sys
+
+    import pytest
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from hpctrain.compat_torch import metadata_path, stage_state_dict
+
+    reader = FileSystemReader(str(tmp_path))
+
+    class MovedReader:  # a reader of a torch without `_get_metadata_path`
+        fs, path = reader.fs, reader.path
+
+    with pytest.warns(RuntimeWarning, match="_get_metadata_path"):
+        assert str(metadata_path(MovedReader(), 1)) == str(metadata_path(reader, 1, strict=True))
+    monkeypatch.setitem(sys.modules, "torch.distributed._state_dict_utils", None)
+    with pytest.warns(RuntimeWarning, match="_copy_state_dict"):
+        staged, buffers = stage_state_dict({"w": torch.ones(3)}, None, pin_memory=False)
+    assert buffers is None and torch.equal(staged["w"], torch.ones(3))

@@ -12,6 +12,12 @@ version and the API, instead of the fallback hiding the change.
 | `torch.utils.data._utils.worker._worker_info`   | `get_worker_info()` in our workers   | none: it answers None there     |
 | `DataLoader._iterator._workers`                 | the bench's live workers' pids (CPU) | multiprocessing's live children |
 | `DataLoader._iterator._shutdown_workers()`      | the bench joins workers at once     | none: they exit when collected  |
+| `torch.distributed._state_dict_utils._create_cpu_state_dict`, `_copy_state_dict` | async saves stage into reused pinned buffers | `BlockingAsyncStager` (new buffers each save); watch for a public reusing stager |
+| `torch.distributed.checkpoint._traverse.set_element` | `SafeLoadPlanner.load_bytes` as DCP's | a copy here; watch for a `weights_only` `DefaultLoadPlanner` |
+| `FileSystemReader._get_metadata_path`           | the `.metadata` our safe reader reads | `fs.concat_path(path, ".metadata")`; watch for a public metadata path |
+| `checkpoint._fsspec_filesystem.FsspecReader`, `FsspecWriter` | checkpoints at fsspec URLs (subclassed) | `torch.distributed.checkpoint.FsspecReader`/`Writer`, the public export to watch for |
+| `checkpoint.filesystem._StorageInfo`, `_StorageWriterTransforms` | item checksums while DCP writes (subclassed) | none (`TorchAPIChanged`); watch for a public `StorageInfo` and stream-transform extension |
+| `FileSystemReader._slice_file` (overridden)     | item checksums while DCP reads       | none: tested only; watch for a public read-stream hook |
 
 Public replacements to watch for: a public way to close a `DataLoader`'s persistent workers
 (pytorch/pytorch#64766, #71383) would replace both `DataLoader._iterator` uses.
@@ -19,8 +25,10 @@ Public replacements to watch for: a public way to close a `DataLoader`'s persist
 
 from __future__ import annotations
 
+import importlib
+import itertools
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -119,3 +127,131 @@ def shutdown_dataloader_workers(loader: Any, *, strict: bool = False) -> None:
         if strict:
             raise error from exc
         warnings.warn(str(error), RuntimeWarning, stacklevel=2)
+
+
+# --- ckpt ---
+# DCP's private classes that `checkpoint/` subclasses or checks against, imported on first use
+# through the module's `__getattr__`: importing DCP takes seconds, and loader workers import
+# this module. Each name here: (private module, private name, public name to watch for).
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader as FsspecReader
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter as FsspecWriter
+    from torch.distributed.checkpoint.filesystem import (  # noqa: F401 (re-exported)
+        _StorageInfo as StorageInfo,
+    )
+    from torch.distributed.checkpoint.filesystem import (  # noqa: F401 (re-exported)
+        _StorageWriterTransforms as StorageWriterTransforms,
+    )
+
+_DCP = "torch.distributed.checkpoint"
+_DCP_CLASSES = {
+    "FsspecReader": (f"{_DCP}._fsspec_filesystem", "FsspecReader", f"{_DCP}.FsspecReader"),
+    "FsspecWriter": (f"{_DCP}._fsspec_filesystem", "FsspecWriter", f"{_DCP}.FsspecWriter"),
+    "StorageInfo": (f"{_DCP}.filesystem", "_StorageInfo", ""),
+    "StorageWriterTransforms": (f"{_DCP}.filesystem", "_StorageWriterTransforms", ""),
+}
+
+
+def dcp_class(name: str, *, strict: bool = False) -> Any:
+    """DCP's class `name` of `_DCP_CLASSES`, from its private module; if torch moved it,
+    its public export with a warning (`strict`: `TorchAPIChanged` instead), or, without
+    one, `TorchAPIChanged`: hpctrain's checkpoints need it."""
+    module, private, public = _DCP_CLASSES[name]
+    try:
+        return getattr(importlib.import_module(module), private)
+    except (ImportError, AttributeError) as exc:
+        error = _changed(f"{module}.{private}", exc)
+        if strict or not public:
+            raise error from exc
+        warnings.warn(str(error), RuntimeWarning, stacklevel=2)
+        public_module, _, public_name = public.rpartition(".")
+        return getattr(importlib.import_module(public_module), public_name)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _DCP_CLASSES:
+        return dcp_class(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def stage_state_dict(
+    state_dict: dict[str, Any],
+    buffers: dict[str, Any] | None,
+    *,
+    pin_memory: bool,
+    strict: bool = False,
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """A CPU copy of `state_dict`, made into `buffers` (the CPU tensors an earlier call
+    returned for the same structure) or, with None, into new ones (pinned with `pin_memory`).
+
+    Returns (the copy, the buffers for the next call). Without the private functions (a
+    torch that moved them): DCP's public `BlockingAsyncStager`, new unpinned buffers each
+    call (slower), and None as buffers, with a warning; `strict`: `TorchAPIChanged` instead.
+    """
+    try:
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+        if buffers is None:
+            buffers = _create_cpu_state_dict(state_dict, pin_memory=pin_memory)
+        return _copy_state_dict(state_dict, buffers, type_check=False), buffers
+    except (ImportError, TypeError) as exc:
+        error = _changed("torch.distributed._state_dict_utils._copy_state_dict", exc)
+        if strict:
+            raise error from exc
+        warnings.warn(str(error), RuntimeWarning, stacklevel=2)
+    from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+    return BlockingAsyncStager().stage(state_dict), None
+
+
+def _set_element(root: Any, path: tuple[Any, ...], value: Any) -> None:
+    """DCP's `set_element`: `value` at the object path `path` (str keys, int list indices)
+    of `root`, creating the dicts and lists on the way."""
+    container = root
+    for key, next_key in itertools.pairwise(path):
+        empty: Any = {} if type(next_key) is str else []
+        if isinstance(container, dict):
+            container = container.setdefault(key, empty)
+        else:
+            container.extend([None] * (key + 1 - len(container)))
+            if container[key] is None:
+                container[key] = empty
+            container = container[key]
+    if type(path[-1]) is int:
+        container.extend([None] * (path[-1] + 1 - len(container)))
+    container[path[-1]] = value
+
+
+def set_element(root: Any, path: tuple[Any, ...], value: Any, *, strict: bool = False) -> None:
+    """Set `value` at DCP object path `path` of state dict `root` as DCP's loader does.
+
+    Without the private function: the copy above, with a warning; `strict`:
+    `TorchAPIChanged` instead.
+    """
+    try:
+        from torch.distributed.checkpoint._traverse import set_element as dcp_set_element
+    except ImportError as exc:
+        error = _changed("torch.distributed.checkpoint._traverse.set_element", exc)
+        if strict:
+            raise error from exc
+        warnings.warn(str(error), RuntimeWarning, stacklevel=2)
+        _set_element(root, path, value)
+        return
+    dcp_set_element(root, path, value)
+
+
+def metadata_path(reader: Any, rank: int | None = None, *, strict: bool = False) -> Any:
+    """The path of the `.metadata` file that DCP file reader `reader` reads (for `rank`).
+
+    Without the private method: `.metadata` (`__<rank>.metadata`) in the reader's folder,
+    as torch 2.14 names it, with a warning; `strict`: `TorchAPIChanged` instead.
+    """
+    try:
+        return reader._get_metadata_path(rank)
+    except (AttributeError, TypeError) as exc:
+        error = _changed("FileSystemReader._get_metadata_path", exc)
+        if strict:
+            raise error from exc
+        warnings.warn(str(error), RuntimeWarning, stacklevel=2)
+    name = ".metadata" if rank is None else f"__{rank}.metadata"
+    return reader.fs.concat_path(reader.path, name)

@@ -185,7 +185,9 @@ def test_leftovers_of_killed_saves_are_ignored_and_removed(tmp_path):
     manager.save(1, states_of(model, optimizer, 1))
     (root / ".tmp-step-2").mkdir()
     (root / ".tmp-step-2" / "__0_0.distcp").write_bytes(b"half")
-    (root / "latest.tmp-123").write_text("step-")
+    (root / "latest.tmp-123").write_text("step-")  # the name earlier versions used
+    (root / ".latest.tmp-124").write_text("step-")  # files.write_atomic's
+    (root / ".best.tmp-125").write_text("step-")
     assert manager.load(states_of(model, optimizer)) == 1
     CheckpointManager(str(root), keep_last=3)  # a restart cleans up
     assert sorted(os.listdir(root)) == [".lock", "latest", "step-1"]
@@ -420,7 +422,7 @@ def test_latest_pointer_wins_over_a_higher_step(tmp_path):
 
 
 def test_steps_to_try_follow_the_pointer_not_the_clock():
-    from hpctrain.checkpoint.manager import steps_to_try
+    from hpctrain.checkpoint.selection import steps_to_try
 
     assert steps_to_try([1, 2, 3], None) == ([3, 2, 1], [])  # no pointer: highest first
     assert steps_to_try([1, 2, 3], 3) == ([3, 2, 1], [])

@@ -13,37 +13,10 @@ Layout of a checkpoint root (`checkpoint.dir`, default `RUN_DIR/checkpoints`):
                          an earlier run's, set aside by a start with `--resume none`
     .lock                the run lock (lock.py): one run at a time owns the root
 
-Commit protocol (rank 0, after every rank's DCP write returned, which DCP reports only once
-all ranks' files are written and fsynced): write `manifest.json` inside `.tmp-step-<N>/`,
-fsync the files and the folder, rename it to `step-<N>/`, fsync the root, then replace
-`latest` atomically. A kill at any point leaves either no `step-<N>/` or a complete one.
-
-Which checkpoint `load("latest")` picks, by step numbers and the pointer only (never by the
-times in manifests: node clocks differ):
-
-1. `latest` names the newest committed step of the current run. Each manifest names its
-   `parent`: the step the saving run had loaded or saved before it (null for a run's first
-   save). The one step past the pointer whose parent is the pointer's step is the current
-   run's too (a commit cut between its rename and the pointer: a SIGKILL at the end of a
-   preemption save must not lose that save): it is tried first. Other steps above the
-   pointer (a run started over with `--resume none` over older, higher steps) are never
-   loaded, and set aside as `.abandoned-step-<N>` when the run resumes below them (as for a
-   rollback with `--resume PATH`, which sets aside everything past the resumed step).
-2. Then the step the pointer names, if it verifies; else the highest step below it that
-   verifies. Each one that fails is set aside as `.damaged-step-<N>` with the reason logged.
-3. Without a readable pointer (a first save cut before it), the highest step that verifies.
-
-Best checkpoints (`keep_best` > 0): a save may carry a score, the value of the monitored
-evaluation metric at that step; its manifest records it with the metric's name. After every
-commit, retention keeps the `keep_best` best scored checkpoints (of the same metric) besides
-the `keep_last` newest, and `best` is replaced (atomically, like `latest`) to name the best.
-
-Verification (`checkpoint.verify`): the manifest parses with the right types, every file has
-its size, `.metadata` its CRC32C, and every storage path `.metadata` names is a file of this
-folder; with "crc32c" (the default) each item read is checked against the CRC32C computed
-while it was written, so a flipped byte found while loading also sets the checkpoint aside and
-falls back. "sha256" also hashes every file on rank 0 before loading; "size" skips the
-checksums (and saves without them).
+The manager runs the collectives; the jobs have their own modules: the manifest and its
+verification (`manifest.py`), which checkpoint a load picks (`selection.py`), the commit
+protocol and retention (`commit.py`), async staging (`staging.py`), file operations and
+checksums (`storage.py`), safe loading (`safety.py`).
 """
 
 from __future__ import annotations
@@ -51,52 +24,73 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import re
-import time
 import warnings
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.staging import AsyncStager
 
-import hpctrain
+from hpctrain.checkpoint.commit import (
+    CheckpointSaveError,
+    Retention,
+    commit,
+    discard_failed,
+    manifest_head,
+    remove_leftovers,
+    save_planner,
+)
 from hpctrain.checkpoint.lock import RunLock, lock_run, unlock_run
-from hpctrain.checkpoint.retention import best_steps, steps_to_delete
+from hpctrain.checkpoint.manifest import (
+    BEST_NAME,
+    DAMAGED_PREFIX,
+    DEFAULT_VERIFY,
+    MANIFEST_NAME,
+    TMP_PREFIX,
+    VERIFY_MODES,
+    check_root_trusted,
+    committed_steps,
+    item_checksums,
+    parse_manifest,
+    read_latest,
+    step_dir_name,
+    verify_checkpoint,
+)
+from hpctrain.checkpoint.retention import best_steps
 from hpctrain.checkpoint.safety import (
     CheckpointError,
     ChecksumMismatchError,
-    ItemChecksums,
     SafeLoadPlanner,
     UnsafeCheckpointError,
-    is_plain_file_name,
-    load_metadata_bytes,
 )
+from hpctrain.checkpoint.selection import (
+    choose,
+    set_aside,
+    set_aside_all,
+    set_aside_newer,
+    steps_to_try,
+)
+from hpctrain.checkpoint.staging import ReusedBufferStager
 from hpctrain.checkpoint.state import PerRankState
-from hpctrain.checkpoint.storage import LAST_FILE, ChecksumWriter, Store, crc32c_of, open_store
-from hpctrain.errors import CheckpointFailure, RunLockedError
+from hpctrain.checkpoint.storage import open_store
+from hpctrain.errors import RunLockedError
+
+# Imported from here by other modules (the checkpoint package re-exports the public ones).
+__all__ = [
+    "BEST_NAME",
+    "CheckpointManager",
+    "CheckpointSaveError",
+    "check_root_trusted",
+    "committed_steps",
+    "item_checksums",
+    "read_latest",
+    "step_dir_name",
+    "steps_to_try",
+    "verify_checkpoint",
+]
 
 log = logging.getLogger(__name__)
-
-STEP_PREFIX = "step-"
-TMP_PREFIX = ".tmp-step-"
-TRASH_PREFIX = ".trash-step-"
-DAMAGED_PREFIX = ".damaged-step-"
-ABANDONED_PREFIX = ".abandoned-step-"
-LATEST_NAME = "latest"
-BEST_NAME = "best"
-MANIFEST_NAME = LAST_FILE
-MANIFEST_FORMAT = 1
-VERIFY_MODES = ("size", "crc32c", "sha256")
-DEFAULT_VERIFY = "crc32c"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def _silence_single_process_warning() -> None:
@@ -106,10 +100,6 @@ def _silence_single_process_warning() -> None:
     warnings.filterwarnings(
         "ignore", message="torch.distributed is disabled, unavailable or uninit"
     )
-
-
-class CheckpointSaveError(CheckpointFailure, RuntimeError):
-    """A save failed (in the background for async saves); the message names the path."""
 
 
 # What every rank raises when rank 0 cannot start on the root (see `_start_on_rank0`).
@@ -146,267 +136,6 @@ def _describe(exc: BaseException) -> str:
         cause = cause.__cause__ or cause.__context__
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
-
-
-def _planner() -> DefaultSavePlanner:
-    # A value under the same key on every rank is written once. DCP's default picks the rank
-    # with the least to write, but "replicated" values can differ: BatchNorm running stats
-    # under DDP are updated from each rank's batch and made equal again only by the broadcast
-    # from rank 0 at the next forward. Saving rank 0's copy is what makes a resume bitwise
-    # identical; sharded (FSDP2) tensors are unaffected, each rank still writes its shards.
-    return DefaultSavePlanner(dedup_save_to_lowest_rank=True)
-
-
-def step_dir_name(step: int) -> str:
-    return f"{STEP_PREFIX}{step}"
-
-
-def committed_steps(store: Store) -> list[int]:
-    """Steps with a committed `step-<N>/` folder in the store, ascending (not verified)."""
-    steps = []
-    for name in store.listdir():
-        match = _STEP_DIR.match(name)
-        if match:
-            steps.append(int(match.group(1)))
-    return sorted(steps)
-
-
-def _is_count(value: object, minimum: int = 0) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
-
-
-def _check_file_entry(fname: object, info: object) -> str | None:
-    """What is wrong with one `files` entry of a manifest, or None."""
-    if not is_plain_file_name(fname):
-        return f"file name {fname!r} is not a plain name"
-    if not isinstance(info, dict) or not _is_count(info.get("size")):
-        return f"{fname}: entry without a byte size"
-    if "sha256" in info and not (isinstance(info["sha256"], str) and _SHA256.match(info["sha256"])):
-        return f"{fname}: sha256 is not 64 hex digits"
-    if "crc32c" in info:
-        chunks = info["crc32c"]
-        if not isinstance(chunks, list) or not all(
-            isinstance(c, list) and len(c) == 3 and all(_is_count(v) for v in c) for c in chunks
-        ):
-            return f"{fname}: crc32c is not a list of [offset, length, crc]"
-        end = 0
-        for offset, length, _crc in sorted(chunks):  # the items cover the file, no byte unchecked
-            if offset != end:
-                return f"{fname}: crc32c items do not cover bytes {end}..{offset}"
-            end = offset + length
-        if end != info["size"]:
-            return f"{fname}: crc32c items cover {end} of {info['size']} bytes"
-    return None
-
-
-def parse_manifest(data: bytes, where: str, name: str = "") -> dict[str, Any]:
-    """The manifest of checkpoint folder `name`, or `CheckpointError` for anything malformed
-    (not JSON, a missing field, a wrong type, a step other than the folder's)."""
-
-    def bad(why: str) -> CheckpointError:
-        return CheckpointError(f"{where}: unreadable manifest ({why})")
-
-    try:
-        manifest = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise bad(f"not JSON: {exc}") from None
-    if not isinstance(manifest, dict):
-        raise bad(f"a JSON {type(manifest).__name__}, not an object")
-    if manifest.get("format") != MANIFEST_FORMAT:
-        raise CheckpointError(f"{where}: manifest format {manifest.get('format')!r} unknown")
-    for key, minimum in (("step", 0), ("world_size", 1)):
-        if not _is_count(manifest.get(key), minimum):
-            raise bad(f"{key} is {manifest.get(key)!r}, not an integer >= {minimum}")
-    for key in ("metadata", "versions"):
-        if not isinstance(manifest.get(key, {}), dict):
-            raise bad(f"{key} is not an object")
-    if manifest.get("parent") is not None and not _is_count(manifest["parent"], 0):
-        raise bad(f"parent is {manifest['parent']!r}, not null or an integer >= 0")
-    score = manifest.get("score")
-    if score is not None and not (
-        isinstance(score, dict)
-        and isinstance(score.get("monitor"), str)
-        and isinstance(score.get("value"), (int, float))
-        and not isinstance(score.get("value"), bool)
-    ):
-        raise bad(f"score is {score!r}, not null or {{monitor: name, value: number}}")
-    files = manifest.get("files")
-    if not isinstance(files, dict) or not files:
-        raise bad("files is not an object of file entries")
-    for fname, info in files.items():
-        problem = _check_file_entry(fname, info)
-        if problem is not None:
-            raise bad(problem)
-    if ".metadata" not in files:
-        raise CheckpointError(f"{where}: the manifest lists no DCP .metadata")
-    match = _STEP_DIR.match(name)
-    if match and int(match.group(1)) != manifest["step"]:
-        raise bad(f"step {manifest['step']} in folder {name}")
-    return manifest
-
-
-def item_checksums(manifest: dict[str, Any]) -> ItemChecksums:
-    """(file, offset) -> (length, crc32c) of every DCP item, for the readers."""
-    return {
-        (fname, offset): (length, crc)
-        for fname, info in manifest["files"].items()
-        if fname != ".metadata"
-        for offset, length, crc in info.get("crc32c", ())
-    }
-
-
-def verify_checkpoint(store: Store, name: str, verify: str = DEFAULT_VERIFY) -> dict[str, Any]:
-    """Check `name` against its manifest and return the manifest, or raise `CheckpointError`.
-
-    Checks the manifest, file sizes, the CRC32C of `.metadata`, and that every storage path
-    in `.metadata` is a file of this folder (see the module docstring; item checksums are
-    checked while DCP reads). Raises `UnsafeCheckpointError` (not a damage to fall back
-    from) when the folder is not trusted or its `.metadata` would run code or read outside.
-    """
-    where = store.path(name)
-    store.check_trusted(["", name])
-    if not store.exists(f"{name}/{MANIFEST_NAME}"):
-        raise CheckpointError(f"{where}: no {MANIFEST_NAME} (not a committed hpctrain checkpoint)")
-    manifest = parse_manifest(
-        store.read_bytes(f"{name}/{MANIFEST_NAME}"), f"{where}/{MANIFEST_NAME}", name
-    )
-    files = manifest["files"]
-    present = set(store.listdir(name))
-    store.check_trusted([f"{name}/{f}" for f in sorted(present)])
-    for fname, info in sorted(files.items()):
-        if fname not in present:
-            raise CheckpointError(f"{where}/{fname}: missing")
-        size = store.size(f"{name}/{fname}")
-        if size != info["size"]:
-            raise CheckpointError(f"{where}/{fname}: {size} bytes, manifest says {info['size']}")
-        if verify == "sha256" and "sha256" in info:
-            digest = store.sha256(f"{name}/{fname}")
-            if digest != info["sha256"]:
-                raise CheckpointError(f"{where}/{fname}: sha256 differs from the manifest")
-    data = store.read_bytes(f"{name}/.metadata")
-    chunks = files[".metadata"].get("crc32c")
-    if verify != "size" and chunks and chunks[0][2] != crc32c_of(data):
-        raise ChecksumMismatchError(f"{where}/.metadata: crc32c differs from the manifest")
-    # Refuse a crafted .metadata here already, before any rank hands the folder to DCP.
-    metadata = load_metadata_bytes(data, f"{where}/.metadata")
-    for info in metadata.storage_data.values():
-        entry = files.get(info.relative_path)
-        if entry is None:
-            raise CheckpointError(
-                f"{where}/.metadata: names {info.relative_path!r}, not a file of the manifest"
-            )
-        if info.offset + info.length > entry["size"]:
-            raise CheckpointError(f"{where}/{info.relative_path}: shorter than .metadata says")
-    return manifest
-
-
-def read_latest(store: Store, pointer: str = LATEST_NAME) -> int | None:
-    """The step `latest` (or the `best` pointer) names; None when missing or not `step-<N>`."""
-    try:
-        text = store.read_bytes(pointer).decode().strip()
-    except (FileNotFoundError, UnicodeDecodeError):
-        return None
-    match = _STEP_DIR.match(text)
-    if match is None:
-        log.warning("%s holds %r, not step-<N>: ignored", store.path(pointer), text[:40])
-        return None
-    return int(match.group(1))
-
-
-def _parent_of(store: Store, step: int) -> int | None:
-    """The `parent` that step `step`'s manifest names; None when it names none or is
-    unreadable (verification then says why, if the step is ever tried)."""
-    name = step_dir_name(step)
-    try:
-        manifest = parse_manifest(store.read_bytes(f"{name}/{MANIFEST_NAME}"), name, name)
-    except (OSError, CheckpointError):
-        return None
-    parent = manifest.get("parent")
-    return parent if isinstance(parent, int) else None
-
-
-def steps_to_try(
-    steps: list[int], pointer: int | None, parent_of: Callable[[int], int | None] = lambda s: None
-) -> tuple[list[int], list[int]]:
-    """(steps to try in this order, steps past the pointer that are never loaded): the rule
-    of the module docstring, from the committed steps, `latest`'s step and the `parent` that
-    a step's manifest names (None when unreadable)."""
-    if pointer is None:
-        return sorted(steps, reverse=True), []
-    below = sorted((s for s in steps if s <= pointer), reverse=True)
-    past = sorted(s for s in steps if s > pointer)
-    if past and parent_of(past[0]) == pointer:  # the next commit, cut before the pointer
-        return [past[0], *below], past[1:]
-    return below, past
-
-
-def check_root_trusted(store: Store) -> None:
-    """Refuse a checkpoint root that a later load would refuse (`UnsafeCheckpointError`).
-
-    Checks what loads check (the root, `latest`, every committed `step-<N>` and its files,
-    the folders above the root); run at start-up, so that a run never trains for hours
-    towards checkpoints it will not load. A root that does not exist yet: its parents.
-    """
-    if not store.exists(""):
-        store.check_trusted([])
-        return
-    names = [""] + ([LATEST_NAME] if store.exists(LATEST_NAME) else [])
-    for step in committed_steps(store):
-        folder = step_dir_name(step)
-        names += [folder] + [f"{folder}/{f}" for f in store.listdir(folder)]
-    store.check_trusted(names)
-
-
-class _ReusedBufferStager(AsyncStager):
-    """Stages a state dict into CPU buffers allocated once and reused by later saves.
-
-    The copy is the only time an async save blocks training; allocating fresh buffers each time
-    (DCP's default stager) roughly doubles it. Buffers are pinned when CUDA is available so
-    device-to-host copies run at full speed. They are rebuilt when the structure changes.
-    """
-
-    _synchronize_after_execute = False
-
-    def __init__(self) -> None:
-        self._buffers: dict[str, Any] | None = None
-        self._signature: list[Any] | None = None
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        signature = _signature(state_dict)
-        if self._buffers is None or signature != self._signature:
-            pin = torch.cuda.is_available()
-            self._buffers = _create_cpu_state_dict(state_dict, pin_memory=pin)
-            self._signature = signature
-        return _copy_state_dict(state_dict, self._buffers, type_check=False)
-
-    def synchronize_staging(self) -> None:
-        pass
-
-    def close(self) -> None:
-        self._buffers = None
-        self._signature = None
-
-
-def _signature(obj: Any) -> list[Any]:
-    """Structure of a state dict: keys, and shape/dtype of every tensor (local shard)."""
-    out: list[Any] = []
-
-    def walk(value: Any, path: str) -> None:
-        if isinstance(value, torch.Tensor):
-            local = value.to_local() if hasattr(value, "to_local") else value
-            out.append((path, tuple(local.shape), local.dtype, local.device.type))
-        elif isinstance(value, dict):
-            for key in value:
-                walk(value[key], f"{path}.{key}")
-        elif isinstance(value, (list, tuple)):
-            out.append((path, type(value).__name__, len(value)))
-            for i, item in enumerate(value):
-                walk(item, f"{path}.{i}")
-        else:
-            out.append((path, type(value).__name__))
-
-    walk(obj, "")
-    return out
 
 
 class CheckpointManager:
@@ -467,12 +196,19 @@ class CheckpointManager:
                 "checkpoint.keep_best needs checkpoint.monitor (the metric to rank by)"
             )
         best_steps({}, keep_best=0, mode=mode)  # refuses an unknown mode now, not at a commit
-        self._scores: dict[int, float | None] = {}  # rank 0: step -> score, read from manifests
         self.loaded_manifest: dict[str, Any] | None = None
         self.loaded_from = ""  # the path of the loaded checkpoint
         self.tried_manifest: dict[str, Any] | None = None  # of a load that failed, to explain it
         self.missing_states: list[str] = []  # `optional` states the loaded checkpoint lacked
         self._store = open_store(root)
+        self._retention = Retention(  # rank 0
+            self._store,
+            keep_last=keep_last,
+            keep_every=keep_every,
+            keep_best=keep_best,
+            monitor=monitor,
+            mode=mode,
+        )
         self._distributed = dist.is_available() and dist.is_initialized()
         self._rank = dist.get_rank() if self._distributed else 0
         self._world_size = dist.get_world_size() if self._distributed else 1
@@ -484,7 +220,7 @@ class CheckpointManager:
         else:
             _silence_single_process_warning()
         self._executor = ThreadPoolExecutor(1, "hpctrain-checkpoint") if async_save else None
-        self._stager = _ReusedBufferStager() if async_save else None
+        self._stager = ReusedBufferStager() if async_save else None
         self._pending: Future[None] | None = None
         self._pending_where = ""
         self._pending_step: int | None = None
@@ -538,7 +274,7 @@ class CheckpointManager:
             self._pending = Future()
             try:
                 dcp.save(
-                    states, storage_writer=writer, planner=_planner(), process_group=self._group
+                    states, storage_writer=writer, planner=save_planner(), process_group=self._group
                 )
                 self._commit(step, manifest, writer)
                 self._pending.set_result(None)
@@ -551,7 +287,7 @@ class CheckpointManager:
         upload = dcp.async_save(
             states,
             storage_writer=writer,
-            planner=_planner(),
+            planner=save_planner(),
             process_group=self._group,
             async_stager=self._stager,
         )
@@ -575,8 +311,8 @@ class CheckpointManager:
             head = self._manifest_head(step, metadata, score)
             manifest.update(metadata=head["metadata"], score=head["score"])
             self._store.write_atomic(path, json.dumps(manifest).encode())
-            self._scores.pop(step, None)
-            self._apply_retention(protect=step)
+            self._retention.forget(step)
+            self._retention.apply(protect=step)
         self._broadcast(None)  # every rank returns after the manifest is replaced
 
     def wait(self) -> None:
@@ -634,8 +370,8 @@ class CheckpointManager:
         """
         self.wait()
         if which == "none":
-            if self._rank == 0:
-                self._set_aside_all()
+            if self._rank == 0 and set_aside_all(self._store):
+                self._retention.forget()
             self._broadcast(None)  # no rank saves before rank 0 has set them aside
             return None
         skip: set[str] = set()  # rank 0: checkpoints found damaged while reading
@@ -644,9 +380,10 @@ class CheckpointManager:
             choice: tuple[str, str, dict[str, Any]] | str | None = None
             if self._rank == 0:
                 try:
-                    choice = self._choose(which, skip)
-                    if choice is not None:
-                        self._set_aside_newer(*choice)
+                    choice = choose(self._store, which, self.verify, skip)
+                    newer = set_aside_newer(self._store, choice) if choice is not None else []
+                    if newer and self.keep_best:  # `best` may name one of them
+                        self._retention.repoint_best()
                 except CheckpointError as exc:
                     choice = f"{type(exc).__name__}\t{exc}"
             choice = self._broadcast(choice)
@@ -670,7 +407,7 @@ class CheckpointManager:
                 if self._rank == 0:
                     skip.add(open_store(root).path(name))
                     if open_store(root).root == self._store.root:
-                        self._set_aside([manifest["step"]], DAMAGED_PREFIX, "damaged")
+                        set_aside(self._store, [manifest["step"]], DAMAGED_PREFIX, "damaged")
 
     def _load_chosen(
         self,
@@ -757,18 +494,14 @@ class CheckpointManager:
     def _manifest_head(
         self, step: int, metadata: dict | None, score: float | None = None
     ) -> dict[str, Any]:
-        head = {
-            "format": MANIFEST_FORMAT,
-            "step": step,
-            "world_size": self._world_size,
-            "time": time.time(),
-            "versions": {"hpctrain": hpctrain.__version__, "torch": torch.__version__},
-            "metadata": metadata or {},
-            "parent": self._parent,  # see the module docstring's rule 1
-            "score": None if score is None else {"monitor": self.monitor, "value": float(score)},
-        }
-        json.dumps(head)  # fail now, in the caller, for metadata that cannot be written
-        return head
+        return manifest_head(
+            step,
+            world_size=self._world_size,
+            parent=self._parent,
+            metadata=metadata,
+            monitor=self.monitor,
+            score=score,
+        )
 
     def _finish_async(
         self, upload: Future[Any], step: int, manifest: dict[str, Any], writer: Any
@@ -781,109 +514,14 @@ class CheckpointManager:
             raise
 
     def _discard_failed(self, tmp: str) -> None:
-        """Rank 0: remove the temporary folder of a save that failed, lock still held.
-
-        DCP reports a failed write on rank 0 only once every rank's write returned, and a
-        writer returns only once none of its threads writes any more (storage.py): nothing
-        writes into `tmp` now. Left in place, a save that filled the disk would keep it full,
-        and the next start could not even write its run lock. Committed folders are never
-        touched: `tmp` is gone once its commit renamed it.
-        """
-        if self._rank != 0:
-            return
-        try:
-            if self._store.exists(tmp):
-                self._store.rmtree(tmp)
-                log.warning("removed %s of the failed save", self._store.path(tmp))
-        except OSError as exc:
-            log.warning(
-                "could not remove %s of the failed save (%s); the next start removes it",
-                self._store.path(tmp),
-                exc.strerror or exc,
-            )
+        if self._rank == 0:
+            discard_failed(self._store, tmp)
 
     def _commit(self, step: int, manifest: dict[str, Any], writer: Any) -> None:
-        """Rank 0: manifest, fsync, rename, `latest`, retention (see the module docstring)."""
-        if self._rank != 0:
-            return
-        store, tmp, name = self._store, f"{TMP_PREFIX}{step}", step_dir_name(step)
-        # Item checksums of every rank's files, gathered by DCP into the coordinator's writer.
-        checksums = (
-            writer.checksums
-            if isinstance(writer, ChecksumWriter) and writer.compute_checksums
-            else None
-        )
-        files: dict[str, dict[str, Any]] = {}
-        for fname in store.listdir(tmp):
-            if fname == MANIFEST_NAME:
-                continue
-            info: dict[str, Any] = {"size": store.size(f"{tmp}/{fname}")}
-            if checksums is not None and fname == ".metadata":
-                info["crc32c"] = [[0, info["size"], crc32c_of(store.read_bytes(f"{tmp}/{fname}"))]]
-            elif checksums is not None:
-                info["crc32c"] = checksums.get(fname, [])
-            if self.verify == "sha256":
-                info["sha256"] = store.sha256(f"{tmp}/{fname}")
-            files[fname] = info
-        if ".metadata" not in files:
-            raise CheckpointSaveError(f"{store.path(tmp)}: DCP wrote no .metadata")
-        for fname, info in files.items():  # never commit what no load would accept
-            problem = _check_file_entry(fname, info)
-            if problem is not None:
-                raise CheckpointSaveError(f"{store.path(tmp)}: {problem}")
-        store.write_atomic(
-            f"{tmp}/{MANIFEST_NAME}", json.dumps({**manifest, "files": files}).encode()
-        )
-        store.sync_dir(tmp)
-        store.rename_dir(tmp, name)
-        store.write_atomic(LATEST_NAME, f"{name}\n".encode())
-        log.info("checkpoint committed: %s", store.path(name))
-        self._apply_retention(protect=step)
-
-    def _apply_retention(self, protect: int) -> None:
-        store = self._store
-        committed = committed_steps(store)
-        scores = self._read_scores(committed) if self.keep_best else {}
-        for step in steps_to_delete(
-            committed,
-            keep_last=self.keep_last,
-            keep_every=self.keep_every,
-            protect={protect},
-            scores=scores,
-            keep_best=self.keep_best,
-            mode=self.mode,
-        ):
-            # Never a half-deleted step-<N> after a kill: rename first (local) or remove the
-            # manifest first (object stores).
-            store.remove_dir(step_dir_name(step), f"{TRASH_PREFIX}{step}")
-        if self.keep_best:
-            self._point_best(scores)
-
-    def _read_scores(self, steps: list[int]) -> dict[int, float]:
-        """Rank 0: the scores of `steps` for this manager's metric (manifests read once)."""
-        for step in steps:
-            if step not in self._scores:
-                name = step_dir_name(step)
-                try:
-                    score = parse_manifest(
-                        self._store.read_bytes(f"{name}/{MANIFEST_NAME}"), name, name
-                    ).get("score")
-                except (OSError, CheckpointError):
-                    score = None  # unreadable: never best; loading would set it aside anyway
-                if score is not None and score["monitor"] == self.monitor:
-                    self._scores[step] = float(score["value"])
-                else:
-                    self._scores[step] = None
-        return {s: v for s in steps if (v := self._scores[s]) is not None}
-
-    def _point_best(self, scores: dict[int, float]) -> None:
-        """Rank 0: make `best` name the best committed checkpoint (or remove a stale one)."""
-        best = best_steps(scores, keep_best=1, mode=self.mode)
-        if best:
-            if read_latest(self._store, BEST_NAME) != best[0]:
-                self._store.write_atomic(BEST_NAME, f"{step_dir_name(best[0])}\n".encode())
-        elif self._store.exists(BEST_NAME):
-            self._store.rmtree(BEST_NAME)  # names a checkpoint that is gone
+        """Rank 0: commit checkpoint `step` (commit.py), then apply retention."""
+        if self._rank == 0:
+            commit(self._store, step, manifest, writer, self.verify)
+            self._retention.apply(protect=step)
 
     def best_step(self) -> int | None:
         """The step `best` names (local, not verified), or None."""
@@ -897,7 +535,7 @@ class CheckpointManager:
             self._store.makedirs()
             check_root_trusted(self._store)
             self._lock = lock_run(self.root)
-            self._remove_leftovers()
+            remove_leftovers(self._store)
         except UnsafeCheckpointError as exc:
             return "unsafe", str(exc)
         except RunLockedError as exc:
@@ -909,125 +547,7 @@ class CheckpointManager:
             )
         return None
 
-    def _remove_leftovers(self) -> None:
-        for entry in self._store.listdir():
-            if entry.startswith(
-                (TMP_PREFIX, TRASH_PREFIX, f"{LATEST_NAME}.tmp-", f"{BEST_NAME}.tmp-")
-            ):
-                log.warning("removing %s left by an interrupted save", self._store.path(entry))
-                self._store.rmtree(entry)
-
     # -- loading ----------------------------------------------------------------------------
-
-    def _choose(self, which: str, skip: set[str]) -> tuple[str, str, dict[str, Any]] | None:
-        """Rank 0: (root, folder name, manifest) of the checkpoint to load, or None."""
-        if which != "latest":
-            parent, _, leaf = which.rstrip("/").rpartition("/")
-            store = open_store(parent or ".")
-            if store.exists(f"{leaf}/{MANIFEST_NAME}"):
-                return store.root, leaf, verify_checkpoint(store, leaf, self.verify)
-            root_store = open_store(which)
-            if not committed_steps(root_store):
-                raise CheckpointError(f"{which}: neither a checkpoint nor a folder of checkpoints")
-            return self._choose_newest(root_store, skip)
-        return self._choose_newest(self._store, skip)
-
-    def _choose_newest(
-        self, store: Store, skip: set[str]
-    ) -> tuple[str, str, dict[str, Any]] | None:
-        """Rank 0: the checkpoint of `store` that the rule of the module docstring picks."""
-        steps = committed_steps(store)
-        if not steps:
-            return None
-        pointer = read_latest(store)
-        candidates, past = steps_to_try(steps, pointer, lambda s: _parent_of(store, s))
-        if past:
-            log.warning(
-                "%s names step-%d: %s past it are not the current run's and are not loaded",
-                store.path(LATEST_NAME),
-                pointer,
-                ", ".join(step_dir_name(s) for s in past),
-            )
-        problems, damaged = [], []
-        for step in candidates:
-            name = step_dir_name(step)
-            if store.path(name) in skip:
-                continue
-            try:
-                manifest = verify_checkpoint(store, name, self.verify)
-            except UnsafeCheckpointError:
-                raise
-            except CheckpointError as exc:
-                log.warning("checkpoint %s is damaged, trying an older one: %s", name, exc)
-                problems.append(str(exc))
-                damaged.append(step)
-                continue
-            if problems:
-                log.warning(
-                    "falling back to %s (%d newer damaged)", store.path(name), len(problems)
-                )
-            if store.root == self._store.root:
-                self._set_aside(damaged, DAMAGED_PREFIX, "damaged")
-            return store.root, name, manifest
-        if store.root == self._store.root:
-            self._set_aside(damaged, DAMAGED_PREFIX, "damaged")
-        found = (
-            "; ".join(problems)
-            or f"{LATEST_NAME} names step-{pointer}, and no step is at or below it"
-        )
-        raise CheckpointError(
-            f"{store.root}: no loadable checkpoint ({found}); "
-            "use --resume none to start over or --resume PATH"
-        )
-
-    def _set_aside(self, steps: list[int], prefix: str, why: str) -> None:
-        """Rename own `step-<N>` folders to `<prefix><N>`: kept for inspection, never loaded,
-        never removed by retention."""
-        for step in steps:
-            target = f"{prefix}{step}"
-            suffix = 1
-            while self._store.exists(target):
-                target, suffix = f"{prefix}{step}.{suffix}", suffix + 1
-            self._store.rename_dir(step_dir_name(step), target)
-            log.warning(
-                "set aside %s (%s) as %s", step_dir_name(step), why, self._store.path(target)
-            )
-
-    def _set_aside_newer(self, root: str, name: str, manifest: dict[str, Any]) -> None:
-        """Set aside own checkpoints at or past the step being resumed, other than itself.
-
-        Training redoes those steps. Left in place, a damaged or abandoned `step-<N>` would
-        turn the next save of step N into a no-op, make `latest_step()` name it, and come
-        back on the next automatic resume.
-        """
-        step = int(manifest["step"])
-        chosen = open_store(root).path(name)
-        newer = [
-            s
-            for s in committed_steps(self._store)
-            if s > step or (s == step and self._store.path(step_dir_name(s)) != chosen)
-        ]
-        self._set_aside(newer, ABANDONED_PREFIX, f"newer than the resumed step {step}")
-        if newer and self.keep_best:  # `best` may name one of them
-            self._scores.clear()
-            self._point_best(self._read_scores(committed_steps(self._store)))
-
-    def _set_aside_all(self) -> None:
-        """Rank 0, `--resume none`: set aside every committed step of the root (an earlier
-        run's), so that this run's steps and `latest` are its own only.
-
-        Left in place, an old `step-<N>` would turn this run's save of step N into a no-op,
-        and `latest` would bring the old run back on the next automatic resume. The pointers
-        are removed: the folders they name are set aside, kept under their new names.
-        """
-        steps = committed_steps(self._store)
-        if not steps:
-            return
-        self._set_aside(steps, ABANDONED_PREFIX, "an earlier run's: --resume none starts over")
-        for pointer in (LATEST_NAME, BEST_NAME):
-            if self._store.exists(pointer):
-                self._store.rmtree(pointer)
-        self._scores.clear()
 
     def _prepare_per_rank(self, states: dict[str, Any], saved_world_size: int) -> dict[str, Any]:
         to_load = {}

@@ -36,13 +36,11 @@ from typing import IO, Any
 import crc32c
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
+from hpctrain.compat_torch import FsspecReader, StorageInfo, metadata_path, set_element
 from hpctrain.errors import CheckpointFailure
 
 
@@ -132,7 +130,7 @@ def load_metadata_bytes(data: bytes, source: str) -> Metadata:
     if not isinstance(metadata.storage_data, dict):
         raise CheckpointError(f"{source}: DCP metadata without storage entries")
     for info in metadata.storage_data.values():
-        if not isinstance(info, _StorageInfo):
+        if not isinstance(info, StorageInfo):
             raise CheckpointError(f"{source}: storage entry is a {type(info).__name__}")
         if not is_plain_file_name(info.relative_path):
             raise UnsafeCheckpointError(
@@ -144,8 +142,8 @@ def load_metadata_bytes(data: bytes, source: str) -> Metadata:
     return metadata
 
 
-def _read_metadata_safely(reader: FileSystemReader, rank: int | None) -> Metadata:
-    path = reader._get_metadata_path(rank)
+def _read_metadata_safely(reader: Any, rank: int | None) -> Metadata:
+    path = metadata_path(reader, rank)
     with reader.fs.create_stream(path, "rb") as stream:
         data = stream.read()
     metadata = load_metadata_bytes(data, os.fspath(path))
@@ -179,9 +177,7 @@ def _crc_of_file_range(file: IO[bytes], name: str, offset: int, length: int) -> 
         return int(crc32c.crc32c(view[offset - start :]))
 
 
-def _read_checked(
-    file: IO[bytes], info: _StorageInfo, checksums: ItemChecksums
-) -> IO[bytes] | None:
+def _read_checked(file: IO[bytes], info: StorageInfo, checksums: ItemChecksums) -> IO[bytes] | None:
     """Check one item's CRC32C before DCP reads it.
 
     Returns the item's bytes for a stream that had to be read to check them, None when DCP
@@ -216,35 +212,32 @@ def _read_checked(
     return io.BytesIO(data)
 
 
-class SafeFileSystemReader(FileSystemReader):
-    """`FileSystemReader` that reads `.metadata` through `RestrictedUnpickler` and checks each
-    item it reads against `checksums` (see `storage.py`)."""
+class SafeReader:
+    """Mixin for DCP file readers: `.metadata` through `RestrictedUnpickler`, and each item
+    read checked against `checksums` (see `storage.py`)."""
 
-    def __init__(self, path: str | os.PathLike, checksums: ItemChecksums | None = None) -> None:
-        super().__init__(path)
-        self.checksums = checksums or {}
+    checksums: ItemChecksums
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return _read_metadata_safely(self, kwargs.get("rank"))
 
-    def _slice_file(self, file: Any, sinfo: _StorageInfo) -> IO[bytes]:
+    def _slice_file(self, file: Any, sinfo: StorageInfo) -> IO[bytes]:
         checked = _read_checked(file, sinfo, self.checksums) if self.checksums else None
-        return checked if checked is not None else super()._slice_file(file, sinfo)
+        if checked is not None:
+            return checked
+        return super()._slice_file(file, sinfo)  # type: ignore[misc]
 
 
-class SafeFsspecReader(FsspecReader):
-    """`FsspecReader` with the checks of `SafeFileSystemReader`."""
-
+class SafeFileSystemReader(SafeReader, FileSystemReader):
     def __init__(self, path: str | os.PathLike, checksums: ItemChecksums | None = None) -> None:
         super().__init__(path)
         self.checksums = checksums or {}
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        return _read_metadata_safely(self, kwargs.get("rank"))
 
-    def _slice_file(self, file: Any, sinfo: _StorageInfo) -> IO[bytes]:
-        checked = _read_checked(file, sinfo, self.checksums) if self.checksums else None
-        return checked if checked is not None else super()._slice_file(file, sinfo)
+class SafeFsspecReader(SafeReader, FsspecReader):
+    def __init__(self, path: str | os.PathLike, checksums: ItemChecksums | None = None) -> None:
+        super().__init__(path)
+        self.checksums = checksums or {}
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

@@ -29,8 +29,6 @@ from typing import Any
 import crc32c
 import fsspec
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-from torch.distributed.checkpoint.filesystem import _StorageInfo, _StorageWriterTransforms
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
@@ -42,6 +40,8 @@ from hpctrain.checkpoint.safety import (
     SafeFsspecReader,
     check_trusted,
 )
+from hpctrain.compat_torch import FsspecWriter, StorageInfo, StorageWriterTransforms
+from hpctrain.files import fsync_folder, write_atomic
 
 _HASH_CHUNK = 8 << 20
 LAST_FILE = "manifest.json"  # written last into a checkpoint folder, removed first from it
@@ -87,8 +87,9 @@ class Store:
         raise NotImplementedError
 
     def write_atomic(self, name: str, data: bytes) -> None:
-        """Replace `name` by `data` so a reader sees the old or the new content, never a mix."""
-        raise NotImplementedError
+        """Replace `name` by `data` so a reader sees the old or the new content, never a mix:
+        durable on a local disk (file and folder fsynced), one PUT on an object store."""
+        write_atomic(self.path(name), data, durable=True)
 
     def rename_dir(self, src: str, dst: str) -> None:
         raise NotImplementedError
@@ -127,7 +128,7 @@ class Store:
 
 
 @dataclasses.dataclass
-class _ChecksummedInfo(_StorageInfo):
+class _ChecksummedInfo(StorageInfo):
     """DCP's storage info of one item plus its CRC32C, on its way to the coordinator."""
 
     crc32c: int = 0
@@ -155,7 +156,7 @@ class _ChecksumStream(io.IOBase):
         super().close()
 
 
-class _ChecksumTransforms(_StorageWriterTransforms):
+class _ChecksumTransforms(StorageWriterTransforms):
     """Wraps the stream DCP writes each item to (the hook DCP offers per item)."""
 
     def __init__(self, sink: dict[MetadataIndex, int]) -> None:
@@ -286,9 +287,9 @@ class ChecksumWriter:
                         [info.offset, info.length, info.crc32c]
                     )
                     fields = {
-                        f.name: getattr(info, f.name) for f in dataclasses.fields(_StorageInfo)
+                        f.name: getattr(info, f.name) for f in dataclasses.fields(StorageInfo)
                     }
-                    result = dataclasses.replace(result, storage_data=_StorageInfo(**fields))
+                    result = dataclasses.replace(result, storage_data=StorageInfo(**fields))
                 plain.append(result)
             plain_results.append(plain)
         super().finish(metadata, plain_results)  # type: ignore[misc]
@@ -311,8 +312,8 @@ def crc32c_of(data: bytes) -> int:
     return int(crc32c.crc32c(data))
 
 
-def _fsync_path(path: str, directory: bool) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -345,21 +346,11 @@ class LocalStore(Store):
         with open(self.path(name), "rb") as f:
             return f.read()
 
-    def write_atomic(self, name: str, data: bytes) -> None:
-        target = self.path(name)
-        tmp = f"{target}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-        _fsync_path(os.path.dirname(target), directory=True)
-
     def rename_dir(self, src: str, dst: str) -> None:
         # os.rename of a folder is atomic on POSIX file systems (also Lustre/GPFS); the
         # parent's fsync makes the new name survive a crash.
         os.rename(self.path(src), self.path(dst))
-        _fsync_path(self.root, directory=True)
+        fsync_folder(self.root)
 
     def rmtree(self, name: str) -> None:
         path = self.path(name)
@@ -377,8 +368,8 @@ class LocalStore(Store):
         for entry in os.listdir(folder):
             full = os.path.join(folder, entry)
             if os.path.isfile(full):
-                _fsync_path(full, directory=False)
-        _fsync_path(folder, directory=True)
+                _fsync_file(full)
+        fsync_folder(folder)
 
     def check_trusted(self, names: list[str]) -> None:
         check_trusted([self.path(n) if n else self.root for n in names], root=self.root)
@@ -423,9 +414,6 @@ class FsspecStore(Store):
 
     def read_bytes(self, name: str) -> bytes:
         return bytes(self.fs.cat_file(self.path(name)))
-
-    def write_atomic(self, name: str, data: bytes) -> None:
-        self.fs.pipe_file(self.path(name), data)  # one PUT: atomic on object stores
 
     def rename_dir(self, src: str, dst: str) -> None:
         # Object stores have no folder rename: copy file by file, the manifest last, so a copy
