@@ -15,7 +15,7 @@ from hpctrain.checkpoint import CheckpointManager, ModelOptimizerState
 from hpctrain.cli.main import main
 from hpctrain.config import Config, config_to_yaml, with_overrides
 from hpctrain.errors import UsageError
-from hpctrain.train.export import export_weights, format_of
+from hpctrain.inference.export import export_weights, format_of
 from hpctrain.train.models import build_classifier
 
 

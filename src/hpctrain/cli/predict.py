@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.out:
         raise UsageError("--out is required: a folder or fsspec URL for the predictions")
     cfg, checkpoint = resolve(args)
-    from hpctrain.train.prediction import open_destination
+    from hpctrain.inference.predict import open_destination
 
     open_destination(args.out, args.data or cfg.data.val)  # refused before starting ranks
     if args.nproc > 1:
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
             *forwarded_options(args, ("checkpoint", "data", "out", "format")),
         ]
         return run_local(forwarded, args.nproc, verb="predict")
-    from hpctrain.train.prediction import run_predict
+    from hpctrain.inference.predict import run_predict
 
     return run_predict(
         cfg, checkpoint=checkpoint, data=args.data or cfg.data.val, out=args.out, fmt=args.format

@@ -43,6 +43,7 @@ from hpctrain.config import Config, ConfigError
 from hpctrain.convert.tar import ShardTarWriter
 from hpctrain.data.index import ShardIndex, ShardInfo, index_to_bytes, redact_url
 from hpctrain.errors import UsageError
+from hpctrain.inference.session import inference_session
 from hpctrain.train.evaluation import loss_counters, to_device
 
 log = logging.getLogger("hpctrain")
@@ -299,8 +300,6 @@ def run_predict(
     Raises:
         UsageError: a bad `--format` or `--out`; ConfigError: a task without `predict`.
     """
-    from hpctrain.train.inference import inference_session
-
     if fmt not in FORMATS:
         raise UsageError(f"--format {fmt}: must be one of {'|'.join(FORMATS)}")
     if not out:
