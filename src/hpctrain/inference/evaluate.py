@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 from hpctrain.config import Config
 from hpctrain.data.index import redact_url
 from hpctrain.errors import UsageError
+from hpctrain.files import write_atomic
 from hpctrain.inference.session import inference_session
 from hpctrain.train.evaluation import evaluate, loss_counters, require_items
 from hpctrain.train.trackers import check_trackers
@@ -52,19 +52,6 @@ def check_record_path(out: str) -> None:
     """Refuse an `--out` that cannot be the record's file (a folder), before any work."""
     if out and Path(out).is_dir():
         raise UsageError(f"--out {out}: is a folder; give the record's file name")
-
-
-def write_json_atomic(path: Path, record: dict[str, Any]) -> None:
-    """`path` holds the whole record or nothing: written to a temporary name, then renamed."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(record, indent=1) + "\n")
-        tmp.replace(path)
-    except OSError as exc:  # a folder in the way, a read-only place, a full disk
-        raise UsageError(f"{path}: cannot write the record: {exc.strerror or exc}") from None
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def run_eval(cfg: Config, *, checkpoint: str = "latest", out: str = "") -> int:
@@ -102,7 +89,7 @@ def run_eval(cfg: Config, *, checkpoint: str = "latest", out: str = "") -> int:
         default = Path(cfg.run_dir) / "eval" / f"step-{run.step}.{record_name(cfg.data.val)}.json"
         path = Path(out) if out else default
         record["record"] = str(path)
-        write_json_atomic(path, record)
+        write_atomic(path, (json.dumps(record, indent=1) + "\n").encode(), what="the record")
         print(json.dumps(record), flush=True)
         log_to_trackers(cfg, record, name, run.env.world_size)
         if any(lost.values()):

@@ -36,6 +36,7 @@ import torch
 from hpctrain.checkpoint import CheckpointError
 from hpctrain.checkpoint.weights import locate_checkpoint, read_model_weights
 from hpctrain.errors import UsageError
+from hpctrain.files import write_atomic
 
 FORMATS = ("pt", "safetensors")
 IMAGE_CLASSIFICATION = "image_classification"
@@ -116,12 +117,13 @@ def export_weights(
                 metadata["hpctrain_weights"] = "ema"
             f.write(save(weights, metadata=metadata))
 
-    _write_atomic(out, write_weights)
+    write_atomic(out, write_weights, what="the export")
     if card_path is not None and card is not None:
         card["weights"] = out.name
         if ema:
             card["ema"] = True  # the weights are the EMA's (train.ema_decay)
-        _write_atomic(card_path, lambda f: f.write((json.dumps(card, indent=1) + "\n").encode()))
+        card_bytes = (json.dumps(card, indent=1) + "\n").encode()
+        write_atomic(card_path, card_bytes, what="the export")
     return ExportResult(
         source=store.path(name),
         step=step,
@@ -136,22 +138,6 @@ def export_weights(
 def card_file(out: Path) -> Path:
     """The model card of the weights file `out`: `model.safetensors` → `model.safetensors.json`."""
     return out.with_name(out.name + ".json")
-
-
-def _write_atomic(out: Path, write: Any) -> None:
-    """Write `out` through a temporary file, fsynced, then renamed: no half file on a kill."""
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tmp.open("wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(out)
-    except OSError as exc:  # a folder in the way, a read-only place, a full disk
-        raise UsageError(f"{out}: cannot write the export: {exc.strerror or exc}") from None
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def config_tree(manifest: dict[str, Any]) -> dict[str, Any] | None:
