@@ -19,7 +19,7 @@ evaluated with: the EMA when the run has train.ema_eval=true (train.ema_eval=fal
 trained weights); the record says which ("weights": "ema" or "model")."""
 
 
-def add_source_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+def add_target_arguments(parser: argparse.ArgumentParser, what: str) -> None:
     """The arguments `eval` and `predict` share (also read by `submit --eval/--predict`)."""
     parser.add_argument("source", help=what)
     parser.add_argument(
@@ -40,7 +40,7 @@ def add_source_arguments(parser: argparse.ArgumentParser, what: str) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_source_arguments(parser, "config file, run folder, or one step-<N> checkpoint folder")
+    add_target_arguments(parser, "config file, run folder, or one step-<N> checkpoint folder")
     parser.add_argument(
         "--out",
         default="",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from hpctrain.cli.eval import add_source_arguments, forwarded_options, resolve
+from hpctrain.cli.eval import add_target_arguments, forwarded_options, resolve
 from hpctrain.launch.local import LAUNCHER_PID_ENV, exit_with_launcher, run_local
 
 HELP = "write a checkpoint's per-sample predictions (JSONL or shards, each sample once)"
@@ -19,7 +19,7 @@ those the training evaluated with (the EMA under train.ema_eval=true; override i
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_source_arguments(parser, "run folder, one step-<N> checkpoint folder, or a config file")
+    add_target_arguments(parser, "run folder, one step-<N> checkpoint folder, or a config file")
     add_predict_arguments(parser)
 
 
