@@ -124,7 +124,7 @@ def test_content_damage_on_an_fsspec_store_falls_back():
 
 
 def test_export_checks_the_checksums_of_what_it_reads(tmp_path):
-    from hpctrain.train.export import export_weights
+    from hpctrain.inference.export import export_weights
 
     root = tmp_path / "ck"
     save_steps(root, 1).close()
@@ -161,7 +161,7 @@ def _point_metadata_at(folder: Path, target: str) -> None:
 
 @pytest.mark.parametrize("kind", ["dotdot", "absolute"])
 def test_metadata_path_outside_the_folder_is_refused_by_load_and_export(tmp_path, kind):
-    from hpctrain.train.export import export_weights
+    from hpctrain.inference.export import export_weights
 
     other = tmp_path / "other"
     save_steps(other, 7)  # someone else's run: the weights the crafted path points at

@@ -17,8 +17,8 @@ import torch
 
 from hpctrain.config import load_config
 from hpctrain.dist import choose_device, process_group, resolve_env
-from hpctrain.train.evaluation import run_eval
-from hpctrain.train.prediction import run_predict
+from hpctrain.inference.evaluate import run_eval
+from hpctrain.inference.predict import run_predict
 from hpctrain.train.trainer import Trainer
 
 

@@ -335,7 +335,7 @@ def test_generate_continues_a_prompt_deterministically(
     trained: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from hpctrain.cli.main import main
-    from hpctrain.train.generate import generate_ids, load_gpt, run_tokenizer
+    from hpctrain.inference.generate import generate_ids, load_gpt, run_tokenizer
 
     run_dir = str(trained / "ddp")
     assert main(["generate", run_dir, "--prompt", "the cat ", "--max-new-tokens", "12"]) == 0
@@ -365,8 +365,8 @@ def test_generate_reads_the_weights_the_run_evaluated_with(
 ) -> None:
     """A run with `train.ema_eval` evaluated its EMA: generate reads it too, unless --no-ema."""
     from hpctrain.cli.main import main
+    from hpctrain.inference.generate import load_gpt
     from hpctrain.train.ema import plain_name
-    from hpctrain.train.generate import load_gpt
     from tests.train.lm_worker import overrides
     from tests.train.test_trainer import build
 

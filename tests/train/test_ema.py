@@ -16,8 +16,8 @@ from torch import nn
 from hpctrain.checkpoint import CheckpointError
 from hpctrain.cli.main import main
 from hpctrain.config import ConfigError
+from hpctrain.inference.export import export_weights
 from hpctrain.train.ema import WeightEMA, plain_name
-from hpctrain.train.export import export_weights
 from tests.train.helpers import REPO, run_two_ranks
 from tests.train.test_trainer import build, make_config, read_jsonl
 

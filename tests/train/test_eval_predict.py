@@ -19,8 +19,8 @@ import torch
 
 from hpctrain.config import load_config
 from hpctrain.data.index import ShardIndex, ShardInfo
-from hpctrain.train.evaluation import data_name
-from hpctrain.train.prediction import decode_run_length, jsonl_line, run_length, shard_members
+from hpctrain.inference.evaluate import data_name
+from hpctrain.inference.predict import decode_run_length, jsonl_line, run_length, shard_members
 from tests.train.helpers import REPO, run_hpctrain, run_two_ranks
 
 S3_BUCKET = "predictions"
@@ -192,18 +192,18 @@ def test_a_bad_data_path_is_a_clear_error(done: Path, tmp_path: Path) -> None:
 @pytest.mark.distributed
 def test_a_checkpoint_folder_names_its_run_and_config(done: Path, tmp_path: Path) -> None:
     from hpctrain.errors import UsageError
-    from hpctrain.train.sources import resolve_source
+    from hpctrain.inference.target import resolve_target
 
     step = done / "fsdp" / "checkpoints" / "step-1"
-    cfg, checkpoint = resolve_source(str(step), ["data.batch_size=4"])
+    cfg, checkpoint = resolve_target(str(step), ["data.batch_size=4"])
     assert checkpoint == str(step) and cfg.train.strategy == "fsdp"
     assert cfg.run_dir == str(done / "fsdp") and cfg.data.batch_size == 4
-    cfg, checkpoint = resolve_source(str(done / "ddp"))
+    cfg, checkpoint = resolve_target(str(done / "ddp"))
     assert checkpoint is None and cfg.checkpoint.keep_best == 1
     with pytest.raises(UsageError, match="no such file or folder"):
-        resolve_source(str(tmp_path / "missing"))
+        resolve_target(str(tmp_path / "missing"))
     with pytest.raises(UsageError, match="neither a config file, a run folder"):
-        resolve_source(str(tmp_path))
+        resolve_target(str(tmp_path))
 
 
 def test_segmentation_masks_as_png_members_and_run_lengths() -> None:

@@ -15,7 +15,7 @@ from hpctrain.checkpoint import CheckpointManager, ModelOptimizerState
 from hpctrain.cli.main import main
 from hpctrain.config import Config, config_to_yaml, with_overrides
 from hpctrain.errors import UsageError
-from hpctrain.train.export import export_weights, format_of
+from hpctrain.inference.export import export_weights, format_of
 from hpctrain.train.models import build_classifier
 
 
@@ -158,3 +158,19 @@ def test_each_export_keeps_its_own_card_and_a_json_out_is_refused(tmp_path, caps
     assert main(["export", str(tmp_path / "ck"), str(tmp_path / "weights.json")]) == 2
     assert "weights.json: a .json name is a model card's" in capsys.readouterr().err
     assert not (tmp_path / "weights.json").exists()
+
+
+def test_an_export_that_cannot_be_written_is_one_line_and_leaves_nothing(tmp_path):
+    cfg = with_overrides(Config(), ["model.name=small_cnn", "model.image_size=16"])
+    save_checkpoints(tmp_path / "ck", cfg, num_classes=3, scores={1: 0.5})
+    (tmp_path / "file").write_text("in the way")
+    with pytest.raises(UsageError, match="cannot write the export") as caught:
+        export_weights(str(tmp_path / "ck"), tmp_path / "file" / "model.pt")
+    assert "\n" not in str(caught.value) and str(tmp_path / "file" / "model.pt") in str(
+        caught.value
+    )
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "model.pt.json").mkdir()  # a folder where the card goes
+    with pytest.raises(UsageError, match="model.pt.json: cannot write the export"):
+        export_weights(str(tmp_path / "ck"), tmp_path / "out" / "model.pt")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.pt", "model.pt.json"]

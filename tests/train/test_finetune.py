@@ -14,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from hpctrain.config import ConfigError, load_config
-from hpctrain.train.export import export_weights
+from hpctrain.inference.export import export_weights
 from hpctrain.train.optim import lr_factor, named_parameters
 from tests.train.finetune_worker import FINETUNE, TASK
 from tests.train.helpers import REPO, run_two_ranks

@@ -276,7 +276,7 @@ def test_two_ranks_load_the_folder(fsdp_run: tuple, suffix: str) -> None:
     folder, run_dir, _ = fsdp_run
     from safetensors.torch import load_file
 
-    from hpctrain.train.export import locate_checkpoint, read_model_weights
+    from hpctrain.checkpoint.weights import locate_checkpoint, read_model_weights
 
     store, name, manifest = locate_checkpoint(f"{run_dir}{suffix}")
     saved = read_model_weights(store, name, manifest)
@@ -309,7 +309,7 @@ def test_export_hf_loads_in_transformers_with_the_same_logits(
 
 
 def test_export_hf_shards_above_the_threshold(tmp_path: Path, lm_shards: Path) -> None:
-    from hpctrain.train.export import export_hf
+    from hpctrain.inference.export import export_hf
 
     folder = tmp_path / "llama"
     reference = save_hf(folder, "llama", vocab_size=LM_VOCAB, rope_scaling=LLAMA3_ROPE)
@@ -328,7 +328,7 @@ def test_export_hf_shards_above_the_threshold(tmp_path: Path, lm_shards: Path) -
 def test_export_hf_refuses_a_vision_run_naming_the_formats(tmp_path: Path) -> None:
     from hpctrain.config import Config, with_overrides
     from hpctrain.errors import UsageError
-    from hpctrain.train.export import export_hf
+    from hpctrain.inference.export import export_hf
     from tests.train.test_export_formats import save_checkpoints
 
     cfg = with_overrides(Config(), ["model.name=small_cnn", "model.image_size=16"])
@@ -339,7 +339,7 @@ def test_export_hf_refuses_a_vision_run_naming_the_formats(tmp_path: Path) -> No
 
 
 def test_fine_tuned_export_has_the_loss_hpctrain_evaluated(tmp_path: Path, lm_shards: Path) -> None:
-    from hpctrain.train.export import export_hf
+    from hpctrain.inference.export import export_hf
 
     folder = tmp_path / "mistral"
     save_hf(folder, "mistral", vocab_size=LM_VOCAB, sliding_window=None)
@@ -395,7 +395,7 @@ def test_wrapped_blocks_load_under_their_plain_names(tmp_path: Path) -> None:
 def test_warm_start_from_an_imported_run_takes_its_recorded_shape(
     tmp_path: Path, lm_shards: Path
 ) -> None:
-    from hpctrain.train.export import locate_checkpoint, read_model_weights
+    from hpctrain.checkpoint.weights import locate_checkpoint, read_model_weights
 
     folder = tmp_path / "qwen2"
     save_hf(folder, "qwen2", vocab_size=LM_VOCAB, tie_word_embeddings=True)
@@ -422,7 +422,7 @@ def test_qkv_biases_are_counted_in_the_parameters(tmp_path: Path) -> None:
 def test_the_ema_starts_from_the_imported_weights(tmp_path: Path, lm_shards: Path) -> None:
     from safetensors.torch import load_file
 
-    from hpctrain.train.export import locate_checkpoint, read_model_weights
+    from hpctrain.checkpoint.weights import locate_checkpoint, read_model_weights
 
     folder = tmp_path / "llama"
     save_hf(folder, "llama", vocab_size=LM_VOCAB)

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpctrain.checkpoint.weights import locate_checkpoint, read_model_weights
 from hpctrain.config import Config, ConfigError, load_config, with_overrides
 from hpctrain.dist import DistEnv
 from hpctrain.train import init_from
-from hpctrain.train.export import locate_checkpoint, read_model_weights
 from hpctrain.train.models import build_classifier
 from hpctrain.train.trainer import Trainer
 from tests.train.lm_testkit import SEQ_LEN, write_token_shards

@@ -20,8 +20,8 @@ from hpctrain.config import Config, ConfigError, load_config
 from hpctrain.data.mixture import MixtureError
 from hpctrain.dist import resolve_env
 from hpctrain.errors import EXIT_DATA
+from hpctrain.inference.evaluate import run_eval
 from hpctrain.train.classes import ClassNamesError
-from hpctrain.train.evaluation import run_eval
 from hpctrain.train.trainer import Trainer
 from tests.train import lm_testkit
 from tests.train.helpers import REPO, run_hpctrain

@@ -19,7 +19,7 @@ evaluated with: the EMA when the run has train.ema_eval=true (train.ema_eval=fal
 trained weights); the record says which ("weights": "ema" or "model")."""
 
 
-def add_source_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+def add_target_arguments(parser: argparse.ArgumentParser, what: str) -> None:
     """The arguments `eval` and `predict` share (also read by `submit --eval/--predict`)."""
     parser.add_argument("source", help=what)
     parser.add_argument(
@@ -40,7 +40,7 @@ def add_source_arguments(parser: argparse.ArgumentParser, what: str) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_source_arguments(parser, "config file, run folder, or one step-<N> checkpoint folder")
+    add_target_arguments(parser, "config file, run folder, or one step-<N> checkpoint folder")
     parser.add_argument(
         "--out",
         default="",
@@ -60,11 +60,11 @@ def forwarded_options(args: argparse.Namespace, names: tuple[str, ...]) -> list[
 
 def resolve(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """(config, checkpoint) these arguments name."""
-    from hpctrain.train.sources import resolve_source
+    from hpctrain.inference.target import resolve_target
 
     if args.nproc < 1:
         raise UsageError(f"--nproc {args.nproc}: must be >= 1")
-    cfg, named = resolve_source(args.source, args.overrides)
+    cfg, named = resolve_target(args.source, args.overrides)
     return cfg, named or args.checkpoint
 
 
@@ -72,12 +72,12 @@ def run(args: argparse.Namespace) -> int:
     if os.environ.get(LAUNCHER_PID_ENV):  # a rank of `--nproc N`: never outlive the launcher
         exit_with_launcher()
     cfg, checkpoint = resolve(args)  # validate before starting any process
-    from hpctrain.train.evaluation import check_record_path
+    from hpctrain.inference.evaluate import check_record_path
 
     check_record_path(args.out)
     if args.nproc > 1:
         forwarded = [args.source, *args.overrides, *forwarded_options(args, ("checkpoint", "out"))]
         return run_local(forwarded, args.nproc, verb="eval")
-    from hpctrain.train.evaluation import run_eval
+    from hpctrain.inference.evaluate import run_eval
 
     return run_eval(cfg, checkpoint=checkpoint, out=args.out)

@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpctrain.train.export import export_hf, export_weights
+    from hpctrain.inference.export import export_hf, export_weights
 
     # CheckpointError: exit code 4
     if args.format == "hf":

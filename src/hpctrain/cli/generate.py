@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpctrain.train.generate import generate_text
+    from hpctrain.inference.generate import generate_text
 
     # CheckpointError (exit 4) for a missing or non-LM checkpoint; UsageError for bad options
     text = generate_text(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from hpctrain.cli.eval import add_source_arguments, forwarded_options, resolve
+from hpctrain.cli.eval import add_target_arguments, forwarded_options, resolve
 from hpctrain.launch.local import LAUNCHER_PID_ENV, exit_with_launcher, run_local
 
 HELP = "write a checkpoint's per-sample predictions (JSONL or shards, each sample once)"
@@ -19,7 +19,7 @@ those the training evaluated with (the EMA under train.ema_eval=true; override i
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_source_arguments(parser, "run folder, one step-<N> checkpoint folder, or a config file")
+    add_target_arguments(parser, "run folder, one step-<N> checkpoint folder, or a config file")
     add_predict_arguments(parser)
 
 
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.out:
         raise UsageError("--out is required: a folder or fsspec URL for the predictions")
     cfg, checkpoint = resolve(args)
-    from hpctrain.train.prediction import open_destination
+    from hpctrain.inference.predict import open_destination
 
     open_destination(args.out, args.data or cfg.data.val)  # refused before starting ranks
     if args.nproc > 1:
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
             *forwarded_options(args, ("checkpoint", "data", "out", "format")),
         ]
         return run_local(forwarded, args.nproc, verb="predict")
-    from hpctrain.train.prediction import run_predict
+    from hpctrain.inference.predict import run_predict
 
     return run_predict(
         cfg, checkpoint=checkpoint, data=args.data or cfg.data.val, out=args.out, fmt=args.format

@@ -52,10 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_inference(args: argparse.Namespace) -> int:
     """`submit --eval/--predict`: one job whose tasks are the ranks of `hpctrain eval/predict`."""
+    from hpctrain.inference.target import resolve_target
     from hpctrain.launch.prepare import Prepared, absolute_run_dir
     from hpctrain.launch.profiles import load_profile, resolve_job
     from hpctrain.launch.submit import InferenceSpec, submit_inference
-    from hpctrain.train.sources import resolve_source
 
     if args.eval and args.predict:
         raise UsageError("--eval and --predict: choose one")
@@ -64,7 +64,7 @@ def run_inference(args: argparse.Namespace) -> int:
     if args.predict and not args.out:
         raise UsageError("--predict needs --out: a folder or fsspec URL for the predictions")
     extra = [f"slurm.profile={args.profile}"] if args.profile else []
-    cfg, named = resolve_source(args.config, [*args.overrides, *extra])
+    cfg, named = resolve_target(args.config, [*args.overrides, *extra])
     cfg = absolute_run_dir(cfg)
     profile = load_profile(cfg.slurm.profile)
     prep = Prepared(cfg=cfg, profile=profile, job=resolve_job(cfg, profile))

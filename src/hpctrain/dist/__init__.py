@@ -14,6 +14,7 @@ from hpctrain.dist.group import (
     new_cpu_group,
     process_group,
 )
+from hpctrain.dist.startup import setup_logging, start_process
 
 __all__ = [
     "DistEnv",
@@ -31,4 +32,6 @@ __all__ = [
     "port_from_job_id",
     "process_group",
     "resolve_env",
+    "setup_logging",
+    "start_process",
 ]

@@ -392,11 +392,11 @@ class InferenceJob:
         spec = self.spec
         try:
             if spec.verb == "eval":
-                from hpctrain.train.evaluation import run_eval
+                from hpctrain.inference.evaluate import run_eval
 
                 code = run_eval(self.cfg, checkpoint=spec.checkpoint, out=spec.out)
             else:
-                from hpctrain.train.prediction import run_predict
+                from hpctrain.inference.predict import run_predict
 
                 code = run_predict(
                     self.cfg,

@@ -89,7 +89,7 @@ def read_state_dict(path: str, *, ema: bool = False) -> dict[str, torch.Tensor]:
     """The model tensors a `run` or `file` PATH holds, on the CPU."""
     if kind_of(path) == "run":
         from hpctrain.checkpoint import CheckpointError
-        from hpctrain.train.export import locate_checkpoint, read_model_weights
+        from hpctrain.checkpoint.weights import locate_checkpoint, read_model_weights
 
         try:
             store, name, manifest = locate_checkpoint(path)

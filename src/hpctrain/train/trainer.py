@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+import hpctrain.train.init_from as init_from
 from hpctrain.checkpoint import (
     CheckpointError,
     CheckpointManager,
@@ -29,7 +30,6 @@ from hpctrain.data.index import ShardIndex
 from hpctrain.data.mixture_index import describe as describe_train
 from hpctrain.data.mixture_index import open_train_index
 from hpctrain.dist import DistEnv, all_reduce_sum, new_cpu_group
-from hpctrain.train import init_from
 from hpctrain.train.classes import (
     ClassNamesError,
     check_class_names,

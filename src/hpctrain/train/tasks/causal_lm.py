@@ -223,7 +223,7 @@ class CausalLM:
         checkpoint of a newer causal_lm run), so that a warm start needs no `model.*` keys;
         None for anything else (the model is then built from the config and must match)."""
         from hpctrain.checkpoint import CheckpointError
-        from hpctrain.train.export import locate_checkpoint
+        from hpctrain.checkpoint.weights import locate_checkpoint
 
         try:
             _, _, manifest = locate_checkpoint(self.cfg.model.init_from)

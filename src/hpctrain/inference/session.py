@@ -1,6 +1,6 @@
 """What `hpctrain eval` and `hpctrain predict` share: a checkpoint's model on every rank.
 
-Each rank reads the checkpoint's model weights consolidated (`hpctrain.train.export`, from
+Each rank reads the checkpoint's model weights consolidated (`hpctrain.checkpoint.weights`, from
 DDP or FSDP2 checkpoints alike, each rank on its own: no collective), builds the task's
 model from the same seed, loads the weights, then wraps it as training would
 (`train.strategy`, `train.precision`: DDP, or FSDP2 sharding it again) and reads the data
@@ -16,7 +16,6 @@ trained weights instead.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
@@ -27,14 +26,13 @@ import torch.distributed as dist
 from torch import nn
 
 from hpctrain.checkpoint import CheckpointError
+from hpctrain.checkpoint.weights import locate_checkpoint, read_model_weights
 from hpctrain.config import Config, ConfigError, with_overrides
 from hpctrain.data import ShardedLoader, open_index
 from hpctrain.data.index import ShardIndex, ShardIndexError, redact_url
 from hpctrain.data.mixture_index import open_train_index
-from hpctrain.dist import DistEnv, choose_device, process_group, resolve_env
+from hpctrain.dist import DistEnv, process_group, start_process
 from hpctrain.train.classes import check_class_names, checkpoint_class_names, differ, mismatch
-from hpctrain.train.entry import setup_logging
-from hpctrain.train.export import locate_checkpoint, read_model_weights
 from hpctrain.train.parallel import parallelize
 from hpctrain.train.precision import Precision, device_facts, plan_training
 from hpctrain.train.task import Task, load_task
@@ -168,11 +166,7 @@ def inference_session(
         CheckpointError: no usable checkpoint; ClassNamesError: eval data naming other
         classes than the model. All before any process group or model.
     """
-    env = resolve_env()
-    setup_logging(env)
-    device = choose_device(env)
-    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ and env.local_world_size > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
+    env, device = start_process()
     if cfg.train.strategy == "none" and env.world_size > 1:
         # `none` is refused for several training ranks (each would train its own copy);
         # evaluating or predicting trains nothing, so the ranks share one model as under DDP.

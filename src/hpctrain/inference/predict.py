@@ -43,6 +43,8 @@ from hpctrain.config import Config, ConfigError
 from hpctrain.convert.tar import ShardTarWriter
 from hpctrain.data.index import ShardIndex, ShardInfo, index_to_bytes, redact_url
 from hpctrain.errors import UsageError
+from hpctrain.files import write_atomic
+from hpctrain.inference.session import inference_session
 from hpctrain.train.evaluation import loss_counters, to_device
 
 log = logging.getLogger("hpctrain")
@@ -283,14 +285,6 @@ def clear_destination(fs: Any, root: str) -> None:
             fs.rm(entry)
 
 
-def write_atomic(fs: Any, path: str, data: bytes) -> None:
-    tmp = path.rsplit("/", 1)
-    tmp_path = f"{tmp[0]}/{TMP_PREFIX}{tmp[1]}"
-    with fs.open(tmp_path, "wb") as f:
-        f.write(data)
-    fs.mv(tmp_path, path)
-
-
 def run_predict(
     cfg: Config, *, checkpoint: str = "latest", data: str, out: str, fmt: str = "jsonl"
 ) -> int:
@@ -299,13 +293,12 @@ def run_predict(
     Raises:
         UsageError: a bad `--format` or `--out`; ConfigError: a task without `predict`.
     """
-    from hpctrain.train.inference import inference_session
-
     if fmt not in FORMATS:
         raise UsageError(f"--format {fmt}: must be one of {'|'.join(FORMATS)}")
     if not out:
         raise UsageError("--out is empty: give a folder or fsspec URL for the predictions")
     fs, root = open_destination(out, data)  # before any work: nothing of the user's lost
+    dest = out.rstrip("/")
     with inference_session(cfg, checkpoint, data, key="--data", predict=True) as run:
         predict = getattr(run.task, "predict", None)
         if not callable(predict):
@@ -356,10 +349,8 @@ def run_predict(
                 if e["num_samples"]
             )
             if shards:
-                write_atomic(fs, f"{root}/{INDEX_NAME}", index_to_bytes(ShardIndex(shards=shards)))
-        write_atomic(
-            fs, f"{root}/{MANIFEST_NAME}", (json.dumps(manifest, indent=1) + "\n").encode()
-        )
+                write_atomic(f"{dest}/{INDEX_NAME}", index_to_bytes(ShardIndex(shards=shards)))
+        write_atomic(f"{dest}/{MANIFEST_NAME}", (json.dumps(manifest, indent=1) + "\n").encode())
         summary = {k: v for k, v in manifest.items() if k != "parts"}
         summary["manifest"] = f"{redact_url(out).rstrip('/')}/{MANIFEST_NAME}"
         print(json.dumps(summary), flush=True)

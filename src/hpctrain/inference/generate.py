@@ -1,7 +1,7 @@
 """Text from a trained `causal_lm` checkpoint: `hpctrain generate` (CPU or one GPU).
 
-The weights are read like `hpctrain export` reads them (`train/export.py`: any checkpoint of
-a DDP or FSDP2 run, consolidated in this process). The model is rebuilt from the run's
+The weights are read like `hpctrain export` reads them (`checkpoint/weights.py`: any checkpoint
+of a DDP or FSDP2 run, consolidated in this process). The model is rebuilt from the run's
 resolved config (stored in every checkpoint's manifest) and checked against the weights; the
 vocabulary is the embedding's and tied embeddings are recognised by the absent output matrix.
 Generation recomputes the whole window each step (no key/value cache): a sanity check of a
@@ -19,6 +19,7 @@ import torch
 import yaml
 
 from hpctrain.checkpoint import CheckpointError
+from hpctrain.checkpoint.weights import locate_checkpoint, read_model_weights
 from hpctrain.config import ConfigError
 from hpctrain.data.locate import open_index
 from hpctrain.data.tokenizer import Tokenizer, check_tokenizer, load_tokenizer
@@ -108,8 +109,6 @@ def load_gpt(
     `ema`: read the EMA of the weights (`train.ema_decay`) instead of the trained ones; None
     (default): the weights the training evaluated with (EMA when its `train.ema_eval` was on).
     """
-    from hpctrain.train.export import locate_checkpoint, read_model_weights
-
     store, name, manifest = locate_checkpoint(source, best=best)
     where = store.path(name)
     tree = run_config(manifest, where)

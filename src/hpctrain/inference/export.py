@@ -2,8 +2,7 @@
 
 A DCP checkpoint holds the model sharded (FSDP2) or replicated (DDP) across per-rank files,
 next to the optimizer, scheduler, loader and RNG states. `export_weights` reads only the
-model's entries (`app.model.*`, the fully qualified names of the plain module: DCP's
-`get_state_dict` already strips DDP's `module.` and wrapper prefixes), in one process, and
+model's entries (`hpctrain.checkpoint.weights`), in one process, and
 writes them with `torch.save` so that `torch.load(path, weights_only=True)` gives a state dict
 for `model.load_state_dict` of the plain, unwrapped model, or with the `safetensors` library
 (`format="safetensors"`), which any tool loads without hpctrain or pickle.
@@ -20,7 +19,7 @@ their own cards; an `out` ending in `.json` is refused, it could be another expo
 the task, model name, number and names of the classes (the checkpoint's), image size, the
 normalization, the step, and how to rebuild the model; it is checked against the weights (every name and shape)
 before it is written. For a `causal_lm` run the card holds the GPT's shape
-(`GPTConfig`), the sequence length and how to rebuild the model (`train/generate.py`).
+(`GPTConfig`), the sequence length and how to rebuild the model (`inference/generate.py`).
 """
 
 from __future__ import annotations
@@ -28,26 +27,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from hpctrain.checkpoint import CheckpointError, committed_steps, verify_checkpoint
-from hpctrain.checkpoint.manager import BEST_NAME, item_checksums, read_latest, steps_to_try
-from hpctrain.checkpoint.safety import SafeLoadPlanner, UnsafeCheckpointError
-from hpctrain.checkpoint.storage import Store, open_store
+from hpctrain.checkpoint import CheckpointError
+from hpctrain.checkpoint.weights import locate_checkpoint, read_model_weights
 from hpctrain.errors import UsageError
+from hpctrain.files import write_atomic
 
-# `Trainer.checkpoint_states` stores ModelOptimizerState under "app", which puts the model under
-# "model": DCP flattens nested keys with dots.
-MODEL_PREFIX = "app.model."
-EMA_PREFIX = "ema."  # hpctrain.train.ema.CHECKPOINT_KEY
 FORMATS = ("pt", "safetensors")
 IMAGE_CLASSIFICATION = "image_classification"
 
@@ -63,114 +53,6 @@ class ExportResult:
     out: Path
     model_card: Path | None = None  # the JSON that rebuilds a built-in model, if written
     ema: bool = False  # the parameters are the EMA's
-
-
-def locate_checkpoint(path: str, *, best: bool = False) -> tuple[Store, str, dict]:
-    """(store, step folder name, manifest) for a run folder, a checkpoint root or a step folder.
-
-    A run folder's checkpoints are where its `config.yaml` says (`checkpoint.dir`), else
-    `RUN_DIR/checkpoints`. Of a root, the checkpoint a resume would load (the step `latest`
-    names, or the highest below it that verifies; see `hpctrain.checkpoint.manager`), or with
-    `best` the one the `best` pointer names (`checkpoint.keep_best`).
-    """
-    path = path.rstrip("/") or "/"
-    parent, _, leaf = path.rpartition("/")
-    parent_store = open_store(parent or ".")
-    if parent_store.exists(f"{leaf}/manifest.json"):
-        return parent_store, leaf, verify_checkpoint(parent_store, leaf)
-    root = path
-    config_path = Path(path) / "config.yaml"
-    if "://" not in path and config_path.is_file():
-        from hpctrain.config import load_config
-        from hpctrain.config.schema import checkpoint_root
-
-        root = checkpoint_root(load_config(str(config_path)).checkpoint.dir, path)
-    store = open_store(root)
-    steps = committed_steps(store)
-    if best:
-        step = read_latest(store, BEST_NAME)
-        if step is None or step not in steps:
-            raise CheckpointError(
-                f"{root}: no best checkpoint (the `{BEST_NAME}` pointer is written by runs "
-                "with checkpoint.monitor and checkpoint.keep_best)"
-            )
-        name = f"step-{step}"
-        return store, name, verify_checkpoint(store, name)
-    if not steps:
-        raise CheckpointError(
-            f"{path}: no committed checkpoint (give a run folder, a checkpoint folder or a step-<N> folder)"
-        )
-    problems = []
-    for step in steps_to_try(steps, read_latest(store))[0]:
-        name = f"step-{step}"
-        try:
-            return store, name, verify_checkpoint(store, name)
-        except UnsafeCheckpointError:  # no fallback
-            raise
-        except CheckpointError as exc:
-            problems.append(str(exc))
-    raise CheckpointError(f"{root}: no loadable checkpoint ({'; '.join(problems)})")
-
-
-def read_model_weights(
-    store: Store, name: str, manifest: dict | None = None, *, ema: bool = False
-) -> dict[str, torch.Tensor]:
-    """The model's tensors of checkpoint `name`, consolidated in this process (no process group).
-
-    With the `manifest` (from `verify_checkpoint`), every item read is checked against its
-    CRC32C; `.metadata` is read through the same checks as a training load. With `ema`, the
-    EMA's parameters replace the model's (its buffers stay).
-    """
-    checksums = item_checksums(manifest) if manifest is not None else None
-    metadata = store.reader(name).read_metadata()
-    weights: dict[str, torch.Tensor] = {}
-    for key, entry in metadata.state_dict_metadata.items():
-        if key.startswith(MODEL_PREFIX) and isinstance(entry, TensorStorageMetadata):
-            weights[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
-    if not weights:
-        raise CheckpointError(f"{store.path(name)}: holds no model weights ({MODEL_PREFIX}*)")
-    if ema:
-        averaged = {
-            key: torch.empty(entry.size, dtype=entry.properties.dtype)
-            for key, entry in metadata.state_dict_metadata.items()
-            if key.startswith(EMA_PREFIX) and isinstance(entry, TensorStorageMetadata)
-        }
-        if not averaged:
-            raise CheckpointError(
-                f"{store.path(name)}: holds no EMA weights (the run trained without "
-                "train.ema_decay); read its trained weights: without --ema "
-                "(export, generate) or with train.ema_eval=false (eval, predict)"
-            )
-        names = [key[len(EMA_PREFIX) :] for key in averaged]
-        unknown = sorted(n for n in names if MODEL_PREFIX + n not in weights)
-        if unknown:
-            raise CheckpointError(
-                f"{store.path(name)}: EMA entries without a model weight: {unknown[:3]}"
-            )
-        for param_name in names:  # the model's copy is not read: the EMA's replaces it
-            del weights[MODEL_PREFIX + param_name]
-        weights.update(averaged)
-    # DCP reads each tensor from every shard file that holds a piece of it (resharding to one).
-    # no_dist: this process alone, also inside a job's process group (`hpctrain eval` ranks);
-    # DCP then warns that it loads in one process, which is the intent.
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(
-                weights,
-                storage_reader=store.reader(name, checksums),
-                planner=SafeLoadPlanner(),
-                no_dist=True,
-            )
-    except CheckpointException as exc:
-        inner = sorted(exc.failures.items())[0][1][0]
-        text = str(inner).splitlines()[0] if str(inner) else type(inner).__name__
-        kind = type(inner) if isinstance(inner, CheckpointError) else CheckpointError
-        raise kind(f"{store.path(name)}: {text}") from None
-    return {
-        key[len(MODEL_PREFIX) if key.startswith(MODEL_PREFIX) else len(EMA_PREFIX) :]: value
-        for key, value in weights.items()
-    }
 
 
 def format_of(out: str | Path, fmt: str | None) -> str:
@@ -235,12 +117,13 @@ def export_weights(
                 metadata["hpctrain_weights"] = "ema"
             f.write(save(weights, metadata=metadata))
 
-    _write_atomic(out, write_weights)
+    write_atomic(out, write_weights, what="the export")
     if card_path is not None and card is not None:
         card["weights"] = out.name
         if ema:
             card["ema"] = True  # the weights are the EMA's (train.ema_decay)
-        _write_atomic(card_path, lambda f: f.write((json.dumps(card, indent=1) + "\n").encode()))
+        card_bytes = (json.dumps(card, indent=1) + "\n").encode()
+        write_atomic(card_path, card_bytes, what="the export")
     return ExportResult(
         source=store.path(name),
         step=step,
@@ -255,22 +138,6 @@ def export_weights(
 def card_file(out: Path) -> Path:
     """The model card of the weights file `out`: `model.safetensors` → `model.safetensors.json`."""
     return out.with_name(out.name + ".json")
-
-
-def _write_atomic(out: Path, write: Any) -> None:
-    """Write `out` through a temporary file, fsynced, then renamed: no half file on a kill."""
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tmp.open("wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(out)
-    except OSError as exc:  # a folder in the way, a read-only place, a full disk
-        raise UsageError(f"{out}: cannot write the export: {exc.strerror or exc}") from None
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def config_tree(manifest: dict[str, Any]) -> dict[str, Any] | None:
@@ -297,7 +164,7 @@ def model_card(
     """
     tree = config_tree(manifest)
     if isinstance(tree, dict) and tree.get("task") == "causal_lm":
-        from hpctrain.train.generate import lm_model_card
+        from hpctrain.inference.generate import lm_model_card
 
         try:
             card = lm_model_card(tree, weights, "checkpoint", manifest)
@@ -387,7 +254,7 @@ def export_hf(
             "--format hf needs the safetensors package: pip install 'hpctrain[safetensors]'"
         ) from None
 
-    from hpctrain.train.generate import gpt_config_for, run_tokenizer
+    from hpctrain.inference.generate import gpt_config_for, run_tokenizer
     from hpctrain.train.models import hf
 
     out = Path(out)
