@@ -1,4 +1,5 @@
-"""The one place where DDP and FSDP2 appear: SyncBatchNorm → checkpointing → compile → shard/wrap.
+"""The one place where DDP and FSDP2 (flat or HSDP) appear: SyncBatchNorm → checkpointing →
+compile → shard/wrap.
 
 Order matters (as in torchtitan's parallelize): checkpoint wrappers go around the blocks that
 FSDP2 shards one by one, and `torch.compile` sees the blocks before they are wrapped.
@@ -66,7 +67,7 @@ def parallelize(
     if plan.sync_batchnorm:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model.to(device)
-    sharded = plan.strategy == "fsdp"
+    sharded = plan.sharded
     if channels_last and not sharded:
         # FSDP2 refuses non-contiguous parameters ("does not support non-contiguous
         # parameters yet", torch 2.14); under it only the inputs are channels_last.
@@ -87,11 +88,31 @@ def parallelize(
         return DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None
         )
-    return shard_fsdp2(model, cfg, plan.precision)
+    return shard_fsdp2(model, cfg, plan.precision, mesh=data_parallel_mesh(plan, device))
 
 
-def shard_fsdp2(model: nn.Module, cfg: TrainConfig, precision: Precision) -> nn.Module:
+def data_parallel_mesh(plan: TrainingPlan, device: torch.device) -> Any:
+    """HSDP's 2-D mesh (`replicate` x `shard`) for `fully_shard`; None: FSDP2's flat default.
+
+    Ranks are laid out node by node (SLURM and torchrun number a node's tasks contiguously),
+    so each row of the mesh, a shard group, is the ranks of one node when the shard degree is
+    the node's rank count: parameter all-gathers and gradient reduce-scatters stay on the
+    node's links, and only the gradient all-reduce across the replicas crosses nodes.
+    """
+    if plan.strategy != "hsdp":
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, plan.mesh, mesh_dim_names=("replicate", "shard"))
+
+
+def shard_fsdp2(
+    model: nn.Module, cfg: TrainConfig, precision: Precision, *, mesh: Any = None
+) -> nn.Module:
     """`fully_shard` the norms (mixed precision only), each block, then the root.
+
+    `mesh`: None shards over all ranks; a 2-D (replicate, shard) mesh is HSDP: the same
+    units, sharded inside each shard group and all-reduced across the groups.
 
     Parameters are gathered in the compute dtype and gradients reduced in fp32. BatchNorm
     layers keep fp32 parameters: `MixedPrecisionPolicy` would cast their weight and bias to
@@ -117,10 +138,10 @@ def shard_fsdp2(model: nn.Module, cfg: TrainConfig, precision: Precision) -> nn.
             param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=precision.dtype
         )
         # Under a megabyte even for ResNet-50: gathered once per step, kept through backward.
-        fully_shard(norms, mp_policy=fp32, reshard_after_forward=False)
+        fully_shard(norms, mesh=mesh, mp_policy=fp32, reshard_after_forward=False)
     for _, _, block in find_blocks(model):
-        fully_shard(block, mp_policy=policy, reshard_after_forward=reshard)
-    fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     return model
 
 

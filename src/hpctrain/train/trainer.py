@@ -188,8 +188,15 @@ class Trainer:
             history=cfg.profile.memory_history,
         )
         facts = device_facts(self.device, compile=cfg.train.compile)
-        self.plan = plan_training(cfg.train, facts, self.env.world_size)
+        self.plan = plan_training(cfg.train, facts, self.env.world_size, self.env.local_world_size)
         self.precision = self.plan.precision
+        log.info("mesh: %s (train.strategy=%s)", self.plan.describe_mesh(), self.plan.strategy)
+        if self.plan.strategy == "fsdp" and self.env.local_world_size < self.env.world_size:
+            log.warning(
+                "train.strategy=fsdp over %d nodes: every all-gather crosses the network; "
+                "train.strategy=hsdp shards inside a node and replicates across nodes",
+                -(-self.env.world_size // max(1, self.env.local_world_size)),
+            )
 
     def configure_torch(self) -> None:
         """Deterministic algorithms or fast kernels, and the global seeds."""
@@ -332,6 +339,7 @@ class Trainer:
             )
             if self.env.is_main
             else None,
+            first={"mesh": self.plan.describe_mesh()},
         )
         batches = self.batch_stream()
         self.model.train()
