@@ -444,7 +444,6 @@ class GPT(nn.Module):
         if self.output is not None:
             root["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
         parallelize_module(self, mesh, root)
-        sequence_to_whole = {"input_layouts": (Shard(1),), "desired_input_layouts": (Replicate(),)}
         for block in self.blocks:
             parallelize_module(
                 block,
@@ -461,7 +460,9 @@ class GPT(nn.Module):
                     "attention.wv": ColwiseParallel(),
                     "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
                     "mlp_norm": SequenceParallel(),
-                    "mlp": PrepareModuleInput(**sequence_to_whole),
+                    "mlp": PrepareModuleInput(
+                        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                    ),
                     "mlp.w1": ColwiseParallel(),
                     "mlp.w3": ColwiseParallel(),
                     "mlp.w2": RowwiseParallel(output_layouts=Shard(1)),
