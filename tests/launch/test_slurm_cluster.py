@@ -107,6 +107,28 @@ def test_submit_two_nodes_one_task_each(tiny_shards: Path, tmp_path: Path, jobs:
     assert [m["step"] for m in read_metrics(run_dir)][-1] == 4
 
 
+def test_hsdp_over_two_nodes_shards_inside_each(
+    tiny_shards: Path, tmp_path: Path, jobs: list[str]
+) -> None:
+    """train.strategy=hsdp with shard_degree 0 takes the 2 tasks of a node from SLURM."""
+    run_dir = tmp_path / "run"
+    jobs += submit(
+        *train_overrides(
+            tiny_shards,
+            run_dir,
+            "train.max_steps=3",
+            "train.strategy=hsdp",
+            "slurm.nodes=2",
+            "slurm.gpus_per_node=2",
+        )
+    )
+    status = wait_finished(run_dir, 180)
+    assert status.state == "COMPLETED", status
+    records = read_metrics(run_dir)
+    assert records[0]["mesh"] == "replicate 2 x shard 2" and records[-1]["step"] == 3
+    assert "mesh: replicate 2 x shard 2 (train.strategy=hsdp)" in log_text(run_dir)
+
+
 def test_preemption_requeues_and_resumes_to_the_same_weights(
     tiny_shards: Path, tmp_path: Path, jobs: list[str]
 ) -> None:

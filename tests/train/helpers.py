@@ -50,17 +50,26 @@ def run_hpctrain(
 
 def run_two_ranks(script: Path, *args: str, timeout: float = 600) -> list[str]:
     """Run `script ARGS` as 2 gloo ranks (torchrun-style environment); returns their outputs."""
+    return run_ranks(script, *args, nprocs=2, timeout=timeout)
+
+
+def run_ranks(
+    script: Path, *args: str, nprocs: int, per_node: int = 0, timeout: float = 600
+) -> list[str]:
+    """Run `script ARGS` as `nprocs` gloo ranks (torchrun-style environment), `per_node` of
+    them on each pretended node (LOCAL_WORLD_SIZE; 0: all on one); returns their outputs."""
     from hpctrain.launch.local import free_port
 
     port = free_port()
+    per_node = per_node or nprocs
     procs = []
-    for rank in range(2):
+    for rank in range(nprocs):
         env = dict(os.environ)
         env.update(
             RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE="2",
-            LOCAL_WORLD_SIZE="2",
+            LOCAL_RANK=str(rank % per_node),
+            WORLD_SIZE=str(nprocs),
+            LOCAL_WORLD_SIZE=str(per_node),
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
             OMP_NUM_THREADS="1",
@@ -84,5 +93,5 @@ def run_two_ranks(script: Path, *args: str, timeout: float = 600) -> list[str]:
                 q.kill()
             raise
     codes = [p.returncode for p in procs]
-    assert codes == [0, 0], "\n".join(outputs)
+    assert codes == [0] * nprocs, "\n".join(outputs)
     return outputs

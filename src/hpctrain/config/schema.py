@@ -224,8 +224,21 @@ class TrainConfig:
     max_epochs: int = _f(0, "epochs to run when train.max_steps is 0", min=0)
     strategy: str = _f(
         "ddp",
-        "data parallelism over ranks; a single process is never wrapped",
-        choices=("none", "ddp", "fsdp"),
+        "data parallelism over ranks; a single process is never wrapped. hsdp: FSDP2 shards "
+        "inside groups of train.shard_degree ranks (a node) and replicates across them",
+        choices=("none", "ddp", "fsdp", "hsdp"),
+    )
+    tp_degree: int = _f(
+        1,
+        "tensor parallelism of the causal_lm GPT over this many ranks of a node (1: off), "
+        "with train.strategy=fsdp or hsdp on the remaining ranks",
+        min=1,
+    )
+    shard_degree: int = _f(
+        0,
+        "train.strategy=hsdp: data-parallel ranks per shard group; 0: those of one node "
+        "(SLURM's tasks per node, or LOCAL_WORLD_SIZE, over train.tp_degree)",
+        min=0,
     )
     precision: str = _f(
         "auto",

@@ -53,7 +53,13 @@ def require_items(loader: ShardedLoader, key: str, spec: str, seq_len: int) -> N
 
 @torch.no_grad()
 def evaluate(
-    task: Task, model: nn.Module, loader: ShardedLoader, precision: Any, device: torch.device
+    task: Task,
+    model: nn.Module,
+    loader: ShardedLoader,
+    precision: Any,
+    device: torch.device,
+    *,
+    copies: int = 1,
 ) -> dict[str, Any]:
     """`val_<metric>` over all of `loader`'s data once, and `val_samples`.
 
@@ -64,6 +70,7 @@ def evaluate(
 
     Args:
         precision: the run's precision plan (its `autocast()` context).
+        copies: ranks that evaluate the same batches (a tensor-parallel group), counted once.
     """
     was_training = model.training
     model.eval()
@@ -76,7 +83,7 @@ def evaluate(
             value = value.detach().double()
             sums[name] = sums[name] + value if name in sums else value
     model.train(was_training)
-    totals = {name: total.cpu() for name, total in all_reduce_tensors(sums).items()}
+    totals = {name: total.cpu() / copies for name, total in all_reduce_tensors(sums).items()}
     summarize = getattr(task, "summarize", divide_by_count)
     record = {f"val_{name}": float(value) for name, value in summarize(totals).items()}
     record["val_samples"] = int(totals["count"]) if "count" in totals else 0

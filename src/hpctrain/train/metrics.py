@@ -228,8 +228,12 @@ class MetricsWriter:
         total_steps: int,
         tensorboard: bool,
         trackers: Trackers | None = None,
+        first: dict[str, Any] | None = None,
     ) -> None:
+        """`first`: fields of this process's first training record only (the mesh), in
+        metrics.jsonl, not sent to the trackers."""
         self.enabled = enabled
+        self.first = dict(first or {})
         self.path = run_dir / "metrics.jsonl"
         self.bar: Any = None
         self.tb: Any = None
@@ -255,7 +259,11 @@ class MetricsWriter:
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        self._file.write(json.dumps(record) + "\n")
+        if self.first and record.get("kind", "train") == "train":
+            self._file.write(json.dumps({**record, **self.first}) + "\n")
+            self.first = {}
+        else:
+            self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self.trackers is not None:
             self.trackers.log(record)

@@ -1,4 +1,5 @@
-"""The one place where DDP and FSDP2 appear: SyncBatchNorm → checkpointing → compile → shard/wrap.
+"""The one place where DDP and FSDP2 (flat or HSDP) appear: SyncBatchNorm → checkpointing →
+compile → shard/wrap.
 
 Order matters (as in torchtitan's parallelize): checkpoint wrappers go around the blocks that
 FSDP2 shards one by one, and `torch.compile` sees the blocks before they are wrapped.
@@ -15,7 +16,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from hpctrain.config import TrainConfig
+from hpctrain.config import ConfigError, TrainConfig
 from hpctrain.train.precision import Precision, TrainingPlan
 
 # Norm layers with running statistics: fp32 parameters under FSDP2 mixed precision (below).
@@ -66,7 +67,10 @@ def parallelize(
     if plan.sync_batchnorm:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model.to(device)
-    sharded = plan.strategy == "fsdp"
+    mesh = device_mesh(plan, device)
+    if plan.tp > 1:  # before the wrappers, as in torchtitan: TP, checkpointing, compile, FSDP2
+        tensor_parallel(model, mesh, plan)
+    sharded = plan.sharded
     if channels_last and not sharded:
         # FSDP2 refuses non-contiguous parameters ("does not support non-contiguous
         # parameters yet", torch 2.14); under it only the inputs are channels_last.
@@ -87,11 +91,66 @@ def parallelize(
         return DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None
         )
-    return shard_fsdp2(model, cfg, plan.precision)
+    return shard_fsdp2(model, cfg, plan.precision, mesh=data_parallel_mesh(mesh, plan))
 
 
-def shard_fsdp2(model: nn.Module, cfg: TrainConfig, precision: Precision) -> nn.Module:
+def device_mesh(plan: TrainingPlan, device: torch.device) -> Any:
+    """The named mesh of a run, or None for FSDP2's flat default (and DDP).
+
+    Dimensions, outermost first: `replicate` and `shard` (HSDP), or `shard` (FSDP2 with
+    tensor parallelism), then `tp`. Ranks are laid out node by node (SLURM and torchrun
+    number a node's tasks contiguously), so the innermost dimensions stay inside a node: a TP
+    group always, and a shard group when the shard degree is the node's data-parallel ranks.
+    Parameter all-gathers and gradient reduce-scatters then use the node's links, and only
+    the gradient all-reduce across the replicas crosses nodes.
+    """
+    dims: list[int] = []
+    names: list[str] = []
+    if plan.strategy == "hsdp":
+        dims, names = list(plan.mesh), ["replicate", "shard"]
+    elif plan.tp > 1:
+        dims, names = [plan.mesh[1]], ["shard"]
+    if plan.tp > 1:
+        dims.append(plan.tp)
+        names.append("tp")
+    if not dims:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, tuple(dims), mesh_dim_names=tuple(names))
+
+
+def data_parallel_mesh(mesh: Any, plan: TrainingPlan) -> Any:
+    """The part of `mesh` FSDP2 shards over (None: all ranks)."""
+    if mesh is None:
+        return None
+    if plan.strategy == "hsdp":
+        return mesh["replicate", "shard"] if plan.tp > 1 else mesh
+    return mesh["shard"]
+
+
+def tensor_parallel(model: nn.Module, mesh: Any, plan: TrainingPlan) -> None:
+    """Split `model` over the mesh's `tp` dimension with its own plan (`parallelize_tensors`).
+
+    Raises:
+        ConfigError: the model has no tensor-parallel plan (only the causal_lm GPT has one).
+    """
+    apply = getattr(model, "parallelize_tensors", None)
+    if apply is None:
+        raise ConfigError(
+            f"train.tp_degree={plan.tp}: {type(model).__name__} has no tensor-parallel plan; "
+            "tensor parallelism splits the causal_lm GPT only (set train.tp_degree=1)"
+        )
+    apply(mesh["tp"])
+
+
+def shard_fsdp2(
+    model: nn.Module, cfg: TrainConfig, precision: Precision, *, mesh: Any = None
+) -> nn.Module:
     """`fully_shard` the norms (mixed precision only), each block, then the root.
+
+    `mesh`: None shards over all ranks; a 2-D (replicate, shard) mesh is HSDP: the same
+    units, sharded inside each shard group and all-reduced across the groups.
 
     Parameters are gathered in the compute dtype and gradients reduced in fp32. BatchNorm
     layers keep fp32 parameters: `MixedPrecisionPolicy` would cast their weight and bias to
@@ -117,10 +176,10 @@ def shard_fsdp2(model: nn.Module, cfg: TrainConfig, precision: Precision) -> nn.
             param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=precision.dtype
         )
         # Under a megabyte even for ResNet-50: gathered once per step, kept through backward.
-        fully_shard(norms, mp_policy=fp32, reshard_after_forward=False)
+        fully_shard(norms, mesh=mesh, mp_policy=fp32, reshard_after_forward=False)
     for _, _, block in find_blocks(model):
-        fully_shard(block, mp_policy=policy, reshard_after_forward=reshard)
-    fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     return model
 
 

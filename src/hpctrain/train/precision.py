@@ -65,17 +65,53 @@ class Precision:
         return torch.autocast(device_type=self.device_type, dtype=self.dtype)
 
 
+SHARDED = ("fsdp", "hsdp")  # the strategies where FSDP2 shards parameters
+
+
 @dataclass(frozen=True)
 class TrainingPlan:
     """The effective parallelism and precision of a run."""
 
-    strategy: str  # none | ddp | fsdp (none whenever there is one process)
+    strategy: str  # none | ddp | fsdp | hsdp (none whenever there is one process)
     precision: Precision
     sync_batchnorm: bool  # convert BatchNorm layers to SyncBatchNorm
+    # (replicate, shard) degrees of the data-parallel ranks: DDP (D, 1), FSDP2 (1, D),
+    # HSDP (D / shard_degree, shard_degree), D = world size / tp
+    mesh: tuple[int, int] = (1, 1)
+    tp: int = 1  # tensor-parallel ranks (innermost: consecutive ranks, inside a node)
+
+    @property
+    def sharded(self) -> bool:
+        return self.strategy in SHARDED
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The ranks that read different batches (a TP group reads one batch together)."""
+        return self.mesh[0] * self.mesh[1]
+
+    def data_parallel_rank(self, rank: int) -> int:
+        return rank // self.tp
+
+    def describe_mesh(self) -> str:
+        """`replicate 2 x shard 2` (the log and metrics.jsonl's first record)."""
+        replicate, shard = self.mesh
+        tp = f" x tp {self.tp}" if self.tp > 1 else ""
+        if self.strategy == "hsdp":
+            return f"replicate {replicate} x shard {shard}{tp}"
+        if self.strategy == "fsdp":
+            return f"shard {shard}{tp}"
+        if self.strategy == "ddp":
+            return f"replicate {replicate}"
+        return "single process"
 
 
-def plan_training(train: TrainConfig, device: DeviceFacts, world_size: int) -> TrainingPlan:
+def plan_training(
+    train: TrainConfig, device: DeviceFacts, world_size: int, local_world_size: int = 0
+) -> TrainingPlan:
     """Decide what `train.*` means on `device` with `world_size` ranks, or refuse it.
+
+    `local_world_size`: the ranks of one node (0: unknown, taken as `world_size`), which
+    `train.strategy=hsdp` shards over when `train.shard_degree` is 0.
 
     Raises `ConfigError` (one line naming the keys) for combinations that cannot train:
     bf16 on GPUs before Ampere, a GPU this torch build has no kernels for, several ranks
@@ -97,6 +133,9 @@ def plan_training(train: TrainConfig, device: DeviceFacts, world_size: int) -> T
             "copy; use ddp or fsdp, or run one process"
         )
     strategy = train.strategy if world_size > 1 else "none"
+    local_world_size = local_world_size or world_size
+    tp = _tensor_parallel_degree(train, strategy, world_size, local_world_size)
+    mesh = _data_parallel_mesh(train, strategy, world_size // tp, local_world_size // tp)
 
     name = train.precision
     if name == "auto":
@@ -120,9 +159,58 @@ def plan_training(train: TrainConfig, device: DeviceFacts, world_size: int) -> T
         )
     return TrainingPlan(
         strategy=strategy,
-        precision=Precision(name, device.type, sharded=strategy == "fsdp"),
+        precision=Precision(name, device.type, sharded=strategy in SHARDED),
         sync_batchnorm=sync_batchnorm,
+        mesh=mesh,
+        tp=tp,
     )
+
+
+def _tensor_parallel_degree(
+    train: TrainConfig, strategy: str, world_size: int, local_world_size: int
+) -> int:
+    """`train.tp_degree`, or a one-line refusal of a degree that cannot split this job."""
+    tp = train.tp_degree
+    if tp == 1:
+        return 1
+    key = f"train.tp_degree={tp}"
+    if strategy not in SHARDED:
+        raise ConfigError(
+            f"{key} with train.strategy={strategy} and {world_size} rank(s): tensor parallelism "
+            "runs with train.strategy=fsdp or hsdp on two ranks or more (FSDP2 shards the "
+            "remaining data-parallel dimension; DDP does not take tensor-parallel parameters)"
+        )
+    if local_world_size % tp or world_size % tp:
+        raise ConfigError(
+            f"{key}: must divide the {local_world_size} ranks of a node (tensor parallelism "
+            "stays inside a node, on its fast links)"
+        )
+    return tp
+
+
+def _data_parallel_mesh(
+    train: TrainConfig, strategy: str, world_size: int, local_world_size: int
+) -> tuple[int, int]:
+    """(replicate, shard) degrees; refuses a `train.shard_degree` that cannot apply."""
+    if train.shard_degree and train.strategy != "hsdp":
+        raise ConfigError(
+            f"train.shard_degree={train.shard_degree} applies to train.strategy=hsdp only "
+            f"(train.strategy={train.strategy}); set train.shard_degree=0"
+        )
+    if strategy == "hsdp":
+        shard = train.shard_degree or local_world_size
+        if world_size % shard:
+            where = "" if train.shard_degree else " (the ranks of one node)"
+            tp = f" (world size / train.tp_degree={train.tp_degree})" if train.tp_degree > 1 else ""
+            raise ConfigError(
+                f"train.shard_degree={shard}{where} does not divide the {world_size} "
+                f"data-parallel ranks{tp} of train.strategy=hsdp: their number must be a "
+                "multiple of the shard degree"
+            )
+        return world_size // shard, shard
+    if strategy == "fsdp":
+        return 1, world_size
+    return world_size, 1
 
 
 def device_facts(device: torch.device, *, compile: bool = False) -> DeviceFacts:

@@ -155,6 +155,11 @@ class Trainer:
             require_tensorboard()
         if self.env.is_main:
             check_trackers(cfg.logging)
+        if cfg.train.tp_degree > 1 and cfg.task in ("image_classification", "segmentation"):
+            raise ConfigError(
+                f"train.tp_degree={cfg.train.tp_degree} with task={cfg.task}: tensor "
+                "parallelism splits the causal_lm GPT only; set train.tp_degree=1"
+            )
         if cfg.checkpoint.monitor and not cfg.data.val:
             raise ConfigError(
                 f"checkpoint.monitor={cfg.checkpoint.monitor}: needs data.val (evaluations to rank by)"
@@ -188,8 +193,15 @@ class Trainer:
             history=cfg.profile.memory_history,
         )
         facts = device_facts(self.device, compile=cfg.train.compile)
-        self.plan = plan_training(cfg.train, facts, self.env.world_size)
+        self.plan = plan_training(cfg.train, facts, self.env.world_size, self.env.local_world_size)
         self.precision = self.plan.precision
+        log.info("mesh: %s (train.strategy=%s)", self.plan.describe_mesh(), self.plan.strategy)
+        if self.plan.strategy == "fsdp" and self.env.local_world_size < self.env.world_size:
+            log.warning(
+                "train.strategy=fsdp over %d nodes: every all-gather crosses the network; "
+                "train.strategy=hsdp shards inside a node and replicates across nodes",
+                -(-self.env.world_size // max(1, self.env.local_world_size)),
+            )
 
     def configure_torch(self) -> None:
         """Deterministic algorithms or fast kernels, and the global seeds."""
@@ -229,9 +241,9 @@ class Trainer:
         in the loader workers like the transforms.
         """
         cfg = self.cfg
-        loader_args: dict[str, Any] = {
-            "rank": self.env.rank,
-            "world_size": self.env.world_size,
+        loader_args: dict[str, Any] = {  # the ranks of a TP group read the same batches
+            "rank": self.plan.data_parallel_rank(self.env.rank),
+            "world_size": self.plan.data_parallel_size,
             "seed": cfg.seed,
             "device": self.device,
         }
@@ -332,6 +344,7 @@ class Trainer:
             )
             if self.env.is_main
             else None,
+            first={"mesh": self.plan.describe_mesh()},
         )
         batches = self.batch_stream()
         self.model.train()
@@ -431,13 +444,13 @@ class Trainer:
         self.lr = group["lr"] / group.get("lr_scale", 1.0)
         self.scheduler.step()
         self.state.step += 1
-        self.state.samples_seen += num_samples * self.env.world_size
+        self.state.samples_seen += num_samples * self.plan.data_parallel_size
         assert isinstance(loss_sum, torch.Tensor)
         values = {"loss": loss_sum, **metric_sums}
         if accum > 1:
             values = {name: value / accum for name, value in values.items()}
         self.meter.add(
-            samples=num_samples,
+            samples=num_samples if self.env.rank % self.plan.tp == 0 else 0,  # a TP group's once
             step_time=time.perf_counter() - start,
             data_wait=data_wait,
             values=values,
@@ -538,7 +551,14 @@ class Trainer:
             ema.swap()  # the EMA into the model for this evaluation, swapped back below
         try:
             record.update(
-                evaluate(self.task, self.model, self.val_loader, self.precision, self.device)
+                evaluate(
+                    self.task,
+                    self.model,
+                    self.val_loader,
+                    self.precision,
+                    self.device,
+                    copies=self.plan.tp,
+                )
             )
         finally:
             if ema is not None:
@@ -580,8 +600,8 @@ class Trainer:
 
     def log_samples(self, batch: Batch) -> None:
         """The audit trail of `data.sample_log`: which keys this rank trained on at which step."""
-        if not self.cfg.data.sample_log:
-            return
+        if not self.cfg.data.sample_log or self.env.rank % self.plan.tp:
+            return  # one log per data-parallel rank: a TP group trains on the same keys
         keys = [k for k, ok in zip(batch["key"], batch["valid"].tolist(), strict=True) if ok]
         with self.sample_log_path().open("a") as f:
             f.write(
@@ -590,7 +610,9 @@ class Trainer:
             )
 
     def sample_log_path(self) -> Path:
-        return self.run_dir / "samples" / f"rank-{self.env.rank}.jsonl"
+        return (
+            self.run_dir / "samples" / f"rank-{self.plan.data_parallel_rank(self.env.rank)}.jsonl"
+        )
 
     # ---------------------------------------------------------------- checkpoints
     def checkpoint_states(self) -> dict[str, Any]:

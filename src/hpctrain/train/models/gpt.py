@@ -321,9 +321,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """`mask`: None (plain causal), or a `document_mask` (bool tensor or block mask)."""
         b, t, _ = x.shape
-        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        # -1: this rank's heads (all of them, or n_heads / train.tp_degree under TP)
+        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         gqa = self.kv_heads != self.n_heads
         if mask is None:
@@ -403,6 +404,71 @@ class GPT(nn.Module):
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
 
+    def parallelize_tensors(self, mesh: Any) -> None:
+        """Split the GPT over the 1-D device `mesh` (`train.tp_degree` ranks of a node).
+
+        Megatron-style: q/k/v and the MLP's w1/w3 column-wise (each rank computes its heads
+        and its part of the hidden layer), `wo` and `w2` row-wise (their partial sums reduced).
+        The norms run sequence-parallel (each rank normalises its part of the sequence, so
+        their activations are split too), the embedding is split by vocabulary rows, the
+        untied output layer by vocabulary columns; the logits come back whole on every rank.
+        Layouts as in torchtitan's Llama plan; the residual stream between blocks is this
+        rank's slice of the sequence.
+
+        Raises:
+            ConfigError: heads or KV heads that the degree does not divide.
+        """
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            PrepareModuleInput,
+            RowwiseParallel,
+            SequenceParallel,
+            parallelize_module,
+        )
+
+        tp = mesh.size()
+        for key, heads in (
+            ("model.n_heads", self.cfg.n_heads),
+            ("model.n_kv_heads", self.cfg.kv_heads),
+        ):
+            if heads % tp:
+                raise ConfigError(
+                    f"train.tp_degree={tp}: must divide {key}={heads} (each rank computes "
+                    "whole heads)"
+                )
+        root: dict[str, Any] = {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+        }
+        if self.output is not None:
+            root["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+        parallelize_module(self, mesh, root)
+        for block in self.blocks:
+            parallelize_module(
+                block,
+                mesh,
+                {
+                    "attention_norm": SequenceParallel(),
+                    # (x, cos, sin, mask): only x is split
+                    "attention": PrepareModuleInput(
+                        input_layouts=(Shard(1), None, None, None),
+                        desired_input_layouts=(Replicate(), None, None, None),
+                    ),
+                    "attention.wq": ColwiseParallel(),
+                    "attention.wk": ColwiseParallel(),
+                    "attention.wv": ColwiseParallel(),
+                    "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+                    "mlp_norm": SequenceParallel(),
+                    "mlp": PrepareModuleInput(
+                        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                    ),
+                    "mlp.w1": ColwiseParallel(),
+                    "mlp.w3": ColwiseParallel(),
+                    "mlp.w2": RowwiseParallel(output_layouts=Shard(1)),
+                },
+            )
+
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
         cos, sin = rotary_tables(tokens.shape[1], self.cfg, h.device, positions)
@@ -415,6 +481,9 @@ class GPT(nn.Module):
         for block in self.blocks:
             h = block(h, cos, sin, mask)
         h = self.norm(h)
-        if self.output is None:
-            return F.linear(h, self.tok_embeddings.weight)
-        return self.output(h)
+        if self.output is not None:
+            return self.output(h)
+        logits = F.linear(h, self.tok_embeddings.weight)
+        # tensor-parallel and tied: a DTensor split by sequence or vocabulary, made whole
+        full = getattr(logits, "full_tensor", None)
+        return full() if full is not None else logits

@@ -234,13 +234,18 @@ def canonical_name(name: str) -> str:
 def local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(the local tensor to write, first global row it holds) of a plain or FSDP2 parameter.
 
-    FSDP2 shards dim 0 like `torch.chunk`: rank r holds rows from r · ceil(n / world)."""
-    from torch.distributed.tensor import DTensor, Shard
+    FSDP2 shards dim 0 like `torch.chunk`: rank r of the shard dimension holds rows from
+    r · ceil(n / shard ranks); under HSDP the replicate dimension holds copies."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     if not isinstance(param, DTensor):
         return param, 0
-    assert param.device_mesh.ndim == 1 and param.placements == (Shard(0),), param.placements
-    rank, world = param.device_mesh.get_local_rank(), param.device_mesh.size()
+    placements = param.placements
+    shard_dims = [i for i, p in enumerate(placements) if p == Shard(0)]
+    assert len(shard_dims) == 1, placements
+    assert all(p == Replicate() for i, p in enumerate(placements) if i != shard_dims[0]), placements
+    dim = shard_dims[0]
+    rank, world = param.device_mesh.get_local_rank(dim), param.device_mesh.size(dim)
     local = param.to_local()
     return local, rank * math.ceil(param.shape[0] / world)
 
