@@ -65,9 +65,11 @@ format: $(STAMP)
 	$(BIN)/ruff format src tests tools
 	$(BIN)/ruff check --fix src tests tools
 
-# Regenerates docs/config-reference.md from the config schema (a test keeps it current).
+# Regenerates docs/config-reference.md from the config schema and the strategy table of
+# docs/training.md from hpctrain.train.comms (tests keep both current).
 docs: $(STAMP)
 	$(BIN)/python tools/config_reference.py
+	$(BIN)/python tools/comms_table.py
 
 clean:
 	rm -rf $(VENV) runs/demo runs/demo-lm $(DEMO_DATA) $(LM_DATA) .pytest_cache .mypy_cache .ruff_cache
