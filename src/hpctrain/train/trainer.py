@@ -195,7 +195,8 @@ class Trainer:
         facts = device_facts(self.device, compile=cfg.train.compile)
         self.plan = plan_training(cfg.train, facts, self.env.world_size, self.env.local_world_size)
         self.precision = self.plan.precision
-        log.info("mesh: %s (train.strategy=%s)", self.plan.describe_mesh(), self.plan.strategy)
+        if self.env.is_distributed:
+            log.info("mesh: %s (train.strategy=%s)", self.plan.describe_mesh(), self.plan.strategy)
         if self.plan.strategy == "fsdp" and self.env.local_world_size < self.env.world_size:
             log.warning(
                 "train.strategy=fsdp over %d nodes: every all-gather crosses the network; "
