@@ -62,10 +62,15 @@ def parallelize(
     weights (DDP does, but starting equal keeps the two strategies bitwise comparable).
     With `channels_last`, 4-d weights are stored NHWC too, so convolutions on channels_last
     inputs need no layout conversion (cuDNN's fast path for tensor cores).
+    A model on the meta device (`init_from.build_model`, FSDP2 only) gets empty storage for
+    each rank's shard once sharded, for the caller to fill.
     """
     if plan.sync_batchnorm:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    model.to(device)
+    on_meta = any(p.is_meta for p in model.parameters())
+    assert not on_meta or plan.strategy == "fsdp", plan.strategy
+    if not on_meta:
+        model.to(device)
     sharded = plan.strategy == "fsdp"
     if channels_last and not sharded:
         # FSDP2 refuses non-contiguous parameters ("does not support non-contiguous
@@ -87,7 +92,10 @@ def parallelize(
         return DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None
         )
-    return shard_fsdp2(model, cfg, plan.precision)
+    model = shard_fsdp2(model, cfg, plan.precision)
+    if on_meta:
+        model.to_empty(device=device)  # each rank's shard only, uninitialised
+    return model
 
 
 def shard_fsdp2(model: nn.Module, cfg: TrainConfig, precision: Precision) -> nn.Module:
