@@ -18,6 +18,7 @@ BENCHES: dict[str, str] = {
     "trainer": "hpctrain.bench.trainer",
     "loader": "hpctrain.bench.loader",
     "gpu": "hpctrain.bench.gpu_lm",
+    "import": "hpctrain.bench.weights_import",
 }
 
 
