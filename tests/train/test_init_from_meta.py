@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpctrain.config import Config, with_overrides
+from hpctrain.config import Config, ConfigError, with_overrides
 from hpctrain.train import init_from
 from tests.train.helpers import REPO, run_two_ranks
 from tests.train.lm_testkit import write_token_shards
@@ -43,3 +43,30 @@ def test_only_fsdp2_with_a_hugging_face_folder_builds_on_meta(tmp_path: Path) ->
     assert not init_from.builds_on_meta(hf_cfg, "none")
     assert not init_from.builds_on_meta(file_cfg, "fsdp")
     assert not init_from.builds_on_meta(Config(), "fsdp")
+
+
+def test_rows_are_read_straight_or_converted_and_a_truncated_file_is_named(
+    tmp_path: Path,
+) -> None:
+    from safetensors.torch import save_file
+
+    from hpctrain.train.models import hf
+
+    weights = torch.arange(5 * 3, dtype=torch.float32).reshape(5, 3)
+    save_file({"w": weights, "b": weights.to(torch.bfloat16)}, str(tmp_path / "m.safetensors"))
+    data_start, entries = hf.read_header(tmp_path / "m.safetensors")
+    assert set(entries) == {"w", "b"}
+    with open(tmp_path / "m.safetensors", "rb") as f:
+        straight = torch.empty(2, 3)  # the file's dtype: read into it
+        hf.read_rows(f, data_start, entries["w"], 3, straight)
+        converted = torch.empty(2, 3)  # bf16 in the file: through a buffer
+        hf.read_rows(f, data_start, entries["b"], 1, converted)
+    assert torch.equal(straight, weights[3:5]) and torch.equal(converted, weights[1:3])
+    data = (tmp_path / "m.safetensors").read_bytes()
+    (tmp_path / "m.safetensors").write_bytes(data[:-8])
+    last = max(entries, key=lambda name: entries[name]["data_offsets"][1])
+    with (
+        open(tmp_path / "m.safetensors", "rb") as f,
+        pytest.raises(ConfigError, match=r"m.safetensors ends inside its tensors"),
+    ):
+        hf.read_rows(f, data_start, entries[last], 4, torch.empty(1, 3))

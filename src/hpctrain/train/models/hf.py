@@ -263,7 +263,7 @@ def read_rows(
     if out.device.type != "cpu" or out.dtype != dtype or not out.is_contiguous():
         target = torch.empty(tuple(out.shape), dtype=dtype)
     f.seek(data_start + entry["data_offsets"][0] + start * row_bytes)
-    view = memoryview(target.detach().view(-1).view(torch.uint8).numpy())
+    view = target.detach().view(-1).view(torch.uint8).numpy().data  # a writable memoryview
     if f.readinto(view) != len(view):
         raise ConfigError(f"{KEY}: {f.name} ends inside its tensors (a truncated file)")
     if target is not out:
