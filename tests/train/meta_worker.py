@@ -52,6 +52,7 @@ def imported(folder: str, shards: str, run_dir: Path, precision: str, env: Any) 
                 f"train.precision={precision}",
                 "train.ema_decay=0.9",
                 "train.compile=false",
+                "train.freeze=['blocks.0.*']",  # frozen parameters stay frozen on meta too
             ],
         )
         trainer = Trainer(cfg, env, torch.device("cpu"))
@@ -64,7 +65,8 @@ def imported(folder: str, shards: str, run_dir: Path, precision: str, env: Any) 
     ema = [w.full_tensor() for w in trainer.ema.weights]
     with torch.no_grad():
         logits = model.eval()(tokens(LM_VOCAB))
-    return {"meta": built[0], "weights": weights, "ema": ema, "logits": logits}
+    frozen = sorted(n for n, p in model.named_parameters() if not p.requires_grad)
+    return {"meta": built[0], "weights": weights, "ema": ema, "logits": logits, "frozen": frozen}
 
 
 def main() -> None:
@@ -81,6 +83,7 @@ def main() -> None:
         finally:
             init_from.builds_on_meta = builds_on_meta
     assert on_meta["meta"] and not whole["meta"]
+    assert on_meta["frozen"] == whole["frozen"] and len(whole["frozen"]) == 9, whole["frozen"]
     assert on_meta["weights"].keys() == whole["weights"].keys()
     for key, value in whole["weights"].items():
         assert torch.equal(on_meta["weights"][key], value), key
