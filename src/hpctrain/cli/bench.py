@@ -18,6 +18,7 @@ BENCHES: dict[str, str] = {
     "trainer": "hpctrain.bench.trainer",
     "loader": "hpctrain.bench.loader",
     "gpu-lm": "hpctrain.bench.gpu_lm",
+    "import": "hpctrain.bench.weights_import",
 }
 # name -> the older names it still answers to (`bench gpu` ran the LLM case before `gpu-lm`)
 ALIASES: dict[str, list[str]] = {"gpu-lm": ["gpu"]}

@@ -14,6 +14,14 @@ Three kinds of PATH (`kind_of`):
 
 Loading goes through `set_model_state_dict(full_state_dict=True)`, which maps the plain
 names onto DDP, FSDP2 (each rank keeps its shard), compiled and checkpoint-wrapped modules.
+
+Under FSDP2 with an `hf` PATH the model is built on the meta device (`build_model`):
+`parallelize` shards it and gives each rank storage for its shard only (`to_empty`), and
+`load_hf_weights` fills every parameter from the folder, each rank its own rows. A rank never
+holds the full model (tests/train/test_init_from_meta.py; `hpctrain bench import` measures
+it). The other kinds and strategies build the model as usual: DDP and a single process hold
+the full model anyway, and a `run` or `file` PATH is read whole (a new head keeps the
+model's seeded initialisation).
 """
 
 from __future__ import annotations
@@ -65,6 +73,33 @@ def kind_of(path: str) -> str:
     return "file"
 
 
+def builds_on_meta(cfg: Config, strategy: str) -> bool:
+    """Whether the run builds its model on the meta device (see the module doc)."""
+    return (
+        strategy in ("fsdp", "hsdp")
+        and bool(cfg.model.init_from)
+        and kind_of(cfg.model.init_from) == "hf"
+    )
+
+
+def build_model(task: Any, cfg: Config, strategy: str) -> nn.Module:
+    """The task's model; on the meta device when `builds_on_meta` (no memory, no values:
+    `parallelize` allocates each rank's shard, `load_initial_weights` fills it).
+
+    A model with buffers is built as usual: the folder holds parameters only, and a buffer's
+    value (a table computed at construction) would be lost on the meta device. The GPT has
+    none (its RoPE tables are made per forward, `gpt.rotary_tables`).
+    """
+    if not builds_on_meta(cfg, strategy):
+        return task.build_model()
+    with torch.device("meta"):
+        model = task.build_model()
+    if any(True for _ in model.buffers()):
+        return task.build_model()
+    log.info("model built on the meta device: each rank reads its shard from %s", KEY)
+    return model
+
+
 def check(cfg: Config, task: Any) -> None:
     """Refuse, before any model is built, an init_from this run cannot use."""
     path = cfg.model.init_from
@@ -77,6 +112,12 @@ def check(cfg: Config, task: Any) -> None:
         raise ConfigError(
             f"{KEY}={path}: a Hugging Face causal-LM folder; task {cfg.task} cannot start from "
             "it (task causal_lm can)"
+        )
+    if kind == "hf" and cfg.train.tp_degree > 1:
+        raise ConfigError(
+            f"{KEY}={path} with train.tp_degree={cfg.train.tp_degree}: reading a Hugging Face "
+            "folder into tensor-parallel shards is not supported yet; import it with "
+            "train.tp_degree=1, then start the TP run from that run folder"
         )
     if cfg.model.init_from_ema and kind != "run":
         raise ConfigError(

@@ -63,10 +63,15 @@ def parallelize(
     weights (DDP does, but starting equal keeps the two strategies bitwise comparable).
     With `channels_last`, 4-d weights are stored NHWC too, so convolutions on channels_last
     inputs need no layout conversion (cuDNN's fast path for tensor cores).
+    A model on the meta device (`init_from.build_model`, FSDP2 only) gets empty storage for
+    each rank's shard once sharded, for the caller to fill.
     """
     if plan.sync_batchnorm:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    model.to(device)
+    on_meta = any(p.is_meta for p in model.parameters())
+    assert not on_meta or plan.sharded, plan.strategy
+    if not on_meta:
+        model.to(device)
     mesh = device_mesh(plan, device)
     if plan.tp > 1:  # before the wrappers, as in torchtitan: TP, checkpointing, compile, FSDP2
         tensor_parallel(model, mesh, plan)
@@ -91,7 +96,10 @@ def parallelize(
         return DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None
         )
-    return shard_fsdp2(model, cfg, plan.precision, mesh=data_parallel_mesh(mesh, plan))
+    model = shard_fsdp2(model, cfg, plan.precision, mesh=data_parallel_mesh(mesh, plan))
+    if on_meta:
+        model.to_empty(device=device)  # each rank's shard only, uninitialised
+    return model
 
 
 def device_mesh(plan: TrainingPlan, device: torch.device) -> Any:

@@ -219,7 +219,7 @@ class Trainer:
         """The task's model, moved, wrapped and sharded; its optimizer and gradient scaler."""
         torch.manual_seed(self.cfg.seed)  # identical initial weights on every rank (FSDP2 needs it)
         init_from.check(self.cfg, self.task)
-        model = self.task.build_model()
+        model = init_from.build_model(self.task, self.cfg, self.plan.strategy)
         trainable, frozen = freeze_parameters(model, self.cfg.train.freeze)  # before wrapping
         log.info(
             "parameters: %s trainable, %s frozen (train.freeze)", f"{trainable:,}", f"{frozen:,}"

@@ -11,9 +11,12 @@ Rotary layout: Hugging Face's Llama code rotates channel pairs (i, i + head_dim/
 Meta's interleaved weights permuted them once). The built-in GPT uses the same half-split
 layout (`gpt.apply_rotary`), so the weights are copied as they are, no permutation.
 
-Memory under FSDP2: the model is built and sharded as for any run, then each rank reads only
-its own rows of each tensor (`safe_open(...).get_slice`, memory-mapped): besides its shard a
-rank holds at most one tensor's local rows at a time, never the whole model's weights.
+Memory under FSDP2: the trainer builds the GPT on the meta device, shards it and gives each
+rank storage for its shard only (`init_from.build_model`); each rank then reads only its own
+rows of each tensor, straight from the file into its shard (`read_rows`: the safetensors
+header is JSON, the rows of a tensor are one contiguous byte range). No memory map: a rank's
+resident memory is its shard plus at most one tensor's local rows (when the file's dtype is
+not the parameter's), never the whole model's weights.
 
 Out: `hf_config` and `hf_state_dict` give `hpctrain export --format hf` the `config.json` and
 tensor names transformers' `AutoModelForCausalLM` loads without custom code.
@@ -210,20 +213,61 @@ def weight_files(folder: str) -> dict[str, Path]:
         return files
     if not (root / WEIGHTS).is_file():
         raise ConfigError(f"{where}: neither {WEIGHTS} nor {INDEX} in the folder")
-    with safe_open(root / WEIGHTS) as f:
-        return {name: root / WEIGHTS for name in f.keys()}  # noqa: SIM118 (not a dict)
+    return {name: root / WEIGHTS for name in read_header(root / WEIGHTS)[1]}
 
 
-def safe_open(path: Path) -> Any:
-    """`safetensors.safe_open(path)` (memory-mapped, tensors read on demand)."""
+# safetensors' dtype names (https://github.com/huggingface/safetensors, "Format").
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def read_header(path: Path) -> tuple[int, dict[str, dict[str, Any]]]:
+    """(offset of the data, tensor name → {dtype, shape, data_offsets}) of a safetensors file:
+    8 bytes of little-endian header length, then the header as JSON."""
+    where = f"{KEY}: {path}"
     try:
-        from safetensors import safe_open as open_file
-    except ImportError:
-        raise ConfigError(
-            f"{KEY}: reading a Hugging Face folder needs the safetensors package: "
-            "pip install 'hpctrain[safetensors]'"
-        ) from None
-    return open_file(str(path), "pt")
+        with open(path, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(length))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{where}: not a readable safetensors file: {exc}") from None
+    if not isinstance(header, dict):
+        raise ConfigError(f"{where}: not a safetensors file (its header is not a JSON object)")
+    header.pop("__metadata__", None)
+    return 8 + length, header
+
+
+def read_rows(
+    f: Any, data_start: int, entry: dict[str, Any], start: int, out: torch.Tensor
+) -> None:
+    """Read rows `start .. start + len(out)` of the tensor `entry` (a header entry) of the open
+    safetensors file `f` into `out` (a CPU or GPU tensor, any float dtype).
+
+    Rows along the first dimension are one contiguous byte range: read straight into `out`
+    when it is a contiguous CPU tensor of the file's dtype, else through one buffer of those
+    rows (then converted and copied)."""
+    dtype = DTYPES[entry["dtype"]]
+    shape = entry["shape"]
+    row_bytes = math.prod(shape[1:]) * dtype.itemsize
+    target = out
+    if out.device.type != "cpu" or out.dtype != dtype or not out.is_contiguous():
+        target = torch.empty(tuple(out.shape), dtype=dtype)
+    f.seek(data_start + entry["data_offsets"][0] + start * row_bytes)
+    view = target.detach().view(-1).view(torch.uint8).numpy().data  # a writable memoryview
+    if f.readinto(view) != len(view):
+        raise ConfigError(f"{KEY}: {f.name} ends inside its tensors (a truncated file)")
+    if target is not out:
+        out.copy_(target)
 
 
 def canonical_name(name: str) -> str:
@@ -254,8 +298,8 @@ def local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
 def load_hf_weights(model: nn.Module, folder: str, cfg: GPTConfig) -> list[str]:
     """Copy the folder's weights into `model` (a GPT of shape `cfg`, plain, DDP or FSDP2).
 
-    Each rank reads only the rows of its own shard (memory-mapped partial reads). Returns the
-    names of the tensors of the folder left unused (a tied `lm_head.weight`, old
+    Each rank reads only the rows of its own shard, straight into it (`read_rows`). Returns
+    the names of the tensors of the folder left unused (a tied `lm_head.weight`, old
     `rotary_emb.inv_freq` buffers).
 
     Raises:
@@ -267,20 +311,23 @@ def load_hf_weights(model: nn.Module, folder: str, cfg: GPTConfig) -> list[str]:
     missing = sorted(theirs for theirs in names.values() if theirs not in files)
     if missing:
         raise ConfigError(f"{where}: tensors missing: {', '.join(missing)}")
+    headers = {path: read_header(path) for path in set(files.values())}
     with ExitStack() as stack:
-        opened = {path: stack.enter_context(safe_open(path)) for path in set(files.values())}
+        opened = {path: stack.enter_context(open(path, "rb")) for path in headers}
         for name, param in model.named_parameters():
             theirs = names[canonical_name(name)]
-            view = opened[files[theirs]].get_slice(theirs)
-            shape = tuple(view.get_shape())
-            if shape != tuple(param.shape):
+            data_start, entries = headers[files[theirs]]
+            entry = entries[theirs]
+            if tuple(entry["shape"]) != tuple(param.shape):
                 raise ConfigError(
-                    f"{where}: {theirs} has shape {list(shape)}, the model's {name} "
+                    f"{where}: {theirs} has shape {list(entry['shape'])}, the model's {name} "
                     f"{list(param.shape)}"
                 )
+            if entry["dtype"] not in DTYPES:
+                raise ConfigError(f"{where}: {theirs} has dtype {entry['dtype']} (not read)")
             local, start = local_rows(param)
             if local.numel():
-                local.copy_(view[start : start + local.shape[0]])
+                read_rows(opened[files[theirs]], data_start, entry, start, local)
     return sorted(set(files) - set(names.values()))
 
 
