@@ -3,7 +3,7 @@ device (the trainer's path) and built whole as before (`init_from.builds_on_meta
 off), compared tensor for tensor.
 
 Started by `test_init_from_meta.py` (RANK/WORLD_SIZE/MASTER_* set like torchrun):
-    python tests/train/meta_worker.py HF_FOLDER SHARDS WORK PRECISION
+    python tests/train/meta_worker.py HF_FOLDER SHARDS WORK PRECISION [STRATEGY]
 Prints `equal` on success; any difference fails an assert (exit status 1).
 """
 
@@ -28,7 +28,9 @@ from tests.train.test_hf import run_overrides, tokens  # noqa: E402
 LM_VOCAB = 301
 
 
-def imported(folder: str, shards: str, run_dir: Path, precision: str, env: Any) -> dict:
+def imported(
+    folder: str, shards: str, run_dir: Path, precision: str, env: Any, strategy: str = "fsdp"
+) -> dict:
     """The full weights, EMA and logits of a trainer started from `folder`, and whether its
     model was built on the meta device."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -48,7 +50,7 @@ def imported(folder: str, shards: str, run_dir: Path, precision: str, env: Any) 
             None,
             [
                 *overrides,
-                "train.strategy=fsdp",
+                f"train.strategy={strategy}",  # hsdp on 2 ranks: replicate 1 x shard 2
                 f"train.precision={precision}",
                 "train.ema_decay=0.9",
                 "train.compile=false",
@@ -70,16 +72,17 @@ def imported(folder: str, shards: str, run_dir: Path, precision: str, env: Any) 
 
 
 def main() -> None:
-    folder, shards, work, precision = sys.argv[1:]
+    folder, shards, work, precision = sys.argv[1:5]
+    strategy = sys.argv[5] if len(sys.argv) > 5 else "fsdp"
     env = resolve_env()
     device = choose_device(env, prefer="cpu")
     torch.set_num_threads(1)
     with process_group(env, device):
-        on_meta = imported(folder, shards, Path(work) / "meta", precision, env)
+        on_meta = imported(folder, shards, Path(work) / "meta", precision, env, strategy)
         builds_on_meta = init_from.builds_on_meta
         init_from.builds_on_meta = lambda cfg, strategy: False  # today's path: built whole
         try:
-            whole = imported(folder, shards, Path(work) / "whole", precision, env)
+            whole = imported(folder, shards, Path(work) / "whole", precision, env, strategy)
         finally:
             init_from.builds_on_meta = builds_on_meta
     assert on_meta["meta"] and not whole["meta"]

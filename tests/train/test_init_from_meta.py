@@ -18,8 +18,12 @@ pytest.importorskip("transformers")
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_meta_build_loads_what_a_whole_build_loads(tmp_path: Path, precision: str) -> None:
+@pytest.mark.parametrize(
+    ("precision", "strategy"), [("fp32", "fsdp"), ("bf16", "fsdp"), ("fp32", "hsdp")]
+)
+def test_meta_build_loads_what_a_whole_build_loads(
+    tmp_path: Path, precision: str, strategy: str
+) -> None:
     folder = tmp_path / "llama"
     reference = save_hf(folder, "llama", vocab_size=LM_VOCAB, tie_word_embeddings=False)
     if precision == "bf16":  # a bf16 file into fp32 shards: read through one buffer
@@ -28,7 +32,13 @@ def test_meta_build_loads_what_a_whole_build_loads(tmp_path: Path, precision: st
     write_token_shards(tmp_path / "shards" / "val", 1, seed=2)
     worker = REPO / "tests" / "train" / "meta_worker.py"
     outputs = run_two_ranks(
-        worker, str(folder), str(tmp_path / "shards"), str(tmp_path), precision, timeout=300
+        worker,
+        str(folder),
+        str(tmp_path / "shards"),
+        str(tmp_path),
+        precision,
+        strategy,
+        timeout=300,
     )
     assert all("equal" in output for output in outputs), outputs
 
@@ -39,6 +49,7 @@ def test_only_fsdp2_with_a_hugging_face_folder_builds_on_meta(tmp_path: Path) ->
     hf_cfg = with_overrides(Config(), [f"model.init_from={tmp_path / 'llama'}"])
     file_cfg = with_overrides(Config(), [f"model.init_from={tmp_path / 'w.pt'}"])
     assert init_from.builds_on_meta(hf_cfg, "fsdp")
+    assert init_from.builds_on_meta(hf_cfg, "hsdp")
     assert not init_from.builds_on_meta(hf_cfg, "ddp")
     assert not init_from.builds_on_meta(hf_cfg, "none")
     assert not init_from.builds_on_meta(file_cfg, "fsdp")
@@ -70,3 +81,13 @@ def test_rows_are_read_straight_or_converted_and_a_truncated_file_is_named(
         pytest.raises(ConfigError, match=r"m.safetensors ends inside its tensors"),
     ):
         hf.read_rows(f, data_start, entries[last], 4, torch.empty(1, 3))
+
+
+def test_a_hugging_face_folder_into_tensor_parallel_shards_is_refused(tmp_path: Path) -> None:
+    save_hf(tmp_path / "llama", "llama")
+    cfg = with_overrides(
+        Config(),
+        ["task=causal_lm", f"model.init_from={tmp_path / 'llama'}", "train.tp_degree=2"],
+    )
+    with pytest.raises(ConfigError, match=r"with train.tp_degree=2: reading a Hugging Face"):
+        init_from.check(cfg, type("Task", (), {"hf_model_config": None})())
