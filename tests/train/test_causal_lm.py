@@ -33,7 +33,12 @@ from tests.train.lm_testkit import (
 TOKEN_INDEX = ShardIndex(
     shards=(ShardInfo("a.tar", 10, num_tokens=1000),), tokenizer=dict(BYTES_TOKENIZER)
 )
-TINY = ["model.dim=32", "model.n_layers=2", "model.n_heads=4", f"data.seq_len={SEQ_LEN}"]
+TINY = [
+    "model.dim=32",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    f"data.seq_len={SEQ_LEN}",
+]
 
 
 def task(*overrides: str, index: ShardIndex = TOKEN_INDEX) -> CausalLM:

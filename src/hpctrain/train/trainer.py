@@ -55,7 +55,7 @@ from hpctrain.train.parallel import broadcast_buffers, no_gradient_sync, paralle
 from hpctrain.train.precision import device_facts, make_grad_scaler, plan_training
 from hpctrain.train.preemption import REQUEUE_EXIT_CODE, PreemptionFlag
 from hpctrain.train.profiling import StepProfiler
-from hpctrain.train.task import Batch, load_task
+from hpctrain.train.task import Batch, load_task, summary_line
 from hpctrain.train.trackers import check_trackers, start_trackers
 
 log = logging.getLogger("hpctrain")
@@ -751,18 +751,7 @@ class Trainer:
             f"finished {self.state.step} steps ({self.state.samples_seen} samples, epoch {self.state.epoch})"
         ]
         if final_eval is not None:
-            top5 = f"top-5 {final_eval['val_top5']:.2%}, " if "val_top5" in final_eval else ""
-            lines.append(
-                f"validation accuracy: {final_eval['val_accuracy']:.2%} "
-                f"({top5}loss {final_eval['val_loss']:.4f}, {final_eval['val_samples']} samples)"
-                if "val_accuracy" in final_eval and "val_loss" in final_eval
-                else "validation: "
-                + ", ".join(
-                    f"{k[4:]} {v:.4f}" if isinstance(v, float) else f"{k[4:]} {v}"
-                    for k, v in final_eval.items()
-                    if k.startswith("val_")
-                )
-            )
+            lines.append(summary_line(self.task, final_eval))
         lines.append(f"run folder: {self.run_dir}")
         lines.append(f"checkpoint: {self.checkpoints.root}/step-{self.state.step}")
         print("\n".join(lines), flush=True)
