@@ -154,7 +154,7 @@ class CausalLM:
         if from_hf:
             self.model_cfg: GPTConfig = self.hf_model_config(vocab, train)
         elif recorded is not None:
-            hf.check_against_model_keys(recorded, cfg.model, cfg.model.init_from)
+            hf.check_against_model_keys(recorded, cfg.causal_lm, cfg.model.init_from)
             if recorded.vocab_size < vocab:
                 raise ConfigError(
                     f"{hf.KEY}={cfg.model.init_from}: its vocabulary ({recorded.vocab_size}) is "
@@ -162,15 +162,15 @@ class CausalLM:
                     f"({vocab})"
                 )
             self.model_cfg = recorded
-        elif cfg.model.vocab_size and cfg.model.vocab_size < vocab:
+        elif cfg.causal_lm.vocab_size and cfg.causal_lm.vocab_size < vocab:
             raise ConfigError(
-                f"model.vocab_size={cfg.model.vocab_size}: smaller than the vocabulary of the "
+                f"causal_lm.vocab_size={cfg.causal_lm.vocab_size}: smaller than the vocabulary of the "
                 f"tokenizer {self.tokenizer['name']!r} of {train} ({vocab})"
             )
         if not from_hf and recorded is None:
-            m = cfg.model
+            m = cfg.causal_lm
             self.model_cfg = gpt_config(
-                m.name,
+                cfg.model.name,
                 m.vocab_size or vocab,
                 dim=m.dim,
                 n_layers=m.n_layers,
@@ -185,11 +185,11 @@ class CausalLM:
 
     def hf_model_config(self, vocab: int, train: str) -> GPTConfig:
         """The GPT's shape from the Hugging Face folder `model.init_from`, checked against the
-        run's `model.*` keys, the tokenizer's vocabulary and `data.seq_len`."""
+        run's `causal_lm.*` keys, the tokenizer's vocabulary and `data.seq_len`."""
         folder = self.cfg.model.init_from
         config = hf.read_hf_config(folder)
         model_cfg = hf.gpt_config_from_hf(config, folder)
-        hf.check_against_model_keys(model_cfg, self.cfg.model, folder)
+        hf.check_against_model_keys(model_cfg, self.cfg.causal_lm, folder)
         if model_cfg.vocab_size < vocab:
             raise ConfigError(
                 f"{hf.KEY}={folder}: vocab_size {model_cfg.vocab_size} is smaller than the "
@@ -224,7 +224,7 @@ class CausalLM:
 
     def warm_start_shape(self) -> GPTConfig | None:
         """The GPT shape the checkpoint at `model.init_from` records (a run folder or
-        checkpoint of a newer causal_lm run), so that a warm start needs no `model.*` keys;
+        checkpoint of a newer causal_lm run), so that a warm start needs no `causal_lm.*` keys;
         None for anything else (the model is then built from the config and must match)."""
         from hpctrain.train.export import locate_checkpoint
 
@@ -372,6 +372,7 @@ def gpt_config_for(
             "hpctrain generate needs a language model"
         )
     m = tree.get("model") or {}
+    shape = tree.get("causal_lm") or m  # the shape keys were model.* before causal_lm.*
     recorded = ((manifest or {}).get("metadata") or {}).get("gpt")
     if isinstance(recorded, dict):
         try:
@@ -388,11 +389,11 @@ def gpt_config_for(
         cfg = gpt_config(
             str(m.get("name") or ""),
             int(weights[EMBEDDING].shape[0]),
-            dim=int(m.get("dim") or 0),
-            n_layers=int(m.get("n_layers") or 0),
-            n_heads=int(m.get("n_heads") or 0),
-            n_kv_heads=int(m.get("n_kv_heads") or 0),
-            ffn_dim=int(m.get("ffn_dim") or 0),
+            dim=int(shape.get("dim") or 0),
+            n_layers=int(shape.get("n_layers") or 0),
+            n_heads=int(shape.get("n_heads") or 0),
+            n_kv_heads=int(shape.get("n_kv_heads") or 0),
+            ffn_dim=int(shape.get("ffn_dim") or 0),
             tie_embeddings="output.weight" not in weights,
         )
     with torch.device("meta"):  # shapes only
