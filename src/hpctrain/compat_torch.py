@@ -255,3 +255,134 @@ def metadata_path(reader: Any, rank: int | None = None, *, strict: bool = False)
         warnings.warn(str(error), RuntimeWarning, stacklevel=2)
     name = ".metadata" if rank is None else f"__{rank}.metadata"
     return reader.fs.concat_path(reader.path, name)
+
+
+# --- tasks ---
+# | private API                                        | why                               | fallback (public replacement to watch for)          |
+# |----------------------------------------------------|-----------------------------------|-----------------------------------------------------|
+# | `torch._foreach_lerp_`, `torch._foreach_copy_`     | the EMA update in one kernel/list | a loop of `Tensor.lerp_`/`copy_` (no public foreach) |
+# | `torch.cuda.memory._record_memory_history`         | allocation stacks in OOM snapshots| no history (documented, but no public name yet)     |
+# | `torch.cuda.memory._dump_snapshot`                 | the OOM snapshot for memory_viz   | pickle of public `torch.cuda.memory_snapshot()`     |
+# | `torch.distributed.algorithms._checkpoint`         | activation checkpointing wrapper  | `torch.utils.checkpoint` in the block's forward     |
+# | `torch.nn.modules.batchnorm._BatchNorm`            | every BatchNorm kind at once      | the public BatchNorm1d/2d/3d and SyncBatchNorm      |
+# | `torch._dynamo.is_dynamo_supported`                | why torch.compile cannot run      | assume supported (`torch.compiler` has no such test)|
+
+
+def _fallback(api: str, exc: BaseException, strict: bool) -> None:
+    """Raise `TorchAPIChanged` for `strict`, else warn that `api` falls back."""
+    error = _changed(api, exc)
+    if strict:
+        raise error from exc
+    warnings.warn(str(error), RuntimeWarning, stacklevel=3)
+
+
+def foreach_lerp_(
+    tensors: list[torch.Tensor], ends: list[torch.Tensor], weight: float, *, strict: bool = False
+) -> None:
+    """`t.lerp_(end, weight)` for every pair, in one fused call where torch has it."""
+    try:
+        fused = torch._foreach_lerp_
+    except AttributeError as exc:
+        _fallback("torch._foreach_lerp_", exc, strict)
+    else:
+        fused(tensors, ends, weight)
+        return
+    for tensor, end in zip(tensors, ends, strict=True):
+        tensor.lerp_(end, weight)
+
+
+def foreach_copy_(
+    tensors: list[torch.Tensor], sources: list[torch.Tensor], *, strict: bool = False
+) -> None:
+    """`t.copy_(source)` for every pair, in one fused call where torch has it."""
+    try:
+        fused = torch._foreach_copy_
+    except AttributeError as exc:
+        _fallback("torch._foreach_copy_", exc, strict)
+    else:
+        fused(tensors, sources)
+        return
+    for tensor, source in zip(tensors, sources, strict=True):
+        tensor.copy_(source)
+
+
+def record_memory_history(max_entries: int | None, *, strict: bool = False) -> bool:
+    """Start (`max_entries` events, Python stacks) or, with None, stop recording the CUDA
+    allocator's history; False when this torch cannot (then snapshots have no stacks)."""
+    try:
+        record = torch.cuda.memory._record_memory_history
+    except AttributeError as exc:
+        _fallback("torch.cuda.memory._record_memory_history", exc, strict)
+        return False
+    if max_entries is None:
+        record(enabled=None)
+    else:
+        # stacks="python": Python frames only; C++ frames ("all") cost far more per event.
+        record(max_entries=max_entries, stacks="python")
+    return True
+
+
+def dump_memory_snapshot(path: str, *, strict: bool = False) -> None:
+    """Write the CUDA allocator's snapshot (for pytorch.org/memory_viz) to `path`."""
+    try:
+        dump = torch.cuda.memory._dump_snapshot
+    except AttributeError as exc:
+        _fallback("torch.cuda.memory._dump_snapshot", exc, strict)
+    else:
+        dump(path)
+        return
+    import pickle
+
+    # the segments alone (no history): what memory_viz shows of a snapshot without traces
+    with open(path, "wb") as f:
+        pickle.dump({"segments": torch.cuda.memory_snapshot(), "device_traces": []}, f)
+
+
+def checkpoint_wrapper(block: torch.nn.Module, *, strict: bool = False) -> torch.nn.Module:
+    """`block` with its activations recomputed in the backward pass (non-reentrant), keeping
+    its state-dict names (the wrapper strips its own prefix)."""
+    try:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            checkpoint_wrapper as wrap,
+        )
+
+        return wrap(block)
+    except ImportError as exc:
+        _fallback("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", exc, strict)
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    forward = block.forward
+
+    @functools.wraps(forward)
+    def recomputed(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    block.forward = recomputed  # type: ignore[method-assign]
+    return block
+
+
+def batchnorm_classes(*, strict: bool = False) -> tuple[type[torch.nn.Module], ...]:
+    """The classes of every BatchNorm kind (norms with running statistics)."""
+    try:
+        from torch.nn.modules.batchnorm import _BatchNorm
+
+        return (_BatchNorm,)
+    except ImportError as exc:
+        _fallback("torch.nn.modules.batchnorm._BatchNorm", exc, strict)
+    nn = torch.nn
+    return (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+def dynamo_supported(*, strict: bool = False) -> bool:
+    """Whether torch.compile's dynamo runs on this Python (`torch._dynamo` is imported here,
+    on first use: it is slow to import)."""
+    try:
+        import torch._dynamo
+
+        supported = torch._dynamo.is_dynamo_supported
+    except (ImportError, AttributeError) as exc:
+        _fallback("torch._dynamo.is_dynamo_supported", exc, strict)
+        return True
+    return bool(supported())

@@ -351,3 +351,26 @@ def test_every_spelling_of_nan_and_inf_is_not_a_finite_number(word: str) -> None
         ConfigError, match=r"^train.lr=.* \(command line\): expected a finite number$"
     ):
         load_config(None, [f"train.lr={word}"])
+
+
+def test_the_gpt_shape_keys_moved_to_causal_lm_and_the_old_ones_still_load(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = write(tmp_path, "task: causal_lm\nmodel:\n  name: gpt-tiny\n  dim: 64\n")
+    cfg = load_config(path, ["model.n_heads=2", "causal_lm.n_layers=3"])
+    assert (cfg.causal_lm.dim, cfg.causal_lm.n_heads, cfg.causal_lm.n_layers) == (64, 2, 3)
+    warned = [r.getMessage() for r in caplog.records]
+    assert f"model.dim ({path}) is deprecated: it is now causal_lm.dim" in warned
+    assert "model.n_heads (command line) is deprecated: it is now causal_lm.n_heads" in warned
+    assert "dim" not in config_to_dict(cfg)["model"]  # saved configs hold the new keys only
+    caplog.clear()
+    old_saved = config_to_dict(cfg)
+    old_saved["model"].update(old_saved.pop("causal_lm"))  # a run of an older hpctrain
+    assert config_from_dict(old_saved).causal_lm == cfg.causal_lm
+    assert with_overrides(cfg, ["model.dim=32"]).causal_lm.dim == 32
+    both = write(tmp_path, "model:\n  dim: 64\ncausal_lm:\n  dim: 32\n")
+    with pytest.raises(ConfigError, match=r"^model.dim and causal_lm.dim are both set \("):
+        load_config(both)
+    caplog.clear()
+    load_config(write(tmp_path, "model:\n  dim: 0\n  tie_embeddings: null\n"))
+    assert not caplog.records  # at their defaults (an older resolved config): no warning

@@ -33,7 +33,12 @@ from tests.train.lm_testkit import (
 TOKEN_INDEX = ShardIndex(
     shards=(ShardInfo("a.tar", 10, num_tokens=1000),), tokenizer=dict(BYTES_TOKENIZER)
 )
-TINY = ["model.dim=32", "model.n_layers=2", "model.n_heads=4", f"data.seq_len={SEQ_LEN}"]
+TINY = [
+    "causal_lm.dim=32",
+    "causal_lm.n_layers=2",
+    "causal_lm.n_heads=4",
+    f"data.seq_len={SEQ_LEN}",
+]
 
 
 def task(*overrides: str, index: ShardIndex = TOKEN_INDEX) -> CausalLM:
@@ -55,14 +60,14 @@ def batch(num: int = 3, seed: int = 0) -> dict:
 
 
 def test_the_model_follows_the_tokenizer_and_model_keys() -> None:
-    lm = task("model.n_kv_heads=2", "model.tie_embeddings=false")
+    lm = task("causal_lm.n_kv_heads=2", "causal_lm.tie_embeddings=false")
     model = lm.build_model()
     assert isinstance(model, GPT)
     assert model.cfg == GPTConfig(
         vocab_size=257, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, tie_embeddings=False
     )
     assert lm.tokens_per_sample == SEQ_LEN and lm.flops_per_token() > 0
-    assert task("model.vocab_size=320").build_model().cfg.vocab_size == 320
+    assert task("causal_lm.vocab_size=320").build_model().cfg.vocab_size == 320
 
 
 def test_loss_leaves_invalid_sequences_out() -> None:
@@ -172,8 +177,8 @@ def test_config_errors_name_the_key_and_the_index() -> None:
     images = ShardIndex(shards=(ShardInfo("a.tar", 10),), base_url="/data/img")
     with pytest.raises(ConfigError, match=r"data.train=x \(/data/img\): not a token index"):
         task("data.train=x", index=images)
-    with pytest.raises(ConfigError, match=r"model.vocab_size=100: smaller than .* \(257\)"):
-        task("model.vocab_size=100")
+    with pytest.raises(ConfigError, match=r"causal_lm.vocab_size=100: smaller than .* \(257\)"):
+        task("causal_lm.vocab_size=100")
     with pytest.raises(ConfigError, match=r"model.name='gpt-2': not a GPT preset"):
         task("model.name=gpt-2")
 

@@ -135,9 +135,13 @@ def test_preset_overrides_and_bad_shapes_are_config_errors() -> None:
     assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.tie_embeddings) == (64, 4, 2, False)
     with pytest.raises(ConfigError, match=r"model.name='gpt-7b': not a GPT preset \(gpt-tiny"):
         gpt_config("gpt-7b", 257)
-    with pytest.raises(ConfigError, match="model.dim=100: must be a multiple of model.n_heads=3"):
+    with pytest.raises(
+        ConfigError, match="causal_lm.dim=100: must be a multiple of causal_lm.n_heads=3"
+    ):
         gpt_config("gpt-tiny", 257, dim=100, n_heads=3)
-    with pytest.raises(ConfigError, match="model.n_kv_heads=3: must divide model.n_heads=4"):
+    with pytest.raises(
+        ConfigError, match="causal_lm.n_kv_heads=3: must divide causal_lm.n_heads=4"
+    ):
         gpt_config("gpt-tiny", 257, n_kv_heads=3)
 
 

@@ -228,9 +228,13 @@ def test_bad_init_from_is_one_line_naming_the_key(tmp_path: Path, lm_shards: Pat
             DistEnv(0, 0, 1, 1, "127.0.0.1", 0, "single"),
             torch.device("cpu"),
         )
-    with pytest.raises(ConfigError, match=r"model.dim=64 disagrees with model.init_from=.*: 32"):
+    with pytest.raises(
+        ConfigError, match=r"causal_lm.dim=64 disagrees with model.init_from=.*: 32"
+    ):
         Trainer(
-            load_config(None, [*run_overrides(small, lm_shards, tmp_path / "r"), "model.dim=64"]),
+            load_config(
+                None, [*run_overrides(small, lm_shards, tmp_path / "r"), "causal_lm.dim=64"]
+            ),
             DistEnv(0, 0, 1, 1, "127.0.0.1", 0, "single"),
             torch.device("cpu"),
         )

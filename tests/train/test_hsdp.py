@@ -127,7 +127,9 @@ def test_hsdp_mesh_from_the_node_or_the_key() -> None:
 
 
 def test_bad_shard_degrees_are_one_line() -> None:
-    with pytest.raises(ConfigError, match=r"train.shard_degree=3 does not divide the 8 data-parallel ranks"):
+    with pytest.raises(
+        ConfigError, match=r"train.shard_degree=3 does not divide the 8 data-parallel ranks"
+    ):
         plan(["train.strategy=hsdp", "train.shard_degree=3"], 8, 4)
     with pytest.raises(ConfigError, match=r"shard_degree=3 \(the ranks of one node\) does not"):
         plan(["train.strategy=hsdp"], 8, 3)

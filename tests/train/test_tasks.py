@@ -349,7 +349,7 @@ def test_torchvision_segmentation_models_by_name() -> None:
 
 
 def test_model_names_checked_per_task_without_building() -> None:
-    from hpctrain.train.models import check_model_name
+    from hpctrain.train.task import check_model_name
 
     for task, name in [
         ("image_classification", ""),
@@ -377,3 +377,32 @@ def test_a_one_class_index_says_a_classifier_needs_two_classes() -> None:
             load_task(load_config(None, overrides), one)
     with pytest.raises(ConfigError, match=r"=0: the index data/one names no classes; set model"):
         load_task(load_config(None, []), replace(one, class_names=()))
+
+
+# ---------------------------------------------------------------- the optional hooks
+def test_each_task_owns_its_summary_line() -> None:
+    from hpctrain.train.task import summary_line
+
+    record = {"val_loss": 0.12344, "val_accuracy": 0.9375, "val_top5": 1.0, "val_samples": 80}
+    assert summary_line(classification(), record) == (
+        "validation accuracy: 93.75% (top-5 100.00%, loss 0.1234, 80 samples)"
+    )
+    multi = {"val_loss": 0.5, "val_mAP": 0.25, "val_samples": 8}  # multi-label: no accuracy
+    assert summary_line(classification(), multi) == "validation: loss 0.5000, mAP 0.2500, samples 8"
+    segmentation = load_task(load_config(None, ["task=segmentation", "model.num_classes=3"]), INDEX)
+    assert summary_line(segmentation, record).startswith("validation: loss 0.1234, accuracy")
+
+
+def test_class_hooks_are_read_without_a_task_or_an_import() -> None:
+    from hpctrain.train.models import build_classifier
+    from hpctrain.train.task import check_model_name, model_card
+
+    with pytest.raises(ConfigError, match="model.name='gpt-9t': task causal_lm takes gpt-tiny"):
+        check_model_name("causal_lm", "gpt-9t")
+    check_model_name("causal_lm", "gpt-125m")
+    weights = build_classifier("small_cnn", 3, 16).state_dict()
+    tree = {"task": "image_classification", "model": {"name": "small_cnn", "image_size": 16}}
+    card = model_card(tree, weights, {"step": 1})
+    assert card is not None and card["model"]["num_classes"] == 3 and "step" not in card
+    assert model_card({**tree, "task": "segmentation"}, weights, {}) is None  # no hook
+    assert model_card({**tree, "task": "not_installed.tasks:Mine"}, weights, {}) is None

@@ -13,7 +13,8 @@ import torchvision
 from hpctrain.cli.main import main
 from hpctrain.config import ConfigError
 from hpctrain.errors import EXIT_CONFIG
-from hpctrain.train.models import MIN_IMAGE_SIZE, build_classifier, check_model_name
+from hpctrain.train.models import MIN_IMAGE_SIZE, build_classifier
+from hpctrain.train.task import check_model_name
 from tests.data.loader_testkit import make_shards
 
 

@@ -102,7 +102,7 @@ def test_a_tp_checkpoint_continues_in_one_process(trained: Path) -> None:
 @pytest.mark.distributed
 def test_bad_tp_degrees_are_one_line(trained: Path) -> None:
     heads = (trained / "heads.refused").read_text()
-    assert "train.tp_degree=2: must divide model.n_kv_heads=1" in heads
+    assert "train.tp_degree=2: must divide causal_lm.n_kv_heads=1" in heads
     vision = (trained / "vision.refused").read_text()
     assert "train.tp_degree=2 with task=image_classification" in vision
     assert "causal_lm GPT only" in vision

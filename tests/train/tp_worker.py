@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 TP = ["train.tp_degree=2"]
-TIED = ["model.tie_embeddings=true"]
+TIED = ["causal_lm.tie_embeddings=true"]
 TWO = {
     "fsdp": (["train.strategy=fsdp"], 4),
     "fsdp-tied": (["train.strategy=fsdp", *TIED], 4),
@@ -43,7 +43,7 @@ FOUR = {
 }
 ONE = {"fsdp-to-one": "fsdp-half", "tp-to-one": "fsdp-tp-half"}
 REFUSED = {
-    "heads": ["train.strategy=fsdp", *TP, "model.n_kv_heads=1"],
+    "heads": ["train.strategy=fsdp", *TP, "causal_lm.n_kv_heads=1"],
     "vision": [
         "train.strategy=fsdp",
         *TP,
@@ -65,10 +65,10 @@ def overrides(shards: Path, run_dir: Path, steps: int, *extra: str) -> list[str]
         "data.workers_per_rank=0",
         "data.shuffle_buffer=8",
         "data.sample_log=true",
-        "model.dim=32",
-        "model.n_layers=2",
-        "model.n_heads=4",
-        "model.n_kv_heads=2",
+        "causal_lm.dim=32",
+        "causal_lm.n_layers=2",
+        "causal_lm.n_heads=4",
+        "causal_lm.n_kv_heads=2",
         f"train.max_steps={steps}",
         "train.log_every=1",
         "train.lr=0.01",

@@ -6,8 +6,10 @@ Every mistake is reported as one line that names the dotted key, where the value
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
+import logging
 import math
 import re
 import types
@@ -18,196 +20,26 @@ from typing import Any, TypeVar
 
 import yaml
 
-from hpctrain.config.schema import Config
+from hpctrain.config.schema import CausalLMConfig, Config
+from hpctrain.config.yaml_text import (
+    Plain,
+    TextKeepingLoader,
+    YamlRefused,
+    parse_yaml,
+    plain_values,
+)
+from hpctrain.config.yaml_text import load_yaml as load_yaml  # its home before yaml_text.py
 from hpctrain.errors import EXIT_CONFIG, HpctrainError
 
 T = TypeVar("T")
+log = logging.getLogger("hpctrain")
+
+# Keys that moved, old dotted key -> new: the old name still loads, with a one-line warning
+# (none for a value at its default: every resolved config of an older hpctrain holds them).
+MOVED_KEYS = {f"model.{f.name}": f"causal_lm.{f.name}" for f in dataclasses.fields(CausalLMConfig)}
 
 # Every integer key: what a signed 64-bit C integer holds (torch, numpy and SLURM take no more).
 INT_RANGE = (-(2**63), 2**63 - 1)
-
-
-class _ConfigYamlLoader(yaml.SafeLoader):
-    """YAML without 1.1's base-60 numbers: `time: 20:00:00` stays the string "20:00:00".
-
-    PyYAML follows YAML 1.1, where `20:00:00` is the integer 72000 (and SLURM would read
-    "72000" as minutes). Exponents without a dot (`lr: 1e-3`) are floats here, as in YAML 1.2.
-    Nesting stops at MAX_YAML_DEPTH while composing: the composer recurses once per level.
-    """
-
-    _depth = 0
-
-    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:  # type: ignore[override]
-        self._depth += 1
-        try:
-            if self._depth > MAX_YAML_DEPTH:
-                mark = self.peek_event().start_mark
-                raise YamlRefused(
-                    f"nested deeper than {MAX_YAML_DEPTH} levels (line {mark.line + 1})"
-                )
-            return super().compose_node(parent, index)  # type: ignore[no-any-return]
-        finally:
-            self._depth -= 1
-
-
-_INT_TAG, _FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
-_ConfigYamlLoader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_INT_TAG, _FLOAT_TAG)]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
-_ConfigYamlLoader.add_implicit_resolver(
-    _INT_TAG,
-    re.compile(r"^[-+]?(?:0|[1-9][0-9_]*|0x[0-9a-fA-F_]+|0o?[0-7_]+|0b[01_]+)$"),
-    list("-+0123456789"),
-)
-_ConfigYamlLoader.add_implicit_resolver(
-    _FLOAT_TAG,
-    re.compile(
-        r"^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+"
-        r"|[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
-    ),
-    list("-+0123456789."),
-)
-
-
-class YamlRefused(yaml.YAMLError):
-    """YAML that parses but is refused (a duplicate key); the message says why, not where."""
-
-
-_MERGE_TAG = "tag:yaml.org,2002:merge"
-
-
-# Far beyond any config (a mixture source is 4 levels deep), far below Python's recursion limit
-# (the composer and every tree walk recurse once per level).
-MAX_YAML_DEPTH = 100
-# Values once aliases are expanded: a 900-byte alias bomb holds billions.
-MAX_YAML_VALUES = 100_000
-
-
-def _check_tree(root: yaml.Node) -> None:
-    """Raise YamlRefused for a duplicate key, too deep a tree or too many values, at any depth.
-
-    PyYAML keeps the last value of a key given twice silently, so a second `train:` block
-    would replace the whole first one; merge keys (`<<: *base`) are YAML's way of overriding
-    and stay allowed. Depth and size are counted with aliases expanded (each node is measured
-    once), before anything is built from the tree.
-    """
-    measured: dict[int, tuple[int, int]] = {}  # id(node) -> (values, levels), aliases expanded
-    open_nodes: set[int] = set()
-
-    def too_deep(node: yaml.Node) -> YamlRefused:
-        return YamlRefused(
-            f"nested deeper than {MAX_YAML_DEPTH} levels (line {node.start_mark.line + 1})"
-        )
-
-    def walk(node: yaml.Node, path: str, depth: int) -> tuple[int, int]:
-        if depth > MAX_YAML_DEPTH:
-            raise too_deep(node)
-        if id(node) in measured:  # an alias of a node already measured
-            values, levels = measured[id(node)]
-            if depth + levels - 1 > MAX_YAML_DEPTH:
-                raise too_deep(node)
-            return values, levels
-        if id(node) in open_nodes:
-            raise YamlRefused(
-                f"{path or 'the document'}: an alias inside the node it names "
-                f"(line {node.start_mark.line + 1}): a structure without end"
-            )
-        open_nodes.add(id(node))
-        children: list[tuple[yaml.Node, str]] = []
-        if isinstance(node, yaml.SequenceNode):
-            children = [(item, f"{path}[{i}]") for i, item in enumerate(node.value)]
-        elif isinstance(node, yaml.MappingNode):
-            lines: dict[tuple[str, str], int] = {}
-            for key, value in node.value:
-                name = str(key.value) if isinstance(key, yaml.ScalarNode) else "?"
-                dotted = f"{path}.{name}" if path else name
-                if isinstance(key, yaml.ScalarNode) and key.tag != _MERGE_TAG:
-                    line = key.start_mark.line + 1
-                    if (key.tag, key.value) in lines:
-                        raise YamlRefused(
-                            f"duplicate key {dotted!r} at lines {lines[key.tag, key.value]} "
-                            f"and {line} (the second would replace the first)"
-                        )
-                    lines[key.tag, key.value] = line
-                children += [(key, dotted), (value, dotted)]
-        values, levels = 1, 1
-        for child, child_path in children:
-            child_values, child_levels = walk(child, child_path, depth + 1)
-            values, levels = values + child_values, max(levels, child_levels + 1)
-            if values > MAX_YAML_VALUES:
-                raise YamlRefused(
-                    f"more than {MAX_YAML_VALUES} values once its aliases are expanded "
-                    f"(line {node.start_mark.line + 1}): an alias bomb?"
-                )
-        open_nodes.discard(id(node))
-        measured[id(node)] = (values, levels)
-        return values, levels
-
-    walk(root, "", 1)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Plain:
-    """An unquoted YAML scalar read as a boolean, number or date, with the text it was written as.
-
-    A string-typed key takes the text (`logging.wandb: off` is "off", not False; `slurm.qos:
-    yes` is "yes"; `logging.run_name: 2024-01-01` is not a date; `slurm.account: 0123` is not
-    83); every other key takes the value. Only `load_config` sees these: `_coerce` unwraps them.
-    """
-
-    value: Any
-    text: str
-
-    def __repr__(self) -> str:  # messages show the value as YAML read it
-        return repr(self.value)
-
-
-class _TextKeepingLoader(_ConfigYamlLoader):
-    """The config loader, with its booleans, numbers and dates wrapped in `_Plain`."""
-
-
-def _keeping_text(tag: str) -> Any:
-    construct_value = yaml.SafeLoader.yaml_constructors[tag]
-
-    def construct(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> Any:
-        return _Plain(construct_value(loader, node), str(node.value))
-
-    return construct
-
-
-for _tag in ("bool", "int", "float", "timestamp"):
-    _TextKeepingLoader.add_constructor(
-        f"tag:yaml.org,2002:{_tag}", _keeping_text(f"tag:yaml.org,2002:{_tag}")
-    )
-
-
-def _plain(value: Any) -> Any:
-    """`value` with every `_Plain` inside it replaced by its value (for free-form keys)."""
-    if isinstance(value, _Plain):
-        return value.value
-    if isinstance(value, dict):
-        return {_plain(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    return value
-
-
-def load_yaml(text: str) -> Any:
-    """Parse config YAML (safe: no Python objects; no base-60 numbers; no duplicate keys)."""
-    return _load_yaml(text, _ConfigYamlLoader)
-
-
-def _load_yaml(text: str, loader_class: type[_ConfigYamlLoader]) -> Any:
-    loader = loader_class(text)  # a SafeLoader subclass: no Python objects
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            return None
-        _check_tree(node)
-        return loader.construct_document(node)
-    finally:
-        loader.dispose()
 
 
 class ConfigError(HpctrainError, ValueError):
@@ -237,7 +69,7 @@ def _coerce(
     `sources` (dotted key -> where it came from) names the source of a list item's keys.
     """
     origin = typing.get_origin(tp)
-    if isinstance(value, _Plain) and origin is None:
+    if isinstance(value, Plain) and origin is None:
         if tp is str:
             return value.text  # YAML 1.1 would make `off` False and `2024-01-01` a date
         value = value.value
@@ -275,9 +107,9 @@ def _coerce(
     if origin is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{key}={value!r} ({source}): expected a mapping")
-        return _plain(dict(value))
+        return plain_values(dict(value))
     if tp is Any:
-        return _plain(value)
+        return plain_values(value)
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -384,6 +216,8 @@ def _set_override(tree: dict[str, Any], sources: dict[str, str], text: str) -> N
     source's weight, not add a source.
     """
     key, value = _parse_override(text)
+    if key in MOVED_KEYS:
+        key = _moved(key, value, "command line")
     parts = [_KEY_PART.fullmatch(part) for part in key.split(".")]
     node: Any = tree
     dotted = ""
@@ -427,6 +261,39 @@ def _set_override(tree: dict[str, Any], sources: dict[str, str], text: str) -> N
             node = child
 
 
+def _moved(old: str, value: Any, source: str) -> str:
+    """The new name of the moved key `old`, with the warning that names both."""
+    new = MOVED_KEYS[old]
+    name = new.split(".")[1]
+    default = next(f.default for f in dataclasses.fields(CausalLMConfig) if f.name == name)
+    if plain_values(value) != default:
+        log.warning("%s (%s) is deprecated: it is now %s", old, source, new)
+    return new
+
+
+def _move_keys(tree: dict[str, Any], sources: dict[str, str]) -> None:
+    """Move the `MOVED_KEYS` of a file's or a saved config's `tree` to their new place.
+
+    Raises:
+        ConfigError: both the old and the new key are set.
+    """
+    for old, new in MOVED_KEYS.items():
+        old_section, name = old.split(".")
+        section = tree.get(old_section)
+        if not isinstance(section, dict) or name not in section:
+            continue
+        target = tree.setdefault(new.split(".")[0], {})
+        if not isinstance(target, dict):
+            continue  # `_build` names the section that is not a mapping
+        source = sources.pop(old, sources.get(old_section, sources.get("", "defaults")))
+        value = section.pop(name)
+        if name in target:
+            raise ConfigError(f"{old} and {new} are both set ({source}): keep {new} alone")
+        target[name] = value
+        sources[new] = source
+        _moved(old, value, source)
+
+
 def _collect_sources(
     tree: Mapping[str, Any], source: str, prefix: str, out: dict[str, str]
 ) -> None:
@@ -449,11 +316,11 @@ def is_override(word: str) -> bool:
 def parse_override(text: str) -> tuple[str, Any]:
     """`a.b=c` → ("a.b", c), with c parsed as a YAML scalar (`7` → 7, `true` → True)."""
     key, value = _parse_override(text)
-    return key, _plain(value)
+    return key, plain_values(value)
 
 
 def _parse_override(text: str) -> tuple[str, Any]:
-    """`parse_override` with booleans, numbers and dates kept with their text (`_Plain`)."""
+    """`parse_override` with booleans, numbers and dates kept with their text (`Plain`)."""
     key, sep, raw = text.partition("=")
     if not sep or not key or any(not _KEY_PART.fullmatch(part) for part in key.split(".")):
         raise ConfigError(
@@ -461,7 +328,7 @@ def _parse_override(text: str) -> tuple[str, Any]:
             "key[0].sub=value)"
         )
     try:
-        value = _load_yaml(raw, _TextKeepingLoader) if raw.strip() else ""
+        value = parse_yaml(raw, TextKeepingLoader) if raw.strip() else ""
     except YamlRefused as exc:
         raise ConfigError(f"override {text!r} (command line): {exc}") from None
     except yaml.YAMLError:
@@ -517,7 +384,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         path = Path(path)
         text = read_config_text(path)
         try:
-            loaded = _load_yaml(text, _TextKeepingLoader)
+            loaded = parse_yaml(text, TextKeepingLoader)
         except YamlRefused as exc:
             raise ConfigError(f"{path}: {exc}") from None
         except yaml.YAMLError as exc:
@@ -530,6 +397,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             raise ConfigError(f"{path}: the top level must be a mapping of keys")
         tree = loaded
         _collect_sources(tree, str(path), "", sources)
+        _move_keys(tree, sources)
     for text in overrides:
         _set_override(tree, sources, text)
     return _build(Config, tree, sources, "")
@@ -554,7 +422,9 @@ def config_to_yaml(cfg: Config) -> str:
 def config_from_dict(tree: Mapping[str, Any], source: str = "saved config") -> Config:
     """Rebuild a `Config` from `config_to_dict` output (e.g. the copy saved in a run folder)."""
     sources: dict[str, str] = {"": source}
-    return _build(Config, tree, sources, "")
+    own = copy.deepcopy(dict(tree))  # the caller's tree stays as it was
+    _move_keys(own, sources)
+    return _build(Config, own, sources, "")
 
 
 def with_overrides(cfg: Config, overrides: Sequence[str]) -> Config:

@@ -34,20 +34,6 @@ class ModelConfig:
     num_classes: int = _f(0, "number of classes; 0 takes it from the training index", min=0)
     image_size: int = _f(64, "side of the square crop fed to the model, in pixels", min=8)
     channels_last: bool = _f(False, "use the channels_last memory format (CNNs on GPUs)")
-    # causal_lm (hpctrain.train.models.gpt): 0 / null take the preset's value (model.name)
-    dim: int = _f(0, "causal_lm: model width; 0: the preset's", min=0)
-    n_layers: int = _f(0, "causal_lm: transformer blocks; 0: the preset's", min=0)
-    n_heads: int = _f(0, "causal_lm: attention heads; 0: the preset's", min=0)
-    n_kv_heads: int = _f(
-        0, "causal_lm: key/value heads (grouped-query attention); 0: the preset's", min=0
-    )
-    ffn_dim: int = _f(0, "causal_lm: SwiGLU hidden size; 0: the preset's", min=0)
-    vocab_size: int = _f(
-        0, "causal_lm: vocabulary (at least the tokenizer's); 0: the index's tokenizer's", min=0
-    )
-    tie_embeddings: bool | None = _f(
-        None, "causal_lm: share the embedding and output matrices; null: the preset's"
-    )
     init_from: str = _f(
         "",
         "weights to start a new run from (step 0, fresh optimizer; a run with checkpoints "
@@ -110,6 +96,27 @@ class SegmentationConfig:
     )
     ignore_index: int = _f(
         255, "mask value left out of the loss and the metrics (unlabelled pixels)", min=0
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class CausalLMConfig:
+    """The GPT's shape for task causal_lm (`hpctrain.train.models.gpt`): each key overrides
+    the preset's value (`model.name`); 0 / null keep it. These were `model.*` keys: the old
+    names still load, with a warning (`config.load.MOVED_KEYS`)."""
+
+    dim: int = _f(0, "causal_lm: model width; 0: the preset's", min=0)
+    n_layers: int = _f(0, "causal_lm: transformer blocks; 0: the preset's", min=0)
+    n_heads: int = _f(0, "causal_lm: attention heads; 0: the preset's", min=0)
+    n_kv_heads: int = _f(
+        0, "causal_lm: key/value heads (grouped-query attention); 0: the preset's", min=0
+    )
+    ffn_dim: int = _f(0, "causal_lm: SwiGLU hidden size; 0: the preset's", min=0)
+    vocab_size: int = _f(
+        0, "causal_lm: vocabulary (at least the tokenizer's); 0: the index's tokenizer's", min=0
+    )
+    tie_embeddings: bool | None = _f(
+        None, "causal_lm: share the embedding and output matrices; null: the preset's"
     )
 
 
@@ -443,6 +450,7 @@ class Config:
     augment: AugmentConfig = field(default_factory=AugmentConfig)
     classification: ClassificationConfig = field(default_factory=ClassificationConfig)
     segmentation: SegmentationConfig = field(default_factory=SegmentationConfig)
+    causal_lm: CausalLMConfig = field(default_factory=CausalLMConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

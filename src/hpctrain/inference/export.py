@@ -13,13 +13,14 @@ is true, else the trained ones. With `ema=True` (`--ema`), the parameters are th
 `ema.<name>` beside `app.model.<name>`, see `hpctrain.train.ema`) and the buffers (BatchNorm
 running statistics) those of the model.
 
-For the built-in image classification task the export also writes `<out>.json` (the weights'
-file name with `.json` added: `model.safetensors.json`, so two exports into one folder keep
-their own cards; an `out` ending in `.json` is refused, it could be another export's card):
-the task, model name, number and names of the classes (the checkpoint's), image size, the
-normalization, the step, and how to rebuild the model; it is checked against the weights (every name and shape)
-before it is written. For a `causal_lm` run the card holds the GPT's shape
-(`GPTConfig`), the sequence length and how to rebuild the model (`inference/generate.py`).
+For a task with a `model_card` hook (`hpctrain.train.task`) the export also writes
+`<out>.json` (the weights' file name with `.json` added: `model.safetensors.json`, so two
+exports into one folder keep their own cards; an `out` ending in `.json` is refused, it could
+be another export's card): what the task says rebuilds the model, with the step and format.
+The built-in image classification task's card holds the model name, number and names of the
+classes (the checkpoint's), image size, the normalization and how to rebuild the model,
+checked against the weights (every name and shape) before it is written; causal_lm's holds
+the GPT's shape (`GPTConfig`), the sequence length and how to rebuild the model.
 """
 
 from __future__ import annotations
@@ -33,13 +34,13 @@ from typing import Any
 
 import torch
 
-from hpctrain.checkpoint import CheckpointError
 from hpctrain.checkpoint.weights import locate_checkpoint, read_model_weights
 from hpctrain.errors import UsageError
 from hpctrain.files import write_atomic
+from hpctrain.train.task import DEFAULT_TASK
+from hpctrain.train.task import model_card as task_model_card
 
 FORMATS = ("pt", "safetensors")
-IMAGE_CLASSIFICATION = "image_classification"
 
 
 @dataclass(frozen=True)
@@ -155,71 +156,14 @@ def config_tree(manifest: dict[str, Any]) -> dict[str, Any] | None:
 def model_card(
     manifest: dict[str, Any], weights: dict[str, torch.Tensor], fmt: str
 ) -> dict[str, Any] | None:
-    """What rebuilds a built-in image classification model for these weights, or None.
-
-    None for other tasks (a custom task's model is the user's code) and for checkpoints that
-    carry no config. The number of classes is that of the weights (`model.num_classes: 0`
-    took it from the index); a model built from the card is checked to have exactly the
-    weights' names and shapes.
-    """
+    """What rebuilds the model of these weights (the run's task's `model_card` hook), with
+    the step and format, or None: a task without the hook (a custom task's model is the
+    user's code), a checkpoint that carries no config, weights the card cannot rebuild."""
     tree = config_tree(manifest)
-    if isinstance(tree, dict) and tree.get("task") == "causal_lm":
-        from hpctrain.inference.generate import lm_model_card
-
-        try:
-            card = lm_model_card(tree, weights, "checkpoint", manifest)
-        except CheckpointError:
-            return None  # weights the config does not describe: no card that could rebuild them
-        return {**card, "step": int(manifest["step"]), "format": fmt}
-    if not isinstance(tree, dict) or tree.get("task", IMAGE_CLASSIFICATION) != IMAGE_CLASSIFICATION:
+    card = task_model_card(tree, weights, manifest) if tree is not None else None
+    if card is None:
         return None
-    from hpctrain.train.classes import checkpoint_class_names
-    from hpctrain.train.models import build_classifier
-    from hpctrain.train.tasks.vision import MEAN, STD
-
-    model_cfg = tree.get("model") or {}
-    name = str(model_cfg.get("name") or "small_cnn")  # the task's default model
-    image_size = int(model_cfg.get("image_size", 64))
-    shapes = {key: tuple(value.shape) for key, value in weights.items()}
-
-    def built_shapes(num_classes: int) -> dict[str, tuple[int, ...]]:
-        with torch.device("meta"):  # shapes only: no memory, no initialisation cost
-            model = build_classifier(name, num_classes, image_size)
-        return {key: tuple(value.shape) for key, value in model.state_dict().items()}
-
-    # The classifier's output layer is what depends on the number of classes: build with one
-    # class and read the number from the weights where the shapes differ.
-    probe = built_shapes(1)
-    differing = [shapes[k][0] for k in shapes if k in probe and probe[k] != shapes[k]]
-    num_classes = differing[0] if differing else 1
-    if built_shapes(num_classes) != shapes:
-        return None  # not a model the card could rebuild (a changed architecture)
-    return {
-        "task": IMAGE_CLASSIFICATION,
-        "model": {
-            "name": name,
-            "num_classes": num_classes,
-            "image_size": image_size,
-            "channels_last": bool(model_cfg.get("channels_last", False)),
-        },
-        # the training index's, as the checkpoint stores them (empty: an older checkpoint)
-        "class_names": list(checkpoint_class_names(manifest)),
-        # logits: softmax over classes, or with multi_label a sigmoid per class
-        "multi_label": bool((tree.get("classification") or {}).get("multi_label", False)),
-        "input": {
-            "layout": "NCHW RGB, resized (short side) and center-cropped to image_size",
-            "scale": "uint8 values / 255",
-            "mean": list(MEAN),
-            "std": list(STD),
-        },
-        "step": int(manifest["step"]),
-        "format": fmt,
-        "versions": manifest.get("versions", {}),
-        "rebuild": (
-            "from hpctrain.train.models import build_classifier; "
-            "model = build_classifier(name, num_classes, image_size)"
-        ),
-    }
+    return {**card, "step": int(manifest["step"]), "format": fmt}
 
 
 HF_SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
@@ -254,17 +198,18 @@ def export_hf(
             "--format hf needs the safetensors package: pip install 'hpctrain[safetensors]'"
         ) from None
 
-    from hpctrain.inference.generate import gpt_config_for, run_tokenizer
+    from hpctrain.inference.generate import run_tokenizer
     from hpctrain.train.models import hf
+    from hpctrain.train.tasks.causal_lm import CAUSAL_LM, gpt_config_for
 
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"{out}: exists and is not an empty folder; --format hf writes a new one")
     store, name, manifest = locate_checkpoint(path, best=best)
     tree = config_tree(manifest) or {}
-    if tree.get("task") != "causal_lm":
+    if tree.get("task") != CAUSAL_LM:
         raise UsageError(
-            f"--format hf: a {tree.get('task', IMAGE_CLASSIFICATION)} run has no Hugging Face "
+            f"--format hf: a {tree.get('task', DEFAULT_TASK)} run has no Hugging Face "
             f"causal-LM counterpart; export it with --format {' or --format '.join(FORMATS)}"
         )
     if ema is None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -20,15 +19,11 @@ import yaml
 
 from hpctrain.checkpoint import CheckpointError
 from hpctrain.checkpoint.weights import locate_checkpoint, read_model_weights
-from hpctrain.config import ConfigError
 from hpctrain.data.locate import open_index
 from hpctrain.data.tokenizer import Tokenizer, check_tokenizer, load_tokenizer
 from hpctrain.errors import DataError, UsageError
-from hpctrain.train.models.gpt import GPT, GPTConfig, gpt_config
-from hpctrain.train.tasks.causal_lm import load_index_tokenizer
-
-CAUSAL_LM = "causal_lm"
-EMBEDDING = "tok_embeddings.weight"
+from hpctrain.train.models.gpt import GPT
+from hpctrain.train.tasks.causal_lm import gpt_config_for, load_index_tokenizer
 
 
 def run_config(manifest: dict[str, Any], where: str) -> dict[str, Any]:
@@ -41,60 +36,6 @@ def run_config(manifest: dict[str, Any], where: str) -> dict[str, Any]:
     if not isinstance(tree, dict):
         raise CheckpointError(f"{where}: the manifest holds no run config to rebuild the model")
     return tree
-
-
-def gpt_config_for(
-    tree: dict[str, Any],
-    weights: dict[str, torch.Tensor],
-    where: str,
-    manifest: dict[str, Any] | None = None,
-) -> GPTConfig:
-    """The GPTConfig of a causal_lm run's config `tree` whose weights are `weights`: the one
-    the checkpoint's `manifest` records (`metadata.gpt`, written by runs since
-    `model.init_from`), else rebuilt from the config (a run started from a Hugging Face folder:
-    from that folder's config.json).
-
-    Raises:
-        CheckpointError: not a causal_lm run, or weights that are not of the config's shape.
-    """
-    if tree.get("task") != CAUSAL_LM or EMBEDDING not in weights:
-        raise CheckpointError(
-            f"{where}: not a causal_lm checkpoint (task {tree.get('task')!r}); "
-            "hpctrain generate needs a language model"
-        )
-    m = tree.get("model") or {}
-    recorded = ((manifest or {}).get("metadata") or {}).get("gpt")
-    if isinstance(recorded, dict):
-        try:
-            cfg = GPTConfig(**recorded)
-        except (TypeError, ConfigError) as exc:
-            raise CheckpointError(f"{where}: its recorded GPT shape is unusable: {exc}") from None
-    elif m.get("init_from"):  # the shape is that of the Hugging Face folder the run started from
-        from hpctrain.train.models import hf
-
-        init_from = str(m["init_from"])
-        try:
-            cfg = hf.gpt_config_from_hf(hf.read_hf_config(init_from), init_from)
-        except ConfigError as exc:
-            raise CheckpointError(f"{where}: the run's shape is unknown: {exc}") from None
-    else:
-        cfg = gpt_config(
-            str(m.get("name") or ""),
-            int(weights[EMBEDDING].shape[0]),
-            dim=int(m.get("dim") or 0),
-            n_layers=int(m.get("n_layers") or 0),
-            n_heads=int(m.get("n_heads") or 0),
-            n_kv_heads=int(m.get("n_kv_heads") or 0),
-            ffn_dim=int(m.get("ffn_dim") or 0),
-            tie_embeddings="output.weight" not in weights,
-        )
-    with torch.device("meta"):  # shapes only
-        built = {k: tuple(v.shape) for k, v in GPT(cfg).state_dict().items()}
-    if built != {k: tuple(v.shape) for k, v in weights.items()}:
-        raise CheckpointError(
-            f"{where}: the weights are not those of the GPT its config describes ({cfg})"
-        )
-    return cfg
 
 
 def load_gpt(
@@ -166,27 +107,6 @@ def generate_ids(
             break
         ids = torch.cat([ids, ids.new_tensor([[next_id]])], dim=1)
     return new
-
-
-def lm_model_card(
-    tree: dict[str, Any],
-    weights: dict[str, torch.Tensor],
-    where: str,
-    manifest: dict[str, Any] | None = None,
-) -> dict:
-    """What `hpctrain export` writes beside a causal_lm model's weights: its shape and tokens."""
-    cfg = gpt_config_for(tree, weights, where, manifest)
-    data = tree.get("data") or {}
-    return {
-        "task": CAUSAL_LM,
-        "model": asdict(cfg),
-        "seq_len": int(data.get("seq_len") or 0),
-        "input": "token ids int64 [B, T] (T ≤ seq_len); output: logits [B, T, vocab_size]",
-        "rebuild": (
-            "from hpctrain.train.models.gpt import GPT, GPTConfig; "
-            "model = GPT(GPTConfig(**card['model']))"
-        ),
-    }
 
 
 def generation_device(device: str) -> torch.device:

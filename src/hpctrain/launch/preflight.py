@@ -212,7 +212,7 @@ def check_task(cfg: Config) -> Check:
         importlib.import_module(module_name)
     except Exception as exc:
         return Check("task", False, f"task={cfg.task!r}: importing {module_name} failed: {exc}")
-    from hpctrain.train.models import check_model_name
+    from hpctrain.train.task import check_model_name
 
     try:
         check_model_name(cfg.task, cfg.model.name, cfg.model.image_size)

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from hpctrain.compat_torch import foreach_copy_, foreach_lerp_
 from hpctrain.train.parallel import reshard
 
 # Module-name parts that wrappers of blocks insert: torch.compile, activation checkpointing
@@ -76,12 +77,12 @@ class WeightEMA:
         if any(c.dtype != torch.float32 for c in current):
             current = [c.float() for c in current]
         # lerp_(w, p, 1 - d) = w + (1 - d) (p - w) = d w + (1 - d) p
-        torch._foreach_lerp_(self._locals, current, 1.0 - self.decay)
+        foreach_lerp_(self._locals, current, 1.0 - self.decay)
 
     @torch.no_grad()
     def reset(self) -> None:
         """Start the average again from the current weights."""
-        torch._foreach_copy_(self._locals, [_local(p) for p in self.params])
+        foreach_copy_(self._locals, [_local(p) for p in self.params])
 
     @torch.no_grad()
     def swap(self) -> None:

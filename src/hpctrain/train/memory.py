@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from hpctrain.compat_torch import dump_memory_snapshot, record_memory_history
 from hpctrain.errors import EXIT_CONFIG, HpctrainError
 
 log = logging.getLogger("hpctrain")
@@ -62,8 +63,7 @@ class OOMSnapshots:
         self.enabled = enabled and can_snapshot(device)
         self.recording = bool(history) and can_snapshot(device)
         if self.recording:
-            # stacks="python": Python frames only; C++ frames ("all") cost far more per event.
-            torch.cuda.memory._record_memory_history(max_entries=history, stacks="python")
+            self.recording = record_memory_history(history)
 
     def path(self, step: int) -> Path:
         return self.run_dir / "profile" / f"oom-rank-{self.rank}-step-{step}.pickle"
@@ -88,7 +88,7 @@ class OOMSnapshots:
         path = self.path(step)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            torch.cuda.memory._dump_snapshot(str(path))
+            dump_memory_snapshot(str(path))
         except Exception as dump_exc:  # the report must not hide the OOM itself
             log.error("could not write the memory snapshot %s: %s", path, dump_exc)
             return StepOutOfMemoryError(
@@ -104,5 +104,5 @@ class OOMSnapshots:
     def close(self) -> None:
         """Stop recording the allocation history (frees its buffer)."""
         if self.recording:
-            torch.cuda.memory._record_memory_history(enabled=None)
+            record_memory_history(None)
             self.recording = False

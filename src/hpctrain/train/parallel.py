@@ -13,14 +13,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.nn.modules.batchnorm import _BatchNorm
 
+from hpctrain.compat_torch import batchnorm_classes, checkpoint_wrapper
 from hpctrain.config import ConfigError, TrainConfig
 from hpctrain.train.precision import Precision, TrainingPlan
 
 # Norm layers with running statistics: fp32 parameters under FSDP2 mixed precision (below).
-FP32_NORMS = (_BatchNorm,)  # BatchNorm1d/2d/3d and SyncBatchNorm
+FP32_NORMS = batchnorm_classes()  # BatchNorm1d/2d/3d and SyncBatchNorm
 
 
 def find_blocks(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:

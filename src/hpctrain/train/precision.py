@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from hpctrain.compat_torch import dynamo_supported
 from hpctrain.config import ConfigError, TrainConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -234,9 +235,7 @@ def device_facts(device: torch.device, *, compile: bool = False) -> DeviceFacts:
 
 def compile_blocker(device: torch.device) -> str:
     """Why `torch.compile` (inductor) cannot run on `device` here; empty when it can."""
-    import torch._dynamo
-
-    if not torch._dynamo.is_dynamo_supported():
+    if not dynamo_supported():
         return f"torch.compile does not support Python {sys.version.split()[0]}"
     if device.type == "cuda":
         if importlib.util.find_spec("triton") is None:

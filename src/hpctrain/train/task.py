@@ -2,29 +2,9 @@
 
 A task builds the model, gives the per-sample transforms that run in the loader workers, and
 computes the loss (and metrics) from a batch that is already on the device. Name it in the
-config as `task: mypackage.tasks:MyTask`; it is constructed as `MyTask(cfg, index)`.
-
-**Samples.** A sample is the tar members of a shard that share a key; the part of a member's
-name after `KEY.` is a *field name*, extensions kept (`jpg`, `cls`, `json`, `img.jpg`,
-`mask.png`, `left.jpg`, `depth.npy`, `txt`). The loader decodes every field by its last
-extension (`hpctrain.data.decode`: images → uint8 CHW tensors, target images such as
-`mask.png` → raw class ids [H, W], `cls` → int, `json` → object, `txt` → str, `npy` →
-tensor, anything else → bytes) into `{"key": key, <field>: value, ...}`.
-
-**What runs where.** In the loader workers, for each sample: `decode(key, members)` if the
-task has it (else the default decoding), then the transform, which gets the whole decoded
-dict with torch's RNG seeded for this sample and returns a dict. Then a batch is made:
-`collate(samples)` if the task has it, else the default collate (tensors and arrays of one
-shape and dtype stacked, Python bool/int/float made tensors, str/bytes/dict/list/None kept as
-lists; a field whose shapes differ is an error naming it). The loader adds `batch["valid"]`
-(bool [B]: False for fillers after lost samples and for evaluation padding, which are copies
-of a good sample) and `batch["key"]` (list of str). The Trainer moves every tensor field to
-the device and hands the batch to `loss` or `eval_metrics`.
-
-**Bad samples.** A transform (or `decode`) raises `hpctrain.data.decode.SampleError` for a
-sample it cannot use (a missing field, a label outside the model's classes): the loader
-handles it under `data.on_error` (fail: an error naming the key and shard; skip: counted and
-replaced by a filler). Any other exception is a bug and propagates.
+config as `task: mypackage.tasks:MyTask`; it is constructed as `MyTask(cfg, index)`. The
+contract in full (what a sample holds, what runs where and when, bad samples) is in
+`docs/extending.md`; the signatures are here.
 """
 
 from __future__ import annotations
@@ -47,7 +27,8 @@ Batch = dict[str, Any]
 class Task(Protocol):
     """A model and its loss. Everything else (loop, data, checkpoints) is hpctrain's.
 
-    Besides these methods a task may define three optional hooks, looked up by name:
+    Besides these methods a task may define optional hooks, looked up by name (without one,
+    hpctrain does what its entry says):
 
     - `decode(key: str, members: dict[str, bytes | memoryview]) -> Sample`: replaces the default
       decoding of a sample's raw members (field name → bytes); runs in the loader workers, so
@@ -57,6 +38,9 @@ class Task(Protocol):
     - `summarize(sums: dict[str, torch.Tensor]) -> dict[str, float]`: turns the evaluation
       sums (added over batches and ranks, any shape: a confusion matrix, histograms) into the
       final metrics (mIoU, mAP). Without it each sum is divided by `sums["count"]`.
+    - `summary_line(record: dict[str, Any]) -> str`: the line the Trainer prints at the end
+      for the final evaluation record (`val_<metric>` keys and `val_samples`); default
+      `validation_line`: every `val_` entry.
     - `predict(model: nn.Module, batch: Batch) -> list[dict[str, Any]]`: what `hpctrain
       predict` writes per sample: one dict per sample of the batch, in batch order (padding
       and fillers included: hpctrain drops the samples flagged `valid=False` and adds the
@@ -67,6 +51,23 @@ class Task(Protocol):
       with the model in eval mode, on every rank. Without it `hpctrain predict` is refused.
     - `predict_transform() -> Callable[[Sample], Sample]`: the per-sample transform for
       `predict` (data to predict on may have no targets); default `eval_transform()`.
+    - `model_metadata() -> dict[str, Any]`: JSON-able entries every checkpoint records in its
+      manifest's `metadata` (causal_lm: the GPT's shape), for `model_card` to read back
+      without the run's data; default none.
+    - `tokens_per_sample: int` (an attribute) and `flops_per_token() -> int`: the train
+      records then hold tokens/s and MFU (`hpctrain.train.flops`); default none.
+
+    Two hooks are read from the class, without an instance (`export` and `preflight` have no
+    data to construct a task with), so they are static methods:
+
+    - `model_card(tree: dict, weights: dict[str, torch.Tensor], manifest: dict) -> dict |
+      None`: what `hpctrain export` writes beside the weights (`OUT.json`, with the step and
+      format added) to rebuild the model without the run: `tree` is the run's resolved
+      config, `weights` the exported state dict, `manifest` the checkpoint's. Default (and
+      None): no card; return None too for weights the card could not rebuild.
+    - `check_model_name(name: str, image_size: int | None) -> None`: raise `ConfigError` for
+      a `model.name` the task cannot build, without building it (`hpctrain preflight`, before
+      the queue wait); empty is the task's default. Default: every name passes.
     """
 
     def build_model(self) -> nn.Module:
@@ -104,7 +105,19 @@ class Task(Protocol):
         ...
 
 
-OPTIONAL_HOOKS = ("decode", "collate", "summarize", "predict", "predict_transform")
+REQUIRED_METHODS = ("build_model", "train_transform", "eval_transform", "loss", "eval_metrics")
+OPTIONAL_HOOKS = (
+    "decode",
+    "collate",
+    "summarize",
+    "summary_line",
+    "predict",
+    "predict_transform",
+    "model_metadata",
+    "flops_per_token",
+    "model_card",
+    "check_model_name",
+)
 
 
 def masked_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -133,33 +146,58 @@ def divide_by_count(sums: Mapping[str, torch.Tensor]) -> dict[str, float]:
     return metrics
 
 
+def validation_line(record: Mapping[str, Any]) -> str:
+    """The default `summary_line`: every `val_` entry of the final evaluation record."""
+    return "validation: " + ", ".join(
+        f"{k[4:]} {v:.4f}" if isinstance(v, float) else f"{k[4:]} {v}"
+        for k, v in record.items()
+        if k.startswith("val_")
+    )
+
+
+def summary_line(task: Task, record: Mapping[str, Any]) -> str:
+    """The task's line for the final evaluation `record` (its `summary_line` hook or the default)."""
+    hook: Callable[[Mapping[str, Any]], str] = getattr(task, "summary_line", validation_line)
+    return hook(record)
+
+
+# name -> "module.path:ClassName": `task: <name>` in a config
 BUILTIN_TASKS = {
     "image_classification": "hpctrain.train.tasks.image_classification:ImageClassification",
     "segmentation": "hpctrain.train.tasks.segmentation:Segmentation",
     "causal_lm": "hpctrain.train.tasks.causal_lm:CausalLM",
 }
+DEFAULT_TASK = "image_classification"  # Config.task's default
+
+
+def task_class(name: str) -> Any:
+    """What `task=name` names (a built-in name or `module.path:ClassName`), imported: the
+    class (or any callable taking `(cfg, index)`), not constructed.
+
+    Raises:
+        ConfigError: not such a name, or the module or class cannot be found.
+    """
+    target = BUILTIN_TASKS.get(name, name)
+    module_name, sep, class_name = target.partition(":")
+    if not sep or not module_name or not class_name:
+        builtins = ", ".join(sorted(BUILTIN_TASKS))
+        raise ConfigError(f"task={name!r}: expected one of {builtins} or module.path:ClassName")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"task={name!r}: cannot import {module_name}: {exc}") from None
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        raise ConfigError(f"task={name!r}: {module_name} has no {class_name}")
+    return cls
 
 
 def load_task(cfg: Config, index: ShardIndex) -> Task:
     """Instantiate the task named by `cfg.task` (a built-in name or `module.path:ClassName`)."""
-    target = BUILTIN_TASKS.get(cfg.task, cfg.task)
-    module_name, sep, class_name = target.partition(":")
-    if not sep or not module_name or not class_name:
-        builtins = ", ".join(sorted(BUILTIN_TASKS))
-        raise ConfigError(f"task={cfg.task!r}: expected one of {builtins} or module.path:ClassName")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"task={cfg.task!r}: cannot import {module_name}: {exc}") from None
-    cls = getattr(module, class_name, None)
-    if cls is None:
-        raise ConfigError(f"task={cfg.task!r}: {module_name} has no {class_name}")
+    cls = task_class(cfg.task)
+    class_name = BUILTIN_TASKS.get(cfg.task, cfg.task).partition(":")[2]
     task = cls(cfg, index)
-    missing = [
-        m
-        for m in ("build_model", "train_transform", "eval_transform", "loss", "eval_metrics")
-        if not hasattr(task, m)
-    ]
+    missing = [m for m in REQUIRED_METHODS if not hasattr(task, m)]
     if missing:
         raise ConfigError(f"task={cfg.task!r}: {class_name} lacks {', '.join(missing)}")
     not_callable = [
@@ -168,3 +206,37 @@ def load_task(cfg: Config, index: ShardIndex) -> Task:
     if not_callable:
         raise ConfigError(f"task={cfg.task!r}: {class_name}.{not_callable[0]} is not callable")
     return task
+
+
+def class_hook(task: str, hook: str) -> Callable[..., Any] | None:
+    """The static hook `hook` of the class `task` names; None without one, and for a task
+    this process cannot import (`export` of a run whose task package is not installed)."""
+    try:
+        cls = task_class(task)
+    except ConfigError:
+        return None
+    found = getattr(cls, hook, None)
+    return found if callable(found) else None
+
+
+def model_card(
+    tree: dict[str, Any], weights: dict[str, torch.Tensor], manifest: dict[str, Any]
+) -> dict[str, Any] | None:
+    """The task's model card for exported `weights` (its `model_card` hook), or None."""
+    hook = class_hook(str(tree.get("task") or DEFAULT_TASK), "model_card")
+    card: dict[str, Any] | None = hook(tree, weights, manifest) if hook is not None else None
+    return card
+
+
+def check_model_name(task: str, name: str, image_size: int | None = None) -> None:
+    """Refuse a `model.name` that `task` cannot build, without building it (for `hpctrain
+    preflight`): the task's `check_model_name` hook; a task without one (or that cannot be
+    imported here) is not checked. With `image_size`, a classifier's `model.image_size` is
+    checked too.
+
+    Raises:
+        ConfigError: naming the model and what the task accepts.
+    """
+    hook = class_hook(task, "check_model_name")
+    if hook is not None:
+        hook(name, image_size)

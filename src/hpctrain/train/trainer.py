@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import signal
@@ -14,72 +13,35 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import yaml
 
-import hpctrain.train.init_from as init_from
-from hpctrain.checkpoint import (
-    CheckpointError,
-    CheckpointManager,
-    ModelOptimizerState,
-    PerRankState,
-    RNGState,
-)
+from hpctrain.checkpoint import CheckpointManager
 from hpctrain.config import Config, ConfigError, config_to_yaml
 from hpctrain.data import ShardedLoader, open_index
 from hpctrain.data.index import ShardIndex
 from hpctrain.data.mixture_index import describe as describe_train
 from hpctrain.data.mixture_index import open_train_index
-from hpctrain.dist import DistEnv, all_reduce_sum, new_cpu_group
-from hpctrain.train.classes import (
-    ClassNamesError,
-    check_class_names,
-    checkpoint_class_names,
-    differ,
-    mismatch,
-)
-from hpctrain.train.ema import CHECKPOINT_KEY as EMA_KEY
+from hpctrain.dist import DistEnv, new_cpu_group
+from hpctrain.train.checkpointing import Checkpointing, TrainState
+from hpctrain.train.classes import check_class_names
 from hpctrain.train.ema import build_ema
-from hpctrain.train.evaluation import evaluate, require_items, to_device
-from hpctrain.train.flops import throughput_fields
+from hpctrain.train.evaluation import require_items
 from hpctrain.train.gpu_stats import GpuCounters
 from hpctrain.train.hangs import HangWatch
+from hpctrain.train.init_from import build_model as build_initial_model
+from hpctrain.train.init_from import check as check_init_from
 from hpctrain.train.memory import OOMSnapshots
-from hpctrain.train.metrics import IntervalMeter, MetricMonitor, MetricsWriter, peak_memory_mb
-from hpctrain.train.optim import (
-    build_optimizer,
-    build_scheduler,
-    check_same_groups,
-    freeze_parameters,
-)
-from hpctrain.train.parallel import broadcast_buffers, no_gradient_sync, parallelize
+from hpctrain.train.metrics import IntervalMeter, MetricMonitor, MetricsWriter
+from hpctrain.train.optim import build_optimizer, build_scheduler, freeze_parameters
+from hpctrain.train.parallel import parallelize
 from hpctrain.train.precision import device_facts, make_grad_scaler, plan_training
 from hpctrain.train.preemption import REQUEUE_EXIT_CODE, PreemptionFlag
 from hpctrain.train.profiling import StepProfiler
+from hpctrain.train.records import RunRecords
+from hpctrain.train.step import OptimizerStep
 from hpctrain.train.task import Batch, load_task
 from hpctrain.train.trackers import check_trackers, start_trackers
 
 log = logging.getLogger("hpctrain")
-
-SCALER_KEY = "scaler"  # fp16's gradient scaler in checkpoints (no other precision saves one)
-
-
-class TrainState:
-    """Counters that make a run resumable: optimizer steps, epoch, samples trained on."""
-
-    def __init__(self) -> None:
-        self.step = 0
-        self.epoch = 0
-        self.samples_seen = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self.step, "epoch": self.epoch, "samples_seen": self.samples_seen}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step, self.epoch, self.samples_seen = (
-            int(state["step"]),
-            int(state["epoch"]),
-            int(state["samples_seen"]),
-        )
 
 
 def seed_everything(seed: int) -> None:
@@ -99,40 +61,12 @@ def require_tensorboard() -> None:
         ) from None
 
 
-def config_changes(cfg: Config, saved: object, limit: int = 8) -> list[str]:
-    """`key=value (saved: old)` for each key where `cfg` differs from a checkpoint's saved
-    config (its YAML text); [] when there is none to compare with."""
-    if not isinstance(saved, str):
-        return []
-    try:
-        old = yaml.safe_load(saved)
-    except yaml.YAMLError:
-        return []
-    if not isinstance(old, dict):
-        return []
+class Trainer(Checkpointing, RunRecords, OptimizerStep):
+    """Everything a run needs, built once from the config, and the training loop.
 
-    def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, value in tree.items():
-            if isinstance(value, dict) and value:
-                out.update(flat(value, f"{prefix}{key}."))
-            else:
-                out[f"{prefix}{key}"] = value
-        return out
-
-    new, old = flat(yaml.safe_load(config_to_yaml(cfg))), flat(old)  # both as YAML reads them
-    changed = [
-        f"{key}={new.get(key)!r} (saved: {old.get(key)!r})"
-        for key in sorted(new.keys() | old.keys())
-        if new.get(key) != old.get(key) and key != "checkpoint.resume"
-    ]
-    if len(changed) > limit:
-        changed[limit:] = [f"and {len(changed) - limit} more"]
-    return changed
-
-
-class Trainer:
-    """Everything a run needs, built once from the config, and the training loop."""
+    Its parts by job, each in its own module: one optimizer step (`train/step.py`), the
+    records and summary (`train/records.py`), saving and resuming (`train/checkpointing.py`).
+    """
 
     def __init__(self, cfg: Config, env: DistEnv, device: torch.device) -> None:
         self.cfg, self.env, self.device = cfg, env, device
@@ -218,8 +152,8 @@ class Trainer:
     def build_model(self) -> None:
         """The task's model, moved, wrapped and sharded; its optimizer and gradient scaler."""
         torch.manual_seed(self.cfg.seed)  # identical initial weights on every rank (FSDP2 needs it)
-        init_from.check(self.cfg, self.task)
-        model = init_from.build_model(self.task, self.cfg, self.plan.strategy)
+        check_init_from(self.cfg, self.task)
+        model = build_initial_model(self.task, self.cfg, self.plan.strategy)
         trainable, frozen = freeze_parameters(model, self.cfg.train.freeze)  # before wrapping
         log.info(
             "parameters: %s trainable, %s frozen (train.freeze)", f"{trainable:,}", f"{frozen:,}"
@@ -402,86 +336,6 @@ class Trainer:
                 if loader is not None:
                     loader.close()  # its workers too, now rather than at exit
 
-    def train_step(self, batches: Iterator[Batch]) -> None:
-        """One optimizer step over `grad_accum_steps` micro-batches."""
-        start = time.perf_counter()
-        accum = self.cfg.train.grad_accum_steps
-        data_wait, num_samples = 0.0, 0
-        loss_sum: torch.Tensor | float = 0.0
-        metric_sums: dict[str, torch.Tensor] = {}
-        # Here, not right after the optimizer step: freeing the gradients there costs ~5% of a
-        # resnet18 step on a CPU (glibc hands the freed heap back to the OS, and the next forward
-        # page-faults it in again; BENCHMARKS.md). `free_gradients` drops them before a save.
-        self.optimizer.zero_grad(set_to_none=True)
-        for micro in range(accum):
-            wait_start = time.perf_counter()
-            batch = next(batches)
-            data_wait += time.perf_counter() - wait_start
-            self.log_samples(batch)
-            num_samples += len(batch["key"])
-            batch = to_device(batch, self.device)
-            with no_gradient_sync(self.model, skip=micro < accum - 1):
-                with self.precision.autocast():
-                    loss, values = self.task.loss(self.model, batch)
-                scaled = loss / accum if accum > 1 else loss
-                if micro == accum - 1:  # up to the first gradient collective: the straggler check
-                    compute_time = time.perf_counter() - start - data_wait
-                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-            # Sums stay on the device: nothing waits for them until a log step.
-            detached = loss.detach().float()  # float(): a no-op unless a task returns bf16
-            loss_sum = detached if micro == 0 else loss_sum + detached
-            for name, value in values.items():
-                value = value.detach().float()
-                metric_sums[name] = value if micro == 0 else metric_sums[name] + value
-        self.clip_and_measure_gradients()
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        if self.ema is not None:
-            self.ema.update()
-        group = self.optimizer.param_groups[0]  # the rate this step used, of train.lr itself
-        self.lr = group["lr"] / group.get("lr_scale", 1.0)
-        self.scheduler.step()
-        self.state.step += 1
-        self.state.samples_seen += num_samples * self.plan.data_parallel_size
-        assert isinstance(loss_sum, torch.Tensor)
-        values = {"loss": loss_sum, **metric_sums}
-        if accum > 1:
-            values = {name: value / accum for name, value in values.items()}
-        self.meter.add(
-            samples=num_samples if self.env.rank % self.plan.tp == 0 else 0,  # a TP group's once
-            step_time=time.perf_counter() - start,
-            data_wait=data_wait,
-            values=values,
-            compute_time=compute_time,
-        )
-
-    def clip_and_measure_gradients(self) -> None:
-        """Clip to `train.grad_clip`, and keep the global gradient norm for the next log line.
-
-        Without clipping the norm is computed only before a logged step: it reads every
-        gradient once more (a few % of a small model's step on a CPU), for a number that is
-        only ever logged.
-        """
-        clip = self.cfg.train.grad_clip
-        if not clip and not self.is_log_step(self.state.step + 1):
-            return
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)  # the norm of the true gradients
-        if clip:
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
-        else:
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            norm = torch.nn.utils.get_total_norm(grads)
-        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor of the global norm
-            norm = norm.full_tensor()
-        self.grad_norm = norm.detach().float()
-
-    def is_log_step(self, step: int) -> bool:
-        return step % self.cfg.train.log_every == 0 or step == self.total_steps
-
     def step_boundary(self, metrics: MetricsWriter) -> bool:
         """Log, evaluate and save as due after a step; True once saved for a preemption."""
         step = self.state.step
@@ -531,227 +385,6 @@ class Trainer:
         while True:
             yield from cached
 
-    # ---------------------------------------------------------------- evaluation and logging
-    @torch.no_grad()
-    def evaluate(self) -> dict[str, Any]:
-        """Metrics over all of `data.val` (padded samples are masked out, so counted once).
-
-        The task's sums are added over batches here and over ranks in one all-reduce, then
-        its `summarize` (default: divide by `count`) makes the final metrics.
-        """
-        assert self.val_loader is not None
-        record: dict[str, Any] = {
-            "kind": "eval",
-            "step": self.state.step,
-            "epoch": self.state.epoch,
-        }
-        self.free_gradients()
-        broadcast_buffers(self.model)  # FSDP2: rank 0's BatchNorm statistics, as under DDP
-        ema = self.ema if self.cfg.train.ema_eval else None
-        if ema is not None:
-            ema.swap()  # the EMA into the model for this evaluation, swapped back below
-        try:
-            record.update(
-                evaluate(
-                    self.task,
-                    self.model,
-                    self.val_loader,
-                    self.precision,
-                    self.device,
-                    copies=self.plan.tp,
-                )
-            )
-        finally:
-            if ema is not None:
-                ema.swap()
-        if self.ema is not None:
-            record["weights"] = "ema" if ema is not None else "model"
-        return record
-
-    def log_record(self) -> dict[str, Any]:
-        if self.device.type == "cuda":
-            # Steps only queue GPU work; the work still queued belongs to this interval's steps.
-            start = time.perf_counter()
-            torch.cuda.synchronize(self.device)
-            self.meter.step_time += time.perf_counter() - start
-        summary = self.meter.summarize(self.device, self.env.world_size)
-        self.meter.reset()
-        record: dict[str, Any] = {
-            "kind": "train",
-            "step": self.state.step,
-            "epoch": self.state.epoch,
-        }
-        record.update(summary)
-        # tokens/s and MFU for tasks that define tokens_per_sample (causal_lm)
-        record.update(
-            throughput_fields(self.task, summary["samples_per_s"], self.env.world_size, self.device)
-        )
-        record["lr"] = self.lr
-        record["grad_norm"] = float(self.grad_norm)  # of the logged step
-        record["peak_memory_mb"] = peak_memory_mb(self.device)
-        record.update(self.gpu_counters.read())  # CUDA with NVML only
-        record["samples_seen"] = self.state.samples_seen
-        for name, value in self.loader.stats().items():
-            record[f"loader_{name}"] = value
-        per_source = self.loader.source_stats()  # a mixture's (every rank has one or none)
-        if per_source:
-            totals = all_reduce_sum([float(v) for v in per_source.values()], self.device)
-            record.update({name: int(v) for name, v in zip(per_source, totals, strict=True)})
-        return record
-
-    def log_samples(self, batch: Batch) -> None:
-        """The audit trail of `data.sample_log`: which keys this rank trained on at which step."""
-        if not self.cfg.data.sample_log or self.env.rank % self.plan.tp:
-            return  # one log per data-parallel rank: a TP group trains on the same keys
-        keys = [k for k, ok in zip(batch["key"], batch["valid"].tolist(), strict=True) if ok]
-        with self.sample_log_path().open("a") as f:
-            f.write(
-                json.dumps({"step": self.state.step + 1, "epoch": self.state.epoch, "keys": keys})
-                + "\n"
-            )
-
-    def sample_log_path(self) -> Path:
-        return (
-            self.run_dir / "samples" / f"rank-{self.plan.data_parallel_rank(self.env.rank)}.jsonl"
-        )
-
-    # ---------------------------------------------------------------- checkpoints
-    def checkpoint_states(self) -> dict[str, Any]:
-        states: dict[str, Any] = {
-            "app": ModelOptimizerState(self.model, self.optimizer),
-            "scheduler": self.scheduler,
-            "trainer": self.state,
-            "loader": PerRankState(self.loader),
-            "rng": PerRankState(RNGState()),
-        }
-        if self.scaler is not None:
-            states[SCALER_KEY] = self.scaler
-        if self.ema is not None:
-            states[EMA_KEY] = self.ema
-        return states
-
-    def free_gradients(self) -> None:
-        """Drop the last step's gradients (the next step would): before a checkpoint and an
-        evaluation, which then need no memory for them.
-
-        A checkpoint must see none: DCP creates the optimizer state it lacks (every step so
-        far skipped by the fp16 scaler) only for parameters without gradients, and a resume
-        expects the state it creates.
-        """
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def save(self) -> None:
-        self.free_gradients()
-        broadcast_buffers(self.model)  # FSDP2: one set of BatchNorm statistics, rank 0's
-        self.checkpoints.save(
-            self.state.step,
-            self.checkpoint_states(),
-            metadata=self.checkpoint_metadata(),
-            score=self.monitor.score_at(self.state.step),
-        )
-        self.last_save = time.monotonic()
-
-    def checkpoint_metadata(self) -> dict[str, Any]:
-        metadata = {
-            "config": config_to_yaml(self.cfg),
-            "monitor": self.monitor.state_dict(),
-            "class_names": list(self.class_names),
-        }
-        if hasattr(self.task, "model_metadata"):  # e.g. causal_lm's GPT shape, for exports
-            metadata.update(self.task.model_metadata())
-        return metadata
-
-    def resume(self) -> None:
-        try:
-            step = self.checkpoints.load(
-                self.checkpoint_states(),
-                which=self.cfg.checkpoint.resume,
-                optional=(EMA_KEY, SCALER_KEY),
-            )
-        except CheckpointError as exc:
-            check_same_groups(self.cfg.train, self.checkpoints.tried_manifest)
-            tried = self.checkpoints.tried_manifest
-            changes = config_changes(self.cfg, tried["metadata"].get("config")) if tried else []
-            if not changes:
-                raise
-            raise type(exc)(
-                f"{str(exc).rstrip('.')}; the config differs from the checkpoint's in "
-                f"{', '.join(changes)}: set back the key that changes what the checkpoint "
-                "holds (model, optimizer, precision), or start over with --resume none"
-            ) from None
-        except ValueError:  # DCP's own when the optimizer's groups differ: say which key
-            check_same_groups(self.cfg.train, self.checkpoints.tried_manifest)
-            raise
-        if step is None:
-            if self.cfg.model.init_from:
-                self.init_weights()
-            return
-        check_same_groups(self.cfg.train, self.checkpoints.loaded_manifest)
-        self.check_resumed_class_names(step)
-        if self.cfg.model.init_from:
-            log.info("model.init_from=%s not read: the run resumes", self.cfg.model.init_from)
-        if self.ema is not None and EMA_KEY in self.checkpoints.missing_states:
-            self.ema.reset()
-            log.warning(
-                "the checkpoint of step %d has no EMA: the EMA starts from its weights", step
-            )
-        if self.scaler is not None and SCALER_KEY in self.checkpoints.missing_states:
-            log.warning(
-                "the checkpoint of step %d has no fp16 gradient scaler (saved with another "
-                "train.precision): a fresh one starts at scale %g",
-                step,
-                self.scaler.get_scale(),
-            )
-        self.resumed_loader = True
-        if self.checkpoints.loaded_manifest is not None:
-            self.monitor.load_state_dict(
-                self.checkpoints.loaded_manifest["metadata"].get("monitor")
-            )
-        log.info(
-            "resumed from step %d (epoch %d) of %s",
-            self.state.step,
-            self.state.epoch,
-            self.checkpoints.loaded_from,
-        )
-        if self.cfg.data.sample_log:
-            self.truncate_sample_log()
-
-    def check_resumed_class_names(self, step: int) -> None:
-        """Refuse to go on training on data whose labels mean other classes than the
-        checkpoint's (data.train re-converted with renamed or reordered classes). A checkpoint
-        saved before class names were stored (none in its manifest) resumes as before.
-
-        Raises:
-            ClassNamesError: the checkpoint and data.train both name classes, not the same.
-        """
-        saved = checkpoint_class_names(self.checkpoints.loaded_manifest or {})
-        if differ(saved, self.class_names):
-            raise ClassNamesError(
-                f"{mismatch(saved, f'the checkpoint of step {step}', self.class_names, 'data.train')}"
-                ": the resumed run would train on shifted labels; convert data.train with the "
-                "checkpoint's classes, or start over with --resume none"
-            )
-
-    def init_weights(self) -> None:
-        """A new run's starting weights from `model.init_from` (the task reads them); the EMA
-        starts from them too."""
-        source = init_from.load_initial_weights(self.model, self.cfg, self.task)
-        if self.ema is not None:
-            self.ema.reset()
-        log.info("a new run from step 0: %s", source)
-
-    def truncate_sample_log(self) -> None:
-        """Drop audit lines of steps after the checkpoint: they are trained again."""
-        path = self.sample_log_path()
-        if not path.exists():
-            return
-        kept = [
-            line
-            for line in path.read_text().splitlines()
-            if json.loads(line)["step"] <= self.state.step
-        ]
-        path.write_text("".join(line + "\n" for line in kept))
-
     def agree_on_flags(self) -> tuple[bool, bool]:
         """One all-reduce at the step boundary: does any rank want to stop, is a timed save due?
 
@@ -768,27 +401,6 @@ class Trainer:
         dist.all_reduce(flags, group=self.flag_group)
         stop, due = flags.tolist()
         return stop > 0, due > 0
-
-    def print_summary(self, final_eval: dict[str, Any] | None) -> None:
-        lines = [
-            f"finished {self.state.step} steps ({self.state.samples_seen} samples, epoch {self.state.epoch})"
-        ]
-        if final_eval is not None:
-            top5 = f"top-5 {final_eval['val_top5']:.2%}, " if "val_top5" in final_eval else ""
-            lines.append(
-                f"validation accuracy: {final_eval['val_accuracy']:.2%} "
-                f"({top5}loss {final_eval['val_loss']:.4f}, {final_eval['val_samples']} samples)"
-                if "val_accuracy" in final_eval and "val_loss" in final_eval
-                else "validation: "
-                + ", ".join(
-                    f"{k[4:]} {v:.4f}" if isinstance(v, float) else f"{k[4:]} {v}"
-                    for k, v in final_eval.items()
-                    if k.startswith("val_")
-                )
-            )
-        lines.append(f"run folder: {self.run_dir}")
-        lines.append(f"checkpoint: {self.checkpoints.root}/step-{self.state.step}")
-        print("\n".join(lines), flush=True)
 
     def prepare_run_dir(self) -> None:
         if self.env.is_main:

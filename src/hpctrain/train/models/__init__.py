@@ -1,10 +1,15 @@
 """The built-in tasks' models, by name: hpctrain's small CPU-friendly ones and torchvision's.
 
-Models are always randomly initialised (`weights=None`, `weights_backbone=None`): compute
-nodes have no internet. Load weights from a checkpoint instead.
+Each kind has a table name -> builder (`CLASSIFIERS`, `SEGMENTERS`; the GPT's shapes are
+`gpt.PRESETS`); a name not in the table is looked up among torchvision's models of the kind.
+A new model of a built-in task is one module here and one line in its table
+(`docs/extending.md`). Models are always randomly initialised (`weights=None`,
+`weights_backbone=None`): compute nodes have no internet. Load weights from a checkpoint.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from torch import nn
 
@@ -24,16 +29,20 @@ __all__ = [
     "UNet",
     "build_classifier",
     "build_segmenter",
+    "check_classifier_name",
     "check_image_size",
-    "check_model_name",
+    "check_segmenter_name",
     "flops_per_token",
     "gpt_config",
     "vit_tiny",
 ]
 
-# hpctrain's own models (besides every torchvision model of the kind)
-CLASSIFIERS: tuple[str, ...] = ("small_cnn", "vit_tiny")
-SEGMENTERS: tuple[str, ...] = ("unet",)
+# hpctrain's own models, name -> builder (besides every torchvision model of the kind)
+CLASSIFIERS: dict[str, Callable[[int, int], nn.Module]] = {  # (num_classes, image_size)
+    "small_cnn": lambda num_classes, image_size: SmallCNN(num_classes),
+    "vit_tiny": vit_tiny,
+}
+SEGMENTERS: dict[str, Callable[[int], nn.Module]] = {"unet": UNet}  # (num_classes)
 
 
 # The smallest input each torchvision classifier family takes (found by forward passes of
@@ -96,10 +105,8 @@ def build_classifier(name: str, num_classes: int, image_size: int = 224) -> nn.M
     Inception v3 are built without their auxiliary heads: a training step reads one logits
     tensor, and the heads only exist for ImageNet-era training recipes.
     """
-    if name == "small_cnn":
-        return SmallCNN(num_classes)
-    if name == "vit_tiny":
-        return vit_tiny(num_classes, image_size)
+    if name in CLASSIFIERS:
+        return CLASSIFIERS[name](num_classes, image_size)
     import torchvision
 
     available = torchvision.models.list_models(module=torchvision.models)
@@ -126,8 +133,8 @@ def build_segmenter(name: str, num_classes: int) -> nn.Module:
 
     torchvision's models return `{"out": logits}`; the segmentation task reads either form.
     """
-    if name == "unet":
-        return UNet(num_classes)
+    if name in SEGMENTERS:
+        return SEGMENTERS[name](num_classes)
     import torchvision
 
     available = torchvision.models.list_models(module=torchvision.models.segmentation)
@@ -141,29 +148,38 @@ def build_segmenter(name: str, num_classes: int) -> nn.Module:
     )
 
 
-def check_model_name(task: str, name: str, image_size: int | None = None) -> None:
-    """Refuse a `model.name` that the built-in `task` cannot build, without building it
-    (for `hpctrain preflight`); empty is the task's default. Other tasks are not checked.
-    With `image_size`, a classifier's `model.image_size` is checked too (`check_image_size`).
+def check_classifier_name(name: str, image_size: int | None = None) -> None:
+    """Refuse a classifier `name` that `build_classifier` cannot build, without building it;
+    with `image_size`, a torchvision model's `model.image_size` too (`check_image_size`).
 
     Raises:
-        ConfigError: naming the model and what the task accepts.
+        ConfigError: naming the model and the classifiers there are.
     """
-    if name and task == "causal_lm":
-        if name not in PRESETS:
-            raise ConfigError(f"model.name={name!r}: task causal_lm takes {', '.join(PRESETS)}")
-        return
-    if not name or task not in ("image_classification", "segmentation"):
-        return
     import torchvision
 
-    if task == "image_classification":
-        own, module, kind = CLASSIFIERS, torchvision.models, "classification"
-    else:
-        own, module, kind = SEGMENTERS, torchvision.models.segmentation, "segmentation"
-    if name not in own and name not in torchvision.models.list_models(module=module):
+    if name not in CLASSIFIERS and name not in torchvision.models.list_models(
+        module=torchvision.models
+    ):
         raise ConfigError(
-            f"model.name={name!r}: task {task} takes {', '.join(own)} or a torchvision {kind} model"
+            f"model.name={name!r}: task image_classification takes {', '.join(CLASSIFIERS)} or a "
+            "torchvision classification model"
         )
-    if image_size is not None and task == "image_classification" and name not in own:
+    if image_size is not None and name not in CLASSIFIERS:
         check_image_size(name, image_size)
+
+
+def check_segmenter_name(name: str) -> None:
+    """Refuse a segmentation model `name` that `build_segmenter` cannot build, without building it.
+
+    Raises:
+        ConfigError: naming the model and the segmentation models there are.
+    """
+    import torchvision
+
+    if name not in SEGMENTERS and name not in torchvision.models.list_models(
+        module=torchvision.models.segmentation
+    ):
+        raise ConfigError(
+            f"model.name={name!r}: task segmentation takes {', '.join(SEGMENTERS)} or a "
+            "torchvision segmentation model"
+        )

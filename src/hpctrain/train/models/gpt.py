@@ -55,18 +55,21 @@ class GPTConfig:
         kv = self.n_kv_heads or self.n_heads
         for name in ("vocab_size", "dim", "n_layers", "n_heads"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"model.{name}={getattr(self, name)}: must be at least 1")
+                raise ConfigError(f"causal_lm.{name}={getattr(self, name)}: must be at least 1")
         if self.dim % self.n_heads:
             raise ConfigError(
-                f"model.dim={self.dim}: must be a multiple of model.n_heads={self.n_heads}"
+                f"causal_lm.dim={self.dim}: must be a multiple of causal_lm.n_heads={self.n_heads}"
             )
         if (self.dim // self.n_heads) % 2:
             raise ConfigError(
-                f"model.dim / model.n_heads = {self.dim // self.n_heads}: rotary embeddings "
+                f"causal_lm.dim / causal_lm.n_heads = {self.dim // self.n_heads}: rotary "
+                "embeddings "
                 "need an even head dimension"
             )
         if self.n_heads % kv:
-            raise ConfigError(f"model.n_kv_heads={kv}: must divide model.n_heads={self.n_heads}")
+            raise ConfigError(
+                f"causal_lm.n_kv_heads={kv}: must divide causal_lm.n_heads={self.n_heads}"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -86,7 +89,7 @@ class GPTConfig:
         return multiple * math.ceil(8 * self.dim / 3 / multiple)
 
 
-# Shapes by name. The vocabulary comes from the index's tokenizer (model.vocab_size overrides).
+# Shapes by name. The vocabulary comes from the index's tokenizer (causal_lm.vocab_size overrides).
 # The 1B/3B/8B shapes are Llama 3.2 1B, 3B and Llama 3 8B; 125M/350M are GPT-3's small and
 # medium shapes with SwiGLU (about 85M/300M parameters besides a 50k-token embedding).
 PRESETS: dict[str, dict[str, int | bool]] = {
@@ -429,8 +432,8 @@ class GPT(nn.Module):
 
         tp = mesh.size()
         for key, heads in (
-            ("model.n_heads", self.cfg.n_heads),
-            ("model.n_kv_heads", self.cfg.kv_heads),
+            ("causal_lm.n_heads", self.cfg.n_heads),
+            ("causal_lm.n_kv_heads", self.cfg.kv_heads),
         ):
             if heads % tp:
                 raise ConfigError(

@@ -148,8 +148,8 @@ def gpt_config_from_hf(config: dict[str, Any], folder: str) -> GPTConfig:
 
 
 def check_against_model_keys(cfg: GPTConfig, model: Any, folder: str) -> None:
-    """Refuse `model.*` dimensions set in the run's config that disagree with `config.json`
-    (`model`: the run's ModelConfig); 0 / null leave them to the folder."""
+    """Refuse `causal_lm.*` dimensions set in the run's config that disagree with
+    `config.json` (`model`: the run's CausalLMConfig); 0 / null leave them to the folder."""
     explicit = {
         "dim": model.dim,
         "n_layers": model.n_layers,
@@ -163,8 +163,8 @@ def check_against_model_keys(cfg: GPTConfig, model: Any, folder: str) -> None:
     for key, value in explicit.items():
         if value not in (0, None) and value != hf_value[key]:
             raise ConfigError(
-                f"model.{key}={value} disagrees with {KEY}={folder} "
-                f"({CONFIG}: {hf_value[key]}); leave model.{key} unset"
+                f"causal_lm.{key}={value} disagrees with {KEY}={folder} "
+                f"({CONFIG}: {hf_value[key]}); leave causal_lm.{key} unset"
             )
 
 

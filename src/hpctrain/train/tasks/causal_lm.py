@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpctrain.checkpoint import CheckpointError
 from hpctrain.config import Config, ConfigError
 from hpctrain.data.decode import SampleError
 from hpctrain.data.index import ShardIndex
@@ -48,10 +49,13 @@ from hpctrain.data.tokenizer import (
     load_tokenizer,
 )
 from hpctrain.train.models import hf
-from hpctrain.train.models.gpt import GPT, GPTConfig, flops_per_token, gpt_config
+from hpctrain.train.models.gpt import GPT, PRESETS, GPTConfig, flops_per_token, gpt_config
 from hpctrain.train.task import Sample, masked_mean
 
 log = logging.getLogger(__name__)
+
+CAUSAL_LM = "causal_lm"
+EMBEDDING = "tok_embeddings.weight"
 
 
 def index_tokenizer(index: ShardIndex, spec: str, key: str, configured: str) -> dict[str, Any]:
@@ -150,7 +154,7 @@ class CausalLM:
         if from_hf:
             self.model_cfg: GPTConfig = self.hf_model_config(vocab, train)
         elif recorded is not None:
-            hf.check_against_model_keys(recorded, cfg.model, cfg.model.init_from)
+            hf.check_against_model_keys(recorded, cfg.causal_lm, cfg.model.init_from)
             if recorded.vocab_size < vocab:
                 raise ConfigError(
                     f"{hf.KEY}={cfg.model.init_from}: its vocabulary ({recorded.vocab_size}) is "
@@ -158,15 +162,15 @@ class CausalLM:
                     f"({vocab})"
                 )
             self.model_cfg = recorded
-        elif cfg.model.vocab_size and cfg.model.vocab_size < vocab:
+        elif cfg.causal_lm.vocab_size and cfg.causal_lm.vocab_size < vocab:
             raise ConfigError(
-                f"model.vocab_size={cfg.model.vocab_size}: smaller than the vocabulary of the "
+                f"causal_lm.vocab_size={cfg.causal_lm.vocab_size}: smaller than the vocabulary of the "
                 f"tokenizer {self.tokenizer['name']!r} of {train} ({vocab})"
             )
         if not from_hf and recorded is None:
-            m = cfg.model
+            m = cfg.causal_lm
             self.model_cfg = gpt_config(
-                m.name,
+                cfg.model.name,
                 m.vocab_size or vocab,
                 dim=m.dim,
                 n_layers=m.n_layers,
@@ -181,11 +185,11 @@ class CausalLM:
 
     def hf_model_config(self, vocab: int, train: str) -> GPTConfig:
         """The GPT's shape from the Hugging Face folder `model.init_from`, checked against the
-        run's `model.*` keys, the tokenizer's vocabulary and `data.seq_len`."""
+        run's `causal_lm.*` keys, the tokenizer's vocabulary and `data.seq_len`."""
         folder = self.cfg.model.init_from
         config = hf.read_hf_config(folder)
         model_cfg = hf.gpt_config_from_hf(config, folder)
-        hf.check_against_model_keys(model_cfg, self.cfg.model, folder)
+        hf.check_against_model_keys(model_cfg, self.cfg.causal_lm, folder)
         if model_cfg.vocab_size < vocab:
             raise ConfigError(
                 f"{hf.KEY}={folder}: vocab_size {model_cfg.vocab_size} is smaller than the "
@@ -220,7 +224,7 @@ class CausalLM:
 
     def warm_start_shape(self) -> GPTConfig | None:
         """The GPT shape the checkpoint at `model.init_from` records (a run folder or
-        checkpoint of a newer causal_lm run), so that a warm start needs no `model.*` keys;
+        checkpoint of a newer causal_lm run), so that a warm start needs no `causal_lm.*` keys;
         None for anything else (the model is then built from the config and must match)."""
         from hpctrain.checkpoint import CheckpointError
         from hpctrain.checkpoint.weights import locate_checkpoint
@@ -235,6 +239,23 @@ class CausalLM:
             return None
         self.hf_source = dict(metadata.get("hf_config") or {})
         return GPTConfig(**recorded)
+
+    @staticmethod
+    def check_model_name(name: str, image_size: int | None = None) -> None:
+        """A preset of `hpctrain.train.models.gpt` (`PRESETS`)."""
+        if name and name not in PRESETS:
+            raise ConfigError(f"model.name={name!r}: task causal_lm takes {', '.join(PRESETS)}")
+
+    @staticmethod
+    def model_card(
+        tree: dict[str, Any], weights: dict[str, torch.Tensor], manifest: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """The GPT's shape, the sequence length and how to rebuild it (`lm_model_card`);
+        None for weights the run's config does not describe."""
+        try:
+            return lm_model_card(tree, weights, "checkpoint", manifest)
+        except CheckpointError:
+            return None
 
     def model_metadata(self) -> dict[str, Any]:
         """What checkpoints record to rebuild the model without the config's sources: the
@@ -330,6 +351,80 @@ class CausalLM:
                 strict=True,
             )
         ]
+
+
+def gpt_config_for(
+    tree: dict[str, Any],
+    weights: dict[str, torch.Tensor],
+    where: str,
+    manifest: dict[str, Any] | None = None,
+) -> GPTConfig:
+    """The GPTConfig of a causal_lm run's config `tree` whose weights are `weights`: the one
+    the checkpoint's `manifest` records (`metadata.gpt`, written by runs since
+    `model.init_from`), else rebuilt from the config (a run started from a Hugging Face folder:
+    from that folder's config.json).
+
+    Raises:
+        CheckpointError: not a causal_lm run, or weights that are not of the config's shape.
+    """
+    if tree.get("task") != CAUSAL_LM or EMBEDDING not in weights:
+        raise CheckpointError(
+            f"{where}: not a causal_lm checkpoint (task {tree.get('task')!r}); "
+            "hpctrain generate needs a language model"
+        )
+    m = tree.get("model") or {}
+    shape = tree.get("causal_lm") or m  # the shape keys were model.* before causal_lm.*
+    recorded = ((manifest or {}).get("metadata") or {}).get("gpt")
+    if isinstance(recorded, dict):
+        try:
+            cfg = GPTConfig(**recorded)
+        except (TypeError, ConfigError) as exc:
+            raise CheckpointError(f"{where}: its recorded GPT shape is unusable: {exc}") from None
+    elif m.get("init_from"):  # the shape is that of the Hugging Face folder the run started from
+        init_from = str(m["init_from"])
+        try:
+            cfg = hf.gpt_config_from_hf(hf.read_hf_config(init_from), init_from)
+        except ConfigError as exc:
+            raise CheckpointError(f"{where}: the run's shape is unknown: {exc}") from None
+    else:
+        cfg = gpt_config(
+            str(m.get("name") or ""),
+            int(weights[EMBEDDING].shape[0]),
+            dim=int(shape.get("dim") or 0),
+            n_layers=int(shape.get("n_layers") or 0),
+            n_heads=int(shape.get("n_heads") or 0),
+            n_kv_heads=int(shape.get("n_kv_heads") or 0),
+            ffn_dim=int(shape.get("ffn_dim") or 0),
+            tie_embeddings="output.weight" not in weights,
+        )
+    with torch.device("meta"):  # shapes only
+        built = {k: tuple(v.shape) for k, v in GPT(cfg).state_dict().items()}
+    if built != {k: tuple(v.shape) for k, v in weights.items()}:
+        raise CheckpointError(
+            f"{where}: the weights are not those of the GPT its config describes ({cfg})"
+        )
+    return cfg
+
+
+def lm_model_card(
+    tree: dict[str, Any],
+    weights: dict[str, torch.Tensor],
+    where: str,
+    manifest: dict[str, Any] | None = None,
+) -> dict:
+    """What `hpctrain export` writes beside a causal_lm model's weights: its shape and tokens."""
+    cfg = gpt_config_for(tree, weights, where, manifest)
+    data = tree.get("data") or {}
+    return {
+        "task": CAUSAL_LM,
+        "model": asdict(cfg),
+        "seq_len": int(data.get("seq_len") or 0),
+        "input": "token ids int64 [B, T] (T ≤ seq_len); output: logits [B, T, vocab_size]",
+        "rebuild": (
+            "from hpctrain.train.models.gpt import GPT, GPTConfig; "
+            "model = GPT(GPTConfig(**card['model']))"
+        ),
+    }
 
 
 def describe(tokenizer: dict[str, Any]) -> str:

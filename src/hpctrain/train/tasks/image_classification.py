@@ -29,9 +29,18 @@ from hpctrain.data.decode import SampleError
 from hpctrain.data.fieldnames import last_extension
 from hpctrain.data.index import ShardIndex
 from hpctrain.data.mixture_index import describe
-from hpctrain.train.models import build_classifier
-from hpctrain.train.task import Sample, masked_mean
-from hpctrain.train.tasks.vision import as_rgb, check_scale, find_field, image_field, normalize
+from hpctrain.train.classes import checkpoint_class_names
+from hpctrain.train.models import build_classifier, check_classifier_name
+from hpctrain.train.task import Sample, masked_mean, validation_line
+from hpctrain.train.tasks.vision import (
+    MEAN,
+    STD,
+    as_rgb,
+    check_scale,
+    find_field,
+    image_field,
+    normalize,
+)
 
 # Score histogram bins per class for mAP: the precision/recall curve is read at 100 score
 # thresholds (binned AP, as torchmetrics' `thresholds=`), so the sums have a fixed size
@@ -167,6 +176,19 @@ class ImageClassification:
         self.num_classes = num_classes
         self.class_names = tuple(index.class_names)
 
+    @staticmethod
+    def check_model_name(name: str, image_size: int | None = None) -> None:
+        """`small_cnn`, `vit_tiny` or a torchvision classifier (see `check_classifier_name`)."""
+        if name:
+            check_classifier_name(name, image_size)
+
+    @staticmethod
+    def model_card(
+        tree: dict[str, Any], weights: dict[str, torch.Tensor], manifest: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """See `classifier_card`."""
+        return classifier_card(tree, weights, manifest)
+
     def build_model(self) -> nn.Module:
         name = self.cfg.model.name or "small_cnn"
         return build_classifier(name, self.num_classes, self.cfg.model.image_size)
@@ -269,6 +291,70 @@ class ImageClassification:
             return summarize_multi_label(sums)
         count = max(1.0, float(sums["count"]))
         return {name: float(sums[name]) / count for name in ("loss", "accuracy", "top5")}
+
+    @staticmethod
+    def summary_line(record: dict[str, Any]) -> str:
+        """`validation accuracy: 93.75% (top-5 ..., loss ..., N samples)`; multi-label: every
+        metric (`validation_line`)."""
+        if "val_accuracy" not in record or "val_loss" not in record:
+            return validation_line(record)
+        top5 = f"top-5 {record['val_top5']:.2%}, " if "val_top5" in record else ""
+        return (
+            f"validation accuracy: {record['val_accuracy']:.2%} "
+            f"({top5}loss {record['val_loss']:.4f}, {record['val_samples']} samples)"
+        )
+
+
+def classifier_card(
+    tree: dict[str, Any], weights: dict[str, torch.Tensor], manifest: dict[str, Any]
+) -> dict[str, Any] | None:
+    """What rebuilds a built-in classification model for these weights, or None.
+
+    The number of classes is that of the weights (`model.num_classes: 0` took it from the
+    index); a model built from the card is checked to have exactly the weights' names and
+    shapes (None when it has not: a changed architecture).
+    """
+    model_cfg = tree.get("model") or {}
+    name = str(model_cfg.get("name") or "small_cnn")  # the task's default model
+    image_size = int(model_cfg.get("image_size", 64))
+    shapes = {key: tuple(value.shape) for key, value in weights.items()}
+
+    def built_shapes(num_classes: int) -> dict[str, tuple[int, ...]]:
+        with torch.device("meta"):  # shapes only: no memory, no initialisation cost
+            model = build_classifier(name, num_classes, image_size)
+        return {key: tuple(value.shape) for key, value in model.state_dict().items()}
+
+    # The classifier's output layer is what depends on the number of classes: build with one
+    # class and read the number from the weights where the shapes differ.
+    probe = built_shapes(1)
+    differing = [shapes[k][0] for k in shapes if k in probe and probe[k] != shapes[k]]
+    num_classes = differing[0] if differing else 1
+    if built_shapes(num_classes) != shapes:
+        return None
+    return {
+        "task": "image_classification",
+        "model": {
+            "name": name,
+            "num_classes": num_classes,
+            "image_size": image_size,
+            "channels_last": bool(model_cfg.get("channels_last", False)),
+        },
+        # the training index's, as the checkpoint stores them (empty: an older checkpoint)
+        "class_names": list(checkpoint_class_names(manifest)),
+        # logits: softmax over classes, or with multi_label a sigmoid per class
+        "multi_label": bool((tree.get("classification") or {}).get("multi_label", False)),
+        "input": {
+            "layout": "NCHW RGB, resized (short side) and center-cropped to image_size",
+            "scale": "uint8 values / 255",
+            "mean": list(MEAN),
+            "std": list(STD),
+        },
+        "versions": manifest.get("versions", {}),
+        "rebuild": (
+            "from hpctrain.train.models import build_classifier; "
+            "model = build_classifier(name, num_classes, image_size)"
+        ),
+    }
 
 
 def multi_label_sums(

@@ -31,7 +31,7 @@ from hpctrain.config import Config, ConfigError
 from hpctrain.data.decode import SampleError
 from hpctrain.data.fieldnames import is_image_field, is_target_field
 from hpctrain.data.index import ShardIndex
-from hpctrain.train.models import build_segmenter
+from hpctrain.train.models import build_segmenter, check_segmenter_name
 from hpctrain.train.task import Sample
 from hpctrain.train.tasks.vision import as_rgb, check_scale, find_field, image_field, normalize
 
@@ -188,6 +188,12 @@ class Segmentation:
             )
         self.num_classes = num_classes
         self.ignore_index = self.options.ignore_index
+
+    @staticmethod
+    def check_model_name(name: str, image_size: int | None = None) -> None:
+        """`unet` or a torchvision segmentation model (see `check_segmenter_name`)."""
+        if name:
+            check_segmenter_name(name)
 
     def build_model(self) -> nn.Module:
         return build_segmenter(self.cfg.model.name or "unet", self.num_classes)

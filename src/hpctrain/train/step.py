@@ -1,0 +1,123 @@
+"""One optimizer step of the Trainer (`train_step`): micro-batches, backward, clip, step.
+
+A part of `Trainer` (`train/trainer.py`), split out by job: it reads the Trainer's model,
+optimizer, scaler, EMA, scheduler, meter and counters, built in `Trainer.__init__`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from hpctrain.config import Config
+from hpctrain.dist import DistEnv
+from hpctrain.train.evaluation import to_device
+from hpctrain.train.metrics import IntervalMeter
+from hpctrain.train.parallel import no_gradient_sync
+from hpctrain.train.precision import Precision, TrainingPlan
+from hpctrain.train.task import Batch, Task
+
+
+class OptimizerStep:
+    """`Trainer.train_step` and the gradient norm it logs."""
+
+    cfg: Config
+    env: DistEnv
+    plan: TrainingPlan  # the mesh: data-parallel ranks and TP groups
+    device: torch.device
+    task: Task
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: Any  # torch.amp.GradScaler for fp16, else None
+    ema: Any  # hpctrain.train.ema.EMA, or None
+    precision: Precision
+    meter: IntervalMeter
+    state: Any  # hpctrain.train.checkpointing.TrainState
+    total_steps: int
+    lr: float
+    grad_norm: torch.Tensor
+    log_samples: Callable[[Batch], None]  # RunRecords'
+
+    def train_step(self, batches: Iterator[Batch]) -> None:
+        """One optimizer step over `grad_accum_steps` micro-batches."""
+        start = time.perf_counter()
+        accum = self.cfg.train.grad_accum_steps
+        data_wait, num_samples = 0.0, 0
+        loss_sum: torch.Tensor | float = 0.0
+        metric_sums: dict[str, torch.Tensor] = {}
+        # Here, not right after the optimizer step: freeing the gradients there costs ~5% of a
+        # resnet18 step on a CPU (glibc hands the freed heap back to the OS, and the next forward
+        # page-faults it in again; BENCHMARKS.md). `free_gradients` drops them before a save.
+        self.optimizer.zero_grad(set_to_none=True)
+        for micro in range(accum):
+            wait_start = time.perf_counter()
+            batch = next(batches)
+            data_wait += time.perf_counter() - wait_start
+            self.log_samples(batch)
+            num_samples += len(batch["key"])
+            batch = to_device(batch, self.device)
+            with no_gradient_sync(self.model, skip=micro < accum - 1):
+                with self.precision.autocast():
+                    loss, values = self.task.loss(self.model, batch)
+                scaled = loss / accum if accum > 1 else loss
+                if micro == accum - 1:  # up to the first gradient collective: the straggler check
+                    compute_time = time.perf_counter() - start - data_wait
+                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+            # Sums stay on the device: nothing waits for them until a log step.
+            detached = loss.detach().float()  # float(): a no-op unless a task returns bf16
+            loss_sum = detached if micro == 0 else loss_sum + detached
+            for name, value in values.items():
+                value = value.detach().float()
+                metric_sums[name] = value if micro == 0 else metric_sums[name] + value
+        self.clip_and_measure_gradients()
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        if self.ema is not None:
+            self.ema.update()
+        group = self.optimizer.param_groups[0]  # the rate this step used, of train.lr itself
+        self.lr = group["lr"] / group.get("lr_scale", 1.0)
+        self.scheduler.step()
+        self.state.step += 1
+        self.state.samples_seen += num_samples * self.plan.data_parallel_size
+        assert isinstance(loss_sum, torch.Tensor)
+        values = {"loss": loss_sum, **metric_sums}
+        if accum > 1:
+            values = {name: value / accum for name, value in values.items()}
+        self.meter.add(
+            samples=num_samples if self.env.rank % self.plan.tp == 0 else 0,  # a TP group's once
+            step_time=time.perf_counter() - start,
+            data_wait=data_wait,
+            values=values,
+            compute_time=compute_time,
+        )
+
+    def clip_and_measure_gradients(self) -> None:
+        """Clip to `train.grad_clip`, and keep the global gradient norm for the next log line.
+
+        Without clipping the norm is computed only before a logged step: it reads every
+        gradient once more (a few % of a small model's step on a CPU), for a number that is
+        only ever logged.
+        """
+        clip = self.cfg.train.grad_clip
+        if not clip and not self.is_log_step(self.state.step + 1):
+            return
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # the norm of the true gradients
+        if clip:
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        else:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads)
+        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor of the global norm
+            norm = norm.full_tensor()
+        self.grad_norm = norm.detach().float()
+
+    def is_log_step(self, step: int) -> bool:
+        return step % self.cfg.train.log_every == 0 or step == self.total_steps
