@@ -132,13 +132,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tokenizer",
         default="",
         metavar="bytes|PATH",
-        help="tokenize text: 'bytes' (built in) or a tokenizer.json file (never a hub name)",
+        help="tokenize text: 'bytes' (built in) or a tokenizer.json, sentencepiece *.model or "
+        "*.tiktoken file (never a hub name)",
     )
     text.add_argument(
         "--eod-token",
         default="",
         metavar="TOKEN",
-        help="end-of-document token of a tokenizer.json (default: <|endoftext|>, </s>, ...)",
+        help="end-of-document token of a tokenizer file (default: <|endoftext|>, </s>, ...; "
+        "the name of the one a tiktoken file gets)",
     )
     text.add_argument(
         "--text-field",

@@ -177,7 +177,7 @@ class DataConfig:
         "",
         "language models: the tokenizer the token shards must have been converted with, checked "
         "against the index before any work: '' takes the index's, 'bytes' the built-in one, or "
-        "the path of a tokenizer.json (compared by sha256)",
+        "the path of a tokenizer.json, sentencepiece *.model or *.tiktoken file (compared by sha256)",
     )
     samples_per_epoch: int = _f(
         0,

@@ -67,8 +67,8 @@ def index_tokenizer(index: ShardIndex, spec: str, key: str, configured: str) -> 
 
 
 def load_index_tokenizer(info: dict[str, Any], configured: str = "") -> Tokenizer:
-    """The tokenizer an index's `info` describes: `configured` ("bytes" or a tokenizer.json
-    path), else the spec it was converted with (its name), checked by sha256 when a file.
+    """The tokenizer an index's `info` describes: `configured` ("bytes" or a tokenizer
+    file), else the spec it was converted with (its name), checked by sha256 when a file.
 
     Raises:
         ConfigError: the file's sha256 is not the one the index records.
@@ -82,6 +82,8 @@ def load_index_tokenizer(info: dict[str, Any], configured: str = "") -> Tokenize
             f"tokenizer {spec}: sha256 {tokenizer.sha256[:12]} is not that of the file the "
             f"shards were converted with ({expected[:12]})"
         )
+    # The index's EOD (a convert --eod-token other than the default) is the one its text has.
+    tokenizer.eod_id = int(info.get("eod_id", tokenizer.eod_id))
     return tokenizer
 
 
