@@ -200,6 +200,13 @@ class DataConfig:
         "document, RoPE counting from the document's start (batch field `positions`); false: "
         "plain causal attention across the documents of a sequence",
     )
+    loss_mask: bool = _f(
+        True,
+        "with data.seq_len (causal_lm) and instruction data (token shards with a loss mask, "
+        "hpctrain convert --response-field/--messages-field): the loss and the evaluation "
+        "average over the masked targets only (batch field `loss_mask`); false: over every "
+        "token, the masks ignored (for comparison)",
+    )
 
     def train_paths(self) -> list[tuple[str, str]]:
         """(dotted key, path) of every training source: one, or each of a mixture's."""

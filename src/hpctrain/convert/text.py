@@ -50,7 +50,7 @@ from typing import Any
 import fsspec
 import numpy as np
 
-from hpctrain.convert import run
+from hpctrain.convert import instructions, run
 from hpctrain.convert.layout import DEFAULT_SHARD_SIZE, plan_fingerprint
 from hpctrain.convert.processes import process_pool
 from hpctrain.convert.progress import Progress
@@ -68,7 +68,14 @@ from hpctrain.data.index import (
 from hpctrain.data.index import redact_url as _redact
 from hpctrain.data.stream import ShardStream, iter_samples
 from hpctrain.data.tokenizer import Tokenizer, check_tokenizer, load_tokenizer
-from hpctrain.data.tokens import TOKEN_FIELDS, decode_tokens, encode_tokens, token_field
+from hpctrain.data.tokens import (
+    LOSS_MASK_FIELD,
+    TOKEN_FIELDS,
+    decode_tokens,
+    encode_loss_mask,
+    encode_tokens,
+    token_field,
+)
 
 # Work per tokenize task: large enough that a task's overhead is small, small enough that
 # several tasks keep every worker busy and a task's spool stays modest.
@@ -128,6 +135,7 @@ class _Job:
     dtype: str  # numpy dtype of the spool (the field's)
     vocab_size: int
     eod_id: int
+    records: instructions.RecordFormat | None = None  # instruction data: ids with a loss mask
 
 
 @dataclass(frozen=True)
@@ -137,6 +145,7 @@ class _ChunkResult:
     lengths: np.ndarray  # ids of each document, its EOD included
     errors: tuple[tuple[str, str], ...]  # (where, reason) of each bad document, in order
     digest: str  # sha256 of the ids and lengths: the plan fingerprint of `--resume`
+    targets: np.ndarray | None = None  # instruction data: each document's target tokens
 
 
 _TOKENIZERS: dict[tuple[str, str], Tokenizer] = {}
@@ -231,6 +240,7 @@ def _shard_documents(url: str, job: _Job) -> Iterator[tuple[str, np.ndarray | No
 def tokenize_chunk(chunk: _Chunk, job: _Job) -> _ChunkResult:
     """Tokenize one chunk into the spool (what a worker runs; depends only on its arguments)."""
     pieces: list[np.ndarray] = []
+    masks: list[np.ndarray] = []  # instruction data: each piece's loss mask
     errors: list[tuple[str, str]] = []
 
     def add_text(where: str, text: str | None, error: str) -> None:
@@ -257,18 +267,33 @@ def tokenize_chunk(chunk: _Chunk, job: _Job) -> _ChunkResult:
         for where, text, error in _file_documents(url, job.per_line):
             add_text(where, text, error)
     for where, value in chunk.records:
+        if job.records is not None:
+            try:
+                ids, mask = instructions.jsonl_document(value, job.records, _tokenizer(job))
+            except instructions.RecordError as exc:
+                errors.append((where, str(exc)))
+                continue
+            pieces.append(ids)
+            masks.append(mask)
+            continue
         text, error = _record_text(where, value, job, chunk.jsonl)
         add_text(where, text, error)
     lengths = np.array([p.size for p in pieces], dtype=np.int64)
     ids = np.concatenate(pieces).astype(job.dtype) if pieces else np.zeros(0, job.dtype)
+    mask = np.concatenate(masks) if masks else np.zeros(0, dtype=bool)
     digest = hashlib.sha256(ids.tobytes())
     digest.update(lengths.tobytes())
     digest.update(json.dumps(errors).encode())
+    if job.records is not None:
+        digest.update(np.packbits(mask).tobytes())
     spool = ""
     if ids.size:
         spool = os.path.join(job.spool_dir, f"chunk-{chunk.number:08d}.bin")
         ids.tofile(spool)
-    return _ChunkResult(chunk.number, spool, lengths, tuple(errors), digest.hexdigest())
+        if job.records is not None:
+            mask.astype(np.uint8).tofile(spool + ".mask")  # the same layout, a byte per id
+    targets = np.array([m.sum() for m in masks], dtype=np.int64) if job.records else None
+    return _ChunkResult(chunk.number, spool, lengths, tuple(errors), digest.hexdigest(), targets)
 
 
 def _text_files(src: str, pattern: str) -> list[tuple[str, int]]:
@@ -422,6 +447,7 @@ class _Documents:
     chunk: np.ndarray  # document -> chunk
     start: np.ndarray  # document -> first id in its chunk's spool
     length: np.ndarray  # document -> ids, its EOD included
+    targets: np.ndarray | None = None  # instruction data: document -> target tokens
 
 
 def _pack(lengths: np.ndarray, sample_tokens: int) -> list[tuple[int, int]]:
@@ -443,6 +469,7 @@ class _ShardPlan:
     url: str
     samples: tuple[tuple[str, np.ndarray], ...]  # (key, document numbers)
     num_tokens: int
+    num_targets: int | None = None  # instruction data: tokens the loss mask marks
 
 
 def _shards(
@@ -462,13 +489,18 @@ def _shards(
 
     def close() -> None:
         url = run._join(folder, f"{prefix}-{len(shards):06d}.tar")
-        shards.append(_ShardPlan(url, tuple(current), tokens))
+        targets = None
+        if docs.targets is not None:
+            targets = sum(int(docs.targets[members].sum()) for _, members in current)
+        shards.append(_ShardPlan(url, tuple(current), tokens, targets))
 
     for position, (first, end) in enumerate(packed):
         key = sample_key(position)
         members = order[first:end]
         n = int(docs.length[members].sum())
         nbytes = member_num_bytes(f"{key}.{field}", n * itemsize)
+        if docs.targets is not None:
+            nbytes += member_num_bytes(f"{key}.{LOSS_MASK_FIELD}", (n + 7) // 8)
         full = (
             len(current) >= options.samples_per_shard
             if options.samples_per_shard is not None
@@ -489,15 +521,24 @@ class _SpoolReader:
     def __init__(self, docs: _Documents, dtype: str) -> None:
         self.docs = docs
         self.maps = [np.memmap(s, dtype=dtype, mode="r") if s else None for s in docs.spools]
+        self.masks = []
+        if docs.targets is not None:
+            self.masks = [
+                np.memmap(s + ".mask", np.uint8, mode="r") if s else None for s in docs.spools
+            ]
 
-    def ids(self, members: np.ndarray) -> np.ndarray:
+    def ids(self, members: np.ndarray, maps: list[np.memmap | None] | None = None) -> np.ndarray:
         parts = []
         for d in members.tolist():
-            spool = self.maps[self.docs.chunk[d]]
+            spool = (self.maps if maps is None else maps)[self.docs.chunk[d]]
             assert spool is not None  # a chunk with documents has a spool
             start = int(self.docs.start[d])
             parts.append(spool[start : start + int(self.docs.length[d])])
         return np.concatenate(parts)
+
+    def mask(self, members: np.ndarray) -> np.ndarray:
+        """The documents' loss mask (instruction data), aligned with `ids`."""
+        return self.ids(members, self.masks).astype(bool)
 
 
 def _write(plan: _ShardPlan, reader: _SpoolReader, field: str) -> ShardResult:
@@ -505,6 +546,8 @@ def _write(plan: _ShardPlan, reader: _SpoolReader, field: str) -> ShardResult:
     try:
         writer = ShardTarWriter(output.file)
         for key, members in plan.samples:
+            if reader.masks:  # before the ids: a reader knows the mask when they come
+                writer.add(f"{key}.{LOSS_MASK_FIELD}", encode_loss_mask(reader.mask(members)))
             writer.add(f"{key}.{field}", encode_tokens(reader.ids(members), field))
         sha256 = writer.finish()
         output.commit()
@@ -563,6 +606,22 @@ def convert_text(
         info = check_tokenizer(index, options.tokenizer, _redact(options.src), "--tokenizer")
     else:
         info = load_tokenizer(options.tokenizer, options.eod_token).info()
+    if index is not None and index.num_targets is not None:
+        raise ConvertOptionError(
+            f"{_redact(options.src)}: re-packing token shards with a loss mask is not "
+            "supported; convert the instruction data again"
+        )
+    try:
+        records = instructions.record_format(
+            options.prompt_field, options.response_field, options.messages_field, options.tokenizer
+        )
+    except ValueError as exc:
+        raise ConvertOptionError(str(exc)) from None
+    if records is not None and not options.src.split("?", 1)[0].lower().endswith(".jsonl"):
+        raise ConvertOptionError(
+            f"{_redact(options.src)}: --prompt-field, --response-field and --messages-field "
+            "read .jsonl records"
+        )
     field = token_field(info["vocab_size"])
     job = _Job(
         options.tokenizer,
@@ -573,6 +632,7 @@ def convert_text(
         TOKEN_FIELDS[field].str,
         info["vocab_size"],
         info["eod_id"],
+        records,
     )
     docs, skipped, digests = _tokenize(options, index, job)
     splits = ["train", "val"] if options.val_fraction > 0 else [""]
@@ -590,6 +650,7 @@ def convert_text(
         "text_field": options.text_field,
         "text_glob": options.text_glob,
         "text_per_line": options.text_per_line,
+        **(records.settings() if records is not None else {}),
     }
     fingerprint = plan_fingerprint({}, {**settings, "chunks": digests})
     tasks = {
@@ -617,7 +678,7 @@ def _tokenize(
 ) -> tuple[_Documents, list[tuple[str, str]], list[str]]:
     """Step 1: every chunk tokenized; under `--on-error fail` the first bad document stops."""
     spools: list[str] = []
-    chunk_of, starts, lengths = [], [], []
+    chunk_of, starts, lengths, targets = [], [], [], []
     skipped: list[tuple[str, str]] = []
     digests = []
     chunks: Iterable[_Chunk] = _chunks(options, index)
@@ -648,6 +709,8 @@ def _tokenize(
             chunk_of.append(np.full(result.lengths.size, len(spools), dtype=np.int64))
             starts.append(np.concatenate(([0], np.cumsum(result.lengths)[:-1])).astype(np.int64))
             lengths.append(result.lengths)
+            if result.targets is not None:
+                targets.append(result.targets)
             spools.append(result.spool)
             progress.update(result.lengths.size + len(result.errors), int(result.lengths.sum()))
     finally:
@@ -655,7 +718,11 @@ def _tokenize(
     if not lengths or not sum(x.size for x in lengths):
         raise ConvertError(f"{_redact(options.src)}: no documents")
     docs = _Documents(
-        spools, np.concatenate(chunk_of), np.concatenate(starts), np.concatenate(lengths)
+        spools,
+        np.concatenate(chunk_of),
+        np.concatenate(starts),
+        np.concatenate(lengths),
+        np.concatenate(targets) if job.records is not None else None,
     )
     return docs, skipped, digests
 
@@ -714,6 +781,7 @@ def _commit(
                 num_bytes=results[p.url].num_bytes,
                 sha256=results[p.url].sha256,
                 num_tokens=p.num_tokens,
+                num_targets=p.num_targets,
             )
             for p in split_plans
         )

@@ -91,12 +91,14 @@ class Tokenizer:
         sha256: str = "",
         backend: Any = None,
         kind: str = BYTES,
+        specials: dict[str, int] | None = None,
     ) -> None:
         self.name = name
         self.vocab_size = vocab_size
         self.eod_id = eod_id
         self.sha256 = sha256
         self.kind = kind
+        self.specials = dict(specials or {})  # special token text -> id (encode_template)
         # encode(text) -> ids and decode(ids) -> text, specials left out; None for bytes
         self._backend = backend
 
@@ -111,6 +113,20 @@ class Tokenizer:
             return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
         text.encode("utf-8")  # the byte tokenizer's check: lone surrogates are not text
         return np.asarray(self._backend.encode(text), dtype=np.int64)
+
+    def encode_template(self, text: str) -> np.ndarray:
+        """The int64 ids of text a chat template wrote: the texts of the special tokens in it
+        become their ids (in a document's own text they are ordinary text, see `encode`)."""
+        if not self.specials:
+            return self.encode_array(text)
+        names = sorted(self.specials, key=len, reverse=True)  # the longest match first
+        parts = re.split("(" + "|".join(map(re.escape, names)) + ")", text)
+        ids = [
+            np.array([self.specials[part]], dtype=np.int64) if i % 2 else self.encode_array(part)
+            for i, part in enumerate(parts)
+            if part
+        ]
+        return np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
 
     def decode(self, ids: list[int] | np.ndarray) -> str:
         """The text of `ids`, special ids (EOD) left out; bytes that are not UTF-8 become U+FFFD.
@@ -225,7 +241,9 @@ def _load_json(spec: str, eod_token: str) -> Tokenizer:
     # written must all lie below vocab_size, which also picks tokens.u16 or tokens.u32.
     ids = [*hf.get_vocab(with_added_tokens=True).values(), *added]
     vocab_size = max(int(hf.get_vocab_size(with_added_tokens=True)), max(ids, default=-1) + 1)
-    return Tokenizer(spec, vocab_size, int(eod_id), file_sha256(spec), _HFBackend(hf), JSON)
+    return Tokenizer(
+        spec, vocab_size, int(eod_id), file_sha256(spec), _HFBackend(hf), JSON, specials
+    )
 
 
 def _first_candidate(spec: str, specials: dict[str, int]) -> int:
@@ -273,9 +291,8 @@ def _load_sentencepiece(spec: str, eod_token: str) -> Tokenizer:
         eod_id = int(sp.eos_id())
     else:
         eod_id = _first_candidate(spec, controls)
-    return Tokenizer(
-        spec, size, eod_id, file_sha256(spec), _SentencePieceBackend(sp), SENTENCEPIECE
-    )
+    backend = _SentencePieceBackend(sp)
+    return Tokenizer(spec, size, eod_id, file_sha256(spec), backend, SENTENCEPIECE, controls)
 
 
 class _TiktokenBackend:
@@ -332,9 +349,9 @@ def _load_tiktoken(spec: str, eod_token: str) -> Tokenizer:
         )
     except Exception as exc:  # ValueError, or the Rust side's own
         raise TokenizerError(f"{spec}: not a usable tiktoken BPE file: {exc}") from None
-    return Tokenizer(
-        spec, eod_id + 1, eod_id, file_sha256(spec), _TiktokenBackend(encoding, eod_id), TIKTOKEN
-    )
+    backend = _TiktokenBackend(encoding, eod_id)
+    specials = {eod_token or TIKTOKEN_EOD: eod_id}
+    return Tokenizer(spec, eod_id + 1, eod_id, file_sha256(spec), backend, TIKTOKEN, specials)
 
 
 def _describe(info: dict[str, Any]) -> str:
