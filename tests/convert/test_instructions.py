@@ -3,6 +3,7 @@ document per record with a loss mask stored beside the ids, counted and verified
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tarfile
 from pathlib import Path
@@ -77,6 +78,10 @@ def test_prompt_response_masks_the_responses_and_their_eod(tmp_path: Path) -> No
     assert texts == [r["prompt"] + r["response"] for r in rows]  # one document per record
     assert "--prompt-field prompt --response-field response" in index.command
     assert index.extra["prompt_field"] == "prompt"
+
+    # worker processes write the same bytes
+    two = convert(dataclasses.replace(options, dest=str(tmp_path / "two"), workers=2))
+    assert [s.sha256 for s in two.indexes[""].shards] == [s.sha256 for s in index.shards]
 
     report = inspect_dataset(str(dest), verify=True)[0]
     assert not report.errors and report.num_targets == num_targets
