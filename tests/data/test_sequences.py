@@ -82,9 +82,9 @@ def test_shard_sequences_joined_are_its_documents_minus_the_tail(tokens):
         count = num_sequences(len(stream), SEQ_LEN)
         with open_shard(str(root / f"train-{shard:06d}.tar")) as f:
             got = list(iter_sequences(f, range(count), SEQ_LEN, VOCAB, "s"))
-        assert [i for i, _k, _w, _p in got] == list(range(count))
-        assert all(w.dtype == np.int64 and len(w) == SEQ_LEN + 1 for _i, _k, w, _p in got)
-        joined = [t for i, _k, w, _p in got for t in (w if i == 0 else w[1:]).tolist()]
+        assert [i for i, _k, _w, _p, _m in got] == list(range(count))
+        assert all(w.dtype == np.int64 and len(w) == SEQ_LEN + 1 for _i, _k, w, _p, _m in got)
+        joined = [t for i, _k, w, _p, _m in got for t in (w if i == 0 else w[1:]).tolist()]
         assert joined == stream[: len(stream) - dropped_tokens(len(stream), SEQ_LEN)]
         assert (count == 0) == (len(stream) <= SEQ_LEN)
 
@@ -98,8 +98,8 @@ def test_scattered_sequences_are_read_in_one_pass_skipping_unread_samples(tmp_pa
     stats = ReadStats()
     with open_shard(str(tmp_path / "train-000000.tar"), stats=stats) as f:
         got = list(iter_sequences(f, wanted, SEQ_LEN, VOCAB, "train-000000"))
-    assert [k for _i, k, _w, _p in got] == [f"train-000000/{i}" for i in wanted]
-    for i, _k, w, _p in got:
+    assert [k for _i, k, _w, _p, _m in got] == [f"train-000000/{i}" for i in wanted]
+    for i, _k, w, _p, _m in got:
         assert w.tolist() == stream[i * SEQ_LEN : i * SEQ_LEN + SEQ_LEN + 1]
     assert stats.bytes_skipped > 0  # samples between the windows were never read
 
@@ -132,8 +132,8 @@ def test_any_wanted_subset_reads_the_windows_of_the_stream(sample_lengths, seq_l
         wanted = sorted(pick.sample(range(count), pick.randint(0, count)))
         with open_shard(str(path)) as f:
             got = list(iter_sequences(f, wanted, seq_len, 5, "s", eod_id=0))
-    assert [i for i, _k, _w, _p in got] == wanted
-    for i, _k, w, p in got:
+    assert [i for i, _k, _w, _p, _m in got] == wanted
+    for i, _k, w, p, _m in got:
         assert w.tolist() == stream[i * seq_len : i * seq_len + seq_len + 1]
         assert p.tolist() == expected[i * seq_len : i * seq_len + seq_len + 1]
 

@@ -23,6 +23,7 @@ examples:
   hpctrain convert hf_saved/ data/shards --column image=img.jpg --column label=cls
   hpctrain convert corpus/ data/tokens --tokenizer bytes --text-glob '*.py' --val-fraction 0.01
   hpctrain convert docs.jsonl data/tokens --tokenizer tokenizer.json --text-field content
+  hpctrain convert sft.jsonl data/sft --tokenizer tok/tokenizer.json --messages-field messages
 
 SRC is a folder SRC/<class>/<image> (classes sorted -> labels); a .csv/.jsonl manifest (every
 column a member: path/label, file columns like mask.png, cls/txt/json, the rest gathered into
@@ -134,13 +135,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tokenizer",
         default="",
         metavar="bytes|PATH",
-        help="tokenize text: 'bytes' (built in) or a tokenizer.json file (never a hub name)",
+        help="tokenize text: 'bytes' (built in) or a tokenizer.json, sentencepiece *.model or "
+        "*.tiktoken file (never a hub name)",
     )
     text.add_argument(
         "--eod-token",
         default="",
         metavar="TOKEN",
-        help="end-of-document token of a tokenizer.json (default: <|endoftext|>, </s>, ...)",
+        help="end-of-document token of a tokenizer file (default: <|endoftext|>, </s>, ...; "
+        "the name of the one a tiktoken file gets)",
     )
     text.add_argument(
         "--text-field",
@@ -165,6 +168,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=8192,
         metavar="N",
         help="pack whole documents into samples of at most N ids (default 8192)",
+    )
+    text.add_argument(
+        "--prompt-field",
+        default="",
+        metavar="NAME",
+        help=".jsonl instruction data: the prompt of each record (with --response-field)",
+    )
+    text.add_argument(
+        "--response-field",
+        default="",
+        metavar="NAME",
+        help=".jsonl instruction data: the response, the tokens the loss learns (with the EOD)",
+    )
+    text.add_argument(
+        "--messages-field",
+        default="",
+        metavar="NAME",
+        help=".jsonl chat data: [{role, content}, ...] rendered with the tokenizer folder's "
+        "chat_template; the assistant turns are what the loss learns",
     )
 
 
@@ -206,6 +228,9 @@ def run(args: argparse.Namespace) -> int:
         text_glob=args.text_glob,
         text_per_line=args.text_per_line,
         sample_tokens=args.sample_tokens,
+        prompt_field=args.prompt_field,
+        response_field=args.response_field,
+        messages_field=args.messages_field,
     )
     print(result_summary(convert(options)))  # ConvertError/ShardIndexError: data errors (3)
     return 0

@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tokenizer",
         default="",
-        help="bytes or a tokenizer.json (default: the run's data.tokenizer, else its index's)",
+        help="bytes or a tokenizer file (default: the run's data.tokenizer, else its index's)",
     )
     parser.add_argument(
         "--device",

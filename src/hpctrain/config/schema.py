@@ -184,7 +184,7 @@ class DataConfig:
         "",
         "language models: the tokenizer the token shards must have been converted with, checked "
         "against the index before any work: '' takes the index's, 'bytes' the built-in one, or "
-        "the path of a tokenizer.json (compared by sha256)",
+        "the path of a tokenizer.json, sentencepiece *.model or *.tiktoken file (compared by sha256)",
     )
     samples_per_epoch: int = _f(
         0,
@@ -206,6 +206,13 @@ class DataConfig:
         "with data.seq_len (causal_lm): a token attends only to the earlier tokens of its own "
         "document, RoPE counting from the document's start (batch field `positions`); false: "
         "plain causal attention across the documents of a sequence",
+    )
+    loss_mask: bool = _f(
+        True,
+        "with data.seq_len (causal_lm) and instruction data (token shards with a loss mask, "
+        "hpctrain convert --response-field/--messages-field): the loss and the evaluation "
+        "average over the masked targets only (batch field `loss_mask`); false: over every "
+        "token, the masks ignored (for comparison)",
     )
 
     def train_paths(self) -> list[tuple[str, str]]:

@@ -47,6 +47,10 @@ class ConvertOptions:
     text_glob: str = "*.txt"
     text_per_line: bool = False
     sample_tokens: int = 8192
+    # Instruction data (`hpctrain.convert.instructions`): JSONL records with a loss mask.
+    prompt_field: str = ""
+    response_field: str = ""
+    messages_field: str = ""
 
 
 @dataclass
@@ -109,6 +113,9 @@ def command_line(options: ConvertOptions) -> str:
         "text_field",
         "text_glob",
         "sample_tokens",
+        "prompt_field",
+        "response_field",
+        "messages_field",
     ):
         value = getattr(options, name)
         if value != getattr(defaults, name):
@@ -158,7 +165,16 @@ _OPTION_KINDS = {
     "columns": ("arrow",),
     "args": ("python",),
 }
-_TEXT_OPTIONS = ("eod_token", "text_field", "text_glob", "text_per_line", "sample_tokens")
+_TEXT_OPTIONS = (
+    "eod_token",
+    "text_field",
+    "text_glob",
+    "text_per_line",
+    "sample_tokens",
+    "prompt_field",
+    "response_field",
+    "messages_field",
+)
 
 
 def flag_of(name: str) -> str:

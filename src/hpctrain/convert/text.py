@@ -31,7 +31,7 @@ from typing import Any
 import fsspec
 import numpy as np
 
-from hpctrain.convert import destination
+from hpctrain.convert import destination, instructions
 from hpctrain.convert.destination import Layout
 from hpctrain.convert.errors import ConvertError, ConvertOptionError
 from hpctrain.convert.layout import DEFAULT_SHARD_SIZE, plan_fingerprint
@@ -47,7 +47,13 @@ from hpctrain.data.index import (
 )
 from hpctrain.data.index import redact_url as _redact
 from hpctrain.data.tokenizer import check_tokenizer, load_tokenizer
-from hpctrain.data.tokens import TOKEN_FIELDS, encode_tokens, token_field
+from hpctrain.data.tokens import (
+    LOSS_MASK_FIELD,
+    TOKEN_FIELDS,
+    encode_loss_mask,
+    encode_tokens,
+    token_field,
+)
 
 
 def is_text_conversion(options: ConvertOptions) -> bool:
@@ -77,6 +83,7 @@ class _ShardPlan:
     url: str
     samples: tuple[tuple[str, np.ndarray], ...]  # (key, document numbers)
     num_tokens: int
+    num_targets: int | None = None  # instruction data: tokens the loss mask marks
 
 
 def _shards(
@@ -96,13 +103,18 @@ def _shards(
 
     def close() -> None:
         url = destination.shard_url(layout, split, len(shards))
-        shards.append(_ShardPlan(url, tuple(current), tokens))
+        targets = None
+        if docs.targets is not None:
+            targets = sum(int(docs.targets[members].sum()) for _, members in current)
+        shards.append(_ShardPlan(url, tuple(current), tokens, targets))
 
     for position, (first, end) in enumerate(packed):
         key = sample_key(position)
         members = order[first:end]
         n = int(docs.length[members].sum())
         nbytes = member_num_bytes(f"{key}.{field}", n * itemsize)
+        if docs.targets is not None:
+            nbytes += member_num_bytes(f"{key}.{LOSS_MASK_FIELD}", (n + 7) // 8)
         full = (
             len(current) >= options.samples_per_shard
             if options.samples_per_shard is not None
@@ -123,15 +135,24 @@ class _SpoolReader:
     def __init__(self, docs: Documents, dtype: str) -> None:
         self.docs = docs
         self.maps = [np.memmap(s, dtype=dtype, mode="r") if s else None for s in docs.spools]
+        self.masks: list[np.memmap | None] = []
+        if docs.targets is not None:
+            self.masks = [
+                np.memmap(s + ".mask", np.uint8, mode="r") if s else None for s in docs.spools
+            ]
 
-    def ids(self, members: np.ndarray) -> np.ndarray:
+    def ids(self, members: np.ndarray, maps: list[np.memmap | None] | None = None) -> np.ndarray:
         parts = []
         for d in members.tolist():
-            spool = self.maps[self.docs.chunk[d]]
+            spool = (self.maps if maps is None else maps)[self.docs.chunk[d]]
             assert spool is not None  # a chunk with documents has a spool
             start = int(self.docs.start[d])
             parts.append(spool[start : start + int(self.docs.length[d])])
         return np.concatenate(parts)
+
+    def mask(self, members: np.ndarray) -> np.ndarray:
+        """The documents' loss mask (instruction data), aligned with `ids`."""
+        return self.ids(members, self.masks).astype(bool)
 
 
 def _write(plan: _ShardPlan, reader: _SpoolReader, field: str) -> ShardResult:
@@ -139,6 +160,8 @@ def _write(plan: _ShardPlan, reader: _SpoolReader, field: str) -> ShardResult:
     try:
         writer = ShardTarWriter(output.file)
         for key, members in plan.samples:
+            if reader.masks:  # before the ids: a reader knows the mask when they come
+                writer.add(f"{key}.{LOSS_MASK_FIELD}", encode_loss_mask(reader.mask(members)))
             writer.add(f"{key}.{field}", encode_tokens(reader.ids(members), field))
         sha256 = writer.finish()
         output.commit()
@@ -195,6 +218,22 @@ def convert_text(options: ConvertOptions, spool_dir: str, layout: Layout) -> Con
         info = check_tokenizer(index, options.tokenizer, _redact(options.src), "--tokenizer")
     else:
         info = load_tokenizer(options.tokenizer, options.eod_token).info()
+    if index is not None and index.num_targets is not None:
+        raise ConvertOptionError(
+            f"{_redact(options.src)}: re-packing token shards with a loss mask is not "
+            "supported; convert the instruction data again"
+        )
+    try:
+        records = instructions.record_format(
+            options.prompt_field, options.response_field, options.messages_field, options.tokenizer
+        )
+    except ValueError as exc:
+        raise ConvertOptionError(str(exc)) from None
+    if records is not None and not options.src.split("?", 1)[0].lower().endswith(".jsonl"):
+        raise ConvertOptionError(
+            f"{_redact(options.src)}: --prompt-field, --response-field and --messages-field "
+            "read .jsonl records"
+        )
     field = token_field(info["vocab_size"])
     job = TokenizeJob(
         options.tokenizer,
@@ -205,6 +244,7 @@ def convert_text(options: ConvertOptions, spool_dir: str, layout: Layout) -> Con
         TOKEN_FIELDS[field].str,
         info["vocab_size"],
         info["eod_id"],
+        records,
     )
     docs, skipped, digests = tokenize_source(options, index, job)
     orders = _split_and_order(options, len(docs.length))
@@ -220,6 +260,7 @@ def convert_text(options: ConvertOptions, spool_dir: str, layout: Layout) -> Con
         "text_field": options.text_field,
         "text_glob": options.text_glob,
         "text_per_line": options.text_per_line,
+        **(records.settings() if records is not None else {}),
     }
     fingerprint = plan_fingerprint({}, {**output_settings, "chunks": digests})
     shard_urls = {split: [p.url for p in shard_plans] for split, shard_plans in plans.items()}
@@ -284,6 +325,7 @@ def _indexes(
                 num_bytes=results[p.url].num_bytes,
                 sha256=results[p.url].sha256,
                 num_tokens=p.num_tokens,
+                num_targets=p.num_targets,
             )
             for p in split_plans
         )

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hpctrain.convert import instructions
 from hpctrain.convert.errors import ConvertError
 from hpctrain.convert.options import ConvertOptions
 from hpctrain.convert.processes import process_pool
@@ -43,6 +44,7 @@ class TokenizeJob:
     dtype: str  # numpy dtype of the spool (the field's)
     vocab_size: int
     eod_id: int
+    records: instructions.RecordFormat | None = None  # instruction data: ids with a loss mask
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,7 @@ class ChunkResult:
     lengths: np.ndarray  # ids of each document, its EOD included
     errors: tuple[tuple[str, str], ...]  # (where, reason) of each bad document, in order
     digest: str  # sha256 of the ids and lengths: the plan fingerprint of `--resume`
+    targets: np.ndarray | None = None  # instruction data: each document's target tokens
 
 
 _TOKENIZERS: dict[tuple[str, str], Tokenizer] = {}
@@ -67,6 +70,7 @@ def _tokenizer(job: TokenizeJob) -> Tokenizer:
 def tokenize_chunk(chunk: Chunk, job: TokenizeJob) -> ChunkResult:
     """Tokenize one chunk into the spool (what a worker runs; depends only on its arguments)."""
     pieces: list[np.ndarray] = []
+    masks: list[np.ndarray] = []  # instruction data: each piece's loss mask
     errors: list[tuple[str, str]] = []
 
     def add_text(where: str, text: str | None, error: str) -> None:
@@ -93,18 +97,33 @@ def tokenize_chunk(chunk: Chunk, job: TokenizeJob) -> ChunkResult:
         for where, text, error in file_documents(url, job.per_line):
             add_text(where, text, error)
     for where, value in chunk.records:
+        if job.records is not None:
+            try:
+                ids, mask = instructions.jsonl_document(value, job.records, _tokenizer(job))
+            except instructions.RecordError as exc:
+                errors.append((where, str(exc)))
+                continue
+            pieces.append(ids)
+            masks.append(mask)
+            continue
         text, error = record_text(where, value, job.text_field, chunk.jsonl)
         add_text(where, text, error)
     lengths = np.array([p.size for p in pieces], dtype=np.int64)
     ids = np.concatenate(pieces).astype(job.dtype) if pieces else np.zeros(0, job.dtype)
+    mask = np.concatenate(masks) if masks else np.zeros(0, dtype=bool)
     digest = hashlib.sha256(ids.tobytes())
     digest.update(lengths.tobytes())
     digest.update(json.dumps(errors).encode())
+    if job.records is not None:
+        digest.update(np.packbits(mask).tobytes())
     spool = ""
     if ids.size:
         spool = os.path.join(job.spool_dir, f"chunk-{chunk.number:08d}.bin")
         ids.tofile(spool)
-    return ChunkResult(chunk.number, spool, lengths, tuple(errors), digest.hexdigest())
+        if job.records is not None:
+            mask.astype(np.uint8).tofile(spool + ".mask")  # the same layout, a byte per id
+    targets = np.array([m.sum() for m in masks], dtype=np.int64) if job.records else None
+    return ChunkResult(chunk.number, spool, lengths, tuple(errors), digest.hexdigest(), targets)
 
 
 def _ordered_map(
@@ -134,6 +153,7 @@ class Documents:
     chunk: np.ndarray  # document -> chunk
     start: np.ndarray  # document -> first id in its chunk's spool
     length: np.ndarray  # document -> ids, its EOD included
+    targets: np.ndarray | None = None  # instruction data: document -> target tokens
 
 
 def tokenize_source(
@@ -141,7 +161,7 @@ def tokenize_source(
 ) -> tuple[Documents, list[tuple[str, str]], list[str]]:
     """Step 1: every chunk tokenized; under `--on-error fail` the first bad document stops."""
     spools: list[str] = []
-    chunk_of, starts, lengths = [], [], []
+    chunk_of, starts, lengths, targets = [], [], [], []
     skipped: list[tuple[str, str]] = []
     digests = []
     chunks: Iterable[Chunk] = document_chunks(
@@ -178,6 +198,8 @@ def tokenize_source(
             chunk_of.append(np.full(result.lengths.size, len(spools), dtype=np.int64))
             starts.append(np.concatenate(([0], np.cumsum(result.lengths)[:-1])).astype(np.int64))
             lengths.append(result.lengths)
+            if result.targets is not None:
+                targets.append(result.targets)
             spools.append(result.spool)
             progress.update(result.lengths.size + len(result.errors), int(result.lengths.sum()))
     finally:
@@ -185,6 +207,10 @@ def tokenize_source(
     if not lengths or not sum(x.size for x in lengths):
         raise ConvertError(f"{_redact(options.src)}: no documents")
     docs = Documents(
-        spools, np.concatenate(chunk_of), np.concatenate(starts), np.concatenate(lengths)
+        spools,
+        np.concatenate(chunk_of),
+        np.concatenate(starts),
+        np.concatenate(lengths),
+        np.concatenate(targets) if job.records is not None else None,
     )
     return docs, skipped, digests

@@ -22,7 +22,7 @@ from hpctrain.convert.sources.shards import shard_urls
 from hpctrain.data.index import INDEX_NAME, ShardIndex, read_index, redact_url
 from hpctrain.data.stream import ShardStream, pipe_label
 from hpctrain.data.tar import iter_samples
-from hpctrain.data.tokens import TOKEN_FIELDS, decode_tokens
+from hpctrain.data.tokens import LOSS_MASK_FIELD, TOKEN_FIELDS, decode_loss_mask, decode_tokens
 from hpctrain.errors import DataError
 
 
@@ -44,6 +44,9 @@ class ShardReport:
     expected_tokens: int | None = None
     num_tokens: int = 0
     tokenizer: dict[str, Any] | None = None
+    # instruction data: every sample's loss mask fits its ids; targets counted
+    expected_targets: int | None = None
+    num_targets: int = 0
 
 
 @dataclass
@@ -69,6 +72,10 @@ class DatasetReport:
         return sum(s.num_tokens for s in self.shards)
 
     @property
+    def num_targets(self) -> int:
+        return sum(s.num_targets for s in self.shards)
+
+    @property
     def num_bytes(self) -> int:
         return sum(s.num_bytes for s in self.shards)
 
@@ -82,7 +89,11 @@ class DatasetReport:
             "num_bytes": self.num_bytes,
             "num_shards": len(self.shards),
             **(
-                {"num_tokens": self.num_tokens, "tokenizer": self.tokenizer}
+                {
+                    "num_tokens": self.num_tokens,
+                    "num_targets": self.num_targets,
+                    "tokenizer": self.tokenizer,
+                }
                 if self.tokenizer
                 else {}
             ),
@@ -224,7 +235,7 @@ def _check_sample(
     """Decode the fields (`verify`: all of them, with the loader's decoders; else only `cls`)."""
     for name in members:
         if name in TOKEN_FIELDS:
-            _check_tokens(shown, key, name, members[name], report)
+            _check_tokens(shown, key, name, members, report)
     label: Any = None
     if verify:
         from hpctrain.data.decode import SampleError, decode_sample
@@ -250,14 +261,25 @@ def _check_sample(
     report.class_histogram[label] += 1
 
 
-def _check_tokens(shown: str, key: str, name: str, data: bytes, report: ShardReport) -> None:
-    """Count a token member's ids; with the index's tokenizer, check their range and the EOD."""
+def _check_tokens(
+    shown: str, key: str, name: str, members: dict[str, bytes], report: ShardReport
+) -> None:
+    """Count a token member's ids and its loss mask's targets; with the index's tokenizer,
+    check their range and the EOD."""
     try:
-        ids = decode_tokens(data, name)
+        ids = decode_tokens(members[name], name)
     except ValueError as exc:
         report.errors.append(f"{shown}: {key}.{name}: {exc}")
         return
     report.num_tokens += int(ids.size)
+    mask = members.get(LOSS_MASK_FIELD)
+    if mask is not None:
+        try:
+            report.num_targets += int(decode_loss_mask(mask, ids.size).sum())
+        except ValueError as exc:
+            report.errors.append(f"{shown}: {key}.{exc}")
+    elif report.expected_targets is not None:
+        report.errors.append(f"{shown}: {key}: no {LOSS_MASK_FIELD} beside {name}")
     info = report.tokenizer
     if info is None:
         return
@@ -292,6 +314,11 @@ def _compare_with_index(report: ShardReport, sha256: str) -> None:
     if report.expected_tokens is not None and report.num_tokens != report.expected_tokens:
         report.errors.append(
             f"{shown}: {report.num_tokens} token ids, index says {report.expected_tokens}"
+        )
+    expected = report.expected_targets
+    if expected is not None and report.num_targets != expected:
+        report.errors.append(
+            f"{shown}: {report.num_targets} target tokens in its loss masks, index says {expected}"
         )
 
 
@@ -334,6 +361,7 @@ def inspect_dataset(
                 info = index.shards[i]
                 report = ShardReport(info.url, info.num_samples, info.num_bytes, info.sha256)
                 report.expected_tokens = info.num_tokens
+                report.expected_targets = info.num_targets
                 report.tokenizer = index.tokenizer
             else:
                 report = ShardReport(redact_url(url), None, None)
@@ -371,6 +399,9 @@ def format_report(report: DatasetReport, *, max_shards: int = 20) -> str:
             + (f", sha256 {tok['sha256'][:12]}" if tok["sha256"] else "")
             + ")"
         )
+        if report.num_targets:
+            share = report.num_targets / max(1, report.num_tokens)
+            lines.append(f"targets: {report.num_targets} tokens ({share:.1%}, loss mask)")
     elif report.num_tokens:
         lines.append(f"tokens: {report.num_tokens} (no tokenizer in an index: ids not checked)")
     lines.append("shards:")

@@ -20,6 +20,8 @@ Shard URLs are relative to the folder holding the index (or absolute URLs).
 Token shards (language models, `hpctrain.data.tokens`) add `"num_tokens"` to every shard entry
 (the token ids its samples hold, end-of-document ids included) and a top-level `"tokenizer"`
 object (name, vocab_size, eod_id, sha256 of the tokenizer file, "" for the built-in one).
+Token shards with a loss mask (instruction data, `hpctrain.convert.instructions`) add
+`"num_targets"` to every shard entry and the top level: the tokens the mask marks as targets.
 
 An index is data, never code, and may come from anyone who can write or serve a dataset:
 `parse_index` refuses `pipe:` entries (a shell command in every loader worker), entries of a
@@ -57,6 +59,7 @@ class ShardInfo:
     num_bytes: int = 0
     sha256: str = ""
     num_tokens: int | None = None  # token shards only: ids held, end-of-document ids included
+    num_targets: int | None = None  # token shards with a loss mask: tokens marked as targets
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,14 @@ class ShardIndex:
     def num_tokens(self) -> int | None:
         """Token ids in all shards, or None when this is not a token index."""
         counts = [s.num_tokens for s in self.shards]
+        if not counts or any(c is None for c in counts):
+            return None
+        return sum(c for c in counts if c is not None)
+
+    @property
+    def num_targets(self) -> int | None:
+        """Target tokens of the loss mask in all shards, or None when the shards have none."""
+        counts = [s.num_targets for s in self.shards]
         if not counts or any(c is None for c in counts):
             return None
         return sum(c for c in counts if c is not None)
@@ -99,6 +110,8 @@ class ShardIndex:
         }
         if self.num_tokens is not None:
             data["num_tokens"] = self.num_tokens
+        if self.num_targets is not None:
+            data["num_targets"] = self.num_targets
         if self.tokenizer is not None:
             data["tokenizer"] = dict(self.tokenizer)
         data["command"] = self.command
@@ -115,6 +128,8 @@ def _shard_json(s: ShardInfo) -> dict[str, Any]:
     }
     if s.num_tokens is not None:
         entry["num_tokens"] = s.num_tokens
+    if s.num_targets is not None:
+        entry["num_targets"] = s.num_targets
     return entry
 
 
@@ -187,8 +202,20 @@ def _shard_info(entry: Any, i: int, where: str, protocol: str) -> ShardInfo:
     num_tokens = None
     if "num_tokens" in entry:
         num_tokens = _count(entry["num_tokens"], where, f"{key}.num_tokens")
+    num_targets = None
+    if "num_targets" in entry:
+        num_targets = _count(entry["num_targets"], where, f"{key}.num_targets")
+        if num_tokens is None or num_targets > num_tokens:
+            raise ShardIndexError(
+                f"{where}: {key}.num_targets = {num_targets} must not exceed its num_tokens"
+            )
     return ShardInfo(
-        url=url, num_samples=num_samples, num_bytes=num_bytes, sha256=sha256, num_tokens=num_tokens
+        url=url,
+        num_samples=num_samples,
+        num_bytes=num_bytes,
+        sha256=sha256,
+        num_tokens=num_tokens,
+        num_targets=num_targets,
     )
 
 
@@ -234,6 +261,10 @@ def parse_index(data: Any, index_url: str) -> ShardIndex:
         if any(s.num_tokens is None for s in shards):
             raise ShardIndexError(f"{where}: num_tokens is given but not for every shard")
         totals.append(("num_tokens", sum(s.num_tokens or 0 for s in shards)))
+    if "num_targets" in data:
+        if any(s.num_targets is None for s in shards):
+            raise ShardIndexError(f"{where}: num_targets is given but not for every shard")
+        totals.append(("num_targets", sum(s.num_targets or 0 for s in shards)))
     for key, total in totals:
         if key in data and _count(data[key], where, key) != total:
             raise ShardIndexError(f"{where}: {key} = {data[key]} but its shards add up to {total}")

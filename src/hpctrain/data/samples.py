@@ -373,17 +373,20 @@ class SampleReader:
     ) -> Iterator[tuple[int, str, dict[str, Any]]]:
         """(index, key, members) of the `wanted` (sorted) samples of an open shard, or of
         its sequences with `data.seq_len` (members then `{"tokens": int64 ids, "positions":
-        int64 positions in documents}`)."""
+        int64 positions in documents}`, and `"loss_mask"` when the shard has masks)."""
         if not self.spec.seq_len:
             want = set(wanted).__contains__
             yield from iter_samples(f, want=want, stop=wanted[-1] + 1, views=True)
             return
         stem = shard_stem(self.spec.urls[shard])
         spec = self.spec
-        for index, key, ids, positions in iter_sequences(
+        for index, key, ids, positions, mask in iter_sequences(
             f, wanted, spec.seq_len, spec.vocab_size, stem, spec.eod_id
         ):
-            yield index, key, {"tokens": ids, "positions": positions}
+            members = {"tokens": ids, "positions": positions}
+            if mask is not None:
+                members["loss_mask"] = mask
+            yield index, key, members
 
     # -- samples and batches -------------------------------------------------------------
 
@@ -397,6 +400,8 @@ class SampleReader:
                 "tokens": torch.from_numpy(members["tokens"]),
                 "positions": torch.from_numpy(members["positions"]),
             }
+            if "loss_mask" in members:
+                sample["loss_mask"] = torch.from_numpy(members["loss_mask"])
         elif self.decode is not None:
             sample = self.decode(key, members)
             sample.setdefault("key", key)

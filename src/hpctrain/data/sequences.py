@@ -31,6 +31,13 @@ index splits its samples at the same ids), so the id never occurs inside a docum
 separator such as a chat-turn token (torchtitan#3130). Since a document never starts before
 the sample that holds it, a member's positions are known from the member alone: skipping the
 samples before a wanted sequence (resume, elastic re-plan) leaves them unchanged.
+
+Instruction data (`hpctrain.convert.instructions`) has a loss mask: every sample of its shards
+holds a `loss_mask.bits` member before its token member (`hpctrain.data.tokens`), one bit per
+id, set for the targets. Its windows are cut like the ids' (so they stay aligned through
+skipping, resume and elastic re-plans) and come as a bool [N+1] array beside them; a shard
+without the members gives None. A mask is read with its sample's ids (a sample skipped
+unread skips its mask too, which takes an eighth of the bytes its ids take at most).
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ import numpy as np
 from hpctrain.data.index import INDEX_NAME, ShardIndex, ShardIndexError, join_url, redact_url
 from hpctrain.data.stream import CorruptShardError, ShardStream
 from hpctrain.data.tar import iter_members, split_key
-from hpctrain.data.tokens import TOKEN_FIELDS
+from hpctrain.data.tokens import LOSS_MASK_FIELD, TOKEN_FIELDS, decode_loss_mask
 
 log = logging.getLogger("hpctrain.data")
 
@@ -115,9 +122,10 @@ def iter_sequences(
     vocab_size: int,
     stem: str,
     eod_id: int | None = None,
-) -> Iterator[tuple[int, str, np.ndarray, np.ndarray]]:
+) -> Iterator[tuple[int, str, np.ndarray, np.ndarray, np.ndarray | None]]:
     """The wanted sequences of one shard as (sequence index, key, int64 ids [seq_len + 1],
-    int64 positions [seq_len + 1]) (positions: see the module doc).
+    int64 positions [seq_len + 1], bool loss mask [seq_len + 1] or None) (positions and
+    masks: see the module doc).
 
     Args:
         stream: the open shard.
@@ -137,6 +145,10 @@ def iter_sequences(
     current: int | None = next(targets)
     pieces: list[np.ndarray] = []  # tokens read from `held_from` on, contiguous
     position_pieces: list[np.ndarray] = []  # their positions in their documents
+    mask_pieces: list[np.ndarray] = []  # their loss mask (a shard with masks)
+    masked: bool | None = None  # whether the shard's samples have masks (its first says)
+    mask_data: bytes | None = None  # the current sample's mask member, when read
+    has_mask = False
     held_from = 0
     pos = 0  # tokens of the stream before the member being looked at
     key: str | None = None
@@ -146,13 +158,27 @@ def iter_sequences(
         if k != key:
             if key is not None and not has_tokens:
                 raise TokenDataError(f"sample {key!r} has no token member ({_fields()})")
-            key, has_tokens = k, False
+            key, has_tokens, has_mask, mask_data = k, False, False, None
         dtype = TOKEN_FIELDS.get(field)
         if dtype is None:
+            if field == LOSS_MASK_FIELD:
+                if has_tokens:
+                    raise TokenDataError(f"sample {key!r}: {field} comes after its token member")
+                has_mask = True
+                assert current is not None
+                if pos + 8 * member.size > current * seq_len:  # it may hold wanted ids
+                    mask_data = bytes(read_data())
             continue  # other members (metadata) are not part of the token stream
         if has_tokens:
             raise TokenDataError(f"sample {key!r} has more than one token member")
         has_tokens = True
+        if masked is None:
+            masked = has_mask
+        elif masked != has_mask:
+            raise TokenDataError(
+                f"sample {key!r} {'has no' if masked else 'has a'} {LOSS_MASK_FIELD} member, "
+                "unlike the samples before it"
+            )
         if member.size % dtype.itemsize:
             raise TokenDataError(
                 f"sample {key!r}: {field} holds {member.size} bytes, not a whole number of "
@@ -172,21 +198,34 @@ def iter_sequences(
                 f"(vocab_size {vocab_size})"
             )
         positions = document_positions(ids, eod_id)
+        mask = np.zeros(0, dtype=bool)
+        if masked:
+            if mask_data is None:  # skipped: 8 bits a byte could not hold the ids
+                raise TokenDataError(f"sample {key!r}: {LOSS_MASK_FIELD} is shorter than its ids")
+            try:
+                mask = decode_loss_mask(mask_data, ids.size)
+            except ValueError as exc:
+                raise TokenDataError(f"sample {key!r}: {exc}") from None
         if not pieces:
             held_from = max(start, pos)
-            ids, positions = ids[held_from - pos :], positions[held_from - pos :]
+            cut = slice(held_from - pos, None)
+            ids, positions, mask = ids[cut], positions[cut], mask[cut]
         pieces.append(ids)
         position_pieces.append(positions)
+        mask_pieces.append(mask)
         pos += count
         if pos < start + seq_len + 1:
             continue
         held = np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
         held_positions = np.concatenate(position_pieces)
+        held_mask = np.concatenate(mask_pieces)
         while current is not None and current * seq_len + seq_len + 1 <= pos:
             lo = current * seq_len - held_from
             window = slice(lo, lo + seq_len + 1)
             name = sequence_key(stem, current)
-            yield current, name, held[window].astype(np.int64), held_positions[window].copy()
+            window_mask = held_mask[window].copy() if masked else None
+            ids_out = held[window].astype(np.int64)
+            yield current, name, ids_out, held_positions[window].copy(), window_mask
             current = next(targets, None)
         if current is None:
             return  # no need to read the rest of the shard
@@ -194,6 +233,7 @@ def iter_sequences(
         kept = slice(start - held_from, None)
         pieces = [held[kept]] if start < pos else []
         position_pieces = [held_positions[kept]] if start < pos else []
+        mask_pieces = [held_mask[kept]] if start < pos else []
         held_from = start
     if key is not None and not has_tokens:
         raise TokenDataError(f"sample {key!r} has no token member ({_fields()})")

@@ -59,3 +59,31 @@ def decode_tokens(data: bytes | memoryview, field: str) -> np.ndarray:
             f"{field}: {len(data)} bytes is not a whole number of {dtype.itemsize}-byte ids"
         )
     return np.frombuffer(data, dtype=dtype)
+
+
+# A sample's loss mask (instruction data, `hpctrain.convert.instructions`): one bit per token
+# of its token member, set for the tokens the loss learns (targets), packed little-endian
+# (`numpy.packbits(..., bitorder="little")`), the last byte's unused bits 0. The member is
+# written before the token member, so a reader knows it when the ids come.
+LOSS_MASK_FIELD = "loss_mask.bits"
+
+
+def encode_loss_mask(mask: np.ndarray | list[bool]) -> bytes:
+    """The member bytes of a per-token boolean mask."""
+    return np.packbits(np.asarray(mask, dtype=bool), bitorder="little").tobytes()
+
+
+def decode_loss_mask(data: bytes | memoryview, count: int) -> np.ndarray:
+    """The boolean mask of `count` tokens held by a loss-mask member.
+
+    Raises:
+        ValueError: a length that is not that of `count` bits, or unused bits set.
+    """
+    if len(data) != (count + 7) // 8:
+        raise ValueError(
+            f"{LOSS_MASK_FIELD}: {len(data)} bytes, but {count} tokens need {(count + 7) // 8}"
+        )
+    bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8), bitorder="little")
+    if bits[count:].any():
+        raise ValueError(f"{LOSS_MASK_FIELD}: bits set beyond its {count} tokens")
+    return bits[:count].astype(bool)

@@ -198,6 +198,7 @@ def export_hf(
             "--format hf needs the safetensors package: pip install 'hpctrain[safetensors]'"
         ) from None
 
+    from hpctrain.data.tokenizer import JSON
     from hpctrain.inference.generate import run_tokenizer
     from hpctrain.train.models import hf
     from hpctrain.train.tasks.causal_lm import CAUSAL_LM, gpt_config_for
@@ -252,7 +253,7 @@ def export_hf(
         if "bos_token_id" in config:
             generation["bos_token_id"] = config["bos_token_id"]
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-        if tokenizer.sha256:  # a tokenizer.json; the bytes tokenizer has no HF file
+        if tokenizer.kind == JSON:  # other kinds (bytes, sentencepiece, tiktoken): no file
             shutil.copyfile(tokenizer.name, tmp / "tokenizer.json")
             eos_token = hf.special_token(Path(tokenizer.name), eos)
             tokenizer_config = {

@@ -190,9 +190,9 @@ def generate_text(
 
 
 def run_tokenizer(tree: dict[str, Any], spec: str = "") -> Tokenizer:
-    """The tokenizer of a causal_lm run: `spec` ("bytes" or a tokenizer.json path) when given,
+    """The tokenizer of a causal_lm run: `spec` ("bytes" or a tokenizer file) when given,
     else the run's `data.tokenizer`, else the one its training index names (`data.train`),
-    checked against that index when it can be read (a tokenizer.json by its sha256).
+    checked against that index when it can be read (a file by its sha256).
 
     Raises:
         UsageError: no tokenizer given and the training index cannot be read.

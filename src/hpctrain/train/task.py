@@ -47,7 +47,7 @@ class Task(Protocol):
       sample's `key`). Values are JSON-able (numbers, strings, lists, dicts) or tensors /
       numpy arrays (lists in JSONL, `.npy` members in shards); a tensor under a name ending
       in `.png` is a 2-D class-id mask (a PNG member in shards, run-length encoded in JSONL;
-      see `hpctrain.train.prediction`). Runs under `torch.no_grad()` and the run's autocast,
+      see `hpctrain.inference.predict`). Runs under `torch.no_grad()` and the run's autocast,
       with the model in eval mode, on every rank. Without it `hpctrain predict` is refused.
     - `predict_transform() -> Callable[[Sample], Sample]`: the per-sample transform for
       `predict` (data to predict on may have no targets); default `eval_transform()`.

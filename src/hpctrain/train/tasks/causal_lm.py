@@ -71,8 +71,8 @@ def index_tokenizer(index: ShardIndex, spec: str, key: str, configured: str) -> 
 
 
 def load_index_tokenizer(info: dict[str, Any], configured: str = "") -> Tokenizer:
-    """The tokenizer an index's `info` describes: `configured` ("bytes" or a tokenizer.json
-    path), else the spec it was converted with (its name), checked by sha256 when a file.
+    """The tokenizer an index's `info` describes: `configured` ("bytes" or a tokenizer
+    file), else the spec it was converted with (its name), checked by sha256 when a file.
 
     Raises:
         ConfigError: the file's sha256 is not the one the index records.
@@ -86,21 +86,26 @@ def load_index_tokenizer(info: dict[str, Any], configured: str = "") -> Tokenize
             f"tokenizer {spec}: sha256 {tokenizer.sha256[:12]} is not that of the file the "
             f"shards were converted with ({expected[:12]})"
         )
+    # The index's EOD (a convert --eod-token other than the default) is the one its text has.
+    tokenizer.eod_id = int(info.get("eod_id", tokenizer.eod_id))
     return tokenizer
 
 
 class SequenceTransform:
     """Check a packed sequence and hand it on as int64 `{"key", "tokens": [seq_len + 1]}`,
     with its `positions` [seq_len + 1] when `document_mask` (else they are dropped here, in
-    the loader's workers, and never travel).
+    the loader's workers, and never travel), and with `loss_mask` (bool [seq_len + 1]: the
+    targets of instruction data) when `loss_mask`: the sample's, or every token a target for
+    a sample without one (a mixture's plain text), so that every batch has the field.
 
     Ids need no check here: the loader refuses ids outside the index tokenizer's vocabulary
     (`hpctrain.data.sequences`), and the model's is at least as large.
     """
 
-    def __init__(self, seq_len: int, document_mask: bool = True) -> None:
+    def __init__(self, seq_len: int, document_mask: bool = True, loss_mask: bool = False) -> None:
         self.length = seq_len + 1
         self.document_mask = document_mask
+        self.loss_mask = loss_mask
 
     def __call__(self, sample: Sample) -> Sample:
         key = sample["key"]
@@ -122,6 +127,13 @@ class SequenceTransform:
                     "needs the packed sequences of data.seq_len)"
                 )
             out["positions"] = positions.long()
+        if self.loss_mask:
+            mask = sample.get("loss_mask")
+            if mask is None:
+                mask = torch.ones(self.length, dtype=torch.bool)
+            elif not isinstance(mask, torch.Tensor) or mask.shape != tokens.shape:
+                raise SampleError(f"sample {key!r}: a loss_mask not of its tokens' shape")
+            out["loss_mask"] = mask.bool()
         return out
 
 
@@ -147,6 +159,12 @@ class CausalLM:
                     f"data.val={cfg.data.val}: its tokenizer {describe(val_tokenizer)} differs "
                     f"from data.train's ({train}) {describe(self.tokenizer)}"
                 )
+        # Instruction data: a loss mask in the training shards (or the validation shards)
+        # makes every batch carry one (see SequenceTransform).
+        indexes = [index, val_index] if cfg.data.val else [index]
+        self.loss_mask = cfg.data.loss_mask and any(
+            s.num_targets is not None for i in indexes for s in i.shards
+        )
         vocab = int(self.tokenizer["vocab_size"])
         from_hf = bool(cfg.model.init_from) and hf.is_hf_folder(cfg.model.init_from)
         self.hf_source: dict[str, Any] = {}  # architecture and token ids of an imported folder
@@ -280,10 +298,10 @@ class CausalLM:
         return GPT(self.model_cfg)
 
     def train_transform(self) -> SequenceTransform:
-        return SequenceTransform(self.seq_len, self.cfg.data.document_mask)
+        return SequenceTransform(self.seq_len, self.cfg.data.document_mask, self.loss_mask)
 
     def eval_transform(self) -> SequenceTransform:
-        return SequenceTransform(self.seq_len, self.cfg.data.document_mask)
+        return SequenceTransform(self.seq_len, self.cfg.data.document_mask, self.loss_mask)
 
     def token_losses(
         self, model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor | None = None
@@ -300,16 +318,30 @@ class CausalLM:
         self, model: nn.Module, batch: dict[str, Any]
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         losses = self.token_losses(model, batch["tokens"], batch.get("positions"))
-        # Every sequence has seq_len targets: the mean of valid sequences' means is the
-        # mean over their tokens.
-        return masked_mean(losses.mean(dim=1), batch["valid"]), {}
+        targets = _targets(batch)
+        if targets is None:
+            # Every sequence has seq_len targets: the mean of valid sequences' means is the
+            # mean over their tokens.
+            return masked_mean(losses.mean(dim=1), batch["valid"]), {}
+        # Instruction data: the mean over this batch's masked targets (`targets`, logged).
+        count = targets.sum()
+        loss = (losses * targets).sum() / count.clamp(min=1)
+        return loss, {"targets": count.float()}
 
     def eval_metrics(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         losses = self.token_losses(model, batch["tokens"], batch.get("positions"))
         valid = batch["valid"].float()
+        targets = _targets(batch)
+        if targets is None:
+            return {
+                "loss": (losses.sum(dim=1) * valid).sum(),
+                "tokens": valid.sum() * losses.shape[1],
+                "count": valid.sum(),
+            }
         return {
-            "loss": (losses.sum(dim=1) * valid).sum(),
-            "tokens": valid.sum() * losses.shape[1],
+            "loss": (losses * targets).sum(),
+            "tokens": targets.sum().float(),
+            "targets": targets.sum().float(),
             "count": valid.sum(),
         }
 
@@ -317,6 +349,8 @@ class CausalLM:
         """loss (nats per token), perplexity and, for the bytes tokenizer, bits per byte."""
         loss = float(sums["loss"]) / max(1.0, float(sums["tokens"]))
         metrics = {"loss": loss, "perplexity": math.exp(min(loss, 700.0))}
+        if "targets" in sums:  # instruction data: how many masked targets the loss counted
+            metrics["targets"] = float(sums["targets"])
         if self.tokenizer["name"] == BYTES and not self.tokenizer.get("sha256"):
             metrics["bits_per_byte"] = loss / math.log(2)
         return metrics
@@ -326,7 +360,7 @@ class CausalLM:
         """One dict per sequence, in batch order: its mean loss (nats per token), the fraction
         of positions where the greedy (argmax) next token is right, and the greedy token after
         the sequence's last one, as id and decoded text. The key is the writer's to add, and
-        invalid rows (padding) are the writer's to drop (`hpctrain.train.prediction`)."""
+        invalid rows (padding) are the writer's to drop (`hpctrain.inference.predict`)."""
         tokens, positions = batch["tokens"], batch.get("positions")
         inputs = (tokens,) if positions is None else (tokens, positions)
         logits = model(*inputs).float()  # every position, the last one's next token too
@@ -425,6 +459,16 @@ def lm_model_card(
             "model = GPT(GPTConfig(**card['model']))"
         ),
     }
+
+
+def _targets(batch: dict[str, Any]) -> torch.Tensor | None:
+    """The float [B, seq_len] weights of the masked targets of valid sequences, or None
+    without a `loss_mask` (every target counts). `loss_mask[t]` marks token t as a target:
+    the prediction made at t - 1."""
+    mask = batch.get("loss_mask")
+    if mask is None:
+        return None
+    return (mask[:, 1:] & batch["valid"][:, None].bool()).float()
 
 
 def describe(tokenizer: dict[str, Any]) -> str:
