@@ -11,7 +11,7 @@ import pytest
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 # Session fixtures shared by several test packages: defined once (see the module's docstring).
-pytest_plugins = ("tests.shard_fixtures",)
+pytest_plugins = ("tests.support.shard_fixtures",)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -1,11 +1,11 @@
-"""tests/tiers.py: which tier a test's markers put it in, and the lines `make test` prints."""
+"""tests/support/tiers.py: which tier a test's markers put it in, and the lines `make test` prints."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-from tests.tiers import FAST, summary, tier_of
+from tests.support.tiers import FAST, summary, tier_of
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,7 @@ import torch
 
 from hpctrain.bench import gpu_report, gpu_vision
 from hpctrain.config import load_config
-from tests.train.helpers import REPO
+from tests.support.train_kit import REPO
 
 
 @pytest.mark.parametrize(

@@ -125,7 +125,7 @@ def test_s3_lease_refuses_a_second_run_and_expires():
     fsspec = pytest.importorskip("fsspec")
     pytest.importorskip("s3fs")
     pytest.importorskip("moto")
-    from tests.servers import moto_s3_server, s3_environment
+    from tests.support.local_servers import moto_s3_server, s3_environment
 
     with moto_s3_server() as endpoint, s3_environment(endpoint):
         bucket = f"lock-{uuid.uuid4().hex[:12]}"

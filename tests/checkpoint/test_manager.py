@@ -359,7 +359,7 @@ def test_s3_url_roundtrip_with_retention(async_save):
     fsspec = pytest.importorskip("fsspec")
     pytest.importorskip("s3fs")
     pytest.importorskip("moto")
-    from tests.servers import moto_s3_server, s3_environment
+    from tests.support.local_servers import moto_s3_server, s3_environment
 
     with moto_s3_server() as endpoint, s3_environment(endpoint):
         bucket = f"ckpt-{uuid.uuid4().hex[:12]}"  # moto's state outlives one server

@@ -26,7 +26,7 @@ from hpctrain.checkpoint import (
 from hpctrain.checkpoint.safety import SafeLoadPlanner
 from hpctrain.checkpoint.storage import open_store
 from hpctrain.launch.local import free_port
-from tests.checkpoint._workers import (
+from tests.support.checkpoint_worker import (
     Counter,
     _Tensors,
     assert_equal_nested,
@@ -34,7 +34,7 @@ from tests.checkpoint._workers import (
     make_model,
 )
 
-WORKERS = str(Path(__file__).with_name("_workers.py"))
+WORKERS = str(Path(__file__).parents[1] / "support" / "checkpoint_worker.py")
 
 
 def child_env(**extra: str) -> dict[str, str]:

@@ -28,7 +28,7 @@ from hpctrain.checkpoint import verify_checkpoint
 from hpctrain.checkpoint.safety import SafeLoadPlanner
 from hpctrain.checkpoint.storage import open_store
 from hpctrain.train.preemption import REQUEUE_EXIT_CODE
-from tests.train.helpers import REPO, run_hpctrain, train_args
+from tests.support.train_kit import REPO, run_hpctrain, train_args
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -120,7 +120,7 @@ def common_args(shards: Path, run_dir: Path, *extra: str) -> list[str]:
         shards,
         run_dir,
         f"train.max_steps={MAX_STEPS}",
-        "task=tests.slow_task:SlowImageClassification",  # >= 0.2 s a step: the signal
+        "task=tests.support.slow_tasks:SlowImageClassification",  # >= 0.2 s a step: the signal
         "task_options.step_s=0.2",  # reaches the run before its last step on any machine
         "train.deterministic=true",
         "data.sample_log=true",

@@ -18,7 +18,7 @@ import pytest
 
 from hpctrain.cli.main import main
 from hpctrain.data.index import read_index
-from tests.servers import moto_s3_server, s3_environment
+from tests.support.local_servers import moto_s3_server, s3_environment
 
 from .conftest import image_bytes, make_image_folder
 

@@ -18,7 +18,7 @@ from hpctrain.convert.verify import format_report, inspect_dataset
 from hpctrain.data.index import index_to_bytes, read_index
 from hpctrain.data.tokenizer import load_tokenizer
 from hpctrain.data.tokens import LOSS_MASK_FIELD, decode_loss_mask, decode_tokens
-from tests.data.instruction_testkit import EOD, RESPONSE, expected_mask, write_instructions
+from tests.support.instruction_kit import EOD, RESPONSE, expected_mask, write_instructions
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

@@ -14,7 +14,7 @@ import torch
 from hpctrain.config.schema import DataConfig
 from hpctrain.data import ShardedLoader, open_index
 from hpctrain.data.buffers import BatchBuffers, MappedBuffers, PooledBatch, release
-from tests.data.loader_testkit import make_shards
+from tests.support.loader_kit import make_shards
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from hpctrain.data.decode import (
 )
 from hpctrain.data.fieldnames import IMAGE_EXTENSIONS, is_target_field
 from hpctrain.errors import DataError
-from tests.data.sample_testkit import (
+from tests.support.sample_kit import (
     PALETTE,
     bomb_png,
     encoded,

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from hpctrain.config.schema import DataConfig
 from hpctrain.data import ShardedLoader, open_index
 from hpctrain.launch.local import free_port
-from tests.data.loader_testkit import all_keys, make_shards
+from tests.support.loader_kit import all_keys, make_shards
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

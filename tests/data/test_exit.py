@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 
-from tests.data.loader_testkit import make_shards
+from tests.support.loader_kit import make_shards
 
 SCRIPT = textwrap.dedent(
     """

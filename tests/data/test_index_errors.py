@@ -14,7 +14,7 @@ from hpctrain.data.locate import open_index
 from hpctrain.data.mixture import MAX_PASSES_PER_EPOCH, Mixture, MixtureError, Source
 from hpctrain.data.mixture_index import source_names as names_of
 from hpctrain.errors import EXIT_CONFIG, EXIT_DATA
-from tests.data.loader_testkit import make_shards
+from tests.support.loader_kit import make_shards
 
 
 def write_empty_index(root: Path, shards: list[dict[str, object]] | None = None) -> Path:

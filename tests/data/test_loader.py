@@ -11,7 +11,7 @@ import torch
 from hpctrain.config.schema import DataConfig
 from hpctrain.data import ShardedLoader, ShardReadError, open_index
 from hpctrain.data.collate import BatchError
-from tests.data.loader_testkit import all_keys, make_shards, sample_key
+from tests.support.loader_kit import all_keys, make_shards, sample_key
 
 
 def cfg(**kw):

@@ -21,8 +21,8 @@ from hpctrain.data.index import ShardIndex, ShardInfo, index_to_bytes
 from hpctrain.data.mixture import MixtureError
 from hpctrain.data.mixture_index import open_mixture
 from hpctrain.launch.local import free_port
-from tests.data.loader_testkit import sample_key, write_shard
-from tests.data.token_testkit import SEQ_LEN, write_token_shards
+from tests.support.loader_kit import sample_key, write_shard
+from tests.support.token_kit import SEQ_LEN, write_token_shards
 
 # name -> (shard sizes, first shard number: keys stay unique across sources, weight)
 SOURCES = {

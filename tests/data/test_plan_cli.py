@@ -6,7 +6,7 @@ import json
 from collections import Counter
 
 from hpctrain.cli.main import main
-from tests.data.loader_testkit import make_shards
+from tests.support.loader_kit import make_shards
 
 
 def test_plan_json_lists_every_stream(tmp_path, capsys):

@@ -9,8 +9,8 @@ import torch
 
 from hpctrain.config.schema import DataConfig
 from hpctrain.data import ShardedLoader, ShardReadError, open_index
-from tests.data.loader_testkit import all_keys, make_shards
-from tests.data.servers import make_bucket, serve_http, serve_s3
+from tests.support.loader_kit import all_keys, make_shards
+from tests.support.storage_servers import make_bucket, serve_http, serve_s3
 
 pytestmark = pytest.mark.network
 

@@ -15,7 +15,7 @@ import torch
 from hpctrain.config.schema import DataConfig
 from hpctrain.data import SampleError, ShardedLoader, open_index
 from hpctrain.data.collate import BatchError
-from tests.data.sample_testkit import (
+from tests.support.sample_kit import (
     bomb_png,
     expected_fields,
     field_mismatches,

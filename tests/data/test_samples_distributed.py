@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from hpctrain.config.schema import DataConfig
 from hpctrain.data import ShardedLoader, open_index
 from hpctrain.launch.local import free_port
-from tests.data.sample_testkit import field_mismatches, multi_key, write_multi_field_shards
+from tests.support.sample_kit import field_mismatches, multi_key, write_multi_field_shards
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

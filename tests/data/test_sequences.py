@@ -31,8 +31,8 @@ from hpctrain.data.sequences import (
 from hpctrain.data.stream import ReadStats, open_shard
 from hpctrain.data.tokens import encode_tokens
 from hpctrain.launch.preflight import check_data
-from tests.data.loader_testkit import make_shards
-from tests.data.token_testkit import (
+from tests.support.loader_kit import make_shards
+from tests.support.token_kit import (
     EOD,
     SEQ_LEN,
     VOCAB,

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from hpctrain.config.schema import DataConfig
 from hpctrain.data import ShardedLoader, open_index
 from hpctrain.launch.local import free_port
-from tests.data.token_testkit import (
+from tests.support.token_kit import (
     SEQ_LEN,
     all_sequence_keys,
     positions_window,

@@ -22,7 +22,7 @@ from hpctrain.config.schema import DataConfig
 from hpctrain.data import ShardedLoader, ShardReadError, WorkerDiedError, open_index
 from hpctrain.data import loader as loader_module
 from hpctrain.data.transport import WorkerPool, WorkerTraceback, run_ahead
-from tests.data.loader_testkit import make_shards
+from tests.support.loader_kit import make_shards
 
 
 class Counting:

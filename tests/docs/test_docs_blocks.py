@@ -11,7 +11,7 @@ matches the shown one after masking times, dates, absolute paths and numbers.
 
 Blocks skipped as a whole (a SLURM cluster, S3, the network, a site's modules, a long run)
 are no test items, so CI's "a skip is a failure" rule does not apply to them:
-`python -m tests.docs.blocks` lists them with the reason, and
+`python -m tests.support.doc_blocks` lists them with the reason, and
 `test_every_skip_says_why` keeps the reasons to the known needs.
 """
 
@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.docs.blocks import Block, matches, shell_blocks, untagged_shell
+from tests.support.doc_blocks import Block, matches, shell_blocks, untagged_shell
 
 pytestmark = pytest.mark.docs
 

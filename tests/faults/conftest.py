@@ -1,5 +1,5 @@
 """Fixtures of the fault tests: the SLURM tier's cluster (the shards are session-wide, in
-tests/shard_fixtures.py)."""
+tests/support/shard_fixtures.py)."""
 
 from tests.launch.conftest import slurm_cluster
 

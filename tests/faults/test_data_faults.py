@@ -33,9 +33,9 @@ from hpctrain.data import ShardedLoader, ShardIndexError, ShardReadError, open_i
 from hpctrain.data.index import ShardIndex, ShardInfo, parse_index
 from hpctrain.data.transport import WorkerTimeoutError
 from hpctrain.launch.preflight import check_data
-from tests.data.loader_testkit import all_keys, make_shards
-from tests.data.servers import serve_http
 from tests.data.test_tar_fuzz import BAD_NUMBERS, SHARDS, _headers
+from tests.support.loader_kit import all_keys, make_shards
+from tests.support.storage_servers import serve_http
 
 REPO = Path(__file__).resolve().parents[2]
 SIZES = [12, 12]

@@ -21,7 +21,7 @@ import pytest
 
 from hpctrain.checkpoint import committed_steps
 from hpctrain.checkpoint.storage import open_store
-from tests.train.helpers import REPO, run_hpctrain, train_args
+from tests.support.train_kit import REPO, run_hpctrain, train_args
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -78,7 +78,7 @@ def slow_run_args(run_dir: Path, shards: Path, *overrides: str) -> list[str]:
     return train_args(
         shards,
         run_dir,
-        "task=tests.slow_task:SlowImageClassification",
+        "task=tests.support.slow_tasks:SlowImageClassification",
         "task_options.step_s=0.2",
         "train.max_steps=100000",
         "data.val=",
@@ -177,7 +177,7 @@ def test_a_step_over_step_timeout_s_writes_the_stacks_and_ends_the_run(shapes_sh
     args = train_args(
         shapes_shards,
         run_dir,
-        "task=tests.faults.hang_tasks:StuckImageClassification",
+        "task=tests.support.hang_tasks:StuckImageClassification",
         "train.max_steps=20",
         "train.step_timeout_s=3",
         "data.val=",
@@ -205,7 +205,7 @@ def test_a_straggling_rank_is_named_in_the_metrics_and_the_log(shapes_shards, tm
     args = train_args(
         shapes_shards,
         run_dir,
-        "task=tests.faults.hang_tasks:StragglingImageClassification",
+        "task=tests.support.hang_tasks:StragglingImageClassification",
         "task_options.sleep_s=0.15",
         "train.max_steps=10",
         "data.val=",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch.slurm_helpers import (
+from tests.support.slurm_kit import (
     DEMO,
     REPO,
     hpctrain,
@@ -51,7 +51,7 @@ def test_hung_rank_ends_the_job_within_the_collective_timeout(
     script = tmp_path / "job.sbatch"
     overrides = train_overrides(
         tiny_shards, run_dir, "train.max_steps=100000", "train.collective_timeout_s=10",
-        "task=tests.slow_task:SlowImageClassification", "task_options.step_s=0.1",
+        "task=tests.support.slow_tasks:SlowImageClassification", "task_options.step_s=0.1",
     )  # fmt: skip
     hpctrain("sbatch", DEMO, *overrides, "-o", str(script))
     job_id = subprocess.run(

@@ -1,5 +1,5 @@
 """Fixtures of the SLURM tier: the local dev cluster (tools/dev-cluster); its tiny shards
-(`tiny_shards`) are in tests/shard_fixtures.py.
+(`tiny_shards`) are in tests/support/shard_fixtures.py.
 
 Tests marked `slurm` need a running dev cluster. Its slurm.conf comes from
 HPCTRAIN_SLURM_CONF, else SLURM_CONF, else `tools/dev-cluster env`. When it is not running the

@@ -15,7 +15,7 @@ import pytest
 import submitit
 
 from hpctrain.launch.status import run_status
-from tests.launch.slurm_helpers import (
+from tests.support.slurm_kit import (
     DEMO,
     REPO,
     hpctrain,
@@ -34,8 +34,8 @@ pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
 HERE = Path(__file__).parent
 
 # Tests that signal a run once it reached step 20 need the rest of the run to outlast the
-# signal's way there on any machine: a floor of 30 ms a step (see tests/slow_task.py).
-SLOW_STEPS = ("task=tests.slow_task:SlowImageClassification", "task_options.step_s=0.03")
+# signal's way there on any machine: a floor of 30 ms a step (see tests/support/slow_tasks.py).
+SLOW_STEPS = ("task=tests.support.slow_tasks:SlowImageClassification", "task_options.step_s=0.03")
 
 
 @pytest.fixture
@@ -223,7 +223,7 @@ def test_time_limit_completes_over_several_requeues(
     jobs += submit(
         *train_overrides(
             tiny_shards, run_dir, "train.max_steps=300", "data.batch_size=32",
-            "task=tests.slow_task:SlowImageClassification", "task_options.step_s=0.15",
+            "task=tests.support.slow_tasks:SlowImageClassification", "task_options.step_s=0.15",
             "slurm.time=1", "slurm.signal_margin_s=5", "slurm.max_requeues=12",
             "checkpoint.deadline_margin_s=40",
         )
@@ -252,7 +252,7 @@ def test_plain_sbatch_script_trains_and_requeues(
         text=True,
         check=True,
         timeout=30,
-        cwd=REPO,  # the job's working directory: tests.slow_task importable
+        cwd=REPO,  # the job's working directory: tests.support.slow_tasks importable
     ).stdout.strip()
     jobs.append(job_id)
     wait_step(run_dir, 20, 120)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch.slurm_helpers import hpctrain, train_overrides, wait_for
+from tests.support.slurm_kit import hpctrain, train_overrides, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
 
@@ -43,7 +43,7 @@ def test_submit_eval_and_predict_run_as_two_slurm_tasks(
     overrides = train_overrides(
         tiny_shards, run_dir, "train.max_steps=2", "data.workers_per_rank=0"
     )
-    from tests.launch.slurm_helpers import DEMO
+    from tests.support.slurm_kit import DEMO
 
     hpctrain("train", DEMO, *overrides, timeout=180)
     profile = ["--profile", "local-dev", "--no-preflight"]

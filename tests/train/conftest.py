@@ -1,4 +1,4 @@
-"""Shared fixtures for training tests (their shards, `shapes_shards`, are in tests/shard_fixtures.py)."""
+"""Shared fixtures for training tests (their shards, `shapes_shards`, are in tests/support/shard_fixtures.py)."""
 
 from __future__ import annotations
 

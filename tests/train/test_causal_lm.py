@@ -21,14 +21,14 @@ from hpctrain.train.models.gpt import GPT, GPTConfig
 from hpctrain.train.task import load_task
 from hpctrain.train.tasks.causal_lm import CausalLM
 from tests.checkpoint.test_resume_e2e import assert_same_training_state
-from tests.train.helpers import REPO, run_two_ranks
-from tests.train.lm_testkit import (
+from tests.support.lm_kit import (
     BYTES_TOKENIZER,
     SEQ_LEN,
     SEQUENCES_PER_SHARD,
     TOKENS_PER_SHARD,
     write_token_shards,
 )
+from tests.support.train_kit import REPO, run_two_ranks
 
 TOKEN_INDEX = ShardIndex(
     shards=(ShardInfo("a.tar", 10, num_tokens=1000),), tokenizer=dict(BYTES_TOKENIZER)
@@ -233,7 +233,9 @@ def lm_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def trained(lm_shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("lm-runs")
-    run_two_ranks(REPO / "tests" / "train" / "lm_worker.py", str(lm_shards), str(out), timeout=300)
+    run_two_ranks(
+        REPO / "tests" / "support" / "lm_worker.py", str(lm_shards), str(out), timeout=300
+    )
     return out
 
 
@@ -372,7 +374,7 @@ def test_generate_reads_the_weights_the_run_evaluated_with(
     from hpctrain.cli.main import main
     from hpctrain.inference.generate import load_gpt
     from hpctrain.train.ema import plain_name
-    from tests.train.lm_worker import overrides
+    from tests.support.lm_worker import overrides
     from tests.train.test_trainer import build
 
     run_dir = tmp_path / "run"

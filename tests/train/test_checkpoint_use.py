@@ -17,7 +17,7 @@ from PIL import Image
 
 from hpctrain.cli.main import main
 from hpctrain.errors import EXIT_CONFIG
-from tests.train.helpers import REPO, run_hpctrain
+from tests.support.train_kit import REPO, run_hpctrain
 
 CLASSES = ("circle", "square", "star")
 
@@ -184,8 +184,8 @@ def test_class_names_travel_with_the_checkpoint_and_the_export(
 def lm_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Two steps of a tiny GPT on byte-token shards, a checkpoint at the end."""
     from hpctrain.config import load_config
-    from tests.train.lm_testkit import write_token_shards
-    from tests.train.lm_worker import overrides
+    from tests.support.lm_kit import write_token_shards
+    from tests.support.lm_worker import overrides
     from tests.train.test_trainer import build
 
     root = tmp_path_factory.mktemp("lm")

@@ -18,7 +18,7 @@ from types import ModuleType
 import pytest
 
 from hpctrain.cli.main import main
-from tests.train.helpers import REPO
+from tests.support.train_kit import REPO
 
 
 def load_tool(name: str) -> ModuleType:

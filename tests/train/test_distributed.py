@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.train.helpers import REPO, run_two_ranks
+from tests.support.train_kit import REPO, run_two_ranks
 
 
 @pytest.fixture(scope="module")
 def trained(shapes_shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("dist")
     run_two_ranks(
-        REPO / "tests" / "train" / "dist_worker.py", str(shapes_shards), str(out), timeout=240
+        REPO / "tests" / "support" / "dist_worker.py", str(shapes_shards), str(out), timeout=240
     )
     return out
 

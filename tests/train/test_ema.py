@@ -18,7 +18,7 @@ from hpctrain.cli.main import main
 from hpctrain.config import ConfigError
 from hpctrain.inference.export import export_weights
 from hpctrain.train.ema import WeightEMA, plain_name
-from tests.train.helpers import REPO, run_two_ranks
+from tests.support.train_kit import REPO, run_two_ranks
 from tests.train.test_trainer import build, make_config, read_jsonl
 
 
@@ -59,7 +59,7 @@ def test_ema_is_fp32_and_names_drop_wrapper_parts() -> None:
 def two_ranks(shapes_shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("ema")
     run_two_ranks(
-        REPO / "tests" / "train" / "ema_worker.py", str(shapes_shards), str(out), timeout=240
+        REPO / "tests" / "support" / "ema_worker.py", str(shapes_shards), str(out), timeout=240
     )
     return out
 

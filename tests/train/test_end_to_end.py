@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.train.helpers import run_hpctrain, train_args
+from tests.support.train_kit import run_hpctrain, train_args
 
 
 def read_jsonl(path: Path) -> list[dict]:

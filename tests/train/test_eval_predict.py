@@ -21,7 +21,7 @@ from hpctrain.config import load_config
 from hpctrain.data.index import ShardIndex, ShardInfo
 from hpctrain.inference.evaluate import data_name
 from hpctrain.inference.predict import decode_run_length, jsonl_line, run_length, shard_members
-from tests.train.helpers import REPO, run_hpctrain, run_two_ranks
+from tests.support.train_kit import REPO, run_hpctrain, run_two_ranks
 
 S3_BUCKET = "predictions"
 
@@ -43,7 +43,7 @@ def read_jsonl(folder: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def s3_endpoint() -> Iterator[str]:
-    from tests.servers import moto_s3_server, s3_environment
+    from tests.support.local_servers import moto_s3_server, s3_environment
 
     with moto_s3_server() as endpoint, s3_environment(endpoint):
         import fsspec
@@ -65,7 +65,7 @@ def done(shapes_shards: Path, tmp_path_factory: pytest.TempPathFactory, s3_endpo
     data[middle : middle + 512] = b"\xff" * 512
     shard.write_bytes(bytes(data))
     run_two_ranks(
-        REPO / "tests" / "train" / "evalpredict_worker.py",
+        REPO / "tests" / "support" / "evalpredict_worker.py",
         str(shapes_shards),
         str(corrupt),
         str(out),

@@ -127,7 +127,7 @@ def test_no_best_pointer_and_bad_formats_are_named(tmp_path):
 
 
 def test_a_custom_task_gets_weights_but_no_card(tmp_path):
-    cfg = with_overrides(Config(), ["task=tests.slow_task:SlowImageClassification"])
+    cfg = with_overrides(Config(), ["task=tests.support.slow_tasks:SlowImageClassification"])
     model = torch.nn.Linear(3, 2)
     manager = CheckpointManager(str(tmp_path / "ck"), keep_last=1)
     manager.save(

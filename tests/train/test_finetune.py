@@ -16,8 +16,8 @@ import torch.distributed.checkpoint as dcp
 from hpctrain.config import ConfigError, load_config
 from hpctrain.inference.export import export_weights
 from hpctrain.train.optim import lr_factor, named_parameters
-from tests.train.finetune_worker import FINETUNE, TASK
-from tests.train.helpers import REPO, run_two_ranks
+from tests.support.finetune_worker import FINETUNE, TASK
+from tests.support.train_kit import REPO, run_two_ranks
 from tests.train.test_trainer import build, make_config, train_records
 
 FROZEN = ("1.weight", "1.bias", "3.weight")
@@ -240,7 +240,7 @@ def test_names_are_the_models_own_under_activation_checkpointing(
 def two_ranks(shapes_shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("finetune")
     run_two_ranks(
-        REPO / "tests" / "train" / "finetune_worker.py", str(shapes_shards), str(out), timeout=300
+        REPO / "tests" / "support" / "finetune_worker.py", str(shapes_shards), str(out), timeout=300
     )
     return out
 

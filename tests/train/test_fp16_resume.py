@@ -20,7 +20,7 @@ def test_fp16_checkpoint_before_any_applied_step_resumes(
     buffers). The checkpoint must still hold the state a resume expects."""
     overrides = [
         f"run_dir={tmp_path}",
-        "task=tests.train.tasks:OverflowingMLP",
+        "task=tests.support.mlp_tasks:OverflowingMLP",
         f"data.train={shapes_shards / 'train' / 'index.json'}",
         "data.batch_size=4",
         "data.workers_per_rank=0",
@@ -46,7 +46,7 @@ def test_gradients_live_until_the_next_step_and_no_save_sees_them(
     sees gradients (the fp16 resume above needs that)."""
     overrides = [
         f"run_dir={tmp_path}",
-        "task=tests.train.tasks:OverflowingMLP",
+        "task=tests.support.mlp_tasks:OverflowingMLP",
         f"data.train={shapes_shards / 'train' / 'index.json'}",
         "data.batch_size=4",
         "data.workers_per_rank=0",

@@ -16,8 +16,8 @@ from hpctrain.dist import DistEnv
 from hpctrain.train.models import hf
 from hpctrain.train.models.gpt import GPT
 from hpctrain.train.trainer import Trainer
-from tests.train.helpers import REPO, run_two_ranks
-from tests.train.lm_testkit import SEQ_LEN, write_token_shards
+from tests.support.lm_kit import SEQ_LEN, write_token_shards
+from tests.support.train_kit import REPO, run_two_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -267,7 +267,7 @@ def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Any]
     folder = root / "qwen2"
     reference = save_hf(folder, "qwen2", vocab_size=LM_VOCAB, tie_word_embeddings=False)
     run_dir = root / "run"
-    worker = REPO / "tests" / "train" / "hf_worker.py"
+    worker = REPO / "tests" / "support" / "hf_worker.py"
     run_two_ranks(worker, str(folder), str(lm_shards), str(run_dir), timeout=300)
     return folder, run_dir, reference
 

@@ -15,7 +15,7 @@ from hpctrain.dist import DistEnv
 from hpctrain.train import init_from
 from hpctrain.train.models import build_classifier
 from hpctrain.train.trainer import Trainer
-from tests.train.lm_testkit import SEQ_LEN, write_token_shards
+from tests.support.lm_kit import SEQ_LEN, write_token_shards
 
 torchvision = pytest.importorskip("torchvision")
 

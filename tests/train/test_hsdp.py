@@ -13,9 +13,9 @@ import torch
 
 from hpctrain.config import ConfigError, load_config
 from hpctrain.train.precision import DeviceFacts, plan_training
-from tests.train.helpers import REPO, run_ranks
+from tests.support.train_kit import REPO, run_ranks
 
-WORKER = REPO / "tests" / "train" / "hsdp_worker.py"
+WORKER = REPO / "tests" / "support" / "hsdp_worker.py"
 
 
 @pytest.fixture(scope="module")

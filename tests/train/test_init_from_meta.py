@@ -10,8 +10,8 @@ import torch
 
 from hpctrain.config import Config, ConfigError, with_overrides
 from hpctrain.train import init_from
-from tests.train.helpers import REPO, run_two_ranks
-from tests.train.lm_testkit import write_token_shards
+from tests.support.lm_kit import write_token_shards
+from tests.support.train_kit import REPO, run_two_ranks
 from tests.train.test_hf import LM_VOCAB, save_hf
 
 pytest.importorskip("transformers")
@@ -30,7 +30,7 @@ def test_meta_build_loads_what_a_whole_build_loads(
         reference.to(torch.bfloat16).save_pretrained(folder)
     write_token_shards(tmp_path / "shards" / "train", 1, seed=1)
     write_token_shards(tmp_path / "shards" / "val", 1, seed=2)
-    worker = REPO / "tests" / "train" / "meta_worker.py"
+    worker = REPO / "tests" / "support" / "meta_worker.py"
     outputs = run_two_ranks(
         worker,
         str(folder),

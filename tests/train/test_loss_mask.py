@@ -19,15 +19,20 @@ from hpctrain.data import ShardedLoader, open_index
 from hpctrain.data.index import ShardIndex, ShardInfo
 from hpctrain.train.task import load_task
 from hpctrain.train.tasks.causal_lm import CausalLM, SequenceTransform
-from tests.data.instruction_testkit import expected_mask, write_instructions
-from tests.train.lm_testkit import BYTES_TOKENIZER
+from tests.support.instruction_kit import expected_mask, write_instructions
+from tests.support.lm_kit import BYTES_TOKENIZER
 
 SEQ_LEN = 32
 MASKED_INDEX = ShardIndex(
     shards=(ShardInfo("a.tar", 10, num_tokens=1000, num_targets=300),),
     tokenizer=dict(BYTES_TOKENIZER),
 )
-TINY = ["causal_lm.dim=32", "causal_lm.n_layers=2", "causal_lm.n_heads=4", f"data.seq_len={SEQ_LEN}"]
+TINY = [
+    "causal_lm.dim=32",
+    "causal_lm.n_layers=2",
+    "causal_lm.n_heads=4",
+    f"data.seq_len={SEQ_LEN}",
+]
 
 
 @pytest.fixture(scope="module")

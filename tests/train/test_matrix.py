@@ -17,8 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.train.helpers import REPO, run_two_ranks
-from tests.train.matrix import (
+from tests.support.matrix_kit import (
     GRID,
     MODELS,
     REFUSAL_CELLS,
@@ -27,6 +26,7 @@ from tests.train.matrix import (
     TOTAL_STEPS,
     Cell,
 )
+from tests.support.train_kit import REPO, run_two_ranks
 
 # What this CPU (2 gloo ranks, no GPU) does with each cell: every grid cell trains; these are
 # refused, with this line (README "Training": precision).
@@ -56,7 +56,7 @@ def results(
             needed.add(callspec.params["cell"].name)
         if "model" in callspec.params:
             needed.update(tolerance_cells(callspec.params["model"]))
-    script = REPO / "tests" / "train" / "matrix_worker.py"
+    script = REPO / "tests" / "support" / "matrix_worker.py"
     run_two_ranks(script, str(shapes_shards), str(out), *sorted(needed), timeout=1500)
     return out / "results"
 

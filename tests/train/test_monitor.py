@@ -59,7 +59,7 @@ def test_a_run_stops_early_keeps_its_best_and_profiles_the_chosen_steps(shapes_s
     earlier step), and two more without a better value stop the run."""
     import json
 
-    from tests.train.helpers import run_hpctrain, train_args
+    from tests.support.train_kit import run_hpctrain, train_args
 
     run_dir = tmp_path / "run"
     proc = run_hpctrain(
@@ -90,7 +90,7 @@ def test_a_run_stops_early_keeps_its_best_and_profiles_the_chosen_steps(shapes_s
 
 @pytest.mark.slow  # a subprocess or worker processes: seconds, not the unit tier's ms
 def test_monitor_without_validation_data_is_refused(shapes_shards, tmp_path):
-    from tests.train.helpers import run_hpctrain, train_args
+    from tests.support.train_kit import run_hpctrain, train_args
 
     proc = run_hpctrain(
         "train",

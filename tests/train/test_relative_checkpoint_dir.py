@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.train.helpers import REPO
+from tests.support.train_kit import REPO
 
 
 def hpctrain(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -23,8 +23,8 @@ from hpctrain.errors import EXIT_DATA
 from hpctrain.inference.evaluate import run_eval
 from hpctrain.train.classes import ClassNamesError
 from hpctrain.train.trainer import Trainer
-from tests.train import lm_testkit
-from tests.train.helpers import REPO, run_hpctrain
+from tests.support import lm_kit
+from tests.support.train_kit import REPO, run_hpctrain
 
 CPU = torch.device("cpu")
 MLP = "examples.custom_task:ThumbnailMLP"
@@ -124,7 +124,7 @@ def lm_config(run_dir: Path, train: Path, *overrides: str) -> Config:
             f"run_dir={run_dir}",
             "task=causal_lm",
             f"data.train={train}",
-            f"data.seq_len={lm_testkit.SEQ_LEN}",
+            f"data.seq_len={lm_kit.SEQ_LEN}",
             "data.batch_size=4",
             "data.workers_per_rank=0",
             "causal_lm.dim=16",
@@ -141,15 +141,15 @@ def lm_config(run_dir: Path, train: Path, *overrides: str) -> Config:
 def test_validation_data_without_a_sequence_is_refused_before_training_and_eval(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    train = lm_testkit.write_token_shards(tmp_path / "train", 1, seed=1)
-    monkeypatch.setattr(lm_testkit, "TOKENS_PER_SHARD", lm_testkit.SEQ_LEN)  # one id short
-    val = lm_testkit.write_token_shards(tmp_path / "val", 2, seed=2)
+    train = lm_kit.write_token_shards(tmp_path / "train", 1, seed=1)
+    monkeypatch.setattr(lm_kit, "TOKENS_PER_SHARD", lm_kit.SEQ_LEN)  # one id short
+    val = lm_kit.write_token_shards(tmp_path / "val", 2, seed=2)
     run_dir = tmp_path / "run"
     with pytest.raises(ConfigError) as info:
         Trainer(lm_config(run_dir, train, f"data.val={val}"), resolve_env({}), CPU)
     assert str(info.value) == (
-        f"data.val={val}: no sequence of data.seq_len={lm_testkit.SEQ_LEN}: every shard holds "
-        f"fewer than {lm_testkit.SEQ_LEN + 1} tokens (lower data.seq_len or give more text)"
+        f"data.val={val}: no sequence of data.seq_len={lm_kit.SEQ_LEN}: every shard holds "
+        f"fewer than {lm_kit.SEQ_LEN + 1} tokens (lower data.seq_len or give more text)"
     )
     assert not (run_dir / "checkpoints").exists()  # refused before any training
     fit(lm_config(run_dir, train))  # without data.val: a checkpoint to evaluate

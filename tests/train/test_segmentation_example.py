@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.train.helpers import REPO, run_hpctrain
+from tests.support.train_kit import REPO, run_hpctrain
 
 EXAMPLE = REPO / "examples" / "segmentation"
 

@@ -15,7 +15,7 @@ from hpctrain.config import ConfigError
 from hpctrain.errors import EXIT_CONFIG
 from hpctrain.train.models import MIN_IMAGE_SIZE, build_classifier
 from hpctrain.train.task import check_model_name
-from tests.data.loader_testkit import make_shards
+from tests.support.loader_kit import make_shards
 
 
 def logits_of(model: torch.nn.Module, image_size: int) -> object:

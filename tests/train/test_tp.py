@@ -11,10 +11,10 @@ import torch
 
 from hpctrain.config import ConfigError, load_config
 from hpctrain.train.precision import DeviceFacts, plan_training
-from tests.train.helpers import REPO, run_ranks
-from tests.train.lm_testkit import write_token_shards
+from tests.support.lm_kit import write_token_shards
+from tests.support.train_kit import REPO, run_ranks
 
-WORKER = REPO / "tests" / "train" / "tp_worker.py"
+WORKER = REPO / "tests" / "support" / "tp_worker.py"
 
 
 @pytest.fixture(scope="module")

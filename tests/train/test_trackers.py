@@ -19,7 +19,7 @@ import pytest
 from hpctrain.config import Config, ConfigError, with_overrides
 from hpctrain.train import trackers
 from hpctrain.train.trackers import Trackers, check_trackers, wandb_sync_command
-from tests.train.helpers import REPO, run_hpctrain
+from tests.support.train_kit import REPO, run_hpctrain
 
 
 def make_cfg(run_dir: Path, *overrides: str) -> Config:
@@ -540,7 +540,7 @@ def test_requeued_two_rank_run_is_one_tracked_run_with_a_best_checkpoint(
     from mlflow.tracking import MlflowClient
 
     from tests.checkpoint.test_resume_e2e import train_with_signal_at
-    from tests.train.helpers import train_args
+    from tests.support.train_kit import train_args
 
     for key in [k for k in os.environ if k.startswith("WANDB_")]:
         monkeypatch.delenv(key)
@@ -551,7 +551,7 @@ def test_requeued_two_rank_run_is_one_tracked_run_with_a_best_checkpoint(
         shapes_shards,
         run_dir,
         "train.max_steps=8",
-        "task=tests.slow_task:SlowImageClassification",
+        "task=tests.support.slow_tasks:SlowImageClassification",
         "task_options.step_s=0.2",  # the signal arrives before the last step
         "train.eval_every=2",
         "checkpoint.monitor=val_loss",

@@ -14,8 +14,8 @@ import torch
 from hpctrain.config import Config, ConfigError, load_config
 from hpctrain.dist import resolve_env
 from hpctrain.train.trainer import Trainer
-from tests.train import tasks
-from tests.train.helpers import REPO
+from tests.support import mlp_tasks as tasks
+from tests.support.train_kit import REPO
 
 CPU = torch.device("cpu")
 MLP = "examples.custom_task:ThumbnailMLP"
@@ -265,7 +265,7 @@ def test_debug_flag_loads_in_process_with_anomaly_detection(
             "train",
             str(REPO / "configs" / "demo.yaml"),
             f"run_dir={tmp_path}",
-            "task=tests.train.tasks:RecordingMLP",
+            "task=tests.support.mlp_tasks:RecordingMLP",
             f"data.train={shapes_shards / 'train' / 'index.json'}",
             "data.val=",
             "checkpoint.monitor=",  # the demo config ranks checkpoints by val_accuracy
@@ -323,7 +323,7 @@ def test_task_decode_collate_and_summarize_hooks_are_used(
     cfg = make_config(
         shapes_shards,
         run_dir,
-        "task=tests.train.tasks:HookedMLP",
+        "task=tests.support.mlp_tasks:HookedMLP",
         f"data.workers_per_rank={workers}",
         "train.max_steps=2",
     )

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from hpctrain.bench.loopback import HttpLog, serve_http
-from tests.servers import moto_s3_server, s3_storage_options
+from tests.support.local_servers import moto_s3_server, s3_storage_options
 
 __all__ = ["HttpLog", "make_bucket", "serve_http", "serve_s3"]
 

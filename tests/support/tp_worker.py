@@ -1,6 +1,6 @@
 """One rank of the tensor-parallel jobs of `test_tp.py` (gloo, CPU, causal_lm).
 
-    python tests/train/tp_worker.py SHARDS OUT_DIR two|four|one
+    python tests/support/tp_worker.py SHARDS OUT_DIR two|four|one
 
 - `two` (2 ranks): flat FSDP2 baselines; the GPT split over a 2-rank TP mesh against the
   same GPT in one piece, on fixed tokens (with and without document positions).

@@ -1,7 +1,7 @@
 """One rank of a 2-process gloo job: train tiny runs, then `eval` and `predict` them in-process.
 
 Started by `test_eval_predict.py` (RANK/WORLD_SIZE/MASTER_* set like torchrun):
-    python tests/train/evalpredict_worker.py SHARDS CORRUPT_VAL OUT_DIR S3_URL
+    python tests/support/evalpredict_worker.py SHARDS CORRUPT_VAL OUT_DIR S3_URL
 
 One process group serves every case (a 2-rank job costs ~10 s of start-up here). Each case
 writes its eval record or prediction folder under OUT_DIR (S3_URL: one prediction to the

@@ -1,6 +1,6 @@
 """Local servers for tests (a plain module, not a conftest: import what you need).
 
-    from tests.servers import moto_s3_server, s3_environment
+    from tests.support.local_servers import moto_s3_server, s3_environment
 
     with moto_s3_server() as endpoint, s3_environment(endpoint):
         fs = fsspec.filesystem("s3"); fs.mkdir("bucket")  # s3fs now talks to the local server

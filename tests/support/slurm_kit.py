@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from hpctrain.launch.status import RunStatus, run_status
-from tests.train.helpers import tiny_run_overrides
+from tests.support.train_kit import tiny_run_overrides
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = str(REPO / "configs" / "demo.yaml")
@@ -33,7 +33,7 @@ def train_overrides(shards: Path, run_dir: Path, *extra: str) -> list[str]:
 
 def hpctrain(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """`hpctrain ARGS` run from the repository root: jobs start there too (SLURM's default
-    working directory), so test tasks (`tests.slow_task`) are importable in them."""
+    working directory), so test tasks (`tests.support.slow_tasks`) are importable in them."""
     proc = subprocess.run(
         [sys.executable, "-m", "hpctrain", *args],
         capture_output=True,

@@ -1,9 +1,9 @@
 """One rank of a 4- or 2-process gloo job comparing HSDP with flat FSDP2 and DDP.
 
 Started by `test_hsdp.py` with 4 ranks on two pretended nodes (LOCAL_WORLD_SIZE=2):
-    python tests/train/hsdp_worker.py SHARDS OUT_DIR four
+    python tests/support/hsdp_worker.py SHARDS OUT_DIR four
 and then with 2 ranks, resuming the 4-rank runs' step-2 checkpoints under other meshes:
-    python tests/train/hsdp_worker.py SHARDS OUT_DIR two
+    python tests/support/hsdp_worker.py SHARDS OUT_DIR two
 
 Each case trains with `Trainer`; rank 0 writes the full weights to `OUT_DIR/<case>.pt`.
 """

@@ -3,7 +3,7 @@ device (the trainer's path) and built whole as before (`init_from.builds_on_meta
 off), compared tensor for tensor.
 
 Started by `test_init_from_meta.py` (RANK/WORLD_SIZE/MASTER_* set like torchrun):
-    python tests/train/meta_worker.py HF_FOLDER SHARDS WORK PRECISION [STRATEGY]
+    python tests/support/meta_worker.py HF_FOLDER SHARDS WORK PRECISION [STRATEGY]
 Prints `equal` on success; any difference fails an assert (exit status 1).
 """
 

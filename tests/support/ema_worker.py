@@ -1,6 +1,6 @@
 """One rank of the 2-process gloo job behind `test_ema.py` (one process group, every case).
 
-    python tests/train/ema_worker.py SHARDS OUT_DIR
+    python tests/support/ema_worker.py SHARDS OUT_DIR
 
 Cases (the test asserts on what rank 0 writes to OUT_DIR):
 - `ddp`, `fsdp`: 4 steps with train.ema_decay, fp32; the full EMA -> `<case>.ema.pt`.

@@ -1,7 +1,7 @@
 """One rank of the 2-process gloo job that runs every cell of the matrix (`matrix.py`) in-process.
 
 Started by `test_matrix.py` (RANK/WORLD_SIZE/MASTER_* set like torchrun):
-    python tests/train/matrix_worker.py SHARDS OUT_DIR [CELL ...]   # only these cells
+    python tests/support/matrix_worker.py SHARDS OUT_DIR [CELL ...]   # only these cells
 
 Each cell trains `STEPS_BEFORE_SAVE` steps with a `Trainer` and saves; a fresh `Trainer`
 resumes from that checkpoint and trains to `TOTAL_STEPS`. The outcome (trained with its losses
@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 from hpctrain.config import ConfigError, load_config  # noqa: E402
 from hpctrain.dist import DistEnv, choose_device, process_group, resolve_env  # noqa: E402
 from hpctrain.train.trainer import Trainer  # noqa: E402
-from tests.train.matrix import (  # noqa: E402
+from tests.support.matrix_kit import (  # noqa: E402
     GRID,
     REFUSAL_CELLS,
     STEPS_BEFORE_SAVE,

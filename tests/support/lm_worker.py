@@ -1,7 +1,7 @@
 """One rank of a 2-process gloo job that trains the causal_lm task in several ways in-process.
 
 Started by `test_causal_lm.py` (RANK/WORLD_SIZE/MASTER_* set like torchrun):
-    python tests/train/lm_worker.py SHARDS OUT_DIR
+    python tests/support/lm_worker.py SHARDS OUT_DIR
 
 Cases (one process group, so the whole set is one job of a few seconds):
 - `ddp`, `fsdp`: fp32, the same 6 steps (checkpoints at 3 and 6, sample logs).
@@ -29,7 +29,7 @@ from hpctrain.dist import DistEnv, choose_device, process_group, resolve_env
 from hpctrain.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))  # tests.train.lm_tasks
+sys.path.insert(0, str(REPO))  # tests.support.lm_tasks
 
 STEPS = 6
 # 4 train shards × 16 sequences, batch 4 on each of 2 ranks: 8 steps an epoch. After 3 steps
@@ -41,7 +41,7 @@ CASES = {
     "fsdp": ["train.strategy=fsdp"],
     "fsdp-signal": [
         "train.strategy=fsdp",
-        "task=tests.train.lm_tasks:SignalingCausalLM",
+        "task=tests.support.lm_tasks:SignalingCausalLM",
         "task_options.signal_at_call=2",
     ],
     "fsdp-bf16": [

@@ -1,7 +1,7 @@
 """One rank of a 2-process gloo job: a causal_lm run started from a Hugging Face folder.
 
 Started by `test_hf.py` (RANK/WORLD_SIZE/MASTER_* set like torchrun):
-    python tests/train/hf_worker.py HF_FOLDER SHARDS RUN_DIR [OVERRIDE ...]
+    python tests/support/hf_worker.py HF_FOLDER SHARDS RUN_DIR [OVERRIDE ...]
 FSDP2 (RUN_DIR), then DDP (RUN_DIR-ddp), fp32, `model.init_from=HF_FOLDER`; the test
 exports the runs and compares with transformers.
 """

@@ -1,6 +1,6 @@
 """One rank of the 2-process gloo job behind `test_finetune.py` (one process group, every case).
 
-    python tests/train/finetune_worker.py SHARDS OUT_DIR
+    python tests/support/finetune_worker.py SHARDS OUT_DIR
 
 Every case trains `DeepMLP` (three linear layers: `1.*`, `3.*`, `5.*`) with `FINETUNE`: layer 1
 frozen whole (a whole FSDP2 unit), layer 3's weight frozen but not its bias (one unit holding
@@ -52,7 +52,7 @@ class DeepMLP(ThumbnailMLP):
         )
 
 
-TASK = "tests.train.finetune_worker:DeepMLP"
+TASK = "tests.support.finetune_worker:DeepMLP"
 FINETUNE = [
     "train.freeze=['1.*', '3.weight']",
     "train.lr_groups=[{pattern: '5.*', lr_scale: 10}]",

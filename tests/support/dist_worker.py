@@ -1,7 +1,7 @@
 """One rank of a 2-process gloo job that runs several trainings in-process (one process group).
 
 Started by `test_distributed.py` (RANK/WORLD_SIZE/MASTER_* set like torchrun):
-    python tests/train/dist_worker.py SHARDS OUT_DIR
+    python tests/support/dist_worker.py SHARDS OUT_DIR
 
 Each case trains a few steps with `Trainer` and rank 0 writes the full (unsharded) weights to
 `OUT_DIR/<case>.pt`; the test compares them. Sharing one process group keeps the whole matrix
