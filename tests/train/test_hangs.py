@@ -174,5 +174,5 @@ def test_status_points_to_the_dumps_and_the_last_straggler_line(tmp_path, monkey
     monkeypatch.setattr(status_mod, "query_jobs", lambda job_ids: [])
     assert main(["status", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert f"stacks:    {folder}  (Python stacks of hung ranks; README)" in out
+    assert f"stacks:    {folder}  (Python stacks of hung ranks; docs/checkpoints.md)" in out
     assert "straggler: 12:00:09 [rank 0] WARNING straggler: rank 3 on n2 computes 170 ms" in out

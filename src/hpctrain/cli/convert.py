@@ -29,7 +29,7 @@ SRC is a folder SRC/<class>/<image> (classes sorted -> labels); a .csv/.jsonl ma
 column a member: path/label, file columns like mask.png, cls/txt/json, the rest gathered into
 .json); a Python callable pkg.module:function returning dict samples; a Hugging Face
 save_to_disk folder or parquet files (pip install 'hpctrain[arrow]'); or shards (a folder with
-index.json or .tar files, a brace pattern). README's convert section has the mapping rules.
+index.json or .tar files, a brace pattern). docs/conversion.md has the mapping rules.
 DEST is a folder or an fsspec URL (s3://..., memory://...). Output is identical for any
 --workers; the index is written last, so a killed run leaves no index (finish it with --resume).
 """
@@ -129,7 +129,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="progress bar in a terminal, periodic lines otherwise (default auto)",
     )
     text = parser.add_argument_group(
-        "text sources (language models: token shards; README 'Language-model data')"
+        "text sources (language models: token shards; docs/conversion.md and docs/language-model-data.md)"
     )
     text.add_argument(
         "--tokenizer",

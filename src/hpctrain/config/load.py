@@ -437,7 +437,7 @@ def with_overrides(cfg: Config, overrides: Sequence[str]) -> Config:
 
 
 def reference_rows() -> list[tuple[str, str, str]]:
-    """(dotted key, default, help) for every key: the README's config reference."""
+    """(dotted key, default, help) for every key: docs/config-reference.md."""
     rows: list[tuple[str, str, str]] = []
 
     def walk(cls: type, prefix: str) -> None:

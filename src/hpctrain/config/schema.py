@@ -3,7 +3,7 @@
 Each field may carry metadata that the loader checks before any work starts:
 `choices` (allowed values), `min` and `max` (the allowed range; `max_reason` says why), `above`
 (a bound the value must exceed), `key` (the YAML name when it is a
-Python keyword, e.g. `checkpoint.async`), and `help` (shown in the README's reference).
+Python keyword, e.g. `checkpoint.async`), and `help` (shown in docs/config-reference.md).
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ class CausalLMConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class SourceConfig:
-    """One source of a mixture (`data.train` as a list; see README "Mixing several datasets")."""
+    """One source of a mixture (`data.train` as a list; see docs/data.md "Mixing several datasets")."""
 
     path: str = _f("", "the source's shards: an index.json path/URL or a shard pattern")
     weight: float = _f(1.0, "relative share of the training samples (> 0)", above=0.0)
@@ -224,7 +224,7 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class LrGroupConfig:
-    """One entry of `train.lr_groups` (see README "Fine-tuning: freezing and learning-rate groups")."""
+    """One entry of `train.lr_groups` (see docs/training.md "Fine-tuning: freezing and learning-rate groups")."""
 
     pattern: str = _f("", "parameter-name glob (fnmatch: * also matches dots), e.g. 'head.*'")
     lr_scale: float = _f(

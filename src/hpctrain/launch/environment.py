@@ -213,7 +213,7 @@ def environment_checks(
             Check(
                 "torch",
                 False,
-                f"torch does not import {where}: {report.get('torch_error', 'not reported')}; fix: install torch into it (README: Running on a cluster)",
+                f"torch does not import {where}: {report.get('torch_error', 'not reported')}; fix: install torch into it (docs/clusters.md: the job's environment)",
             )
         )
         return checks
@@ -242,7 +242,7 @@ def _version_check(version: str, requirement: str, where: str) -> Check:
     return Check(
         "torch version",
         False,
-        f"torch {version} {where}, hpctrain needs {requirement}; fix: install torch 2.14 wheels into a venv (README: Running on a cluster) instead of an older site module",
+        f"torch {version} {where}, hpctrain needs {requirement}; fix: install torch 2.14 wheels into a venv (docs/clusters.md: the job's environment) instead of an older site module",
     )
 
 
@@ -282,7 +282,7 @@ def check_job_environment(job: JobSpec, python: str = sys.executable) -> list[Ch
                 Check(
                     "container",
                     False,
-                    f"slurm.container={job.container!r}: no such image file; fix: build it (README: Running on a cluster) or correct the path",
+                    f"slurm.container={job.container!r}: no such image file; fix: build it (docs/clusters.md: the job's environment) or correct the path",
                 )
             ]
         if shutil.which(job.container_runtime) is None and not _setup_may_provide(job):

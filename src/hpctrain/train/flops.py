@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # torch-free at import: `hpctrain bench gpu` reads the table before torch
+if TYPE_CHECKING:  # torch-free at import: `hpctrain bench gpu-lm` reads the table before torch
     import torch
 
 # (substring of torch.cuda.get_device_name, dense bf16 tensor FLOP/s; fp16 on V100, which has no
 # bf16), from NVIDIA's data sheets without sparsity. The first match wins, so specific names come
 # before the names they contain (GH200 before H200, H100 PCIe before H100, A100 before A10, L40S
-# before L4). The one table: `hpctrain bench gpu` reads it too.
+# before L4). The one table: `hpctrain bench gpu-lm` reads it too.
 PEAK_FLOPS: tuple[tuple[str, float], ...] = (
     ("GH200", 989e12),
     ("H200", 989e12),

@@ -118,7 +118,7 @@ def plan_training(
     bf16 on GPUs before Ampere, a GPU this torch build has no kernels for, several ranks
     without data parallelism, SyncBatchNorm on CPUs, `train.compile` where it cannot run.
     `auto` precision is bf16 on GPUs with bf16 and fp32 elsewhere: on CPUs without AVX-512
-    BF16, bf16 autocast is ~40x slower than fp32 (notes in BENCHMARKS.md).
+    BF16, bf16 autocast is ~40x slower than fp32 (notes in docs/benchmark-log.md).
     """
     if device.type == "cuda" and device.min_capability:
         major, minor = device.capability
