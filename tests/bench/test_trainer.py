@@ -40,3 +40,24 @@ def test_gpt_reference_loss_is_the_causal_lm_loss(tmp_path: Path) -> None:
     reference, _ = trainer.next_token_loss(model, batch)
     loss, _ = task.loss(model, batch)
     torch.testing.assert_close(reference, loss)
+
+
+def test_the_document_mask_case_gives_the_trainer_documents(tmp_path: Path) -> None:
+    """`gpt-tiny+docs`: the Trainer's batches carry document positions (its loss attends per
+    document), the reference loop's plain causal loss ignores them."""
+    import torch
+
+    from hpctrain.data import open_index
+    from hpctrain.train.task import load_task
+
+    cfg = trainer.bench_config(trainer.GPT_DOCS, tmp_path, seq_len=64)
+    task = load_task(cfg, open_index(cfg.data.train))
+    model = task.build_model()
+    batch = trainer.make_batches(trainer.GPT_DOCS, 1, batch_size=2, seq_len=64)[0]
+    positions = batch["positions"]
+    assert positions.shape == batch["tokens"].shape and (positions[:, 0] == 0).all()
+    steps = positions[:, 1:] - positions[:, :-1]
+    assert ((steps == 1) | (positions[:, 1:] == 0)).all() and (positions == 0).sum() > 2
+    masked, _ = task.loss(model, batch)
+    plain, _ = trainer.next_token_loss(model, batch)
+    assert not torch.allclose(masked, plain)

@@ -10,7 +10,11 @@ millisecond, the median paired difference per step is the Trainer's fixed overhe
 
 With `--task causal_lm` the comparison runs on `gpt-tiny` (byte vocabulary, sequences of
 `--seq-len` tokens): the reference loop computes the next-token cross-entropy itself, the
-Trainer goes through the `causal_lm` task as a real run does.
+Trainer goes through the `causal_lm` task as a real run does. A second case,
+`gpt-tiny+docs`, gives the Trainer's batches `positions` (documents of 16-128 tokens packed
+together, as the loader makes them): the Trainer attends per document (the block-causal mask)
+while the reference loop keeps plain causal attention, so its ratio is the cost of the mask
+with the Trainer's own (about 1.00) on top.
 
 The Trainer is built from a config as for a real run (its loader is never iterated: the
 batches come from memory), with logging and checkpointing off, and steps through the same
@@ -108,6 +112,7 @@ def _identity(sample: dict[str, Any]) -> dict[str, Any]:
 BYTES_VOCAB_SIZE = 257
 BYTES_TOKENIZER = {"name": "bytes", "vocab_size": BYTES_VOCAB_SIZE, "eod_id": 256, "sha256": ""}
 GPT_BATCH_SIZE = 8
+GPT_DOCS = "gpt-tiny+docs"  # the Trainer's batches carry positions: per-document attention
 
 
 def make_batches(
@@ -116,18 +121,19 @@ def make_batches(
     generator = torch.Generator().manual_seed(0)
     batches = []
     for i in range(count):
-        if kind == "gpt-tiny":
+        if kind.startswith("gpt-tiny"):
             # The loader's packed sequences: seq_len inputs plus the shifted last target.
             tokens = torch.randint(
                 0, BYTES_VOCAB_SIZE, (batch_size, seq_len + 1), generator=generator
             )
-            batches.append(
-                {
-                    "tokens": tokens,
-                    "key": [f"{i}-{j}" for j in range(batch_size)],
-                    "valid": torch.ones(batch_size, dtype=torch.bool),
-                }
-            )
+            batch = {
+                "tokens": tokens,
+                "key": [f"{i}-{j}" for j in range(batch_size)],
+                "valid": torch.ones(batch_size, dtype=torch.bool),
+            }
+            if kind == GPT_DOCS:
+                batch["positions"] = document_positions(batch_size, seq_len + 1, generator)
+            batches.append(batch)
             continue
         if kind == "resnet18":
             image = torch.randint(
@@ -146,10 +152,23 @@ def make_batches(
     return batches
 
 
+def document_positions(rows: int, length: int, generator: torch.Generator) -> torch.Tensor:
+    """Each token's position in its document, for documents of 16-128 tokens back to back."""
+    positions = torch.empty(rows, length, dtype=torch.long)
+    for row in range(rows):
+        t = 0
+        while t < length:
+            n = int(torch.randint(16, 129, (), generator=generator))
+            end = min(length, t + n)
+            positions[row, t:end] = torch.arange(end - t)
+            t = end
+    return positions
+
+
 def bench_config(kind: str, work: Path, seq_len: int = 256) -> Config:
     """A run config whose index names 10 classes (or a byte tokenizer) and plenty of samples
     (never read)."""
-    if kind == "gpt-tiny":
+    if kind.startswith("gpt-tiny"):
         tokens = 1_000_000_000
         index = ShardIndex(
             shards=(ShardInfo("unused.tar", 1000, 2 * tokens + 1000 * 1024, num_tokens=tokens),),
@@ -192,7 +211,7 @@ class ReferenceLoop:
 
     def __init__(self, trainer: Any, seed: int, kind: str) -> None:
         torch.manual_seed(seed)
-        self.loss = next_token_loss if kind == "gpt-tiny" else trainer.task.loss
+        self.loss = next_token_loss if kind.startswith("gpt-tiny") else trainer.task.loss
         self.model = trainer.task.build_model()
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, foreach=False)
@@ -398,7 +417,10 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="hpctrain-bench-trainer-") as tmp:
         work = Path(tmp)
         if args.task == "causal_lm":
-            cases = [("gpt-tiny", args.gpt_pairs, args.gpt_steps)]
+            cases = [
+                ("gpt-tiny", args.gpt_pairs, args.gpt_steps),
+                (GPT_DOCS, args.gpt_pairs, args.gpt_steps),
+            ]
         else:
             cases = [
                 ("mlp", args.mlp_pairs, args.mlp_steps),
