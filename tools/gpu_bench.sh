@@ -117,6 +117,14 @@ echo "report: $WORK/report.json"
 if [[ "$LM" -eq 1 ]]; then
   echo "lm: ${LM_CMD[*]}"
   OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "${LM_CMD[@]}" || SMOKE_RC=$?
+  if [[ "$NPROC" -gt 1 ]]; then
+    # The same LLM run under HSDP (one node: the same as FSDP2) and FSDP2 x TP 2 (#27).
+    for MESH in "--strategy hsdp" "--tp-degree 2"; do
+      echo "lm: ${LM_CMD[*]} $MESH"
+      # shellcheck disable=SC2086
+      OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "${LM_CMD[@]}" $MESH --work "$WORK/lm-${MESH##* }" || SMOKE_RC=$?
+    done
+  fi
 fi
 if [[ "$SMOKE_RC" -ne 0 ]]; then echo "gpu_bench.sh: smoke cells FAILED (above)" >&2; fi
 exit "$SMOKE_RC"

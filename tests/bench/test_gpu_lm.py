@@ -86,6 +86,12 @@ def test_gpu_config_is_valid(tmp_path: Path) -> None:
     assert (cfg.train.strategy, cfg.train.precision) == ("fsdp", "bf16")
     assert cfg.train.compile and cfg.train.activation_checkpointing
     assert cfg.checkpoint.every_steps == 0 and not cfg.data.val
+    import dataclasses
+
+    for changes, expected in (({"strategy": "hsdp"}, ("hsdp", 1)), ({"tp_degree": 2}, ("fsdp", 2))):
+        mesh = dataclasses.replace(plan, **changes)
+        cfg = load_config(None, gpu_lm.config_overrides(mesh, tmp_path / "index.json", tmp_path, 1))
+        assert (cfg.train.strategy, cfg.train.tp_degree) == expected
 
 
 def test_cpu_run_reports_tokens_and_data_wait(tmp_path: Path) -> None:

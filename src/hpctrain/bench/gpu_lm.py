@@ -74,7 +74,7 @@ class LMPlan:
     num_parameters: int
     vocab_size: int
     precision: str
-    strategy: str  # fsdp with several GPUs; none (unwrapped) in a single process
+    strategy: str  # fsdp or hsdp (--strategy) with several GPUs; none in a single process
     compile: bool
     activation_checkpointing: bool
     batch_size: int  # sequences per GPU
@@ -83,6 +83,7 @@ class LMPlan:
     estimated_memory_gib: float
     memory_gib: float
     peak_tflops: float | None
+    tp_degree: int = 1  # --tp-degree: tensor parallelism inside the node
 
 
 def estimate_memory_gib(
@@ -225,7 +226,7 @@ def make_lm_plan(args: argparse.Namespace) -> LMPlan:
         num_parameters=shape.num_parameters,
         vocab_size=args.vocab_size,
         precision=precision,
-        strategy="fsdp" if ranks > 1 else "none",
+        strategy=args.strategy if ranks > 1 else "none",
         compile=compile_blocks,
         activation_checkpointing=checkpointing or args.activation_checkpointing,
         batch_size=args.batch_size,
@@ -236,6 +237,7 @@ def make_lm_plan(args: argparse.Namespace) -> LMPlan:
         estimated_memory_gib=estimate,
         memory_gib=memory_gib,
         peak_tflops=peak_tflops(gpu_name) if num_gpus else None,
+        tp_degree=args.tp_degree if ranks > 1 else 1,
     )
 
 
@@ -301,7 +303,8 @@ def config_overrides(plan: LMPlan, index: Path, run_dir: Path, steps: int) -> li
         "data.prefetch_factor=4",
         f"train.max_steps={steps}",
         "train.max_epochs=0",
-        f"train.strategy={'fsdp' if plan.strategy == 'fsdp' else 'ddp'}",
+        f"train.strategy={plan.strategy if plan.strategy in ('fsdp', 'hsdp') else 'ddp'}",
+        f"train.tp_degree={plan.tp_degree}",
         f"train.precision={plan.precision}",
         f"train.compile={on[plan.compile]}",
         f"train.activation_checkpointing={on[plan.activation_checkpointing]}",
@@ -405,6 +408,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="loader workers per GPU (default: the node's CPUs per GPU - 1, at most 8)",
     )
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument(
+        "--strategy",
+        choices=("fsdp", "hsdp"),
+        default="fsdp",
+        help="with several GPUs: flat FSDP2 or HSDP (shards inside the node)",
+    )
+    parser.add_argument(
+        "--tp-degree", type=int, default=1, help="tensor parallelism over this many GPUs"
+    )
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     parser.add_argument(
         "--activation-checkpointing", action="store_true", help="even when it is not needed"
