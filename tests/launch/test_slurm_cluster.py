@@ -32,6 +32,7 @@ from tests.support.slurm_kit import (
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
 HERE = Path(__file__).parent
+WORKER = HERE.parent / "support" / "allreduce_worker.py"  # a 2-rank all-reduce as a SLURM task
 
 # Tests that signal a run once it reached step 20 need the rest of the run to outlast the
 # signal's way there on any machine: a floor of 30 ms a step (see tests/support/slow_tasks.py).
@@ -51,7 +52,7 @@ def test_plumbing_sbatch_two_tasks_allreduce(tmp_path: Path, jobs: list[str]) ->
     out = tmp_path / "out.txt"
     job_id = subprocess.run(
         ["sbatch", "--parsable", "--ntasks=2", "--time=2", f"--output={out}",
-         f"--wrap=srun {sys.executable} {HERE / 'allreduce_task.py'}"],
+         f"--wrap=srun {sys.executable} {WORKER}"],
         capture_output=True, text=True, check=True, timeout=30,
     ).stdout.strip()  # fmt: skip
     jobs.append(job_id)
@@ -66,9 +67,7 @@ def test_plumbing_sbatch_two_tasks_allreduce(tmp_path: Path, jobs: list[str]) ->
 def test_plumbing_submitit_two_nodes(tmp_path: Path, jobs: list[str]) -> None:
     executor = submitit.AutoExecutor(folder=tmp_path / "submitit", cluster="slurm")
     executor.update_parameters(nodes=2, tasks_per_node=1, timeout_min=5, cpus_per_task=1)
-    job = executor.submit(
-        submitit.helpers.CommandFunction([sys.executable, str(HERE / "allreduce_task.py")])
-    )
+    job = executor.submit(submitit.helpers.CommandFunction([sys.executable, str(WORKER)]))
     jobs.append(job.job_id)
     outputs = wait_for("both submitit tasks", lambda: job.done() and job.results(), 90)
     text = "".join(str(o) for o in outputs)

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import hpctrain.train.init_from as init_from  # a module: tests patch its functions
 from hpctrain.checkpoint import CheckpointManager
 from hpctrain.config import Config, ConfigError, config_to_yaml
 from hpctrain.data import ShardedLoader, open_index
@@ -27,8 +28,6 @@ from hpctrain.train.ema import build_ema
 from hpctrain.train.evaluation import require_items
 from hpctrain.train.gpu_stats import GpuCounters
 from hpctrain.train.hangs import HangWatch
-from hpctrain.train.init_from import build_model as build_initial_model
-from hpctrain.train.init_from import check as check_init_from
 from hpctrain.train.memory import OOMSnapshots
 from hpctrain.train.metrics import IntervalMeter, MetricMonitor, MetricsWriter
 from hpctrain.train.optim import build_optimizer, build_scheduler, freeze_parameters
@@ -152,8 +151,8 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
     def build_model(self) -> None:
         """The task's model, moved, wrapped and sharded; its optimizer and gradient scaler."""
         torch.manual_seed(self.cfg.seed)  # identical initial weights on every rank (FSDP2 needs it)
-        check_init_from(self.cfg, self.task)
-        model = build_initial_model(self.task, self.cfg, self.plan.strategy)
+        init_from.check(self.cfg, self.task)
+        model = init_from.build_model(self.task, self.cfg, self.plan.strategy)
         trainable, frozen = freeze_parameters(model, self.cfg.train.freeze)  # before wrapping
         log.info(
             "parameters: %s trainable, %s frozen (train.freeze)", f"{trainable:,}", f"{frozen:,}"
