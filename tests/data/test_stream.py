@@ -59,6 +59,34 @@ def test_skipped_samples_are_not_read(tmp_path, views):
     assert stats.bytes_read < 5 * 100_000
 
 
+@pytest.mark.parametrize("views", [False, True])
+def test_members_read_ahead_whole_or_in_part_are_read_exactly(tmp_path, views):
+    """A member's read takes a few blocks after it (a small member, the next header): members
+    that fit there, that fit in part (read again from their start) and skipped samples."""
+    sizes = [0, 1, 511, 512, 513, 1024, 1500, 2048, 5000]
+    members = []
+    for i, n in enumerate(sizes):
+        members += [(f"{i:03d}.jpg", bytes([i]) * (3000 + i)), (f"{i:03d}.txt", b"t%d" % i * n)]
+    path = write_tar(tmp_path / "x.tar", members)
+    expected = [
+        (i, f"{i:03d}", {"jpg": bytes([i]) * (3000 + i), "txt": b"t%d" % i * n})
+        for i, n in enumerate(sizes)
+    ]
+    stats = ReadStats()
+    with open_shard(str(path), stats=stats) as f:
+        got = [
+            (i, k, {e: bytes(v) for e, v in m.items()}) for i, k, m in iter_samples(f, views=views)
+        ]
+    assert got == expected
+    assert stats.bytes_read <= path.stat().st_size  # bytes read again are counted once
+    with open_shard(str(path)) as f:
+        some = [
+            (i, k, {e: bytes(v) for e, v in m.items()})
+            for i, k, m in iter_samples(f, want=lambda i: i % 3 == 1, views=views)
+        ]
+    assert some == [s for s in expected if s[0] % 3 == 1]
+
+
 def test_split_key_follows_webdataset():
     assert split_key("a/b.c/key.seg.JPG") == ("a/b.c/key", "seg.jpg")
     assert split_key("noext") == ("noext", "")

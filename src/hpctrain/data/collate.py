@@ -110,7 +110,7 @@ class Collator:
         rows = self.rows
         for name, shape, dtype in self.tensors:
             value = sample.get(name, _MISSING)
-            tensor = _as_tensor(value)
+            tensor = value if type(value) is torch.Tensor else _as_tensor(value)
             if tensor is None or tensor.shape != shape or tensor.dtype != dtype:
                 self._mismatch(name, f"{list(shape)} {dtype}", value, key)
             rows[name][pos].copy_(tensor)

@@ -34,6 +34,9 @@ from hpctrain.errors import DataError
 
 BLOCK = 512
 READ_CHUNK = 1 << 20  # what a non-seekable stream reads ahead of what it was asked for
+# what a member's read of a seekable file takes beyond its data and the next header: a small
+# member that follows (a label, a caption) and the header after it (see `read_member`)
+MEMBER_AHEAD = 2 * BLOCK
 MAX_RAW_READ = 64 << 20  # one read's most: a huge size field must not allocate it at once
 
 
@@ -314,18 +317,26 @@ class ShardStream:
     def read_member(self, size: int, padded: int, views: bool = False) -> bytes | memoryview:
         """A tar member's `size` data bytes, consuming its `padded` bytes (data + padding).
 
+        From a seekable file, one read takes the data, the next header and `MEMBER_AHEAD`
+        bytes more: a sample of an image and a small label (or caption) costs one system
+        call instead of two, and what is read beyond the member is at most a few blocks, so
+        skipped samples are still seeked past, not read. `views=True`: the data may be a
+        memoryview of that read (no copy).
+
         Raises:
             CorruptShardError: the shard ends before the data does.
         """
         pos = self._buf_pos
-        if pos + padded <= len(self._buf):  # a small member of a stream's read-ahead
+        buf = self._buf
+        if pos + padded <= len(buf):  # in what was read ahead
             self._buf_pos = pos + padded
-            return self._buf[pos : pos + size]
-        if self._seekable and pos >= len(self._buf):
-            # One read for the data and the next header, which is then served from `_buf`:
-            # a system call less per member. The bytes object is the member's own (the
-            # header is copied out of it), so holding it keeps nothing else alive.
-            data = self._read_raw(padded + BLOCK)
+            return memoryview(buf)[pos : pos + size] if views else buf[pos : pos + size]
+        if self._seekable:
+            if pos < len(buf):  # partly read ahead: read it whole, from where it starts
+                self._unread()
+            # The bytes object is the member's own but for the few blocks after it (the
+            # header is copied out of it), so holding it keeps little else alive.
+            data = self._read_raw(padded + BLOCK + MEMBER_AHEAD)
             if len(data) > padded:
                 self._buf, self._buf_pos = data, padded
             elif data and len(data) < padded:  # a short read: read the rest as asked
@@ -337,6 +348,19 @@ class ShardStream:
         if len(data) == size:
             return data
         return memoryview(data)[:size] if views else data[:size]
+
+    def _unread(self) -> None:
+        """Forget what a seekable file has read ahead: the file is positioned at `pos`."""
+        target = self.pos
+        self.stats.bytes_read -= self.raw_pos - target
+        self._buf, self._buf_pos = b"", 0
+        try:
+            self._file.seek(target)
+        except Exception as exc:
+            self.raw_pos = target
+            self._retry(exc)  # reopened at raw_pos
+            return
+        self.raw_pos = target
 
     def skip_member(self, size: int, padded: int) -> None:
         """Skip a tar member's `padded` bytes unread (`CorruptShardError`: the shard ends

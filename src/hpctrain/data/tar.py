@@ -34,6 +34,8 @@ _DECIMAL = re.compile(r"[0-9]+", re.ASCII)
 _OCTAL = re.compile(rb" *([0-7]+)[ \0]*")
 # the fields of a tar header that are read: name, size, checksum, type, magic, USTAR prefix
 _HEADER = struct.Struct("100s24x12s12x8sc100x6s82x155s12x")
+_META_KINDS = (b"x", b"L", b"g")  # PAX header, GNU long name, PAX global header
+_FILE_KINDS = (b"0", b"\0", b"7")  # regular files (7: contiguous)
 
 
 def header_checksum(header: bytes) -> int:
@@ -109,20 +111,30 @@ def tar_entries(stream: ShardStream) -> Iterator[tuple[str, int, int]]:
     """
     long_name: str | None = None
     pax: dict[str, str] = {}
+    # per member: the usual forms' checks inline (a function call each cost more than them)
+    octal = _OCTAL.fullmatch
+    unpack = _HEADER.unpack
+    adler = zlib.adler32
+    read = stream.read_view  # bytes, or a memoryview: both are parsed alike
     while True:
         at = stream.pos
-        header = stream.read(BLOCK)
+        header = read(BLOCK)
         if len(header) < BLOCK:
             if not header:
                 return  # archive without end blocks: accepted, as tar does
             raise CorruptShardError("truncated tar header")
         if header == ZERO_BLOCK:
             return
-        raw_name, raw_size, raw_sum, kind, magic, raw_prefix = _HEADER.unpack(header)
-        if _parse_number(raw_sum, "checksum", at) != header_checksum(header):
+        raw_name, raw_size, raw_sum, kind, magic, raw_prefix = unpack(header)
+        usual = octal(raw_sum)
+        checksum = int(usual[1], 8) if usual else _parse_number(raw_sum, "checksum", at)
+        # header_checksum(header), inline
+        low = (adler(header[:256]) & 0xFFFF) + (adler(header[256:]) & 0xFFFF)
+        if checksum != low - (adler(header[148:156]) & 0xFFFF) + 255:
             raise CorruptShardError(f"bad tar header checksum at byte {at}")
-        size = _parse_number(raw_size, "size", at)
-        if kind in (b"x", b"L", b"g"):
+        usual = octal(raw_size)
+        size = int(usual[1], 8) if usual else _parse_number(raw_size, "size", at)
+        if kind in _META_KINDS:
             if size > MAX_META_BYTES:
                 raise CorruptShardError(f"tar metadata member of {size} bytes at byte {at}")
             _check_size(stream, size, at)
@@ -134,7 +146,8 @@ def tar_entries(stream: ShardStream) -> Iterator[tuple[str, int, int]]:
             continue
         if long_name is not None:
             name = long_name
-        elif "path" in pax:
+            long_name = None
+        elif pax and "path" in pax:
             name = pax["path"]
         else:
             name = raw_name.split(b"\0", 1)[0].decode("utf-8", "replace")
@@ -147,10 +160,11 @@ def tar_entries(stream: ShardStream) -> Iterator[tuple[str, int, int]]:
                     raise CorruptShardError(f"PAX size {pax['size'][:20]!r} at byte {at}")
                 size = int(pax["size"])
             pax = {}
-        long_name = None
         padded = -(-size // BLOCK) * BLOCK
-        _check_size(stream, size, at)
-        if kind not in (b"0", b"\0", b"7"):
+        length = stream.length
+        if length is not None and size > length - at - BLOCK:  # past the end (or nearly)
+            _check_size(stream, size, at)
+        if kind not in _FILE_KINDS:
             stream.skip_member(size, padded)
             continue
         yield name, size, padded
@@ -209,8 +223,11 @@ def iter_samples(
     key: str | None = None
     members: dict[str, Any] = {}
     wanted = True
+    read_member = stream.read_member
     for name, size, padded in tar_entries(stream):
-        k, ext = split_key(name)
+        # split_key, inline (once per member)
+        dot = name.find(".", name.rfind("/") + 1)
+        k, ext = (name, "") if dot < 0 else (name[:dot], name[dot + 1 :].lower())
         if k != key:
             if key is not None and wanted:
                 yield index, key, members
@@ -225,6 +242,6 @@ def iter_samples(
         if ext in members:
             # webdataset#205: a duplicate member would silently replace the first one
             raise CorruptShardError(f"duplicate member {name!r}")
-        members[ext] = stream.read_member(size, padded, views)
+        members[ext] = read_member(size, padded, views)
     if key is not None and wanted:
         yield index, key, members
