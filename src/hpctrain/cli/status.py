@@ -66,7 +66,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"error:     {status.error_line}")
             print(f"           ({status.error_path})")
         if status.hangs_path:
-            print(f"stacks:    {status.hangs_path}  (Python stacks of hung ranks; docs/checkpoints.md)")
+            print(
+                f"stacks:    {status.hangs_path}  (Python stacks of hung ranks; docs/checkpoints.md)"
+            )
         if status.straggler_line:
             print(f"straggler: {status.straggler_line}")
         if status.log_tail:
