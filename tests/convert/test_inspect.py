@@ -178,3 +178,22 @@ def test_pax_headers_and_long_names_are_read_like_the_loader(
     assert main(["inspect", str(path), "--verify", "--json", "--keys", "2"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["num_samples"] == 2 and report["sample_keys"] == ["a", long_key]
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_token_shards_of_large_members_check_clean(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], verify: bool
+) -> None:
+    """Members of several kB one after another: the loader's read-ahead takes part of the next
+    one and reads it again from its start; inspect's hashing stream must read each byte once
+    (its size and sha256 against the index)."""
+    text = tmp_path / "text"
+    text.mkdir()
+    for i in range(6):
+        (text / f"{i}.txt").write_text(f"document {i} " * (400 + 300 * i))
+    assert main(["convert", str(text), str(tmp_path / "tok"), "--tokenizer", "bytes",
+                 "--sample-tokens", "4000"]) == 0  # fmt: skip
+    capsys.readouterr()
+    args = ["inspect", str(tmp_path / "tok"), *(["--verify"] if verify else [])]
+    assert main(args) == 0, capsys.readouterr().out
+    assert "PROBLEMS" not in capsys.readouterr().out

@@ -124,6 +124,12 @@ class _HashingStream(ShardStream):
         self.num_bytes = 0
         super().__init__(url)
 
+    def _open_at(self, offset: int) -> None:
+        super()._open_at(offset)
+        # Read in order, never seek back: the seekable path re-reads a member its read-ahead
+        # caught in part (`ShardStream._unread`), which would hash and count it twice.
+        self._seekable = False
+
     def _read_raw(self, n: int) -> bytes:
         # every byte comes from the file through here once, in order (read-ahead included)
         data = super()._read_raw(n)
