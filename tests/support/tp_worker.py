@@ -30,16 +30,28 @@ sys.path.insert(0, str(REPO))
 
 TP = ["train.tp_degree=2"]
 TIED = ["causal_lm.tie_embeddings=true"]
+# bf16 with fp32 reduction, accumulation (no reduction on the first micro-batch), clipping
+# by the global norm of 2-D DTensor gradients, an EMA sharded like the parameters
+MIXED = [
+    "train.precision=bf16",
+    "train.grad_accum_steps=2",
+    "data.batch_size=2",
+    "train.grad_clip=0.1",
+    "train.ema_decay=0.9",
+    "train.ema_eval=true",
+]
 TWO = {
     "fsdp": (["train.strategy=fsdp"], 4),
     "fsdp-tied": (["train.strategy=fsdp", *TIED], 4),
     "fsdp-half": (["train.strategy=fsdp"], 2),
+    "fsdp-mixed": (["train.strategy=fsdp", *MIXED], 3),
 }
 FOUR = {
     "fsdp-tp": (["train.strategy=fsdp", *TP], 4),
     "fsdp-tp-tied": (["train.strategy=fsdp", *TP, *TIED, "train.activation_checkpointing=true"], 4),
     "hsdp-tp": (["train.strategy=hsdp", *TP], 4),
     "fsdp-tp-half": (["train.strategy=fsdp", *TP], 2),
+    "fsdp-tp-mixed": (["train.strategy=fsdp", *TP, *MIXED], 3),
 }
 ONE = {"fsdp-to-one": "fsdp-half", "tp-to-one": "fsdp-tp-half"}
 REFUSED = {
