@@ -34,6 +34,7 @@ MIXED = [
     "train.grad_clip=0.1",
     "train.ema_decay=0.9",
 ]
+KEPT = ["train.reshard_after_forward=false", "train.activation_checkpointing=true"]
 HSDP = ["train.strategy=hsdp"]  # shard_degree 0: the 2 ranks of a pretended node
 
 FOUR = {
@@ -46,6 +47,9 @@ FOUR = {
     "cnn-hsdp": ([*HSDP, *CNN], 3),
     "mixed-fsdp": (["train.strategy=fsdp", *MLP, *MIXED], 3),
     "mixed-hsdp": ([*HSDP, *MLP, *MIXED], 3),
+    # parameters kept gathered between forward and backward, blocks recomputed in backward
+    "kept-fsdp": (["train.strategy=fsdp", *MLP, *KEPT], 3),
+    "kept-hsdp": ([*HSDP, *MLP, *KEPT], 3),
     # stopped at step 2, then resumed under the same mesh (here) or another (the 2-rank job)
     "hsdp-half": ([*HSDP, *MLP], 2),
     "fsdp-half": (["train.strategy=fsdp", *MLP], 2),

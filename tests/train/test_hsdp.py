@@ -97,6 +97,13 @@ def test_hsdp_with_batchnorm_mixed_precision_accumulation_and_ema(trained: Path)
 
 
 @pytest.mark.distributed
+def test_hsdp_without_resharding_after_forward_and_with_checkpointing(trained: Path) -> None:
+    assert losses(trained, "kept-hsdp") == pytest.approx(losses(trained, "kept-fsdp"), rel=1e-5)
+    assert_close(weights(trained, "kept-hsdp"), weights(trained, "kept-fsdp"), 1e-6, "kept")
+    assert losses(trained, "kept-hsdp") == pytest.approx(losses(trained, "hsdp")[:3], rel=1e-5)
+
+
+@pytest.mark.distributed
 def test_checkpoints_move_between_meshes(trained: Path) -> None:
     # same mesh: interrupted at step 2 == uninterrupted, bitwise
     assert losses(trained, "hsdp-resumed") == losses(trained, "hsdp")[2:]
