@@ -18,10 +18,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -125,30 +122,13 @@ def run(args: argparse.Namespace) -> int:
     if args.worker:
         worker(Path(args.worker), args.pairs, args.steps, args.seq_len, args.tp)
         return 0
-    from hpctrain.launch.local import free_port
+    from hpctrain.launch.local import run_local
 
     with tempfile.TemporaryDirectory(prefix="hpctrain-bench-mesh-") as tmp:
-        port = free_port()
-        procs = []
-        for rank in range(RANKS):
-            env = dict(os.environ)
-            env.update(
-                RANK=str(rank),
-                LOCAL_RANK=str(rank % PER_NODE),
-                WORLD_SIZE=str(RANKS),
-                LOCAL_WORLD_SIZE=str(PER_NODE),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                OMP_NUM_THREADS="1",
-            )
-            command = [sys.executable, "-m", "hpctrain", "bench", "mesh", "--worker", tmp]
-            command += ["--pairs", str(args.pairs), "--steps", str(args.steps)]
-            command += ["--seq-len", str(args.seq_len)] + (["--tp"] if args.tp else [])
-            procs.append(subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL))
-        codes = [p.wait() for p in procs]
-        if any(codes):
-            print(f"bench mesh: a rank failed (exit codes {codes})", file=sys.stderr)
-            return 1
+        argv = ["mesh", "--worker", tmp, "--pairs", str(args.pairs), "--steps", str(args.steps)]
+        argv += ["--seq-len", str(args.seq_len)] + (["--tp"] if args.tp else [])
+        if run_local(argv, RANKS, verb="bench", per_node=PER_NODE):
+            return 1  # run_local named the rank that failed
         times = json.loads((Path(tmp) / "result.json").read_text())
     result = summarize(times, args.steps)
     print(json.dumps(result, indent=2) if args.json else format_results(result, args.pairs))

@@ -80,8 +80,12 @@ def run_local(
     grace_s: float = 5.0,
     term_wait_s: float = 30.0,
     run_dir: str = "",
+    per_node: int = 0,
 ) -> int:
     """Run `python -m hpctrain <verb> <argv>` as `nproc` ranks on this machine.
+
+    `per_node`: ranks per pretended node (`LOCAL_RANK`, `LOCAL_WORLD_SIZE`; 0: all on one),
+    as `hpctrain bench mesh` lays out two nodes of two on one machine.
 
     Signals the launcher receives (TERM, INT, USR1, USR2) are forwarded to every rank, so a
     local run exercises the same preemption path as a SLURM job. When one rank fails, the
@@ -99,13 +103,14 @@ def run_local(
     port = free_port()
     started = time.time()
     procs: list[subprocess.Popen[bytes]] = []
+    per_node = per_node or nproc
     for rank in range(nproc):
         env = dict(os.environ)
         env.update(
             RANK=str(rank),
-            LOCAL_RANK=str(rank),
+            LOCAL_RANK=str(rank % per_node),
             WORLD_SIZE=str(nproc),
-            LOCAL_WORLD_SIZE=str(nproc),
+            LOCAL_WORLD_SIZE=str(per_node),
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
         )
