@@ -47,6 +47,7 @@ from torch import nn
 from hpctrain.config import Config, load_config
 from hpctrain.data.index import ShardIndex, ShardInfo, index_to_bytes
 from hpctrain.dist import resolve_env
+from hpctrain.files import write_atomic
 
 HELP = "Trainer step vs a hand-written PyTorch loop (paired ratios, A/A control), data wait"
 REPO = Path(__file__).resolve().parents[3]
@@ -184,7 +185,8 @@ def bench_config(kind: str, work: Path, seq_len: int = 256) -> Config:
         task = "image_classification" if kind == "resnet18" else f"{__name__}:FeatureMLP"
         model = [f"task={task}", "model.name=resnet18", "model.image_size=64"]
         batch_size = 32
-    (work / "index.json").write_bytes(index_to_bytes(index))
+    # Every rank of `bench mesh` writes this same file: atomically, so none reads half of it.
+    write_atomic(work / "index.json", index_to_bytes(index), durable=False)
     return load_config(
         None,
         [

@@ -17,6 +17,7 @@ from hpctrain.checkpoint import CheckpointManager
 from hpctrain.config import Config
 from hpctrain.data import ShardedLoader
 from hpctrain.dist import DistEnv, all_reduce_sum
+from hpctrain.files import write_atomic
 from hpctrain.train.evaluation import evaluate
 from hpctrain.train.flops import throughput_fields
 from hpctrain.train.gpu_stats import GpuCounters
@@ -133,14 +134,14 @@ class RunRecords:
     def truncate_sample_log(self) -> None:
         """Drop audit lines of steps after the checkpoint: they are trained again."""
         path = self.sample_log_path()
-        if not path.exists():
-            return
+        if self.env.rank % self.plan.tp or not path.exists():
+            return  # the TP group's first rank owns the log (log_samples)
         kept = [
             line
             for line in path.read_text().splitlines()
             if json.loads(line)["step"] <= self.state.step
         ]
-        path.write_text("".join(line + "\n" for line in kept))
+        write_atomic(path, "".join(line + "\n" for line in kept).encode(), durable=False)
 
     def print_summary(self, final_eval: dict[str, Any] | None) -> None:
         lines = [
