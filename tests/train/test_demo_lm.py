@@ -3,7 +3,7 @@ tools/stdlib_corpus.py → `hpctrain convert --tokenizer bytes` → 3 steps of c
 → tools/lm_report.py (bits per byte against the unigram baseline) → `hpctrain generate`.
 
 Every piece runs in this process (one torch import for all); the demo's full length and its
-figures are in the README.
+figures are in docs/benchmark-log.md.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from tests.support.matrix_kit import (
 from tests.support.train_kit import REPO, run_two_ranks
 
 # What this CPU (2 gloo ranks, no GPU) does with each cell: every grid cell trains; these are
-# refused, with this line (README "Training": precision).
+# refused, with this line (docs/training.md: strategies and precisions).
 REFUSED = {
     "none-fp32-small_cnn-noac-2ranks": r"^train\.strategy=none with 2 ranks: each rank would train its own diverging copy",
     "ddp-bf16-resnet18-noac-syncbn": r"^train\.sync_batchnorm=true with train\.strategy=ddp on cpu: torch's SyncBatchNorm runs on GPUs only",

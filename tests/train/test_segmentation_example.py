@@ -1,4 +1,4 @@
-"""The segmentation example end to end, as its README section runs it: generated image/mask
+"""The segmentation example end to end, as docs/training.md runs it: generated image/mask
 pairs → CSV manifests → `hpctrain convert` → 2 ranks of DDP on CPU → a resumed second run
 → mean IoU far above chance."""
 
