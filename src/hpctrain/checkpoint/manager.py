@@ -239,6 +239,12 @@ class CheckpointManager:
 
     # -- public API -------------------------------------------------------------------------
 
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The gloo group every DCP load and save of this run coordinates over (None: one
+        process); `model.init_from`'s sharded read of a run folder uses it too."""
+        return self._group
+
     def save(
         self,
         step: int,

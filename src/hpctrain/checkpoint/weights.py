@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -75,6 +76,46 @@ def locate_checkpoint(path: str, *, best: bool = False) -> tuple[Store, str, dic
     raise CheckpointError(f"{root}: no loadable checkpoint ({'; '.join(problems)})")
 
 
+def weight_entries(
+    store: Store, name: str, *, ema: bool = False
+) -> dict[str, tuple[str, TensorStorageMetadata]]:
+    """The model's tensors in checkpoint `name`: plain name -> (its key in the checkpoint, its
+    global size and dtype). With `ema`, the EMA's parameters stand for the model's (its
+    buffers stay). Reads `.metadata` only."""
+    metadata = store.reader(name).read_metadata()
+    tensors = {
+        key: entry
+        for key, entry in metadata.state_dict_metadata.items()
+        if isinstance(entry, TensorStorageMetadata)
+    }
+    entries = {
+        key[len(MODEL_PREFIX) :]: (key, entry)
+        for key, entry in tensors.items()
+        if key.startswith(MODEL_PREFIX)
+    }
+    if not entries:
+        raise CheckpointError(f"{store.path(name)}: holds no model weights ({MODEL_PREFIX}*)")
+    if not ema:
+        return entries
+    averaged = {
+        key[len(EMA_PREFIX) :]: (key, entry)
+        for key, entry in tensors.items()
+        if key.startswith(EMA_PREFIX)
+    }
+    if not averaged:
+        raise CheckpointError(
+            f"{store.path(name)}: holds no EMA weights (the run trained without "
+            "train.ema_decay); read its trained weights: without --ema "
+            "(export, generate) or with train.ema_eval=false (eval, predict)"
+        )
+    unknown = sorted(n for n in averaged if n not in entries)
+    if unknown:
+        raise CheckpointError(
+            f"{store.path(name)}: EMA entries without a model weight: {unknown[:3]}"
+        )
+    return {**entries, **averaged}  # the model's copy is not read: the EMA's replaces it
+
+
 def read_model_weights(
     store: Store, name: str, manifest: dict | None = None, *, ema: bool = False
 ) -> dict[str, torch.Tensor]:
@@ -84,53 +125,67 @@ def read_model_weights(
     CRC32C; `.metadata` is read through the same checks as a training load. With `ema`, the
     EMA's parameters replace the model's (its buffers stay).
     """
-    checksums = item_checksums(manifest) if manifest is not None else None
-    metadata = store.reader(name).read_metadata()
-    weights: dict[str, torch.Tensor] = {}
-    for key, entry in metadata.state_dict_metadata.items():
-        if key.startswith(MODEL_PREFIX) and isinstance(entry, TensorStorageMetadata):
-            weights[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
-    if not weights:
-        raise CheckpointError(f"{store.path(name)}: holds no model weights ({MODEL_PREFIX}*)")
-    if ema:
-        averaged = {
-            key: torch.empty(entry.size, dtype=entry.properties.dtype)
-            for key, entry in metadata.state_dict_metadata.items()
-            if key.startswith(EMA_PREFIX) and isinstance(entry, TensorStorageMetadata)
-        }
-        if not averaged:
-            raise CheckpointError(
-                f"{store.path(name)}: holds no EMA weights (the run trained without "
-                "train.ema_decay); read its trained weights: without --ema "
-                "(export, generate) or with train.ema_eval=false (eval, predict)"
-            )
-        names = [key[len(EMA_PREFIX) :] for key in averaged]
-        unknown = sorted(n for n in names if MODEL_PREFIX + n not in weights)
-        if unknown:
-            raise CheckpointError(
-                f"{store.path(name)}: EMA entries without a model weight: {unknown[:3]}"
-            )
-        for param_name in names:  # the model's copy is not read: the EMA's replaces it
-            del weights[MODEL_PREFIX + param_name]
-        weights.update(averaged)
+    entries = weight_entries(store, name, ema=ema)
+    weights = {
+        key: torch.empty(entry.size, dtype=entry.properties.dtype)
+        for key, entry in entries.values()
+    }
     # DCP reads each tensor from every shard file that holds a piece of it (resharding to one).
     # no_dist: this process alone, also inside a job's process group (`hpctrain eval` ranks);
     # DCP then warns that it loads in one process, which is the intent.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        load_entries(store, name, manifest, weights, no_dist=True)
+    return {plain: weights[key] for plain, (key, _) in entries.items()}
+
+
+def load_model_weights_sharded(
+    store: Store,
+    name: str,
+    manifest: dict | None,
+    targets: dict[str, torch.Tensor],
+    *,
+    ema: bool = False,
+    process_group: Any = None,
+) -> None:
+    """Fill `targets` (plain name -> this rank's tensor: the DTensors of a sharded model, as
+    `get_model_state_dict` gives them) from checkpoint `name`, in place, with every rank of
+    `process_group` taking part: each rank reads the pieces of the checkpoint its own shards
+    need, whatever mesh wrote it (DCP reshards), and never the whole model.
+
+    Raises:
+        CheckpointError: a name of `targets` the checkpoint does not hold, or a damaged item.
+    """
+    entries = weight_entries(store, name, ema=ema)
+    missing = sorted(set(targets) - set(entries))
+    if missing:
+        raise CheckpointError(f"{store.path(name)}: holds no weights for {', '.join(missing)}")
+    state = {entries[plain][0]: tensor for plain, tensor in targets.items()}
+    load_entries(store, name, manifest, state, process_group=process_group)
+
+
+def load_entries(
+    store: Store,
+    name: str,
+    manifest: dict | None,
+    state: dict[str, Any],
+    *,
+    no_dist: bool = False,
+    process_group: Any = None,
+) -> None:
+    """`dcp.load` of `state` (checkpoint keys -> tensors filled in place) from `name`, item
+    checksums checked when the `manifest` is given; DCP's failure becomes one line."""
+    checksums = item_checksums(manifest) if manifest is not None else None
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(
-                weights,
-                storage_reader=store.reader(name, checksums),
-                planner=SafeLoadPlanner(),
-                no_dist=True,
-            )
+        dcp.load(
+            state,
+            storage_reader=store.reader(name, checksums),
+            planner=SafeLoadPlanner(),
+            process_group=process_group,
+            no_dist=no_dist,
+        )
     except CheckpointException as exc:
         inner = sorted(exc.failures.items())[0][1][0]
         text = str(inner).splitlines()[0] if str(inner) else type(inner).__name__
         kind = type(inner) if isinstance(inner, CheckpointError) else CheckpointError
         raise kind(f"{store.path(name)}: {text}") from None
-    return {
-        key[len(MODEL_PREFIX) if key.startswith(MODEL_PREFIX) else len(EMA_PREFIX) :]: value
-        for key, value in weights.items()
-    }

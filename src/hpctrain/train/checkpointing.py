@@ -225,7 +225,9 @@ class Checkpointing:
     def init_weights(self) -> None:
         """A new run's starting weights from `model.init_from` (the task reads them); the EMA
         starts from them too."""
-        source = load_initial_weights(self.model, self.cfg, self.task)
+        source = load_initial_weights(
+            self.model, self.cfg, self.task, process_group=self.checkpoints.group
+        )
         if self.ema is not None:
             self.ema.reset()
         log.info("a new run from step 0: %s", source)

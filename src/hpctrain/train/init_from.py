@@ -15,13 +15,16 @@ Three kinds of PATH (`kind_of`):
 Loading goes through `set_model_state_dict(full_state_dict=True)`, which maps the plain
 names onto DDP, FSDP2 (each rank keeps its shard), compiled and checkpoint-wrapped modules.
 
-Under FSDP2 with an `hf` PATH the model is built on the meta device (`build_model`):
-`parallelize` shards it and gives each rank storage for its shard only (`to_empty`), and
-`load_hf_weights` fills every parameter from the folder, each rank its own rows. A rank never
-holds the full model (tests/train/test_init_from_meta.py; `hpctrain bench import` measures
-it). The other kinds and strategies build the model as usual: DDP and a single process hold
-the full model anyway, and a `run` or `file` PATH is read whole (a new head keeps the
-model's seeded initialisation).
+Under FSDP2 or HSDP (tensor parallelism included for a `run`) the model is built on the
+meta device (`build_model`) when PATH is `hf`, or a `run` whose checkpoint holds every tensor
+of the model at its shape: `parallelize` shards it and gives each rank storage for its shard
+only (`to_empty`), then `load_hf_weights` fills every parameter from the folder, each rank its
+own rows, or DCP reads each rank's pieces of the checkpoint, whatever mesh wrote it
+(`load_model_weights_sharded`). A rank never holds the full model
+(tests/train/test_init_from_meta.py; `hpctrain bench import` measures it). A `run` whose head
+differs (another number of classes) is built as usual, and still read shard by shard. DDP and
+a single process hold the full model anyway and read a `run` or `file` PATH whole; a `file`
+is always read whole (a new head keeps the model's seeded initialisation).
 """
 
 from __future__ import annotations
@@ -74,11 +77,12 @@ def kind_of(path: str) -> str:
 
 
 def builds_on_meta(cfg: Config, strategy: str) -> bool:
-    """Whether the run builds its model on the meta device (see the module doc)."""
+    """Whether the run may build its model on the meta device (see the module doc;
+    `build_model` also checks the model against what PATH holds)."""
     return (
         strategy in ("fsdp", "hsdp")
         and bool(cfg.model.init_from)
-        and kind_of(cfg.model.init_from) == "hf"
+        and kind_of(cfg.model.init_from) in ("hf", "run")
     )
 
 
@@ -86,18 +90,56 @@ def build_model(task: Any, cfg: Config, strategy: str) -> nn.Module:
     """The task's model; on the meta device when `builds_on_meta` (no memory, no values:
     `parallelize` allocates each rank's shard, `load_initial_weights` fills it).
 
-    A model with buffers is built as usual: the folder holds parameters only, and a buffer's
-    value (a table computed at construction) would be lost on the meta device. The GPT has
-    none (its RoPE tables are made per forward, `gpt.rotary_tables`).
+    Built as usual instead when PATH would not fill every tensor: a Hugging Face folder holds
+    parameters only (a buffer's value, a table computed at construction, would be lost on the
+    meta device; the GPT has none, its RoPE tables are made per forward), a run's checkpoint
+    holds persistent buffers but not the others, and a tensor of another shape there (a new
+    head) keeps its fresh initialisation.
     """
     if not builds_on_meta(cfg, strategy):
         return task.build_model()
     with torch.device("meta"):
         model = task.build_model()
-    if any(True for _ in model.buffers()):
+    if not fills_every_tensor(model, cfg):
         return task.build_model()
     log.info("model built on the meta device: each rank reads its shard from %s", KEY)
     return model
+
+
+def fills_every_tensor(model: nn.Module, cfg: Config) -> bool:
+    """Whether `model.init_from` gives a value to every parameter and buffer of `model`."""
+    path = cfg.model.init_from
+    if kind_of(path) == "hf":
+        return not any(True for _ in model.buffers())
+    persistent = model.state_dict()
+    if any(True for name, _ in model.named_buffers() if name not in persistent):
+        return False
+    wanted = {k: tuple(v.shape) for k, v in persistent.items()}
+    return checkpoint_shapes(path, ema=cfg.model.init_from_ema) == wanted
+
+
+def locate_run(path: str) -> tuple[Any, str, dict]:
+    """(store, step folder, manifest) of a `run` PATH; a problem is a `ConfigError`."""
+    from hpctrain.checkpoint import CheckpointError
+    from hpctrain.checkpoint.weights import locate_checkpoint
+
+    try:
+        return locate_checkpoint(path)
+    except CheckpointError as exc:
+        raise ConfigError(f"{KEY}={path}: {exc}") from None
+
+
+def checkpoint_shapes(path: str, *, ema: bool = False) -> dict[str, tuple[int, ...]]:
+    """Plain name -> global shape of the model tensors a `run` PATH's checkpoint holds."""
+    from hpctrain.checkpoint import CheckpointError
+    from hpctrain.checkpoint.weights import weight_entries
+
+    store, name, _ = locate_run(path)
+    try:
+        entries = weight_entries(store, name, ema=ema)
+    except CheckpointError as exc:
+        raise ConfigError(f"{KEY}={path}: {exc}") from None
+    return {plain: tuple(entry.size) for plain, (_, entry) in entries.items()}
 
 
 def check(cfg: Config, task: Any) -> None:
@@ -130,10 +172,10 @@ def read_state_dict(path: str, *, ema: bool = False) -> dict[str, torch.Tensor]:
     """The model tensors a `run` or `file` PATH holds, on the CPU."""
     if kind_of(path) == "run":
         from hpctrain.checkpoint import CheckpointError
-        from hpctrain.checkpoint.weights import locate_checkpoint, read_model_weights
+        from hpctrain.checkpoint.weights import read_model_weights
 
+        store, name, manifest = locate_run(path)
         try:
-            store, name, manifest = locate_checkpoint(path)
             return read_model_weights(store, name, manifest, ema=ema)
         except CheckpointError as exc:
             raise ConfigError(f"{KEY}={path}: {exc}") from None
@@ -155,10 +197,11 @@ def read_state_dict(path: str, *, ema: bool = False) -> dict[str, torch.Tensor]:
 
 
 def match_keys(
-    source: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], path: str
+    source: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], path: str
 ) -> list[str]:
     """The keys of `expected` to keep at their fresh initialisation: those whose shape in
-    `source` differs only in the first dimension (a head of another number of classes).
+    `source` (name -> shape) differs only in the first dimension (a head of another number
+    of classes).
 
     Raises:
         ConfigError: missing, unexpected or otherwise mis-shaped keys, listed.
@@ -172,7 +215,7 @@ def match_keys(
         problems.append(f"unexpected keys: {', '.join(unexpected)}")
     fresh, wrong = [], []
     for key in sorted(set(source) & set(expected)):
-        have, want = tuple(source[key].shape), expected[key]
+        have, want = source[key], expected[key]
         if have == want:
             continue
         if len(have) == len(want) and have[1:] == want[1:]:
@@ -187,34 +230,69 @@ def match_keys(
 
 
 @torch.no_grad()
-def load_initial_weights(model: nn.Module, cfg: Config, task: Any) -> str:
-    """Copy `model.init_from`'s weights into the built, wrapped `model`; returns a log line."""
+def load_initial_weights(
+    model: nn.Module, cfg: Config, task: Any, *, process_group: Any = None
+) -> str:
+    """Copy `model.init_from`'s weights into the built, wrapped `model`; returns a log line.
+
+    `process_group`: the group a sharded model's ranks read a `run` PATH over together (the
+    checkpoint manager's; None: the default group).
+    """
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
         set_model_state_dict,
     )
+    from torch.distributed.tensor import DTensor
 
     path = cfg.model.init_from
-    if kind_of(path) == "hf":
+    kind = kind_of(path)
+    if kind == "hf":
         unused = hf.load_hf_weights(model, path, task.model_cfg)
         return f"weights from {KEY}={path}" + (f" (unused: {', '.join(unused)})" if unused else "")
-    source = read_state_dict(path, ema=cfg.model.init_from_ema)
-    # Plain names and global shapes; under FSDP2 the values stay sharded (nothing gathered).
-    expected = {
-        k: tuple(v.shape)
+    # Plain names; under FSDP2 the values are this rank's shards (nothing gathered).
+    targets = {
+        k: v
         for k, v in get_model_state_dict(model).items()
         if isinstance(v, torch.Tensor)  # DTensors too
     }
-    fresh = match_keys(source, expected, path)
-    for key in fresh:
-        del source[key]
-    values: dict[str, Any] = dict(source)
-    set_model_state_dict(
-        model, values, options=StateDictOptions(full_state_dict=True, strict=not fresh)
-    )
+    expected = {k: tuple(v.shape) for k, v in targets.items()}
+    sharded = any(isinstance(v, DTensor) for v in targets.values())
+    if kind == "run" and sharded:
+        fresh = match_keys(checkpoint_shapes(path, ema=cfg.model.init_from_ema), expected, path)
+        for key in fresh:
+            del targets[key]
+        load_run_sharded(path, targets, ema=cfg.model.init_from_ema, process_group=process_group)
+        values: dict[str, Any] = dict(targets)
+        options = StateDictOptions(strict=not fresh)
+    else:
+        source = read_state_dict(path, ema=cfg.model.init_from_ema)
+        fresh = match_keys({k: tuple(v.shape) for k, v in source.items()}, expected, path)
+        for key in fresh:
+            del source[key]
+        values = dict(source)
+        options = StateDictOptions(full_state_dict=True, strict=not fresh)
+    set_model_state_dict(model, values, options=options)
     what = "EMA weights" if cfg.model.init_from_ema else "weights"
     line = f"{what} from {KEY}={path}"
+    if sharded and kind == "run":
+        line += " (each rank read its shards)"
     if fresh:
         line += f"; re-initialised (shapes differ): {', '.join(fresh)}"
     return line
+
+
+def load_run_sharded(
+    path: str, targets: dict[str, torch.Tensor], *, ema: bool, process_group: Any
+) -> None:
+    """Fill a sharded model's `targets` from a `run` PATH, every rank its own pieces."""
+    from hpctrain.checkpoint import CheckpointError
+    from hpctrain.checkpoint.weights import load_model_weights_sharded
+
+    store, name, manifest = locate_run(path)
+    try:
+        load_model_weights_sharded(
+            store, name, manifest, targets, ema=ema, process_group=process_group
+        )
+    except CheckpointError as exc:
+        raise ConfigError(f"{KEY}={path}: {exc}") from None

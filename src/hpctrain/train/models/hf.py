@@ -147,9 +147,10 @@ def gpt_config_from_hf(config: dict[str, Any], folder: str) -> GPTConfig:
     )
 
 
-def check_against_model_keys(cfg: GPTConfig, model: Any, folder: str) -> None:
+def check_against_model_keys(cfg: GPTConfig, model: Any, folder: str, where: str = CONFIG) -> None:
     """Refuse `causal_lm.*` dimensions set in the run's config that disagree with
-    `config.json` (`model`: the run's CausalLMConfig); 0 / null leave them to the folder."""
+    `config.json` (`model`: the run's CausalLMConfig); 0 / null leave them to the folder.
+    `where` names what `cfg` was read from (a warm start's: the source run's config)."""
     explicit = {
         "dim": model.dim,
         "n_layers": model.n_layers,
@@ -164,7 +165,7 @@ def check_against_model_keys(cfg: GPTConfig, model: Any, folder: str) -> None:
         if value not in (0, None) and value != hf_value[key]:
             raise ConfigError(
                 f"causal_lm.{key}={value} disagrees with {KEY}={folder} "
-                f"({CONFIG}: {hf_value[key]}); leave causal_lm.{key} unset"
+                f"({where}: {hf_value[key]}); leave causal_lm.{key} unset"
             )
 
 

@@ -172,7 +172,9 @@ class CausalLM:
         if from_hf:
             self.model_cfg: GPTConfig = self.hf_model_config(vocab, train)
         elif recorded is not None:
-            hf.check_against_model_keys(recorded, cfg.causal_lm, cfg.model.init_from)
+            hf.check_against_model_keys(
+                recorded, cfg.causal_lm, cfg.model.init_from, "the source run's config"
+            )
             if recorded.vocab_size < vocab:
                 raise ConfigError(
                     f"{hf.KEY}={cfg.model.init_from}: its vocabulary ({recorded.vocab_size}) is "
