@@ -4,6 +4,9 @@ off), compared tensor for tensor.
 
 Started by `test_init_from_meta.py` (RANK/WORLD_SIZE/MASTER_* set like torchrun):
     python tests/support/meta_worker.py HF_FOLDER SHARDS WORK PRECISION [STRATEGY]
+
+STRATEGY: fsdp (the default), hsdp or fsdp-tp (FSDP2 x TP 2: tensors split by columns and
+rows, each rank's piece taken from the tensor read whole, `hf.read_split`).
 Prints `equal` on success; any difference fails an assert (exit status 1).
 """
 
@@ -50,7 +53,9 @@ def imported(
             None,
             [
                 *overrides,
-                f"train.strategy={strategy}",  # hsdp on 2 ranks: replicate 1 x shard 2
+                # hsdp on 2 ranks: replicate 1 x shard 2; fsdp-tp: shard 1 x tp 2
+                f"train.strategy={strategy.removesuffix('-tp')}",
+                f"train.tp_degree={2 if strategy.endswith('-tp') else 1}",
                 f"train.precision={precision}",
                 "train.ema_decay=0.9",
                 "train.compile=false",

@@ -19,7 +19,8 @@ pytest.importorskip("transformers")
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("precision", "strategy"), [("fp32", "fsdp"), ("bf16", "fsdp"), ("fp32", "hsdp")]
+    ("precision", "strategy"),
+    [("fp32", "fsdp"), ("bf16", "fsdp"), ("fp32", "hsdp"), ("bf16", "fsdp-tp")],
 )
 def test_meta_build_loads_what_a_whole_build_loads(
     tmp_path: Path, precision: str, strategy: str
@@ -81,13 +82,3 @@ def test_rows_are_read_straight_or_converted_and_a_truncated_file_is_named(
         pytest.raises(ConfigError, match=r"m.safetensors ends inside its tensors"),
     ):
         hf.read_rows(f, data_start, entries[last], 4, torch.empty(1, 3))
-
-
-def test_a_hugging_face_folder_into_tensor_parallel_shards_is_refused(tmp_path: Path) -> None:
-    save_hf(tmp_path / "llama", "llama")
-    cfg = with_overrides(
-        Config(),
-        ["task=causal_lm", f"model.init_from={tmp_path / 'llama'}", "train.tp_degree=2"],
-    )
-    with pytest.raises(ConfigError, match=r"with train.tp_degree=2: reading a Hugging Face"):
-        init_from.check(cfg, type("Task", (), {"hf_model_config": None})())

@@ -155,12 +155,6 @@ def check(cfg: Config, task: Any) -> None:
             f"{KEY}={path}: a Hugging Face causal-LM folder; task {cfg.task} cannot start from "
             "it (task causal_lm can)"
         )
-    if kind == "hf" and cfg.train.tp_degree > 1:
-        raise ConfigError(
-            f"{KEY}={path} with train.tp_degree={cfg.train.tp_degree}: reading a Hugging Face "
-            "folder into tensor-parallel shards is not supported yet; import it with "
-            "train.tp_degree=1, then start the TP run from that run folder"
-        )
     if cfg.model.init_from_ema and kind != "run":
         raise ConfigError(
             f"model.init_from_ema=true: {KEY}={path} is not a run or checkpoint folder (a "

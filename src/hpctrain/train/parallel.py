@@ -148,7 +148,13 @@ def tensor_parallel(model: nn.Module, mesh: Any, plan: TrainingPlan) -> None:
             f"train.tp_degree={plan.tp}: {type(model).__name__} has no tensor-parallel plan; "
             "tensor parallelism splits the causal_lm GPT only (set train.tp_degree=1)"
         )
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     apply(mesh["tp"])
+    # SequenceParallel registers the norms' weights anew as (trainable) DTensor parameters:
+    # keep `train.freeze` (applied before wrapping) on them.
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
 
 
 def shard_fsdp2(

@@ -276,8 +276,9 @@ def canonical_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS)
 
 
-def local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(the local tensor to write, first global row it holds) of a plain or FSDP2 parameter.
+def local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """(the local tensor to write, first global row it holds) of a plain or FSDP2 parameter;
+    None for a DTensor split otherwise (tensor parallelism: `read_split`).
 
     FSDP2 shards dim 0 like `torch.chunk`: rank r of the shard dimension holds rows from
     r · ceil(n / shard ranks); under HSDP the replicate dimension holds copies."""
@@ -287,8 +288,9 @@ def local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
         return param, 0
     placements = param.placements
     shard_dims = [i for i, p in enumerate(placements) if p == Shard(0)]
-    assert len(shard_dims) == 1, placements
-    assert all(p == Replicate() for i, p in enumerate(placements) if i != shard_dims[0]), placements
+    others = [p for i, p in enumerate(placements) if i not in shard_dims]
+    if len(shard_dims) != 1 or any(p != Replicate() for p in others):
+        return None
     dim = shard_dims[0]
     rank, world = param.device_mesh.get_local_rank(dim), param.device_mesh.size(dim)
     local = param.to_local()
@@ -326,10 +328,28 @@ def load_hf_weights(model: nn.Module, folder: str, cfg: GPTConfig) -> list[str]:
                 )
             if entry["dtype"] not in DTYPES:
                 raise ConfigError(f"{where}: {theirs} has dtype {entry['dtype']} (not read)")
-            local, start = local_rows(param)
-            if local.numel():
-                read_rows(opened[files[theirs]], data_start, entry, start, local)
+            rows = local_rows(param)
+            if rows is None:  # split along another dimension too (tensor parallelism)
+                read_split(opened[files[theirs]], data_start, entry, param)
+            elif rows[0].numel():
+                read_rows(opened[files[theirs]], data_start, entry, rows[1], rows[0])
     return sorted(set(files) - set(names.values()))
+
+
+def read_split(f: Any, data_start: int, entry: dict[str, Any], param: Any) -> None:
+    """Fill DTensor `param`'s local shard from the tensor `entry` of the open safetensors file
+    `f`, whatever its placements (tensor parallelism's column and row splits, FSDP2's strided
+    shards over them): the tensor is read whole, in the file's dtype, and this rank keeps its
+    piece (`distribute_tensor` without communication, `src_data_rank=None`). One tensor at a
+    time: the largest (the embedding) is what a rank holds beyond its shards."""
+    from torch.distributed.tensor import distribute_tensor
+
+    full = torch.empty(tuple(entry["shape"]), dtype=DTYPES[entry["dtype"]])
+    read_rows(f, data_start, entry, 0, full)
+    piece = distribute_tensor(
+        full.to(param.device), param.device_mesh, param.placements, src_data_rank=None
+    )
+    param.to_local().copy_(piece.to_local())
 
 
 def special_token(tokenizer_json: Path, token_id: int) -> str:
