@@ -133,3 +133,15 @@ def test_tp_plans_and_refusals() -> None:
         plan(["train.strategy=ddp", "train.tp_degree=2"], 4, 4)
     with pytest.raises(ConfigError, match=r"tp_degree=2 with train.strategy=none and 1 rank"):
         plan(["train.strategy=fsdp", "train.tp_degree=2"], 1, 1)
+
+
+@pytest.mark.distributed
+def test_eval_of_a_tp_run_in_one_process_and_on_two_ranks(trained: Path) -> None:
+    from tests.support.train_kit import run_hpctrain
+
+    final = records(trained, "fsdp-tp", "eval")[-1]
+    for nproc in ("1", "2"):  # the whole model in each process: no TP split to evaluate
+        done = run_hpctrain("eval", str(trained / "fsdp-tp"), "--nproc", nproc)
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        assert result["step"] == final["step"] and result["world_size"] == int(nproc)
+        assert result["val_loss"] == pytest.approx(final["val_loss"], rel=1e-4), (nproc, result)

@@ -171,6 +171,10 @@ def inference_session(
         # `none` is refused for several training ranks (each would train its own copy);
         # evaluating or predicting trains nothing, so the ranks share one model as under DDP.
         cfg = with_overrides(cfg, ["train.strategy=ddp"])
+    if cfg.train.tp_degree > 1:
+        # Every process reads the whole model here (`read_model_weights`): evaluating or
+        # predicting with it needs no tensor-parallel split, on any number of ranks.
+        cfg = with_overrides(cfg, ["train.tp_degree=1"])
     if not data:
         raise ConfigError(
             f"{key} is empty: give an index.json path/URL, a folder or a shard pattern"
