@@ -143,20 +143,20 @@ def load_model_weights_sharded(
     store: Store,
     name: str,
     manifest: dict | None,
+    entries: dict[str, tuple[str, TensorStorageMetadata]],
     targets: dict[str, torch.Tensor],
     *,
-    ema: bool = False,
     process_group: Any = None,
 ) -> None:
     """Fill `targets` (plain name -> this rank's tensor: the DTensors of a sharded model, as
-    `get_model_state_dict` gives them) from checkpoint `name`, in place, with every rank of
-    `process_group` taking part: each rank reads the pieces of the checkpoint its own shards
-    need, whatever mesh wrote it (DCP reshards), and never the whole model.
+    `get_model_state_dict` gives them) from checkpoint `name` (`entries`: its
+    `weight_entries`), in place, with every rank of `process_group` taking part: each rank
+    reads the pieces of the checkpoint its own shards need, whatever mesh wrote it (DCP
+    reshards), and never the whole model.
 
     Raises:
         CheckpointError: a name of `targets` the checkpoint does not hold, or a damaged item.
     """
-    entries = weight_entries(store, name, ema=ema)
     missing = sorted(set(targets) - set(entries))
     if missing:
         raise CheckpointError(f"{store.path(name)}: holds no weights for {', '.join(missing)}")

@@ -115,30 +115,24 @@ def fills_every_tensor(model: nn.Module, cfg: Config) -> bool:
     if any(True for name, _ in model.named_buffers() if name not in persistent):
         return False
     wanted = {k: tuple(v.shape) for k, v in persistent.items()}
-    return checkpoint_shapes(path, ema=cfg.model.init_from_ema) == wanted
+    return entry_shapes(open_run(path, ema=cfg.model.init_from_ema)[3]) == wanted
 
 
-def locate_run(path: str) -> tuple[Any, str, dict]:
-    """(store, step folder, manifest) of a `run` PATH; a problem is a `ConfigError`."""
+def open_run(path: str, *, ema: bool = False) -> tuple[Any, str, dict, dict]:
+    """(store, step folder, manifest, model entries: `weights.weight_entries`) of a `run`
+    PATH, located and checked once; a problem is a `ConfigError`."""
     from hpctrain.checkpoint import CheckpointError
-    from hpctrain.checkpoint.weights import locate_checkpoint
+    from hpctrain.checkpoint.weights import locate_checkpoint, weight_entries
 
     try:
-        return locate_checkpoint(path)
+        store, name, manifest = locate_checkpoint(path)
+        return store, name, manifest, weight_entries(store, name, ema=ema)
     except CheckpointError as exc:
         raise ConfigError(f"{KEY}={path}: {exc}") from None
 
 
-def checkpoint_shapes(path: str, *, ema: bool = False) -> dict[str, tuple[int, ...]]:
-    """Plain name -> global shape of the model tensors a `run` PATH's checkpoint holds."""
-    from hpctrain.checkpoint import CheckpointError
-    from hpctrain.checkpoint.weights import weight_entries
-
-    store, name, _ = locate_run(path)
-    try:
-        entries = weight_entries(store, name, ema=ema)
-    except CheckpointError as exc:
-        raise ConfigError(f"{KEY}={path}: {exc}") from None
+def entry_shapes(entries: dict) -> dict[str, tuple[int, ...]]:
+    """Plain name -> global shape of the model tensors `open_run` found."""
     return {plain: tuple(entry.size) for plain, (_, entry) in entries.items()}
 
 
@@ -166,10 +160,10 @@ def read_state_dict(path: str, *, ema: bool = False) -> dict[str, torch.Tensor]:
     """The model tensors a `run` or `file` PATH holds, on the CPU."""
     if kind_of(path) == "run":
         from hpctrain.checkpoint import CheckpointError
-        from hpctrain.checkpoint.weights import read_model_weights
+        from hpctrain.checkpoint.weights import locate_checkpoint, read_model_weights
 
-        store, name, manifest = locate_run(path)
         try:
+            store, name, manifest = locate_checkpoint(path)
             return read_model_weights(store, name, manifest, ema=ema)
         except CheckpointError as exc:
             raise ConfigError(f"{KEY}={path}: {exc}") from None
@@ -253,10 +247,22 @@ def load_initial_weights(
     expected = {k: tuple(v.shape) for k, v in targets.items()}
     sharded = any(isinstance(v, DTensor) for v in targets.values())
     if kind == "run" and sharded:
-        fresh = match_keys(checkpoint_shapes(path, ema=cfg.model.init_from_ema), expected, path)
+        from hpctrain.checkpoint import CheckpointError
+        from hpctrain.checkpoint.weights import load_model_weights_sharded
+
+        store, name, manifest, entries = open_run(path, ema=cfg.model.init_from_ema)
+        fresh = match_keys(entry_shapes(entries), expected, path)
         for key in fresh:
             del targets[key]
-        load_run_sharded(path, targets, ema=cfg.model.init_from_ema, process_group=process_group)
+        try:  # each rank reads its own pieces, into `targets` in place
+            load_model_weights_sharded(
+                store, name, manifest, entries, targets, process_group=process_group
+            )
+        except CheckpointError as exc:
+            raise ConfigError(f"{KEY}={path}: {exc}") from None
+        # DCP wrote into `targets`, which are views of the parameters under FSDP2 and TP;
+        # `set_model_state_dict` is the documented way to make them the model's under any
+        # wrapper (one local copy of the rank's shard).
         values: dict[str, Any] = dict(targets)
         options = StateDictOptions(strict=not fresh)
     else:
@@ -274,19 +280,3 @@ def load_initial_weights(
     if fresh:
         line += f"; re-initialised (shapes differ): {', '.join(fresh)}"
     return line
-
-
-def load_run_sharded(
-    path: str, targets: dict[str, torch.Tensor], *, ema: bool, process_group: Any
-) -> None:
-    """Fill a sharded model's `targets` from a `run` PATH, every rank its own pieces."""
-    from hpctrain.checkpoint import CheckpointError
-    from hpctrain.checkpoint.weights import load_model_weights_sharded
-
-    store, name, manifest = locate_run(path)
-    try:
-        load_model_weights_sharded(
-            store, name, manifest, targets, ema=ema, process_group=process_group
-        )
-    except CheckpointError as exc:
-        raise ConfigError(f"{KEY}={path}: {exc}") from None
