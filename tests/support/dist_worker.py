@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from hpctrain.config import load_config
 from hpctrain.dist import choose_device, process_group, resolve_env
@@ -22,6 +21,8 @@ from hpctrain.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # examples.custom_task
+
+from tests.support.train_kit import full_weights  # noqa: E402
 
 CASES = {
     # name: overrides
@@ -90,9 +91,7 @@ def main() -> None:
             )
             trainer = Trainer(cfg, env, device)
             assert trainer.fit() == 0
-            weights = get_model_state_dict(
-                trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-            )
+            weights = full_weights(trainer.model)
             if env.is_main:
                 torch.save(weights, out / f"{name}.pt")
 

@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from hpctrain.config import load_config
 from hpctrain.dist import choose_device, process_group, resolve_env
@@ -24,6 +23,8 @@ from hpctrain.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # examples.custom_task
+
+from tests.support.train_kit import full_weights  # noqa: E402
 
 MLP = ["task=examples.custom_task:ThumbnailMLP", "task_options.hidden=32"]
 CNN = ["task=image_classification", "model.name=small_cnn", "model.image_size=16"]
@@ -88,9 +89,7 @@ def train(env, device, shards: Path, run_dir: Path, overrides: list[str], steps:
     )
     trainer = Trainer(cfg, env, device)
     assert trainer.fit() == 0
-    weights = get_model_state_dict(
-        trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
+    weights = full_weights(trainer.model)
     if env.is_main:
         torch.save(weights, run_dir.parent / f"{run_dir.name}.pt")
 

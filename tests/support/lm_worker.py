@@ -22,7 +22,6 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from hpctrain.config import load_config
 from hpctrain.dist import DistEnv, choose_device, process_group, resolve_env
@@ -30,6 +29,8 @@ from hpctrain.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # tests.support.lm_tasks
+
+from tests.support.train_kit import full_weights  # noqa: E402
 
 STEPS = 6
 # 4 train shards × 16 sequences, batch 4 on each of 2 ranks: 8 steps an epoch. After 3 steps
@@ -81,12 +82,6 @@ def overrides(shards: Path, run_dir: Path, *extra: str) -> list[str]:
     ]
 
 
-def full_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
-    return get_model_state_dict(
-        trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
-
-
 def main() -> None:
     shards, out = Path(sys.argv[1]), Path(sys.argv[2])
     env = resolve_env()
@@ -101,7 +96,7 @@ def main() -> None:
                 resumed = overrides(shards, out / name, *extra, "task_options.signal_at_call=0")
                 trainer = Trainer(load_config(None, resumed), env, device)
                 assert trainer.fit() == 0
-            weights = full_weights(trainer)
+            weights = full_weights(trainer.model)
             if env.is_main:
                 torch.save(weights, out / f"{name}.pt")
     if env.is_main:

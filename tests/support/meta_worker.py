@@ -25,7 +25,7 @@ from hpctrain.config import load_config  # noqa: E402
 from hpctrain.dist import choose_device, process_group, resolve_env  # noqa: E402
 from hpctrain.train import init_from  # noqa: E402
 from hpctrain.train.models import hf  # noqa: E402
-from hpctrain.train.trainer import Trainer  # noqa: E402
+from tests.support.train_kit import trainer_built_on_meta  # noqa: E402
 from tests.train.test_hf import run_overrides, tokens  # noqa: E402
 
 LM_VOCAB = 301
@@ -38,33 +38,21 @@ def imported(
     model was built on the meta device."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    built = []
-    build = init_from.build_model
-
-    def spy(task: Any, cfg: Any, strategy: str) -> Any:
-        model = build(task, cfg, strategy)
-        built.append(next(model.parameters()).is_meta)
-        return model
-
-    init_from.build_model = spy
-    try:
-        overrides = run_overrides(Path(folder), Path(shards), run_dir)
-        cfg = load_config(
-            None,
-            [
-                *overrides,
-                # hsdp on 2 ranks: replicate 1 x shard 2; fsdp-tp: shard 1 x tp 2
-                f"train.strategy={strategy.removesuffix('-tp')}",
-                f"train.tp_degree={2 if strategy.endswith('-tp') else 1}",
-                f"train.precision={precision}",
-                "train.ema_decay=0.9",
-                "train.compile=false",
-                "train.freeze=['blocks.0.*']",  # frozen parameters stay frozen on meta too
-            ],
-        )
-        trainer = Trainer(cfg, env, torch.device("cpu"))
-    finally:
-        init_from.build_model = build
+    overrides = run_overrides(Path(folder), Path(shards), run_dir)
+    cfg = load_config(
+        None,
+        [
+            *overrides,
+            # hsdp on 2 ranks: replicate 1 x shard 2; fsdp-tp: shard 1 x tp 2
+            f"train.strategy={strategy.removesuffix('-tp')}",
+            f"train.tp_degree={2 if strategy.endswith('-tp') else 1}",
+            f"train.precision={precision}",
+            "train.ema_decay=0.9",
+            "train.compile=false",
+            "train.freeze=['blocks.0.*']",  # frozen parameters stay frozen on meta too
+        ],
+    )
+    trainer, on_meta = trainer_built_on_meta(cfg, env, torch.device("cpu"))
     trainer.init_weights()
     model = trainer.model
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
@@ -73,7 +61,7 @@ def imported(
     with torch.no_grad():
         logits = model.eval()(tokens(LM_VOCAB))
     frozen = sorted(n for n, p in model.named_parameters() if not p.requires_grad)
-    return {"meta": built[0], "weights": weights, "ema": ema, "logits": logits, "frozen": frozen}
+    return {"meta": on_meta, "weights": weights, "ema": ema, "logits": logits, "frozen": frozen}
 
 
 def main() -> None:

@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from hpctrain.config import ConfigError, load_config
 from hpctrain.dist import choose_device, process_group, resolve_env
@@ -27,6 +26,8 @@ from hpctrain.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+
+from tests.support.train_kit import full_weights  # noqa: E402
 
 TP = ["train.tp_degree=2"]
 TIED = ["causal_lm.tie_embeddings=true"]
@@ -95,9 +96,7 @@ def overrides(shards: Path, run_dir: Path, steps: int, *extra: str) -> list[str]
 def train(env, device, shards: Path, run_dir: Path, steps: int, extra: list[str]) -> None:
     trainer = Trainer(load_config(None, overrides(shards, run_dir, steps, *extra)), env, device)
     assert trainer.fit() == 0
-    weights = get_model_state_dict(
-        trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
+    weights = full_weights(trainer.model)
     if env.is_main:
         torch.save(weights, run_dir.parent / f"{run_dir.name}.pt")
 

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -95,3 +96,35 @@ def run_ranks(
     codes = [p.returncode for p in procs]
     assert codes == [0] * nprocs, "\n".join(outputs)
     return outputs
+
+
+def full_weights(model: Any) -> dict[str, Any]:
+    """The full weights of a plain, DDP, FSDP2, HSDP or TP `model`, gathered onto rank 0's CPU
+    (other ranks get `{}`). Every rank of the group must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
+
+
+def trainer_built_on_meta(cfg: Any, env: Any, device: Any) -> tuple[Any, bool]:
+    """A Trainer of `cfg`, and whether `init_from.build_model` built its model on the meta
+    device (the sharded import paths) rather than whole."""
+    from hpctrain.train import init_from
+    from hpctrain.train.trainer import Trainer
+
+    built: list[bool] = []
+    build = init_from.build_model
+
+    def spy(task: Any, cfg: Any, strategy: str) -> Any:
+        model = build(task, cfg, strategy)
+        built.append(next(model.parameters()).is_meta)
+        return model
+
+    init_from.build_model = spy  # the Trainer calls it through the module
+    try:
+        trainer = Trainer(cfg, env, device)
+    finally:
+        init_from.build_model = build
+    assert len(built) == 1, built
+    return trainer, built[0]

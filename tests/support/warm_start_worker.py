@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -27,9 +26,11 @@ sys.path.insert(0, str(REPO))
 import hpctrain.checkpoint.weights as checkpoint_weights  # noqa: E402
 from hpctrain.config import load_config  # noqa: E402
 from hpctrain.dist import choose_device, process_group, resolve_env  # noqa: E402
-from hpctrain.train import init_from  # noqa: E402
-from hpctrain.train.trainer import Trainer  # noqa: E402
-from tests.support.train_kit import tiny_run_overrides  # noqa: E402
+from tests.support.train_kit import (  # noqa: E402
+    full_weights,
+    tiny_run_overrides,
+    trainer_built_on_meta,
+)
 from tests.train.test_hf_init_from import lm_overrides  # noqa: E402
 
 # case -> (source, overrides, read the EMA, built on meta, keys re-initialised)
@@ -76,29 +77,15 @@ def warm_start(work: Path, case: str, env: Any) -> None:
             f"model.init_from_ema={str(ema).lower()}",
         ],
     )
-    built = []
-    build = init_from.build_model
-
-    def spy(task: Any, cfg: Any, strategy: str) -> Any:
-        model = build(task, cfg, strategy)
-        built.append(next(model.parameters()).is_meta)
-        return model
-
-    init_from.build_model = spy
-    try:
-        trainer = Trainer(cfg, env, torch.device("cpu"))
-    finally:
-        init_from.build_model = build
-    assert built == [meta], (case, built)
+    trainer, on_meta = trainer_built_on_meta(cfg, env, torch.device("cpu"))
+    assert on_meta == meta, (case, on_meta)
     with caplog() as lines:
         trainer.init_weights()
     text = "\n".join(lines)
     assert "(each rank read its shards)" in text, (case, text)
     if fresh:
         assert f"re-initialised (shapes differ): {', '.join(fresh)}" in text, (case, text)
-    weights = get_model_state_dict(
-        trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
+    weights = full_weights(trainer.model)
     expected = torch.load(work / "expected.pt")[f"{source}-{'ema' if ema else 'model'}"]
     if env.is_main:  # cpu_offload: the full weights are gathered on rank 0 only
         assert sorted(weights) == sorted(expected), (case, sorted(set(weights) ^ set(expected)))
