@@ -227,7 +227,7 @@ def test_a_user_error_in_a_task_is_one_line_and_its_exit_code(
         try:
             raise DataError("/d/index.json: index not found")
         except DataError as exc:
-            exit_with_one_line(exc, env)
+            exit_with_one_line(exc, env, now=False)
     assert info.value.code == 3
     assert capsys.readouterr().err == (
         "hpctrain train [rank 1]: data error: /d/index.json: index not found\n"

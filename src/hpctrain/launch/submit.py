@@ -71,19 +71,34 @@ class TrainingJob(submitit.helpers.Checkpointable):
 
 
 def exit_with_one_line(
-    exc: HpctrainError, environ: Mapping[str, str] | None = None, *, verb: str = "train"
+    exc: HpctrainError,
+    environ: Mapping[str, str] | None = None,
+    *,
+    verb: str = "train",
+    now: bool = True,
 ) -> NoReturn:
     """End this task as `hpctrain <verb>` would: one line on stderr and the kind's exit code.
 
     A user's mistake (a bad shard, a locked run folder...) then reads in the task's log like
     the CLI's own error, and sacct shows its exit code, instead of a traceback and a pickled
     exception. HPCTRAIN_DEBUG=1 keeps the traceback as well.
+
+    The task leaves at once, without the interpreter's shutdown (`os._exit`, as `python -m
+    hpctrain` does after a requeue save): shutdown restores the default signal handlers and
+    then takes seconds with torch loaded, and when every rank fails alike the TERM that `srun
+    --kill-on-bad-exit=1` sends once the first has exited killed the others there, so sacct
+    showed 15 instead of the error's code. `now=False` raises SystemExit instead (a caller
+    in a process that goes on, such as a test).
     """
     env = os.environ if environ is None else environ
     if env.get("HPCTRAIN_DEBUG", "") not in ("", "0"):
         traceback.print_exc()
     print_error_line(verb, exc, tag=rank_tag(env))
-    raise SystemExit(exc.exit_code)
+    if not now:
+        raise SystemExit(exc.exit_code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exc.exit_code)
 
 
 def requeue_this_job(
