@@ -66,7 +66,7 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix src tests tools
 
 # Regenerates docs/config-reference.md from the config schema and the strategy table of
-# docs/training.md from hpctrain.train.comms (tests keep both current).
+# docs/training.md from hpctrain.parallel.comms (tests keep both current).
 docs: $(STAMP)
 	$(BIN)/python tools/config_reference.py
 	$(BIN)/python tools/comms_table.py

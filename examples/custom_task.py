@@ -17,8 +17,8 @@ from torchvision.transforms import v2
 
 from hpctrain.config import Config
 from hpctrain.data.index import ShardIndex
-from hpctrain.train.task import masked_mean
-from hpctrain.train.tasks.vision import image_field
+from hpctrain.tasks.task import masked_mean
+from hpctrain.tasks.vision import image_field
 
 
 class Thumbnail:

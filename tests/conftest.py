@@ -30,6 +30,17 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
 
 
 @pytest.fixture(autouse=True)
+def _restore_torch_globals() -> Iterator[None]:
+    """In-process trainers switch on process-wide modes (deterministic algorithms)."""
+    torch = sys.modules.get("torch")
+    deterministic = torch.are_deterministic_algorithms_enabled() if torch is not None else None
+    yield
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.use_deterministic_algorithms(bool(deterministic))
+
+
+@pytest.fixture(autouse=True)
 def _release_run_locks_left_held() -> Iterator[None]:
     """Release the run locks a test left held (a CheckpointManager it did not close).
 

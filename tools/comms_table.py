@@ -1,4 +1,4 @@
-"""Write the strategy table of docs/training.md from `hpctrain.train.comms` (`make docs`).
+"""Write the strategy table of docs/training.md from `hpctrain.parallel.comms` (`make docs`).
 
 The rows: the GPT presets from 1B up (vocabulary 128,256, Llama 3's) on 4 nodes of 4 GPUs
 (Jean Zay's H100 nodes) and 2 nodes of 8 (its A100 nodes). `--check` exits 1 when the page's
@@ -11,8 +11,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from hpctrain.train.comms import markdown_table
-from hpctrain.train.models.gpt import gpt_config, num_params
+from hpctrain.models.gpt import gpt_config, num_params
+from hpctrain.parallel.comms import markdown_table
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "training.md"
 BEGIN = "<!-- comms-table: begin (tools/comms_table.py) -->\n"

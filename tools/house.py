@@ -2,7 +2,10 @@
 
 - no import cycle among hpctrain's modules, imports inside functions counted;
 - no module over 600 lines;
-- private torch/submitit names only in `compat_torch.py` / `compat_submitit.py`.
+- private torch/submitit names only in `compat_torch.py` / `compat_submitit.py`;
+- imports run one way: each package sits on a floor (`FLOORS`) and imports only packages on
+  lower floors. So tasks and models never import the loop (`train`), observe never imports
+  the loop, parallel never imports tasks, and nothing below `launch` knows about SLURM jobs.
 """
 
 from __future__ import annotations
@@ -17,6 +20,33 @@ COMPAT = {"hpctrain.compat_torch", "hpctrain.compat_submitit"}
 PRIVATE_ROOTS = ("torch", "submitit")
 # private methods reached through objects (no `torch.` in the expression to see)
 PRIVATE_METHODS = {"_shutdown_workers", "_get_metadata_path", "_traverse", "_new_shared"}
+
+# The floors of the house, lowest first: a package imports only packages on a lower floor
+# (and itself). `hpctrain` is the top-level `__init__.py`, each other name a package or a
+# top-level module under src/hpctrain/.
+FLOORS: dict[str, int] = {
+    "moved": 0,  # old module paths (imported by the top-level __init__)
+    "errors": 0,
+    "compat_torch": 0,
+    "compat_submitit": 0,
+    "hpctrain": 1,
+    "files": 1,
+    "config": 2,
+    "distributed": 3,  # who am I in the job, the process group
+    "data": 4,
+    "checkpoint": 4,
+    "models": 5,  # builders, the GPT, foreign weights, init_from
+    "parallel": 5,  # mesh, DDP/FSDP2/HSDP/TP, precision
+    "observe": 5,  # metrics, trackers, hangs, profiling, plots
+    "tasks": 6,  # the Task protocol and the built-in tasks
+    "convert": 6,
+    "train": 7,  # the loop
+    "inference": 8,  # using a trained checkpoint
+    "launch": 9,  # local, sbatch, submitit, preflight, status
+    "bench": 10,
+    "cli": 11,
+    "__main__": 12,  # python -m hpctrain
+}
 
 
 def modules(root: Path = ROOT) -> dict[str, Path]:
@@ -91,6 +121,28 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def package_of(module: str) -> str:
+    """`hpctrain.train.step` -> `train`; `hpctrain` -> `hpctrain`."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def upward_imports(graph: dict[str, set[str]], floors: dict[str, int] = FLOORS) -> list[str]:
+    """`a -> b (floor x -> y)` for each import from a package to one on its floor or above;
+    `unplaced: p` for a package without a floor."""
+    found = set()
+    for module, imported in graph.items():
+        here = package_of(module)
+        if here not in floors:
+            found.add(f"unplaced: {here}")
+            continue
+        for target in imported:
+            there = package_of(target)
+            if there != here and there in floors and floors[there] >= floors[here]:
+                found.add(f"{module} -> {target} (floor {floors[here]} -> {floors[there]})")
+    return sorted(found)
+
+
 def long_modules(root: Path = ROOT) -> list[tuple[str, int]]:
     sizes = [(m, len(p.read_text().splitlines())) for m, p in modules(root).items()]
     return [(m, n) for m, n in sizes if n > MAX_LINES]
@@ -138,6 +190,9 @@ def main() -> int:
     problems = 0
     for component in cycles(import_graph()):
         print("cycle:", " <-> ".join(component))
+        problems += 1
+    for line in upward_imports(import_graph()):
+        print("upward:", line)
         problems += 1
     for module, lines in long_modules():
         print(f"long: {module} {lines} lines (> {MAX_LINES})")

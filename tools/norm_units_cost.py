@@ -4,7 +4,7 @@
 
 Starts 2 gloo ranks on this machine and trains the model under FSDP2 (fp32, so that every
 variant runs) in three layouts, interleaved step by step: blocks + root only; plus all norms in
-ONE extra fp32 unit (what `hpctrain.train.parallel.shard_fsdp2` does under bf16/fp16); plus one
+ONE extra fp32 unit (what `hpctrain.parallel.parallelize.shard_fsdp2` does under bf16/fp16); plus one
 unit PER norm. Prints FSDP2's collectives per step and the median step time of each.
 """
 
@@ -24,8 +24,8 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from hpctrain.launch.local import free_port
-from hpctrain.train.models import build_classifier
-from hpctrain.train.parallel import FP32_NORMS, find_blocks
+from hpctrain.models import build_classifier
+from hpctrain.parallel.parallelize import FP32_NORMS, find_blocks
 
 LAYOUTS = ("blocks", "norms-grouped", "norms-each")
 COUNTED = (

@@ -78,7 +78,7 @@ def rank_tag(environ: Mapping[str, str] | None = None) -> str:
     """` [rank R]` in a rank of a multi-process run, where every rank prints its own error.
 
     Ranks come from `train --nproc`/torchrun (RANK, WORLD_SIZE) or srun (SLURM_PROCID,
-    SLURM_NTASKS), as in `hpctrain.dist`.
+    SLURM_NTASKS), as in `hpctrain.distributed`.
     """
     env = os.environ if environ is None else environ
     for rank, size in (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS")):

@@ -30,7 +30,7 @@ def test_gpt_reference_loss_is_the_causal_lm_loss(tmp_path: Path) -> None:
     import torch
 
     from hpctrain.data import open_index
-    from hpctrain.train.task import load_task
+    from hpctrain.tasks.task import load_task
 
     cfg = trainer.bench_config("gpt-tiny", tmp_path, seq_len=16)
     task = load_task(cfg, open_index(cfg.data.train))
@@ -48,7 +48,7 @@ def test_the_document_mask_case_gives_the_trainer_documents(tmp_path: Path) -> N
     import torch
 
     from hpctrain.data import open_index
-    from hpctrain.train.task import load_task
+    from hpctrain.tasks.task import load_task
 
     cfg = trainer.bench_config(trainer.GPT_DOCS, tmp_path, seq_len=64)
     task = load_task(cfg, open_index(cfg.data.train))

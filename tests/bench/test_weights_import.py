@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from hpctrain.bench import weights_import
-from hpctrain.train.models import hf
-from hpctrain.train.models.gpt import gpt_config
+from hpctrain.models import hf
+from hpctrain.models.gpt import gpt_config
 
 pytest.importorskip("safetensors")
 

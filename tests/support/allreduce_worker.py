@@ -8,7 +8,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from hpctrain.dist import resolve_env
+from hpctrain.distributed import resolve_env
 
 
 def main() -> None:

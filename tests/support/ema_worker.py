@@ -25,8 +25,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from hpctrain.config import load_config
-from hpctrain.dist import choose_device, process_group, resolve_env
-from hpctrain.train.gpu_stats import GpuCounters
+from hpctrain.distributed import choose_device, process_group, resolve_env
+from hpctrain.observe.gpu_stats import GpuCounters
 from hpctrain.train.preemption import REQUEUE_EXIT_CODE
 from hpctrain.train.trainer import Trainer
 

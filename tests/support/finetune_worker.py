@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))  # examples.custom_task, tests.train
 from examples.custom_task import ThumbnailMLP  # noqa: E402
 
 from hpctrain.config import load_config  # noqa: E402
-from hpctrain.dist import choose_device, process_group, resolve_env  # noqa: E402
+from hpctrain.distributed import choose_device, process_group, resolve_env  # noqa: E402
 from hpctrain.train.optim import named_parameters  # noqa: E402
 from hpctrain.train.preemption import REQUEUE_EXIT_CODE  # noqa: E402
 from hpctrain.train.trainer import Trainer  # noqa: E402

@@ -1,5 +1,5 @@
-"""Tasks that hang or straggle on purpose, for the tests of `hpctrain.train.hangs` and of the
-straggler check (`hpctrain.train.metrics.StragglerWatch`)."""
+"""Tasks that hang or straggle on purpose, for the tests of `hpctrain.observe.hangs` and of the
+straggler check (`hpctrain.observe.metrics.StragglerWatch`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch import nn
 
 from hpctrain.config import Config
 from hpctrain.data.index import ShardIndex
-from hpctrain.train.tasks.image_classification import ImageClassification
+from hpctrain.tasks.image_classification import ImageClassification
 
 
 class StragglingImageClassification(ImageClassification):

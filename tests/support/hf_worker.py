@@ -17,9 +17,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from hpctrain.config import load_config  # noqa: E402
-from hpctrain.dist import choose_device, process_group, resolve_env  # noqa: E402
+from hpctrain.distributed import choose_device, process_group, resolve_env  # noqa: E402
 from hpctrain.train.trainer import Trainer  # noqa: E402
-from tests.train.test_hf import run_overrides  # noqa: E402
+from tests.models.test_hf import run_overrides  # noqa: E402
 
 
 def main() -> None:

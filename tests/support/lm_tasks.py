@@ -16,7 +16,7 @@ from torch import nn
 
 from hpctrain.config import Config
 from hpctrain.data.index import ShardIndex
-from hpctrain.train.tasks.causal_lm import CausalLM
+from hpctrain.tasks.causal_lm import CausalLM
 
 
 class SignalingCausalLM(CausalLM):

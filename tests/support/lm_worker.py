@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from hpctrain.config import load_config
-from hpctrain.dist import DistEnv, choose_device, process_group, resolve_env
+from hpctrain.distributed import DistEnv, choose_device, process_group, resolve_env
 from hpctrain.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[2]

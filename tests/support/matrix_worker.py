@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from hpctrain.config import ConfigError, load_config  # noqa: E402
-from hpctrain.dist import DistEnv, choose_device, process_group, resolve_env  # noqa: E402
+from hpctrain.distributed import DistEnv, choose_device, process_group, resolve_env  # noqa: E402
 from hpctrain.train.trainer import Trainer  # noqa: E402
 from tests.support.matrix_kit import (  # noqa: E402
     GRID,

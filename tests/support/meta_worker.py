@@ -22,11 +22,10 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from hpctrain.config import load_config  # noqa: E402
-from hpctrain.dist import choose_device, process_group, resolve_env  # noqa: E402
-from hpctrain.train import init_from  # noqa: E402
-from hpctrain.train.models import hf  # noqa: E402
+from hpctrain.distributed import choose_device, process_group, resolve_env  # noqa: E402
+from hpctrain.models import hf, init_from  # noqa: E402
+from tests.models.test_hf import run_overrides, tokens  # noqa: E402
 from tests.support.train_kit import trainer_built_on_meta  # noqa: E402
-from tests.train.test_hf import run_overrides, tokens  # noqa: E402
 
 LM_VOCAB = 301
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from hpctrain.config import Config
 from hpctrain.data.index import ShardIndex
-from hpctrain.train.tasks.image_classification import ImageClassification
+from hpctrain.tasks.image_classification import ImageClassification
 
 
 class SlowImageClassification(ImageClassification):

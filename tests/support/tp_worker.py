@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from hpctrain.config import ConfigError, load_config
-from hpctrain.dist import choose_device, process_group, resolve_env
-from hpctrain.train.models.gpt import GPT, GPTConfig
+from hpctrain.distributed import choose_device, process_group, resolve_env
+from hpctrain.models.gpt import GPT, GPTConfig
 from hpctrain.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[2]

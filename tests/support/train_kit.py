@@ -110,7 +110,7 @@ def full_weights(model: Any) -> dict[str, Any]:
 def trainer_built_on_meta(cfg: Any, env: Any, device: Any) -> tuple[Any, bool]:
     """A Trainer of `cfg`, and whether `init_from.build_model` built its model on the meta
     device (the sharded import paths) rather than whole."""
-    from hpctrain.train import init_from
+    from hpctrain.models import init_from
     from hpctrain.train.trainer import Trainer
 
     built: list[bool] = []

@@ -25,13 +25,13 @@ sys.path.insert(0, str(REPO))
 
 import hpctrain.checkpoint.weights as checkpoint_weights  # noqa: E402
 from hpctrain.config import load_config  # noqa: E402
-from hpctrain.dist import choose_device, process_group, resolve_env  # noqa: E402
+from hpctrain.distributed import choose_device, process_group, resolve_env  # noqa: E402
+from tests.models.test_hf_init_from import lm_overrides  # noqa: E402
 from tests.support.train_kit import (  # noqa: E402
     full_weights,
     tiny_run_overrides,
     trainer_built_on_meta,
 )
-from tests.train.test_hf_init_from import lm_overrides  # noqa: E402
 
 # case -> (source, overrides, read the EMA, built on meta, keys re-initialised)
 CASES: dict[str, tuple[str, list[str], bool, bool, tuple[str, ...]]] = {

@@ -108,7 +108,7 @@ def test_fsdp2_cnn_with_activation_checkpointing_exports_to_the_plain_model(
     trained: Path, tmp_path: Path
 ) -> None:
     from hpctrain.cli.main import main
-    from hpctrain.train.models import SmallCNN
+    from hpctrain.models import SmallCNN
 
     out = tmp_path / "cnn.pt"
     assert main(["export", str(trained / "fsdp-cnn" / "checkpoints"), str(out)]) == 0

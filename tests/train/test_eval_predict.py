@@ -207,7 +207,7 @@ def test_a_checkpoint_folder_names_its_run_and_config(done: Path, tmp_path: Path
 
 
 def test_segmentation_masks_as_png_members_and_run_lengths() -> None:
-    from hpctrain.train.tasks.segmentation import Segmentation
+    from hpctrain.tasks.segmentation import Segmentation
 
     cfg = load_config(None, ["task=segmentation", "model.num_classes=3", "model.image_size=16"])
     task = Segmentation(cfg, ShardIndex(shards=(ShardInfo("x.tar", 1),)))

@@ -16,7 +16,7 @@ from hpctrain.cli.main import main
 from hpctrain.config import Config, config_to_yaml, with_overrides
 from hpctrain.errors import UsageError
 from hpctrain.inference.export import export_weights, format_of
-from hpctrain.train.models import build_classifier
+from hpctrain.models import build_classifier
 
 
 def save_checkpoints(

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from hpctrain.config import load_config
-from hpctrain.dist import DistEnv
+from hpctrain.distributed import DistEnv
 from hpctrain.train.trainer import Trainer
 
 CPU_DEVICE = torch.device("cpu")

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from hpctrain.config import ConfigError
-from hpctrain.train.metrics import MetricMonitor
+from hpctrain.observe.metrics import MetricMonitor
 
 
 def record(step: int, value: float) -> dict:

@@ -7,12 +7,12 @@ import torch
 
 from hpctrain.config import ConfigError, load_config
 from hpctrain.data.index import ShardIndex, ShardInfo
-from hpctrain.train.models import SmallCNN, build_classifier
+from hpctrain.models import SmallCNN, build_classifier
+from hpctrain.parallel.parallelize import find_blocks
+from hpctrain.tasks.image_classification import ImageClassification
+from hpctrain.tasks.task import load_task
+from hpctrain.tasks.vision import normalize
 from hpctrain.train.optim import build_optimizer, lr_factor
-from hpctrain.train.parallel import find_blocks
-from hpctrain.train.task import load_task
-from hpctrain.train.tasks.image_classification import ImageClassification
-from hpctrain.train.tasks.vision import normalize
 
 INDEX = ShardIndex(shards=(ShardInfo("a.tar", 10),), class_names=tuple("abcdefghij"))
 

@@ -18,10 +18,10 @@ from torch import nn
 from hpctrain.checkpoint import CheckpointError
 from hpctrain.config import Config, ConfigError, load_config
 from hpctrain.data.mixture import MixtureError
-from hpctrain.dist import resolve_env
+from hpctrain.distributed import resolve_env
 from hpctrain.errors import EXIT_DATA
 from hpctrain.inference.evaluate import run_eval
-from hpctrain.train.classes import ClassNamesError
+from hpctrain.tasks.classes import ClassNamesError
 from hpctrain.train.trainer import Trainer
 from tests.support import lm_kit
 from tests.support.train_kit import REPO, run_hpctrain

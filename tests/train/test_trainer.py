@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hpctrain.config import Config, ConfigError, load_config
-from hpctrain.dist import resolve_env
+from hpctrain.distributed import resolve_env
 from hpctrain.train.trainer import Trainer
 from tests.support import mlp_tasks as tasks
 from tests.support.train_kit import REPO

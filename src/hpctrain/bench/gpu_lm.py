@@ -7,8 +7,8 @@ a single process is never wrapped, as everywhere in hpctrain), `torch.compile` p
 activation checkpointing when the memory estimate needs it. The report takes the steady
 intervals of `metrics.jsonl` (the first ones hold compilation and loader start-up) and prints
 tokens/s, the data-wait fraction, peak memory and MFU: tokens/s per GPU x the model's training
-FLOPs per token (`flops_per_token` of `hpctrain.train.models.gpt`: 6 x parameters plus the
-attention term) / the GPU's published dense bf16 peak (`hpctrain.train.flops.PEAK_FLOPS`).
+FLOPs per token (`flops_per_token` of `hpctrain.models.gpt`: 6 x parameters plus the
+attention term) / the GPU's published dense bf16 peak (`hpctrain.models.flops.PEAK_FLOPS`).
 
 Everything but the GPU runs on a CPU too (`--device cpu --preset gpt-tiny --steps 2`: fp32,
 no compile), which is how the tests exercise it; `tools/gpu_bench.sh` runs it after the
@@ -170,7 +170,7 @@ def choose_preset(
 
 def preset_shapes(vocab_size: int) -> list[PresetShape]:
     """Every GPT preset with its parameter count for `vocab_size`."""
-    from hpctrain.train.models import gpt
+    from hpctrain.models import gpt
 
     shapes = []
     for name in gpt.PRESETS:
@@ -333,7 +333,7 @@ def train(plan: LMPlan, overrides: list[str], work: Path) -> None:
         return
     import torch
 
-    from hpctrain.dist import resolve_env
+    from hpctrain.distributed import resolve_env
     from hpctrain.train.trainer import Trainer
 
     device = torch.device("cuda", 0) if plan.device == "cuda" else torch.device("cpu")
@@ -344,7 +344,7 @@ def train(plan: LMPlan, overrides: list[str], work: Path) -> None:
 
 def train_flops_per_token(plan: LMPlan) -> float:
     """Training FLOPs per token of the plan's preset (forward + backward, no recomputation)."""
-    from hpctrain.train.models import gpt
+    from hpctrain.models import gpt
 
     return float(gpt.flops_per_token(gpt.gpt_config(plan.preset, plan.vocab_size), plan.seq_len))
 

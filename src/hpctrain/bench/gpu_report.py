@@ -4,7 +4,7 @@
 their run's `metrics.jsonl` the same way: the first intervals hold compilation and loader
 start-up, the rest is steady state; MFU is the achieved FLOP/s per GPU (throughput per GPU x
 the model's training FLOPs per image or token) against the GPU's published dense peak
-(`hpctrain.train.flops.PEAK_FLOPS`). Each case adds its own header line and plan.
+(`hpctrain.models.flops.PEAK_FLOPS`). Each case adds its own header line and plan.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from hpctrain.train.flops import peak_flops
+from hpctrain.models.flops import peak_flops
 
 
 def peak_tflops(gpu_name: str) -> float | None:
-    """The published peak of `gpu_name` (`hpctrain.train.flops.PEAK_FLOPS`) in TFLOP/s, or
+    """The published peak of `gpu_name` (`hpctrain.models.flops.PEAK_FLOPS`) in TFLOP/s, or
     None; `HPCTRAIN_PEAK_TFLOPS` overrides."""
     override = os.environ.get("HPCTRAIN_PEAK_TFLOPS")
     if override:

@@ -10,7 +10,7 @@ H200 machine); this module holds the parts that can be tested on a CPU:
     python -m hpctrain.bench.gpu_vision smoke DIR [--dry-run]      # the matrix's GPU cells
     python -m hpctrain.bench.gpu_vision report RUN_DIR --num-gpus N ...
 
-The smoke pass runs the GPU cells of the precision matrix (tests/train/test_matrix.py runs
+The smoke pass runs the GPU cells of the precision matrix (tests/parallel/test_matrix.py runs
 the CPU ones): ddp/fsdp x bf16/fp16 on ResNet-50 and ViT-B/16 at 224 px, a few steps each on
 all GPUs; each cell must train with finite losses, or be refused up front (exit 2) exactly when
 `plan_training` says this GPU cannot do it (bf16 on a V100). On one GPU ddp and fsdp run
@@ -262,7 +262,7 @@ def expected_refusal(cell: SmokeCell, num_gpus: int) -> str:
     import torch
 
     from hpctrain.config import ConfigError, load_config
-    from hpctrain.train.precision import device_facts, plan_training
+    from hpctrain.parallel.precision import device_facts, plan_training
 
     cfg = load_config(None, smoke_overrides(cell, Path("."), Path("."), 1))
     try:

@@ -51,7 +51,7 @@ def worker(work: Path, pairs: int, steps: int, seq_len: int, tp: bool) -> None:
 
     from hpctrain.bench.trainer import TrainerLoop, bench_config, make_batches
     from hpctrain.config import with_overrides
-    from hpctrain.dist import choose_device, process_group, resolve_env
+    from hpctrain.distributed import choose_device, process_group, resolve_env
     from hpctrain.train.trainer import Trainer
 
     torch.set_num_threads(1)

@@ -46,7 +46,7 @@ from torch import nn
 
 from hpctrain.config import Config, load_config
 from hpctrain.data.index import ShardIndex, ShardInfo, index_to_bytes
-from hpctrain.dist import resolve_env
+from hpctrain.distributed import resolve_env
 from hpctrain.files import write_atomic
 
 HELP = "Trainer step vs a hand-written PyTorch loop (paired ratios, A/A control), data wait"
@@ -246,7 +246,7 @@ class TrainerLoop:
     """hpctrain's Trainer stepping as in `fit`: `train_step` then `step_boundary`."""
 
     def __init__(self, trainer: Any) -> None:
-        from hpctrain.train.metrics import MetricsWriter
+        from hpctrain.observe.metrics import MetricsWriter
 
         self.trainer = trainer
         self.metrics = MetricsWriter(

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 
 from hpctrain.bench.measure import self_cpu_seconds
-from hpctrain.train.models import hf
-from hpctrain.train.models.gpt import GPT, GPTConfig, gpt_config, num_params
+from hpctrain.models import hf
+from hpctrain.models.gpt import GPT, GPTConfig, gpt_config, num_params
 
 HELP = "Hugging Face import: FSDP2 ranks reading their rows vs one process's load_state_dict"
 MEMORY_GOAL = 0.6  # peak host memory per rank / the fp32 model's bytes
@@ -199,9 +199,9 @@ def measure_main() -> None:
     import torch.distributed as dist
     import torch.distributed.fsdp
 
-    import hpctrain.train.init_from
-    import hpctrain.train.parallel  # noqa: F401
-    from hpctrain.dist import process_group, resolve_env
+    import hpctrain.models.init_from
+    import hpctrain.parallel.parallelize  # noqa: F401
+    from hpctrain.distributed import process_group, resolve_env
 
     env = resolve_env()
     device = torch.device("cpu")
@@ -242,9 +242,9 @@ def load_fsdp(
 ) -> dict[str, float]:
     """The trainer's path: meta build, FSDP2 shards, each rank's rows from the folder."""
     from hpctrain.config import Config, with_overrides
-    from hpctrain.train import init_from
-    from hpctrain.train.parallel import parallelize
-    from hpctrain.train.precision import device_facts, plan_training
+    from hpctrain.models import init_from
+    from hpctrain.parallel.parallelize import parallelize
+    from hpctrain.parallel.precision import device_facts, plan_training
 
     run = with_overrides(
         Config(),

@@ -14,7 +14,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpctrain.train.plot import plot_run
+    from hpctrain.observe.plot import plot_run
 
     paths = plot_run(Path(args.run_dir))  # UsageError: no metrics there
     for path in paths:

@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Exit status: wandb sync's (0 when everything was uploaded)."""
-    from hpctrain.train.trackers import wandb_sync_command
+    from hpctrain.observe.trackers import wandb_sync_command
 
     if importlib.util.find_spec("wandb") is None:
         raise UsageError("hpctrain sync needs the wandb package: pip install 'hpctrain[wandb]'")

@@ -101,7 +101,7 @@ class SegmentationConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class CausalLMConfig:
-    """The GPT's shape for task causal_lm (`hpctrain.train.models.gpt`): each key overrides
+    """The GPT's shape for task causal_lm (`hpctrain.models.gpt`): each key overrides
     the preset's value (`model.name`); 0 / null keep it. These were `model.*` keys: the old
     names still load, with a warning (`config.load.MOVED_KEYS`)."""
 

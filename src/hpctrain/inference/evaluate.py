@@ -19,8 +19,8 @@ from hpctrain.data.index import redact_url
 from hpctrain.errors import UsageError
 from hpctrain.files import write_atomic
 from hpctrain.inference.session import inference_session
+from hpctrain.observe.trackers import check_trackers
 from hpctrain.train.evaluation import evaluate, loss_counters, require_items
-from hpctrain.train.trackers import check_trackers
 
 log = logging.getLogger("hpctrain")
 
@@ -106,7 +106,7 @@ def log_to_trackers(cfg: Config, record: dict[str, Any], name: str, world_size: 
     Its own kind (`eval.<data>`) keeps it apart from the training's evaluations, which the
     trackers have at the same steps.
     """
-    from hpctrain.train.trackers import start_trackers
+    from hpctrain.observe.trackers import start_trackers
 
     trackers = start_trackers(cfg, world_size, resumed=True)
     if trackers is None:

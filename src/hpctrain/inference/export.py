@@ -13,7 +13,7 @@ is true, else the trained ones. With `ema=True` (`--ema`), the parameters are th
 `ema.<name>` beside `app.model.<name>`, see `hpctrain.train.ema`) and the buffers (BatchNorm
 running statistics) those of the model.
 
-For a task with a `model_card` hook (`hpctrain.train.task`) the export also writes
+For a task with a `model_card` hook (`hpctrain.tasks.task`) the export also writes
 `<out>.json` (the weights' file name with `.json` added: `model.safetensors.json`, so two
 exports into one folder keep their own cards; an `out` ending in `.json` is refused, it could
 be another export's card): what the task says rebuilds the model, with the step and format.
@@ -37,8 +37,8 @@ import torch
 from hpctrain.checkpoint.weights import locate_checkpoint, read_model_weights
 from hpctrain.errors import UsageError
 from hpctrain.files import write_atomic
-from hpctrain.train.task import DEFAULT_TASK
-from hpctrain.train.task import model_card as task_model_card
+from hpctrain.tasks.task import DEFAULT_TASK
+from hpctrain.tasks.task import model_card as task_model_card
 
 FORMATS = ("pt", "safetensors")
 
@@ -200,8 +200,8 @@ def export_hf(
 
     from hpctrain.data.tokenizer import JSON
     from hpctrain.inference.generate import run_tokenizer
-    from hpctrain.train.models import hf
-    from hpctrain.train.tasks.causal_lm import CAUSAL_LM, gpt_config_for
+    from hpctrain.models import hf
+    from hpctrain.tasks.causal_lm import CAUSAL_LM, gpt_config_for
 
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

@@ -22,8 +22,8 @@ from hpctrain.checkpoint.weights import locate_checkpoint, read_model_weights
 from hpctrain.data.locate import open_index
 from hpctrain.data.tokenizer import Tokenizer, check_tokenizer, load_tokenizer
 from hpctrain.errors import DataError, UsageError
-from hpctrain.train.models.gpt import GPT
-from hpctrain.train.tasks.causal_lm import gpt_config_for, load_index_tokenizer
+from hpctrain.models.gpt import GPT
+from hpctrain.tasks.causal_lm import gpt_config_for, load_index_tokenizer
 
 
 def run_config(manifest: dict[str, Any], where: str) -> dict[str, Any]:

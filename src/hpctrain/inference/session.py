@@ -31,11 +31,11 @@ from hpctrain.config import Config, ConfigError, with_overrides
 from hpctrain.data import ShardedLoader, open_index
 from hpctrain.data.index import ShardIndex, ShardIndexError, redact_url
 from hpctrain.data.mixture_index import open_train_index
-from hpctrain.dist import DistEnv, process_group, start_process
-from hpctrain.train.classes import check_class_names, checkpoint_class_names, differ, mismatch
-from hpctrain.train.parallel import parallelize
-from hpctrain.train.precision import Precision, device_facts, plan_training
-from hpctrain.train.task import Task, load_task
+from hpctrain.distributed import DistEnv, process_group, start_process
+from hpctrain.parallel.parallelize import parallelize
+from hpctrain.parallel.precision import Precision, device_facts, plan_training
+from hpctrain.tasks.classes import check_class_names, checkpoint_class_names, differ, mismatch
+from hpctrain.tasks.task import Task, load_task
 
 log = logging.getLogger("hpctrain")
 

@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from hpctrain.train.hangs import newest_dump
+from hpctrain.observe.hangs import newest_dump
 
 # Set in every rank the launcher starts: the launcher's pid, so the rank dies with it.
 LAUNCHER_PID_ENV = "HPCTRAIN_LAUNCHER_PID"

@@ -194,7 +194,7 @@ def check_checkpoint_trust(cfg: Config) -> Check:
 
 def check_task(cfg: Config) -> Check:
     """The task and model modules import in this Python environment."""
-    from hpctrain.train.task import BUILTIN_TASKS
+    from hpctrain.tasks.task import BUILTIN_TASKS
 
     target = BUILTIN_TASKS.get(cfg.task, cfg.task)
     module_name = target.partition(":")[0]
@@ -212,7 +212,7 @@ def check_task(cfg: Config) -> Check:
         importlib.import_module(module_name)
     except Exception as exc:
         return Check("task", False, f"task={cfg.task!r}: importing {module_name} failed: {exc}")
-    from hpctrain.train.task import check_model_name
+    from hpctrain.tasks.task import check_model_name
 
     try:
         check_model_name(cfg.task, cfg.model.name, cfg.model.image_size)
@@ -230,7 +230,7 @@ def check_init_from(cfg: Config) -> Check | None:
         return Check(
             "model.init_from", True, f"{path} is expanded on the node; not checked", warning=True
         )
-    from hpctrain.train.init_from import kind_of
+    from hpctrain.models.init_from import kind_of
 
     try:
         kind = kind_of(path)

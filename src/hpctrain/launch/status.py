@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from hpctrain.launch.profiles import LaunchError
-from hpctrain.train.hangs import newest_dump
+from hpctrain.observe.hangs import newest_dump
 
 # States after which the job will not run again by itself.
 DONE_STATES = frozenset({"COMPLETED"})
@@ -234,7 +234,7 @@ def last_error_line(paths: list[Path]) -> tuple[str, str]:
 
 
 def last_straggler_line(paths: list[Path]) -> str:
-    """The last straggler warning (`hpctrain.train.metrics.StragglerWatch`) in the newest
+    """The last straggler warning (`hpctrain.observe.metrics.StragglerWatch`) in the newest
     log that has one."""
     existing = [p for p in paths if p.is_file()]
     for path in sorted(existing, key=lambda p: p.stat().st_mtime, reverse=True):

@@ -23,13 +23,13 @@ from hpctrain.checkpoint import (
 )
 from hpctrain.config import Config, config_to_yaml
 from hpctrain.data import ShardedLoader
-from hpctrain.train.classes import ClassNamesError, checkpoint_class_names, differ, mismatch
+from hpctrain.models.init_from import load_initial_weights
+from hpctrain.observe.metrics import MetricMonitor
+from hpctrain.parallel.parallelize import broadcast_buffers
+from hpctrain.tasks.classes import ClassNamesError, checkpoint_class_names, differ, mismatch
+from hpctrain.tasks.task import Task
 from hpctrain.train.ema import CHECKPOINT_KEY as EMA_KEY
-from hpctrain.train.init_from import load_initial_weights
-from hpctrain.train.metrics import MetricMonitor
 from hpctrain.train.optim import check_same_groups
-from hpctrain.train.parallel import broadcast_buffers
-from hpctrain.train.task import Task
 
 log = logging.getLogger("hpctrain")
 

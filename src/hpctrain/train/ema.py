@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from hpctrain.compat_torch import foreach_copy_, foreach_lerp_
-from hpctrain.train.parallel import reshard
+from hpctrain.parallel.parallelize import reshard
 
 # Module-name parts that wrappers of blocks insert: torch.compile, activation checkpointing
 # (reserved names; DDP's root `module.` is dropped by naming the parameters of DDP's module).
@@ -91,7 +91,7 @@ class WeightEMA:
         Evaluation with the EMA runs between two calls. One parameter at a time goes through
         a temporary copy, so the swap needs memory for the largest (shard of a) parameter only.
         The swap writes into FSDP2's shards: gathered copies are freed first, or the next
-        forward would use them as they are (`hpctrain.train.parallel.reshard`).
+        forward would use them as they are (`hpctrain.parallel.parallelize.reshard`).
         """
         reshard(self.model)
         for param, weight in zip(self.params, self._locals, strict=True):

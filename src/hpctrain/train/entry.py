@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from hpctrain.config import Config
-from hpctrain.dist import process_group, start_process
+from hpctrain.distributed import process_group, start_process
 from hpctrain.train.trainer import Trainer
 
 log = logging.getLogger("hpctrain")

@@ -14,8 +14,8 @@ from torch import nn
 
 from hpctrain.config import ConfigError
 from hpctrain.data import ShardedLoader
-from hpctrain.dist import all_reduce_tensors
-from hpctrain.train.task import Batch, Task, divide_by_count
+from hpctrain.distributed import all_reduce_tensors
+from hpctrain.tasks.task import Batch, Task, divide_by_count
 
 log = logging.getLogger("hpctrain")
 

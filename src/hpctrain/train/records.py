@@ -16,15 +16,15 @@ import torch
 from hpctrain.checkpoint import CheckpointManager
 from hpctrain.config import Config
 from hpctrain.data import ShardedLoader
-from hpctrain.dist import DistEnv, all_reduce_sum
+from hpctrain.distributed import DistEnv, all_reduce_sum
 from hpctrain.files import write_atomic
+from hpctrain.models.flops import throughput_fields
+from hpctrain.observe.gpu_stats import GpuCounters
+from hpctrain.observe.metrics import IntervalMeter, peak_memory_mb
+from hpctrain.parallel.parallelize import broadcast_buffers
+from hpctrain.parallel.precision import Precision, TrainingPlan
+from hpctrain.tasks.task import Batch, Task, summary_line
 from hpctrain.train.evaluation import evaluate
-from hpctrain.train.flops import throughput_fields
-from hpctrain.train.gpu_stats import GpuCounters
-from hpctrain.train.metrics import IntervalMeter, peak_memory_mb
-from hpctrain.train.parallel import broadcast_buffers
-from hpctrain.train.precision import Precision, TrainingPlan
-from hpctrain.train.task import Batch, Task, summary_line
 
 
 class RunRecords:

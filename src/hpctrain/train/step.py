@@ -13,12 +13,12 @@ from typing import Any
 import torch
 
 from hpctrain.config import Config
-from hpctrain.dist import DistEnv
+from hpctrain.distributed import DistEnv
+from hpctrain.observe.metrics import IntervalMeter
+from hpctrain.parallel.parallelize import no_gradient_sync
+from hpctrain.parallel.precision import Precision, TrainingPlan
+from hpctrain.tasks.task import Batch, Task
 from hpctrain.train.evaluation import to_device
-from hpctrain.train.metrics import IntervalMeter
-from hpctrain.train.parallel import no_gradient_sync
-from hpctrain.train.precision import Precision, TrainingPlan
-from hpctrain.train.task import Batch, Task
 
 
 class OptimizerStep:

@@ -14,31 +14,31 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import hpctrain.train.init_from as init_from  # a module: tests patch its functions
+import hpctrain.models.init_from as init_from  # a module: tests patch its functions
 from hpctrain.checkpoint import CheckpointManager
 from hpctrain.config import Config, ConfigError, config_to_yaml
 from hpctrain.data import ShardedLoader, open_index
 from hpctrain.data.index import ShardIndex
 from hpctrain.data.mixture_index import describe as describe_train
 from hpctrain.data.mixture_index import open_train_index
-from hpctrain.dist import DistEnv, new_cpu_group
+from hpctrain.distributed import DistEnv, new_cpu_group
+from hpctrain.observe.gpu_stats import GpuCounters
+from hpctrain.observe.hangs import HangWatch
+from hpctrain.observe.memory import OOMSnapshots
+from hpctrain.observe.metrics import IntervalMeter, MetricMonitor, MetricsWriter
+from hpctrain.observe.profiling import StepProfiler
+from hpctrain.observe.trackers import check_trackers, start_trackers
+from hpctrain.parallel.parallelize import parallelize
+from hpctrain.parallel.precision import device_facts, make_grad_scaler, plan_training
+from hpctrain.tasks.classes import check_class_names
+from hpctrain.tasks.task import Batch, load_task
 from hpctrain.train.checkpointing import Checkpointing, TrainState
-from hpctrain.train.classes import check_class_names
 from hpctrain.train.ema import build_ema
 from hpctrain.train.evaluation import require_items
-from hpctrain.train.gpu_stats import GpuCounters
-from hpctrain.train.hangs import HangWatch
-from hpctrain.train.memory import OOMSnapshots
-from hpctrain.train.metrics import IntervalMeter, MetricMonitor, MetricsWriter
 from hpctrain.train.optim import build_optimizer, build_scheduler, freeze_parameters
-from hpctrain.train.parallel import parallelize
-from hpctrain.train.precision import device_facts, make_grad_scaler, plan_training
 from hpctrain.train.preemption import REQUEUE_EXIT_CODE, PreemptionFlag
-from hpctrain.train.profiling import StepProfiler
 from hpctrain.train.records import RunRecords
 from hpctrain.train.step import OptimizerStep
-from hpctrain.train.task import Batch, load_task
-from hpctrain.train.trackers import check_trackers, start_trackers
 
 log = logging.getLogger("hpctrain")
 

@@ -1,0 +1,187 @@
+"""Device and backend choice, process-group set-up and teardown."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hpctrain.distributed.env import DistEnv
+
+
+def choose_device(env: DistEnv, prefer: str = "auto") -> torch.device:
+    """One device per task: `cuda:<local index>` when GPUs are visible, else CPU.
+
+    Under SLURM with `--gpus-per-task` or a gres binding each task may see only its own GPU;
+    then the index is 0, otherwise the local rank.
+    """
+    if prefer == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    index = env.local_rank if count > 1 else 0
+    if index >= count:
+        raise RuntimeError(f"local rank {env.local_rank} has no GPU: only {count} visible")
+    return torch.device("cuda", index)
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+DEFAULT_TIMEOUT_S = 600.0  # train.collective_timeout_s
+FLIGHT_RECORDER_ENTRIES = "2000"  # collectives each rank keeps in its ring buffer
+
+
+def flight_recorder_env(environ: Mapping[str, str], hang_dir: Path) -> dict[str, str]:
+    """The NCCL flight recorder's variables the user did not set: record the last
+    collectives, and on a timeout dump them to `hang_dir/nccl/<job>-rank-<R>` (torch adds the
+    rank). `<job>` is the same on every rank of one start and differs between starts (a
+    requeued job keeps its id but not its restart count): `JOBID-RESTARTS-PORT`, or `local-PORT`.
+    Read them with `torchfrtrace HANG_DIR/nccl -p <job>-rank-`."""
+    job = "-".join(
+        environ[name]
+        for name in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "MASTER_PORT")
+        if environ.get(name)
+    )
+    job = job if environ.get("SLURM_JOB_ID") else f"local-{job}"
+    wanted = {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": FLIGHT_RECORDER_ENTRIES,
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(hang_dir / "nccl" / f"{job}-rank-"),
+    }
+    return {name: value for name, value in wanted.items() if name not in environ}
+
+
+def init_process_group(
+    env: DistEnv,
+    device: torch.device,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    hang_dir: Path | None = None,
+) -> None:
+    """Join the job's process group through `env://` (a no-op for a single process).
+
+    `timeout_s` bounds every collective on the group: a rank that waits longer for a peer
+    (hung, stopped, or dead without closing its connections) raises instead of holding the
+    allocation. Groups made later need it again (`new_cpu_group`): torch gives them its own
+    default (30 min for gloo), not this group's. On GPUs with `hang_dir` (RUN_DIR/hangs),
+    NCCL's flight recorder is switched on unless the user set its variables
+    (`flight_recorder_env`): ProcessGroupNCCL reads them when it is made, here.
+    """
+    if not env.is_distributed or dist.is_initialized():
+        return
+    os.environ["MASTER_ADDR"] = env.master_addr
+    os.environ["MASTER_PORT"] = str(env.master_port)
+    os.environ["RANK"] = str(env.rank)
+    os.environ["WORLD_SIZE"] = str(env.world_size)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        if hang_dir is not None:
+            (hang_dir / "nccl").mkdir(parents=True, exist_ok=True)
+            os.environ.update(flight_recorder_env(os.environ, hang_dir))
+    dist.init_process_group(
+        backend=backend_for(device),
+        init_method="env://",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def new_cpu_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.ProcessGroup:
+    """A gloo group of every rank with the same collective timeout as the main group."""
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    assert isinstance(group, dist.ProcessGroup)  # every rank is a member
+    return group
+
+
+@contextmanager
+def process_group(
+    env: DistEnv,
+    device: torch.device,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    hang_dir: Path | None = None,
+) -> Iterator[None]:
+    """Init on entry, always tear down on exit (also on errors, so no rank lingers).
+
+    On a normal exit the ranks meet in a barrier first: rank 0 hosts the rendezvous store,
+    and a rank 0 that tears down and exits while another rank still talks to the store (its
+    own teardown) killed that rank with SIGABRT ("terminate called without an active
+    exception", about 1 run in 10 of a 2-rank `hpctrain eval` on CPU). On an error no rank
+    waits for the others, which may be gone.
+    """
+    init_process_group(env, device, timeout_s, hang_dir)
+    try:
+        yield
+    except BaseException:
+        destroy_process_group()
+        raise
+    if dist.is_initialized():
+        dist.barrier()
+    destroy_process_group()
+
+
+def all_reduce_max(value: float, device: torch.device) -> float:
+    """The max of `value` over ranks (`value` itself without a process group)."""
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def all_gather_floats(value: float, device: torch.device) -> list[float]:
+    """Every rank's `value`, in rank order (`[value]` without a process group)."""
+    if not dist.is_initialized():
+        return [value]
+    local = torch.tensor([value], dtype=torch.float64, device=device)
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    return [float(t.item()) for t in gathered]
+
+
+def all_hostnames() -> list[str]:
+    """Every rank's host name, in rank order (one all-gather; this host alone without a group)."""
+    if not dist.is_initialized():
+        return [socket.gethostname()]
+    names: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(names, socket.gethostname())
+    return [str(name) for name in names]
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    """Element-wise sums of `values` over ranks."""
+    if not dist.is_initialized():
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def all_reduce_tensors(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Element-wise sums over ranks of tensors of any shape, in one all-reduce.
+
+    Every rank must hold the same names and shapes (the same task on every rank does).
+    """
+    if not dist.is_initialized() or not sums:
+        return sums
+    names = sorted(sums)
+    flat = torch.cat([sums[name].reshape(-1) for name in names])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    totals, offset = {}, 0
+    for name in names:
+        size = sums[name].numel()
+        totals[name] = flat[offset : offset + size].view(sums[name].shape)
+        offset += size
+    return totals

@@ -1,0 +1,410 @@
+"""Hugging Face Llama-family folders in and out of the built-in GPT, with `safetensors` + `json`.
+
+In: `model.init_from: FOLDER` (a `config.json` and `model.safetensors`, or shards listed by
+`model.safetensors.index.json`) of `LlamaForCausalLM`, `MistralForCausalLM` or
+`Qwen2ForCausalLM`. `gpt_config_from_hf` maps `config.json` to a `GPTConfig` (shape,
+vocabulary, RoPE base and llama3 scaling, norm epsilon, tied embeddings, Qwen2's q/k/v biases);
+`load_hf_weights` copies the tensors into a built (possibly DDP- or FSDP2-wrapped) GPT.
+
+Rotary layout: Hugging Face's Llama code rotates channel pairs (i, i + head_dim/2)
+("rotate_half") and its checkpoints store q/k projections for that layout (the conversion from
+Meta's interleaved weights permuted them once). The built-in GPT uses the same half-split
+layout (`gpt.apply_rotary`), so the weights are copied as they are, no permutation.
+
+Memory under FSDP2: the trainer builds the GPT on the meta device, shards it and gives each
+rank storage for its shard only (`init_from.build_model`); each rank then reads only its own
+rows of each tensor, straight from the file into its shard (`read_rows`: the safetensors
+header is JSON, the rows of a tensor are one contiguous byte range). No memory map: a rank's
+resident memory is its shard plus at most one tensor's local rows (when the file's dtype is
+not the parameter's), never the whole model's weights.
+
+Out: `hf_config` and `hf_state_dict` give `hpctrain export --format hf` the `config.json` and
+tensor names transformers' `AutoModelForCausalLM` loads without custom code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hpctrain.config import ConfigError
+from hpctrain.models.gpt import GPTConfig
+
+KEY = "model.init_from"
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+# A hub model id: `org/name`, nothing that looks like a local path.
+HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# Wrappers that add a component to parameter names: DDP's `module.`, torch.compile's
+# `_orig_mod.`, activation checkpointing's `_checkpoint_wrapped_module.`.
+WRAPPER_PARTS = ("module", "_orig_mod", "_checkpoint_wrapped_module")
+
+
+def is_hf_folder(path: str) -> bool:
+    """Whether `path` is a folder holding a Hugging Face `config.json`."""
+    return (Path(path) / CONFIG).is_file()
+
+
+def check_path(path: str) -> None:
+    """Refuse a `model.init_from` that is not on disk, in one line.
+
+    Raises:
+        ConfigError: no such path; for a hub id, how to download it on a login node.
+    """
+    if Path(path).exists():
+        return
+    if HUB_NAME.fullmatch(path) and not path.startswith("."):
+        raise ConfigError(
+            f"{KEY}={path}: no such folder; hpctrain never downloads (compute nodes are "
+            f"offline): on a login node run `huggingface-cli download {path} --local-dir "
+            f"DIR` and set {KEY}=DIR"
+        )
+    raise ConfigError(f"{KEY}={path}: no such file or folder")
+
+
+def read_hf_config(folder: str) -> dict[str, Any]:
+    """The `config.json` of `folder`, refused unless of a supported architecture."""
+    where = f"{KEY}={folder}"
+    try:
+        config = json.loads((Path(folder) / CONFIG).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{where}: cannot read {CONFIG}: {exc}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{where}: {CONFIG} is not a JSON object")
+    architectures = config.get("architectures") or [config.get("model_type")]
+    if architectures[0] not in ARCHITECTURES:
+        raise ConfigError(
+            f"{where}: architectures {architectures} is not supported "
+            f"(supported: {', '.join(ARCHITECTURES)})"
+        )
+    return config
+
+
+def rope_settings(config: dict[str, Any], where: str) -> dict[str, Any]:
+    """RoPE base and llama3 scaling as GPTConfig fields, from transformers 4's `rope_theta`
+    + `rope_scaling` or transformers 5's `rope_parameters`."""
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return {"rope_theta": theta}
+    if kind != "llama3":
+        raise ConfigError(
+            f"{where}: rope scaling of type {kind!r} is not supported (default or llama3)"
+        )
+    return {
+        "rope_theta": theta,
+        "rope_scaling_factor": float(params["factor"]),
+        "rope_low_freq_factor": float(params["low_freq_factor"]),
+        "rope_high_freq_factor": float(params["high_freq_factor"]),
+        "rope_original_max_positions": int(params["original_max_position_embeddings"]),
+    }
+
+
+def gpt_config_from_hf(config: dict[str, Any], folder: str) -> GPTConfig:
+    """The GPTConfig of a supported `config.json` (see `read_hf_config`).
+
+    Raises:
+        ConfigError: a feature the built-in GPT does not have (another activation, biases
+            besides Qwen2's q/k/v, a head size other than dim / heads, sliding windows).
+    """
+    where = f"{KEY}={folder}"
+    architecture = (config.get("architectures") or [""])[0]
+    dim, n_heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    unsupported = []
+    if config.get("hidden_act", "silu") != "silu":
+        unsupported.append(f"hidden_act {config['hidden_act']!r}")
+    if config.get("mlp_bias"):
+        unsupported.append("mlp_bias")
+    if config.get("attention_bias"):
+        unsupported.append("attention_bias")
+    if config.get("head_dim") not in (None, dim // n_heads):
+        unsupported.append(f"head_dim {config['head_dim']} != hidden_size / num_attention_heads")
+    if config.get("use_sliding_window"):
+        unsupported.append("use_sliding_window")
+    if unsupported:
+        raise ConfigError(f"{where}: {', '.join(unsupported)} not supported by the built-in GPT")
+    return GPTConfig(
+        vocab_size=int(config["vocab_size"]),
+        dim=dim,
+        n_layers=int(config["num_hidden_layers"]),
+        n_heads=n_heads,
+        n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
+        ffn_dim=int(config["intermediate_size"]),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        qkv_bias=architecture == "Qwen2ForCausalLM",
+        **rope_settings(config, where),
+    )
+
+
+def check_against_model_keys(cfg: GPTConfig, model: Any, folder: str, where: str = CONFIG) -> None:
+    """Refuse `causal_lm.*` dimensions set in the run's config that disagree with
+    `config.json` (`model`: the run's CausalLMConfig); 0 / null leave them to the folder.
+    `where` names what `cfg` was read from (a warm start's: the source run's config)."""
+    explicit = {
+        "dim": model.dim,
+        "n_layers": model.n_layers,
+        "n_heads": model.n_heads,
+        "n_kv_heads": model.n_kv_heads,
+        "ffn_dim": model.ffn_dim,
+        "vocab_size": model.vocab_size,
+        "tie_embeddings": model.tie_embeddings,
+    }
+    hf_value = {**{k: getattr(cfg, k) for k in explicit}, "n_kv_heads": cfg.kv_heads}
+    for key, value in explicit.items():
+        if value not in (0, None) and value != hf_value[key]:
+            raise ConfigError(
+                f"causal_lm.{key}={value} disagrees with {KEY}={folder} "
+                f"({where}: {hf_value[key]}); leave causal_lm.{key} unset"
+            )
+
+
+def hf_names(cfg: GPTConfig) -> dict[str, str]:
+    """The built-in GPT's parameter names → Hugging Face's, for this shape."""
+    names = {
+        "tok_embeddings.weight": "model.embed_tokens.weight",
+        "norm.weight": "model.norm.weight",
+    }
+    if not cfg.tie_embeddings:
+        names["output.weight"] = "lm_head.weight"
+    layer = {
+        "attention.wq": "self_attn.q_proj",
+        "attention.wk": "self_attn.k_proj",
+        "attention.wv": "self_attn.v_proj",
+        "attention.wo": "self_attn.o_proj",
+        "mlp.w1": "mlp.gate_proj",
+        "mlp.w3": "mlp.up_proj",
+        "mlp.w2": "mlp.down_proj",
+        "attention_norm": "input_layernorm",
+        "mlp_norm": "post_attention_layernorm",
+    }
+    for i in range(cfg.n_layers):
+        for ours, theirs in layer.items():
+            names[f"blocks.{i}.{ours}.weight"] = f"model.layers.{i}.{theirs}.weight"
+        if cfg.qkv_bias:
+            for ours in ("wq", "wk", "wv"):
+                theirs = layer[f"attention.{ours}"]
+                names[f"blocks.{i}.attention.{ours}.bias"] = f"model.layers.{i}.{theirs}.bias"
+    return names
+
+
+def weight_files(folder: str) -> dict[str, Path]:
+    """Each tensor name of the folder → the safetensors file holding it."""
+    root = Path(folder)
+    where = f"{KEY}={folder}"
+    if (root / INDEX).is_file():
+        try:
+            weight_map = json.loads((root / INDEX).read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise ConfigError(f"{where}: cannot read {INDEX}: {exc}") from None
+        files = {name: root / file for name, file in weight_map.items()}
+        missing = sorted({str(p.name) for p in files.values() if not p.is_file()})
+        if missing:
+            raise ConfigError(f"{where}: {INDEX} names missing files: {', '.join(missing)}")
+        return files
+    if not (root / WEIGHTS).is_file():
+        raise ConfigError(f"{where}: neither {WEIGHTS} nor {INDEX} in the folder")
+    return {name: root / WEIGHTS for name in read_header(root / WEIGHTS)[1]}
+
+
+# safetensors' dtype names (https://github.com/huggingface/safetensors, "Format").
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def read_header(path: Path) -> tuple[int, dict[str, dict[str, Any]]]:
+    """(offset of the data, tensor name → {dtype, shape, data_offsets}) of a safetensors file:
+    8 bytes of little-endian header length, then the header as JSON."""
+    where = f"{KEY}: {path}"
+    try:
+        with open(path, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(length))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{where}: not a readable safetensors file: {exc}") from None
+    if not isinstance(header, dict):
+        raise ConfigError(f"{where}: not a safetensors file (its header is not a JSON object)")
+    header.pop("__metadata__", None)
+    return 8 + length, header
+
+
+def read_rows(
+    f: Any, data_start: int, entry: dict[str, Any], start: int, out: torch.Tensor
+) -> None:
+    """Read rows `start .. start + len(out)` of the tensor `entry` (a header entry) of the open
+    safetensors file `f` into `out` (a CPU or GPU tensor, any float dtype).
+
+    Rows along the first dimension are one contiguous byte range: read straight into `out`
+    when it is a contiguous CPU tensor of the file's dtype, else through one buffer of those
+    rows (then converted and copied)."""
+    dtype = DTYPES[entry["dtype"]]
+    shape = entry["shape"]
+    row_bytes = math.prod(shape[1:]) * dtype.itemsize
+    target = out
+    if out.device.type != "cpu" or out.dtype != dtype or not out.is_contiguous():
+        target = torch.empty(tuple(out.shape), dtype=dtype)
+    f.seek(data_start + entry["data_offsets"][0] + start * row_bytes)
+    view = target.detach().view(-1).view(torch.uint8).numpy().data  # a writable memoryview
+    if f.readinto(view) != len(view):
+        raise ConfigError(f"{KEY}: {f.name} ends inside its tensors (a truncated file)")
+    if target is not out:
+        out.copy_(target)
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name in the plain GPT, without the wrappers' components."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS)
+
+
+def local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """(the local tensor to write, first global row it holds) of a plain or FSDP2 parameter;
+    None for a DTensor split otherwise (tensor parallelism: `read_split`).
+
+    FSDP2 shards dim 0 like `torch.chunk`: rank r of the shard dimension holds rows from
+    r · ceil(n / shard ranks); under HSDP the replicate dimension holds copies."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(param, DTensor):
+        return param, 0
+    placements = param.placements
+    shard_dims = [i for i, p in enumerate(placements) if p == Shard(0)]
+    others = [p for i, p in enumerate(placements) if i not in shard_dims]
+    if len(shard_dims) != 1 or any(p != Replicate() for p in others):
+        return None
+    dim = shard_dims[0]
+    rank, world = param.device_mesh.get_local_rank(dim), param.device_mesh.size(dim)
+    local = param.to_local()
+    return local, rank * math.ceil(param.shape[0] / world)
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, folder: str, cfg: GPTConfig) -> list[str]:
+    """Copy the folder's weights into `model` (a GPT of shape `cfg`, plain, DDP or FSDP2).
+
+    Each rank reads only the rows of its own shard, straight into it (`read_rows`). Returns
+    the names of the tensors of the folder left unused (a tied `lm_head.weight`, old
+    `rotary_emb.inv_freq` buffers).
+
+    Raises:
+        ConfigError: tensors missing from the folder, or of another shape (naming them).
+    """
+    where = f"{KEY}={folder}"
+    files = weight_files(folder)
+    names = hf_names(cfg)
+    missing = sorted(theirs for theirs in names.values() if theirs not in files)
+    if missing:
+        raise ConfigError(f"{where}: tensors missing: {', '.join(missing)}")
+    headers = {path: read_header(path) for path in set(files.values())}
+    with ExitStack() as stack:
+        opened = {path: stack.enter_context(open(path, "rb")) for path in headers}
+        for name, param in model.named_parameters():
+            theirs = names[canonical_name(name)]
+            data_start, entries = headers[files[theirs]]
+            entry = entries[theirs]
+            if tuple(entry["shape"]) != tuple(param.shape):
+                raise ConfigError(
+                    f"{where}: {theirs} has shape {list(entry['shape'])}, the model's {name} "
+                    f"{list(param.shape)}"
+                )
+            if entry["dtype"] not in DTYPES:
+                raise ConfigError(f"{where}: {theirs} has dtype {entry['dtype']} (not read)")
+            rows = local_rows(param)
+            if rows is None:  # split along another dimension too (tensor parallelism)
+                read_split(opened[files[theirs]], data_start, entry, param)
+            elif rows[0].numel():
+                read_rows(opened[files[theirs]], data_start, entry, rows[1], rows[0])
+    return sorted(set(files) - set(names.values()))
+
+
+def read_split(f: Any, data_start: int, entry: dict[str, Any], param: Any) -> None:
+    """Fill DTensor `param`'s local shard from the tensor `entry` of the open safetensors file
+    `f`, whatever its placements (tensor parallelism's column and row splits, FSDP2's strided
+    shards over them): the tensor is read whole, in the file's dtype, and this rank keeps its
+    piece (`distribute_tensor` without communication, `src_data_rank=None`). One tensor at a
+    time: the largest (the embedding) is what a rank holds beyond its shards."""
+    from torch.distributed.tensor import distribute_tensor
+
+    full = torch.empty(tuple(entry["shape"]), dtype=DTYPES[entry["dtype"]])
+    read_rows(f, data_start, entry, 0, full)
+    piece = distribute_tensor(
+        full.to(param.device), param.device_mesh, param.placements, src_data_rank=None
+    )
+    param.to_local().copy_(piece.to_local())
+
+
+def special_token(tokenizer_json: Path, token_id: int) -> str:
+    """The text of the special token `token_id` of a tokenizer.json (its `added_tokens`)."""
+    added = json.loads(tokenizer_json.read_text()).get("added_tokens") or []
+    return next(str(t["content"]) for t in added if int(t["id"]) == token_id)
+
+
+def hf_config(cfg: GPTConfig, architecture: str, eos_id: int | None) -> dict[str, Any]:
+    """A transformers `config.json` (written in transformers 4's keys, which 5 reads too)."""
+    if cfg.qkv_bias:
+        architecture = "Qwen2ForCausalLM"  # the only supported one with q/k/v-only biases
+    model_type = {
+        "LlamaForCausalLM": "llama",
+        "MistralForCausalLM": "mistral",
+        "Qwen2ForCausalLM": "qwen2",
+    }[architecture]
+    config: dict[str, Any] = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.hidden_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "max_position_embeddings": max(cfg.rope_original_max_positions, 2048),
+        "torch_dtype": "float32",
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
+    if model_type == "mistral":
+        config["sliding_window"] = None
+    if model_type == "qwen2":
+        config["use_sliding_window"] = False
+    if cfg.rope_scaling_factor:
+        config["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": cfg.rope_scaling_factor,
+            "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_positions,
+        }
+    if eos_id is not None:
+        config["eos_token_id"] = eos_id
+    return config
+
+
+def hf_state_dict(weights: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """The built-in GPT's state dict under Hugging Face's names (contiguous, as safetensors
+    wants)."""
+    names = hf_names(cfg)
+    return {names[name]: tensor.contiguous() for name, tensor in weights.items()}

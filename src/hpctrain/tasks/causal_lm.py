@@ -1,0 +1,481 @@
+"""The built-in `causal_lm` task: next-token prediction with a GPT on token shards.
+
+It trains on packed sequences (`data.seq_len: N`): the loader cuts each token shard's stream
+into sequences of N+1 ids and hands batches `{"tokens": int64 [B, N+1], "positions": int64
+[B, N+1], "valid": bool [B], "key": [...]}`; the model reads `tokens[:, :-1]` and is scored on
+`tokens[:, 1:]`. With `data.document_mask` (the default) it also reads `positions[:, :-1]`
+(each token's position in its document, `hpctrain.data.sequences`): a token attends only to
+its own document, so a document's predictions do not depend on what was packed before it.
+Training, evaluation and `predict` follow the same rule; `data.document_mask: false` drops
+the positions in the transform (plain causal attention across documents). `generate` feeds
+one prompt, one document, without positions: the same function (positions = arange). The
+vocabulary and end-of-document id come from the training index's tokenizer (written by
+`hpctrain convert --tokenizer`); the validation index must name the same tokenizer, and so
+must `data.tokenizer` when set.
+
+Loss: cross-entropy over every target position of the valid sequences (fillers after lost
+samples and evaluation padding, `valid=False`, count for nothing). All sequences have N
+targets, so the per-token mean equals the mean over valid sequences of their own means.
+
+Evaluation: `loss` (mean nats per target token over all of `data.val`), `perplexity`
+(exp(loss)) and, for the `bytes` tokenizer, `bits_per_byte` = loss / ln 2: every target token
+counts, end-of-document ids included (one per document, standing for its separator), so it is
+the entropy in bits of the byte stream the shards hold, documents and their ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hpctrain.checkpoint import CheckpointError
+from hpctrain.config import Config, ConfigError
+from hpctrain.data.decode import SampleError
+from hpctrain.data.index import ShardIndex
+from hpctrain.data.locate import open_index
+from hpctrain.data.mixture_index import describe as describe_train
+from hpctrain.data.tokenizer import (
+    BYTES,
+    Tokenizer,
+    check_tokenizer,
+    file_sha256,
+    load_tokenizer,
+)
+from hpctrain.models import hf
+from hpctrain.models.gpt import GPT, PRESETS, GPTConfig, flops_per_token, gpt_config
+from hpctrain.tasks.task import Sample, masked_mean
+
+log = logging.getLogger(__name__)
+
+CAUSAL_LM = "causal_lm"
+EMBEDDING = "tok_embeddings.weight"
+
+
+def index_tokenizer(index: ShardIndex, spec: str, key: str, configured: str) -> dict[str, Any]:
+    """The tokenizer of the index `spec` (config key `key`), checked against `data.tokenizer`
+    (`configured`; "" takes the index's).
+
+    Raises:
+        ConfigError: not a token index, or another tokenizer than the configured one (the
+            message names both and the index).
+    """
+    where = f"{key}={spec} ({index.base_url or 'a shard pattern'})"
+    return check_tokenizer(index, configured, where)
+
+
+def load_index_tokenizer(info: dict[str, Any], configured: str = "") -> Tokenizer:
+    """The tokenizer an index's `info` describes: `configured` ("bytes" or a tokenizer
+    file), else the spec it was converted with (its name), checked by sha256 when a file.
+
+    Raises:
+        ConfigError: the file's sha256 is not the one the index records.
+        TokenizerError: the file cannot be loaded (missing, or the tokenizers library).
+    """
+    spec = configured or str(info["name"])
+    tokenizer = load_tokenizer(spec)
+    expected = str(info.get("sha256") or "")
+    if expected and tokenizer.sha256 != expected:
+        raise ConfigError(
+            f"tokenizer {spec}: sha256 {tokenizer.sha256[:12]} is not that of the file the "
+            f"shards were converted with ({expected[:12]})"
+        )
+    # The index's EOD (a convert --eod-token other than the default) is the one its text has.
+    tokenizer.eod_id = int(info.get("eod_id", tokenizer.eod_id))
+    return tokenizer
+
+
+class SequenceTransform:
+    """Check a packed sequence and hand it on as int64 `{"key", "tokens": [seq_len + 1]}`,
+    with its `positions` [seq_len + 1] when `document_mask` (else they are dropped here, in
+    the loader's workers, and never travel), and with `loss_mask` (bool [seq_len + 1]: the
+    targets of instruction data) when `loss_mask`: the sample's, or every token a target for
+    a sample without one (a mixture's plain text), so that every batch has the field.
+
+    Ids need no check here: the loader refuses ids outside the index tokenizer's vocabulary
+    (`hpctrain.data.sequences`), and the model's is at least as large.
+    """
+
+    def __init__(self, seq_len: int, document_mask: bool = True, loss_mask: bool = False) -> None:
+        self.length = seq_len + 1
+        self.document_mask = document_mask
+        self.loss_mask = loss_mask
+
+    def __call__(self, sample: Sample) -> Sample:
+        key = sample["key"]
+        tokens = sample.get("tokens")
+        if not isinstance(tokens, torch.Tensor):
+            fields = ", ".join(sorted(k for k in sample if k != "key"))
+            raise SampleError(f"sample {key!r} has no packed `tokens` sequence (fields: {fields})")
+        if tokens.shape != (self.length,):
+            raise SampleError(
+                f"sample {key!r}: tokens of shape {list(tokens.shape)}, expected [{self.length}] "
+                "(data.seq_len + 1)"
+            )
+        out = {"key": key, "tokens": tokens.long()}
+        if self.document_mask:
+            positions = sample.get("positions")
+            if not isinstance(positions, torch.Tensor) or positions.shape != tokens.shape:
+                raise SampleError(
+                    f"sample {key!r} has no `positions` beside its tokens (data.document_mask "
+                    "needs the packed sequences of data.seq_len)"
+                )
+            out["positions"] = positions.long()
+        if self.loss_mask:
+            mask = sample.get("loss_mask")
+            if mask is None:
+                mask = torch.ones(self.length, dtype=torch.bool)
+            elif not isinstance(mask, torch.Tensor) or mask.shape != tokens.shape:
+                raise SampleError(f"sample {key!r}: a loss_mask not of its tokens' shape")
+            out["loss_mask"] = mask.bool()
+        return out
+
+
+class CausalLM:
+    """A GPT (`model.name`: a preset of `hpctrain.models.gpt`) trained on next tokens."""
+
+    def __init__(self, cfg: Config, index: ShardIndex) -> None:
+        self.cfg = cfg
+        self.seq_len = cfg.data.seq_len
+        if self.seq_len <= 0:
+            raise ConfigError(
+                "data.seq_len=0: task causal_lm trains on packed sequences; set data.seq_len "
+                "(tokens per training sequence, e.g. 512)"
+            )
+        configured = cfg.data.tokenizer
+        train = describe_train(cfg.data.train)  # one path, or a mixture's (same tokenizer)
+        self.tokenizer = index_tokenizer(index, train, "data.train", configured)
+        if cfg.data.val:
+            val_index = open_index(cfg.data.val, allow_pipe=cfg.data.allow_pipe)
+            val_tokenizer = index_tokenizer(val_index, cfg.data.val, "data.val", configured)
+            if val_tokenizer != self.tokenizer:
+                raise ConfigError(
+                    f"data.val={cfg.data.val}: its tokenizer {describe(val_tokenizer)} differs "
+                    f"from data.train's ({train}) {describe(self.tokenizer)}"
+                )
+        # Instruction data: a loss mask in the training shards (or the validation shards)
+        # makes every batch carry one (see SequenceTransform).
+        indexes = [index, val_index] if cfg.data.val else [index]
+        self.loss_mask = cfg.data.loss_mask and any(
+            s.num_targets is not None for i in indexes for s in i.shards
+        )
+        vocab = int(self.tokenizer["vocab_size"])
+        from_hf = bool(cfg.model.init_from) and hf.is_hf_folder(cfg.model.init_from)
+        self.hf_source: dict[str, Any] = {}  # architecture and token ids of an imported folder
+        recorded = self.warm_start_shape() if cfg.model.init_from and not from_hf else None
+        if from_hf:
+            self.model_cfg: GPTConfig = self.hf_model_config(vocab, train)
+        elif recorded is not None:
+            hf.check_against_model_keys(
+                recorded, cfg.causal_lm, cfg.model.init_from, "the source run's config"
+            )
+            if recorded.vocab_size < vocab:
+                raise ConfigError(
+                    f"{hf.KEY}={cfg.model.init_from}: its vocabulary ({recorded.vocab_size}) is "
+                    f"smaller than that of the tokenizer {self.tokenizer['name']!r} of {train} "
+                    f"({vocab})"
+                )
+            self.model_cfg = recorded
+        elif cfg.causal_lm.vocab_size and cfg.causal_lm.vocab_size < vocab:
+            raise ConfigError(
+                f"causal_lm.vocab_size={cfg.causal_lm.vocab_size}: smaller than the vocabulary of the "
+                f"tokenizer {self.tokenizer['name']!r} of {train} ({vocab})"
+            )
+        if not from_hf and recorded is None:
+            m = cfg.causal_lm
+            self.model_cfg = gpt_config(
+                cfg.model.name,
+                m.vocab_size or vocab,
+                dim=m.dim,
+                n_layers=m.n_layers,
+                n_heads=m.n_heads,
+                n_kv_heads=m.n_kv_heads,
+                ffn_dim=m.ffn_dim,
+                **({} if m.tie_embeddings is None else {"tie_embeddings": m.tie_embeddings}),
+            )
+        # Read by the trainer's metrics (hpctrain.models.flops): tokens/s and MFU.
+        self.tokens_per_sample = self.seq_len
+        self._text_tokenizer: Tokenizer | None = None  # loaded when `predict` first decodes
+
+    def hf_model_config(self, vocab: int, train: str) -> GPTConfig:
+        """The GPT's shape from the Hugging Face folder `model.init_from`, checked against the
+        run's `causal_lm.*` keys, the tokenizer's vocabulary and `data.seq_len`."""
+        folder = self.cfg.model.init_from
+        config = hf.read_hf_config(folder)
+        model_cfg = hf.gpt_config_from_hf(config, folder)
+        hf.check_against_model_keys(model_cfg, self.cfg.causal_lm, folder)
+        if model_cfg.vocab_size < vocab:
+            raise ConfigError(
+                f"{hf.KEY}={folder}: vocab_size {model_cfg.vocab_size} is smaller than the "
+                f"vocabulary of the tokenizer {self.tokenizer['name']!r} of {train} ({vocab}); "
+                f"convert the text with the folder's tokenizer.json"
+            )
+        own = Path(folder) / "tokenizer.json"
+        if own.is_file() and file_sha256(str(own)) != self.tokenizer.get("sha256"):
+            # Same-sized vocabularies of other tokens train silently into garbage.
+            log.warning(
+                "%s=%s: the shards of %s were converted with %s, not with the folder's "
+                "tokenizer.json: its embeddings stand for other tokens (convert with "
+                "--tokenizer %s)",
+                hf.KEY,
+                folder,
+                train,
+                self.tokenizer["name"],
+                own,
+            )
+        self.hf_source = {
+            key: config[key]
+            for key in ("architectures", "bos_token_id", "eos_token_id", "max_position_embeddings")
+            if key in config
+        }
+        window = config.get("sliding_window")
+        if window and config.get("use_sliding_window", True) and window < self.seq_len:
+            raise ConfigError(
+                f"data.seq_len={self.seq_len}: longer than the sliding_window {window} of "
+                f"{hf.KEY}={folder} (the built-in GPT attends to the whole sequence)"
+            )
+        return model_cfg
+
+    def warm_start_shape(self) -> GPTConfig | None:
+        """The GPT shape the checkpoint at `model.init_from` records (a run folder or
+        checkpoint of a newer causal_lm run), so that a warm start needs no `causal_lm.*` keys;
+        None for anything else (the model is then built from the config and must match)."""
+        from hpctrain.checkpoint import CheckpointError
+        from hpctrain.checkpoint.weights import locate_checkpoint
+
+        try:
+            _, _, manifest = locate_checkpoint(self.cfg.model.init_from)
+        except (CheckpointError, OSError, ValueError):
+            return None  # not a checkpoint: init_from.check names what it is
+        metadata = manifest.get("metadata") or {}
+        recorded = metadata.get("gpt")
+        if not isinstance(recorded, dict):
+            return None
+        self.hf_source = dict(metadata.get("hf_config") or {})
+        return GPTConfig(**recorded)
+
+    @staticmethod
+    def check_model_name(name: str, image_size: int | None = None) -> None:
+        """A preset of `hpctrain.models.gpt` (`PRESETS`)."""
+        if name and name not in PRESETS:
+            raise ConfigError(f"model.name={name!r}: task causal_lm takes {', '.join(PRESETS)}")
+
+    @staticmethod
+    def model_card(
+        tree: dict[str, Any], weights: dict[str, torch.Tensor], manifest: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """The GPT's shape, the sequence length and how to rebuild it (`lm_model_card`);
+        None for weights the run's config does not describe."""
+        try:
+            return lm_model_card(tree, weights, "checkpoint", manifest)
+        except CheckpointError:
+            return None
+
+    def model_metadata(self) -> dict[str, Any]:
+        """What checkpoints record to rebuild the model without the config's sources: the
+        GPT's shape and, when imported, the Hugging Face folder's architecture and token ids
+        (`hpctrain export --format hf` then needs no `model.init_from` folder)."""
+        metadata: dict[str, Any] = {"gpt": asdict(self.model_cfg)}
+        if self.hf_source:
+            metadata["hf_config"] = self.hf_source
+        return metadata
+
+    def text_tokenizer(self) -> Tokenizer:
+        """The tokenizer itself (for decoding), see `load_index_tokenizer`."""
+        if self._text_tokenizer is None:
+            self._text_tokenizer = load_index_tokenizer(self.tokenizer, self.cfg.data.tokenizer)
+        return self._text_tokenizer
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token of this model at `data.seq_len` (see `gpt.flops_per_token`)."""
+        return flops_per_token(self.model_cfg, self.seq_len)
+
+    def build_model(self) -> nn.Module:
+        return GPT(self.model_cfg)
+
+    def train_transform(self) -> SequenceTransform:
+        return SequenceTransform(self.seq_len, self.cfg.data.document_mask, self.loss_mask)
+
+    def eval_transform(self) -> SequenceTransform:
+        return SequenceTransform(self.seq_len, self.cfg.data.document_mask, self.loss_mask)
+
+    def token_losses(
+        self, model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Cross-entropy in nats of every target position, [B, seq_len], fp32; with
+        `positions` ([B, seq_len + 1]) attention stays within each document."""
+        inputs = (tokens[:, :-1],) if positions is None else (tokens[:, :-1], positions[:, :-1])
+        logits = model(*inputs).float()  # fp32 under autocast too
+        targets = tokens[:, 1:]
+        losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+        return losses.view_as(targets)
+
+    def loss(
+        self, model: nn.Module, batch: dict[str, Any]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        losses = self.token_losses(model, batch["tokens"], batch.get("positions"))
+        targets = _targets(batch)
+        if targets is None:
+            # Every sequence has seq_len targets: the mean of valid sequences' means is the
+            # mean over their tokens.
+            return masked_mean(losses.mean(dim=1), batch["valid"]), {}
+        # Instruction data: the mean over this batch's masked targets (`targets`, logged).
+        count = targets.sum()
+        loss = (losses * targets).sum() / count.clamp(min=1)
+        return loss, {"targets": count.float()}
+
+    def eval_metrics(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        losses = self.token_losses(model, batch["tokens"], batch.get("positions"))
+        valid = batch["valid"].float()
+        targets = _targets(batch)
+        if targets is None:
+            return {
+                "loss": (losses.sum(dim=1) * valid).sum(),
+                "tokens": valid.sum() * losses.shape[1],
+                "count": valid.sum(),
+            }
+        return {
+            "loss": (losses * targets).sum(),
+            "tokens": targets.sum().float(),
+            "targets": targets.sum().float(),
+            "count": valid.sum(),
+        }
+
+    def summarize(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        """loss (nats per token), perplexity and, for the bytes tokenizer, bits per byte."""
+        loss = float(sums["loss"]) / max(1.0, float(sums["tokens"]))
+        metrics = {"loss": loss, "perplexity": math.exp(min(loss, 700.0))}
+        if "targets" in sums:  # instruction data: how many masked targets the loss counted
+            metrics["targets"] = float(sums["targets"])
+        if self.tokenizer["name"] == BYTES and not self.tokenizer.get("sha256"):
+            metrics["bits_per_byte"] = loss / math.log(2)
+        return metrics
+
+    @torch.no_grad()
+    def predict(self, model: nn.Module, batch: dict[str, Any]) -> list[dict[str, Any]]:
+        """One dict per sequence, in batch order: its mean loss (nats per token), the fraction
+        of positions where the greedy (argmax) next token is right, and the greedy token after
+        the sequence's last one, as id and decoded text. The key is the writer's to add, and
+        invalid rows (padding) are the writer's to drop (`hpctrain.inference.predict`)."""
+        tokens, positions = batch["tokens"], batch.get("positions")
+        inputs = (tokens,) if positions is None else (tokens, positions)
+        logits = model(*inputs).float()  # every position, the last one's next token too
+        targets = tokens[:, 1:]
+        losses = F.cross_entropy(
+            logits[:, :-1].flatten(0, 1), targets.flatten(), reduction="none"
+        ).view_as(targets)
+        greedy = logits.argmax(dim=-1)
+        accuracy = (greedy[:, :-1] == targets).float().mean(dim=1)
+        decode = self.text_tokenizer().decode
+        return [
+            {
+                "loss": float(loss),
+                "accuracy": float(acc),
+                "next_token": int(nxt),
+                "next_text": decode([int(nxt)]),
+            }
+            for loss, acc, nxt in zip(
+                losses.mean(dim=1).tolist(),
+                accuracy.tolist(),
+                greedy[:, -1].tolist(),
+                strict=True,
+            )
+        ]
+
+
+def gpt_config_for(
+    tree: dict[str, Any],
+    weights: dict[str, torch.Tensor],
+    where: str,
+    manifest: dict[str, Any] | None = None,
+) -> GPTConfig:
+    """The GPTConfig of a causal_lm run's config `tree` whose weights are `weights`: the one
+    the checkpoint's `manifest` records (`metadata.gpt`, written by runs since
+    `model.init_from`), else rebuilt from the config (a run started from a Hugging Face folder:
+    from that folder's config.json).
+
+    Raises:
+        CheckpointError: not a causal_lm run, or weights that are not of the config's shape.
+    """
+    if tree.get("task") != CAUSAL_LM or EMBEDDING not in weights:
+        raise CheckpointError(
+            f"{where}: not a causal_lm checkpoint (task {tree.get('task')!r}); "
+            "hpctrain generate needs a language model"
+        )
+    m = tree.get("model") or {}
+    shape = tree.get("causal_lm") or m  # the shape keys were model.* before causal_lm.*
+    recorded = ((manifest or {}).get("metadata") or {}).get("gpt")
+    if isinstance(recorded, dict):
+        try:
+            cfg = GPTConfig(**recorded)
+        except (TypeError, ConfigError) as exc:
+            raise CheckpointError(f"{where}: its recorded GPT shape is unusable: {exc}") from None
+    elif m.get("init_from"):  # the shape is that of the Hugging Face folder the run started from
+        init_from = str(m["init_from"])
+        try:
+            cfg = hf.gpt_config_from_hf(hf.read_hf_config(init_from), init_from)
+        except ConfigError as exc:
+            raise CheckpointError(f"{where}: the run's shape is unknown: {exc}") from None
+    else:
+        cfg = gpt_config(
+            str(m.get("name") or ""),
+            int(weights[EMBEDDING].shape[0]),
+            dim=int(shape.get("dim") or 0),
+            n_layers=int(shape.get("n_layers") or 0),
+            n_heads=int(shape.get("n_heads") or 0),
+            n_kv_heads=int(shape.get("n_kv_heads") or 0),
+            ffn_dim=int(shape.get("ffn_dim") or 0),
+            tie_embeddings="output.weight" not in weights,
+        )
+    with torch.device("meta"):  # shapes only
+        built = {k: tuple(v.shape) for k, v in GPT(cfg).state_dict().items()}
+    if built != {k: tuple(v.shape) for k, v in weights.items()}:
+        raise CheckpointError(
+            f"{where}: the weights are not those of the GPT its config describes ({cfg})"
+        )
+    return cfg
+
+
+def lm_model_card(
+    tree: dict[str, Any],
+    weights: dict[str, torch.Tensor],
+    where: str,
+    manifest: dict[str, Any] | None = None,
+) -> dict:
+    """What `hpctrain export` writes beside a causal_lm model's weights: its shape and tokens."""
+    cfg = gpt_config_for(tree, weights, where, manifest)
+    data = tree.get("data") or {}
+    return {
+        "task": CAUSAL_LM,
+        "model": asdict(cfg),
+        "seq_len": int(data.get("seq_len") or 0),
+        "input": "token ids int64 [B, T] (T ≤ seq_len); output: logits [B, T, vocab_size]",
+        "rebuild": (
+            "from hpctrain.models.gpt import GPT, GPTConfig; "
+            "model = GPT(GPTConfig(**card['model']))"
+        ),
+    }
+
+
+def _targets(batch: dict[str, Any]) -> torch.Tensor | None:
+    """The float [B, seq_len] weights of the masked targets of valid sequences, or None
+    without a `loss_mask` (every target counts). `loss_mask[t]` marks token t as a target:
+    the prediction made at t - 1."""
+    mask = batch.get("loss_mask")
+    if mask is None:
+        return None
+    return (mask[:, 1:] & batch["valid"][:, None].bool()).float()
+
+
+def describe(tokenizer: dict[str, Any]) -> str:
+    sha = str(tokenizer.get("sha256") or "")
+    return (
+        f"{tokenizer.get('name')!r} (vocab_size {tokenizer.get('vocab_size')}, eod_id "
+        f"{tokenizer.get('eod_id')}{', sha256 ' + sha[:12] if sha else ''})"
+    )

@@ -1,0 +1,49 @@
+"""`start_process`: what every training, eval and predict process does first."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from hpctrain.distributed import start_process
+
+RANK_1_OF_4 = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
+
+
+@pytest.fixture
+def restored_threads():
+    threads = torch.get_num_threads()
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    torch.set_num_threads(threads)
+    root.handlers[:], root.level = handlers, level
+
+
+def test_a_cpu_rank_shares_the_cores_and_logs_with_its_rank(
+    monkeypatch, restored_threads, capsys
+) -> None:
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in RANK_1_OF_4.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    env, device = start_process()
+    assert (env.rank, env.world_size, device.type) == (1, 4, "cpu")
+    assert torch.get_num_threads() == 2  # 8 cores / 4 local ranks
+    logging.getLogger("hpctrain").warning("hello")
+    assert "[rank 1] WARNING hello" in capsys.readouterr().err
+    assert logging.getLogger().level == logging.WARNING  # only rank 0 says more
+
+
+def test_omp_num_threads_is_left_to_the_user(monkeypatch, restored_threads) -> None:
+    for name, value in RANK_1_OF_4.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    torch.set_num_threads(3)
+    start_process()
+    assert torch.get_num_threads() == 3

@@ -1,0 +1,131 @@
+"""What each (device, strategy, precision, ...) combination means: `plan_training`, a pure
+function, and the parts it drives (autocast, the fp16 scaler, SyncBatchNorm, vit_tiny).
+The same combinations trained for real are in test_matrix.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hpctrain.config import ConfigError, load_config
+from hpctrain.models import build_classifier
+from hpctrain.parallel import precision as precision_module
+from hpctrain.parallel.parallelize import parallelize
+from hpctrain.parallel.precision import (
+    DeviceFacts,
+    Precision,
+    TrainingPlan,
+    compile_blocker,
+    device_facts,
+    make_grad_scaler,
+    plan_training,
+)
+
+CPU = DeviceFacts(type="cpu")
+V100 = DeviceFacts(type="cuda", name="Tesla V100-SXM2-32GB", capability=(7, 0))
+A100 = DeviceFacts(type="cuda", name="NVIDIA A100-SXM4-80GB", capability=(8, 0), min_capability=75)
+
+
+def plan(device: DeviceFacts, world_size: int = 2, *overrides: str) -> TrainingPlan:
+    return plan_training(load_config(None, list(overrides)).train, device, world_size)
+
+
+def test_cpu_plans() -> None:
+    assert plan(CPU, 2, "train.precision=auto").precision.name == "fp32"
+    fsdp_bf16 = plan(CPU, 2, "train.strategy=fsdp", "train.precision=bf16")
+    assert fsdp_bf16.strategy == "fsdp" and fsdp_bf16.precision.sharded
+    assert fsdp_bf16.precision.dtype == torch.bfloat16
+    # fp16 trains on a CPU under every strategy (autocast or FSDP2, with a scaler)
+    assert plan(CPU, 2, "train.strategy=fsdp", "train.precision=fp16").precision.uses_scaler
+    one = plan(CPU, 1, "train.strategy=fsdp", "train.sync_batchnorm=true")
+    assert (one.strategy, one.precision.sharded, one.sync_batchnorm) == ("none", False, False)
+
+
+@pytest.mark.parametrize(
+    ("device", "world_size", "overrides", "message"),
+    [
+        (CPU, 2, ["train.strategy=none"], r"^train\.strategy=none with 2 ranks: each rank"),
+        (
+            CPU,
+            2,
+            ["train.sync_batchnorm=true"],
+            r"^train\.sync_batchnorm=true with train\.strategy=ddp on cpu: torch's SyncBatchNorm",
+        ),
+        (
+            V100,
+            1,
+            ["train.precision=bf16"],
+            r"^train\.precision=bf16: Tesla V100.*7\.0\) has no bf16",
+        ),
+        (
+            DeviceFacts(type="cpu", compile_blocker="inductor needs a C++ compiler on CPUs"),
+            1,
+            ["train.compile=true"],
+            r"^train\.compile=true on cpu: inductor needs a C\+\+ compiler on CPUs; set train\.compile=false$",
+        ),
+        (
+            DeviceFacts(type="cuda", name="Tesla V100", capability=(7, 0), min_capability=75),
+            4,
+            ["train.precision=fp16"],
+            r"^device Tesla V100 \(compute capability 7\.0\): this torch .* has kernels from 7\.5 up",
+        ),
+    ],
+)
+def test_impossible_combinations_are_refused_in_one_line(
+    device: DeviceFacts, world_size: int, overrides: list[str], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message) as error:
+        plan(device, world_size, *overrides)
+    assert "\n" not in str(error.value)
+
+
+def test_gpu_plans() -> None:
+    assert plan(A100, 8, "train.precision=auto").precision.name == "bf16"
+    assert plan(V100, 4, "train.precision=auto").precision.name == "fp32"
+    assert plan(V100, 4, "train.strategy=fsdp", "train.precision=fp16").precision.sharded
+    synced = plan(A100, 8, "train.strategy=fsdp", "train.sync_batchnorm=true")
+    assert synced.sync_batchnorm
+    assert plan(A100, 1, "train.sync_batchnorm=true").sync_batchnorm is False
+
+
+def test_device_facts_and_compile_blocker(monkeypatch: pytest.MonkeyPatch) -> None:
+    facts = device_facts(torch.device("cpu"))
+    assert (facts.type, facts.compile_blocker, facts.bf16_ok) == ("cpu", "", True)
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(precision_module.shutil, "which", lambda name: None)
+    assert "C++ compiler" in compile_blocker(torch.device("cpu"))
+
+
+def test_autocast_only_where_fsdp2_does_not_cast() -> None:
+    bf16 = Precision("bf16", "cpu", sharded=False)
+    with bf16.autocast():
+        assert nn.Linear(4, 4)(torch.randn(2, 4)).dtype == torch.bfloat16
+    with Precision("bf16", "cpu", sharded=True).autocast():  # FSDP2 casts params itself
+        assert nn.Linear(4, 4)(torch.randn(2, 4)).dtype == torch.float32
+    assert make_grad_scaler(Precision("fp32", "cpu", sharded=False)) is None
+    assert isinstance(
+        make_grad_scaler(Precision("fp16", "cpu", sharded=False)), torch.amp.GradScaler
+    )
+
+
+def test_sync_batchnorm_conversion_without_a_process_group() -> None:
+    """The conversion itself (training with it needs GPUs; without a group it is plain BN)."""
+    cfg = load_config(None, []).train
+    synced = TrainingPlan("none", Precision("fp32", "cpu", sharded=False), sync_batchnorm=True)
+    model = parallelize(build_classifier("small_cnn", 3), cfg, synced, torch.device("cpu"))
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    assert norms and all(isinstance(m, nn.SyncBatchNorm) for m in norms)
+    assert model(torch.randn(2, 3, 16, 16)).shape == (2, 3)
+
+
+def test_vit_tiny_sizes() -> None:
+    small = build_classifier("vit_tiny", 10, image_size=16)
+    assert small(torch.randn(2, 3, 16, 16)).shape == (2, 10)
+    with torch.device("meta"):
+        big = build_classifier("vit_tiny", 1000, image_size=224)
+    assert sum(p.numel() for p in big.parameters()) == pytest.approx(5.7e6, rel=0.02)  # DeiT-Ti
+    with pytest.raises(
+        ConfigError, match=r"model\.image_size=18: vit_tiny needs a multiple of its 4 px"
+    ):
+        build_classifier("vit_tiny", 10, image_size=18)
