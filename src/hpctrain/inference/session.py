@@ -32,6 +32,7 @@ from hpctrain.data import ShardedLoader, open_index
 from hpctrain.data.index import ShardIndex, ShardIndexError, redact_url
 from hpctrain.data.mixture_index import open_train_index
 from hpctrain.distributed import DistEnv, process_group, start_process
+from hpctrain.distributed.signals import start_compile_workers
 from hpctrain.parallel.parallelize import parallelize
 from hpctrain.parallel.precision import Precision, device_facts, plan_training
 from hpctrain.tasks.classes import check_class_names, checkpoint_class_names, differ, mismatch
@@ -201,6 +202,8 @@ def inference_session(
         model = task.build_model()
         load_weights(model, weights, where)
         del weights
+        if cfg.train.compile:  # deaf to SLURM's signals, unlike those torch would start
+            start_compile_workers()
         model = parallelize(model, cfg.train, plan, device, channels_last=cfg.model.channels_last)
         transform = (
             task.predict_transform()  # type: ignore[attr-defined]

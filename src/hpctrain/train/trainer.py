@@ -22,6 +22,7 @@ from hpctrain.data.index import ShardIndex
 from hpctrain.data.mixture_index import describe as describe_train
 from hpctrain.data.mixture_index import open_train_index
 from hpctrain.distributed import DistEnv, new_cpu_group
+from hpctrain.distributed.signals import start_compile_workers
 from hpctrain.observe.gpu_stats import GpuCounters
 from hpctrain.observe.hangs import HangWatch
 from hpctrain.observe.memory import OOMSnapshots
@@ -157,6 +158,8 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
         log.info(
             "parameters: %s trainable, %s frozen (train.freeze)", f"{trainable:,}", f"{frozen:,}"
         )
+        if self.cfg.train.compile:  # deaf to SLURM's signals, unlike those torch would start
+            start_compile_workers()
         self.model = parallelize(
             model,
             self.cfg.train,
