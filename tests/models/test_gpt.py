@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ from hpctrain.models.gpt import (
     rotary_tables,
 )
 from hpctrain.parallel.parallelize import find_blocks
+from hpctrain.toolchain import Toolchain
 
 SMALL = GPTConfig(vocab_size=61, dim=32, n_layers=2, n_heads=4, tie_embeddings=True)
 
@@ -266,13 +269,66 @@ def test_document_masks_train_under_activation_checkpointing_and_compile() -> No
     torch.testing.assert_close(grads[2], grads[0], rtol=1e-5, atol=1e-6)
 
 
-def test_the_kernel_is_flex_attention_on_cuda_where_its_triton_kernel_runs() -> None:
+FULL_TOOLCHAIN = Toolchain(
+    c_compiler="/usr/bin/gcc",
+    python_h="/usr/include/python3.11/Python.h",
+    libcuda="/usr/lib/x86_64-linux-gnu",
+    python_include="/usr/include/python3.11",
+)
+
+
+@pytest.fixture
+def toolchain(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., None]]:
+    """`toolchain(c_compiler="")`: the node's kernel-building pieces, faked (this machine has
+    no GPU driver, so no libcuda.so.1); the per-process answer is forgotten before and after."""
+    import hpctrain.models.gpt as gpt_module
+
+    def fake(**missing: str) -> None:
+        found = replace(FULL_TOOLCHAIN, **missing)
+        monkeypatch.setattr(gpt_module, "find_toolchain", lambda: found)
+        gpt_module.flex_toolchain_missing.cache_clear()
+
+    fake()
+    yield fake
+    gpt_module.flex_toolchain_missing.cache_clear()
+
+
+def test_the_kernel_is_flex_attention_on_cuda_where_its_triton_kernel_runs(
+    toolchain: Callable[..., None],
+) -> None:
     # torch.device("cuda") is only a name here, the capability given: nothing runs on a GPU
     gpu = torch.device("cuda", 0)
     assert choose_kernel(gpu, 64, (9, 0)) == choose_kernel(gpu, 128, (8, 0)) == "flex"
     assert choose_kernel(gpu, 64, (7, 0)) == "sdpa"  # V100: SDPA's masked kernel
     assert choose_kernel(gpu, 8, (9, 0)) == "sdpa"  # tl.dot needs >= 16
     assert choose_kernel(torch.device("cpu"), 64) == "sdpa"
+
+
+@pytest.mark.parametrize(
+    ("missing", "named"),
+    [
+        ({"c_compiler": ""}, "no C compiler (neither gcc nor clang on PATH"),
+        ({"python_h": ""}, "no Python.h in /usr/include/python3.11"),
+        ({"libcuda": ""}, "no libcuda.so.1 where triton looks"),
+    ],
+)
+def test_without_what_triton_builds_with_flex_falls_back_to_sdpa_in_one_line(
+    toolchain: Callable[..., None],
+    caplog: pytest.LogCaptureFixture,
+    missing: dict[str, str],
+    named: str,
+) -> None:
+    """Flex attention (and its block mask) compile through triton, which needs a C compiler,
+    Python.h and libcuda.so.1: without one the first forward failed deep inside triton."""
+    toolchain(**missing)
+    gpu = torch.device("cuda", 0)  # a name only: the capability is given
+    with caplog.at_level("WARNING", logger="hpctrain"):
+        assert choose_kernel(gpu, 64, (9, 0)) == "sdpa"
+        assert choose_kernel(gpu, 128, (8, 0)) == "sdpa"  # every forward asks; one line
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("per-document attention: SDPA with a dense mask instead of")
+    assert named in lines[0]
 
 
 @pytest.mark.gpu

@@ -4,6 +4,8 @@ The same combinations trained for real are in test_matrix.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -21,6 +23,7 @@ from hpctrain.parallel.precision import (
     make_grad_scaler,
     plan_training,
 )
+from hpctrain.toolchain import Toolchain
 
 CPU = DeviceFacts(type="cpu")
 V100 = DeviceFacts(type="cuda", name="Tesla V100-SXM2-32GB", capability=(7, 0))
@@ -95,6 +98,37 @@ def test_device_facts_and_compile_blocker(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(precision_module.shutil, "which", lambda name: None)
     assert "C++ compiler" in compile_blocker(torch.device("cpu"))
+
+
+FULL_TOOLCHAIN = Toolchain(
+    c_compiler="/usr/bin/gcc",
+    python_h="/usr/include/python3.11/Python.h",
+    libcuda="/usr/lib/x86_64-linux-gnu",
+    python_include="/usr/include/python3.11",
+)
+
+
+def test_compile_is_refused_where_triton_cannot_build_kernels(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fakes: this machine has no GPU (the capability) and no driver (the toolchain)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(precision_module, "find_toolchain", lambda: FULL_TOOLCHAIN)
+    gpu = torch.device("cuda", 0)
+    assert compile_blocker(gpu) == ""
+    no_gcc = dataclasses.replace(FULL_TOOLCHAIN, c_compiler="")
+    monkeypatch.setattr(precision_module, "find_toolchain", lambda: no_gcc)
+    blocker = compile_blocker(gpu)
+    assert blocker.startswith("triton cannot build its kernels here: no C compiler (neither gcc")
+    h100 = DeviceFacts(type="cuda", name="NVIDIA H100", capability=(9, 0), compile_blocker=blocker)
+    with pytest.raises(ConfigError, match=r"^train\.compile=true on NVIDIA H100: triton cannot"):
+        plan(h100, 1, "train.compile=true")
+    # inductor on CPUs compiles C++ against Python.h
+    no_headers = dataclasses.replace(FULL_TOOLCHAIN, python_h="")
+    monkeypatch.setattr(precision_module, "find_toolchain", lambda: no_headers)
+    assert compile_blocker(torch.device("cpu")).startswith(
+        "inductor cannot build its kernels here: no Python.h in /usr/include/python3.11"
+    )
 
 
 def test_autocast_only_where_fsdp2_does_not_cast() -> None:

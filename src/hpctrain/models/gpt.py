@@ -20,6 +20,8 @@ the state dict holds the matrix once (`tok_embeddings.weight`), as safetensors w
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -29,6 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpctrain.config import ConfigError
+from hpctrain.distributed.signals import start_compile_workers
+from hpctrain.toolchain import find_toolchain
+
+log = logging.getLogger("hpctrain")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -259,8 +265,23 @@ def _flex_attention() -> Any:
     matrix (it warns as much); compiled it is a fused kernel that skips fully masked blocks."""
     global _COMPILED_FLEX
     if _COMPILED_FLEX is None:
+        start_compile_workers()  # before torch starts them at the first call: signals
         _COMPILED_FLEX = torch.compile(_flex().flex_attention, dynamic=False)
     return _COMPILED_FLEX
+
+
+@functools.lru_cache(maxsize=1)
+def flex_toolchain_missing() -> tuple[str, ...]:
+    """What this node lacks for triton to build flex attention's kernels (once per process,
+    said in one log line when something is missing; see `hpctrain.toolchain`)."""
+    missing = tuple(find_toolchain().missing(cuda=True))
+    if missing:
+        log.warning(
+            "per-document attention: SDPA with a dense mask instead of flex_attention (same "
+            "results, more memory and time): triton cannot build kernels on this node: %s",
+            "; ".join(missing),
+        )
+    return missing
 
 
 def choose_kernel(
@@ -270,11 +291,20 @@ def choose_kernel(
     `document_mask`). Flex needs torch to have it, a head dimension of at least 16 (Triton's
     tl.dot) and here an Ampere or newer GPU (`capability`, looked up when None): its Triton
     kernels are sized for their shared memory, and a V100's (sm_70) is smaller (pytorch#133254
-    shows the backward running out of it on 100 KB GPUs), so V100s take SDPA's masked kernel."""
+    shows the backward running out of it on 100 KB GPUs), so V100s take SDPA's masked kernel.
+
+    A node where triton cannot build kernels (no C compiler, Python.h or libcuda.so.1:
+    `flex_toolchain_missing`) falls back to SDPA's masked kernel with one log line rather
+    than refusing to train: the masked path computes the same function, only slower and with
+    a [B, 1, T, T] mask, so a run without `module load gcc` still trains correctly (and
+    `train.compile=true`, which cannot run there at all, is refused by `plan_training`).
+    """
     if device.type != "cuda" or head_dim < 16 or _flex() is None:
         return "sdpa"
     major, _ = capability or torch.cuda.get_device_capability(device)
-    return "flex" if major >= 8 else "sdpa"
+    if major < 8 or flex_toolchain_missing():
+        return "sdpa"
+    return "flex"
 
 
 def document_mask(positions: torch.Tensor, kernel: AttentionKernel = "sdpa") -> Any:
@@ -303,6 +333,8 @@ def document_mask(positions: torch.Tensor, kernel: AttentionKernel = "sdpa") -> 
             return (q >= k) & (documents[batch, q] == documents[batch, k])
 
         # compiled on CUDA: eagerly it would build [B, T, T] intermediates to find the blocks
+        if on_cuda:
+            start_compile_workers()
         return _flex().create_block_mask(
             same_document_causal, b, None, t, t, device=positions.device, _compile=on_cuda
         )

@@ -21,6 +21,7 @@ import torch
 
 from hpctrain.compat_torch import dynamo_supported
 from hpctrain.config import ConfigError, TrainConfig
+from hpctrain.toolchain import find_toolchain
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -243,11 +244,13 @@ def compile_blocker(device: torch.device) -> str:
         major, minor = torch.cuda.get_device_capability(device)
         if major < 7:
             return f"triton needs compute capability 7.0 or newer, not {major}.{minor}"
-        return ""
+        missing = find_toolchain().missing(cuda=True)
+        return f"triton cannot build its kernels here: {'; '.join(missing)}" if missing else ""
     compilers = [os.environ.get("CXX", ""), "c++", "g++", "clang++"]
     if not any(c and shutil.which(c) for c in compilers):
         return "inductor needs a C++ compiler on CPUs (none of $CXX, c++, g++, clang++ found)"
-    return ""
+    missing = find_toolchain().missing(cuda=False, c_compiler=False)
+    return f"inductor cannot build its kernels here: {missing[0]}" if missing else ""
 
 
 def make_grad_scaler(precision: Precision) -> torch.amp.GradScaler | None:
