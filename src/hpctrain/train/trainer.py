@@ -30,7 +30,12 @@ from hpctrain.observe.metrics import IntervalMeter, MetricMonitor, MetricsWriter
 from hpctrain.observe.profiling import StepProfiler
 from hpctrain.observe.trackers import check_trackers, start_trackers
 from hpctrain.parallel.parallelize import parallelize
-from hpctrain.parallel.precision import device_facts, make_grad_scaler, plan_training
+from hpctrain.parallel.precision import (
+    configure_backends,
+    device_facts,
+    make_grad_scaler,
+    plan_training,
+)
 from hpctrain.tasks.classes import check_class_names
 from hpctrain.tasks.task import Batch, load_task
 from hpctrain.train.checkpointing import Checkpointing, TrainState
@@ -126,9 +131,13 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             enabled=cfg.profile.oom_snapshot,
             history=cfg.profile.memory_history,
         )
-        facts = device_facts(self.device, compile=cfg.train.compile)
-        self.plan = plan_training(cfg.train, facts, self.env.world_size, self.env.local_world_size)
+        self.device_facts = device_facts(self.device, compile=cfg.train.compile)
+        self.plan = plan_training(
+            cfg.train, self.device_facts, self.env.world_size, self.env.local_world_size
+        )
         self.precision = self.plan.precision
+        if self.plan.why_precision:
+            log.info(self.plan.why_precision)
         if self.env.is_distributed:
             log.info("mesh: %s (train.strategy=%s)", self.plan.describe_mesh(), self.plan.strategy)
         if self.plan.strategy == "fsdp" and self.env.local_world_size < self.env.world_size:
@@ -139,14 +148,10 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             )
 
     def configure_torch(self) -> None:
-        """Deterministic algorithms or fast kernels, and the global seeds."""
-        if self.cfg.train.deterministic:
-            torch.use_deterministic_algorithms(True)
-            torch.backends.cudnn.benchmark = False
-        elif self.device.type == "cuda":
-            # Fixed input shapes: let cuDNN pick the fastest kernels; TF32 for fp32 matmuls.
-            torch.backends.cudnn.benchmark = True
-            torch.set_float32_matmul_precision("high")
+        """Deterministic algorithms or fast kernels (`configure_backends`), the global seeds."""
+        note = configure_backends(self.device_facts, self.cfg.train.deterministic)
+        if note:
+            log.info(note)
         seed_everything(self.cfg.seed)
 
     def build_model(self) -> None:
