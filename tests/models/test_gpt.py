@@ -17,6 +17,7 @@ from hpctrain.models.gpt import (
     GPTConfig,
     apply_rotary,
     choose_kernel,
+    document_mask,
     flops_per_token,
     gpt_config,
     num_params,
@@ -250,6 +251,43 @@ def test_flex_attention_and_sdpa_masks_compute_the_same_function() -> None:
         with torch.no_grad():
             out[kernel] = gpt(tokens, positions)
     torch.testing.assert_close(out["flex"], out["sdpa"], rtol=0, atol=1e-5)
+
+
+def test_masked_gqa_with_kv_repeated_to_the_query_heads_is_todays_function(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The dense-mask path on a torch whose fused masked kernel takes no GQA (CUDA before
+    2.14) repeats K/V to the query heads: the same outputs and gradients as SDPA's own GQA."""
+    import torch.nn.functional as F
+
+    import hpctrain.models.gpt as gpt_module
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 12, 8, requires_grad=True)
+    k, v = (torch.randn(2, 2, 12, 8, requires_grad=True) for _ in range(2))
+    mask = document_mask(torch.tensor([[*range(5), *range(7)], [*range(3, 15)]]))
+    today = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    today_grads = torch.autograd.grad(today.square().sum(), (q, k, v))
+    expanded = gpt_module.masked_attention(q, k, v, mask, expand_kv=True)
+    grads = torch.autograd.grad(expanded.square().sum(), (q, k, v))
+    torch.testing.assert_close(expanded, today, rtol=0, atol=1e-6)
+    for got, want in zip(grads, today_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    # the whole GPT, packed documents, with K/V repeated as a CUDA run of torch < 2.14 does
+    gpt = model(GQA)
+    tokens, positions = torch.randint(0, 61, (2, 12)), torch.tensor([[*range(5), *range(7)]] * 2)
+    with torch.no_grad():
+        plain = gpt(tokens, positions)
+        monkeypatch.setattr(gpt_module, "expands_kv_for_masks", lambda device: True)
+        repeated = gpt(tokens, positions)
+    torch.testing.assert_close(repeated, plain, rtol=0, atol=1e-5)
+    # where: CUDA on a torch without the fused kernel's GQA; CPUs' flash kernel takes it
+    monkeypatch.undo()
+    monkeypatch.setattr(gpt_module, "FUSED_MASKED_GQA", False)
+    assert gpt_module.expands_kv_for_masks(torch.device("cuda", 0))
+    assert not gpt_module.expands_kv_for_masks(torch.device("cpu"))
+    monkeypatch.setattr(gpt_module, "FUSED_MASKED_GQA", True)
+    assert not gpt_module.expands_kv_for_masks(torch.device("cuda", 0))
 
 
 def test_document_masks_train_under_activation_checkpointing_and_compile() -> None:

@@ -342,6 +342,35 @@ def document_mask(positions: torch.Tensor, kernel: AttentionKernel = "sdpa") -> 
     return (causal & (documents[:, :, None] == documents[:, None, :]))[:, None]
 
 
+# Whether SDPA has a fused CUDA kernel for grouped-query attention with a dense mask. Flash
+# takes no mask; the memory-efficient kernel (the one V100s, and Ampere+ GPUs where flex does
+# not run, get for a mask) takes K/V with fewer heads from torch 2.14: its forward checks
+# "Number of heads in key/value must divide number of heads in query" and its backward
+# "`shared_storage_dqdkdv` does not support grouped query attention" (strings of 2.14.1's
+# libtorch_cuda.so; pytorch#191085). Before, SDPA sent a masked GQA call to the math kernel
+# (pytorch#139586: GQA "only enabled on the flash attention backend"), which builds the fp32
+# score matrix of every head.
+FUSED_MASKED_GQA = torch.__version__ >= (2, 14)
+
+
+def expands_kv_for_masks(device: torch.device) -> bool:
+    """Whether masked attention on `device` repeats K/V to the query heads (see above)."""
+    return device.type == "cuda" and not FUSED_MASKED_GQA
+
+
+def masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *, expand_kv: bool
+) -> torch.Tensor:
+    """SDPA with a dense boolean `mask`, K/V of fewer heads than `q` (grouped-query) shared
+    by groups of query heads; `expand_kv` repeats them to every query head first, so that a
+    torch whose fused masked kernel takes no GQA keeps a fused kernel (the same function)."""
+    groups = q.shape[1] // k.shape[1]
+    if expand_kv and groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        groups = 1
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=groups > 1)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -365,7 +394,7 @@ class Attention(nn.Module):
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         elif isinstance(mask, torch.Tensor):
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            out = masked_attention(q, k, v, mask, expand_kv=expands_kv_for_masks(q.device))
         elif mask.kv_indices.device.type == "cuda":
             out = _flex_attention()(q, k, v, block_mask=mask, enable_gqa=gqa)
         else:  # a forced flex mask off CUDA (tests): eager, unfused
