@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hpctrain.config import ConfigError
-from hpctrain.models.flops import mfu, peak_flops, throughput_fields
+from hpctrain.models.flops import PEAK_FLOPS, mfu, peak_flops, throughput_fields
 from hpctrain.models.gpt import (
     GPT,
     PRESETS,
@@ -176,13 +176,39 @@ def test_mfu_from_the_peak_table_with_a_fake_gpu_name(monkeypatch: pytest.Monkey
     assert "mfu" not in throughput_fields(FakeTask(), 1e6, 4, torch.device("cuda", 0))
 
 
-def test_peak_table_matches_device_names() -> None:
-    assert peak_flops("Tesla V100-SXM2-32GB") == 125e12
-    assert peak_flops("Tesla V100-PCIE-16GB") == 112e12
-    assert peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
-    assert peak_flops("NVIDIA H100 PCIe") == 756e12
-    assert peak_flops("NVIDIA H200") == 989e12
-    assert peak_flops("NVIDIA GeForce RTX 4090") is None
+@pytest.mark.parametrize(
+    ("name", "peak"),
+    [
+        ("Tesla V100-SXM2-32GB", 125e12),
+        ("Tesla V100-PCIE-16GB", 112e12),
+        ("Tesla V100S-PCIE-32GB", 130e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA A100 80GB PCIe", 312e12),
+        ("NVIDIA A10", 125e12),
+        ("NVIDIA A10G", None),  # no A10: an unknown GPU gets no MFU
+        ("NVIDIA A40", 150e12),
+        ("NVIDIA L4", 121e12),
+        ("NVIDIA L40", 181e12),  # was the L4's
+        ("NVIDIA L40S", 362e12),
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H100 NVL", 835e12),
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA H200 NVL", 835e12),  # was the H200 SXM's
+        ("NVIDIA GH200 480GB", 989e12),
+        ("NVIDIA B200", 2250e12),
+        ("NVIDIA GB200", 2500e12),  # was the B200's
+        ("NVIDIA GeForce RTX 4090", None),
+    ],
+)
+def test_peak_table_matches_device_names(name: str, peak: float | None) -> None:
+    assert peak_flops(name) == peak
+
+
+def test_every_table_entry_is_the_longest_match_of_its_own_name() -> None:
+    for pattern, peak in PEAK_FLOPS:
+        assert peak_flops(f"NVIDIA {pattern}") == peak, pattern
+        assert peak_flops(f"Tesla {pattern}-32GB") == peak, pattern
     assert mfu(1000.0, 1e9, 1e12, 2) == 0.5
 
 
