@@ -301,6 +301,11 @@ class TrainConfig:
         "seconds a training step may take before the rank writes the Python stacks of its threads to RUN_DIR/hangs/ and ends the job (a hang outside collectives: a stuck read, a deadlock); 0 disables",
         min=0.0,
     )
+    first_step_timeout_s: float = _f(
+        1800.0,
+        "with train.step_timeout_s: the allowance of the first step of each process (at least train.step_timeout_s), which compiles, autotunes and starts the loader and NCCL; 0: that step is not timed",
+        min=0.0,
+    )
     early_stop_patience: int = _f(
         0,
         "stop after N evaluations in a row without a better checkpoint.monitor; 0 disables",

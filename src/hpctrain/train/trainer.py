@@ -246,6 +246,7 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             self.run_dir,
             self.env.rank,
             step_timeout_s=cfg.train.step_timeout_s,
+            first_step_timeout_s=cfg.train.first_step_timeout_s,
             collective_timeout_s=cfg.train.collective_timeout_s,
             dump_on_usr1=signal.SIGUSR1 not in self.preemption.signals,
         )
