@@ -350,7 +350,7 @@ def document_mask(positions: torch.Tensor, kernel: AttentionKernel = "sdpa") -> 
 # libtorch_cuda.so; pytorch#191085). Before, SDPA sent a masked GQA call to the math kernel
 # (pytorch#139586: GQA "only enabled on the flash attention backend"), which builds the fp32
 # score matrix of every head.
-FUSED_MASKED_GQA = torch.__version__ >= (2, 14)
+FUSED_MASKED_GQA = tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 14)
 
 
 def expands_kv_for_masks(device: torch.device) -> bool:
