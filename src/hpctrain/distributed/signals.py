@@ -28,10 +28,9 @@ resource tracker exit when the last process holding their pipe is gone, the comp
 when its pipe to the rank closes, and hpctrain's loader workers watch the rank itself
 (`data/transport.py`). A forkserver's children inherit the blocked mask: the loader workers
 set their own handling, then unblock (`ignore_job_signals`); a user's code that starts
-processes from the same forkserver gets them with the job's signals blocked (SIGKILL, and
-the rank's death, still end them). With `TORCHINDUCTOR_WORKER_START=fork` or `spawn`
-inductor starts its workers from the rank itself, later, unprotected; the default
-(`subprocess`) is covered.
+processes from the same forkserver gets them with the job's signals blocked (SIGKILL still
+ends them). With `TORCHINDUCTOR_WORKER_START=fork` or `spawn` inductor starts its workers
+from the rank itself, later, unprotected; the default (`subprocess`) is covered.
 """
 
 from __future__ import annotations
