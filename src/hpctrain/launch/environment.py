@@ -13,6 +13,7 @@ triton and inductor build kernels with (a C compiler, Python.h, libcuda.so.1:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shlex
@@ -250,7 +251,8 @@ def _toolchain_check(found: dict[str, Any], where: str, *, cuda: bool, compile: 
     nodes (where this probe runs) often lack: its absence alone is a warning, checked again
     at start-up on the GPU node.
     """
-    tools = Toolchain(**found)
+    # the job's hpctrain answered: it may be another version than this one
+    tools = Toolchain(**{f.name: str(found.get(f.name, "")) for f in dataclasses.fields(Toolchain)})
     missing = tools.missing(cuda=cuda)
     if not missing:
         driver = f", libcuda.so.1 in {tools.libcuda}" if cuda else ""
