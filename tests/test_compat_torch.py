@@ -6,7 +6,11 @@ A failure here names the torch version and the API: the fallback would hide it o
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import subprocess
+import sys
 
+import pytest
 import torch
 
 from hpctrain.compat_torch import new_shared_bytes, set_worker_info
@@ -202,3 +206,64 @@ def test_batchnorm_classes_cover_every_batchnorm_and_dynamo_answers():
         assert issubclass(kind, classes)
     assert not issubclass(nn.LayerNorm, classes)
     assert isinstance(dynamo_supported(strict=True), bool)
+
+
+COMPILE_WORKERS = """
+import os, signal, sys, time
+from torch._inductor.async_compile import AsyncCompile
+from hpctrain.compat_torch import start_compile_workers
+from hpctrain.distributed.signals import job_signals_blocked
+
+def children(pid):
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+        except (OSError, ValueError):
+            pass
+    return found
+
+def running(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+if __name__ == "__main__":
+    with job_signals_blocked():  # as hpctrain.distributed.signals.start_compile_workers
+        start_compile_workers(strict=True)
+    (sidecar,) = children(os.getpid())
+    for signum in (signal.SIGUSR2, signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        os.kill(sidecar, signum)
+    pool = AsyncCompile.process_pool()  # the pool inductor compiles with: the one started
+    assert pool.submit(AsyncCompile._get_ready).result(timeout=240) == "ready"
+    workers = children(sidecar)  # forked by the sidecar for that job
+    for pid in workers:
+        for signum in (signal.SIGUSR2, signal.SIGTERM, signal.SIGUSR1):
+            os.kill(pid, signum)
+    time.sleep(0.5)
+    assert pool.submit(AsyncCompile._get_ready).result(timeout=240) == "ready"
+    print(running(sidecar), len(workers), all(map(running, workers)), flush=True)
+"""
+
+
+@pytest.mark.slow  # a subprocess that starts inductor's compile workers: tens of seconds
+def test_compile_workers_started_with_job_signals_blocked_survive_them():
+    """Inductor's compile sidecar and its workers ignore only SIGINT; SLURM's USR2, TERM
+    and USR1 reach every process of a job step. Started with them blocked (what
+    `hpctrain.distributed.signals.start_compile_workers` does), they survive and compile on.
+    (Started without: "SubprocPool closed" at the first job.)"""
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILE_WORKERS],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        # a pool needs two compile threads or more (inductor's default: the CPUs, up to 32)
+        env={**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "2"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    sidecar_alive, num_workers, workers_alive = done.stdout.split()
+    assert sidecar_alive == "True" and int(num_workers) >= 1 and workers_alive == "True"

@@ -31,6 +31,7 @@ FLOORS: dict[str, int] = {
     "compat_submitit": 0,
     "hpctrain": 1,
     "files": 1,
+    "toolchain": 1,  # what compiling kernels needs from the machine (no torch)
     "config": 2,
     "distributed": 3,  # who am I in the job, the process group
     "data": 4,

@@ -266,6 +266,7 @@ def metadata_path(reader: Any, rank: int | None = None, *, strict: bool = False)
 # | `torch.distributed.algorithms._checkpoint`         | activation checkpointing wrapper  | `torch.utils.checkpoint` in the block's forward     |
 # | `torch.nn.modules.batchnorm._BatchNorm`            | every BatchNorm kind at once      | the public BatchNorm1d/2d/3d and SyncBatchNorm      |
 # | `torch._dynamo.is_dynamo_supported`                | why torch.compile cannot run      | assume supported (`torch.compiler` has no such test)|
+# | `torch._inductor.async_compile.AsyncCompile.warm_pool` | start the compile workers now, deaf to the job's signals | none: torch starts them at the first compile (then USR2 kills them); watch for a public pool start or signal setting |
 
 
 def _fallback(api: str, exc: BaseException, strict: bool) -> None:
@@ -386,3 +387,22 @@ def dynamo_supported(*, strict: bool = False) -> bool:
         _fallback("torch._dynamo.is_dynamo_supported", exc, strict)
         return True
     return bool(supported())
+
+
+def start_compile_workers(*, strict: bool = False) -> None:
+    """Start inductor's compile worker pool (its sidecar process) now, in this thread.
+
+    torch starts it itself at the first compile (`torch._dynamo.backends.inductor` calls
+    `maybe_warm_pool`); starting it first lets the caller choose what it inherits (see
+    `hpctrain.distributed.signals`). A no-op with one compile thread (`compile_threads=1`:
+    inductor then compiles in this process) or where torch allows no pool (a daemonic
+    process). The pool is torch's own afterwards: the same one later compiles use.
+    """
+    try:
+        from torch._inductor.async_compile import AsyncCompile
+
+        warm = AsyncCompile.warm_pool
+    except (ImportError, AttributeError) as exc:
+        _fallback("torch._inductor.async_compile.AsyncCompile.warm_pool", exc, strict)
+        return
+    warm()

@@ -183,6 +183,92 @@ def test_workers_exit_when_the_training_process_is_killed():
     assert not any(_running(p) for p in pids)
 
 
+FORKSERVER_PARENT = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    sys.path.insert(0, sys.argv[1])
+    from tests.data.test_workers import Counting, _parent
+    from hpctrain.data.transport import WorkerPool
+    if __name__ == "__main__":
+        pool = WorkerPool(Counting([100]), 1, prefetch=2, context="forkserver")
+        batches = pool.run()
+        next(batches)
+        time.sleep(1.0)  # the worker waits for a slot (prefetch full), as in a long step
+        print(*pool.pids, _parent(pool.pids[0]), flush=True)  # the worker, the forkserver
+        os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.slow  # a subprocess or worker processes: seconds, not the unit tier's ms
+def test_forkserver_workers_exit_when_the_training_process_is_killed():
+    """A forkserver worker's parent is the forkserver, which stays alive while any worker
+    holds its pipe: the workers must watch the training process itself (they used to wait
+    for a slot for ever)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run(
+        [sys.executable, "-c", FORKSERVER_PARENT, root], capture_output=True, text=True, timeout=90
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    *pids, server = [int(p) for p in proc.stdout.split()]
+    assert len(pids) == 1 and server not in (1, *pids)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(_running(p) for p in [*pids, server]):
+        time.sleep(0.2)
+    assert not any(_running(p) for p in pids)
+    assert not _running(server)  # the forkserver ends once its last client is gone
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def _helpers_of(pid: int, marker: str) -> list[int]:
+    """Children of `pid` whose command line contains `marker`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if _parent(int(entry)) != pid:
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(entry))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow  # a subprocess or worker processes: seconds, not the unit tier's ms
+def test_job_signals_to_the_forkserver_mid_pass_leave_the_pass_whole():
+    """SLURM signals every process of the step: USR2 before the time limit, TERM, USR1 for
+    stack dumps. The forkserver (and its resource tracker) used to die of them, and its
+    workers with it (their parent-death signal): "worker died" mid-epoch."""
+    expected = [(0, i) for i in range(24)]
+    pool = WorkerPool(Counting([24], delay_s=0.02), 1, prefetch=2, context="forkserver")
+    try:
+        batches = pool.run()
+        got = [next(batches) for _ in range(3)]
+        server = _parent(pool.pids[0])
+        assert server != os.getpid()
+        helpers = [server, *_helpers_of(os.getpid(), "resource_tracker")]
+        assert len(helpers) == 2, helpers
+        for signum in (signal.SIGUSR2, signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+            for pid in helpers:
+                os.kill(pid, signum)
+        time.sleep(0.5)  # a signal's default action would have ended them by now
+        got += list(batches)
+        assert got == expected
+        assert all(_running(pid) for pid in helpers)
+        assert list(pool.run()) == expected  # and the next epoch, from the same workers
+    finally:
+        pool.close()
+
+
 def _running(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

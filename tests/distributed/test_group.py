@@ -1,14 +1,18 @@
-"""Every process group of a run gets `train.collective_timeout_s` (gloo's default is 30 min)."""
+"""Process groups: every group of a run gets `train.collective_timeout_s` (gloo's default is
+30 min); one GPU per task, checked before NCCL starts; the chosen GPU is the current one."""
 
 from __future__ import annotations
 
 import datetime
+import threading
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from hpctrain.checkpoint import CheckpointManager
-from hpctrain.distributed import new_cpu_group
+from hpctrain.distributed import DistEnv, choose_device, new_cpu_group
+from hpctrain.distributed.group import SharedGPUError, check_own_gpus
 from hpctrain.launch.local import free_port
 
 
@@ -34,3 +38,69 @@ def test_extra_groups_take_the_configured_timeout(tmp_path):
         manager.close()
     finally:
         dist.destroy_process_group()
+
+
+def one_rank_per_thread(world_size: int, work) -> list[BaseException | None]:
+    """`work(rank)` in one thread per rank; what each raised (None: nothing)."""
+    errors: list[BaseException | None] = [None] * world_size
+
+    def run(rank: int) -> None:
+        try:
+            work(rank)
+        except BaseException as exc:
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    return errors
+
+
+def env_of(rank: int, world_size: int) -> DistEnv:
+    return DistEnv(rank, rank, world_size, world_size, "127.0.0.1", 0, "torchrun")
+
+
+@pytest.mark.parametrize(
+    ("gpus", "hosts", "refused"),
+    [
+        (["GPU-a", "GPU-a", "GPU-b"], ["n1", "n1", "n1"], [0, 1]),  # one visible GPU, shared
+        (["GPU-a", "GPU-b", "GPU-c"], ["n1", "n1", "n1"], []),  # --gpus-per-task: all cuda:0
+        (["GPU-a", "GPU-a", "GPU-a"], ["n1", "n2", "n3"], []),  # same UUID text, other nodes
+    ],
+)
+def test_tasks_sharing_one_gpu_are_refused_in_one_line_before_nccl(
+    gpus: list[str], hosts: list[str], refused: list[int]
+) -> None:
+    """Ranks as threads sharing a real store (the rendezvous store's kind); GPU UUIDs and
+    host names are given (no GPU here). NCCL would fail later with "Duplicate GPU detected"."""
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=30))
+    errors = one_rank_per_thread(
+        3, lambda rank: check_own_gpus(store, env_of(rank, 3), hosts[rank], gpus[rank], 0)
+    )
+    assert [rank for rank, error in enumerate(errors) if error is not None] == refused
+    for rank in refused:
+        error = errors[rank]
+        assert isinstance(error, SharedGPUError) and error.exit_code == 6
+        assert str(error).startswith(
+            "2 tasks on n1 use the same GPU (cuda:0, GPU-a): each task needs its own"
+        )
+        assert "srun --gpus-per-task=1" in str(error) and "\n" not in str(error)
+
+
+def test_the_chosen_gpu_is_the_current_device_even_in_a_single_process(monkeypatch) -> None:
+    """A fake of torch.cuda's answers (no GPU here): with LOCAL_RANK=1 and no process group
+    the device was cuda:1 while CUDA's current device stayed 0 (contexts, streams and
+    triton's launches on GPU 0)."""
+    current: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    single = DistEnv(0, 1, 1, 1, "127.0.0.1", 0, "torchrun")
+    assert choose_device(single) == torch.device("cuda", 1)
+    assert current == [torch.device("cuda", 1)]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # --gpus-per-task: its own
+    assert choose_device(single) == torch.device("cuda", 0)
+    assert current[-1] == torch.device("cuda", 0)

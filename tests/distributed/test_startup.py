@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
 
-from hpctrain.distributed import start_process
+from hpctrain.distributed import start_process, startup
+from hpctrain.distributed.startup import CUBLAS_WORKSPACE
 
 RANK_1_OF_4 = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
 
@@ -47,3 +49,22 @@ def test_omp_num_threads_is_left_to_the_user(monkeypatch, restored_threads) -> N
     torch.set_num_threads(3)
     start_process()
     assert torch.get_num_threads() == 3
+
+
+def test_cublas_workspace_is_fixed_before_cuda_starts(monkeypatch, restored_threads) -> None:
+    """`train.deterministic`: cuBLAS reads its workspace setting when CUDA starts, which
+    `choose_device` may do; the variable is set before (a user's own is kept)."""
+    for name in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", CUBLAS_WORKSPACE):
+        monkeypatch.delenv(name, raising=False)
+    seen = []
+    monkeypatch.setattr(
+        startup,
+        "choose_device",
+        lambda env: seen.append(os.environ.get(CUBLAS_WORKSPACE)) or torch.device("cpu"),
+    )
+    start_process()
+    start_process(deterministic=True)
+    assert seen == [None, ":4096:8"]
+    monkeypatch.setenv(CUBLAS_WORKSPACE, ":16:8")
+    start_process(deterministic=True)
+    assert seen[-1] == ":16:8"

@@ -89,9 +89,13 @@ def slow_run_args(run_dir: Path, shards: Path, *overrides: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def training(run_dir: Path, shards: Path, *overrides: str) -> Iterator[subprocess.Popen[str]]:
+def training(
+    run_dir: Path, shards: Path, *overrides: str, own_group: bool = False
+) -> Iterator[subprocess.Popen[str]]:
     """A 2-rank run of slow steps (never finishing by itself), yielded once it has trained 2
-    steps; every process it started is killed on the way out."""
+    steps; every process it started is killed on the way out. `own_group`: the launcher
+    leads a process group of its own (with the ranks and their helpers), as a job step's
+    processes are, for `os.killpg`."""
     args = slow_run_args(run_dir, shards, *overrides)
     proc = subprocess.Popen(
         [sys.executable, "-m", "hpctrain", "train", *args, "--nproc", "2"],
@@ -99,6 +103,7 @@ def training(run_dir: Path, shards: Path, *overrides: str) -> Iterator[subproces
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=own_group,
     )
     started: set[int] = set()
     try:
@@ -226,6 +231,33 @@ def test_a_straggling_rank_is_named_in_the_metrics_and_the_log(shapes_shards, tm
     # Once per occurrence (a busy machine may cut one in two: H::...once_after_three... pins it).
     assert 1 <= len(warnings) <= 2, done.stderr[-3000:]
     assert all(f"straggler: rank 1 on {socket.gethostname()} computes" in w for w in warnings)
+
+
+def test_slurm_signals_to_every_process_of_a_run_leave_its_loader_working(shapes_shards, tmp_path):
+    """What SLURM does: the signal goes to every process of the step (here, the run's
+    process group), forkserver and loader workers included. USR1 dumps stacks and training
+    goes on; USR2 saves and exits with the requeue code. Before, the forkserver died of
+    either and its workers with it: "worker died" before the save."""
+    run_dir = tmp_path / "run"
+    task = "task=tests.support.slow_tasks:ForkserverSlowImageClassification"
+    with training(run_dir, shapes_shards, task, own_group=True) as proc:
+        servers = [  # one per rank: the loader's workers come from there
+            pid
+            for rank in rank_pids(proc.pid).values()
+            for pid in children(rank)
+            if b"forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        ]
+        assert len(servers) == 2, servers
+        os.killpg(proc.pid, signal.SIGUSR1)
+        wait_for(lambda: len(list((run_dir / "hangs").glob("*Z/rank-*.txt"))) == 2, "dumps")
+        steps = logged_steps(run_dir)
+        wait_for(lambda: logged_steps(run_dir) >= steps + 3, "training to go on")
+        assert all(alive(pid) for pid in servers)
+        os.killpg(proc.pid, signal.SIGUSR2)
+        _out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err[-3000:]
+    assert "exited unexpectedly" not in err, err[-3000:]  # no WorkerDiedError
+    assert committed_steps(open_store(str(run_dir / "checkpoints")))
 
 
 def test_ranks_and_their_workers_die_with_a_killed_launcher(shapes_shards, tmp_path):

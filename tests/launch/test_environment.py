@@ -123,6 +123,29 @@ def test_hpctrain_not_importable_fails(tmp_path: Path) -> None:
     assert "hpctrain is not installed here" in bad["hpctrain import"]
 
 
+def test_the_kernel_toolchain_is_probed_in_the_jobs_environment(tmp_path: Path) -> None:
+    """What triton builds with, as the job's setup lines leave it: a CC that is not there,
+    a TRITON_LIBCUDA_PATH without the driver (this machine has none anyway)."""
+    good = fake_env(tmp_path, torch=fake_torch("2.14.1+cu126", "12.6", CU126_ARCHES))
+    setup = (good, "export CC=/nowhere/gcc", f"export TRITON_LIBCUDA_PATH={tmp_path}")
+    checks = check_job_environment(job_for("jean-zay-h100", *setup), "python")
+    assert failures(checks) == {}  # a warning: flex attention falls back, nothing fails
+    (check,) = [c for c in checks if c.name == "kernel toolchain"]
+    assert check.warning and "\n" not in check.message
+    assert check.message.startswith("no C compiler (CC=/nowhere/gcc not found; fix:")
+    assert "; no libcuda.so.1 where triton looks" in check.message
+    assert "per-document attention would use SDPA's dense mask" in check.message
+    assert check.message.endswith("login nodes often lack libcuda.so.1: the start-up checks again")
+    # a run that compiles cannot start there: a failure, named
+    bad = failures(check_job_environment(job_for("jean-zay-h100", *setup), "python", compile=True))
+    assert list(bad) == ["kernel toolchain"]
+    assert bad["kernel toolchain"].endswith("train.compile=true cannot build its kernels")
+    # with gcc and Python.h (this machine's), a CPU cluster misses nothing
+    cpu = check_job_environment(job_for("local-dev", good), "python", compile=True)
+    (check,) = [c for c in cpu if c.name == "kernel toolchain"]
+    assert check.ok and not check.warning and "Python.h" in check.message
+
+
 @pytest.mark.slow  # a subprocess or worker processes: seconds, not the unit tier's ms
 def test_a_missing_module_command_names_the_line(tmp_path: Path) -> None:
     """`module` does not exist on this machine: the setup line fails in the login shell."""

@@ -3,24 +3,28 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import pytest
 import torch
 
 from hpctrain.config import ConfigError
-from hpctrain.models.flops import mfu, peak_flops, throughput_fields
+from hpctrain.models.flops import PEAK_FLOPS, mfu, peak_flops, throughput_fields
 from hpctrain.models.gpt import (
     GPT,
     PRESETS,
     GPTConfig,
     apply_rotary,
     choose_kernel,
+    document_mask,
     flops_per_token,
     gpt_config,
     num_params,
     rotary_tables,
 )
 from hpctrain.parallel.parallelize import find_blocks
+from hpctrain.toolchain import Toolchain
 
 SMALL = GPTConfig(vocab_size=61, dim=32, n_layers=2, n_heads=4, tie_embeddings=True)
 
@@ -172,13 +176,39 @@ def test_mfu_from_the_peak_table_with_a_fake_gpu_name(monkeypatch: pytest.Monkey
     assert "mfu" not in throughput_fields(FakeTask(), 1e6, 4, torch.device("cuda", 0))
 
 
-def test_peak_table_matches_device_names() -> None:
-    assert peak_flops("Tesla V100-SXM2-32GB") == 125e12
-    assert peak_flops("Tesla V100-PCIE-16GB") == 112e12
-    assert peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
-    assert peak_flops("NVIDIA H100 PCIe") == 756e12
-    assert peak_flops("NVIDIA H200") == 989e12
-    assert peak_flops("NVIDIA GeForce RTX 4090") is None
+@pytest.mark.parametrize(
+    ("name", "peak"),
+    [
+        ("Tesla V100-SXM2-32GB", 125e12),
+        ("Tesla V100-PCIE-16GB", 112e12),
+        ("Tesla V100S-PCIE-32GB", 130e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA A100 80GB PCIe", 312e12),
+        ("NVIDIA A10", 125e12),
+        ("NVIDIA A10G", None),  # no A10: an unknown GPU gets no MFU
+        ("NVIDIA A40", 150e12),
+        ("NVIDIA L4", 121e12),
+        ("NVIDIA L40", 181e12),  # was the L4's
+        ("NVIDIA L40S", 362e12),
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H100 NVL", 835e12),
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA H200 NVL", 835e12),  # was the H200 SXM's
+        ("NVIDIA GH200 480GB", 989e12),
+        ("NVIDIA B200", 2250e12),
+        ("NVIDIA GB200", 2500e12),  # was the B200's
+        ("NVIDIA GeForce RTX 4090", None),
+    ],
+)
+def test_peak_table_matches_device_names(name: str, peak: float | None) -> None:
+    assert peak_flops(name) == peak
+
+
+def test_every_table_entry_is_the_longest_match_of_its_own_name() -> None:
+    for pattern, peak in PEAK_FLOPS:
+        assert peak_flops(f"NVIDIA {pattern}") == peak, pattern
+        assert peak_flops(f"Tesla {pattern}-32GB") == peak, pattern
     assert mfu(1000.0, 1e9, 1e12, 2) == 0.5
 
 
@@ -249,6 +279,43 @@ def test_flex_attention_and_sdpa_masks_compute_the_same_function() -> None:
     torch.testing.assert_close(out["flex"], out["sdpa"], rtol=0, atol=1e-5)
 
 
+def test_masked_gqa_with_kv_repeated_to_the_query_heads_is_todays_function(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The dense-mask path on a torch whose fused masked kernel takes no GQA (CUDA before
+    2.14) repeats K/V to the query heads: the same outputs and gradients as SDPA's own GQA."""
+    import torch.nn.functional as F
+
+    import hpctrain.models.gpt as gpt_module
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 12, 8, requires_grad=True)
+    k, v = (torch.randn(2, 2, 12, 8, requires_grad=True) for _ in range(2))
+    mask = document_mask(torch.tensor([[*range(5), *range(7)], [*range(3, 15)]]))
+    today = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    today_grads = torch.autograd.grad(today.square().sum(), (q, k, v))
+    expanded = gpt_module.masked_attention(q, k, v, mask, expand_kv=True)
+    grads = torch.autograd.grad(expanded.square().sum(), (q, k, v))
+    torch.testing.assert_close(expanded, today, rtol=0, atol=1e-6)
+    for got, want in zip(grads, today_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    # the whole GPT, packed documents, with K/V repeated as a CUDA run of torch < 2.14 does
+    gpt = model(GQA)
+    tokens, positions = torch.randint(0, 61, (2, 12)), torch.tensor([[*range(5), *range(7)]] * 2)
+    with torch.no_grad():
+        plain = gpt(tokens, positions)
+        monkeypatch.setattr(gpt_module, "expands_kv_for_masks", lambda device: True)
+        repeated = gpt(tokens, positions)
+    torch.testing.assert_close(repeated, plain, rtol=0, atol=1e-5)
+    # where: CUDA on a torch without the fused kernel's GQA; CPUs' flash kernel takes it
+    monkeypatch.undo()
+    monkeypatch.setattr(gpt_module, "FUSED_MASKED_GQA", False)
+    assert gpt_module.expands_kv_for_masks(torch.device("cuda", 0))
+    assert not gpt_module.expands_kv_for_masks(torch.device("cpu"))
+    monkeypatch.setattr(gpt_module, "FUSED_MASKED_GQA", True)
+    assert not gpt_module.expands_kv_for_masks(torch.device("cuda", 0))
+
+
 def test_document_masks_train_under_activation_checkpointing_and_compile() -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -266,13 +333,66 @@ def test_document_masks_train_under_activation_checkpointing_and_compile() -> No
     torch.testing.assert_close(grads[2], grads[0], rtol=1e-5, atol=1e-6)
 
 
-def test_the_kernel_is_flex_attention_on_cuda_where_its_triton_kernel_runs() -> None:
+FULL_TOOLCHAIN = Toolchain(
+    c_compiler="/usr/bin/gcc",
+    python_h="/usr/include/python3.11/Python.h",
+    libcuda="/usr/lib/x86_64-linux-gnu",
+    python_include="/usr/include/python3.11",
+)
+
+
+@pytest.fixture
+def toolchain(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., None]]:
+    """`toolchain(c_compiler="")`: the node's kernel-building pieces, faked (this machine has
+    no GPU driver, so no libcuda.so.1); the per-process answer is forgotten before and after."""
+    import hpctrain.models.gpt as gpt_module
+
+    def fake(**missing: str) -> None:
+        found = replace(FULL_TOOLCHAIN, **missing)
+        monkeypatch.setattr(gpt_module, "find_toolchain", lambda: found)
+        gpt_module.flex_toolchain_missing.cache_clear()
+
+    fake()
+    yield fake
+    gpt_module.flex_toolchain_missing.cache_clear()
+
+
+def test_the_kernel_is_flex_attention_on_cuda_where_its_triton_kernel_runs(
+    toolchain: Callable[..., None],
+) -> None:
     # torch.device("cuda") is only a name here, the capability given: nothing runs on a GPU
     gpu = torch.device("cuda", 0)
     assert choose_kernel(gpu, 64, (9, 0)) == choose_kernel(gpu, 128, (8, 0)) == "flex"
     assert choose_kernel(gpu, 64, (7, 0)) == "sdpa"  # V100: SDPA's masked kernel
     assert choose_kernel(gpu, 8, (9, 0)) == "sdpa"  # tl.dot needs >= 16
     assert choose_kernel(torch.device("cpu"), 64) == "sdpa"
+
+
+@pytest.mark.parametrize(
+    ("missing", "named"),
+    [
+        ({"c_compiler": ""}, "no C compiler (neither gcc nor clang on PATH"),
+        ({"python_h": ""}, "no Python.h in /usr/include/python3.11"),
+        ({"libcuda": ""}, "no libcuda.so.1 where triton looks"),
+    ],
+)
+def test_without_what_triton_builds_with_flex_falls_back_to_sdpa_in_one_line(
+    toolchain: Callable[..., None],
+    caplog: pytest.LogCaptureFixture,
+    missing: dict[str, str],
+    named: str,
+) -> None:
+    """Flex attention (and its block mask) compile through triton, which needs a C compiler,
+    Python.h and libcuda.so.1: without one the first forward failed deep inside triton."""
+    toolchain(**missing)
+    gpu = torch.device("cuda", 0)  # a name only: the capability is given
+    with caplog.at_level("WARNING", logger="hpctrain"):
+        assert choose_kernel(gpu, 64, (9, 0)) == "sdpa"
+        assert choose_kernel(gpu, 128, (8, 0)) == "sdpa"  # every forward asks; one line
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("per-document attention: SDPA with a dense mask instead of")
+    assert named in lines[0]
 
 
 @pytest.mark.gpu

@@ -176,3 +176,57 @@ def test_status_points_to_the_dumps_and_the_last_straggler_line(tmp_path, monkey
     out = capsys.readouterr().out
     assert f"stacks:    {folder}  (Python stacks of hung ranks; docs/checkpoints.md)" in out
     assert "straggler: 12:00:09 [rank 0] WARNING straggler: rank 3 on n2 computes 170 ms" in out
+
+
+FIRST_STEP = """
+import sys, time
+from pathlib import Path
+from hpctrain.observe.hangs import HangWatch
+watch = HangWatch(Path(sys.argv[1]), 0, step_timeout_s=0.5, first_step_timeout_s=float(sys.argv[2]))
+watch.install()
+with watch.step(1):
+    time.sleep(2.0)  # the first step: it compiles
+print("first step done", flush=True)
+with watch.step(2):
+    time.sleep(60)  # a hang
+"""
+
+
+@pytest.mark.slow  # subprocesses: the step deadline ends the process it runs in
+@pytest.mark.parametrize("first_step_timeout_s", [0.0, 10.0])
+def test_the_first_step_has_its_own_allowance(tmp_path, first_step_timeout_s):
+    """`train.step_timeout_s` counted the first step, which compiles: a compiled run with a
+    tight step deadline died in its first step. Untimed (0) or with its own allowance, the
+    first step finishes and the second one's hang is still caught."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", FIRST_STEP, str(tmp_path), str(first_step_timeout_s)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert done.stdout == "first step done\n"
+    assert "hang error: no training step finished within train.step_timeout_s=0.5 s (step 2 " in (
+        done.stderr
+    )
+
+
+@pytest.mark.slow  # a subprocess: the step deadline ends the process it runs in
+def test_a_first_step_over_its_allowance_is_named_as_such(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", FIRST_STEP, str(tmp_path), "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1 and done.stdout == "", done.stderr[-2000:]
+    assert (
+        "hang error: no training step finished within train.first_step_timeout_s=1 s "
+        "(step 1, the first of this process, ran 1 s)"
+    ) in done.stderr

@@ -4,11 +4,16 @@ The same combinations trained for real are in test_matrix.py."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
+from collections.abc import Iterator
+
 import pytest
 import torch
 from torch import nn
 
 from hpctrain.config import ConfigError, load_config
+from hpctrain.distributed.startup import CUBLAS_WORKSPACE
 from hpctrain.models import build_classifier
 from hpctrain.parallel import precision as precision_module
 from hpctrain.parallel.parallelize import parallelize
@@ -17,10 +22,12 @@ from hpctrain.parallel.precision import (
     Precision,
     TrainingPlan,
     compile_blocker,
+    configure_backends,
     device_facts,
     make_grad_scaler,
     plan_training,
 )
+from hpctrain.toolchain import Toolchain
 
 CPU = DeviceFacts(type="cpu")
 V100 = DeviceFacts(type="cuda", name="Tesla V100-SXM2-32GB", capability=(7, 0))
@@ -82,11 +89,83 @@ def test_impossible_combinations_are_refused_in_one_line(
 
 def test_gpu_plans() -> None:
     assert plan(A100, 8, "train.precision=auto").precision.name == "bf16"
-    assert plan(V100, 4, "train.precision=auto").precision.name == "fp32"
     assert plan(V100, 4, "train.strategy=fsdp", "train.precision=fp16").precision.sharded
     synced = plan(A100, 8, "train.strategy=fsdp", "train.sync_batchnorm=true")
     assert synced.sync_batchnorm
     assert plan(A100, 1, "train.sync_batchnorm=true").sync_batchnorm is False
+
+
+T4 = DeviceFacts(type="cuda", name="Tesla T4", capability=(7, 5), min_capability=75)
+
+
+@pytest.mark.parametrize("gpu", [V100, T4], ids=["V100", "T4"])
+def test_auto_precision_is_fp16_with_a_scaler_on_gpus_without_bf16_or_tf32(
+    gpu: DeviceFacts,
+) -> None:
+    """fp32 there runs on CUDA cores, 4-8x slower than fp16's tensor cores (was fp32)."""
+    auto = plan(gpu, 4, "train.precision=auto")
+    assert auto.precision.name == "fp16" and auto.precision.uses_scaler
+    assert auto.why_precision.startswith(
+        f"train.precision=auto: fp16 (autocast and a gradient scaler) on {gpu.name} "
+        f"(compute capability {gpu.capability[0]}.{gpu.capability[1]}): it has neither bf16 "
+        "nor TF32"
+    )
+    assert auto.why_precision.endswith("set train.precision=fp32 to keep full precision")
+    assert plan(gpu, 4, "train.precision=fp32").precision.name == "fp32"  # asked: kept
+    sharded = plan(gpu, 4, "train.strategy=fsdp", "train.precision=auto").precision
+    assert sharded.name == "fp16" and sharded.sharded  # FSDP2 + ShardedGradScaler
+    assert plan(A100, 4, "train.precision=auto").why_precision.endswith(
+        "bf16 on " + A100.name + " (compute capability 8.0)"
+    )
+    assert plan(CPU, 2, "train.precision=auto").why_precision == ""
+
+
+@pytest.fixture
+def backends(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Puts torch's global kernel settings (and the cuBLAS variable) back after a test."""
+    monkeypatch.delenv(CUBLAS_WORKSPACE, raising=False)
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cudnn.benchmark,
+        torch.get_float32_matmul_precision(),
+    )
+    yield
+    torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+    torch.backends.cudnn.benchmark = saved[2]
+    torch.set_float32_matmul_precision(saved[3])
+
+
+def test_deterministic_on_cuda_warns_where_torch_has_no_deterministic_kernel(
+    backends: None,
+) -> None:
+    """Faked device facts (no GPU here): the settings are torch's global flags, set as on a
+    GPU. A ResNet's or the UNet's first backward on CUDA raised before (no deterministic
+    kernel for adaptive pooling or upsampling), and cuBLAS had no fixed workspace."""
+    note = configure_backends(A100, deterministic=True)
+    assert torch.are_deterministic_algorithms_enabled()
+    assert torch.is_deterministic_algorithms_warn_only_enabled()
+    assert torch.backends.cudnn.benchmark is False
+    assert os.environ[CUBLAS_WORKSPACE] == ":4096:8"
+    assert note.startswith(f"train.deterministic=true on {A100.name}: deterministic kernels")
+    assert "CUBLAS_WORKSPACE_CONFIG=:4096:8" in note and "torch warning" in note
+
+
+def test_deterministic_on_cpu_stays_strict_and_cuda_runs_get_fast_kernels(
+    backends: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert configure_backends(CPU, deterministic=True) == ""
+    assert torch.are_deterministic_algorithms_enabled()
+    assert not torch.is_deterministic_algorithms_warn_only_enabled()
+    monkeypatch.setenv(CUBLAS_WORKSPACE, ":16:8")  # a user's own setting is kept
+    configure_backends(V100, deterministic=True)
+    assert os.environ[CUBLAS_WORKSPACE] == ":16:8"
+    torch.use_deterministic_algorithms(False)
+    torch.backends.cudnn.benchmark = False
+    assert configure_backends(A100, deterministic=False) == ""
+    assert torch.backends.cudnn.benchmark is True  # fixed shapes: cuDNN's autotuner
+    assert torch.get_float32_matmul_precision() == "high"  # TF32 for fp32 matmuls
+    assert not torch.are_deterministic_algorithms_enabled()
 
 
 def test_device_facts_and_compile_blocker(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -95,6 +174,37 @@ def test_device_facts_and_compile_blocker(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(precision_module.shutil, "which", lambda name: None)
     assert "C++ compiler" in compile_blocker(torch.device("cpu"))
+
+
+FULL_TOOLCHAIN = Toolchain(
+    c_compiler="/usr/bin/gcc",
+    python_h="/usr/include/python3.11/Python.h",
+    libcuda="/usr/lib/x86_64-linux-gnu",
+    python_include="/usr/include/python3.11",
+)
+
+
+def test_compile_is_refused_where_triton_cannot_build_kernels(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fakes: this machine has no GPU (the capability) and no driver (the toolchain)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(precision_module, "find_toolchain", lambda: FULL_TOOLCHAIN)
+    gpu = torch.device("cuda", 0)
+    assert compile_blocker(gpu) == ""
+    no_gcc = dataclasses.replace(FULL_TOOLCHAIN, c_compiler="")
+    monkeypatch.setattr(precision_module, "find_toolchain", lambda: no_gcc)
+    blocker = compile_blocker(gpu)
+    assert blocker.startswith("triton cannot build its kernels here: no C compiler (neither gcc")
+    h100 = DeviceFacts(type="cuda", name="NVIDIA H100", capability=(9, 0), compile_blocker=blocker)
+    with pytest.raises(ConfigError, match=r"^train\.compile=true on NVIDIA H100: triton cannot"):
+        plan(h100, 1, "train.compile=true")
+    # inductor on CPUs compiles C++ against Python.h
+    no_headers = dataclasses.replace(FULL_TOOLCHAIN, python_h="")
+    monkeypatch.setattr(precision_module, "find_toolchain", lambda: no_headers)
+    assert compile_blocker(torch.device("cpu")).startswith(
+        "inductor cannot build its kernels here: no Python.h in /usr/include/python3.11"
+    )
 
 
 def test_autocast_only_where_fsdp2_does_not_cast() -> None:

@@ -30,3 +30,15 @@ class SlowImageClassification(ImageClassification):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         time.sleep(self.step_s)
         return super().loss(model, batch)
+
+
+class ForkserverSlowImageClassification(SlowImageClassification):
+    """Slow steps, and loader workers started from multiprocessing's forkserver: what a GPU
+    run does once CUDA is up (`hpctrain.data.transport.worker_start_method`), which this
+    machine, without a GPU, would never choose itself."""
+
+    def __init__(self, cfg: Config, index: ShardIndex) -> None:
+        super().__init__(cfg, index)
+        from hpctrain.data import loader
+
+        loader.worker_start_method = lambda: "forkserver"  # type: ignore[assignment]

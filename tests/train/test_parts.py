@@ -1,6 +1,7 @@
 """Unit tests of the trainer's parts that need no loader or process group."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from hpctrain.parallel.parallelize import find_blocks
 from hpctrain.tasks.image_classification import ImageClassification
 from hpctrain.tasks.task import load_task
 from hpctrain.tasks.vision import normalize
-from hpctrain.train.optim import build_optimizer, lr_factor
+from hpctrain.train.optim import build_optimizer, fused_adamw_ok, keep_fused_adamw, lr_factor
 
 INDEX = ShardIndex(shards=(ShardInfo("a.tar", 10),), class_names=tuple("abcdefghij"))
 
@@ -34,6 +35,64 @@ def test_no_weight_decay_on_norms_and_biases() -> None:
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(p.ndim > 1 for p in decay["params"]) and all(p.ndim == 1 for p in no_decay["params"])
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_adamw_is_fused_on_cuda_and_keeps_the_default_on_cpus() -> None:
+    """Which parameters the fused kernel takes: faked device facts (no GPU here); the CPU
+    optimizer is the real one, unchanged (its runs and resumes stay bitwise)."""
+    cuda = torch.device("cuda", 0)
+    on = lambda device, dtype: SimpleNamespace(device=device, dtype=dtype)  # noqa: E731
+    assert fused_adamw_ok([on(cuda, torch.bfloat16), on(cuda, torch.float32)])
+    assert not fused_adamw_ok([on(cuda, torch.float32), on(torch.device("cpu"), torch.float32)])
+    assert not fused_adamw_ok([on(cuda, torch.int8)]) and not fused_adamw_ok([])
+    opt = build_optimizer(SmallCNN(10), load_config(None, []).train)
+    assert all(group["fused"] is None and group["foreach"] is None for group in opt.param_groups)
+
+
+def test_a_resume_keeps_this_runs_adamw_implementation_not_the_checkpoints() -> None:
+    """A loaded state brings its groups' `fused`: a GPU run's checkpoint resumed on a CPU
+    (and an older one on a GPU) would change the update's implementation."""
+    model = SmallCNN(10)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)  # as loaded from a GPU run
+    model(torch.randn(2, 3, 16, 16)).sum().backward()
+    opt.step()
+    keep_fused_adamw(opt)
+    assert opt.param_groups[0]["fused"] is None  # CPU parameters: the default again
+    opt.step()  # and it still steps
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    keep_fused_adamw(sgd)  # AdamW's only
+    assert sgd.param_groups[0]["fused"] is True
+
+
+def test_ddp_gradients_are_views_of_its_buckets(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """One gloo rank in this process: DDP's gradients live in its all-reduce buckets (no
+    gradient-sized copy beside them), after a `zero_grad(set_to_none=True)` too."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from hpctrain.launch.local import free_port
+    from hpctrain.parallel.parallelize import parallelize
+    from hpctrain.parallel.precision import Precision, TrainingPlan
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{free_port()}",
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        plan = TrainingPlan("ddp", Precision("fp32", "cpu", sharded=False), sync_batchnorm=False)
+        model = parallelize(SmallCNN(3), load_config(None, []).train, plan, torch.device("cpu"))
+        assert model.gradient_as_bucket_view
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            model(torch.randn(2, 3, 16, 16)).sum().backward()
+            grads = [p.grad for p in model.parameters()]
+            assert all(g is not None and g._base is not None for g in grads)  # views
+    finally:
+        dist.destroy_process_group()
 
 
 def test_blocks_found_for_known_layouts() -> None:

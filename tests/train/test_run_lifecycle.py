@@ -157,6 +157,23 @@ def test_validation_data_without_a_sequence_is_refused_before_training_and_eval(
         run_eval(lm_config(run_dir, train, f"data.val={val}"))
 
 
+def test_eval_runs_with_the_kernel_settings_of_the_training(tmp_path: Path) -> None:
+    """eval and predict set torch's kernels as training does (`configure_backends`): here
+    `train.deterministic`, observable on a CPU (TF32 and cuDNN's autotuner for GPUs come
+    from the same call: tests/parallel/test_precision.py). Before, they set nothing."""
+    train = lm_kit.write_token_shards(tmp_path / "train", 1, seed=1)
+    run_dir = tmp_path / "run"
+    fit(lm_config(run_dir, train))
+    saved = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(False)
+    try:
+        cfg = lm_config(run_dir, train, f"data.val={train}", "train.deterministic=true")
+        assert run_eval(cfg) == 0
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(saved)
+
+
 class FailingEvalMLP(ThumbnailMLP):
     """The custom-task MLP whose evaluation fails (a bug in a user's metrics)."""
 

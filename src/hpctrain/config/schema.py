@@ -256,7 +256,7 @@ class TrainConfig:
     )
     precision: str = _f(
         "auto",
-        "auto: bf16 on GPUs that support it, fp32 elsewhere",
+        "auto: bf16 on GPUs that support it, fp16 (with a gradient scaler) on GPUs with neither bf16 nor TF32 (V100, T4), fp32 on CPUs",
         choices=("auto", "fp32", "bf16", "fp16"),
     )
     optimizer: str = _f("adamw", "optimizer", choices=("adamw", "sgd"))
@@ -280,7 +280,10 @@ class TrainConfig:
         False,
         "ddp/fsdp on GPUs: BatchNorm statistics over all ranks (SyncBatchNorm), for small per-GPU batches",
     )
-    deterministic: bool = _f(False, "deterministic algorithms (bitwise-repeatable runs on CPU)")
+    deterministic: bool = _f(
+        False,
+        "deterministic algorithms (bitwise-repeatable runs on CPU); on GPUs also a fixed cuBLAS workspace, and ops without a deterministic CUDA kernel warn instead of failing",
+    )
     overfit_batches: int = _f(
         0, "train on the first N batches only (a sanity check before a long job)", min=0
     )
@@ -296,6 +299,11 @@ class TrainConfig:
     step_timeout_s: float = _f(
         0.0,
         "seconds a training step may take before the rank writes the Python stacks of its threads to RUN_DIR/hangs/ and ends the job (a hang outside collectives: a stuck read, a deadlock); 0 disables",
+        min=0.0,
+    )
+    first_step_timeout_s: float = _f(
+        1800.0,
+        "with train.step_timeout_s: the allowance of the first step of each process (at least train.step_timeout_s), which compiles, autotunes and starts the loader and NCCL; 0: that step is not timed",
         min=0.0,
     )
     early_stop_patience: int = _f(

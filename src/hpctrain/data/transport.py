@@ -18,8 +18,11 @@ A worker that dies is noticed at once (its process sentinel is polled with its p
 exception in a worker is re-raised in the training process with the worker's traceback as its
 cause; a worker that sends nothing for `timeout_s` (stuck in a read, a transform that loops)
 fails the wait with `WorkerTimeoutError`, naming the shard it was reading. Workers die with
-their parent even while busy (see `die_with_parent`); they ignore job signals (see
+the training process even while busy (see `die_with_parent`); they ignore job signals (see
 `ignore_job_signals`), so the pool stops them itself, at the latest when the process exits.
+Forkserver workers (once CUDA is up) come from a forkserver started deaf to those signals
+(`hpctrain.distributed.signals`): SLURM sends them to every process of the step, and a dead
+forkserver would take its workers with it.
 
 Batches travel in the pooled shared-memory buffers of `hpctrain.data.buffers`.
 """
@@ -50,10 +53,11 @@ import torch
 
 from hpctrain.compat_torch import set_worker_info
 from hpctrain.data.buffers import BatchBuffers, MappedBuffers, PooledBatch
+from hpctrain.distributed.signals import JOB_SIGNALS, start_forkserver, unblock_job_signals
 from hpctrain.errors import DataError
 
 _DONE = object()
-POLL_S = 1.0  # how often a waiting worker checks that its parent is alive
+POLL_S = 1.0  # how often a waiting worker checks that the training process is alive
 STOP_TIMEOUT_S = 5.0  # a polite stop's wait before SIGKILL
 ACTIVITY_BYTES = 512  # a worker's "what I am reading" text, shared with the training process
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -136,10 +140,14 @@ def ignore_job_signals() -> None:
     the step, workers included; a worker killed by it takes the loader down before the
     training process can reach its step boundary and save. The training process owns the
     preemption flag and stops the workers itself; a real kill still ends them (SIGKILL, or
-    the parent's death, which workers watch for).
+    the training process's death, which workers watch for). A forkserver's workers start
+    with these signals blocked (inherited from the forkserver): ignored first, then
+    unblocked, so that what the programs a worker runs (`pipe:` commands) inherit is the
+    same as a forked worker's.
     """
-    for name in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"):
-        signal.signal(getattr(signal, name), signal.SIG_IGN)
+    for signum in JOB_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    unblock_job_signals()
 
 
 def worker_start_method() -> str:
@@ -154,29 +162,57 @@ def worker_start_method() -> str:
     return "fork"
 
 
-def _parent_gone(parent: int) -> bool:
-    return os.getppid() != parent
+def owner_watch(owner: int) -> Callable[[], bool]:
+    """A test of whether the training process `owner` (the pool's maker) is gone.
+
+    A forked worker's parent is the owner: the kernel re-parents the worker once the owner
+    dies. A forkserver worker's parent is the forkserver, which outlives the owner as long
+    as any worker lives (each holds the forkserver's "alive" pipe), so that worker watches
+    the owner itself: through a pidfd (Linux 5.3+: readable once the process has ended, and
+    never confused with a later process that reuses the pid), else by its pid.
+    """
+    if os.getppid() == owner:
+        return lambda: os.getppid() != owner
+    try:
+        pidfd = os.pidfd_open(owner)
+    except ProcessLookupError:
+        return lambda: True
+    except (AttributeError, OSError):  # no pidfd here
+
+        def gone() -> bool:
+            try:
+                os.kill(owner, 0)
+            except OSError:  # no such process, or another user's (the pid reused)
+                return True
+            return False
+
+        return gone
+    # select, not a shared poll object: the watchdog thread and the worker's loop both ask
+    return lambda: bool(select.select([pidfd], [], [], 0)[0])
 
 
-def die_with_parent(parent: int, forked_by_main_thread: bool) -> None:
-    """End this worker when its parent dies, whatever the worker is doing.
+def die_with_parent(gone: Callable[[], bool], forked_by_main_thread: bool) -> None:
+    """End this worker when the training process dies (`gone()`), whatever the worker is
+    doing.
 
-    Waiting workers check `getppid()` between waits, but a busy one (a transform that loops, a
+    Waiting workers ask `gone()` between waits, but a busy one (a transform that loops, a
     read that never returns) would not: it would outlive a SIGKILLed training process, holding
     a core and the GPU's job for ever. So the kernel kills it: a parent-death signal
-    (Linux). The kernel sends it when the *thread* that forked the worker ends, so it is set
-    only for workers forked by a main thread (a pool made in a short-lived thread would lose
-    its workers with that thread); a watchdog thread covers the rest and other systems.
+    (Linux), sent when the worker's parent ends: the training process, or the forkserver,
+    which ends once the training process and its workers are gone. The kernel sends it when
+    the *thread* that forked the worker ends, so it is set only for workers forked by a main
+    thread (a pool made in a short-lived thread would lose its workers with that thread); a
+    watchdog thread covers the rest, other systems and the forkserver's workers.
     """
     if forked_by_main_thread and sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if _parent_gone(parent):  # it died before the signal was set up
+    if gone():  # it died before the signal was set up
         os._exit(0)
 
     def watch() -> None:
-        while not _parent_gone(parent):
+        while not gone():
             time.sleep(POLL_S)
         os._exit(0)
 
@@ -194,18 +230,17 @@ def _work(
     credits: Any,
     cancelled: Any,
     activity: Any,
-    parent: int | None,
+    owner: int,
     forked_by_main_thread: bool,
 ) -> None:
     """A worker's life: wait for an order, run a pass of `source.batches(worker, memory)`,
     repeat. `memory`: the worker's pooled buffers (`keep` of them, freed through `releases`).
 
-    `parent`: the pid of the process that forked it (None: started by a forkserver, whose
-    own death follows the training process's).
+    `owner`: the pid of the training process that made the pool (see `owner_watch`).
     """
     global _activity
-    parent = os.getppid() if parent is None else parent
-    die_with_parent(parent, forked_by_main_thread)
+    gone = owner_watch(owner)
+    die_with_parent(gone, forked_by_main_thread)
     _activity = activity
     ignore_job_signals()
     torch.set_num_threads(1)  # as DataLoader workers: one core each, no oversubscription
@@ -221,7 +256,7 @@ def _work(
     memory = BatchBuffers(keep, releases)
     while True:
         while not orders.poll(POLL_S):
-            if _parent_gone(parent):
+            if gone():
                 return
         try:
             generation = orders.recv()
@@ -235,7 +270,7 @@ def _work(
                 except Exception as exc:
                     results.send(_failure(worker, exc))
                     break
-                if batch is _DONE or not _slot(credits, cancelled, generation, parent):
+                if batch is _DONE or not _slot(credits, cancelled, generation, gone):
                     break
                 results.send(batch)
             del batches  # closes the pass's files before the next order
@@ -245,7 +280,7 @@ def _work(
             return
 
 
-def _slot(credits: Any, cancelled: Any, generation: int, parent: int) -> bool:
+def _slot(credits: Any, cancelled: Any, generation: int, gone: Callable[[], bool]) -> bool:
     """Wait for room for one more batch in flight; False once the pass is called off."""
     while cancelled.value < generation:
         if credits.acquire(timeout=POLL_S):
@@ -253,7 +288,7 @@ def _slot(credits: Any, cancelled: Any, generation: int, parent: int) -> bool:
                 return True
             credits.release()  # called off meanwhile: the slot stays free for the next pass
             return False
-        if _parent_gone(parent):
+        if gone():
             os._exit(0)
     return False
 
@@ -313,11 +348,13 @@ class WorkerPool:
         discard: Callable[[Any], None] | None = None,
         timeout_s: float = 0.0,
     ) -> None:
+        if context == "forkserver":
+            start_forkserver()  # before any semaphore: those start the resource tracker
         ctx: Any = mp.get_context(context)
         self.buffers = MappedBuffers()
         self.discard = discard if discard is not None else self.buffers.drop
         self.timeout_s = timeout_s
-        parent = os.getpid() if context == "fork" else None
+        owner = os.getpid()
         main_thread = threading.current_thread() is threading.main_thread()
         self.generation = 0
         self.unfinished: set[int] = set()  # workers that have not ended the last pass
@@ -355,7 +392,7 @@ class WorkerPool:
                     credits,
                     workers.cancelled,
                     activity,
-                    parent,
+                    owner,
                     main_thread or context != "fork",  # a forkserver forks in its main thread
                 ),
                 name=f"hpctrain-loader-{worker}",

@@ -13,13 +13,21 @@ import torch
 import torch.distributed as dist
 
 from hpctrain.distributed.env import DistEnv
+from hpctrain.errors import LaunchFailure
+
+
+class SharedGPUError(LaunchFailure):
+    """Several tasks of a node would drive one GPU (NCCL refuses: "Duplicate GPU detected")."""
 
 
 def choose_device(env: DistEnv, prefer: str = "auto") -> torch.device:
     """One device per task: `cuda:<local index>` when GPUs are visible, else CPU.
 
     Under SLURM with `--gpus-per-task` or a gres binding each task may see only its own GPU;
-    then the index is 0, otherwise the local rank.
+    then the index is 0, otherwise the local rank. The device becomes this process's current
+    CUDA device, with or without a process group: a single process with `LOCAL_RANK=1` on
+    `cuda:1` would otherwise still make its CUDA context, streams and the kernels libraries
+    launch without a device (triton's, flex attention's) on GPU 0.
     """
     if prefer == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
@@ -27,7 +35,43 @@ def choose_device(env: DistEnv, prefer: str = "auto") -> torch.device:
     index = env.local_rank if count > 1 else 0
     if index >= count:
         raise RuntimeError(f"local rank {env.local_rank} has no GPU: only {count} visible")
-    return torch.device("cuda", index)
+    device = torch.device("cuda", index)
+    torch.cuda.set_device(device)
+    return device
+
+
+def gpu_identity(device: torch.device) -> str:
+    """What tells one physical GPU from another across processes: its UUID (each task may
+    number the GPUs it sees from 0)."""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def check_own_gpus(store: dist.Store, env: DistEnv, host: str, gpu: str, index: int) -> None:
+    """Refuse, on every task concerned, a node where several tasks would use one GPU.
+
+    Each task counts itself on its (host, GPU) in the rendezvous store, the last to arrive
+    opens a gate, then each reads its GPU's count: all ranks in one round trip each, none
+    fetching every other's key (the store is rank 0's, and jobs have thousands of ranks).
+    NCCL's own refusal ("Duplicate GPU detected: rank 0 and rank 1 both on CUDA device
+    ...") comes later and buried in its init's traceback.
+
+    Raises:
+        SharedGPUError: one line naming the host, the GPU and how to give each task its own.
+    """
+    gpus = dist.PrefixStore("hpctrain/gpus/", store)
+    mine = f"{host}/{gpu}"
+    gpus.add(mine, 1)
+    if gpus.add("arrived", 1) == env.world_size:
+        gpus.set("all", "1")
+    gpus.wait(["all"])
+    tasks = gpus.add(mine, 0)
+    if tasks > 1:
+        raise SharedGPUError(
+            f"{tasks} tasks on {host} use the same GPU (cuda:{index}, {gpu}): each task needs "
+            "its own: srun --gpus-per-task=1 gives each task one, or with all of a node's "
+            "GPUs visible to every task, each takes its local rank's (--ntasks-per-node "
+            "equal to the GPUs per node)"
+        )
 
 
 def backend_for(device: torch.device) -> str:
@@ -79,17 +123,24 @@ def init_process_group(
     os.environ["MASTER_PORT"] = str(env.master_port)
     os.environ["RANK"] = str(env.rank)
     os.environ["WORLD_SIZE"] = str(env.world_size)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # torch's own env:// rendezvous, done here so that its store serves a check before NCCL
+    # starts (init_process_group(init_method="env://") does the same, then wraps the store
+    # in the same PrefixStore)
+    store, _rank, _size = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
+    store.set_timeout(timeout)
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        assert device.index is not None
+        check_own_gpus(store, env, socket.gethostname(), gpu_identity(device), device.index)
         if hang_dir is not None:
             (hang_dir / "nccl").mkdir(parents=True, exist_ok=True)
             os.environ.update(flight_recorder_env(os.environ, hang_dir))
     dist.init_process_group(
         backend=backend_for(device),
-        init_method="env://",
+        store=store,
         rank=env.rank,
         world_size=env.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=timeout,
         device_id=device if device.type == "cuda" else None,
     )
 

@@ -23,13 +23,23 @@ def setup_logging(env: DistEnv) -> None:
     logging.basicConfig(level=level, format=fmt, datefmt="%H:%M:%S", stream=sys.stderr, force=True)
 
 
-def start_process() -> tuple[DistEnv, torch.device]:
+# cuBLAS's fixed workspace for repeatable results (NVIDIA's cuBLAS documentation, "Results
+# reproducibility"; torch's reproducibility notes): 8 buffers of 4 MiB.
+CUBLAS_WORKSPACE = "CUBLAS_WORKSPACE_CONFIG"
+DETERMINISTIC_CUBLAS_WORKSPACE = ":4096:8"
+
+
+def start_process(*, deterministic: bool = False) -> tuple[DistEnv, torch.device]:
     """(where this process sits in the job, its device), with its logging and CPU threads set.
 
     Call once per process, before any process group (`process_group`) or model.
+    `deterministic` (`train.deterministic`): cuBLAS's workspace is fixed before CUDA starts
+    (a user's own `CUBLAS_WORKSPACE_CONFIG` is kept).
     """
     env = resolve_env()
     setup_logging(env)
+    if deterministic:
+        os.environ.setdefault(CUBLAS_WORKSPACE, DETERMINISTIC_CUBLAS_WORKSPACE)
     device = choose_device(env)
     # Loader workers are processes; one intra-op thread per rank avoids oversubscribing the
     # node's cores (IDRIS runs one task per GPU with its own cpus-per-task).

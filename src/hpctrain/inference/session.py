@@ -32,8 +32,14 @@ from hpctrain.data import ShardedLoader, open_index
 from hpctrain.data.index import ShardIndex, ShardIndexError, redact_url
 from hpctrain.data.mixture_index import open_train_index
 from hpctrain.distributed import DistEnv, process_group, start_process
+from hpctrain.distributed.signals import start_compile_workers
 from hpctrain.parallel.parallelize import parallelize
-from hpctrain.parallel.precision import Precision, device_facts, plan_training
+from hpctrain.parallel.precision import (
+    Precision,
+    configure_backends,
+    device_facts,
+    plan_training,
+)
 from hpctrain.tasks.classes import check_class_names, checkpoint_class_names, differ, mismatch
 from hpctrain.tasks.task import Task, load_task
 
@@ -166,7 +172,7 @@ def inference_session(
         CheckpointError: no usable checkpoint; ClassNamesError: eval data naming other
         classes than the model. All before any process group or model.
     """
-    env, device = start_process()
+    env, device = start_process(deterministic=cfg.train.deterministic)
     if cfg.train.strategy == "none" and env.world_size > 1:
         # `none` is refused for several training ranks (each would train its own copy);
         # evaluating or predicting trains nothing, so the ranks share one model as under DDP.
@@ -193,14 +199,19 @@ def inference_session(
         else process_group(env, device, cfg.train.collective_timeout_s)
     )
     with group:
-        plan = plan_training(
-            cfg.train, device_facts(device, compile=cfg.train.compile), env.world_size
-        )
+        facts = device_facts(device, compile=cfg.train.compile)
+        plan = plan_training(cfg.train, facts, env.world_size)
+        # the kernels training used (TF32, cuDNN's autotuner, deterministic algorithms)
+        note = configure_backends(facts, cfg.train.deterministic)
+        if note:
+            log.info(note)
         task = load_task(cfg, classes)
         torch.manual_seed(cfg.seed)  # FSDP2 needs equal weights everywhere: they are loaded
         model = task.build_model()
         load_weights(model, weights, where)
         del weights
+        if cfg.train.compile:  # deaf to SLURM's signals, unlike those torch would start
+            start_compile_workers()
         model = parallelize(model, cfg.train, plan, device, channels_last=cfg.model.channels_last)
         transform = (
             task.predict_transform()  # type: ignore[attr-defined]

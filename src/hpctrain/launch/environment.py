@@ -6,11 +6,14 @@ package requires, a CPU-only torch, or a torch without kernels for the partition
 pip default torch 2.14+cu130 has none for a V100's sm_70) otherwise shows only after the queue
 wait. `probe_environment` runs exactly those setup lines and that Python in a fresh login shell
 (`bash -lc`), or the image through its runtime, and `environment_checks` turns the answer into
-one `Check` per finding, each failure one line with its fix.
+one `Check` per finding, each failure one line with its fix. The probe also looks for what
+triton and inductor build kernels with (a C compiler, Python.h, libcuda.so.1:
+`hpctrain.toolchain`), which per-document attention needs on GPUs and `train.compile` always.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shlex
@@ -28,6 +31,7 @@ from packaging.version import InvalidVersion, Version
 from hpctrain.launch.checks import Check
 from hpctrain.launch.container import exec_words
 from hpctrain.launch.profiles import JobSpec
+from hpctrain.toolchain import Toolchain
 
 PROBE_TIMEOUT_S = 300.0  # module loads on a busy login node and a cold `import torch` take a while
 _MARK = "HPCTRAIN-PROBE:"
@@ -53,6 +57,12 @@ try:
         out["arch_list"] = flags.split() if flags else []
 except Exception as exc:
     out["torch_error"] = f"{{type(exc).__name__}}: {{exc}}".splitlines()[0]
+try:
+    import dataclasses
+    from hpctrain.toolchain import find_toolchain
+    out["toolchain"] = dataclasses.asdict(find_toolchain())
+except ImportError:
+    pass  # no hpctrain there (reported above), or one older than this check
 print("{_MARK}" + json.dumps(out))
 """
 
@@ -169,9 +179,13 @@ def arch_supported(arch: str, arch_list: list[str]) -> bool:
 
 
 def environment_checks(
-    job: JobSpec, probe: Probe, requirement: str, *, needs_cuda: bool
+    job: JobSpec, probe: Probe, requirement: str, *, needs_cuda: bool, compile: bool = False
 ) -> list[Check]:
-    """One `Check` per finding of `probe` against hpctrain's torch `requirement` and `job`."""
+    """One `Check` per finding of `probe` against hpctrain's torch `requirement` and `job`.
+
+    `compile`: the run sets `train.compile=true`, which cannot run without a kernel
+    toolchain (a failure then, a warning otherwise: see `_toolchain_check`).
+    """
     where = f"in the job's environment ({probe.command})"
     checks = [
         Check(
@@ -221,7 +235,43 @@ def environment_checks(
     checks.append(_version_check(version, requirement, where))
     if needs_cuda:
         checks += _cuda_checks(job, version, report, where)
+    if "toolchain" in report:
+        checks.append(
+            _toolchain_check(report["toolchain"], where, cuda=needs_cuda, compile=compile)
+        )
     return checks
+
+
+def _toolchain_check(found: dict[str, Any], where: str, *, cuda: bool, compile: bool) -> Check:
+    """What triton and inductor build kernels with, as the job's environment has it.
+
+    Missing, causal_lm's per-document attention on GPUs falls back from flex attention to
+    SDPA's dense mask at start-up (`models/gpt.py`) and `train.compile=true` is refused: a
+    warning, unless the run compiles. libcuda.so.1 comes with the GPU driver, which login
+    nodes (where this probe runs) often lack: its absence alone is a warning, checked again
+    at start-up on the GPU node.
+    """
+    # the job's hpctrain answered: it may be another version than this one
+    tools = Toolchain(**{f.name: str(found.get(f.name, "")) for f in dataclasses.fields(Toolchain)})
+    missing = tools.missing(cuda=cuda)
+    if not missing:
+        driver = f", libcuda.so.1 in {tools.libcuda}" if cuda else ""
+        return Check("kernel toolchain", True, f"{tools.c_compiler}, {tools.python_h}{driver}")
+    if compile and tools.missing(cuda=False):
+        return Check(
+            "kernel toolchain",
+            False,
+            f"{'; '.join(missing)} {where}: train.compile=true cannot build its kernels",
+        )
+    effect = (
+        "causal_lm's per-document attention would use SDPA's dense mask instead of flex "
+        "attention (more memory, slower)"
+        if cuda
+        else "train.compile=true would be refused"
+    )
+    if cuda and not tools.libcuda:
+        effect += "; login nodes often lack libcuda.so.1: the start-up checks again"
+    return Check("kernel toolchain", True, f"{'; '.join(missing)} {where}: {effect}", warning=True)
 
 
 def _version_check(version: str, requirement: str, where: str) -> Check:
@@ -273,8 +323,11 @@ def _cuda_checks(job: JobSpec, version: str, report: dict[str, Any], where: str)
     return checks
 
 
-def check_job_environment(job: JobSpec, python: str = sys.executable) -> list[Check]:
-    """Probe the job's environment and check it (see the module docstring)."""
+def check_job_environment(
+    job: JobSpec, python: str = sys.executable, *, compile: bool = False
+) -> list[Check]:
+    """Probe the job's environment and check it (see the module docstring); `compile`: the
+    run sets `train.compile=true`."""
     if job.container:
         image = Path(job.container)
         if "$" not in job.container and not image.is_file():
@@ -296,7 +349,11 @@ def check_job_environment(job: JobSpec, python: str = sys.executable) -> list[Ch
             ]
     probe = probe_environment(job, python)
     return environment_checks(
-        job, probe, torch_requirement(), needs_cuda=bool(job.gpus_per_node or job.gpu_arch)
+        job,
+        probe,
+        torch_requirement(),
+        needs_cuda=bool(job.gpus_per_node or job.gpu_arch),
+        compile=compile,
     )
 
 

@@ -284,7 +284,7 @@ def preflight(
     if init_check is not None:
         checks.append(init_check)
     if environment and job is not None:
-        checks += check_job_environment(job, python)
+        checks += check_job_environment(job, python, compile=cfg.train.compile)
     return checks
 
 

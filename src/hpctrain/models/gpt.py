@@ -20,6 +20,8 @@ the state dict holds the matrix once (`tok_embeddings.weight`), as safetensors w
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -29,6 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpctrain.config import ConfigError
+from hpctrain.distributed.signals import start_compile_workers
+from hpctrain.toolchain import find_toolchain
+
+log = logging.getLogger("hpctrain")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -259,8 +265,23 @@ def _flex_attention() -> Any:
     matrix (it warns as much); compiled it is a fused kernel that skips fully masked blocks."""
     global _COMPILED_FLEX
     if _COMPILED_FLEX is None:
+        start_compile_workers()  # before torch starts them at the first call: signals
         _COMPILED_FLEX = torch.compile(_flex().flex_attention, dynamic=False)
     return _COMPILED_FLEX
+
+
+@functools.lru_cache(maxsize=1)
+def flex_toolchain_missing() -> tuple[str, ...]:
+    """What this node lacks for triton to build flex attention's kernels (once per process,
+    said in one log line when something is missing; see `hpctrain.toolchain`)."""
+    missing = tuple(find_toolchain().missing(cuda=True))
+    if missing:
+        log.warning(
+            "per-document attention: SDPA with a dense mask instead of flex_attention (same "
+            "results, more memory and time): triton cannot build kernels on this node: %s",
+            "; ".join(missing),
+        )
+    return missing
 
 
 def choose_kernel(
@@ -270,11 +291,20 @@ def choose_kernel(
     `document_mask`). Flex needs torch to have it, a head dimension of at least 16 (Triton's
     tl.dot) and here an Ampere or newer GPU (`capability`, looked up when None): its Triton
     kernels are sized for their shared memory, and a V100's (sm_70) is smaller (pytorch#133254
-    shows the backward running out of it on 100 KB GPUs), so V100s take SDPA's masked kernel."""
+    shows the backward running out of it on 100 KB GPUs), so V100s take SDPA's masked kernel.
+
+    A node where triton cannot build kernels (no C compiler, Python.h or libcuda.so.1:
+    `flex_toolchain_missing`) falls back to SDPA's masked kernel with one log line rather
+    than refusing to train: the masked path computes the same function, only slower and with
+    a [B, 1, T, T] mask, so a run without `module load gcc` still trains correctly (and
+    `train.compile=true`, which cannot run there at all, is refused by `plan_training`).
+    """
     if device.type != "cuda" or head_dim < 16 or _flex() is None:
         return "sdpa"
     major, _ = capability or torch.cuda.get_device_capability(device)
-    return "flex" if major >= 8 else "sdpa"
+    if major < 8 or flex_toolchain_missing():
+        return "sdpa"
+    return "flex"
 
 
 def document_mask(positions: torch.Tensor, kernel: AttentionKernel = "sdpa") -> Any:
@@ -303,11 +333,42 @@ def document_mask(positions: torch.Tensor, kernel: AttentionKernel = "sdpa") -> 
             return (q >= k) & (documents[batch, q] == documents[batch, k])
 
         # compiled on CUDA: eagerly it would build [B, T, T] intermediates to find the blocks
+        if on_cuda:
+            start_compile_workers()
         return _flex().create_block_mask(
             same_document_causal, b, None, t, t, device=positions.device, _compile=on_cuda
         )
     causal = torch.ones(t, t, dtype=torch.bool, device=positions.device).tril()
     return (causal & (documents[:, :, None] == documents[:, None, :]))[:, None]
+
+
+# Whether SDPA has a fused CUDA kernel for grouped-query attention with a dense mask. Flash
+# takes no mask; the memory-efficient kernel (the one V100s, and Ampere+ GPUs where flex does
+# not run, get for a mask) takes K/V with fewer heads from torch 2.14: its forward checks
+# "Number of heads in key/value must divide number of heads in query" and its backward
+# "`shared_storage_dqdkdv` does not support grouped query attention" (strings of 2.14.1's
+# libtorch_cuda.so; pytorch#191085). Before, SDPA sent a masked GQA call to the math kernel
+# (pytorch#139586: GQA "only enabled on the flash attention backend"), which builds the fp32
+# score matrix of every head.
+FUSED_MASKED_GQA = tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 14)
+
+
+def expands_kv_for_masks(device: torch.device) -> bool:
+    """Whether masked attention on `device` repeats K/V to the query heads (see above)."""
+    return device.type == "cuda" and not FUSED_MASKED_GQA
+
+
+def masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *, expand_kv: bool
+) -> torch.Tensor:
+    """SDPA with a dense boolean `mask`, K/V of fewer heads than `q` (grouped-query) shared
+    by groups of query heads; `expand_kv` repeats them to every query head first, so that a
+    torch whose fused masked kernel takes no GQA keeps a fused kernel (the same function)."""
+    groups = q.shape[1] // k.shape[1]
+    if expand_kv and groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        groups = 1
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=groups > 1)
 
 
 class Attention(nn.Module):
@@ -333,7 +394,7 @@ class Attention(nn.Module):
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         elif isinstance(mask, torch.Tensor):
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            out = masked_attention(q, k, v, mask, expand_kv=expands_kv_for_masks(q.device))
         elif mask.kv_indices.device.type == "cuda":
             out = _flex_attention()(q, k, v, block_mask=mask, enable_gqa=gqa)
         else:  # a forced flex mask off CUDA (tests): eager, unfused

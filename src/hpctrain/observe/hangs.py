@@ -10,7 +10,12 @@ the call that timed out when there is one) in three cases:
   user made USR1 a preemption signal (`checkpoint.signals`), preemption keeps it and dumps
   on USR1 are off (said once in the log): a requeue then still works as configured;
 - no training step finished within `train.step_timeout_s` (off by default): the rank
-  dumps, prints one line naming the folder and ends with exit code 1.
+  dumps, prints one line naming the folder and ends with exit code 1. The first step of a
+  process has its own allowance, `train.first_step_timeout_s` (30 min by default, at least
+  `step_timeout_s`): it compiles (`train.compile`, flex attention's kernels), autotunes
+  cuDNN, starts the loader's workers and NCCL's communicators, minutes that tell nothing
+  of a hang (nvidia-resiliency-ext's fault tolerance gives its first heartbeat its own
+  timeout likewise).
 
 The signal and the step deadline are watched by one daemon thread, so they work while the
 main thread is blocked in C (a collective, a read): the signal's C handler wakes the thread
@@ -136,6 +141,8 @@ class HangWatch:
         run_dir: the run folder; dumps go to `run_dir/hangs/`.
         rank: this rank (names the file).
         step_timeout_s: dump and end when one training step runs longer; 0 disables.
+        first_step_timeout_s: the same for the first step this watch times (at least
+            `step_timeout_s`); 0: that step is not timed.
         collective_timeout_s: named in the error line of a timed-out collective.
         dump_on_usr1: False where USR1 is a preemption signal (`checkpoint.signals`).
     """
@@ -146,11 +153,17 @@ class HangWatch:
         rank: int,
         *,
         step_timeout_s: float = 0.0,
+        first_step_timeout_s: float = 0.0,
         collective_timeout_s: float = 0.0,
         dump_on_usr1: bool = True,
     ) -> None:
         self.run_dir, self.rank = run_dir, rank
         self.step_timeout_s = step_timeout_s
+        self.first_step_timeout_s = first_step_timeout_s and max(
+            first_step_timeout_s, step_timeout_s
+        )
+        self._steps_timed = 0
+        self._deadline_s = step_timeout_s  # of the running step (the first has its own)
         self.collective_timeout_s = collective_timeout_s
         self.dump_on_usr1 = dump_on_usr1
         self._step = 0
@@ -168,7 +181,14 @@ class HangWatch:
         return self
 
     def __enter__(self) -> HangWatch:
-        self._step_start = time.monotonic()  # the whole per-step cost: two stores
+        self._steps_timed += 1
+        if self._steps_timed == 1:
+            if not self.first_step_timeout_s:
+                return self  # not timed
+            self._deadline_s = self.first_step_timeout_s
+        else:
+            self._deadline_s = self.step_timeout_s
+        self._step_start = time.monotonic()  # the whole per-step cost: a few stores
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -226,16 +246,18 @@ class HangWatch:
                         file=sys.stderr,
                         flush=True,
                     )
-            start = self._step_start
+            start, deadline_s = self._step_start, self._deadline_s
             if self.step_timeout_s and start is not None:
                 ran_s = time.monotonic() - start
-                if ran_s > self.step_timeout_s:
-                    self._end_the_hung_step(ran_s)
+                if ran_s > deadline_s:
+                    self._end_the_hung_step(ran_s, deadline_s)
 
-    def _end_the_hung_step(self, ran_s: float) -> None:
+    def _end_the_hung_step(self, ran_s: float, deadline_s: float) -> None:
+        key = "first_step_timeout_s" if self._steps_timed == 1 else "step_timeout_s"
+        first = ", the first of this process," if self._steps_timed == 1 else ""
         reason = (
-            f"no training step finished within train.step_timeout_s={self.step_timeout_s:g} s "
-            f"(step {self._step} ran {ran_s:.0f} s)"
+            f"no training step finished within train.{key}={deadline_s:g} s "
+            f"(step {self._step}{first} ran {ran_s:.0f} s)"
         )
         folder = write_dump(self.run_dir, self.rank, reason)
         # One write: the line stays whole where ranks share a stderr (hpctrain.errors).

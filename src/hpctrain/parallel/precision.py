@@ -21,6 +21,8 @@ import torch
 
 from hpctrain.compat_torch import dynamo_supported
 from hpctrain.config import ConfigError, TrainConfig
+from hpctrain.distributed.startup import CUBLAS_WORKSPACE, DETERMINISTIC_CUBLAS_WORKSPACE
+from hpctrain.toolchain import find_toolchain
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -41,6 +43,11 @@ class DeviceFacts:
     def bf16_ok(self) -> bool:
         """bf16 kernels: every CPU (slow without AVX-512 BF16/AMX), GPUs from Ampere (sm_80)."""
         return self.type != "cuda" or self.capability[0] >= 8
+
+    @property
+    def tf32_ok(self) -> bool:
+        """TF32 tensor cores for fp32 matmuls: GPUs from Ampere (sm_80), as bf16."""
+        return self.type == "cuda" and self.capability[0] >= 8
 
 
 @dataclass(frozen=True)
@@ -80,6 +87,7 @@ class TrainingPlan:
     # HSDP (D / shard_degree, shard_degree), D = world size / tp
     mesh: tuple[int, int] = (1, 1)
     tp: int = 1  # tensor-parallel ranks (innermost: consecutive ranks, inside a node)
+    why_precision: str = ""  # what `train.precision=auto` chose and why (a log line)
 
     @property
     def sharded(self) -> bool:
@@ -117,8 +125,8 @@ def plan_training(
     Raises `ConfigError` (one line naming the keys) for combinations that cannot train:
     bf16 on GPUs before Ampere, a GPU this torch build has no kernels for, several ranks
     without data parallelism, SyncBatchNorm on CPUs, `train.compile` where it cannot run.
-    `auto` precision is bf16 on GPUs with bf16 and fp32 elsewhere: on CPUs without AVX-512
-    BF16, bf16 autocast is ~40x slower than fp32 (notes in docs/benchmark-log.md).
+    `auto` precision (`auto_precision`): bf16 on GPUs with bf16, fp16 on GPUs with neither
+    bf16 nor TF32 (V100, T4), fp32 on CPUs.
     """
     if device.type == "cuda" and device.min_capability:
         major, minor = device.capability
@@ -138,9 +146,9 @@ def plan_training(
     tp = _tensor_parallel_degree(train, strategy, world_size, local_world_size)
     mesh = _data_parallel_mesh(train, strategy, world_size // tp, local_world_size // tp)
 
-    name = train.precision
+    name, why = train.precision, ""
     if name == "auto":
-        name = "bf16" if device.type == "cuda" and device.bf16_ok else "fp32"
+        name, why = auto_precision(device)
     if name == "bf16" and not device.bf16_ok:
         major, minor = device.capability
         raise ConfigError(
@@ -164,6 +172,67 @@ def plan_training(
         sync_batchnorm=sync_batchnorm,
         mesh=mesh,
         tp=tp,
+        why_precision=why,
+    )
+
+
+def auto_precision(device: DeviceFacts) -> tuple[str, str]:
+    """(precision, the log line saying why) for `train.precision=auto` on `device`.
+
+    - bf16 on GPUs from Ampere: the tensor cores' fast path, fp32's range (no loss scaling).
+    - fp16 (autocast and a gradient scaler) on GPUs with neither bf16 nor TF32 (V100, T4):
+      fp32 matmuls there run on CUDA cores, 4-8x slower than fp16's tensor cores (V100: 15.7
+      against 125 TFLOP/s), the mixed precision these GPUs were built for.
+    - fp32 on CPUs: without AVX-512 BF16/AMX, bf16 autocast is ~40x slower than fp32
+      (docs/benchmark-log.md).
+    """
+    if device.type != "cuda":
+        return "fp32", ""
+    major, minor = device.capability
+    where = f"{device.name} (compute capability {major}.{minor})"
+    if device.bf16_ok:
+        return "bf16", f"train.precision=auto: bf16 on {where}"
+    assert not device.tf32_ok  # both arrived with Ampere
+    return "fp16", (
+        f"train.precision=auto: fp16 (autocast and a gradient scaler) on {where}: it has "
+        "neither bf16 nor TF32, and fp32 runs 4-8x slower there than fp16's tensor cores; "
+        "set train.precision=fp32 to keep full precision"
+    )
+
+
+def configure_backends(device: DeviceFacts, deterministic: bool) -> str:
+    """Set torch's kernel choices for a run on `device`; the same for training, eval and
+    predict (evaluating with other kernels than training would score other numbers).
+    Returns a line for the log ("" when there is nothing to say).
+
+    Deterministic: deterministic algorithms, cuDNN's autotuner off. On CUDA they are asked
+    with `warn_only=True`: torch only knows whether an op has a deterministic CUDA kernel
+    when it runs it, and a ResNet's adaptive pooling and the UNet's upsampling have none in
+    their backward. Refusing the combination up front would refuse every GPU run (a GPT
+    has such kernels for every op it uses), and an error at the first backward comes after
+    the queue wait and the start-up; with `warn_only` every op that has a deterministic kernel
+    uses it, and torch names the others in a warning. cuBLAS needs a fixed workspace for
+    repeatable results (and torch < 2.9 errors without one): `CUBLAS_WORKSPACE_CONFIG` is
+    set before CUDA starts (`start_process`), and here for callers that skipped it.
+
+    Otherwise on CUDA: cuDNN's autotuner (fixed input shapes) and TF32 for fp32 matmuls.
+    """
+    if not deterministic:
+        if device.type == "cuda":
+            torch.backends.cudnn.benchmark = True
+            torch.set_float32_matmul_precision("high")
+        return ""
+    torch.backends.cudnn.benchmark = False
+    if device.type != "cuda":
+        torch.use_deterministic_algorithms(True)
+        return ""
+    os.environ.setdefault(CUBLAS_WORKSPACE, DETERMINISTIC_CUBLAS_WORKSPACE)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    return (
+        f"train.deterministic=true on {device.name}: deterministic kernels where torch has them "
+        f"({CUBLAS_WORKSPACE}={os.environ[CUBLAS_WORKSPACE]}, cuDNN autotuning off); ops "
+        "without one (e.g. the backward of adaptive pooling and upsampling) run as they are, "
+        "each named once in a torch warning: only what goes through them can differ"
     )
 
 
@@ -243,11 +312,13 @@ def compile_blocker(device: torch.device) -> str:
         major, minor = torch.cuda.get_device_capability(device)
         if major < 7:
             return f"triton needs compute capability 7.0 or newer, not {major}.{minor}"
-        return ""
+        missing = find_toolchain().missing(cuda=True)
+        return f"triton cannot build its kernels here: {'; '.join(missing)}" if missing else ""
     compilers = [os.environ.get("CXX", ""), "c++", "g++", "clang++"]
     if not any(c and shutil.which(c) for c in compilers):
         return "inductor needs a C++ compiler on CPUs (none of $CXX, c++, g++, clang++ found)"
-    return ""
+    missing = find_toolchain().missing(cuda=False, c_compiler=False)
+    return f"inductor cannot build its kernels here: {missing[0]}" if missing else ""
 
 
 def make_grad_scaler(precision: Precision) -> torch.amp.GradScaler | None:

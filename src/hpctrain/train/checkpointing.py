@@ -29,7 +29,7 @@ from hpctrain.parallel.parallelize import broadcast_buffers
 from hpctrain.tasks.classes import ClassNamesError, checkpoint_class_names, differ, mismatch
 from hpctrain.tasks.task import Task
 from hpctrain.train.ema import CHECKPOINT_KEY as EMA_KEY
-from hpctrain.train.optim import check_same_groups
+from hpctrain.train.optim import check_same_groups, keep_fused_adamw
 
 log = logging.getLogger("hpctrain")
 
@@ -177,6 +177,7 @@ class Checkpointing:
                 self.init_weights()
             return
         check_same_groups(self.cfg.train, self.checkpoints.loaded_manifest)
+        keep_fused_adamw(self.optimizer)  # the checkpoint's groups bring their `fused`
         self.check_resumed_class_names(step)
         if self.cfg.model.init_from:
             log.info("model.init_from=%s not read: the run resumes", self.cfg.model.init_from)

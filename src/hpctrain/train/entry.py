@@ -21,7 +21,7 @@ def run_training(cfg: Config) -> int:
     0 when training finished, `REQUEUE_EXIT_CODE` (75) after a checkpoint made because of a
     signal or the job's deadline: the launcher requeues the job, which then resumes.
     """
-    env, device = start_process()
+    env, device = start_process(deterministic=cfg.train.deterministic)
     log.info(
         "rank %d/%d on %s (%s), run folder %s",
         env.rank,

@@ -121,12 +121,46 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
                         "lr_scale": scale,
                     }
                 )
-    # PyTorch's default implementation: foreach (a few kernels for all parameters) on GPUs,
-    # per-tensor on CPUs. Both gave DDP and FSDP2 bitwise-equal weights on CPU (torch 2.14.1,
-    # measured with foreach=False and True), so there is nothing to pin here.
+    # CPUs: PyTorch's default implementation (per-tensor there), which gave DDP and FSDP2
+    # bitwise-equal weights (torch 2.14.1, foreach=False and True alike); resumes repeat bitwise.
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
-    return torch.optim.AdamW(groups, lr=cfg.lr)
+    trainable = [p for group in groups for p in group["params"]]
+    return torch.optim.AdamW(groups, lr=cfg.lr, fused=fused_adamw_ok(trainable) or None)
+
+
+# The dtypes torch's fused AdamW kernels take (`torch/optim/adam.py`: floating point).
+FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def fused_adamw_ok(params: list[torch.Tensor]) -> bool:
+    """Whether AdamW runs fused: every parameter on CUDA in a dtype the fused kernel takes
+    (FSDP2's DTensor shards included). One kernel per device and dtype for the whole update,
+    the fastest of torch's three implementations (torchtitan's default); its fp16 path takes
+    the gradient scaler's `found_inf` itself. CPUs keep the default implementation (above)."""
+    return bool(params) and all(p.device.type == "cuda" and p.dtype in FUSED_DTYPES for p in params)
+
+
+def keep_fused_adamw(optimizer: torch.optim.Optimizer) -> None:
+    """After a resume: this run's AdamW implementation, not the checkpoint's.
+
+    A loaded optimizer state brings its groups' settings, `fused` with them (a checkpoint of
+    a CPU run, or of an earlier hpctrain, would turn the fused update off on GPUs; one of a
+    GPU run would turn it on on CPUs). The fused kernel keeps `step` on the parameter's
+    device, as torch's own load does for fused groups.
+    """
+    if not isinstance(optimizer, torch.optim.AdamW):
+        return
+    for group in optimizer.param_groups:
+        fused = fused_adamw_ok(group["params"])
+        group["fused"] = fused or None
+        if not fused:
+            continue
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            step = state.get("step")
+            if isinstance(step, torch.Tensor) and step.device != param.device:
+                state["step"] = step.to(device=param.device, dtype=torch.float32)
 
 
 def check_same_groups(cfg: TrainConfig, manifest: dict[str, Any] | None) -> None:

@@ -22,6 +22,7 @@ from hpctrain.data.index import ShardIndex
 from hpctrain.data.mixture_index import describe as describe_train
 from hpctrain.data.mixture_index import open_train_index
 from hpctrain.distributed import DistEnv, new_cpu_group
+from hpctrain.distributed.signals import start_compile_workers
 from hpctrain.observe.gpu_stats import GpuCounters
 from hpctrain.observe.hangs import HangWatch
 from hpctrain.observe.memory import OOMSnapshots
@@ -29,7 +30,12 @@ from hpctrain.observe.metrics import IntervalMeter, MetricMonitor, MetricsWriter
 from hpctrain.observe.profiling import StepProfiler
 from hpctrain.observe.trackers import check_trackers, start_trackers
 from hpctrain.parallel.parallelize import parallelize
-from hpctrain.parallel.precision import device_facts, make_grad_scaler, plan_training
+from hpctrain.parallel.precision import (
+    configure_backends,
+    device_facts,
+    make_grad_scaler,
+    plan_training,
+)
 from hpctrain.tasks.classes import check_class_names
 from hpctrain.tasks.task import Batch, load_task
 from hpctrain.train.checkpointing import Checkpointing, TrainState
@@ -125,9 +131,13 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             enabled=cfg.profile.oom_snapshot,
             history=cfg.profile.memory_history,
         )
-        facts = device_facts(self.device, compile=cfg.train.compile)
-        self.plan = plan_training(cfg.train, facts, self.env.world_size, self.env.local_world_size)
+        self.device_facts = device_facts(self.device, compile=cfg.train.compile)
+        self.plan = plan_training(
+            cfg.train, self.device_facts, self.env.world_size, self.env.local_world_size
+        )
         self.precision = self.plan.precision
+        if self.plan.why_precision:
+            log.info(self.plan.why_precision)
         if self.env.is_distributed:
             log.info("mesh: %s (train.strategy=%s)", self.plan.describe_mesh(), self.plan.strategy)
         if self.plan.strategy == "fsdp" and self.env.local_world_size < self.env.world_size:
@@ -138,14 +148,10 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             )
 
     def configure_torch(self) -> None:
-        """Deterministic algorithms or fast kernels, and the global seeds."""
-        if self.cfg.train.deterministic:
-            torch.use_deterministic_algorithms(True)
-            torch.backends.cudnn.benchmark = False
-        elif self.device.type == "cuda":
-            # Fixed input shapes: let cuDNN pick the fastest kernels; TF32 for fp32 matmuls.
-            torch.backends.cudnn.benchmark = True
-            torch.set_float32_matmul_precision("high")
+        """Deterministic algorithms or fast kernels (`configure_backends`), the global seeds."""
+        note = configure_backends(self.device_facts, self.cfg.train.deterministic)
+        if note:
+            log.info(note)
         seed_everything(self.cfg.seed)
 
     def build_model(self) -> None:
@@ -157,6 +163,8 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
         log.info(
             "parameters: %s trainable, %s frozen (train.freeze)", f"{trainable:,}", f"{frozen:,}"
         )
+        if self.cfg.train.compile:  # deaf to SLURM's signals, unlike those torch would start
+            start_compile_workers()
         self.model = parallelize(
             model,
             self.cfg.train,
@@ -238,6 +246,7 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             self.run_dir,
             self.env.rank,
             step_timeout_s=cfg.train.step_timeout_s,
+            first_step_timeout_s=cfg.train.first_step_timeout_s,
             collective_timeout_s=cfg.train.collective_timeout_s,
             dump_on_usr1=signal.SIGUSR1 not in self.preemption.signals,
         )
