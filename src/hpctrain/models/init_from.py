@@ -185,6 +185,14 @@ def check(cfg: Config, task: Any) -> None:
             f"{KEY}={path}: a Hugging Face causal-LM folder; task {cfg.task} cannot start from "
             "it (task causal_lm can)"
         )
+    if kind == "run":  # a LoRA run's checkpoints hold no model to start from
+        from hpctrain.checkpoint import CheckpointError
+        from hpctrain.checkpoint.weights import locate_checkpoint
+
+        try:
+            refuse_adapters_only(path, locate_checkpoint(path)[2])
+        except CheckpointError as exc:
+            raise ConfigError(f"{KEY}={path}: {exc}") from None
     if cfg.model.init_from_ema and kind != "run":
         raise ConfigError(
             f"model.init_from_ema=true: {KEY}={path} is not a run or checkpoint folder (a "
