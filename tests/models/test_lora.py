@@ -209,3 +209,23 @@ def test_bad_values_are_refused_at_load() -> None:
             ["model.lora.rank=8", "train.precision=bf16", "model.lora.base_dtype=bf16"],
         )
     )
+
+
+@pytest.mark.slow  # torch.compile's import and tracing: ~20 s here
+def test_an_adapted_block_compiles_whole_and_trains() -> None:
+    """`train.compile` compiles each block; on a CPU without a C++ compiler inductor cannot
+    run, so the graph is captured with a backend that needs none: no graph break (fullgraph)
+    and the same values as eager."""
+    model = tiny_gpt()
+    lora.apply_lora(model, LoraConfig(rank=2, dropout=0.0))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.normal_(0, 0.1)
+    expected = model(tokens())
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = torch.compile(block, backend="aot_eager", fullgraph=True)
+    out = model(tokens())
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+    out.sum().backward()
+    assert model.blocks[0].attention.wq.lora_A.weight.grad is not None

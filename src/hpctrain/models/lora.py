@@ -44,6 +44,7 @@ GPT_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 VIT_TARGETS = ("mlp.0", "mlp.3")
 NF4_BLOCK = 64  # weights per NF4 scale (QLoRA's and torchao's default)
 NF4_SCALER_BLOCK = 256  # scales per second-level (double quantization) scale, at most
+NF4_MIN_GROUPS = 8  # second-level groups a layer keeps at least (FSDP2 splits them)
 
 
 class LoRALinear(nn.Module):
@@ -292,7 +293,11 @@ def to_nf4(weight: torch.Tensor, name: str) -> torch.Tensor:
             f"held in NF4 (its size is not a multiple of {NF4_BLOCK})"
         )
     scales = numel // NF4_BLOCK
-    scaler_block = math.gcd(scales, NF4_SCALER_BLOCK)
+    # FSDP2 splits the second-level scales over the ranks too: a small layer gets smaller
+    # groups, so there are enough of them to split (real layers keep 256: 1,024 groups and up)
+    scaler_block = NF4_SCALER_BLOCK
+    while scaler_block > 1 and (scales % scaler_block or scales // scaler_block < NF4_MIN_GROUPS):
+        scaler_block //= 2
     return NF4Tensor.from_tensor(weight, NF4_BLOCK, scaler_block)
 
 
