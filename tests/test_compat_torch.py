@@ -202,3 +202,14 @@ def test_batchnorm_classes_cover_every_batchnorm_and_dynamo_answers():
         assert issubclass(kind, classes)
     assert not issubclass(nn.LayerNorm, classes)
     assert isinstance(dynamo_supported(strict=True), bool)
+
+
+def test_ddp_ignore_is_the_list_ddp_reads():
+    from torch import nn
+
+    from hpctrain import compat_torch
+
+    module = nn.Linear(2, 2)
+    compat_torch.ddp_ignore(module, ["weight"], strict=True)
+    assert module._ddp_params_and_buffers_to_ignore == ["weight"]
+    assert module.weight._ddp_ignored and not hasattr(module.bias, "_ddp_ignored")
