@@ -229,3 +229,13 @@ def test_an_adapted_block_compiles_whole_and_trains() -> None:
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
     out.sum().backward()
     assert model.blocks[0].attention.wq.lora_A.weight.grad is not None
+
+
+def test_preflight_refuses_a_lora_job_on_the_login_node() -> None:
+    from hpctrain.launch.preflight import check_lora_settings
+
+    assert check_lora_settings(Config()) is None
+    ok = check_lora_settings(lora_config("model.lora.rank=8"))
+    assert ok is not None and ok.ok and ok.message == "rank 8, alpha 16 on /base"
+    failed = check_lora_settings(lora_config("model.lora.rank=8", "train.tp_degree=2"))
+    assert failed is not None and not failed.ok and "train.tp_degree=2" in failed.message
