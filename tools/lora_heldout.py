@@ -102,7 +102,7 @@ def main() -> int:
                 work / "text" / "val" / "index.json",
                 args.pretrain_steps,
                 0.003,
-            ),  # fmt: skip
+            ),
             "model.name=gpt-tiny",
             "causal_lm.dim=128",
             "causal_lm.n_layers=4",
