@@ -30,7 +30,16 @@ GOAL = 0.9
 
 
 def hpctrain(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "hpctrain", *args], check=True, capture_output=True)
+    done = subprocess.run([sys.executable, "-m", "hpctrain", *args], capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"hpctrain {args[0]} failed:\n{done.stderr[-2000:]}")
+
+
+def train(work: Path, *overrides: str) -> None:
+    """`hpctrain train` of a config holding only the task, with `overrides`."""
+    config = work / "causal_lm.yaml"
+    config.write_text("task: causal_lm\n")
+    hpctrain("train", str(config), *overrides)
 
 
 def last_eval(run_dir: Path) -> float:
@@ -94,8 +103,8 @@ def main() -> int:
     base = work / "base-hf"
     if not base.exists():
         pretrain = work / "pretrain"
-        hpctrain(
-            "train",
+        train(
+            work,
             *common(
                 pretrain,
                 work / "text" / "train" / "index.json",
@@ -116,16 +125,15 @@ def main() -> int:
         hpctrain("convert", str(work / "sft.jsonl"), str(sft), "--tokenizer", "bytes",
                  "--prompt-field", "prompt", "--response-field", "response",
                  "--val-fraction", "0.1", "--sample-tokens", "512", "--progress", "none")  # fmt: skip
-    train, val = sft / "train" / "index.json", sft / "val" / "index.json"
+    train_index, val = sft / "train" / "index.json", sft / "val" / "index.json"
     lora = ["model.lora.rank=8", "model.lora.alpha=16"]
     results: dict[str, float] = {}
 
     def run(name: str, lr: float, steps: int, *extra: str) -> float:
         run_dir = work / "runs" / name
         if not (run_dir / "metrics.jsonl").exists():
-            hpctrain(
-                "train", *common(run_dir, train, val, steps, lr), f"model.init_from={base}", *extra
-            )
+            overrides = common(run_dir, train_index, val, steps, lr)
+            train(work, *overrides, f"model.init_from={base}", *extra)
         results[name] = last_eval(run_dir)
         print(f"{name:16} held-out response loss {results[name]:.4f}", flush=True)
         return results[name]
