@@ -239,3 +239,23 @@ def test_preflight_refuses_a_lora_job_on_the_login_node() -> None:
     assert ok is not None and ok.ok and ok.message == "rank 8, alpha 16 on /base"
     failed = check_lora_settings(lora_config("model.lora.rank=8", "train.tp_degree=2"))
     assert failed is not None and not failed.ok and "train.tp_degree=2" in failed.message
+
+
+def test_freeze_and_lr_groups_apply_to_the_adapters() -> None:
+    from hpctrain.train.optim import build_optimizer, freeze_parameters
+
+    model = tiny_gpt()
+    adapted = lora.apply_lora(model, LoraConfig(rank=2))
+    trainable, frozen = freeze_parameters(model, ["*.wq.lora_A.*"])
+    assert trainable == adapted.num_trainable - 2 * 2 * 32  # two blocks' wq lora_A (2 x 32)
+    cfg = load_config(
+        None, ["train.lr=0.001", "train.lr_groups=[{pattern: '*.lora_B.*', lr_scale: 4}]"]
+    )
+    optimizer = build_optimizer(model, cfg.train)
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = [(g["lr"], sorted(names[id(p)] for p in g["params"])) for g in optimizer.param_groups]
+    assert [lr for lr, _ in groups] == [0.001, 0.004]
+    assert all(".lora_A." in n and ".wq." not in n for n in groups[0][1])
+    assert all(".lora_B." in n for n in groups[1][1]) and len(groups[1][1]) == 14
+    # the frozen base is in no group
+    assert not any(n for _, ns in groups for n in ns if not lora.is_adapter(n))
