@@ -248,6 +248,7 @@ def test_freeze_and_lr_groups_apply_to_the_adapters() -> None:
     adapted = lora.apply_lora(model, LoraConfig(rank=2))
     trainable, frozen = freeze_parameters(model, ["*.wq.lora_A.*"])
     assert trainable == adapted.num_trainable - 2 * 2 * 32  # two blocks' wq lora_A (2 x 32)
+    assert frozen == adapted.num_total - trainable
     cfg = load_config(
         None, ["train.lr=0.001", "train.lr_groups=[{pattern: '*.lora_B.*', lr_scale: 4}]"]
     )
