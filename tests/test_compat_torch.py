@@ -267,3 +267,13 @@ def test_compile_workers_started_with_job_signals_blocked_survive_them():
     assert done.returncode == 0, done.stderr[-3000:]
     sidecar_alive, num_workers, workers_alive = done.stdout.split()
     assert sidecar_alive == "True" and int(num_workers) >= 1 and workers_alive == "True"
+
+def test_ddp_ignore_is_the_list_ddp_reads():
+    from torch import nn
+
+    from hpctrain import compat_torch
+
+    module = nn.Linear(2, 2)
+    compat_torch.ddp_ignore(module, ["weight"], strict=True)
+    assert module._ddp_params_and_buffers_to_ignore == ["weight"]
+    assert module.weight._ddp_ignored and not hasattr(module.bias, "_ddp_ignored")

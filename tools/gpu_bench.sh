@@ -126,5 +126,20 @@ if [[ "$LM" -eq 1 ]]; then
     done
   fi
 fi
+
+# ---- LoRA and QLoRA memory (issue 40) -----------------------------------------------------
+# Peak GPU memory (torch.cuda.max_memory_allocated), step time and checkpoint size of a full,
+# a LoRA (rank 8, bf16 base) and a QLoRA (NF4 base) fine-tune step of a gpt-1b-shaped Llama
+# on one GPU, each run in a fresh process (hpctrain bench lora --device cuda; the QLoRA case
+# needs torchao: pip install 'hpctrain[qlora]'). GPU_BENCH_LORA=0 skips it;
+# GPU_BENCH_LORA_PRESET picks another preset.
+if [[ "${GPU_BENCH_LORA:-1}" -eq 1 && "$DRY_RUN" -eq 0 ]]; then
+  LORA_CMD=("$PYTHON" -m hpctrain bench lora --device cuda --preset "${GPU_BENCH_LORA_PRESET:-gpt-1b}"
+            --vocab 128256 --seq-len 2048 --batch-size 1 --steps 5 --warmup 2 --qlora --work "$WORK")
+  echo "lora: ${LORA_CMD[*]}"
+  "${LORA_CMD[@]}" || SMOKE_RC=$?  # one process: cuda:0
+fi
+# ---- end of the LoRA block -----------------------------------------------------------------
+
 if [[ "$SMOKE_RC" -ne 0 ]]; then echo "gpu_bench.sh: smoke cells FAILED (above)" >&2; fi
 exit "$SMOKE_RC"

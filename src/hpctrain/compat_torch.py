@@ -18,6 +18,7 @@ version and the API, instead of the fallback hiding the change.
 | `checkpoint._fsspec_filesystem.FsspecReader`, `FsspecWriter` | checkpoints at fsspec URLs (subclassed) | `torch.distributed.checkpoint.FsspecReader`/`Writer`, the public export to watch for |
 | `checkpoint.filesystem._StorageInfo`, `_StorageWriterTransforms` | item checksums while DCP writes (subclassed) | none (`TorchAPIChanged`); watch for a public `StorageInfo` and stream-transform extension |
 | `FileSystemReader._slice_file` (overridden)     | item checksums while DCP reads       | none: tested only; watch for a public read-stream hook |
+| `DistributedDataParallel._set_params_and_buffers_to_ignore_for_model` | DDP leaves QLoRA's NF4 base alone | the attribute it sets; watch for a public ignore list |
 
 Public replacements to watch for: a public way to close a `DataLoader`'s persistent workers
 (pytorch/pytorch#64766, #71383) would replace both `DataLoader._iterator` uses.
@@ -406,3 +407,18 @@ def start_compile_workers(*, strict: bool = False) -> None:
         _fallback("torch._inductor.async_compile.AsyncCompile.warm_pool", exc, strict)
         return
     warm()
+
+def ddp_ignore(module: torch.nn.Module, names: list[str], *, strict: bool = False) -> None:
+    """Have a later `DistributedDataParallel(module)` leave the parameters `names` alone: not
+    broadcast at construction (DDP's broadcast of a tensor subclass, torchao's NF4Tensor,
+    round-trips its values: measured 1e-5 changes), nor reduced."""
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
+        return
+    except AttributeError as exc:
+        _fallback(
+            "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model", exc, strict
+        )
+    module._ddp_params_and_buffers_to_ignore = names  # type: ignore[assignment]

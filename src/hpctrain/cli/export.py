@@ -1,4 +1,4 @@
-"""`hpctrain export RUN_DIR_OR_CHECKPOINT OUT [--format pt|safetensors|hf] [--best] [--[no-]ema]`."""
+"""`hpctrain export RUN_DIR_OR_CHECKPOINT OUT [--format pt|safetensors|hf|peft] [--best] [--[no-]ema]`."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import argparse
 
 HELP = (
     "write a checkpoint's model as consolidated weights (.pt or .safetensors; DDP or FSDP2) "
-    "or a Hugging Face folder (--format hf)"
+    "or a Hugging Face folder (--format hf); a LoRA run's adapters merged, or as a peft "
+    "adapter (--format peft)"
 )
 EPILOG = """examples:
   hpctrain export runs/demo model.pt                        # newest checkpoint of the run
@@ -15,6 +16,7 @@ EPILOG = """examples:
   hpctrain export runs/demo model-ema.safetensors --ema     # the EMA (train.ema_decay)
   hpctrain export runs/demo model.pt --no-ema               # the trained weights, always
   hpctrain export runs/lm hf-model --format hf              # a folder transformers loads
+  hpctrain export runs/lora adapter --format peft           # a LoRA run's adapters for peft
 Load it with: model.load_state_dict(torch.load("model.pt", weights_only=True))
 or: safetensors.torch.load_file("model.safetensors"); built-in models also get a model card,
 OUT.json (model.safetensors.json). The weights are those the training evaluated with (the EMA
@@ -25,13 +27,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "source", help="run folder, checkpoint folder, or one step-<N> checkpoint (path or URL)"
     )
-    parser.add_argument("out", help="the file to write (--format hf: a new folder)")
+    parser.add_argument("out", help="the file to write (--format hf, peft: a new folder)")
     parser.add_argument(
         "--format",
-        choices=("pt", "safetensors", "hf"),
+        choices=("pt", "safetensors", "hf", "peft"),
         default=None,
         help="file format (default: safetensors for a .safetensors name, else pt); hf: a "
-        "Hugging Face model folder (causal_lm runs)",
+        "Hugging Face model folder (causal_lm runs); peft: a LoRA run's adapter folder",
     )
     parser.add_argument(
         "--best",
@@ -48,9 +50,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpctrain.inference.export import export_hf, export_weights
+    from hpctrain.inference.export import export_hf, export_peft, export_weights
 
     # CheckpointError: exit code 4
+    if args.format == "peft":
+        result = export_peft(args.source, args.out, best=args.best, ema=args.ema)
+        print(
+            f"exported {result.source} (step {result.step}{', EMA' if result.ema else ''}): "
+            f"{result.num_tensors} adapter tensors -> {result.out} "
+            "(peft.PeftModel.from_pretrained(base, OUT))"
+        )
+        return 0
     if args.format == "hf":
         result = export_hf(args.source, args.out, best=args.best, ema=args.ema)
         print(

@@ -22,6 +22,53 @@ def _f(default: Any, help: str, **checks: Any) -> Any:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    """LoRA adapters on the model's linear layers (`hpctrain.models.lora`; docs/fine-tuning.md)."""
+
+    rank: int = _f(
+        0,
+        "rank of the LoRA adapters on the model.lora.targets linear layers; the base weights "
+        "(model.init_from) stay frozen and out of the optimizer and the checkpoints; 0: off",
+        min=0,
+    )
+    alpha: float = _f(
+        16.0, "LoRA scale numerator: a layer adds (alpha / rank) B A x to its output", above=0.0
+    )
+    dropout: float = _f(0.0, "dropout on the adapters' input (training only)", min=0.0, max=0.9)
+    targets: list[str] = _f(
+        [],
+        "module-name globs of the linear layers that get adapters (a bare name matches at any "
+        "depth: 'wq'); a glob that matches no linear layer is an error; empty: the model's "
+        "default (the GPT and imported Llama-family models: wq, wk, wv, wo, w1, w2, w3; "
+        "torchvision ViTs: mlp.0, mlp.3)",
+    )
+    modules_to_save: list[str] = _f(
+        [],
+        "module-name globs trained in full beside the adapters and saved with them (peft's "
+        "modules_to_save, e.g. 'fc'); a head model.init_from re-initialises (another number of "
+        "classes) is trained in full anyway",
+    )
+    init_from: str = _f(
+        "",
+        "adapters to start from: a peft adapter folder (adapter_config.json + "
+        "adapter_model.safetensors) or an hpctrain LoRA run or checkpoint folder; empty: "
+        "fresh adapters (B = 0: the model starts as its base)",
+    )
+    base_dtype: str = _f(
+        "fp32",
+        "dtype the frozen base weights are held in: bf16 halves their bytes (needs "
+        "train.precision bf16, the compute dtype); the adapters keep fp32 master weights",
+        choices=("fp32", "bf16"),
+    )
+    quantize_base: str = _f(
+        "none",
+        "QLoRA: the adapted layers' base weights in 4-bit NormalFloat (nf4, torchao's NF4Tensor; "
+        "pip install 'hpctrain[qlora]'), dequantized per layer in the forward pass",
+        choices=("none", "nf4"),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     name: str = _f(
         "",
@@ -45,6 +92,7 @@ class ModelConfig:
     init_from_ema: bool = _f(
         False, "model.init_from a run or checkpoint folder: start from its EMA weights"
     )
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass(frozen=True, kw_only=True)

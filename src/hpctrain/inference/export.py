@@ -34,9 +34,10 @@ from typing import Any
 
 import torch
 
-from hpctrain.checkpoint.weights import locate_checkpoint, read_model_weights
+from hpctrain.checkpoint.weights import locate_checkpoint
 from hpctrain.errors import UsageError
 from hpctrain.files import write_atomic
+from hpctrain.models.lora_base import read_weights  # a LoRA run: merged into its base
 from hpctrain.tasks.task import DEFAULT_TASK
 from hpctrain.tasks.task import model_card as task_model_card
 
@@ -100,7 +101,7 @@ def export_weights(
     store, name, manifest = locate_checkpoint(path, best=best)
     if ema is None:  # `--best` picked it by the weights the training evaluated with
         ema = bool(((config_tree(manifest) or {}).get("train") or {}).get("ema_eval"))
-    weights = read_model_weights(store, name, manifest, ema=ema)
+    weights = read_weights(store, name, manifest, ema=ema)
     out = Path(out)
     step = int(manifest["step"])
     card = model_card(manifest, weights, fmt)
@@ -215,7 +216,7 @@ def export_hf(
         )
     if ema is None:
         ema = bool((tree.get("train") or {}).get("ema_eval"))
-    weights = read_model_weights(store, name, manifest, ema=ema)
+    weights = read_weights(store, name, manifest, ema=ema)
     cfg = gpt_config_for(tree, weights, store.path(name), manifest)
     # The source folder's architecture and token ids, as the run recorded them (a newer run)
     # or from the folder itself when it is still there.
@@ -295,3 +296,77 @@ def split_shards(
         shards[-1][key] = tensors[key]
         size += nbytes
     return shards
+
+
+def export_peft(
+    path: str, out: str | Path, *, best: bool = False, ema: bool | None = None
+) -> ExportResult:
+    """Write a LoRA run's adapters as a peft adapter folder `out` (`--format peft`):
+    `adapter_config.json` and `adapter_model.safetensors` under peft's key names
+    (`hpctrain.models.lora_peft`), so `peft.PeftModel.from_pretrained(base, out)` on the
+    run's base (for causal_lm, the Hugging Face model of `model.init_from`) computes what the
+    run computes. Written beside `out` and renamed into place, like `--format hf`.
+
+    Raises:
+        UsageError: not a LoRA run, or `out` in the way.
+    """
+    import logging
+
+    from safetensors.torch import save
+
+    from hpctrain.checkpoint.weights import read_model_weights
+    from hpctrain.models.gpt import GPTConfig
+    from hpctrain.models.lora import is_adapter
+    from hpctrain.models.lora_base import lora_metadata
+    from hpctrain.models.lora_peft import CONFIG, WEIGHTS, peft_adapter
+
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UsageError(
+            f"{out}: exists and is not an empty folder; --format peft writes a new one"
+        )
+    store, name, manifest = locate_checkpoint(path, best=best)
+    entry = lora_metadata(manifest)
+    if entry is None:
+        raise UsageError(
+            f"--format peft: {store.path(name)} is not a LoRA run (model.lora.rank 0); export "
+            f"it with --format {' or --format '.join((*FORMATS, 'hf'))}"
+        )
+    tree = config_tree(manifest) or {}
+    if ema is None:
+        ema = bool((tree.get("train") or {}).get("ema_eval"))
+    trained = read_model_weights(store, name, manifest, ema=ema)  # adapters, not merged
+    task = str(tree.get("task") or DEFAULT_TASK)
+    shape = (manifest.get("metadata") or {}).get("gpt")
+    gpt = GPTConfig(**shape) if task == "causal_lm" and isinstance(shape, dict) else None
+    config, tensors = peft_adapter(trained, entry, gpt, task)
+    left = sorted(
+        k for k in trained if not is_adapter(k) and k not in entry.get("trained_in_full", [])
+    )
+    if left:  # e.g. BatchNorm statistics the run updated: the merged exports keep them
+        logging.getLogger("hpctrain").warning(
+            "--format peft: %d buffers the run updated are not part of a peft adapter (%s); "
+            "--format safetensors keeps them",
+            len(left),
+            ", ".join(left[:3]),
+        )
+    step = int(manifest["step"])
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    tmp.mkdir(parents=True)
+    try:
+        (tmp / WEIGHTS).write_bytes(save(tensors, metadata={"format": "pt"}))
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        tmp.replace(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return ExportResult(
+        source=store.path(name),
+        step=step,
+        num_tensors=len(tensors),
+        num_elements=sum(v.numel() for v in tensors.values()),
+        out=out,
+        ema=ema,
+    )

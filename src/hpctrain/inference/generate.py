@@ -18,11 +18,12 @@ import torch
 import yaml
 
 from hpctrain.checkpoint import CheckpointError
-from hpctrain.checkpoint.weights import locate_checkpoint, read_model_weights
+from hpctrain.checkpoint.weights import locate_checkpoint
 from hpctrain.data.locate import open_index
 from hpctrain.data.tokenizer import Tokenizer, check_tokenizer, load_tokenizer
 from hpctrain.errors import DataError, UsageError
 from hpctrain.models.gpt import GPT
+from hpctrain.models.lora_base import read_weights  # a LoRA run: merged into its base
 from hpctrain.tasks.causal_lm import gpt_config_for, load_index_tokenizer
 
 
@@ -58,7 +59,7 @@ def load_gpt(
     with warnings.catch_warnings():
         # DCP's note that it loads without a process group: what this one process means to do
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        weights = read_model_weights(store, name, manifest, ema=ema)
+        weights = read_weights(store, name, manifest, ema=ema)
     cfg = gpt_config_for(tree, weights, where, manifest)
     model = GPT(cfg)
     model.load_state_dict(weights)

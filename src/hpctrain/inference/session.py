@@ -26,13 +26,14 @@ import torch.distributed as dist
 from torch import nn
 
 from hpctrain.checkpoint import CheckpointError
-from hpctrain.checkpoint.weights import locate_checkpoint, read_model_weights
+from hpctrain.checkpoint.weights import locate_checkpoint
 from hpctrain.config import Config, ConfigError, with_overrides
 from hpctrain.data import ShardedLoader, open_index
 from hpctrain.data.index import ShardIndex, ShardIndexError, redact_url
 from hpctrain.data.mixture_index import open_train_index
 from hpctrain.distributed import DistEnv, process_group, start_process
 from hpctrain.distributed.signals import start_compile_workers
+from hpctrain.models.lora_base import read_weights  # a LoRA run: merged into its base
 from hpctrain.parallel.parallelize import parallelize
 from hpctrain.parallel.precision import (
     Precision,
@@ -178,7 +179,7 @@ def inference_session(
         # evaluating or predicting trains nothing, so the ranks share one model as under DDP.
         cfg = with_overrides(cfg, ["train.strategy=ddp"])
     if cfg.train.tp_degree > 1:
-        # Every process reads the whole model here (`read_model_weights`): evaluating or
+        # Every process reads the whole model here (`read_weights`): evaluating or
         # predicting with it needs no tensor-parallel split, on any number of ranks.
         cfg = with_overrides(cfg, ["train.tp_degree=1"])
     if not data:
@@ -189,7 +190,7 @@ def inference_session(
     store, name, manifest = find_checkpoint(cfg, checkpoint)
     where = redact_url(store.path(name))
     ema = cfg.train.ema_eval  # the weights the training evaluated with: see the module
-    weights = read_model_weights(store, name, manifest, ema=ema)  # this process alone
+    weights = read_weights(store, name, manifest, ema=ema)  # this process alone
     classes = model_classes(cfg, manifest, data_index, key, strict=not predict)
     log.info("rank %d/%d on %s: %s, data %s", env.rank, env.world_size, device, where, data)
     # A caller that already joined the job's process group (a test, a notebook) keeps it.

@@ -242,6 +242,22 @@ def check_init_from(cfg: Config) -> Check | None:
     return Check("model.init_from", True, f"{path}: {what.get(kind, 'a state dict file')}")
 
 
+def check_lora_settings(cfg: Config) -> Check | None:
+    """`model.lora.*` against the rest of the config (None: LoRA off and unset)."""
+    from hpctrain.config.lora_rules import check_lora
+
+    try:
+        check_lora(cfg)
+    except ConfigError as exc:
+        return Check("model.lora", False, str(exc))
+    if not cfg.model.lora.rank:
+        return None
+    lora = cfg.model.lora
+    return Check(
+        "model.lora", True, f"rank {lora.rank}, alpha {lora.alpha:g} on {cfg.model.init_from}"
+    )
+
+
 def check_python() -> Check:
     """The job runs the interpreter that runs this (submitit and the rendered script use it)."""
     in_venv = sys.prefix != sys.base_prefix or "CONDA_PREFIX" in os.environ
@@ -283,6 +299,9 @@ def preflight(
     init_check = check_init_from(cfg)
     if init_check is not None:
         checks.append(init_check)
+    lora_check = check_lora_settings(cfg)
+    if lora_check is not None:
+        checks.append(lora_check)
     if environment and job is not None:
         checks += check_job_environment(job, python, compile=cfg.train.compile)
     return checks

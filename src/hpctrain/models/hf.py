@@ -47,6 +47,9 @@ HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 # Wrappers that add a component to parameter names: DDP's `module.`, torch.compile's
 # `_orig_mod.`, activation checkpointing's `_checkpoint_wrapped_module.`.
 WRAPPER_PARTS = ("module", "_orig_mod", "_checkpoint_wrapped_module")
+# The two matrices of a LoRA adapter (`models/lora.py`), named as peft names them: a
+# parameter under one of them is not the base's, so no folder holds it.
+ADAPTERS = ("lora_A", "lora_B")
 
 
 def is_hf_folder(path: str) -> bool:
@@ -318,6 +321,8 @@ def load_hf_weights(model: nn.Module, folder: str, cfg: GPTConfig) -> list[str]:
     with ExitStack() as stack:
         opened = {path: stack.enter_context(open(path, "rb")) for path in headers}
         for name, param in model.named_parameters():
+            if any(part in ADAPTERS for part in name.split(".")):
+                continue  # LoRA's adapters: initialised by the trainer, not the base
             theirs = names[canonical_name(name)]
             data_start, entries = headers[files[theirs]]
             entry = entries[theirs]

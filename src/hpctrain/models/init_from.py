@@ -83,6 +83,8 @@ def builds_on_meta(cfg: Config, strategy: str) -> bool:
         strategy in ("fsdp", "hsdp")
         and bool(cfg.model.init_from)
         and kind_of(cfg.model.init_from) in ("hf", "run")
+        # QLoRA quantizes loaded weights before sharding (`models/lora.py`)
+        and cfg.model.lora.quantize_base == "none"
     )
 
 
@@ -126,9 +128,43 @@ def open_run(path: str, *, ema: bool = False) -> tuple[Any, str, dict, dict]:
 
     try:
         store, name, manifest = locate_checkpoint(path)
+        refuse_adapters_only(path, manifest)
         return store, name, manifest, weight_entries(store, name, ema=ema)
     except CheckpointError as exc:
         raise ConfigError(f"{KEY}={path}: {exc}") from None
+
+
+def refuse_adapters_only(path: str, manifest: dict) -> None:
+    """A LoRA run's checkpoint holds its adapters, not a model to start from.
+
+    Raises:
+        ConfigError: naming the two ways to start from it.
+    """
+    if isinstance((manifest.get("metadata") or {}).get("lora"), dict):
+        raise ConfigError(
+            f"{KEY}={path}: a LoRA run (its checkpoints hold adapters, not the model): start "
+            "from its merged weights (`hpctrain export RUN OUT.safetensors`, or --format hf) "
+            "or continue its adapters with model.lora.init_from"
+        )
+
+
+def fresh_keys(model: nn.Module, cfg: Config) -> list[str]:
+    """The parameters of the built, unwrapped `model` that `model.init_from` leaves at their
+    fresh initialisation (`match_keys`: a head of another number of classes), found from the
+    shapes PATH holds; LoRA's adapters left aside."""
+    from hpctrain.models.lora import is_adapter
+
+    path = cfg.model.init_from
+    kind = kind_of(path)
+    if kind == "hf":
+        return []  # a folder fills every parameter of the GPT its config.json shapes
+    if kind == "run":
+        source = entry_shapes(open_run(path, ema=cfg.model.init_from_ema)[3])
+    else:
+        source = {k: tuple(v.shape) for k, v in read_state_dict(path).items()}
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items() if not is_adapter(k)}
+    parameters = {name for name, _ in model.named_parameters()}
+    return [key for key in match_keys(source, expected, path) if key in parameters]
 
 
 def entry_shapes(entries: dict) -> dict[str, tuple[int, ...]]:
@@ -149,6 +185,14 @@ def check(cfg: Config, task: Any) -> None:
             f"{KEY}={path}: a Hugging Face causal-LM folder; task {cfg.task} cannot start from "
             "it (task causal_lm can)"
         )
+    if kind == "run":  # a LoRA run's checkpoints hold no model to start from
+        from hpctrain.checkpoint import CheckpointError
+        from hpctrain.checkpoint.weights import locate_checkpoint
+
+        try:
+            refuse_adapters_only(path, locate_checkpoint(path)[2])
+        except CheckpointError as exc:
+            raise ConfigError(f"{KEY}={path}: {exc}") from None
     if cfg.model.init_from_ema and kind != "run":
         raise ConfigError(
             f"model.init_from_ema=true: {KEY}={path} is not a run or checkpoint folder (a "
@@ -164,6 +208,7 @@ def read_state_dict(path: str, *, ema: bool = False) -> dict[str, torch.Tensor]:
 
         try:
             store, name, manifest = locate_checkpoint(path)
+            refuse_adapters_only(path, manifest)
             return read_model_weights(store, name, manifest, ema=ema)
         except CheckpointError as exc:
             raise ConfigError(f"{KEY}={path}: {exc}") from None
@@ -238,11 +283,16 @@ def load_initial_weights(
     if kind == "hf":
         unused = hf.load_hf_weights(model, path, task.model_cfg)
         return f"weights from {KEY}={path}" + (f" (unused: {', '.join(unused)})" if unused else "")
-    # Plain names; under FSDP2 the values are this rank's shards (nothing gathered).
+    from hpctrain.models.lora import is_adapter
+
+    # Plain names; under FSDP2 the values are this rank's shards (nothing gathered). LoRA's
+    # adapters are not the base's: the trainer starts them (`lora_base.start_adapters`).
+    state = get_model_state_dict(model)
+    adapters = any(is_adapter(k) for k in state)
     targets = {
         k: v
-        for k, v in get_model_state_dict(model).items()
-        if isinstance(v, torch.Tensor)  # DTensors too
+        for k, v in state.items()
+        if isinstance(v, torch.Tensor) and not is_adapter(k)  # DTensors too
     }
     expected = {k: tuple(v.shape) for k, v in targets.items()}
     sharded = any(isinstance(v, DTensor) for v in targets.values())
@@ -264,14 +314,14 @@ def load_initial_weights(
         # `set_model_state_dict` is the documented way to make them the model's under any
         # wrapper (one local copy of the rank's shard).
         values: dict[str, Any] = dict(targets)
-        options = StateDictOptions(strict=not fresh)
+        options = StateDictOptions(strict=not fresh and not adapters)
     else:
         source = read_state_dict(path, ema=cfg.model.init_from_ema)
         fresh = match_keys({k: tuple(v.shape) for k, v in source.items()}, expected, path)
         for key in fresh:
             del source[key]
         values = dict(source)
-        options = StateDictOptions(full_state_dict=True, strict=not fresh)
+        options = StateDictOptions(full_state_dict=True, strict=not fresh and not adapters)
     set_model_state_dict(model, values, options=options)
     what = "EMA weights" if cfg.model.init_from_ema else "weights"
     line = f"{what} from {KEY}={path}"

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hpctrain.compat_torch import batchnorm_classes, checkpoint_wrapper
+from hpctrain.compat_torch import batchnorm_classes, checkpoint_wrapper, ddp_ignore
 from hpctrain.config import ConfigError, TrainConfig
 from hpctrain.parallel.precision import Precision, TrainingPlan
 
@@ -92,6 +92,12 @@ def parallelize(
     if plan.strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
+        # A frozen tensor subclass (QLoRA's NF4 base, models/lora.py) stays out of DDP: its
+        # broadcast at construction round-trips the values (1e-5 changes, measured), and
+        # every rank built the same anyway; frozen, it has no gradient to reduce.
+        quantized = [n for n, p in model.named_parameters() if type(p.data) is not torch.Tensor]
+        if quantized:
+            ddp_ignore(model, quantized)
         # gradient_as_bucket_view: the gradients are views into the all-reduce buckets
         # instead of copies beside them (one gradient-sized buffer and one copy per step less)
         return DistributedDataParallel(

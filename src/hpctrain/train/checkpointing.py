@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import yaml
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from hpctrain.checkpoint import (
     CheckpointError,
@@ -23,6 +24,7 @@ from hpctrain.checkpoint import (
 )
 from hpctrain.config import Config, config_to_yaml
 from hpctrain.data import ShardedLoader
+from hpctrain.models import lora, lora_base
 from hpctrain.models.init_from import load_initial_weights
 from hpctrain.observe.metrics import MetricMonitor
 from hpctrain.parallel.parallelize import broadcast_buffers
@@ -97,6 +99,9 @@ class Checkpointing:
     scheduler: Any
     scaler: Any  # torch.amp.GradScaler for fp16, else None
     ema: Any  # hpctrain.train.ema.EMA, or None
+    adapted: lora.Adapted | None  # model.lora: what carries adapters (None: no LoRA)
+    lora_base: dict[str, Any]  # with adapters: the base's fingerprint
+    base_on_meta: bool  # the model was built on the meta device (FSDP2 reads the base late)
     loader: ShardedLoader
     class_names: Sequence[str]
     checkpoints: CheckpointManager
@@ -107,8 +112,13 @@ class Checkpointing:
     truncate_sample_log: Callable[[], None]  # RunRecords'
 
     def checkpoint_states(self) -> dict[str, Any]:
+        # A LoRA run saves what trains (adapters, a new head) and buffers: the frozen base
+        # stays in model.init_from, named by the fingerprint in the metadata.
+        options = (
+            StateDictOptions(ignore_frozen_params=True, strict=False) if self.adapted else None
+        )
         states: dict[str, Any] = {
-            "app": ModelOptimizerState(self.model, self.optimizer),
+            "app": ModelOptimizerState(self.model, self.optimizer, options=options),
             "scheduler": self.scheduler,
             "trainer": self.state,
             "loader": PerRankState(self.loader),
@@ -149,9 +159,17 @@ class Checkpointing:
         }
         if hasattr(self.task, "model_metadata"):  # e.g. causal_lm's GPT shape, for exports
             metadata.update(self.task.model_metadata())
+        if self.adapted is not None:  # the adapters' settings and the base's fingerprint
+            metadata[lora_base.KEY] = lora_base.metadata(self.cfg, self.lora_base, self.adapted)
         return metadata
 
     def resume(self) -> None:
+        if self.adapted is not None and self.base_on_meta:
+            # each rank's shards of the base, before the checkpoint's trained entries
+            line = load_initial_weights(
+                self.model, self.cfg, self.task, process_group=self.checkpoints.group
+            )
+            log.info("LoRA base: %s", line)
         try:
             step = self.checkpoints.load(
                 self.checkpoint_states(),
@@ -173,13 +191,18 @@ class Checkpointing:
             check_same_groups(self.cfg.train, self.checkpoints.tried_manifest)
             raise
         if step is None:
-            if self.cfg.model.init_from:
+            if self.adapted is not None:
+                self.start_adapters()
+            elif self.cfg.model.init_from:
                 self.init_weights()
             return
         check_same_groups(self.cfg.train, self.checkpoints.loaded_manifest)
         keep_fused_adamw(self.optimizer)  # the checkpoint's groups bring their `fused`
         self.check_resumed_class_names(step)
-        if self.cfg.model.init_from:
+        if self.adapted is not None:
+            saved = lora_base.lora_metadata(self.checkpoints.loaded_manifest or {})
+            lora_base.check_same_base(saved and saved.get("base"), self.lora_base, step)
+        elif self.cfg.model.init_from:
             log.info("model.init_from=%s not read: the run resumes", self.cfg.model.init_from)
         if self.ema is not None and EMA_KEY in self.checkpoints.missing_states:
             self.ema.reset()
@@ -222,6 +245,15 @@ class Checkpointing:
                 ": the resumed run would train on shifted labels; convert data.train with the "
                 "checkpoint's classes, or start over with --resume none"
             )
+
+    def start_adapters(self) -> None:
+        """A new LoRA run's adapters (its base is loaded already); the EMA starts from them."""
+        line = lora_base.start_adapters(self.model, self.cfg, self.task)
+        if self.ema is not None:
+            self.ema.reset()
+        log.info(
+            "a new LoRA run from step 0 on model.init_from=%s: %s", self.cfg.model.init_from, line
+        )
 
     def init_weights(self) -> None:
         """A new run's starting weights from `model.init_from` (the task reads them); the EMA

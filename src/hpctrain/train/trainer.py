@@ -17,12 +17,14 @@ import torch.distributed as dist
 import hpctrain.models.init_from as init_from  # a module: tests patch its functions
 from hpctrain.checkpoint import CheckpointManager
 from hpctrain.config import Config, ConfigError, config_to_yaml
+from hpctrain.config.lora_rules import check_lora
 from hpctrain.data import ShardedLoader, open_index
 from hpctrain.data.index import ShardIndex
 from hpctrain.data.mixture_index import describe as describe_train
 from hpctrain.data.mixture_index import open_train_index
 from hpctrain.distributed import DistEnv, new_cpu_group
 from hpctrain.distributed.signals import start_compile_workers
+from hpctrain.models import lora, lora_base
 from hpctrain.observe.gpu_stats import GpuCounters
 from hpctrain.observe.hangs import HangWatch
 from hpctrain.observe.memory import OOMSnapshots
@@ -94,6 +96,7 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             require_tensorboard()
         if self.env.is_main:
             check_trackers(cfg.logging)
+        check_lora(cfg)
         if cfg.train.tp_degree > 1 and cfg.task in ("image_classification", "segmentation"):
             raise ConfigError(
                 f"train.tp_degree={cfg.train.tp_degree} with task={cfg.task}: tensor "
@@ -159,9 +162,20 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
         torch.manual_seed(self.cfg.seed)  # identical initial weights on every rank (FSDP2 needs it)
         init_from.check(self.cfg, self.task)
         model = init_from.build_model(self.task, self.cfg, self.plan.strategy)
+        self.base_on_meta = any(p.is_meta for p in model.parameters())
+        self.adapted: lora.Adapted | None = None  # model.lora: the adapters, on the base
+        if self.cfg.model.lora.rank:
+            self.lora_base = lora_base.fingerprint(
+                self.cfg.model.init_from, ema=self.cfg.model.init_from_ema
+            )
+            self.adapted = lora_base.prepare(model, self.cfg, self.task)  # before wrapping
+            log.info("model.lora: %s", self.adapted.describe())
         trainable, frozen = freeze_parameters(model, self.cfg.train.freeze)  # before wrapping
         log.info(
-            "parameters: %s trainable, %s frozen (train.freeze)", f"{trainable:,}", f"{frozen:,}"
+            "parameters: %s trainable, %s frozen (%s)",
+            f"{trainable:,}",
+            f"{frozen:,}",
+            "the base and train.freeze" if self.adapted else "train.freeze",
         )
         if self.cfg.train.compile:  # deaf to SLURM's signals, unlike those torch would start
             start_compile_workers()

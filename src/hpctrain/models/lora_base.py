@@ -1,0 +1,273 @@
+"""The base a LoRA run adapts: preparing the model, the base's fingerprint, and the run's
+weights merged into the base.
+
+A LoRA run's checkpoints hold the adapters (and what trains in full beside them), never the
+base: the base stays where `model.init_from` names it. So every checkpoint records the base's
+*fingerprint* (its folder and a digest, `fingerprint`), a resume refuses a base whose digest
+changed (the adapters were trained on other weights), and every verb that reads a LoRA run's
+weights (eval, predict, generate, export) reads the base from the fingerprinted path, checks
+it, and merges the adapters into it (`read_weights`: `W + (alpha / rank) B A`), so the
+result is a plain model of the task, exported and evaluated like any other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hpctrain.checkpoint import CheckpointError
+from hpctrain.checkpoint.storage import Store
+from hpctrain.checkpoint.weights import read_model_weights
+from hpctrain.config import Config, ConfigError
+from hpctrain.models import hf, init_from, lora
+from hpctrain.models.gpt import GPTConfig
+from hpctrain.models.lora_peft import CONFIG as PEFT_CONFIG
+from hpctrain.models.lora_peft import check_settings, read_peft_folder
+
+log = logging.getLogger(__name__)
+KEY = "lora"  # the checkpoint manifest's metadata entry of a LoRA run
+ADAPTERS_KEY = "model.lora.init_from"
+SAMPLE_BYTES = 2**20
+
+
+def fingerprint(path: str, *, ema: bool = False) -> dict[str, Any]:
+    """{path, kind, digest} of the base `path` (a `model.init_from`).
+
+    The digest is a sha256 over each weight file's name, size and first and last MiB (the
+    safetensors header and a sample of the weights: a re-saved, fine-tuned or re-quantized
+    folder differs there), plus the folder's config.json; for an hpctrain run, over its
+    checkpoint's manifest (a CRC32C per item). Not whole files: hashing an 8B model's 16 GB at
+    every start would cost minutes on a parallel filesystem.
+    """
+    kind = init_from.kind_of(path)
+    digest = hashlib.sha256()
+    if kind == "run":
+        _, name, manifest, _ = init_from.open_run(path, ema=ema)
+        digest.update(json.dumps([name, ema, manifest.get("files")], sort_keys=True).encode())
+    else:
+        files = sorted(set(hf.weight_files(path).values())) if kind == "hf" else [Path(path)]
+        if kind == "hf":
+            files.append(Path(path) / hf.CONFIG)
+        for file in files:
+            digest.update(sample(file))
+    return {
+        "path": str(Path(path).resolve()),
+        "kind": kind,
+        "ema": ema,
+        "digest": digest.hexdigest(),
+    }
+
+
+def sample(file: Path) -> bytes:
+    """A file's name and size, and the sha256 of its first and last `SAMPLE_BYTES`."""
+    try:
+        with open(file, "rb") as f:
+            size = f.seek(0, 2)
+            f.seek(0)
+            head = f.read(SAMPLE_BYTES)
+            f.seek(max(0, size - SAMPLE_BYTES))
+            tail = f.read(SAMPLE_BYTES)
+    except OSError as exc:
+        raise ConfigError(f"{init_from.KEY}: cannot read {file}: {exc.strerror or exc}") from None
+    return f"{file.name}:{size}:".encode() + hashlib.sha256(head + tail).digest()
+
+
+def describe(base: dict[str, Any]) -> str:
+    return f"{base.get('path')} (digest {str(base.get('digest'))[:12]})"
+
+
+def check_same_base(saved: dict[str, Any] | None, current: dict[str, Any], step: Any) -> None:
+    """Refuse to go on with adapters trained on another base.
+
+    Raises:
+        ConfigError: the checkpoint's base fingerprint is not `current`'s, naming both.
+    """
+    if saved is None or saved.get("digest") == current["digest"]:
+        return
+    raise ConfigError(
+        f"model.init_from={current['path']}: not the base the checkpoint of step {step} was "
+        f"trained on (its base: {describe(saved)}; now: {describe(current)}); the adapters "
+        "fit their own base only: set model.init_from back to it, or start over in a new run "
+        "folder"
+    )
+
+
+def prepare(model: nn.Module, cfg: Config, task: Any) -> lora.Adapted:
+    """Load the base into the built `model` (unless it is on the meta device: the trainer
+    loads each rank's shard after `parallelize`) and put the adapters on it (`apply_lora`).
+
+    The base is loaded first because QLoRA quantizes loaded weights, and because a head that
+    `model.init_from` re-initialises is known once it is read: it then trains in full.
+    """
+    fresh: list[str] = []
+    if not any(p.is_meta for p in model.parameters()):
+        line = init_from.load_initial_weights(model, cfg, task)
+        log.info("LoRA base: %s", line)
+    fresh = init_from.fresh_keys(model, cfg)
+    return lora.apply_lora(model, cfg.model.lora, fresh=fresh)
+
+
+def metadata(cfg: Config, base: dict[str, Any], adapted: lora.Adapted) -> dict[str, Any]:
+    """What a LoRA run's checkpoints record: the adapters' settings and the base's fingerprint."""
+    settings = cfg.model.lora
+    return {
+        "rank": settings.rank,
+        "alpha": settings.alpha,
+        "dropout": settings.dropout,
+        "modules": list(adapted.modules),
+        "trained_in_full": list(adapted.trained_in_full),
+        "quantize_base": settings.quantize_base,
+        "base": base,
+    }
+
+
+def lora_metadata(manifest: dict[str, Any]) -> dict[str, Any] | None:
+    """The LoRA entry of a checkpoint's manifest, or None for a run without adapters."""
+    entry = (manifest.get("metadata") or {}).get(KEY)
+    return entry if isinstance(entry, dict) else None
+
+
+def read_weights(
+    store: Store, name: str, manifest: dict[str, Any], *, ema: bool = False
+) -> dict[str, torch.Tensor]:
+    """The plain model weights of checkpoint `name`: `read_model_weights`, with a LoRA run's
+    adapters merged into its base (read from the fingerprinted path and checked).
+
+    Raises:
+        CheckpointError: the base is missing, unreadable, or not the one trained on.
+    """
+    trained = read_model_weights(store, name, manifest, ema=ema)
+    entry = lora_metadata(manifest)
+    if entry is None:
+        return trained
+    where = store.path(name)
+    saved = entry["base"]
+    try:
+        current = fingerprint(saved["path"], ema=bool(saved.get("ema")))
+        check_same_base(saved, current, manifest.get("step"))
+        base = read_base(saved["path"], manifest, ema=bool(saved.get("ema")))
+    except ConfigError as exc:
+        raise CheckpointError(f"{where}: a LoRA run whose base is unusable: {exc}") from None
+    return lora.merge_adapters(base, trained, float(entry["alpha"]) / int(entry["rank"]))
+
+
+def read_base(path: str, manifest: dict[str, Any], *, ema: bool = False) -> dict[str, Any]:
+    """The base's tensors under the task model's plain names, read whole in this process: a
+    Hugging Face folder through the GPT shape the checkpoint records, else as `model.init_from`
+    reads a run or a file."""
+    if init_from.kind_of(path) != "hf":
+        return init_from.read_state_dict(path, ema=ema)
+    from safetensors import safe_open
+
+    shape = (manifest.get("metadata") or {}).get("gpt")
+    cfg = GPTConfig(**shape) if isinstance(shape, dict) else None
+    if cfg is None:
+        cfg = hf.gpt_config_from_hf(hf.read_hf_config(path), path)
+    files = hf.weight_files(path)
+    names = hf.hf_names(cfg)
+    missing = sorted(theirs for theirs in names.values() if theirs not in files)
+    if missing:
+        raise ConfigError(f"{init_from.KEY}={path}: tensors missing: {lora.shown(missing)}")
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for ours, theirs in names.items():
+        by_file.setdefault(files[theirs], []).append((ours, theirs))
+    weights = {}
+    for file, pairs in by_file.items():
+        with safe_open(str(file), "pt") as opened:
+            for ours, theirs in pairs:
+                weights[ours] = opened.get_tensor(theirs)
+    return weights
+
+
+def start_adapters(model: nn.Module, cfg: Config, task: Any) -> str:
+    """The adapters a new LoRA run starts from (`model.lora.init_from`, else fresh ones,
+    `lora.initial_adapters`), written into the built, wrapped `model`; returns a log line."""
+    source = cfg.model.lora.init_from
+    if not source:
+        lora.set_adapters(model, lora.initial_adapters(model, cfg.seed))
+        return "fresh adapters (lora_B = 0: the model starts as its base)"
+    gpt = getattr(task, "model_cfg", None)  # causal_lm: peft names are Hugging Face's
+    values, in_full = read_adapters(source, cfg, gpt if isinstance(gpt, GPTConfig) else None)
+    try:
+        lora.set_adapters(model, values)
+    except ConfigError as exc:
+        raise ConfigError(f"model.lora.init_from={source}: {exc}") from None
+    if in_full:
+        load_in_full(model, in_full, source)
+    return f"adapters from model.lora.init_from={source}"
+
+
+@torch.no_grad()
+def load_in_full(model: nn.Module, values: dict[str, torch.Tensor], source: str) -> None:
+    """Copy the entries an adapter folder holds beside its adapters (peft's modules_to_save,
+    a run's new head) into the model's parameters that train in full."""
+    params = {
+        hf.canonical_name(name): param
+        for name, param in model.named_parameters()
+        if param.requires_grad and not lora.is_adapter(hf.canonical_name(name))
+    }
+    unknown = sorted(set(values) - set(params))
+    if unknown:
+        raise ConfigError(
+            f"model.lora.init_from={source}: holds {lora.shown(unknown)}, which this run does "
+            "not train in full (model.lora.modules_to_save)"
+        )
+    for name, value in values.items():
+        if tuple(value.shape) != tuple(params[name].shape):
+            raise ConfigError(
+                f"model.lora.init_from={source}: {name} has shape {list(value.shape)}, the "
+                f"model's {list(params[name].shape)}"
+            )
+        lora.copy_whole(params[name], value)
+
+
+def read_adapters(
+    source: str, cfg: Config, gpt: GPTConfig | None
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(adapters, entries trained in full) of `model.lora.init_from`, under our plain names.
+
+    Raises:
+        ConfigError: not an adapter folder or LoRA run, another rank or alpha, adapters of
+            another base (an hpctrain run's fingerprint), keys of kinds LoRA here has not.
+    """
+    folder = Path(source)
+    if (folder / PEFT_CONFIG).is_file():
+        return read_peft_folder(folder, cfg, gpt)
+    if not folder.exists():
+        raise ConfigError(f"{ADAPTERS_KEY}={source}: no such folder")
+    return read_lora_run(source, cfg)
+
+
+def read_lora_run(
+    source: str, cfg: Config
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """An hpctrain LoRA run's adapters, refused unless trained on this run's base."""
+    from hpctrain.checkpoint.weights import locate_checkpoint
+
+    try:
+        store, name, manifest = locate_checkpoint(source)
+        entry = lora_metadata(manifest)
+        if entry is None:
+            raise ConfigError(
+                f"{ADAPTERS_KEY}={source}: neither a peft adapter folder ({PEFT_CONFIG}) "
+                "nor a LoRA run"
+            )
+        check_settings(source, entry["rank"], entry["alpha"], cfg)
+        base = fingerprint(cfg.model.init_from, ema=cfg.model.init_from_ema)
+        if entry["base"].get("digest") != base["digest"]:
+            raise ConfigError(
+                f"{ADAPTERS_KEY}={source}: adapters of another base "
+                f"({describe(entry['base'])}; this run's model.init_from: {describe(base)})"
+            )
+        trained = read_model_weights(store, name, manifest)
+    except CheckpointError as exc:
+        raise ConfigError(f"{ADAPTERS_KEY}={source}: {exc}") from None
+    in_full = set(entry.get("trained_in_full", []))
+    adapters = {k: v for k, v in trained.items() if lora.is_adapter(k)}
+    return adapters, {k: v for k, v in trained.items() if k in in_full}
