@@ -268,6 +268,7 @@ def test_compile_workers_started_with_job_signals_blocked_survive_them():
     sidecar_alive, num_workers, workers_alive = done.stdout.split()
     assert sidecar_alive == "True" and int(num_workers) >= 1 and workers_alive == "True"
 
+
 def test_ddp_ignore_is_the_list_ddp_reads():
     from torch import nn
 

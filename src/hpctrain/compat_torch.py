@@ -408,6 +408,7 @@ def start_compile_workers(*, strict: bool = False) -> None:
         return
     warm()
 
+
 def ddp_ignore(module: torch.nn.Module, names: list[str], *, strict: bool = False) -> None:
     """Have a later `DistributedDataParallel(module)` leave the parameters `names` alone: not
     broadcast at construction (DDP's broadcast of a tensor subclass, torchao's NF4Tensor,
