@@ -32,7 +32,7 @@ def data_name(spec: str) -> str:
     leaf = parts[-1] if parts else "data"
     if leaf == "index.json" and len(parts) > 1:
         leaf = parts[-2]
-    leaf = re.sub(r"\.(json|tar)$", "", leaf)
+    leaf = re.sub(r"\.(jsonl|json|tar)$", "", leaf)
     return re.sub(r"[^A-Za-z0-9_.-]", "_", leaf) or "data"
 
 
@@ -68,6 +68,7 @@ def run_eval(cfg: Config, *, checkpoint: str = "latest", out: str = "") -> int:
     """
     check_record_path(out)
     with inference_session(cfg, checkpoint, cfg.data.val, key="data.val", predict=False) as run:
+        assert run.loader is not None  # a session over data.val
         require_items(run.loader, "data.val", cfg.data.val, cfg.data.seq_len)
         if run.env.is_main:
             check_trackers(cfg.logging)  # a missing package fails before the work, not after

@@ -23,7 +23,7 @@ callers give every rank the same number of batches.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -93,6 +93,7 @@ def decode(
     top_k: int = 0,
     generator: torch.Generator | None = None,
     lockstep: bool = False,
+    stop_when: Callable[[list[int]], bool] | None = None,
 ) -> list[list[int]]:
     """The ids each prompt is continued with (a stop id, when reached, last).
 
@@ -101,6 +102,8 @@ def decode(
         prompts: one list of ids per row, none empty.
         window: the most tokens the model sees at once; 0: no limit.
         lockstep: every rank decodes the same number of steps (see the module).
+        stop_when: called with a running row's new ids after each step; True stops the row
+            (a stop text: the harness's `until`).
 
     Raises:
         ValueError: an empty prompt.
@@ -131,6 +134,10 @@ def decode(
                 new[i].append(token)
                 rows[i].append(token)
         running &= ~torch.isin(ids, stops)
+        if stop_when is not None:
+            for i in running.nonzero()[:, 0].tolist():
+                if stop_when(new[i]):
+                    running[i] = False
         if step == max_new_tokens - 1:
             break
         alive = float(running.any())
