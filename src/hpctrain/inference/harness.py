@@ -12,10 +12,11 @@ generations are cut at the first stop text; so the two give the same scores
 Text is encoded as the run's training data was: the run's tokenizer, no BOS added.
 
 Compute nodes have no internet: the harness runs with `HF_DATASETS_OFFLINE=1` and
-`HF_HUB_OFFLINE=1`, and a task whose data would come from the Hugging Face Hub is refused
-before any model is loaded, in one line naming the offline way: a folder of the harness's
-task YAML files (`--harness-include DIR`) whose `dataset_path` is `json`, `csv`, `parquet`,
-`arrow` or `text` with `dataset_kwargs: {data_files: ...}` naming local files.
+`HF_HUB_OFFLINE=1`, and its tasks and their data are loaded before the model: a task whose
+data is not on this machine fails in one line naming the offline ways, a folder of the
+harness's task YAML files (`--harness-include DIR`) whose `dataset_path` is `json`, `csv`,
+`parquet`, `arrow` or `text` with `dataset_kwargs: {data_files: ...}` naming local files, or
+the Hugging Face cache filled beforehand on a login node.
 
 The scores go to `RUN_DIR/eval/harness-<tasks>-step-<N>.json` (or `--out`) and, as
 `harness.<task>/<metric>`, to the run's trackers. One process (CPU or one GPU), in the run's
@@ -24,17 +25,16 @@ precision on GPUs.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import re
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-import yaml
 from torch import nn
 
 from hpctrain.config import Config
@@ -46,12 +46,11 @@ from hpctrain.models.decoding import decode
 
 log = logging.getLogger("hpctrain")
 
-# `datasets` builders that read local files (`dataset_kwargs.data_files`)
-LOCAL_BUILDERS = ("json", "csv", "parquet", "arrow", "text")
 OFFLINE_HINT = (
-    "compute nodes have no internet: copy the data to local files and name them in a task "
-    "YAML (dataset_path: json|parquet|csv, dataset_kwargs: {data_files: ...}) in a folder "
-    "given as --harness-include DIR (docs/inference.md)"
+    "compute nodes have no internet: copy the data to local files named in a task YAML "
+    "(dataset_path: json|parquet|csv, dataset_kwargs: {data_files: ...}) in a folder given as "
+    "--harness-include DIR, or load the task once on a login node so that it is in the "
+    "Hugging Face cache (HF_HOME on a shared disk) (docs/inference.md)"
 )
 
 
@@ -85,45 +84,36 @@ def task_names(spec: str) -> list[str]:
     return names
 
 
-class _Loader(yaml.SafeLoader):
-    """Reads task YAML files, taking tags such as `!function` as plain strings."""
+@functools.lru_cache(maxsize=4)
+def task_manager(include: str = "") -> Any:
+    """The harness's task index with the tasks of `include` (a folder; "" for none). Kept
+    per process: building it reads every task YAML the harness ships (seconds)."""
+    import_harness()
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include or None)
 
 
-_Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
-
-
-def _task_config(path: Path, depth: int = 0) -> dict[str, Any]:
-    """A task YAML file with its `include` (relative to it) merged under it."""
-    try:
-        config = yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader) or {}
-    except (OSError, yaml.YAMLError):
-        return {}
-    included = config.get("include") if isinstance(config, dict) else None
-    if isinstance(included, str) and depth < 5:
-        return {**_task_config(path.parent / included, depth + 1), **config}
-    return config if isinstance(config, dict) else {}
-
-
-def check_offline(manager: Any, names: Iterable[str], include: str) -> None:
-    """Refuse, before any work, a task the harness does not know or whose data is not local.
+def check_offline(manager: Any, names: list[str], include: str) -> None:
+    """Load the tasks and their data before any model: a task the harness does not know, or
+    whose data is neither in local files nor in this machine's Hugging Face cache, fails here
+    in one line naming the offline ways. (`simple_evaluate` loads them again: from local
+    files or the memory-mapped cache, a small cost next to the evaluation.)
 
     Raises:
-        UsageError: one line naming the task and the offline way.
+        UsageError: one line naming the task and the offline ways.
     """
     for name in names:
-        entry = manager.task_index.get(name)
-        if entry is None:
+        if name not in manager.all_tasks:
             where = f" or of --harness-include {include}" if include else ""
             raise UsageError(f"--harness {name}: not a task of lm-evaluation-harness{where}")
-        path = getattr(entry, "yaml_path", None)
-        if path is None:  # a group or tag: its tasks are checked when loaded
-            continue
-        source = str(_task_config(Path(path)).get("dataset_path") or "")
-        if source and source not in LOCAL_BUILDERS and not Path(source).exists():
-            raise UsageError(
-                f"--harness {name}: its data comes from the Hugging Face Hub ({source}); "
-                + OFFLINE_HINT
-            )
+    try:
+        manager.load(names)
+    except (ConnectionError, OSError) as exc:
+        raise UsageError(
+            f"--harness {','.join(names)}: a task's data is not on this machine ({exc}); "
+            + OFFLINE_HINT
+        ) from None
 
 
 def harness_lm(
@@ -265,9 +255,7 @@ def run_harness(
     if include and not Path(include).is_dir():
         raise UsageError(f"--harness-include {include}: not a folder of task YAML files")
     lm_eval = import_harness()
-    from lm_eval.tasks import TaskManager
-
-    manager = TaskManager(include_path=include or None)
+    manager = task_manager(include)
     check_offline(manager, names, include)
     which = cfg.checkpoint_root() if checkpoint in ("", "latest", "best") else checkpoint
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
