@@ -20,6 +20,7 @@ BENCHES: dict[str, str] = {
     "gpu-lm": "hpctrain.bench.gpu_lm",
     "import": "hpctrain.bench.weights_import",
     "mesh": "hpctrain.bench.mesh",
+    "generate": "hpctrain.bench.generate",
 }
 # name -> the older names it still answers to (`bench gpu` ran the LLM case before `gpu-lm`)
 ALIASES: dict[str, list[str]] = {"gpu-lm": ["gpu"]}
