@@ -13,6 +13,7 @@ from hpctrain.config import ConfigError, load_config
 from hpctrain.observe.plot import plot_run
 from hpctrain.tasks.task import load_task
 from tests.support.answer_kit import qa_overrides, write_qa
+from tests.support.lm_kit import write_token_shards
 from tests.support.train_kit import REPO, run_two_ranks
 
 WORKER = REPO / "tests" / "support" / "answer_worker.py"
@@ -101,8 +102,31 @@ def test_answer_settings_are_refused_where_they_cannot_work(qa_run: Path, tmp_pa
         load_task(load_config(None, plain), index)
     with pytest.raises(ConfigError, match="eval.normalize: 'stem'"):
         load_config(None, [*base, "eval.normalize=[case,stem]"])
+    plain_val = write_token_shards(tmp_path / "plain", 1, seed=3, tokenizer=index.tokenizer)
+    with pytest.raises(ConfigError, match=r"eval.generate=true: data.val=.* holds no prompts"):
+        load_task(load_config(None, [*base, f"data.val={plain_val}"]), index)
     assert load_task(train, index).metric_names()[-3:] == (
         "val_exact_match",
         "val_token_f1",
         "val_answers",
     )
+
+
+@pytest.mark.slow
+def test_a_submitted_eval_job_answers_the_file_in_its_task(qa_run: Path, tmp_path: Path) -> None:
+    """What `hpctrain submit --eval --data ...` pickles for SLURM, called in this process."""
+    from hpctrain.launch.submit import InferenceJob, InferenceSpec
+
+    qa = tmp_path / "qa.jsonl"
+    write_qa(qa, 4, seed=8)
+    spec = InferenceSpec(
+        verb="eval",
+        data=str(qa),
+        prompt_field="prompt",
+        response_field="response",
+        out=str(tmp_path / "record.json"),
+    )
+    cfg = load_config(None, qa_overrides(qa_run.parent / "tokens", qa_run))
+    assert InferenceJob(cfg, spec)() == 0
+    record = json.loads((tmp_path / "record.json").read_text())
+    assert record["val_answers"] == 4 and Path(record["predictions"]).is_file()

@@ -1,6 +1,7 @@
-"""lm-evaluation-harness on a run's model, offline: a local multiple-choice task and a local
-generation task (YAML + JSONL written here) score the same through hpctrain's model as
-through the harness's own `hf` model type on the exported Hugging Face folder."""
+"""lm-evaluation-harness on a run's model, offline: a local multiple-choice task, a local
+generation task and a local perplexity task (YAML + JSONL written here) score the same through
+hpctrain's model as through the harness's own `hf` model type on the exported Hugging Face
+folder."""
 
 from __future__ import annotations
 
@@ -46,7 +47,21 @@ generation_kwargs:
 metric_list:
   - metric: exact_match
 """
+TEXT_TASK = """task: qa_text
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{prompt}}}}{{{{response}}}}"
+metric_list:
+  - metric: word_perplexity
+  - metric: bits_per_byte
+"""
 CHOICES = [f"{letter.upper()}." for letter in LETTERS]
+TASKS = ["qa_choice", "qa_answer", "qa_text"]
 
 
 def write_tasks(folder: Path) -> Path:
@@ -59,6 +74,7 @@ def write_tasks(folder: Path) -> Path:
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     (folder / "qa_choice.yaml").write_text(CHOICE_TASK.format(data=data, choices=CHOICES))
     (folder / "qa_answer.yaml").write_text(ANSWER_TASK.format(data=data))
+    (folder / "qa_text.yaml").write_text(TEXT_TASK.format(data=data))
     return folder
 
 
@@ -67,10 +83,11 @@ def test_the_harness_scores_the_run_as_it_scores_the_exported_folder(
     qa_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     tasks = write_tasks(tmp_path / "tasks")
-    args = ["--harness", "qa_choice,qa_answer", "--harness-include", str(tasks)]
+    args = ["--harness", ",".join(TASKS), "--harness-include", str(tasks)]
     assert main(["eval", str(qa_run), *args, "--num-fewshot", "0"]) == 0
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert Path(record["record"]) == qa_run / "eval" / "harness-qa_choice,qa_answer-step-60.json"
+    name = "harness-qa_choice,qa_answer,qa_text-step-60.json"
+    assert Path(record["record"]) == qa_run / "eval" / name
     ours = record["results"]
     assert ours["qa_choice"]["acc,none"] > 0.5 and ours["qa_answer"]["exact_match,none"] > 0.5
     out = tmp_path / "exported"
@@ -78,7 +95,7 @@ def test_the_harness_scores_the_run_as_it_scores_the_exported_folder(
     theirs = lm_eval.simple_evaluate(
         model="hf",
         model_args={"pretrained": str(out), "dtype": "float32", "max_length": 64, "device": "cpu"},
-        tasks=["qa_choice", "qa_answer"],
+        tasks=TASKS,
         num_fewshot=0,
         task_manager=task_manager(str(tasks)),  # the one hpctrain built (a cache)
         bootstrap_iters=0,
@@ -89,6 +106,8 @@ def test_the_harness_scores_the_run_as_it_scores_the_exported_folder(
     )["results"]
     assert ours["qa_choice"]["acc,none"] == theirs["qa_choice"]["acc,none"]
     assert ours["qa_answer"]["exact_match,none"] == theirs["qa_answer"]["exact_match,none"]
+    for metric in ("word_perplexity,none", "bits_per_byte,none"):  # sums of log-probabilities
+        assert ours["qa_text"][metric] == pytest.approx(theirs["qa_text"][metric], rel=1e-5)
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ from hpctrain.data.tokenizer import Tokenizer, check_tokenizer, load_tokenizer
 from hpctrain.errors import DataError, UsageError
 from hpctrain.models.decoding import decode
 from hpctrain.models.gpt import GPT
-from hpctrain.parallel.precision import DTYPES, Precision
+from hpctrain.parallel.precision import DTYPES, DeviceFacts, Precision, device_facts
 from hpctrain.tasks.causal_lm import gpt_config_for, load_index_tokenizer
 
 
@@ -101,11 +101,20 @@ def generate_ids(
     return new
 
 
-def generation_precision(tree: dict[str, Any], device: torch.device) -> Precision:
+def generation_precision(
+    tree: dict[str, Any], device: torch.device, facts: DeviceFacts | None = None
+) -> Precision:
     """The precision a run's model decodes in: the run's `train.precision` on GPUs (bf16 or
-    fp16 autocast, as it evaluated), fp32 on CPUs (where bf16 is many times slower)."""
+    fp16 autocast, as it evaluated; `auto`: bf16 where the GPU has it, as `plan_training`
+    decides), fp32 on CPUs (where bf16 is many times slower) and where the GPU lacks bf16.
+    `facts`: the device's (looked up when None)."""
     name = str((tree.get("train") or {}).get("precision") or "fp32")
-    if device.type != "cuda" or name not in DTYPES:
+    if device.type != "cuda":
+        return Precision(name="fp32", device_type=device.type, sharded=False)
+    bf16_ok = (facts or device_facts(device)).bf16_ok
+    if name == "auto":
+        name = "bf16" if bf16_ok else "fp32"
+    if name not in DTYPES or (name == "bf16" and not bf16_ok):
         name = "fp32"
     return Precision(name=name, device_type=device.type, sharded=False)
 
