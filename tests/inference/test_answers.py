@@ -52,6 +52,9 @@ def test_ddp_fsdp2_hsdp_and_tp_answer_as_one_process_does(qa_run: Path, tmp_path
         (record,) = evals(tmp_path / case)
         for key in ("val_exact_match", "val_token_f1", "val_answers"):
             assert record[key] == pytest.approx(partial[key], abs=1e-9), (case, key)
+    val = json.loads((tmp_path / "val.json").read_text())  # `hpctrain eval` on 2 ranks
+    assert val["world_size"] == 2 and val["val_answers"] == 30
+    assert val["val_exact_match"] == pytest.approx(partial["val_exact_match"], abs=1e-9)
     held_out = json.loads((tmp_path / "held-out.json").read_text())
     lines = Path(held_out["predictions"]).read_text().splitlines()
     assert held_out["world_size"] == 2 and held_out["val_answers"] == 9 == len(lines)

@@ -39,6 +39,7 @@ def recomputed(model: GPT, prompt: list[int], steps: int, window: int = 0) -> li
     return new
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "shape",
     [{"n_kv_heads": 2}, {"tie_embeddings": True}, {"qkv_bias": True}],
@@ -76,6 +77,7 @@ def test_padding_slots_are_masked_and_a_full_cache_refuses_more() -> None:
         cache.extend(torch.ones(2, 1, dtype=torch.bool))
 
 
+@pytest.mark.slow
 def test_greedy_tokens_equal_transformers_generate_with_its_cache(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     from tests.models.test_hf import imported, save_hf

@@ -5,8 +5,9 @@
 For each strategy (DDP, FSDP2, HSDP 2x1, tensor parallelism over 2), a run warm-started from
 CHECKPOINT trains one step at lr 0 (the weights stay the checkpoint's) and evaluates with
 eval.generate: each rank answers its share of the validation prompts. Then `hpctrain eval
---data QA_JSONL` runs as this job's two ranks. The records: `OUT_DIR/<case>/metrics.jsonl`
-and `OUT_DIR/held-out.json`.
+--data QA_JSONL` runs as this job's two ranks. Last `hpctrain eval` over data.val
+(eval.generate on). The records: `OUT_DIR/<case>/metrics.jsonl`, `OUT_DIR/held-out.json`,
+`OUT_DIR/val.json`.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ def main() -> None:
             cfg, data=str(qa), fields=fields, checkpoint=str(checkpoint), out=held_out
         )
         assert code == 0
+        from hpctrain.inference.evaluate import run_eval
+
+        assert run_eval(cfg, checkpoint=str(checkpoint), out=str(out / "val.json")) == 0
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from hpctrain.errors import UsageError
 from hpctrain.files import write_atomic
 from hpctrain.inference.session import inference_session
 from hpctrain.observe.trackers import check_trackers
+from hpctrain.tasks.answers import Share
 from hpctrain.train.evaluation import evaluate, loss_counters, require_items
 
 log = logging.getLogger("hpctrain")
@@ -72,7 +73,9 @@ def run_eval(cfg: Config, *, checkpoint: str = "latest", out: str = "") -> int:
         require_items(run.loader, "data.val", cfg.data.val, cfg.data.seq_len)
         if run.env.is_main:
             check_trackers(cfg.logging)  # a missing package fails before the work, not after
-        metrics = evaluate(run.task, run.model, run.loader, run.precision, run.device)
+        env = run.env  # with eval.generate, each rank answers its share of the prompts
+        share = Share(rank=env.rank, size=env.world_size, lockstep=env.is_distributed)
+        metrics = evaluate(run.task, run.model, run.loader, run.precision, run.device, share=share)
         lost = loss_counters(run.loader, run.device)
         if not run.env.is_main:
             return 0
