@@ -125,6 +125,11 @@ if [[ "$LM" -eq 1 ]]; then
       OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "${LM_CMD[@]}" $MESH --work "$WORK/lm-${MESH##* }" || SMOKE_RC=$?
     done
   fi
+  # Greedy decoding with the KV cache against transformers' generate on one GPU (#41; fp32,
+  # outputs compared token for token): the issue's CPU goal, measured where serving runs.
+  GEN_CMD=("$PYTHON" -m hpctrain bench generate --device cuda --layers 12 --batches 1,16 --new-tokens 64)
+  echo "generate: ${GEN_CMD[*]}"
+  "${GEN_CMD[@]}" || SMOKE_RC=$?
 fi
 
 # ---- LoRA and QLoRA memory (issue 40) -----------------------------------------------------

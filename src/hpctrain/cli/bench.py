@@ -21,6 +21,7 @@ BENCHES: dict[str, str] = {
     "import": "hpctrain.bench.weights_import",
     "mesh": "hpctrain.bench.mesh",
     "lora": "hpctrain.bench.lora",
+    "generate": "hpctrain.bench.generate",
 }
 # name -> the older names it still answers to (`bench gpu` ran the LLM case before `gpu-lm`)
 ALIASES: dict[str, list[str]] = {"gpu-lm": ["gpu"]}

@@ -16,7 +16,12 @@ EPILOG = """examples:
 The record is printed as one JSON line and written to RUN_DIR/eval/step-<N>.<data>-<hash>.json
 (or --out); under srun every task runs this same command. The weights are those the training
 evaluated with: the EMA when the run has train.ema_eval=true (train.ema_eval=false: the
-trained weights); the record says which ("weights": "ema" or "model")."""
+trained weights); the record says which ("weights": "ema" or "model").
+  hpctrain eval runs/sft --data qa.jsonl --prompt-field prompt --response-field response
+  hpctrain eval runs/sft --harness mytask --harness-include tasks/ --num-fewshot 0
+--data answers each record's prompt greedily and scores it (eval.max_new_tokens,
+eval.normalize); the predictions go to a .predictions.jsonl beside the record. --harness runs
+lm-evaluation-harness offline on the run's model: RUN_DIR/eval/harness-<tasks>-step-<N>.json."""
 
 
 def add_target_arguments(parser: argparse.ArgumentParser, what: str) -> None:
@@ -46,6 +51,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="",
         help="the record's file (default RUN_DIR/eval/step-<N>.<data>-<hash>.json)",
     )
+    add_answer_arguments(parser)
+    add_harness_arguments(parser)
+
+
+def add_answer_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--data FILE.jsonl` and its fields: questions answered and scored (causal_lm)."""
+    group = parser.add_argument_group("answers to a JSONL file (causal_lm; eval.* keys apply)")
+    group.add_argument(
+        "--data", default="", help="a JSONL file of questions: answer them and score the answers"
+    )
+    group.add_argument("--prompt-field", default="", help="--data: the field of the prompt")
+    group.add_argument("--response-field", default="", help="--data: the reference answer's")
+    group.add_argument(
+        "--messages-field", default="", help="--data: a chat's field (the tokenizer's template)"
+    )
+
+
+def add_harness_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--harness TASKS` and its options: lm-evaluation-harness on the run's model."""
+    group = parser.add_argument_group(
+        "lm-evaluation-harness (pip install 'hpctrain[eval]'; offline, one process)"
+    )
+    group.add_argument("--harness", default="", metavar="TASK[,TASK...]", help="harness tasks")
+    group.add_argument(
+        "--harness-include", default="", metavar="DIR", help="a folder of task YAML files"
+    )
+    group.add_argument(
+        "--num-fewshot", type=int, default=None, metavar="K", help="few-shot examples per prompt"
+    )
+    group.add_argument(
+        "--limit", type=float, default=None, metavar="N", help="at most N examples per task"
+    )
+
+
+def answer_fields(args: argparse.Namespace) -> dict[str, str]:
+    """The record format `--data` names (as `hpctrain convert` takes it)."""
+    fields = {
+        "prompt_field": args.prompt_field,
+        "response_field": args.response_field,
+        "messages_field": args.messages_field,
+    }
+    if not (args.messages_field or (args.prompt_field and args.response_field)):
+        raise UsageError(
+            f"--data {args.data}: give --prompt-field and --response-field (or --messages-field)"
+        )
+    return fields
 
 
 def forwarded_options(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
@@ -54,7 +105,7 @@ def forwarded_options(args: argparse.Namespace, names: tuple[str, ...]) -> list[
     for name in names:
         value = getattr(args, name)
         if value:
-            words += [f"--{name}", str(value)]
+            words += [f"--{name.replace('_', '-')}", str(value)]
     return words
 
 
@@ -75,9 +126,29 @@ def run(args: argparse.Namespace) -> int:
     from hpctrain.inference.evaluate import check_record_path
 
     check_record_path(args.out)
+    if args.harness:
+        if args.data or args.nproc > 1:
+            raise UsageError("--harness runs in one process, alone: drop --data and --nproc")
+        from hpctrain.inference.harness import run_harness
+
+        return run_harness(
+            cfg,
+            tasks=args.harness,
+            checkpoint=checkpoint,
+            include=args.harness_include,
+            num_fewshot=args.num_fewshot,
+            limit=args.limit,
+            out=args.out,
+        )
+    fields = answer_fields(args) if args.data else {}
     if args.nproc > 1:
-        forwarded = [args.source, *args.overrides, *forwarded_options(args, ("checkpoint", "out"))]
+        names = ("checkpoint", "out", "data", "prompt_field", "response_field", "messages_field")
+        forwarded = [args.source, *args.overrides, *forwarded_options(args, names)]
         return run_local(forwarded, args.nproc, verb="eval")
+    if args.data:
+        from hpctrain.inference.answers import run_answers
+
+        return run_answers(cfg, data=args.data, fields=fields, checkpoint=checkpoint, out=args.out)
     from hpctrain.inference.evaluate import run_eval
 
     return run_eval(cfg, checkpoint=checkpoint, out=args.out)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from hpctrain.cli.eval import add_harness_arguments, answer_fields
 from hpctrain.cli.sbatch import add_profile_arguments, add_sweep_arguments, check_max_parallel
 from hpctrain.errors import UsageError
 from hpctrain.launch.preflight import format_checks, preflight, raise_if_failed
@@ -23,6 +24,7 @@ EPILOG = """examples:
   hpctrain submit configs/demo.yaml --profile local-dev --sweep train.lr=0.001,0.003 --max-parallel 1
   hpctrain status runs/demo
   hpctrain submit runs/demo --eval --checkpoint best --profile local-dev   # evaluate on SLURM
+  hpctrain submit runs/sft --eval --harness mytask --harness-include tasks/ --profile local-dev
   hpctrain submit runs/demo --predict --data data/demo/shards/val --out preds/ --profile local-dev"""
 
 
@@ -43,11 +45,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--checkpoint", default="latest", help="--eval/--predict: PATH|latest|best (default latest)"
     )
-    parser.add_argument("--data", default="", help="--predict: the data (default data.val)")
+    parser.add_argument(
+        "--data", default="", help="--predict: the data (default data.val); --eval: a JSONL file"
+    )
     parser.add_argument("--out", default="", help="--eval: record file; --predict: destination")
     parser.add_argument(
         "--format", choices=("jsonl", "shards"), default="jsonl", help="--predict: output format"
     )
+    for field in ("prompt", "response", "messages"):
+        parser.add_argument(
+            f"--{field}-field", default="", help=f"--eval --data FILE.jsonl: the {field} field"
+        )
+    add_harness_arguments(parser)
 
 
 def run_inference(args: argparse.Namespace) -> int:
@@ -68,12 +77,24 @@ def run_inference(args: argparse.Namespace) -> int:
     cfg = absolute_run_dir(cfg)
     profile = load_profile(cfg.slurm.profile)
     prep = Prepared(cfg=cfg, profile=profile, job=resolve_job(cfg, profile))
+    if args.harness and not args.eval:
+        raise UsageError("--harness goes with --eval")
+    if args.eval and args.data:
+        answer_fields(args)  # the record format is named
     spec = InferenceSpec(
         verb="eval" if args.eval else "predict",
         checkpoint=named or args.checkpoint,
         data=args.data,
         out=args.out,
         fmt=args.format,
+        prompt_field=args.prompt_field,
+        response_field=args.response_field,
+        messages_field=args.messages_field,
+        harness=args.harness,
+        harness_include=args.harness_include,
+        num_fewshot=args.num_fewshot,
+        limit=args.limit,
+        after=training_job(cfg.run_dir) if args.eval else "",
     )
     if not args.no_preflight:
         raise_if_failed(preflight(prep.cfg, prep.profile), "nothing submitted")
@@ -82,9 +103,25 @@ def run_inference(args: argparse.Namespace) -> int:
         return 0
     sub = submit_inference(prep.cfg, prep.job, spec)
     print(f"job {sub.job_id} ({spec.verb})")
+    if spec.after:
+        print(f"  after:      training job {spec.after} (starts once it has ended well)")
     print(f"  log:        {sub.stderr}")
     print(f"  stdout:     {sub.stdout}")
     return 0
+
+
+def training_job(run_dir: str) -> str:
+    """The run's training job id while SLURM still has it queued or running ("" otherwise):
+    an evaluation submitted meanwhile waits for it (`--dependency=afterok`)."""
+    from pathlib import Path
+
+    from hpctrain.launch.status import query_state, read_job_record
+
+    job_id = read_job_record(Path(run_dir)).get("job_id", "")
+    if not job_id:
+        return ""
+    state, _, _ = query_state(job_id)
+    return job_id if state in ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "SUSPENDED") else ""
 
 
 def run(args: argparse.Namespace) -> int:

@@ -154,7 +154,13 @@ def _is_non_finite_word(text: str) -> bool:
 
 def _check(value: Any, f: dataclasses.Field[Any], key: str, source: str) -> None:
     choices = f.metadata.get("choices")
-    if choices is not None and value not in choices:
+    if choices is not None and isinstance(value, list):  # a list of choices: each one
+        for item in value:
+            if item not in choices:
+                raise ConfigError(
+                    f"{key}: {item!r} ({source}): must be one of {'|'.join(map(str, choices))}"
+                )
+    elif choices is not None and value not in choices:
         raise ConfigError(
             f"{key}={value!r} ({source}): must be one of {'|'.join(map(str, choices))}"
         )

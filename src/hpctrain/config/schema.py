@@ -423,6 +423,30 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    generate: bool = _f(
+        False,
+        "every evaluation also answers the validation prompts (prompt/response or chat data: "
+        "the last target run of each document) greedily and scores them: val_exact_match, "
+        "val_token_f1 (causal_lm)",
+    )
+    max_new_tokens: int = _f(
+        64, "eval.generate: tokens an answer may have at most (it stops at the end of turn)", min=1
+    )
+    generate_samples: int = _f(
+        0, "eval.generate: prompts answered per evaluation, the first N of data.val; 0: all", min=0
+    )
+    generate_batch_size: int = _f(
+        0, "eval.generate: prompts decoded together on each rank; 0: data.batch_size", min=0
+    )
+    normalize: list[str] = _f(
+        ["whitespace", "case"],
+        "eval.generate: how answers are normalised before they are compared",
+        choices=("whitespace", "case", "punctuation", "articles"),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
 class LoggingConfig:
     tensorboard: bool = _f(False, "write TensorBoard event files (needs the tensorboard extra)")
     progress: str = _f(
@@ -517,6 +541,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)

@@ -20,6 +20,7 @@ from hpctrain.errors import UsageError
 from hpctrain.files import write_atomic
 from hpctrain.inference.session import inference_session
 from hpctrain.observe.trackers import check_trackers
+from hpctrain.tasks.answers import Share
 from hpctrain.train.evaluation import evaluate, loss_counters, require_items
 
 log = logging.getLogger("hpctrain")
@@ -32,7 +33,7 @@ def data_name(spec: str) -> str:
     leaf = parts[-1] if parts else "data"
     if leaf == "index.json" and len(parts) > 1:
         leaf = parts[-2]
-    leaf = re.sub(r"\.(json|tar)$", "", leaf)
+    leaf = re.sub(r"\.(jsonl|json|tar)$", "", leaf)
     return re.sub(r"[^A-Za-z0-9_.-]", "_", leaf) or "data"
 
 
@@ -68,10 +69,13 @@ def run_eval(cfg: Config, *, checkpoint: str = "latest", out: str = "") -> int:
     """
     check_record_path(out)
     with inference_session(cfg, checkpoint, cfg.data.val, key="data.val", predict=False) as run:
+        assert run.loader is not None  # a session over data.val
         require_items(run.loader, "data.val", cfg.data.val, cfg.data.seq_len)
         if run.env.is_main:
             check_trackers(cfg.logging)  # a missing package fails before the work, not after
-        metrics = evaluate(run.task, run.model, run.loader, run.precision, run.device)
+        env = run.env  # with eval.generate, each rank answers its share of the prompts
+        share = Share(rank=env.rank, size=env.world_size, lockstep=env.is_distributed)
+        metrics = evaluate(run.task, run.model, run.loader, run.precision, run.device, share=share)
         lost = loss_counters(run.loader, run.device)
         if not run.env.is_main:
             return 0

@@ -4,8 +4,8 @@ The weights are read like `hpctrain export` reads them (`checkpoint/weights.py`:
 of a DDP or FSDP2 run, consolidated in this process). The model is rebuilt from the run's
 resolved config (stored in every checkpoint's manifest) and checked against the weights; the
 vocabulary is the embedding's and tied embeddings are recognised by the absent output matrix.
-Generation recomputes the whole window each step (no key/value cache): a sanity check of a
-trained model, not a serving path.
+Generation keeps a key/value cache (`hpctrain.models.decoding`) and, on GPUs, runs in the
+run's `train.precision` (autocast), in fp32 on CPUs.
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ from hpctrain.checkpoint.weights import locate_checkpoint
 from hpctrain.data.locate import open_index
 from hpctrain.data.tokenizer import Tokenizer, check_tokenizer, load_tokenizer
 from hpctrain.errors import DataError, UsageError
+from hpctrain.models.decoding import decode
 from hpctrain.models.gpt import GPT
 from hpctrain.models.lora_base import read_weights  # a LoRA run: merged into its base
+from hpctrain.parallel.precision import DTYPES, DeviceFacts, Precision, device_facts
 from hpctrain.tasks.causal_lm import gpt_config_for, load_index_tokenizer
 
 
@@ -66,7 +68,6 @@ def load_gpt(
     return model.to(device or torch.device("cpu")).eval(), tree, int(manifest["step"])
 
 
-@torch.no_grad()
 def generate_ids(
     model: GPT,
     prompt: list[int],
@@ -82,32 +83,41 @@ def generate_ids(
     softmax of logits / temperature, restricted to the `top_k` most likely (0: all), with a
     generator seeded by `seed` (the same ids for the same seed). The model sees the last
     `window` ids (the training `data.seq_len`). Stops after `stop_id` (end of document).
+    One prompt of `hpctrain.models.decoding.decode`, which keeps a key/value cache.
     """
     if not prompt:
         raise ValueError("the prompt holds no tokens")
     device = next(model.parameters()).device
-    ids = torch.tensor([prompt], dtype=torch.long, device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
-    new: list[int] = []
-    for _ in range(max_new_tokens):
-        # One prompt is one document: no positions is the same function as positions =
-        # arange (the rule a data.document_mask run trains with), and a window that slid
-        # past the document's start needs none either: RoPE scores depend on distances only.
-        logits = model(ids[:, -window:])[0, -1].float()
-        if temperature <= 0:
-            next_id = int(logits.argmax())
-        else:
-            logits = logits / temperature
-            if 0 < top_k < logits.numel():
-                threshold = logits.topk(top_k).values[-1]
-                logits = logits.masked_fill(logits < threshold, float("-inf"))
-            probs = torch.softmax(logits, dim=-1)
-            next_id = int(torch.multinomial(probs, 1, generator=generator))
-        new.append(next_id)
-        if next_id == stop_id:
-            break
-        ids = torch.cat([ids, ids.new_tensor([[next_id]])], dim=1)
+    (new,) = decode(
+        model,
+        [prompt],
+        max_new_tokens=max_new_tokens,
+        stop_ids=() if stop_id is None else (stop_id,),
+        window=window,
+        temperature=temperature,
+        top_k=top_k,
+        generator=generator,
+    )
     return new
+
+
+def generation_precision(
+    tree: dict[str, Any], device: torch.device, facts: DeviceFacts | None = None
+) -> Precision:
+    """The precision a run's model decodes in: the run's `train.precision` on GPUs (bf16 or
+    fp16 autocast, as it evaluated; `auto`: bf16 where the GPU has it, as `plan_training`
+    decides), fp32 on CPUs (where bf16 is many times slower) and where the GPU lacks bf16.
+    `facts`: the device's (looked up when None)."""
+    name = str((tree.get("train") or {}).get("precision") or "fp32")
+    if device.type != "cuda":
+        return Precision(name="fp32", device_type=device.type, sharded=False)
+    bf16_ok = (facts or device_facts(device)).bf16_ok
+    if name == "auto":
+        name = "bf16" if bf16_ok else "fp32"
+    if name not in DTYPES or (name == "bf16" and not bf16_ok):
+        name = "fp32"
+    return Precision(name=name, device_type=device.type, sharded=False)
 
 
 def generation_device(device: str) -> torch.device:
@@ -175,16 +185,17 @@ def generate_text(
     if not ids:
         raise UsageError("--prompt: the text gives no tokens")
     window = int((tree.get("data") or {}).get("seq_len") or 0) or len(ids) + max_new_tokens
-    new = generate_ids(
-        model,
-        ids,
-        max_new_tokens=max_new_tokens,
-        window=window,
-        temperature=temperature,
-        top_k=top_k,
-        seed=seed,
-        stop_id=tokenizer.eod_id,
-    )
+    with generation_precision(tree, target).autocast():
+        new = generate_ids(
+            model,
+            ids,
+            max_new_tokens=max_new_tokens,
+            window=window,
+            temperature=temperature,
+            top_k=top_k,
+            seed=seed,
+            stop_id=tokenizer.eod_id,
+        )
     if new and new[-1] == tokenizer.eod_id:
         new = new[:-1]
     return prompt + tokenizer.decode(new)

@@ -319,6 +319,7 @@ def run_predict(
         except BaseException:
             writer.discard()
             raise
+        assert run.loader is not None  # a session over the data to predict on
         lost = loss_counters(run.loader, run.device)
         entries: list[Any] = [entry]
         if env.is_distributed:

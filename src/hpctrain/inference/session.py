@@ -150,7 +150,7 @@ class InferenceRun:
     task: Task
     model: nn.Module
     precision: Precision
-    loader: ShardedLoader
+    loader: ShardedLoader | None  # None for a session of the model alone (`data=""`)
     step: int  # the checkpoint's
     checkpoint: str  # its folder (credentials stripped)
     weights: str  # "ema" (train.ema_eval) or "model"
@@ -166,6 +166,8 @@ def inference_session(
     Args:
         checkpoint: `latest`, `best`, or a path (see `find_checkpoint`).
         data: an index, folder or shard pattern; `key` names where it came from in errors.
+            "" gives the model alone (no loader), the task built from `data.train`'s index
+            (answers to a JSONL file: `hpctrain.inference.answers`).
         predict: read samples with the task's `predict_transform` (when it has one).
 
     Raises:
@@ -182,11 +184,13 @@ def inference_session(
         # Every process reads the whole model here (`read_weights`): evaluating or
         # predicting with it needs no tensor-parallel split, on any number of ranks.
         cfg = with_overrides(cfg, ["train.tp_degree=1"])
-    if not data:
+    if not data and key:
         raise ConfigError(
             f"{key} is empty: give an index.json path/URL, a folder or a shard pattern"
         )
-    data_index = open_index(data, allow_pipe=cfg.data.allow_pipe)
+    data_index = (
+        open_index(data, allow_pipe=cfg.data.allow_pipe) if data else open_train_index(cfg.data)
+    )
     store, name, manifest = find_checkpoint(cfg, checkpoint)
     where = redact_url(store.path(name))
     ema = cfg.train.ema_eval  # the weights the training evaluated with: see the module
@@ -220,17 +224,19 @@ def inference_session(
             else task.eval_transform()
         )
         hooks = {h: getattr(task, h) for h in ("decode", "collate") if hasattr(task, h)}
-        loader = ShardedLoader(
-            data_index,
-            cfg.data,
-            rank=env.rank,
-            world_size=env.world_size,
-            seed=cfg.seed,
-            transform=transform,
-            train=False,
-            device=device,
-            **hooks,
-        )
+        loader = None
+        if data:
+            loader = ShardedLoader(
+                data_index,
+                cfg.data,
+                rank=env.rank,
+                world_size=env.world_size,
+                seed=cfg.seed,
+                transform=transform,
+                train=False,
+                device=device,
+                **hooks,
+            )
         try:
             yield InferenceRun(
                 cfg=cfg,
@@ -246,4 +252,5 @@ def inference_session(
                 data=redact_url(data),
             )
         finally:
-            loader.close()
+            if loader is not None:
+                loader.close()

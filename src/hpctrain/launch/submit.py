@@ -388,9 +388,27 @@ class InferenceSpec:
 
     verb: str  # "eval" or "predict"
     checkpoint: str = "latest"
-    data: str = ""  # predict: the data (default data.val)
+    data: str = ""  # predict: the data (default data.val); eval: a JSONL file to answer
     out: str = ""  # eval: the record's file; predict: the destination
     fmt: str = "jsonl"
+    # eval --data: the record format (`hpctrain convert`'s field options)
+    prompt_field: str = ""
+    response_field: str = ""
+    messages_field: str = ""
+    # eval --harness: lm-evaluation-harness tasks (one process)
+    harness: str = ""
+    harness_include: str = ""
+    num_fewshot: int | None = None
+    limit: float | None = None
+    after: str = ""  # a job id this job waits for (afterok): the run's training job
+
+    @property
+    def fields(self) -> dict[str, str]:
+        return {
+            "prompt_field": self.prompt_field,
+            "response_field": self.response_field,
+            "messages_field": self.messages_field,
+        }
 
 
 class InferenceJob:
@@ -406,7 +424,29 @@ class InferenceJob:
     def __call__(self) -> int:
         spec = self.spec
         try:
-            if spec.verb == "eval":
+            if spec.verb == "eval" and spec.harness:
+                from hpctrain.inference.harness import run_harness
+
+                code = run_harness(
+                    self.cfg,
+                    tasks=spec.harness,
+                    checkpoint=spec.checkpoint,
+                    include=spec.harness_include,
+                    num_fewshot=spec.num_fewshot,
+                    limit=spec.limit,
+                    out=spec.out,
+                )
+            elif spec.verb == "eval" and spec.data:
+                from hpctrain.inference.answers import run_answers
+
+                code = run_answers(
+                    self.cfg,
+                    data=spec.data,
+                    fields=spec.fields,
+                    checkpoint=spec.checkpoint,
+                    out=spec.out,
+                )
+            elif spec.verb == "eval":
                 from hpctrain.inference.evaluate import run_eval
 
                 code = run_eval(self.cfg, checkpoint=spec.checkpoint, out=spec.out)
@@ -446,16 +486,29 @@ def submit_inference(cfg: Config, job: JobSpec, spec: InferenceSpec) -> Submitte
         checkpoint=absolute_local(spec.checkpoint),
         data=absolute_local(spec.data),
         out=absolute_local(spec.out),
+        harness_include=absolute_local(spec.harness_include),
     )
     check_submission(cfg, job)
     for key, value in (
         ("--checkpoint", spec.checkpoint),
         ("--data", spec.data),
         ("--out", spec.out),
+        ("--harness-include", spec.harness_include),
     ):
         check_no_credential(value, key)
     job = dataclasses.replace(job, job_name=f"{job.job_name}-{spec.verb}")
+    if spec.harness:  # the harness runs in one process (one GPU)
+        job = dataclasses.replace(
+            job, nodes=1, tasks_per_node=1, gpus_per_node=min(job.gpus_per_node, 1)
+        )
     executor = make_executor(job, log_folder(cfg) / "submitit")
+    if spec.after:  # start once the run's training job has ended well
+        executor.update_parameters(
+            slurm_additional_parameters={
+                **executor_parameters(job)["slurm_additional_parameters"],
+                "dependency": f"afterok:{spec.after}",
+            }
+        )
     sjob = executor.submit(InferenceJob(cfg, spec))
     return Submitted(
         job_id=str(sjob.job_id),

@@ -32,6 +32,7 @@ from torch import nn
 
 from hpctrain.config import ConfigError
 from hpctrain.distributed.signals import start_compile_workers
+from hpctrain.models.kv_cache import KVCache, LayerCache
 from hpctrain.toolchain import find_toolchain
 
 log = logging.getLogger("hpctrain")
@@ -381,15 +382,23 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: Any = None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
-        """`mask`: None (plain causal), or a `document_mask` (bool tensor or block mask)."""
+        """`mask`: None (plain causal), or a `document_mask` (bool tensor or block mask).
+        `cache`: decoding (`hpctrain.models.kv_cache`), which brings its own mask."""
         b, t, _ = x.shape
         # -1: this rank's heads (all of them, or n_heads / train.tp_degree under TP)
         q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is not None:  # decoding: attend over the cached keys and these
+            return self.wo(cache.attend(q, k, v).transpose(1, 2).reshape(b, t, -1))
         gqa = self.kv_heads != self.n_heads
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -426,9 +435,15 @@ class Block(nn.Module):
         self.mlp = SwiGLU(cfg.dim, cfg.hidden_dim)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: Any = None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, mask)
+        # `cache` by keyword: tensor parallelism prepares the four positional inputs only
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask, cache=cache)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -533,17 +548,30 @@ class GPT(nn.Module):
                 },
             )
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """`cache`: the decoding path (`hpctrain.models.decoding`): `tokens` follow those the
+        cache holds, `positions` are their places in their prompts, and the cache has
+        reserved their slots (`KVCache.extend`)."""
         h = self.tok_embeddings(tokens)
         cos, sin = rotary_tables(tokens.shape[1], self.cfg, h.device, positions)
         mask = None
-        if positions is not None:  # one mask for every block, built outside checkpointed ones
-            kernel = self.attention_kernel
+        if positions is not None and cache is None:  # one mask for every block, built
+            kernel = self.attention_kernel  # outside checkpointed ones
             if kernel == "auto":
                 kernel = choose_kernel(tokens.device, self.cfg.head_dim)
             mask = document_mask(positions, kernel)
-        for block in self.blocks:
-            h = block(h, cos, sin, mask)
+        for i, block in enumerate(self.blocks):
+            if cache is None:
+                h = block(h, cos, sin, mask)
+            else:
+                h = block(h, cos, sin, None, cache=cache.layers[i])
+        if cache is not None:
+            cache.advance()
         h = self.norm(h)
         if self.output is not None:
             return self.output(h)

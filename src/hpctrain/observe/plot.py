@@ -16,6 +16,14 @@ PLOTS = {
         [("train", "accuracy", "train (batch)"), ("eval", "val_accuracy", "validation")],
         "accuracy",
     ),
+    "answers.png": (
+        "Answers scored (eval.generate)",
+        [
+            ("eval", "val_exact_match", "exact match"),
+            ("eval", "val_token_f1", "token F1"),
+        ],
+        "fraction of the validation prompts",
+    ),
     "throughput.png": (
         "Throughput",
         [("train", "samples_per_s", "samples/s (all ranks)")],

@@ -38,6 +38,7 @@ from torch import nn
 from hpctrain.checkpoint import CheckpointError
 from hpctrain.config import Config, ConfigError
 from hpctrain.data.decode import SampleError
+from hpctrain.data.documents import iter_documents
 from hpctrain.data.index import ShardIndex
 from hpctrain.data.locate import open_index
 from hpctrain.data.mixture_index import describe as describe_train
@@ -50,6 +51,7 @@ from hpctrain.data.tokenizer import (
 )
 from hpctrain.models import hf
 from hpctrain.models.gpt import GPT, PRESETS, GPTConfig, flops_per_token, gpt_config
+from hpctrain.tasks import answers
 from hpctrain.tasks.task import Sample, masked_mean
 
 log = logging.getLogger(__name__)
@@ -202,6 +204,23 @@ class CausalLM:
         # Read by the trainer's metrics (hpctrain.models.flops): tokens/s and MFU.
         self.tokens_per_sample = self.seq_len
         self._text_tokenizer: Tokenizer | None = None  # loaded when `predict` first decodes
+        # eval.generate: the validation prompts answered at every evaluation (read once)
+        self.generates_answers = cfg.eval.generate
+        if self.generates_answers and not any(
+            s.num_targets is not None for s in (val_index.shards if cfg.data.val else ())
+        ):
+            raise ConfigError(
+                f"eval.generate=true: data.val={cfg.data.val!r} holds no prompts to answer "
+                "(give prompt/response or chat data: convert --prompt-field/--response-field or "
+                "--messages-field)"
+            )
+        monitored = cfg.checkpoint.monitor.removeprefix("val_")
+        if monitored in answers.METRICS and not self.generates_answers:
+            raise ConfigError(
+                f"checkpoint.monitor={cfg.checkpoint.monitor}: needs eval.generate=true (the "
+                "evaluations then answer the validation prompts)"
+            )
+        self._examples: list[answers.Example] | None = None
 
     def hf_model_config(self, vocab: int, train: str) -> GPTConfig:
         """The GPT's shape from the Hugging Face folder `model.init_from`, checked against the
@@ -347,10 +366,59 @@ class CausalLM:
             "count": valid.sum(),
         }
 
+    def metric_names(self) -> tuple[str, ...]:
+        """The keys of this task's evaluation records (`checkpoint.monitor` may name one)."""
+        names = ["val_loss", "val_perplexity", "val_samples"]
+        if self.loss_mask:
+            names.append("val_targets")
+        if self.tokenizer["name"] == BYTES and not self.tokenizer.get("sha256"):
+            names.append("val_bits_per_byte")
+        if self.generates_answers:
+            names += [f"val_{name}" for name in (*answers.METRICS, "answers")]
+        return tuple(names)
+
+    def validation_examples(self) -> list[answers.Example]:
+        """The prompts of `data.val` with their references (the first `eval.generate_samples`;
+        see `hpctrain.tasks.answers`), read once."""
+        if self._examples is None:
+            cfg = self.cfg
+            index = open_index(cfg.data.val, allow_pipe=cfg.data.allow_pipe)
+            tokenizer = self.text_tokenizer()
+            found = []
+            for document in iter_documents(index, allow_pipe=cfg.data.allow_pipe):
+                example = answers.example_of(
+                    document, tokenizer.eod_id, set(tokenizer.specials.values())
+                )
+                if example is not None:
+                    found.append(example)
+                    if len(found) == cfg.eval.generate_samples:
+                        break
+            self._examples = found
+        return self._examples
+
+    def answer_sums(self, model: nn.Module, share: answers.Share) -> dict[str, torch.Tensor]:
+        """This rank's share of the validation prompts answered (`eval.generate`), as the
+        counts `summarize` turns into val_exact_match and val_token_f1."""
+        cfg = self.cfg.eval
+        replies = answers.answer_examples(
+            model,
+            self.validation_examples(),
+            self.text_tokenizer(),
+            max_new_tokens=cfg.max_new_tokens,
+            batch_size=cfg.generate_batch_size or self.cfg.data.batch_size,
+            window=self.seq_len,
+            normalize_with=cfg.normalize,
+            share=share,
+        )
+        return answers.answer_sums(replies, next(model.parameters()).device)
+
     def summarize(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
-        """loss (nats per token), perplexity and, for the bytes tokenizer, bits per byte."""
+        """loss (nats per token), perplexity and, for the bytes tokenizer, bits per byte; with
+        `eval.generate`, exact_match and token_f1 of the answers (`hpctrain.tasks.answers`)."""
         loss = float(sums["loss"]) / max(1.0, float(sums["tokens"]))
         metrics = {"loss": loss, "perplexity": math.exp(min(loss, 700.0))}
+        if "answers" in sums:
+            metrics.update(answers.answer_metrics(sums))
         if "targets" in sums:  # instruction data: how many masked targets the loss counted
             metrics["targets"] = float(sums["targets"])
         if self.tokenizer["name"] == BYTES and not self.tokenizer.get("sha256"):

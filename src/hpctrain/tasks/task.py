@@ -117,6 +117,7 @@ OPTIONAL_HOOKS = (
     "flops_per_token",
     "model_card",
     "check_model_name",
+    "answer_sums",
 )
 
 
@@ -205,6 +206,11 @@ def load_task(cfg: Config, index: ShardIndex) -> Task:
     ]
     if not_callable:
         raise ConfigError(f"task={cfg.task!r}: {class_name}.{not_callable[0]} is not callable")
+    if cfg.eval.generate and not callable(getattr(task, "answer_sums", None)):
+        raise ConfigError(
+            f"eval.generate=true: task={cfg.task!r} answers no prompts (causal_lm does); "
+            "set eval.generate=false"
+        )
     return task
 
 

@@ -15,6 +15,7 @@ from torch import nn
 from hpctrain.config import ConfigError
 from hpctrain.data import ShardedLoader
 from hpctrain.distributed import all_reduce_tensors
+from hpctrain.tasks.answers import Share
 from hpctrain.tasks.task import Batch, Task, divide_by_count
 
 log = logging.getLogger("hpctrain")
@@ -60,8 +61,10 @@ def evaluate(
     device: torch.device,
     *,
     copies: int = 1,
+    share: Share | None = None,
 ) -> dict[str, Any]:
-    """`val_<metric>` over all of `loader`'s data once, and `val_samples`.
+    """`val_<metric>` over all of `loader`'s data once, and `val_samples`; with a task that
+    answers prompts (`eval.generate`), `val_exact_match` and `val_token_f1` too.
 
     The task's `eval_metrics` sums (padded samples, `valid=False`, left out by the task) are
     added over batches here and over ranks in one all-reduce, then its `summarize` (default:
@@ -71,6 +74,8 @@ def evaluate(
     Args:
         precision: the run's precision plan (its `autocast()` context).
         copies: ranks that evaluate the same batches (a tensor-parallel group), counted once.
+        share: this rank's share of the prompts a task answers (`eval.generate`: its
+            `answer_sums`, counts added to the same all-reduce); default: this process alone.
     """
     was_training = model.training
     model.eval()
@@ -82,6 +87,10 @@ def evaluate(
         for name, value in values.items():
             value = value.detach().double()
             sums[name] = sums[name] + value if name in sums else value
+    if getattr(task, "generates_answers", False):
+        with precision.autocast():
+            answered = task.answer_sums(model, share or Share())  # type: ignore[attr-defined]
+        sums.update({name: value.double() for name, value in answered.items()})
     model.train(was_training)
     totals = {name: total.cpu() / copies for name, total in all_reduce_tensors(sums).items()}
     summarize = getattr(task, "summarize", divide_by_count)

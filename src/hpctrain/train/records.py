@@ -23,6 +23,7 @@ from hpctrain.observe.gpu_stats import GpuCounters
 from hpctrain.observe.metrics import IntervalMeter, peak_memory_mb
 from hpctrain.parallel.parallelize import broadcast_buffers
 from hpctrain.parallel.precision import Precision, TrainingPlan
+from hpctrain.tasks.answers import Share
 from hpctrain.tasks.task import Batch, Task, summary_line
 from hpctrain.train.evaluation import evaluate
 
@@ -76,6 +77,11 @@ class RunRecords:
                     self.precision,
                     self.device,
                     copies=self.plan.tp,  # a TP group evaluates the same batches
+                    share=Share(
+                        rank=self.plan.data_parallel_rank(self.env.rank),
+                        size=self.plan.data_parallel_size,
+                        lockstep=self.env.is_distributed,  # sharded or split models decode together
+                    ),
                 )
             )
         finally:

@@ -1,0 +1,135 @@
+"""Answers scored: `eval.generate` in training (rising, ranking checkpoints, plotted), under
+DDP/FSDP2/HSDP/TP, and `hpctrain eval --data FILE.jsonl` with its predictions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hpctrain.cli.main import main
+from hpctrain.config import ConfigError, load_config
+from hpctrain.observe.plot import plot_run
+from hpctrain.tasks.task import load_task
+from tests.support.answer_kit import qa_overrides, write_qa
+from tests.support.lm_kit import write_token_shards
+from tests.support.train_kit import REPO, run_two_ranks
+
+WORKER = REPO / "tests" / "support" / "answer_worker.py"
+
+
+def evals(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == "eval"]
+
+
+@pytest.mark.slow
+def test_exact_match_rises_ranks_checkpoints_and_is_plotted(qa_run: Path) -> None:
+    records = evals(qa_run)
+    scores = [r["val_exact_match"] for r in records]
+    assert [r["step"] for r in records] == [20, 40, 60]
+    assert 0 < scores[0] < 0.5 < max(scores), scores  # a quarter by chance, then learnt
+    assert all(r["val_answers"] == 30 for r in records)  # eval.generate_samples
+    assert all(r["val_token_f1"] >= r["val_exact_match"] for r in records)
+    best = (qa_run / "checkpoints" / "best").read_text().strip()
+    first_best = records[scores.index(max(scores))]["step"]
+    assert best.endswith(f"step-{first_best}")  # checkpoint.monitor=val_exact_match
+    assert qa_run / "answers.png" in plot_run(qa_run)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ddp_fsdp2_hsdp_and_tp_answer_as_one_process_does(qa_run: Path, tmp_path: Path) -> None:
+    """Each rank answers its share, the counts summed once: the same scores as the run's own
+    evaluation of the checkpoint, with every prompt answered once."""
+    partial = evals(qa_run)[0]  # step 20: some answers right, most wrong
+    qa = tmp_path / "held-out.jsonl"
+    write_qa(qa, 9, seed=11)
+    checkpoint = qa_run / "checkpoints" / "step-20"
+    run_two_ranks(WORKER, str(qa_run.parent / "tokens"), str(checkpoint), str(qa), str(tmp_path))
+    for case in ("ddp", "fsdp", "hsdp", "tp"):
+        (record,) = evals(tmp_path / case)
+        for key in ("val_exact_match", "val_token_f1", "val_answers"):
+            assert record[key] == pytest.approx(partial[key], abs=1e-9), (case, key)
+    val = json.loads((tmp_path / "val.json").read_text())  # `hpctrain eval` on 2 ranks
+    assert val["world_size"] == 2 and val["val_answers"] == 30
+    assert val["val_exact_match"] == pytest.approx(partial["val_exact_match"], abs=1e-9)
+    held_out = json.loads((tmp_path / "held-out.json").read_text())
+    lines = Path(held_out["predictions"]).read_text().splitlines()
+    assert held_out["world_size"] == 2 and held_out["val_answers"] == 9 == len(lines)
+    assert [json.loads(line)["key"] for line in lines] == [
+        f"held-out.jsonl:{n}" for n in range(1, 10)
+    ]
+
+
+@pytest.mark.slow
+def test_a_held_out_file_is_scored_with_its_predictions_beside(
+    qa_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    qa = tmp_path / "qa.jsonl"
+    rows = write_qa(qa, 6, seed=5)
+    with qa.open("a") as f:
+        f.write('{"prompt": "ab\\n"}\n')  # no response: line 7
+    args = ["eval", str(qa_run), "--data", str(qa), "--prompt-field", "prompt"]
+    assert main(args) == 2  # a usage error: no --response-field
+    args += ["--response-field", "response"]
+    assert main(args) == 3  # a data error naming the line
+    assert f"{qa}:7:" in capsys.readouterr().err
+    assert main([*args, "data.on_error=skip"]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["records_skipped"] == 1 and record["val_answers"] == 6
+    summary = Path(record["record"])
+    assert summary.parent == qa_run / "eval" and summary.name.startswith("step-60.qa-")
+    predictions = [
+        json.loads(line) for line in Path(record["predictions"]).read_text().splitlines()
+    ]
+    assert Path(record["predictions"]).parent == summary.parent
+    assert [p["prompt"] for p in predictions] == [row["prompt"] for row in rows]
+    assert [p["reference"] for p in predictions] == [row["response"] for row in rows]
+    assert all(p["match"] == (p["answer"] == p["reference"]) for p in predictions)
+    matches = [p["match"] for p in predictions]
+    assert record["val_exact_match"] == pytest.approx(sum(matches) / 6) and any(matches)
+
+
+@pytest.mark.slow
+def test_answer_settings_are_refused_where_they_cannot_work(qa_run: Path, tmp_path: Path) -> None:
+    tokens = qa_run.parent / "tokens"
+    base = qa_overrides(tokens, tmp_path / "r")
+    train = load_config(None, base)
+    from hpctrain.data import open_index
+
+    index = open_index(str(tokens / "train" / "index.json"))
+    plain = [*base, "eval.generate=false", "checkpoint.monitor=val_exact_match"]
+    with pytest.raises(ConfigError, match="needs eval.generate=true"):
+        load_task(load_config(None, plain), index)
+    with pytest.raises(ConfigError, match="eval.normalize: 'stem'"):
+        load_config(None, [*base, "eval.normalize=[case,stem]"])
+    plain_val = write_token_shards(tmp_path / "plain", 1, seed=3, tokenizer=index.tokenizer)
+    with pytest.raises(ConfigError, match=r"eval.generate=true: data.val=.* holds no prompts"):
+        load_task(load_config(None, [*base, f"data.val={plain_val}"]), index)
+    assert load_task(train, index).metric_names()[-3:] == (
+        "val_exact_match",
+        "val_token_f1",
+        "val_answers",
+    )
+
+
+@pytest.mark.slow
+def test_a_submitted_eval_job_answers_the_file_in_its_task(qa_run: Path, tmp_path: Path) -> None:
+    """What `hpctrain submit --eval --data ...` pickles for SLURM, called in this process."""
+    from hpctrain.launch.submit import InferenceJob, InferenceSpec
+
+    qa = tmp_path / "qa.jsonl"
+    write_qa(qa, 4, seed=8)
+    spec = InferenceSpec(
+        verb="eval",
+        data=str(qa),
+        prompt_field="prompt",
+        response_field="response",
+        out=str(tmp_path / "record.json"),
+    )
+    cfg = load_config(None, qa_overrides(qa_run.parent / "tokens", qa_run))
+    assert InferenceJob(cfg, spec)() == 0
+    record = json.loads((tmp_path / "record.json").read_text())
+    assert record["val_answers"] == 4 and Path(record["predictions"]).is_file()

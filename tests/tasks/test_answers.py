@@ -1,0 +1,125 @@
+"""Answers and their scores (`hpctrain.tasks.answers`): normalisation, token F1, which part of
+an instruction document is the prompt and which the reference, documents read whole."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hpctrain.data.documents import Document, iter_documents
+from hpctrain.data.index import ShardIndex, ShardInfo, index_to_bytes
+from hpctrain.data.tokens import encode_loss_mask, encode_tokens
+from hpctrain.tasks.answers import (
+    Example,
+    Share,
+    answer_examples,
+    answer_metrics,
+    answer_sums,
+    example_of,
+    normalize,
+    token_f1,
+)
+
+EOD, TURN_END = 256, 257
+
+
+def test_normalisation_steps_and_token_f1() -> None:
+    text = "  The  Cat,\n sat. "
+    assert normalize(text, ("whitespace", "case")) == "the cat, sat."
+    assert normalize(text, ("whitespace", "case", "punctuation", "articles")) == "cat sat"
+    assert normalize(text, ()) == text
+    assert token_f1("cat sat", "cat sat") == 1.0
+    assert token_f1("the cat", "cat sat down") == pytest.approx(2 * 0.5 * (1 / 3) / (0.5 + 1 / 3))
+    assert token_f1("", "") == 1.0 and token_f1("cat", "") == 0.0 and token_f1("a", "b") == 0.0
+
+
+def doc(ids: list[int], targets: list[int]) -> Document:
+    mask = np.zeros(len(ids), dtype=bool)
+    mask[targets] = True
+    return Document("d", np.array(ids), mask)
+
+
+def test_the_last_target_run_is_the_reference_up_to_its_first_stop() -> None:
+    # prompt/response: prompt 1 2 3, response 4 5, EOD
+    example = example_of(doc([1, 2, 3, 4, 5, EOD], [3, 4, 5]), EOD, {EOD})
+    assert example == Example("d", (1, 2, 3), (4, 5), frozenset({EOD}))
+    # a chat: user 1 2, assistant 3 <end> 9, user 6, assistant 7 8 <end>, EOD (targets)
+    ids = [1, 2, 3, TURN_END, 9, 6, 7, 8, TURN_END, EOD]
+    example = example_of(doc(ids, [2, 3, 6, 7, 8, 9]), EOD, {EOD, TURN_END})
+    assert example is not None and example.prompt == (1, 2, 3, TURN_END, 9, 6)
+    assert example.reference == (7, 8) and example.stops == {EOD, TURN_END}
+    # nothing to answer: no targets, no mask, or targets from the first token
+    assert example_of(doc([1, 2, EOD], []), EOD, set()) is None
+    assert example_of(Document("d", np.array([1, EOD]), None), EOD, set()) is None
+    assert example_of(doc([4, 5, EOD], [0, 1, 2]), EOD, set()) is None
+
+
+def test_documents_come_whole_with_their_masks(tmp_path: Path) -> None:
+    samples = [([1, 2, EOD, 3, EOD], [0, 1, 1, 0, 1]), ([4, 5, 6, EOD], [0, 0, 1, 1])]
+    with tarfile.open(tmp_path / "s.tar", "w", format=tarfile.USTAR_FORMAT) as tar:
+        for n, (ids, mask) in enumerate(samples):
+            for name, data in (
+                (f"{n}.loss_mask.bits", encode_loss_mask(mask)),
+                (f"{n}.tokens.u16", encode_tokens(ids, "tokens.u16")),
+            ):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    size = (tmp_path / "s.tar").stat().st_size
+    tokenizer = {"name": "bytes", "vocab_size": 257, "eod_id": EOD, "sha256": ""}
+    index = ShardIndex(shards=(ShardInfo("s.tar", 2, size, num_tokens=9),), tokenizer=tokenizer)
+    (tmp_path / "index.json").write_bytes(index_to_bytes(index))
+    from hpctrain.data import open_index
+
+    docs = list(iter_documents(open_index(str(tmp_path / "index.json"))))
+    assert [d.ids.tolist() for d in docs] == [[1, 2, EOD], [3, EOD], [4, 5, 6, EOD]]
+    assert [d.key for d in docs] == ["s.tar:0#0", "s.tar:0#1", "s.tar:1#0"]
+    assert docs[2].mask is not None and docs[2].mask.tolist() == [False, False, True, True]
+
+
+class EchoModel(torch.nn.Module):
+    """Stands in for a GPT in the share arithmetic: always answers id 7."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.blocks = torch.nn.ModuleList([torch.nn.Module()])
+        self.blocks[0].attention = torch.nn.Module()  # type: ignore[assignment]
+        self.blocks[0].attention.wq = torch.nn.Linear(1, 1)  # type: ignore[union-attr]
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: object) -> torch.Tensor:
+        cache.advance()  # type: ignore[attr-defined]
+        logits = torch.zeros(*tokens.shape, 9)
+        logits[..., 7] = 1
+        return logits
+
+
+class Letters:
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(ord("a") + i) for i in ids)
+
+
+def test_each_rank_answers_its_share_and_the_counts_add_up() -> None:
+    examples = [Example(str(n), (1, 2), (7,) if n % 2 else (6,), frozenset({8})) for n in range(5)]
+    shares = [
+        answer_examples(
+            EchoModel(),
+            examples,
+            Letters(),
+            max_new_tokens=1,
+            batch_size=2,  # type: ignore[arg-type]
+            share=Share(rank, 2),
+        )
+        for rank in range(2)
+    ]
+    assert [[a.example.key for a in share] for share in shares] == [["0", "2", "4"], ["1", "3"]]
+    total = {
+        k: sum(answer_sums(s, torch.device("cpu"))[k] for s in shares)
+        for k in ("answers", "answers_exact", "answers_f1")
+    }
+    assert answer_metrics(total) == {"exact_match": 0.4, "token_f1": 0.4, "answers": 5.0}
