@@ -1,4 +1,5 @@
-"""`hpctrain export RUN_DIR_OR_CHECKPOINT OUT [--format pt|safetensors|hf] [--best] [--[no-]ema]`."""
+"""`hpctrain export RUN_DIR_OR_CHECKPOINT OUT [--format pt|safetensors|hf] [--best] [--[no-]ema]
+[--tokenizer PATH]`."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ EPILOG = """examples:
   hpctrain export runs/demo model-ema.safetensors --ema     # the EMA (train.ema_decay)
   hpctrain export runs/demo model.pt --no-ema               # the trained weights, always
   hpctrain export runs/lm hf-model --format hf              # a folder transformers loads
+  hpctrain export runs/lm hf-model --format hf --tokenizer moved/tokenizer.json
 Load it with: model.load_state_dict(torch.load("model.pt", weights_only=True))
 or: safetensors.torch.load_file("model.safetensors"); built-in models also get a model card,
 OUT.json (model.safetensors.json). The weights are those the training evaluated with (the EMA
@@ -39,6 +41,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the checkpoint the `best` pointer names (checkpoint.keep_best) instead of the newest",
     )
     parser.add_argument(
+        "--tokenizer",
+        default="",
+        metavar="bytes|PATH",
+        help="--format hf: the run's tokenizer file, where the one the checkpoint records has "
+        "moved (it must be the same tokenizer: checked by sha256)",
+    )
+    parser.add_argument(
         "--ema",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -48,17 +57,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hpctrain.errors import UsageError
     from hpctrain.inference.export import export_hf, export_weights
 
     # CheckpointError: exit code 4
     if args.format == "hf":
-        result = export_hf(args.source, args.out, best=args.best, ema=args.ema)
+        result = export_hf(
+            args.source, args.out, best=args.best, ema=args.ema, tokenizer_spec=args.tokenizer
+        )
         print(
             f"exported {result.source} (step {result.step}{', EMA' if result.ema else ''}): "
             f"{result.num_tensors} tensors -> {result.out} "
             "(transformers.AutoModelForCausalLM.from_pretrained)"
         )
         return 0
+    if args.tokenizer:
+        raise UsageError("--tokenizer: only for --format hf (a weights file holds no tokenizer)")
     result = export_weights(args.source, args.out, fmt=args.format, best=args.best, ema=args.ema)
     print(
         f"exported {result.source} (step {result.step}{', EMA' if result.ema else ''}): "

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+from contextvars import ContextVar
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -44,9 +45,12 @@ from hpctrain.data.mixture_index import describe as describe_train
 from hpctrain.data.tokenizer import (
     BYTES,
     Tokenizer,
+    check_recorded_tokenizer,
     check_tokenizer,
     file_sha256,
     load_tokenizer,
+    recorded_info,
+    same_tokenizer,
 )
 from hpctrain.models import hf
 from hpctrain.models.gpt import GPT, PRESETS, GPTConfig, flops_per_token, gpt_config
@@ -55,6 +59,9 @@ from hpctrain.tasks.task import Sample, masked_mean
 log = logging.getLogger(__name__)
 
 CAUSAL_LM = "causal_lm"
+# The manifest of the checkpoint whose model a `CausalLM` is being built for (see
+# `CausalLM.from_checkpoint`); None: a new model.
+BUILDING_FROM: ContextVar[dict[str, Any] | None] = ContextVar("BUILDING_FROM", default=None)
 EMBEDDING = "tok_embeddings.weight"
 
 
@@ -142,6 +149,8 @@ class CausalLM:
 
     def __init__(self, cfg: Config, index: ShardIndex) -> None:
         self.cfg = cfg
+        # The manifest of the checkpoint the model comes from (`from_checkpoint`), or None.
+        self.checkpoint = BUILDING_FROM.get()
         self.seq_len = cfg.data.seq_len
         if self.seq_len <= 0:
             raise ConfigError(
@@ -154,7 +163,7 @@ class CausalLM:
         if cfg.data.val:
             val_index = open_index(cfg.data.val, allow_pipe=cfg.data.allow_pipe)
             val_tokenizer = index_tokenizer(val_index, cfg.data.val, "data.val", configured)
-            if val_tokenizer != self.tokenizer:
+            if not same_tokenizer(val_tokenizer, self.tokenizer):
                 raise ConfigError(
                     f"data.val={cfg.data.val}: its tokenizer {describe(val_tokenizer)} differs "
                     f"from data.train's ({train}) {describe(self.tokenizer)}"
@@ -166,50 +175,139 @@ class CausalLM:
             s.num_targets is not None for i in indexes for s in i.shards
         )
         vocab = int(self.tokenizer["vocab_size"])
-        from_hf = bool(cfg.model.init_from) and hf.is_hf_folder(cfg.model.init_from)
-        self.hf_source: dict[str, Any] = {}  # architecture and token ids of an imported folder
-        recorded = self.warm_start_shape() if cfg.model.init_from and not from_hf else None
-        if from_hf:
-            self.model_cfg: GPTConfig = self.hf_model_config(vocab, train)
-        elif recorded is not None:
-            hf.check_against_model_keys(
-                recorded, cfg.causal_lm, cfg.model.init_from, "the source run's config"
-            )
-            if recorded.vocab_size < vocab:
-                raise ConfigError(
-                    f"{hf.KEY}={cfg.model.init_from}: its vocabulary ({recorded.vocab_size}) is "
-                    f"smaller than that of the tokenizer {self.tokenizer['name']!r} of {train} "
-                    f"({vocab})"
-                )
-            self.model_cfg = recorded
-        elif cfg.causal_lm.vocab_size and cfg.causal_lm.vocab_size < vocab:
-            raise ConfigError(
-                f"causal_lm.vocab_size={cfg.causal_lm.vocab_size}: smaller than the vocabulary of the "
-                f"tokenizer {self.tokenizer['name']!r} of {train} ({vocab})"
-            )
-        if not from_hf and recorded is None:
-            m = cfg.causal_lm
-            self.model_cfg = gpt_config(
-                cfg.model.name,
-                m.vocab_size or vocab,
-                dim=m.dim,
-                n_layers=m.n_layers,
-                n_heads=m.n_heads,
-                n_kv_heads=m.n_kv_heads,
-                ffn_dim=m.ffn_dim,
-                **({} if m.tie_embeddings is None else {"tie_embeddings": m.tie_embeddings}),
-            )
+        self.hf_source: dict[str, Any] = {}  # the recorded config.json entries of an import
+        self.model_cfg: GPTConfig = self.model_shape(vocab, train)
         # Read by the trainer's metrics (hpctrain.models.flops): tokens/s and MFU.
         self.tokens_per_sample = self.seq_len
         self._text_tokenizer: Tokenizer | None = None  # loaded when `predict` first decodes
 
+    @classmethod
+    def from_checkpoint(cls, cfg: Config, index: ShardIndex, manifest: dict[str, Any]) -> CausalLM:
+        """The task of the model checkpoint `manifest` records (a resume, eval, predict):
+        its shape when the run started from `model.init_from` (which is then never read),
+        its tokenizer checked against data.train's. The manifest reaches the constructor
+        through `BUILDING_FROM`, so that a subclass's own `__init__(cfg, index)` (a user's
+        task built on this one) works unchanged."""
+        token = BUILDING_FROM.set(manifest)
+        try:
+            return cls(cfg, index)
+        finally:
+            BUILDING_FROM.reset(token)
+
+    def model_shape(self, vocab: int, train: str) -> GPTConfig:
+        """The GPT's shape: the checkpoint's record for a run that started from
+        `model.init_from`, else the folder's or source run's, else the preset and the
+        `causal_lm.*` keys."""
+        cfg, init_from = self.cfg, self.cfg.model.init_from
+        metadata = (self.checkpoint or {}).get("metadata") or {}
+        if self.checkpoint is not None and isinstance(metadata.get("tokenizer"), dict):
+            check_recorded_tokenizer(
+                metadata["tokenizer"],
+                self.tokenizer,
+                f"the checkpoint of step {self.checkpoint.get('step')}",
+                f"data.train={train}",
+            )
+        if init_from and isinstance(metadata.get("gpt"), dict):
+            return self.recorded_shape(metadata, vocab, train)
+        if init_from and self.checkpoint is not None:
+            log.info(
+                "the checkpoint of step %s records no model shape (an older hpctrain saved "
+                "it): the shape is read from %s=%s again",
+                self.checkpoint.get("step"),
+                hf.KEY,
+                init_from,
+            )
+        if init_from and hf.is_hf_folder(init_from):
+            return self.hf_model_config(vocab, train)
+        recorded = self.warm_start_shape() if init_from else None
+        if recorded is not None:
+            hf.check_against_model_keys(
+                recorded, cfg.causal_lm, init_from, "the source run's config"
+            )
+            self.check_preset(recorded, f"{hf.KEY}={init_from} (its checkpoint)")
+            self.check_vocab(recorded.vocab_size, vocab, train, f"{hf.KEY}={init_from}")
+            return recorded
+        m = cfg.causal_lm
+        if m.vocab_size and m.vocab_size < vocab:
+            raise ConfigError(
+                f"causal_lm.vocab_size={m.vocab_size}: smaller than the vocabulary of the "
+                f"tokenizer {self.tokenizer['name']!r} of {train} ({vocab})"
+            )
+        return gpt_config(
+            cfg.model.name,
+            m.vocab_size or vocab,
+            dim=m.dim,
+            n_layers=m.n_layers,
+            n_heads=m.n_heads,
+            n_kv_heads=m.n_kv_heads,
+            ffn_dim=m.ffn_dim,
+            **({} if m.tie_embeddings is None else {"tie_embeddings": m.tie_embeddings}),
+        )
+
+    def recorded_shape(self, metadata: dict[str, Any], vocab: int, train: str) -> GPTConfig:
+        """The shape (and imported config.json entries) the checkpoint records, checked like
+        the source's; a folder that has changed since is only warned about."""
+        assert self.checkpoint is not None
+        where = f"the checkpoint of step {self.checkpoint.get('step')}"
+        try:
+            shape = GPTConfig(**metadata["gpt"])
+        except (TypeError, ConfigError) as exc:
+            raise CheckpointError(f"{where}: its recorded GPT shape is unusable: {exc}") from None
+        self.hf_source = dict(metadata.get("hf_config") or {})
+        hf.check_against_model_keys(shape, self.cfg.causal_lm, self.cfg.model.init_from, where)
+        self.check_preset(shape, where)
+        self.check_vocab(shape.vocab_size, vocab, train, where)
+        hf.check_window(self.hf_source, self.seq_len, f"{hf.KEY}={self.cfg.model.init_from}")
+        folder = self.cfg.model.init_from
+        if hf.is_hf_folder(folder):
+            try:
+                now = hf.gpt_config_from_hf(hf.read_hf_config(folder), folder)
+            except ConfigError:
+                now = None
+            if now != shape:
+                log.warning(
+                    "%s=%s: its config.json is not what the run started from (changed or "
+                    "replaced); the shape %s recorded is used",
+                    hf.KEY,
+                    folder,
+                    where,
+                )
+        return shape
+
+    def check_vocab(self, model_vocab: int, vocab: int, train: str, source: str) -> None:
+        if model_vocab < vocab:
+            raise ConfigError(
+                f"{source}: its vocabulary ({model_vocab}) is smaller than that of the "
+                f"tokenizer {self.tokenizer['name']!r} of {train} ({vocab})"
+            )
+
+    def check_preset(self, shape: GPTConfig, source: str) -> None:
+        """Refuse a `model.name` preset whose shape is not `source`'s (which sets the shape);
+        one that agrees is said to change nothing."""
+        name = self.cfg.model.name
+        if not name:
+            return
+        preset = gpt_config(name, shape.vocab_size)
+        keys = ("dim", "n_layers", "n_heads", "kv_heads", "hidden_dim", "tie_embeddings")
+        differ = [k for k in keys if getattr(preset, k) != getattr(shape, k)]
+        if differ:
+            ours = ", ".join(f"{k} {getattr(preset, k)}" for k in differ)
+            theirs = ", ".join(f"{k} {getattr(shape, k)}" for k in differ)
+            raise ConfigError(
+                f"model.name={name} ({ours}) disagrees with {source} ({theirs}), which sets "
+                "the model's shape; leave model.name empty"
+            )
+        log.info("model.name=%s: the shape is that of %s (the same)", name, source)
+
     def hf_model_config(self, vocab: int, train: str) -> GPTConfig:
         """The GPT's shape from the Hugging Face folder `model.init_from`, checked against the
-        run's `causal_lm.*` keys, the tokenizer's vocabulary and `data.seq_len`."""
+        run's `causal_lm.*` keys and `model.name`, the tokenizer's vocabulary and
+        `data.seq_len` (`hf.open_folder`: preflight runs the same checks)."""
         folder = self.cfg.model.init_from
-        config = hf.read_hf_config(folder)
-        model_cfg = hf.gpt_config_from_hf(config, folder)
+        source = hf.open_folder(folder, self.seq_len)
+        model_cfg = source.shape
         hf.check_against_model_keys(model_cfg, self.cfg.causal_lm, folder)
+        self.check_preset(model_cfg, f"{hf.KEY}={folder} ({hf.CONFIG})")
         if model_cfg.vocab_size < vocab:
             raise ConfigError(
                 f"{hf.KEY}={folder}: vocab_size {model_cfg.vocab_size} is smaller than the "
@@ -229,24 +327,17 @@ class CausalLM:
                 self.tokenizer["name"],
                 own,
             )
-        self.hf_source = {
-            key: config[key]
-            for key in ("architectures", "bos_token_id", "eos_token_id", "max_position_embeddings")
-            if key in config
-        }
-        window = config.get("sliding_window")
-        if window and config.get("use_sliding_window", True) and window < self.seq_len:
-            raise ConfigError(
-                f"data.seq_len={self.seq_len}: longer than the sliding_window {window} of "
-                f"{hf.KEY}={folder} (the built-in GPT attends to the whole sequence)"
-            )
+        self.hf_source = source.recorded
         return model_cfg
 
     def warm_start_shape(self) -> GPTConfig | None:
         """The GPT shape the checkpoint at `model.init_from` records (a run folder or
         checkpoint of a newer causal_lm run), so that a warm start needs no `causal_lm.*` keys;
-        None for anything else (the model is then built from the config and must match)."""
-        from hpctrain.checkpoint import CheckpointError
+        None for anything else (the model is then built from the config and must match).
+
+        Raises:
+            ConfigError: the source run was trained on another tokenizer than data.train's.
+        """
         from hpctrain.checkpoint.weights import locate_checkpoint
 
         try:
@@ -254,6 +345,14 @@ class CausalLM:
         except (CheckpointError, OSError, ValueError):
             return None  # not a checkpoint: init_from.check names what it is
         metadata = manifest.get("metadata") or {}
+        if isinstance(metadata.get("tokenizer"), dict):
+            check_recorded_tokenizer(
+                metadata["tokenizer"],
+                self.tokenizer,
+                f"{hf.KEY}={self.cfg.model.init_from}",
+                f"data.train={describe_train(self.cfg.data.train)}",
+                config=True,
+            )
         recorded = metadata.get("gpt")
         if not isinstance(recorded, dict):
             return None
@@ -279,9 +378,14 @@ class CausalLM:
 
     def model_metadata(self) -> dict[str, Any]:
         """What checkpoints record to rebuild the model without the config's sources: the
-        GPT's shape and, when imported, the Hugging Face folder's architecture and token ids
-        (`hpctrain export --format hf` then needs no `model.init_from` folder)."""
-        metadata: dict[str, Any] = {"gpt": asdict(self.model_cfg)}
+        GPT's shape, the tokenizer (its file's absolute path and sha256) and, when imported,
+        the Hugging Face folder's `hf.RECORDED_KEYS` (architecture, token ids, context,
+        sliding window): a resume, eval, predict, generate or `export --format hf` then never
+        reads the `model.init_from` folder, and refuses data of another tokenizer."""
+        metadata: dict[str, Any] = {
+            "gpt": asdict(self.model_cfg),
+            "tokenizer": recorded_info(self.tokenizer),
+        }
         if self.hf_source:
             metadata["hf_config"] = self.hf_source
         return metadata
@@ -397,8 +501,8 @@ def gpt_config_for(
 ) -> GPTConfig:
     """The GPTConfig of a causal_lm run's config `tree` whose weights are `weights`: the one
     the checkpoint's `manifest` records (`metadata.gpt`, written by runs since
-    `model.init_from`), else rebuilt from the config (a run started from a Hugging Face folder:
-    from that folder's config.json).
+    `model.init_from`), else rebuilt from the config (an older checkpoint of a run started
+    from a Hugging Face folder: from that folder's config.json, as it is now).
 
     Raises:
         CheckpointError: not a causal_lm run, or weights that are not of the config's shape.
@@ -418,6 +522,12 @@ def gpt_config_for(
             raise CheckpointError(f"{where}: its recorded GPT shape is unusable: {exc}") from None
     elif m.get("init_from"):  # the shape is that of the Hugging Face folder the run started from
         init_from = str(m["init_from"])
+        log.info(
+            "%s records no model shape (an older hpctrain saved it): the shape is read from %s=%s",
+            where,
+            hf.KEY,
+            init_from,
+        )
         try:
             cfg = hf.gpt_config_from_hf(hf.read_hf_config(init_from), init_from)
         except ConfigError as exc:
