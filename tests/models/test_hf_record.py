@@ -122,7 +122,7 @@ def test_an_older_checkpoint_reads_the_folder_with_a_note(
     hf_folder(folder, "qwen2", bpe)
     run = tmp_path / "run"
     train(run, bpe / "data", f"model.init_from={folder}")
-    store, name, manifest = locate_checkpoint(str(run))
+    _, name, manifest = locate_checkpoint(str(run))
     for key in ("gpt", "hf_config", "tokenizer"):
         del manifest["metadata"][key]
     (run / "checkpoints" / name / "manifest.json").write_text(json.dumps(manifest))

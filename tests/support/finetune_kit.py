@@ -28,10 +28,40 @@ CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-WORDS = (
-    "the cat dog sat ran on under a mat log and slept quick brown fox jumps over lazy river "
-    "stone tree bird sings morning light falls across quiet fields where children play"
-).split()
+WORDS = [
+    "the",
+    "cat",
+    "dog",
+    "sat",
+    "ran",
+    "on",
+    "under",
+    "a",
+    "mat",
+    "log",
+    "and",
+    "slept",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "lazy",
+    "river",
+    "stone",
+    "tree",
+    "bird",
+    "sings",
+    "morning",
+    "light",
+    "falls",
+    "across",
+    "quiet",
+    "fields",
+    "where",
+    "children",
+    "play",
+]
 
 
 def sentences(seed: int, count: int) -> list[str]:

@@ -82,7 +82,7 @@ def read_hf_config(folder: str) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise ConfigError(f"{where}: {CONFIG} is not a JSON object")
     architectures = config.get("architectures") or [config.get("model_type")]
-    if architectures[0] not in ARCHITECTURES:
+    if not isinstance(architectures, list) or architectures[0] not in ARCHITECTURES:
         raise ConfigError(
             f"{where}: architectures {architectures} is not supported "
             f"(supported: {', '.join(ARCHITECTURES)})"

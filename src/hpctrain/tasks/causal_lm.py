@@ -54,6 +54,7 @@ from hpctrain.data.tokenizer import (
 )
 from hpctrain.models import hf
 from hpctrain.models.gpt import GPT, PRESETS, GPTConfig, flops_per_token, gpt_config
+from hpctrain.tasks.lm_shape import check_preset, warn_if_changed
 from hpctrain.tasks.task import Sample, masked_mean
 
 log = logging.getLogger(__name__)
@@ -224,7 +225,7 @@ class CausalLM:
             hf.check_against_model_keys(
                 recorded, cfg.causal_lm, init_from, "the source run's config"
             )
-            self.check_preset(recorded, f"{hf.KEY}={init_from} (its checkpoint)")
+            check_preset(self.cfg.model.name, recorded, f"{hf.KEY}={init_from} (its checkpoint)")
             self.check_vocab(recorded.vocab_size, vocab, train, f"{hf.KEY}={init_from}")
             return recorded
         m = cfg.causal_lm
@@ -255,23 +256,10 @@ class CausalLM:
             raise CheckpointError(f"{where}: its recorded GPT shape is unusable: {exc}") from None
         self.hf_source = dict(metadata.get("hf_config") or {})
         hf.check_against_model_keys(shape, self.cfg.causal_lm, self.cfg.model.init_from, where)
-        self.check_preset(shape, where)
+        check_preset(self.cfg.model.name, shape, where)
         self.check_vocab(shape.vocab_size, vocab, train, where)
         hf.check_window(self.hf_source, self.seq_len, f"{hf.KEY}={self.cfg.model.init_from}")
-        folder = self.cfg.model.init_from
-        if hf.is_hf_folder(folder):
-            try:
-                now = hf.gpt_config_from_hf(hf.read_hf_config(folder), folder)
-            except ConfigError:
-                now = None
-            if now != shape:
-                log.warning(
-                    "%s=%s: its config.json is not what the run started from (changed or "
-                    "replaced); the shape %s recorded is used",
-                    hf.KEY,
-                    folder,
-                    where,
-                )
+        warn_if_changed(self.cfg.model.init_from, shape, where)
         return shape
 
     def check_vocab(self, model_vocab: int, vocab: int, train: str, source: str) -> None:
@@ -281,24 +269,6 @@ class CausalLM:
                 f"tokenizer {self.tokenizer['name']!r} of {train} ({vocab})"
             )
 
-    def check_preset(self, shape: GPTConfig, source: str) -> None:
-        """Refuse a `model.name` preset whose shape is not `source`'s (which sets the shape);
-        one that agrees is said to change nothing."""
-        name = self.cfg.model.name
-        if not name:
-            return
-        preset = gpt_config(name, shape.vocab_size)
-        keys = ("dim", "n_layers", "n_heads", "kv_heads", "hidden_dim", "tie_embeddings")
-        differ = [k for k in keys if getattr(preset, k) != getattr(shape, k)]
-        if differ:
-            ours = ", ".join(f"{k} {getattr(preset, k)}" for k in differ)
-            theirs = ", ".join(f"{k} {getattr(shape, k)}" for k in differ)
-            raise ConfigError(
-                f"model.name={name} ({ours}) disagrees with {source} ({theirs}), which sets "
-                "the model's shape; leave model.name empty"
-            )
-        log.info("model.name=%s: the shape is that of %s (the same)", name, source)
-
     def hf_model_config(self, vocab: int, train: str) -> GPTConfig:
         """The GPT's shape from the Hugging Face folder `model.init_from`, checked against the
         run's `causal_lm.*` keys and `model.name`, the tokenizer's vocabulary and
@@ -307,7 +277,7 @@ class CausalLM:
         source = hf.open_folder(folder, self.seq_len)
         model_cfg = source.shape
         hf.check_against_model_keys(model_cfg, self.cfg.causal_lm, folder)
-        self.check_preset(model_cfg, f"{hf.KEY}={folder} ({hf.CONFIG})")
+        check_preset(self.cfg.model.name, model_cfg, f"{hf.KEY}={folder} ({hf.CONFIG})")
         if model_cfg.vocab_size < vocab:
             raise ConfigError(
                 f"{hf.KEY}={folder}: vocab_size {model_cfg.vocab_size} is smaller than the "
