@@ -15,6 +15,8 @@ import pytest
 from hpctrain.cli.main import main
 from tests.faults.test_checkpoint_faults import tiny_tmpfs
 
+pytestmark = pytest.mark.slow  # a run trained first, tmpfs mounts: seconds
+
 
 def leftovers(root: Path) -> list[str]:
     """Temporary files or folders of an interrupted write under `root`."""

@@ -160,6 +160,7 @@ def test_a_segmentation_file_gets_new_heads_for_other_classes(tmp_path: Path) ->
     assert all(torch.equal(loaded[k], v) for k, v in source.items() if k not in heads)
 
 
+@pytest.mark.slow  # trains a step: seconds
 @pytest.mark.parametrize(
     ("source_shape", "named"),
     [

@@ -35,6 +35,7 @@ from tests.support.finetune_kit import (
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
+pytestmark = pytest.mark.slow  # each case trains a run or two: seconds
 
 
 @pytest.fixture(scope="module")
