@@ -98,16 +98,11 @@ def lm_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def lm_checks(lm_data: Path, run_dir: Path, *extra: str, profile: str = "local-dev"):  # type: ignore[no-untyped-def]
-    return by_name(
-        checks_for(
-            f"run_dir={run_dir}",
-            "task=causal_lm",
-            f"data.train={lm_data}",
-            "data.seq_len=32",
-            *extra,
-            profile=profile,
-        )
-    )
+    """The checks of a causal_lm job, all but the job's environment (a login shell each)."""
+    overrides = [f"slurm.profile={profile}", f"run_dir={run_dir}", "task=causal_lm"]
+    overrides += [f"data.train={lm_data}", "data.seq_len=32", *extra]
+    cfg = with_overrides(Config(), overrides)
+    return by_name(preflight(cfg, load_profile(profile), environment=False))
 
 
 @pytest.mark.slow  # transformers builds the folders: seconds
@@ -210,7 +205,11 @@ def test_preflight_of_a_run_that_resumes_does_not_need_its_init_from(
     )
     shutil.move(weights, tmp_path / "moved.pt")
     checks = by_name(
-        preflight(with_overrides(cfg, ["slurm.profile=local-dev"]), load_profile("local-dev"))
+        preflight(
+            with_overrides(cfg, ["slurm.profile=local-dev"]),
+            load_profile("local-dev"),
+            environment=False,
+        )
     )
     assert checks["model.init_from"].ok and "not read, the run resumes from its step 1" in (
         checks["model.init_from"].message
