@@ -7,6 +7,7 @@ indexes, exports). Remote URLs: one `pipe_file` (a single PUT, atomic on object 
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +21,13 @@ from hpctrain.errors import UsageError
 TEMP_MARKER = ".tmp-"
 
 Payload = bytes | Callable[[IO[bytes]], object]
+# A full file system, or a full quota (what $WORK and $SCRATCH enforce per project).
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def no_space(exc: BaseException) -> bool:
+    """Whether `exc` is a write that found no room (a full disk or quota)."""
+    return isinstance(exc, OSError) and exc.errno in NO_SPACE
 
 
 def write_atomic(url: str | Path, data: Payload, *, durable: bool = True, what: str = "") -> None:

@@ -170,3 +170,67 @@ def test_parse_time_reads_slurm_forms(text: str, minutes: int) -> None:
 def test_parse_time_refuses_other_forms(text: str) -> None:
     with pytest.raises(LaunchError, match="slurm.time"):
         parse_time(text)
+
+
+@pytest.mark.parametrize(
+    ("profile", "overrides", "message"),
+    [
+        (
+            "jean-zay-v100",
+            ("slurm.qos=qos_gpu-t4", "slurm.nodes=5"),
+            r"^slurm.nodes=5 x 4 GPUs = 20 GPUs: above the qos_gpu-t4 limit of 16 GPUs per job "
+            r"on jean-zay-v100; slurm.qos=qos_gpu-t3 \(≤ 512 GPUs, 20:00:00\) takes it$",
+        ),
+        (
+            "jean-zay-v100",
+            ("slurm.qos=qos_gpu-dev", "slurm.partition=gpu_p2", "slurm.nodes=5"),
+            r"^slurm.nodes=5 x 8 GPUs = 40 GPUs: above the qos_gpu-dev limit of 32 GPUs",
+        ),
+        (
+            "jean-zay-v100",
+            ("slurm.nodes=129",),
+            r"above the qos_gpu-t3 limit of 512 GPUs per job on jean-zay-v100$",
+        ),
+        (
+            "jean-zay-h100",
+            ("slurm.qos=qos_gpu_h100-t4", "slurm.nodes=17"),
+            r"= 68 GPUs: above the qos_gpu_h100-t4 limit of 64 GPUs per job",
+        ),
+    ],
+    ids=["v100-t4", "v100-dev-gpu_p2", "v100-t3", "h100-t4"],
+)
+def test_a_job_larger_than_its_qos_allows_is_refused(
+    profile: str, overrides: tuple, message: str
+) -> None:
+    """Issue #37 item 20: SLURM queues such a job and never starts it (QOSMaxGRESPerJob)."""
+    with pytest.raises(LaunchError, match=message) as info:
+        job_for(profile, *overrides)
+    assert "\n" not in str(info.value)
+
+
+def test_jobs_within_their_qos_limits_resolve_and_the_limits_cite_a_source() -> None:
+    assert job_for("jean-zay-v100", "slurm.qos=qos_gpu-t4", "slurm.nodes=4").nodes == 4
+    assert job_for("jean-zay-h100", "slurm.qos=qos_gpu_h100-dev", "slurm.nodes=8").nodes == 8
+    assert job_for("jean-zay-a100", "slurm.nodes=64").nodes == 64  # no public limit: unchecked
+    for name, limits in {
+        "jean-zay-v100": {"qos_gpu-t3": 512, "qos_gpu-t4": 16, "qos_gpu-dev": 32},
+        "jean-zay-h100": {"qos_gpu_h100-t3": 512, "qos_gpu_h100-t4": 64, "qos_gpu_h100-dev": 32},
+        "jean-zay-a100": {},
+    }.items():
+        profile = load_profile(name)
+        assert profile.qos_max_gpus == limits
+        text = Path(profile.source).read_text()
+        assert "GPUs one job may hold per QoS" in text  # each says where its numbers are from
+    with pytest.raises(LaunchError, match=r"x.yaml: qos_max_gpus.q=0: a QoS of `qos`"):
+        parse_profile(
+            {
+                "name": "x",
+                "default_partition": "p",
+                "partitions": {"p": {"gpus_per_node": 4, "cpus_per_task": 8, "qos": ["q"]}},
+                "qos": {"q": "01:00:00"},
+                "qos_max_gpus": {"q": 0},
+                "default_time": "10",
+                "precisions": ["fp32"],
+            },
+            "x.yaml",
+        )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +18,8 @@ from hpctrain.train.trainer import Trainer
 from tests.support.lm_kit import SEQ_LEN, write_token_shards
 
 torchvision = pytest.importorskip("torchvision")
+# The part of a 3-class task `load_initial_weights` reads: tensors of 3 rows may start anew.
+THREE_CLASSES = SimpleNamespace(num_classes=3)
 
 
 def resnet_file(path: Path) -> dict[str, torch.Tensor]:
@@ -35,7 +38,7 @@ def test_a_torchvision_file_gives_the_backbone_and_a_new_head(tmp_path: Path) ->
     torch.manual_seed(0)
     model = build_classifier("resnet18", 3, 64)
     head = {k: v.clone() for k, v in model.state_dict().items() if k.startswith("fc.")}
-    line = init_from.load_initial_weights(model, cfg, task=None)
+    line = init_from.load_initial_weights(model, cfg, task=THREE_CLASSES)
     assert line.endswith("re-initialised (shapes differ): fc.bias, fc.weight")
     for key, value in model.state_dict().items():
         expected = head[key] if key.startswith("fc.") else source[key]
@@ -45,12 +48,14 @@ def test_a_torchvision_file_gives_the_backbone_and_a_new_head(tmp_path: Path) ->
     with pytest.raises(
         ConfigError, match=r"model.init_from=.*: missing keys: layer4.1.bn2.running_var$"
     ):
-        init_from.load_initial_weights(build_classifier("resnet18", 3, 64), cfg, task=None)
+        init_from.load_initial_weights(build_classifier("resnet18", 3, 64), cfg, task=THREE_CLASSES)
     # another architecture: its keys are listed, nothing is loaded
     torch.save(torchvision.models.resnet34().state_dict(), tmp_path / "resnet34.pth")
     cfg34 = with_overrides(cfg, [f"model.init_from={tmp_path / 'resnet34.pth'}"])
     with pytest.raises(ConfigError, match=r"unexpected keys: layer1.2.bn1.bias"):
-        init_from.load_initial_weights(build_classifier("resnet18", 3, 64), cfg34, task=None)
+        init_from.load_initial_weights(
+            build_classifier("resnet18", 3, 64), cfg34, task=THREE_CLASSES
+        )
 
 
 def lm_overrides(shards: Path, run_dir: Path, *extra: str) -> list[str]:
@@ -148,8 +153,50 @@ def test_a_segmentation_file_gets_new_heads_for_other_classes(tmp_path: Path) ->
     torch.save(source, tmp_path / "lraspp.pth")
     cfg = with_overrides(Config(), [f"model.init_from={tmp_path / 'lraspp.pth'}"])
     model = build_segmenter("lraspp_mobilenet_v3_large", 3)
-    line = init_from.load_initial_weights(model, cfg, task=None)
+    line = init_from.load_initial_weights(model, cfg, task=THREE_CLASSES)
     heads = [k for k in source if k.startswith(("classifier.low_", "classifier.high_"))]
     assert line.endswith(f"re-initialised (shapes differ): {', '.join(sorted(heads))}")
     loaded = model.state_dict()
     assert all(torch.equal(loaded[k], v) for k, v in source.items() if k not in heads)
+
+
+@pytest.mark.slow  # trains a step: seconds
+@pytest.mark.parametrize(
+    ("source_shape", "named"),
+    [
+        ({"vocab_size": 301}, "tok_embeddings.weight [301, 32] (the model's [257, 32])"),
+        ({"n_kv_heads": 2}, "blocks.0.attention.wk.weight [16, 32] (the model's [32, 32])"),
+    ],
+    ids=["another-vocabulary", "other-kv-heads"],
+)
+def test_a_weights_file_that_would_reinitialise_embeddings_or_kv_is_refused(
+    tmp_path: Path, source_shape: dict, named: str
+) -> None:
+    """Item 14: a tensor other than a head of classes that would start anew (was an INFO
+    line) is refused in one line naming it, before any step; opting in loads the rest."""
+    from hpctrain.models.gpt import GPT, GPTConfig
+
+    shards = tmp_path / "shards"
+    write_token_shards(shards, 1, seed=1)
+    shape = {"vocab_size": 257, "dim": 32, "n_layers": 2, "n_heads": 4, "tie_embeddings": True}
+    shape |= source_shape  # the run's model: gpt-tiny's tied embeddings at these sizes
+    torch.manual_seed(5)
+    source = GPT(GPTConfig(**shape)).state_dict()
+    torch.save(source, tmp_path / "other.pt")
+    overrides = [
+        *lm_overrides(shards, tmp_path / "r", "train.max_steps=1"),
+        f"model.init_from={tmp_path / 'other.pt'}",
+    ]
+    trainer = Trainer(
+        load_config(None, overrides),
+        DistEnv(0, 0, 1, 1, "127.0.0.1", 0, "single"),
+        torch.device("cpu"),
+    )
+    with pytest.raises(ConfigError, match=r"^model.init_from=\S+: would start anew") as info:
+        trainer.fit()
+    assert named in str(info.value) and "model.init_from_reinit_mismatched=true" in str(info.value)
+    assert "\n" not in str(info.value) and trainer.state.step == 0
+    opted = fit(*overrides, "model.init_from_reinit_mismatched=true", "train.lr=0")
+    for key, value in opted.model.state_dict().items():  # lr 0: the weights as loaded
+        if value.shape == source[key].shape:
+            assert torch.equal(value, source[key]), key

@@ -349,7 +349,7 @@ def test_generate_continues_a_prompt_deterministically(
     printed = capsys.readouterr().out
     assert printed.startswith("the cat ") and len(printed.rstrip("\n")) > len("the cat ")
 
-    model, tree, step = load_gpt(run_dir)
+    model, tree, step, _ = load_gpt(run_dir)
     assert step == 6 and not model.training
     tokenizer = run_tokenizer(tree)
     prompt = tokenizer.encode("the cat ")
@@ -383,8 +383,8 @@ def test_generate_reads_the_weights_the_run_evaluated_with(
     assert trainer.fit() == 0 and trainer.ema is not None
     averaged = {plain_name(k): v for k, v in trainer.ema.state_dict().items()}
     trained = {k: v.detach() for k, v in trainer.model.state_dict().items()}
-    by_default, _, _ = load_gpt(str(run_dir))
-    without, _, _ = load_gpt(str(run_dir), ema=False)
+    by_default = load_gpt(str(run_dir)).model
+    without = load_gpt(str(run_dir), ema=False).model
     for name, value in by_default.state_dict().items():
         torch.testing.assert_close(value, averaged.get(name, trained[name]), rtol=0, atol=0)
         torch.testing.assert_close(without.state_dict()[name], trained[name], rtol=0, atol=0)

@@ -73,7 +73,9 @@ def run(args: argparse.Namespace) -> int:
         from safetensors.torch import save_file
 
         save_file(hf.hf_state_dict(weights, cfg), str(folder / hf.WEIGHTS))
-        (folder / hf.CONFIG).write_text(json.dumps(hf.hf_config(cfg, "LlamaForCausalLM", None)))
+        (folder / hf.CONFIG).write_text(
+            json.dumps(hf.hf_config(cfg, {"architectures": ["LlamaForCausalLM"]}, None))
+        )
         theirs: Any = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         ours = GPT(cfg)
         hf.load_hf_weights(ours, str(folder), cfg)

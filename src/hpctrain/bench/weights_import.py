@@ -102,7 +102,7 @@ def write_folder(folder: Path, cfg: GPTConfig, dtype: torch.dtype) -> int:
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True)
-    (folder / hf.CONFIG).write_text(json.dumps(hf.hf_config(cfg, "LlamaForCausalLM", None)))
+    (folder / hf.CONFIG).write_text(json.dumps(hf.hf_config(cfg, {}, None)))
     with torch.device("meta"):
         shapes = {name: tuple(p.shape) for name, p in GPT(cfg).named_parameters()}
     names = hf.hf_names(cfg)

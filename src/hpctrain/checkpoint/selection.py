@@ -179,3 +179,36 @@ def set_aside_all(own: Store) -> bool:
         if own.exists(pointer):
             own.rmtree(pointer)
     return True
+
+
+def peek(own: Store, which: str) -> dict[str, Any] | None:
+    """The manifest of the checkpoint `load(which)` would pick, read on this process without
+    verifying the files or setting anything aside; None when there is none ("none", an empty
+    root, no readable manifest): what a run needs to know before it builds its model, such
+    as the model's shape and tokenizer it records.
+
+    A newest step that turns out damaged makes the load fall back to an older one of the same
+    run, which records the same model.
+    """
+    if which == "none":
+        return None
+    try:
+        store = own
+        if which != "latest":
+            parent, _, leaf = which.rstrip("/").rpartition("/")
+            parent_store = open_store(parent or ".")
+            if parent_store.exists(f"{leaf}/{MANIFEST_NAME}"):
+                data = parent_store.read_bytes(f"{leaf}/{MANIFEST_NAME}")
+                return parse_manifest(data, parent_store.path(leaf), leaf)
+            store = open_store(which)
+        steps = committed_steps(store)
+        candidates, _ = steps_to_try(steps, read_latest(store), lambda s: _parent_of(store, s))
+        for step in candidates:
+            name = step_dir_name(step)
+            try:
+                return parse_manifest(store.read_bytes(f"{name}/{MANIFEST_NAME}"), name, name)
+            except (OSError, CheckpointError):
+                continue  # the load will say why, or fall back past it too
+    except (OSError, CheckpointError):
+        return None
+    return None

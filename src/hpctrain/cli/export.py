@@ -1,4 +1,5 @@
-"""`hpctrain export RUN_DIR_OR_CHECKPOINT OUT [--format pt|safetensors|hf|peft] [--best] [--[no-]ema]`."""
+"""`hpctrain export RUN_DIR_OR_CHECKPOINT OUT [--format pt|safetensors|hf|peft] [--best] [--[no-]ema]
+[--tokenizer PATH]`."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ EPILOG = """examples:
   hpctrain export runs/demo model.pt --no-ema               # the trained weights, always
   hpctrain export runs/lm hf-model --format hf              # a folder transformers loads
   hpctrain export runs/lora adapter --format peft           # a LoRA run's adapters for peft
+  hpctrain export runs/lm hf-model --format hf --tokenizer moved/tokenizer.json
 Load it with: model.load_state_dict(torch.load("model.pt", weights_only=True))
 or: safetensors.torch.load_file("model.safetensors"); built-in models also get a model card,
 OUT.json (model.safetensors.json). The weights are those the training evaluated with (the EMA
@@ -41,6 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the checkpoint the `best` pointer names (checkpoint.keep_best) instead of the newest",
     )
     parser.add_argument(
+        "--tokenizer",
+        default="",
+        metavar="bytes|PATH",
+        help="--format hf: the run's tokenizer file, where the one the checkpoint records has "
+        "moved (it must be the same tokenizer: checked by sha256)",
+    )
+    parser.add_argument(
         "--ema",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -50,6 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hpctrain.errors import UsageError
     from hpctrain.inference.export import export_hf, export_peft, export_weights
 
     # CheckpointError: exit code 4
@@ -62,13 +72,17 @@ def run(args: argparse.Namespace) -> int:
         )
         return 0
     if args.format == "hf":
-        result = export_hf(args.source, args.out, best=args.best, ema=args.ema)
+        result = export_hf(
+            args.source, args.out, best=args.best, ema=args.ema, tokenizer_spec=args.tokenizer
+        )
         print(
             f"exported {result.source} (step {result.step}{', EMA' if result.ema else ''}): "
             f"{result.num_tensors} tensors -> {result.out} "
             "(transformers.AutoModelForCausalLM.from_pretrained)"
         )
         return 0
+    if args.tokenizer:
+        raise UsageError("--tokenizer: only for --format hf (a weights file holds no tokenizer)")
     result = export_weights(args.source, args.out, fmt=args.format, best=args.best, ema=args.ema)
     print(
         f"exported {result.source} (step {result.step}{', EMA' if result.ema else ''}): "

@@ -93,6 +93,13 @@ class ModelConfig:
         False, "model.init_from a run or checkpoint folder: start from its EMA weights"
     )
     lora: LoraConfig = field(default_factory=LoraConfig)
+    init_from_reinit_mismatched: bool = _f(
+        False,
+        "model.init_from a run or weights file: re-initialise its tensors whose first dimension "
+        "differs from the model's (token embeddings of another vocabulary, K/V projections of "
+        "other heads) instead of refusing them; a classifier head of another number of "
+        "classes starts anew without it",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -35,6 +35,7 @@ from hpctrain.convert.writer import (
     write_shard,
 )
 from hpctrain.data.index import ShardIndex, ShardInfo, redact_url
+from hpctrain.files import no_space
 
 
 def convert(options: ConvertOptions) -> ConvertResult:
@@ -42,7 +43,22 @@ def convert(options: ConvertOptions) -> ConvertResult:
 
     The steps: validate the options, list the source and plan the shards, prepare DEST (the
     state file), write the shards, then commit (`skipped.txt`, the indexes, state file removed).
+
+    Raises:
+        ConvertError: among others, a write that found no room (a full disk or quota, in
+            DEST or in the temporary spool): one line naming the path and "No space left on
+            device"; the shards written so far stay for `--resume`.
     """
+    try:
+        return _convert(options)
+    except OSError as exc:
+        if not no_space(exc):
+            raise
+        where = exc.filename or redact_url(options.dest)
+        raise ConvertError(f"{where}: cannot write: {exc.strerror}") from None
+
+
+def _convert(options: ConvertOptions) -> ConvertResult:
     validate(options)
     destination.check_apart(options.src, options.dest)
     layout = destination.split_layout(options)

@@ -165,6 +165,9 @@ def _write(plan: _ShardPlan, reader: _SpoolReader, field: str) -> ShardResult:
             writer.add(f"{key}.{field}", encode_tokens(reader.ids(members), field))
         sha256 = writer.finish()
         output.commit()
+    except OSError as exc:
+        output.discard()
+        raise output.failed(exc) from None
     except BaseException:
         output.discard()
         raise

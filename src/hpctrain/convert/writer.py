@@ -197,6 +197,7 @@ class ShardOutput:
     """
 
     def __init__(self, url: str) -> None:
+        self.url = url
         self.fs, self.path = fsspec.core.url_to_fs(url)
         self.local = isinstance(self.fs, LocalFileSystem)
         self.file: Any
@@ -221,12 +222,19 @@ class ShardOutput:
             self.file.close()  # deletes the spool file
 
     def discard(self) -> None:
-        if self.local:
+        # Closing flushes what is buffered, which fails again on a full disk: the temporary
+        # file goes all the same (left, it would keep the disk full).
+        with contextlib.suppress(OSError):
             self.file.close()
+        if self.local:
             with contextlib.suppress(OSError):
                 os.unlink(self.temp)
-        else:
-            self.file.close()
+
+    def failed(self, exc: OSError) -> ConvertError:
+        """The one-line error of a write to this shard that failed (a full disk, a quota)."""
+        return ConvertError(
+            f"{redact_url(self.url)}: cannot write the shard: {exc.strerror or exc}"
+        )
 
 
 def write_shard(task: ShardTask, on_sample: Callable[[], Any] | None = None) -> ShardResult:
@@ -257,6 +265,9 @@ def write_shard(task: ShardTask, on_sample: Callable[[], Any] | None = None) -> 
             output.discard()
         else:
             output.commit()
+    except OSError as exc:
+        output.discard()
+        raise output.failed(exc) from None
     except BaseException:
         output.discard()
         raise

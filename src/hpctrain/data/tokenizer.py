@@ -142,9 +142,10 @@ class Tokenizer:
         return str(self._backend.decode([int(i) for i in arr]))
 
     def info(self) -> dict[str, Any]:
-        """The index's `tokenizer` object: name, vocab_size, eod_id, sha256."""
+        """The index's `tokenizer` object: name (a file's absolute path, so that the index
+        names it from any folder), vocab_size, eod_id, sha256."""
         return {
-            "name": self.name,
+            "name": self.name if self.kind == BYTES else os.path.abspath(self.name),
             "vocab_size": self.vocab_size,
             "eod_id": self.eod_id,
             "sha256": self.sha256,
@@ -359,6 +360,39 @@ def _describe(info: dict[str, Any]) -> str:
     return f"{info.get('name')!r}" + (f" (sha256 {sha[:12]})" if sha else "")
 
 
+def describe_tokenizer(info: dict[str, Any]) -> str:
+    """`'NAME' (sha256 PREFIX, vocab_size V, eod_id E)`: a tokenizer record in one line."""
+    sha = str(info.get("sha256") or "")
+    return (
+        f"{info.get('name')!r} ({'sha256 ' + sha[:12] + ', ' if sha else ''}vocab_size "
+        f"{info.get('vocab_size')}, eod_id {info.get('eod_id')})"
+    )
+
+
+def same_tokenizer(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two tokenizer records (an index's `tokenizer` object, a checkpoint's) give ids
+    the same meaning: the same file by its sha256 (the built-in bytes: by name, without
+    one), the same vocabulary size and end-of-document id. A file's path may differ (a moved
+    or copied tokenizer is the same tokenizer)."""
+    sha_a, sha_b = str(a.get("sha256") or ""), str(b.get("sha256") or "")
+    same_file = sha_a == sha_b if (sha_a or sha_b) else a.get("name") == b.get("name")
+    return (
+        same_file
+        and int(a.get("vocab_size") or 0) == int(b.get("vocab_size") or 0)
+        and int(a.get("eod_id", -1)) == int(b.get("eod_id", -1))
+    )
+
+
+def recorded_info(info: dict[str, Any]) -> dict[str, Any]:
+    """The tokenizer record a checkpoint keeps (`info`: an index's): the same, with a file's
+    name made absolute when it is a relative path that exists from here (an index converted
+    before names were stored absolute), so that export and generate find it from anywhere."""
+    name = str(info.get("name") or "")
+    if name and name != BYTES and not os.path.isabs(name) and os.path.isfile(name):
+        return {**info, "name": os.path.abspath(name)}
+    return dict(info)
+
+
 def check_tokenizer(
     index: Any, spec: str, where: str, key: str = "data.tokenizer"
 ) -> dict[str, Any]:
@@ -397,3 +431,29 @@ def check_tokenizer(
             f"converted with, {_describe(info)}; give that one (or '' to take the index's)"
         )
     return dict(info)
+
+
+def check_recorded_tokenizer(
+    recorded: dict[str, Any], info: dict[str, Any], model: str, data: str, *, config: bool = False
+) -> None:
+    """Refuse data whose tokenizer (`info`, its index's) is not the one a checkpoint records
+    (`recorded`): the same ids would mean other tokens, and training or scoring goes on
+    without an error. `model` names the checkpoint (or `model.init_from=RUN`), `data` the
+    data (`data.train=PATH`).
+
+    Raises:
+        DataError: (exit 3) the data changed under a checkpoint (a resume, eval, predict);
+            `ConfigError` (exit 2) with `config`: the run's settings put them together (a
+            warm start). One line naming both tokenizers.
+    """
+    from hpctrain.config import ConfigError
+    from hpctrain.errors import DataError
+
+    if same_tokenizer(recorded, info):
+        return
+    error = ConfigError if config else DataError
+    raise error(
+        f"{data}: converted with the tokenizer {describe_tokenizer(info)}, but {model} was "
+        f"trained on {describe_tokenizer(recorded)}: the same ids would stand for other tokens; "
+        "convert the data with the model's tokenizer"
+    )

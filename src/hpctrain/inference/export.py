@@ -85,6 +85,11 @@ def export_weights(
             None: those the training evaluated with (the EMA under its `train.ema_eval`).
     """
     fmt = format_of(out, fmt)
+    if Path(out).is_dir():
+        raise UsageError(
+            f"{out}: a folder; the export is one file: name it (e.g. {Path(out) / 'model.pt'}), "
+            "or use --format hf for a Hugging Face folder"
+        )
     if str(out).endswith(".json"):
         raise UsageError(
             f"{out}: a .json name is a model card's (an export writes its card to OUT.json); "
@@ -170,6 +175,25 @@ def model_card(
 HF_SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
 
 
+# The files of a tokenizer that transformers' AutoTokenizer reads besides tokenizer.json
+# (`transformers.tokenization_utils_base`, `transformers.utils.hub`): carried from the folder
+# the run's tokenizer came from, so that the export's chat template and special tokens are
+# the source's (`apply_chat_template` works on it).
+TOKENIZER_FILES = (
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+)
+CHAT_TEMPLATES_DIR = "additional_chat_templates"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+
+
 def export_hf(
     path: str,
     out: str | Path,
@@ -177,20 +201,27 @@ def export_hf(
     best: bool = False,
     ema: bool | None = None,
     shard_bytes: int = HF_SHARD_BYTES,
+    tokenizer_spec: str = "",
 ) -> ExportResult:
     """Write a causal_lm checkpoint as a Hugging Face model folder `out` (`--format hf`).
 
     `transformers.AutoModelForCausalLM.from_pretrained(out)` loads it without custom code:
-    `config.json` (the architecture the run was imported from, else `LlamaForCausalLM`),
-    `model.safetensors` (above `shard_bytes`, `model-0000N-of-0000M.safetensors` and
-    `model.safetensors.index.json`), `generation_config.json` and, when the run's tokenizer is
-    a tokenizer.json, that file with a `tokenizer_config.json` naming the end-of-document
-    token as EOS. The folder is written beside `out` and renamed into place: an existing,
-    non-empty `out` is refused, never overwritten.
+    `config.json` (the shape and the imported folder's entries the checkpoint records: the
+    architecture, else `LlamaForCausalLM`, the context, the sliding window), `model.safetensors`
+    (above `shard_bytes`, `model-0000N-of-0000M.safetensors` and
+    `model.safetensors.index.json`), `generation_config.json` and the tokenizer the checkpoint
+    records (`tokenizer_spec`: `--tokenizer`, which must be the same one): a tokenizer.json
+    with the tokenizer files of its folder (`TOKENIZER_FILES`: the chat template, special
+    tokens), and a `tokenizer_config.json` whose `model_max_length` is the model's context.
+    The `model.init_from` folder is never read when the checkpoint records what it took from
+    it. The folder is written beside `out` and renamed into place: an existing, non-empty
+    `out` is refused, never overwritten; a link to an empty folder gets the export in that
+    folder.
 
     Raises:
-        UsageError: not a causal_lm run (naming the formats that run exports to), or `out`
-            in the way.
+        UsageError: not a causal_lm run (naming the formats that run exports to), `out` in
+            the way or the current folder, a `--tokenizer` other than the run's, a write that
+            fails (a full disk: naming the path and "No space left on device").
     """
     try:
         from safetensors.torch import save
@@ -202,11 +233,9 @@ def export_hf(
     from hpctrain.data.tokenizer import JSON
     from hpctrain.inference.generate import run_tokenizer
     from hpctrain.models import hf
-    from hpctrain.tasks.causal_lm import CAUSAL_LM, gpt_config_for
+    from hpctrain.tasks.lm_shape import CAUSAL_LM, gpt_config_for
 
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UsageError(f"{out}: exists and is not an empty folder; --format hf writes a new one")
+    target = hf_target(out)
     store, name, manifest = locate_checkpoint(path, best=best)
     tree = config_tree(manifest) or {}
     if tree.get("task") != CAUSAL_LM:
@@ -218,56 +247,60 @@ def export_hf(
         ema = bool((tree.get("train") or {}).get("ema_eval"))
     weights = read_weights(store, name, manifest, ema=ema)
     cfg = gpt_config_for(tree, weights, store.path(name), manifest)
-    # The source folder's architecture and token ids, as the run recorded them (a newer run)
-    # or from the folder itself when it is still there.
-    source_config: dict[str, Any] = manifest.get("metadata", {}).get("hf_config") or {}
+    metadata = manifest.get("metadata") or {}
+    # The source folder's entries as the run recorded them; an older checkpoint: the folder's
+    # config.json as it is now, when it is still there.
+    source_config: dict[str, Any] = dict(metadata.get("hf_config") or {})
     init_from = str((tree.get("model") or {}).get("init_from") or "")
-    if not source_config and init_from and hf.is_hf_folder(init_from):
+    if "gpt" not in metadata and init_from and hf.is_hf_folder(init_from):
         source_config = hf.read_hf_config(init_from)
-    architecture = (source_config.get("architectures") or ["LlamaForCausalLM"])[0]
-    tokenizer = run_tokenizer(tree)
+    recorded = metadata.get("tokenizer")
+    tokenizer = run_tokenizer(
+        tree, tokenizer_spec, recorded if isinstance(recorded, dict) else None
+    )
     eos = tokenizer.eod_id
-    config = hf.hf_config(cfg, architecture, eos)
-    for key in ("bos_token_id", "max_position_embeddings"):
-        if key in source_config:
-            config[key] = source_config[key]
+    config = hf.hf_config(cfg, source_config, eos)
     tensors = hf.hf_state_dict(weights, cfg)
     step = int(manifest["step"])
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    tmp.mkdir(parents=True)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
+        writer = FolderWriter(tmp, target)
         shards = split_shards(tensors, shard_bytes)
         metadata = {"format": "pt", "hpctrain_step": str(step)}
         if len(shards) == 1:
-            (tmp / hf.WEIGHTS).write_bytes(save(shards[0], metadata=metadata))
+            writer.write(hf.WEIGHTS, save(shards[0], metadata=metadata))
         else:
             weight_map = {}
             for i, shard in enumerate(shards, 1):
                 file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-                (tmp / file).write_bytes(save(shard, metadata=metadata))
+                writer.write(file, save(shard, metadata=metadata))
                 weight_map.update(dict.fromkeys(shard, file))
             total = sum(t.numel() * t.element_size() for t in tensors.values())
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (tmp / hf.INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        (tmp / hf.CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+            writer.write_json(hf.INDEX, index)
+        writer.write_json(hf.CONFIG, config)
         generation = {"eos_token_id": eos, "do_sample": False}
         if "bos_token_id" in config:
             generation["bos_token_id"] = config["bos_token_id"]
-        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        writer.write_json("generation_config.json", generation)
         if tokenizer.kind == JSON:  # other kinds (bytes, sentencepiece, tiktoken): no file
-            shutil.copyfile(tokenizer.name, tmp / "tokenizer.json")
-            eos_token = hf.special_token(Path(tokenizer.name), eos)
-            tokenizer_config = {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "eos_token": eos_token,
-                "model_max_length": int((tree.get("data") or {}).get("seq_len") or 0) or 2048,
-            }
-            (tmp / "tokenizer_config.json").write_text(
-                json.dumps(tokenizer_config, indent=2) + "\n"
+            writer.copy(Path(tokenizer.name), "tokenizer.json")
+            companions = tokenizer_folder(Path(tokenizer.name), tokenizer.sha256, init_from)
+            for file in TOKENIZER_FILES:
+                if companions is not None and (companions / file).is_file():
+                    writer.copy(companions / file, file)
+            if companions is not None and (companions / CHAT_TEMPLATES_DIR).is_dir():
+                for template in sorted((companions / CHAT_TEMPLATES_DIR).glob("*.jinja")):
+                    writer.copy(template, f"{CHAT_TEMPLATES_DIR}/{template.name}")
+            writer.write_json(
+                TOKENIZER_CONFIG,
+                tokenizer_config(
+                    writer.read_json(TOKENIZER_CONFIG),
+                    hf.special_token(Path(tokenizer.name), eos),
+                    config["max_position_embeddings"],
+                ),
             )
-        if out.exists():
-            out.rmdir()  # empty (checked above)
-        tmp.replace(out)
+        writer.commit()
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -276,9 +309,108 @@ def export_hf(
         step=step,
         num_tensors=len(tensors),
         num_elements=sum(v.numel() for v in tensors.values()),
-        out=out,
+        out=Path(out),
         ema=ema,
     )
+
+
+def hf_target(out: str | Path) -> Path:
+    """The folder `--format hf` writes: `out`, or the folder a link `out` points to.
+
+    Raises:
+        UsageError: `out` is a file or a folder with files, or the current folder (`.`,
+            `./`) or one above it, which a new folder cannot replace.
+    """
+    target = Path(os.path.realpath(out))
+    here = Path.cwd().resolve()
+    if target == here or target in here.parents:
+        raise UsageError(
+            f"{out}: the current folder (or one above it); --format hf writes a new folder: "
+            f"give its name (e.g. {Path(out) / 'hf-model'})"
+        )
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        shown = f"{out} (a link to {target})" if target != Path(out).absolute() else f"{out}"
+        raise UsageError(
+            f"{shown}: exists and is not an empty folder; --format hf writes a new one"
+        )
+    return target
+
+
+class FolderWriter:
+    """Files of a new folder written under a temporary name, renamed into place whole.
+
+    A write that fails (a full disk, a quota) is one `UsageError` naming the file and why
+    ("No space left on device"); the caller removes the temporary folder.
+    """
+
+    def __init__(self, tmp: Path, target: Path) -> None:
+        self.tmp, self.target = tmp, target
+        self.attempt(target, lambda: tmp.mkdir(parents=True))
+
+    def attempt(self, path: Path, action: Any) -> Any:
+        try:
+            return action()
+        except OSError as exc:
+            raise UsageError(f"{path}: cannot write the export: {exc.strerror or exc}") from None
+
+    def write(self, name: str, data: bytes) -> None:
+        def write() -> None:
+            (self.tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            (self.tmp / name).write_bytes(data)
+
+        self.attempt(self.target / name, write)
+
+    def write_json(self, name: str, value: Any) -> None:
+        self.write(name, (json.dumps(value, indent=2) + "\n").encode())
+
+    def read_json(self, name: str) -> dict[str, Any]:
+        """A JSON object written (or copied) into the folder; {} when there is none."""
+        path = self.tmp / name
+        if not path.is_file():
+            return {}
+        try:
+            value = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"{name} of the tokenizer's folder: not JSON ({exc})") from None
+        return value if isinstance(value, dict) else {}
+
+    def copy(self, source: Path, name: str) -> None:
+        def copy() -> None:
+            (self.tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, self.tmp / name)
+
+        self.attempt(self.target / name, copy)
+
+    def commit(self) -> None:
+        """Rename the folder into place; an empty folder there (one `hf_target` let through)
+        is replaced in the same rename."""
+        self.attempt(self.target, lambda: os.replace(self.tmp, self.target))
+
+
+def tokenizer_folder(tokenizer_json: Path, sha256: str, init_from: str) -> Path | None:
+    """The folder whose `TOKENIZER_FILES` go with the run's tokenizer: the tokenizer.json's
+    own folder when it has any of them, else the `model.init_from` folder when its
+    tokenizer.json is the same file (by sha256); None when neither."""
+    from hpctrain.data.tokenizer import file_sha256
+
+    own = tokenizer_json.parent
+    if any((own / f).is_file() for f in TOKENIZER_FILES):
+        return own
+    source = Path(init_from) / "tokenizer.json" if init_from else None
+    if source is not None and source.is_file() and file_sha256(str(source)) == sha256:
+        return source.parent
+    return None
+
+
+def tokenizer_config(source: dict[str, Any], eos_token: str, context: int) -> dict[str, Any]:
+    """The export's `tokenizer_config.json`: the source folder's (its chat template, special
+    tokens, class), with `model_max_length` the model's context (not the training
+    `data.seq_len`, which would make transformers warn of indexing errors on longer texts)
+    and the end-of-document token as EOS where the source names none."""
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **source}
+    config.setdefault("eos_token", eos_token)
+    config["model_max_length"] = context
+    return config
 
 
 def split_shards(

@@ -11,22 +11,33 @@ run's `train.precision` (autocast), in fp32 on CPUs.
 from __future__ import annotations
 
 import math
+import os
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import yaml
 
 from hpctrain.checkpoint import CheckpointError
 from hpctrain.checkpoint.weights import locate_checkpoint
+from hpctrain.config import ConfigError
 from hpctrain.data.locate import open_index
-from hpctrain.data.tokenizer import Tokenizer, check_tokenizer, load_tokenizer
+from hpctrain.data.tokenizer import (
+    BYTES,
+    Tokenizer,
+    TokenizerError,
+    check_tokenizer,
+    describe_tokenizer,
+    load_tokenizer,
+    same_tokenizer,
+)
 from hpctrain.errors import DataError, UsageError
 from hpctrain.models.decoding import decode
 from hpctrain.models.gpt import GPT
 from hpctrain.models.lora_base import read_weights  # a LoRA run: merged into its base
 from hpctrain.parallel.precision import DTYPES, DeviceFacts, Precision, device_facts
-from hpctrain.tasks.causal_lm import gpt_config_for, load_index_tokenizer
+from hpctrain.tasks.causal_lm import load_index_tokenizer
+from hpctrain.tasks.lm_shape import gpt_config_for
 
 
 def run_config(manifest: dict[str, Any], where: str) -> dict[str, Any]:
@@ -41,14 +52,23 @@ def run_config(manifest: dict[str, Any], where: str) -> dict[str, Any]:
     return tree
 
 
+class LoadedGPT(NamedTuple):
+    """A causal_lm checkpoint's model, ready to generate (`load_gpt`)."""
+
+    model: GPT  # in eval mode, on the device asked for
+    tree: dict[str, Any]  # the run's resolved config
+    step: int
+    tokenizer: dict[str, Any] | None  # the tokenizer record (None: an older checkpoint)
+
+
 def load_gpt(
     source: str,
     *,
     best: bool = False,
     device: torch.device | None = None,
     ema: bool | None = None,
-) -> tuple[GPT, dict[str, Any], int]:
-    """(model in eval mode, the run's config tree, step) from a run folder or checkpoint.
+) -> LoadedGPT:
+    """The model of a run folder or checkpoint, with the run's config and its tokenizer record.
 
     `ema`: read the EMA of the weights (`train.ema_decay`) instead of the trained ones; None
     (default): the weights the training evaluated with (EMA when its `train.ema_eval` was on).
@@ -65,7 +85,13 @@ def load_gpt(
     cfg = gpt_config_for(tree, weights, where, manifest)
     model = GPT(cfg)
     model.load_state_dict(weights)
-    return model.to(device or torch.device("cpu")).eval(), tree, int(manifest["step"])
+    recorded = manifest.get("metadata", {}).get("tokenizer")
+    return LoadedGPT(
+        model.to(device or torch.device("cpu")).eval(),
+        tree,
+        int(manifest["step"]),
+        recorded if isinstance(recorded, dict) else None,
+    )
 
 
 def generate_ids(
@@ -179,8 +205,8 @@ def generate_text(
     except UnicodeEncodeError:  # bytes of another encoding, kept by Python as surrogates
         raise UsageError("--prompt: not UTF-8 text (convert it, e.g. with iconv)") from None
     target = generation_device(device)
-    model, tree, _ = load_gpt(source, best=best, device=target, ema=ema)
-    tokenizer = run_tokenizer(tree, tokenizer_spec)
+    model, tree, _, recorded = load_gpt(source, best=best, device=target, ema=ema)
+    tokenizer = run_tokenizer(tree, tokenizer_spec, recorded)
     ids = tokenizer.encode(prompt)
     if not ids:
         raise UsageError("--prompt: the text gives no tokens")
@@ -201,16 +227,27 @@ def generate_text(
     return prompt + tokenizer.decode(new)
 
 
-def run_tokenizer(tree: dict[str, Any], spec: str = "") -> Tokenizer:
-    """The tokenizer of a causal_lm run: `spec` ("bytes" or a tokenizer file) when given,
-    else the run's `data.tokenizer`, else the one its training index names (`data.train`),
-    checked against that index when it can be read (a file by its sha256).
+def run_tokenizer(
+    tree: dict[str, Any], spec: str = "", recorded: dict[str, Any] | None = None
+) -> Tokenizer:
+    """The tokenizer of a causal_lm run.
+
+    `spec` (`--tokenizer`: "bytes" or a tokenizer file) when given; else the one the
+    checkpoint records (`recorded`: its absolute path, checked by sha256), or when that file
+    is gone or changed, data.train's index's if it is the same tokenizer; else (an older
+    checkpoint) the run's `data.tokenizer`, else its training index's, checked against that
+    index when it can be read (a file by its sha256).
 
     Raises:
-        UsageError: no tokenizer given and the training index cannot be read.
-        ConfigError: a tokenizer other than the one the index records.
+        UsageError: `spec` is not the tokenizer the checkpoint records; no tokenizer given
+            and none to be found (the message says `--tokenizer`).
+        DataError: the recorded file is gone or changed and data.train now holds another
+            tokenizer's ids (naming both).
+        ConfigError: (an older checkpoint) a tokenizer other than the one the index records.
     """
     data = tree.get("data") or {}
+    if recorded:
+        return recorded_tokenizer(recorded, spec, str(data.get("train") or ""))
     configured = spec or str(data.get("tokenizer") or "")
     train = str(data.get("train") or "")
     try:
@@ -224,4 +261,42 @@ def run_tokenizer(tree: dict[str, Any], spec: str = "") -> Tokenizer:
         return load_tokenizer(configured)  # nothing to check it against
     key = "--tokenizer" if spec else "data.tokenizer"
     info = check_tokenizer(index, configured, train, key=key)
-    return load_index_tokenizer(info, configured)
+    try:
+        return load_index_tokenizer(info, configured)
+    except TokenizerError as exc:  # an index naming a relative path, read from elsewhere
+        raise UsageError(f"{exc}; give --tokenizer bytes|PATH") from None
+
+
+def recorded_tokenizer(recorded: dict[str, Any], spec: str, train: str) -> Tokenizer:
+    """The tokenizer a checkpoint records (see `run_tokenizer`)."""
+    model = f"the checkpoint's model was trained on {describe_tokenizer(recorded)}"
+    if spec:
+        given = load_tokenizer(spec)
+        if not same_tokenizer({**given.info(), "eod_id": recorded.get("eod_id")}, recorded):
+            raise UsageError(
+                f"--tokenizer {spec}: {describe_tokenizer(given.info())} is not the tokenizer "
+                f"the checkpoint's model was trained on, {describe_tokenizer(recorded)}"
+            )
+        given.eod_id = int(recorded["eod_id"])
+        return given
+    name = str(recorded.get("name") or "")
+    why = ""
+    if name == BYTES or os.path.isfile(name):
+        tokenizer = load_tokenizer(name)
+        if same_tokenizer({**tokenizer.info(), "eod_id": recorded.get("eod_id")}, recorded):
+            tokenizer.eod_id = int(recorded["eod_id"])
+            return tokenizer
+        why = f"{name} is another file now (sha256 {tokenizer.sha256[:12]})"
+    else:
+        why = f"{name} is gone"
+    try:  # the same tokenizer elsewhere: the one data.train's index names
+        info = open_index(train).tokenizer
+    except DataError:
+        info = None
+    if info and same_tokenizer(dict(info), recorded) and str(info["name"]) != name:
+        try:
+            return load_index_tokenizer(dict(info))
+        except (TokenizerError, ConfigError):
+            pass
+    found = f"; data.train's index names {describe_tokenizer(dict(info))}" if info else ""
+    raise DataError(f"{model}, but {why}{found}: give that tokenizer with --tokenizer PATH")

@@ -259,10 +259,10 @@ def run_harness(
     check_offline(manager, names, include)
     which = cfg.checkpoint_root() if checkpoint in ("", "latest", "best") else checkpoint
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, tree, step = load_gpt(
+    model, tree, step, recorded = load_gpt(
         which, best=checkpoint == "best", device=device, ema=cfg.train.ema_eval
     )
-    tokenizer = run_tokenizer(tree, cfg.data.tokenizer)
+    tokenizer = run_tokenizer(tree, "", recorded)  # the one the checkpoint records
     window = max_length or cfg.data.seq_len or 2048
     lm = harness_lm(
         model,

@@ -25,12 +25,13 @@ of the row-major pixels. Shards output is itself a dataset: `hpctrain inspect DE
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -167,26 +168,38 @@ class PartWriter:
         self.num_bytes = 0
         self.num_samples = 0
 
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        """A write that fails (a full disk, a quota) is one line naming the part and why."""
+        try:
+            yield
+        except OSError as exc:
+            raise UsageError(
+                f"{redact_url(self.path)}: cannot write the predictions: {exc.strerror or exc}"
+            ) from None
+
     def add(self, key: str, outputs: Mapping[str, Any]) -> None:
-        if self.tar is not None:
-            for name, data in shard_members(key, outputs):
-                self.tar.add(name, data)
-        else:
-            line = jsonl_line(key, outputs)
-            self.file.write(line)
-            self.sha256.update(line)
-            self.num_bytes += len(line)
+        with self.writing():
+            if self.tar is not None:
+                for name, data in shard_members(key, outputs):
+                    self.tar.add(name, data)
+            else:
+                line = jsonl_line(key, outputs)
+                self.file.write(line)
+                self.sha256.update(line)
+                self.num_bytes += len(line)
         self.num_samples += 1
 
     def commit(self) -> dict[str, Any]:
         """Finish the part and give it its final name; returns its manifest entry."""
-        if self.tar is not None:
-            digest = self.tar.finish()
-            self.num_bytes = self.tar.num_bytes
-        else:
-            digest = self.sha256.hexdigest()
-        self.file.close()
-        self.fs.mv(self.tmp_path, self.path)
+        with self.writing():
+            if self.tar is not None:
+                digest = self.tar.finish()
+                self.num_bytes = self.tar.num_bytes
+            else:
+                digest = self.sha256.hexdigest()
+            self.file.close()
+            self.fs.mv(self.tmp_path, self.path)
         return {
             "url": self.path.rsplit("/", 1)[1],
             "num_samples": self.num_samples,
@@ -195,11 +208,12 @@ class PartWriter:
         }
 
     def discard(self) -> None:
-        try:
+        # Closing flushes what is buffered, which fails again on a full disk: the part goes
+        # all the same (left, it would keep the disk full).
+        with contextlib.suppress(OSError, ValueError):
             self.file.close()
+        with contextlib.suppress(OSError, ValueError):  # gone, or the store is unreachable
             self.fs.rm(self.tmp_path)
-        except (OSError, ValueError):  # already gone, or the store is unreachable: not complete
-            pass
 
 
 def data_folder(data: str) -> str:
@@ -350,8 +364,16 @@ def run_predict(
                 if e["num_samples"]
             )
             if shards:
-                write_atomic(f"{dest}/{INDEX_NAME}", index_to_bytes(ShardIndex(shards=shards)))
-        write_atomic(f"{dest}/{MANIFEST_NAME}", (json.dumps(manifest, indent=1) + "\n").encode())
+                write_atomic(
+                    f"{dest}/{INDEX_NAME}",
+                    index_to_bytes(ShardIndex(shards=shards)),
+                    what="the predictions' index",
+                )
+        write_atomic(
+            f"{dest}/{MANIFEST_NAME}",
+            (json.dumps(manifest, indent=1) + "\n").encode(),
+            what="the predictions' manifest",
+        )
         summary = {k: v for k, v in manifest.items() if k != "parts"}
         summary["manifest"] = f"{redact_url(out).rstrip('/')}/{MANIFEST_NAME}"
         print(json.dumps(summary), flush=True)

@@ -31,6 +31,7 @@ from hpctrain.config import Config, ConfigError, with_overrides
 from hpctrain.data import ShardedLoader, open_index
 from hpctrain.data.index import ShardIndex, ShardIndexError, redact_url
 from hpctrain.data.mixture_index import open_train_index
+from hpctrain.data.tokenizer import check_recorded_tokenizer
 from hpctrain.distributed import DistEnv, process_group, start_process
 from hpctrain.distributed.signals import start_compile_workers
 from hpctrain.models.lora_base import read_weights  # a LoRA run: merged into its base
@@ -122,6 +123,22 @@ def model_classes(
     return index
 
 
+def check_data_tokenizer(
+    manifest: dict[str, Any], data_index: ShardIndex, key: str, where: str
+) -> None:
+    """Refuse token data converted with another tokenizer than the one the checkpoint's
+    model was trained on (a causal_lm checkpoint records it); an older checkpoint without
+    the record, or data without tokens, is not checked.
+
+    Raises:
+        DataError: one line naming both tokenizers (exit 3).
+    """
+    recorded = (manifest.get("metadata") or {}).get("tokenizer")
+    info = getattr(data_index, "tokenizer", None)
+    if isinstance(recorded, dict) and info:
+        check_recorded_tokenizer(recorded, dict(info), f"the checkpoint {where}", key)
+
+
 def load_weights(model: nn.Module, weights: dict[str, torch.Tensor], where: str) -> None:
     """Copy the checkpoint's weights into `model`; a mismatch names the first keys at fault."""
     own = model.state_dict()
@@ -210,7 +227,8 @@ def inference_session(
         note = configure_backends(facts, cfg.train.deterministic)
         if note:
             log.info(note)
-        task = load_task(cfg, classes)
+        task = load_task(cfg, classes, manifest)  # the model the checkpoint records
+        check_data_tokenizer(manifest, data_index, key, where)
         torch.manual_seed(cfg.seed)  # FSDP2 needs equal weights everywhere: they are loaded
         model = task.build_model()
         load_weights(model, weights, where)

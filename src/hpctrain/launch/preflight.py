@@ -12,6 +12,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from hpctrain.config import Config, ConfigError
@@ -19,8 +20,11 @@ from hpctrain.errors import DataError
 from hpctrain.launch.checks import Check
 from hpctrain.launch.cluster_limits import check_live_limits
 from hpctrain.launch.environment import check_job_environment
-from hpctrain.launch.profiles import ClusterProfile, LaunchError, resolve_job
+from hpctrain.launch.profiles import ClusterProfile, JobSpec, LaunchError, resolve_job
 from hpctrain.launch.script_values import check_no_credential
+
+if TYPE_CHECKING:  # torch: imported by the checks that need it, not by `hpctrain --help`
+    from hpctrain.parallel.precision import DeviceFacts, TrainingPlan
 
 SAMPLE_SHARDS = 3
 
@@ -221,14 +225,32 @@ def check_task(cfg: Config) -> Check:
     return Check("task", True, f"{target} imports")
 
 
+def resume_manifest(cfg: Config) -> dict[str, Any] | None:
+    """The manifest of the checkpoint the job would resume from (None: a new run)."""
+    if "$" in cfg.checkpoint_root():
+        return None  # expanded on the node
+    from hpctrain.checkpoint.selection import peek
+    from hpctrain.checkpoint.storage import open_store
+
+    return peek(open_store(cfg.checkpoint_root()), cfg.checkpoint.resume)
+
+
 def check_init_from(cfg: Config) -> Check | None:
-    """`model.init_from` exists, is readable and of a known kind (None: not set)."""
+    """`model.init_from` exists, is readable and of a known kind (None: not set); not read
+    by a run that resumes (which needs it no more)."""
     path = cfg.model.init_from
     if not path:
         return None
     if "$" in path:
         return Check(
             "model.init_from", True, f"{path} is expanded on the node; not checked", warning=True
+        )
+    resumed = resume_manifest(cfg)
+    if resumed is not None:
+        return Check(
+            "model.init_from",
+            True,
+            f"{path}: not read, the run resumes from its step {resumed.get('step')}",
         )
     from hpctrain.models.init_from import kind_of
 
@@ -256,6 +278,70 @@ def check_lora_settings(cfg: Config) -> Check | None:
     return Check(
         "model.lora", True, f"rank {lora.rank}, alpha {lora.alpha:g} on {cfg.model.init_from}"
     )
+
+
+def job_device(job: JobSpec) -> DeviceFacts:
+    """What the trainer's plan needs to know of the job's devices: the profile's GPUs (their
+    compute capability from `gpu_arch`), or CPUs (a cluster without GPUs)."""
+    from hpctrain.parallel.precision import DeviceFacts
+
+    if not job.gpus_per_node:
+        return DeviceFacts(type="cpu")
+    digits = job.gpu_arch.removeprefix("sm_").rstrip("a")
+    capability = (int(digits[:-1]), int(digits[-1])) if digits.isdigit() else (0, 0)
+    return DeviceFacts(type="cuda", name=f"{job.profile} GPUs", capability=capability)
+
+
+def check_plan(cfg: Config, job: JobSpec) -> tuple[Check, TrainingPlan | None]:
+    """The trainer's plan for the job's ranks and nodes, and the rules between config keys:
+    a `train.tp_degree` or `train.shard_degree` the node shape does not divide, a
+    `data.seq_len` the TP degree does not divide, bf16 on GPUs without it. The same
+    functions the trainer runs first (`check_rules`, `plan_training`)."""
+    from hpctrain.config.rules import check_rules
+    from hpctrain.parallel.precision import plan_training
+
+    ranks = job.nodes * job.tasks_per_node
+    try:
+        check_rules(cfg)
+        plan = plan_training(cfg.train, job_device(job), ranks, job.tasks_per_node)
+    except ConfigError as exc:
+        return Check("train", False, str(exc)), None
+    what = f"{ranks} rank(s) on {job.nodes} node(s): {plan.describe_mesh()}"
+    return Check("train", True, f"{what}, {plan.precision.name}"), plan
+
+
+def check_model(cfg: Config, plan: TrainingPlan | None) -> Check | None:
+    """The trainer's own checks of its task and model, without building the model: a
+    built-in task constructed from the training index as the trainer constructs it (a
+    Hugging Face folder's architecture, safetensors weights, RoPE entries and sliding window
+    against `data.seq_len`; the tokenizer's vocabulary; `model.name` against the folder; a
+    resume's recorded model and tokenizer), `model.init_from` for the task, and the model's
+    heads against `train.tp_degree`. None for a task of the user's (its constructor is their
+    code) or data that cannot be read (`check_data` says why)."""
+    from hpctrain.data.mixture_index import open_train_index
+    from hpctrain.errors import HpctrainError
+    from hpctrain.models import init_from
+    from hpctrain.models.gpt import GPTConfig, check_tensor_parallel
+    from hpctrain.tasks.task import BUILTIN_TASKS, load_task
+
+    if cfg.task not in BUILTIN_TASKS:
+        return None
+    try:
+        index = open_train_index(cfg.data)
+    except Exception:  # any failure: check_data reports it in its own line
+        return None
+    resumed = resume_manifest(cfg)
+    try:
+        task = load_task(cfg, index, resumed)
+        if resumed is None:
+            init_from.check(cfg, task)
+        shape = getattr(task, "model_cfg", None)
+        if plan is not None and plan.tp > 1 and isinstance(shape, GPTConfig):
+            check_tensor_parallel(shape, plan.tp)
+    except HpctrainError as exc:
+        return Check("model", False, " ".join(str(exc).splitlines()))
+    start = f"resumes from step {resumed.get('step')}" if resumed else "a new run"
+    return Check("model", True, f"task {cfg.task} builds its model ({start})")
 
 
 def check_python() -> Check:
@@ -293,6 +379,10 @@ def preflight(
         job = None  # check_profile reported it
     if job is not None:
         checks += check_live_limits(job)
+    plan = None
+    if job is not None:
+        plan_check, plan = check_plan(cfg, job)
+        checks.append(plan_check)
     if data:
         checks += check_data(cfg)
     checks += [check_task(cfg), check_python()]
@@ -302,6 +392,10 @@ def preflight(
     lora_check = check_lora_settings(cfg)
     if lora_check is not None:
         checks.append(lora_check)
+    if data and (init_check is None or init_check.ok):
+        model_check = check_model(cfg, plan)
+        if model_check is not None:
+            checks.append(model_check)
     if environment and job is not None:
         checks += check_job_environment(job, python, compile=cfg.train.compile)
     return checks

@@ -63,6 +63,9 @@ class ClusterProfile:
     gpu_arch: str = ""  # the CUDA architecture of its GPUs (sm_70, sm_80, sm_90); "": no GPU
     container_runtime: str = "apptainer"  # the command that runs slurm.container images
     source: str = ""
+    # Per-job limits of a QoS where the site states them: GPUs and nodes one job may hold.
+    qos_max_gpus: dict[str, int] = field(default_factory=dict)
+    qos_max_nodes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -159,7 +162,7 @@ def parse_profile(data: Any, source: str) -> ClusterProfile:
     known = {
         "name", "description", "account_suffix", "hint", "request_gpus", "default_partition",
         "partitions", "qos", "default_qos", "default_time", "precisions", "setup", "run_root",
-        "cache_root", "gpu_arch", "container_runtime",
+        "cache_root", "gpu_arch", "container_runtime", "qos_max_gpus", "qos_max_nodes",
     }  # fmt: skip
     unknown = sorted(set(data) - known)
     if unknown:
@@ -182,6 +185,17 @@ def parse_profile(data: Any, source: str) -> ClusterProfile:
     qos_max = {
         str(k): parse_time(str(v), f"{source}: qos.{k}") for k, v in (data.get("qos") or {}).items()
     }
+    per_job: dict[str, dict[str, int]] = {}
+    for key in ("qos_max_gpus", "qos_max_nodes"):
+        limits = data.get(key) or {}
+        if not isinstance(limits, dict):
+            raise LaunchError(f"{source}: {key} is a mapping of QoS name to a count")
+        per_job[key] = {str(q): _need(limits, q, int, f"{source}: {key}") for q in limits}
+        for qos, count in per_job[key].items():
+            if count < 1 or (qos_max and qos not in qos_max):
+                raise LaunchError(
+                    f"{source}: {key}.{qos}={count}: a QoS of `qos` and a count of at least 1"
+                )
     profile = ClusterProfile(
         name=str(_need(data, "name", str, source)),
         description=str(data.get("description", "")),
@@ -200,6 +214,8 @@ def parse_profile(data: Any, source: str) -> ClusterProfile:
         gpu_arch=str(data.get("gpu_arch", "") or ""),
         container_runtime=str(data.get("container_runtime", "") or "apptainer"),
         source=source,
+        qos_max_gpus=per_job["qos_max_gpus"],
+        qos_max_nodes=per_job["qos_max_nodes"],
     )
     if profile.gpu_arch and not re.fullmatch(r"sm_\d{2,3}a?", profile.gpu_arch):
         raise LaunchError(
@@ -257,6 +273,33 @@ def job_name_for(cfg: Config) -> str:
     return "hpctrain-" + re.sub(r"[^A-Za-z0-9_.-]", "_", base)[:64]
 
 
+def check_job_size(profile: ClusterProfile, qos: str, nodes: int, gpus_per_node: int) -> None:
+    """Refuse a job larger than its QoS lets one job be (the profile's `qos_max_gpus`,
+    `qos_max_nodes`): SLURM would queue it and never start it (`QOSMaxGRESPerJob`).
+
+    Raises:
+        LaunchError: naming the keys, the QoS's limit and the QoS that would take the job.
+    """
+    gpus = nodes * gpus_per_node
+    for limits, count, what, keys in (
+        (profile.qos_max_gpus, gpus, "GPUs", f"slurm.nodes={nodes} x {gpus_per_node} GPUs"),
+        (profile.qos_max_nodes, nodes, "nodes", f"slurm.nodes={nodes}"),
+    ):
+        limit = limits.get(qos)
+        if limit is None or count <= limit:
+            continue
+        others = [
+            f"{q} (≤ {n} {what}, {format_minutes(profile.qos_max_minutes[q])})"
+            for q, n in limits.items()
+            if n >= count and q in profile.qos_max_minutes
+        ]
+        way = f"; slurm.qos={others[0]} takes it" if others else ""
+        raise LaunchError(
+            f"{keys} = {count} {what}: above the {qos} limit of {limit} {what} per job on "
+            f"{profile.name}{way}"
+        )
+
+
 def resolve_job(cfg: Config, profile: ClusterProfile) -> JobSpec:
     """Merge the profile with `cfg.slurm` overrides and check the result against the profile.
 
@@ -291,6 +334,7 @@ def resolve_job(cfg: Config, profile: ClusterProfile) -> JobSpec:
         raise LaunchError(
             f"slurm.time={time_text!r}: above the {qos} limit of {format_minutes(profile.qos_max_minutes[qos])} on {profile.name} ({limits})"
         )
+    check_job_size(profile, qos, s.nodes, gpus if profile.request_gpus else 0)
     precision = cfg.train.precision
     if precision != "auto" and precision not in profile.precisions:
         raise LaunchError(

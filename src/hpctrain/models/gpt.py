@@ -145,6 +145,16 @@ def gpt_config(name: str, vocab_size: int, **overrides: int | bool) -> GPTConfig
     return replace(cfg, **changes) if changes else cfg
 
 
+def check_tensor_parallel(cfg: GPTConfig, tp: int) -> None:
+    """Refuse a `train.tp_degree` that does not divide the heads and KV heads (each rank
+    computes whole heads); `hpctrain preflight` runs it before the queue wait."""
+    for key, heads in (("causal_lm.n_heads", cfg.n_heads), ("causal_lm.n_kv_heads", cfg.kv_heads)):
+        if heads % tp:
+            raise ConfigError(
+                f"train.tp_degree={tp}: must divide {key}={heads} (each rank computes whole heads)"
+            )
+
+
 def num_params(cfg: GPTConfig, *, embedding: bool = True) -> int:
     """Parameters of the model built from `cfg` (the tied matrix once); without the
     input embedding table when `embedding=False`."""
@@ -507,15 +517,7 @@ class GPT(nn.Module):
         )
 
         tp = mesh.size()
-        for key, heads in (
-            ("causal_lm.n_heads", self.cfg.n_heads),
-            ("causal_lm.n_kv_heads", self.cfg.kv_heads),
-        ):
-            if heads % tp:
-                raise ConfigError(
-                    f"train.tp_degree={tp}: must divide {key}={heads} (each rank computes "
-                    "whole heads)"
-                )
+        check_tensor_parallel(self.cfg, tp)
         root: dict[str, Any] = {
             "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
             "norm": SequenceParallel(),

@@ -28,6 +28,7 @@ import json
 import math
 import re
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +85,7 @@ def read_hf_config(folder: str) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise ConfigError(f"{where}: {CONFIG} is not a JSON object")
     architectures = config.get("architectures") or [config.get("model_type")]
-    if architectures[0] not in ARCHITECTURES:
+    if not isinstance(architectures, list) or architectures[0] not in ARCHITECTURES:
         raise ConfigError(
             f"{where}: architectures {architectures} is not supported "
             f"(supported: {', '.join(ARCHITECTURES)})"
@@ -92,11 +93,57 @@ def read_hf_config(folder: str) -> dict[str, Any]:
     return config
 
 
+# The entries of a llama3 `rope_scaling` (or transformers 5's `rope_parameters`).
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# What a run records of its folder's config.json besides the GPT's shape (`HFSource.recorded`):
+# the architecture and token ids `export --format hf` writes back, and the sliding window
+# (Mistral's) that the export keeps and the trainer checks `data.seq_len` against.
+RECORDED_KEYS = (
+    "architectures",
+    "bos_token_id",
+    "eos_token_id",
+    "max_position_embeddings",
+    "sliding_window",
+    "use_sliding_window",
+)
+
+
+def number(config: dict[str, Any], key: str, kind: type, where: str, **options: Any) -> Any:
+    """`config[key]` as `kind` (int or float); `options`: `default` (returned when the key is
+    absent or null; without it the key is required) and `name` (the key's dotted place in
+    config.json, e.g. `rope_scaling.factor`).
+
+    Raises:
+        ConfigError: absent without a default, or not a number: one line naming the folder
+            (`where`), the file and the key.
+    """
+    name = options.get("name", key)
+    value = config.get(key)
+    if value is None:
+        if "default" in options:
+            return options["default"]
+        raise ConfigError(f"{where}: {CONFIG} has no {name}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{where}: {CONFIG}: {name} is {value!r}, not a number")
+    if kind is int and value != int(value):
+        raise ConfigError(f"{where}: {CONFIG}: {name} is {value!r}, not an integer")
+    return kind(value)
+
+
 def rope_settings(config: dict[str, Any], where: str) -> dict[str, Any]:
     """RoPE base and llama3 scaling as GPTConfig fields, from transformers 4's `rope_theta`
-    + `rope_scaling` or transformers 5's `rope_parameters`."""
-    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    + `rope_scaling` or transformers 5's `rope_parameters`.
+
+    Raises:
+        ConfigError: another kind of scaling, or a llama3 entry without one of its keys (one
+            line naming the folder, the file and the key).
+    """
+    section = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+    params = config.get(section) or {}
+    if not isinstance(params, dict):
+        raise ConfigError(f"{where}: {CONFIG}: {section} is {params!r}, not an object")
+    theta = number(config, "rope_theta", float, where, default=10000.0)
+    theta = number(params, "rope_theta", float, where, default=theta, name=f"{section}.rope_theta")
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return {"rope_theta": theta}
@@ -104,12 +151,22 @@ def rope_settings(config: dict[str, Any], where: str) -> dict[str, Any]:
         raise ConfigError(
             f"{where}: rope scaling of type {kind!r} is not supported (default or llama3)"
         )
+    factor, low, high, original = (
+        number(
+            params,
+            key,
+            int if key.startswith("original") else float,
+            where,
+            name=f"{section}.{key} (rope_type llama3 needs {', '.join(LLAMA3_KEYS)})",
+        )
+        for key in LLAMA3_KEYS
+    )
     return {
         "rope_theta": theta,
-        "rope_scaling_factor": float(params["factor"]),
-        "rope_low_freq_factor": float(params["low_freq_factor"]),
-        "rope_high_freq_factor": float(params["high_freq_factor"]),
-        "rope_original_max_positions": int(params["original_max_position_embeddings"]),
+        "rope_scaling_factor": factor,
+        "rope_low_freq_factor": low,
+        "rope_high_freq_factor": high,
+        "rope_original_max_positions": original,
     }
 
 
@@ -118,11 +175,13 @@ def gpt_config_from_hf(config: dict[str, Any], folder: str) -> GPTConfig:
 
     Raises:
         ConfigError: a feature the built-in GPT does not have (another activation, biases
-            besides Qwen2's q/k/v, a head size other than dim / heads, sliding windows).
+            besides Qwen2's q/k/v, a head size other than dim / heads, sliding windows), or a
+            key missing or not a number (naming the folder, the file and the key).
     """
     where = f"{KEY}={folder}"
     architecture = (config.get("architectures") or [""])[0]
-    dim, n_heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    dim = number(config, "hidden_size", int, where)
+    n_heads = number(config, "num_attention_heads", int, where)
     unsupported = []
     if config.get("hidden_act", "silu") != "silu":
         unsupported.append(f"hidden_act {config['hidden_act']!r}")
@@ -130,24 +189,74 @@ def gpt_config_from_hf(config: dict[str, Any], folder: str) -> GPTConfig:
         unsupported.append("mlp_bias")
     if config.get("attention_bias"):
         unsupported.append("attention_bias")
-    if config.get("head_dim") not in (None, dim // n_heads):
+    if n_heads and config.get("head_dim") not in (None, dim // n_heads):
         unsupported.append(f"head_dim {config['head_dim']} != hidden_size / num_attention_heads")
     if config.get("use_sliding_window"):
         unsupported.append("use_sliding_window")
     if unsupported:
         raise ConfigError(f"{where}: {', '.join(unsupported)} not supported by the built-in GPT")
-    return GPTConfig(
-        vocab_size=int(config["vocab_size"]),
-        dim=dim,
-        n_layers=int(config["num_hidden_layers"]),
-        n_heads=n_heads,
-        n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
-        ffn_dim=int(config["intermediate_size"]),
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        qkv_bias=architecture == "Qwen2ForCausalLM",
+    shape = {
+        "vocab_size": number(config, "vocab_size", int, where),
+        "dim": dim,
+        "n_layers": number(config, "num_hidden_layers", int, where),
+        "n_heads": n_heads,
+        "n_kv_heads": number(config, "num_key_value_heads", int, where, default=n_heads),
+        "ffn_dim": number(config, "intermediate_size", int, where),
+        "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
+        "norm_eps": number(config, "rms_norm_eps", float, where, default=1e-6),
+        "qkv_bias": architecture == "Qwen2ForCausalLM",
         **rope_settings(config, where),
-    )
+    }
+    try:
+        return GPTConfig(**shape)
+    except ConfigError as exc:  # its checks name causal_lm.* keys: say where the values came from
+        raise ConfigError(f"{where}: {CONFIG} gives a shape the GPT cannot take: {exc}") from None
+
+
+@dataclass(frozen=True)
+class HFSource:
+    """What a run takes from a Hugging Face folder, read and checked once (`open_folder`)."""
+
+    folder: str
+    shape: GPTConfig
+    recorded: dict[str, Any]  # the RECORDED_KEYS its config.json has
+
+
+def sliding_window(recorded: dict[str, Any]) -> int:
+    """The attention window of a model's recorded config.json entries (0: none, it attends
+    to the whole context)."""
+    window = recorded.get("sliding_window")
+    if not window or not recorded.get("use_sliding_window", True):
+        return 0
+    return int(window)
+
+
+def check_window(recorded: dict[str, Any], seq_len: int, source: str) -> None:
+    """Refuse a `data.seq_len` longer than the model's sliding window: the built-in GPT
+    attends to the whole sequence, the model to its window (the two agree up to it)."""
+    window = sliding_window(recorded)
+    if window and window < seq_len:
+        raise ConfigError(
+            f"data.seq_len={seq_len}: longer than the sliding_window {window} of {source} "
+            "(the built-in GPT attends to the whole sequence)"
+        )
+
+
+def open_folder(folder: str, seq_len: int = 0) -> HFSource:
+    """The folder's shape and recorded entries, after every check the trainer makes before it
+    builds a model: a supported architecture and shape, safetensors weights (not `.bin`
+    only), `data.seq_len` (`seq_len`; 0: unchecked) within the sliding window. `hpctrain
+    preflight` runs the same on the login node.
+
+    Raises:
+        ConfigError: one line naming `model.init_from` (or `data.seq_len`) and the problem.
+    """
+    config = read_hf_config(folder)
+    shape = gpt_config_from_hf(config, folder)
+    weight_files(folder)
+    recorded = {key: config[key] for key in RECORDED_KEYS if key in config}
+    check_window(recorded, seq_len, f"{KEY}={folder}")
+    return HFSource(folder=folder, shape=shape, recorded=recorded)
 
 
 def check_against_model_keys(cfg: GPTConfig, model: Any, folder: str, where: str = CONFIG) -> None:
@@ -216,6 +325,14 @@ def weight_files(folder: str) -> dict[str, Path]:
             raise ConfigError(f"{where}: {INDEX} names missing files: {', '.join(missing)}")
         return files
     if not (root / WEIGHTS).is_file():
+        pickled = sorted(p.name for p in root.glob("*.bin"))
+        if pickled:  # transformers' older format: a pickle, which hpctrain never loads
+            raise ConfigError(
+                f"{where}: PyTorch .bin weights only ({', '.join(pickled[:2])}), no {WEIGHTS} "
+                f"or {INDEX}: hpctrain reads safetensors, never pickles; on a login node run "
+                f"AutoModelForCausalLM.from_pretrained(FOLDER).save_pretrained(NEW_FOLDER) "
+                f"(transformers writes safetensors) and set {KEY}=NEW_FOLDER"
+            )
         raise ConfigError(f"{where}: neither {WEIGHTS} nor {INDEX} in the folder")
     return {name: root / WEIGHTS for name in read_header(root / WEIGHTS)[1]}
 
@@ -358,13 +475,35 @@ def read_split(f: Any, data_start: int, entry: dict[str, Any], param: Any) -> No
 
 
 def special_token(tokenizer_json: Path, token_id: int) -> str:
-    """The text of the special token `token_id` of a tokenizer.json (its `added_tokens`)."""
+    """The text of the special token `token_id` of a tokenizer.json (its `added_tokens`).
+
+    Raises:
+        ConfigError: the file has no such token (naming the file and the id).
+    """
     added = json.loads(tokenizer_json.read_text()).get("added_tokens") or []
-    return next(str(t["content"]) for t in added if int(t["id"]) == token_id)
+    for token in added:
+        if isinstance(token, dict) and token.get("id") == token_id:
+            return str(token["content"])
+    raise ConfigError(f"{tokenizer_json}: no added token of id {token_id} (the EOD)")
 
 
-def hf_config(cfg: GPTConfig, architecture: str, eos_id: int | None) -> dict[str, Any]:
-    """A transformers `config.json` (written in transformers 4's keys, which 5 reads too)."""
+def context_length(cfg: GPTConfig, source: dict[str, Any]) -> int:
+    """The positions the model is meant for: the source folder's `max_position_embeddings`,
+    else at least llama3's original context, at least 2048."""
+    recorded = source.get("max_position_embeddings")
+    if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded > 0:
+        return recorded
+    return max(cfg.rope_original_max_positions, 2048)
+
+
+def hf_config(cfg: GPTConfig, source: dict[str, Any], eos_id: int | None) -> dict[str, Any]:
+    """A transformers `config.json` (written in transformers 4's keys, which 5 reads too).
+
+    `source`: the entries the run recorded of the folder it was imported from
+    (`RECORDED_KEYS`; {} for a run of hpctrain's own GPT): its architecture (else
+    `LlamaForCausalLM`), BOS id, context length and sliding window are kept.
+    """
+    architecture = (source.get("architectures") or ["LlamaForCausalLM"])[0]
     if cfg.qkv_bias:
         architecture = "Qwen2ForCausalLM"  # the only supported one with q/k/v-only biases
     model_type = {
@@ -386,15 +525,21 @@ def hf_config(cfg: GPTConfig, architecture: str, eos_id: int | None) -> dict[str
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
         "tie_word_embeddings": cfg.tie_embeddings,
-        "max_position_embeddings": max(cfg.rope_original_max_positions, 2048),
+        "max_position_embeddings": context_length(cfg, source),
         "torch_dtype": "float32",
         "attention_bias": False,
         "mlp_bias": False,
     }
     if model_type == "mistral":
-        config["sliding_window"] = None
+        # The source's window (the run refused a data.seq_len beyond it, so training saw the
+        # same attention); null would let transformers attend to the whole context.
+        config["sliding_window"] = source.get("sliding_window")
     if model_type == "qwen2":
         config["use_sliding_window"] = False
+        if "sliding_window" in source:
+            config["sliding_window"] = source["sliding_window"]
+    if "bos_token_id" in source:
+        config["bos_token_id"] = source["bos_token_id"]
     if cfg.rope_scaling_factor:
         config["rope_scaling"] = {
             "rope_type": "llama3",

@@ -8,8 +8,11 @@ Three kinds of PATH (`kind_of`):
   them. Every key must match the run's model.
 - `file`: a state dict file (`.pt`/`.pth`, `.safetensors`): an hpctrain export, or a
   torchvision download (`$TORCH_HOME/hub/checkpoints/resnet50-*.pth`). A tensor whose shape
-  differs only in its first dimension (a classifier head of another number of classes) keeps
-  the run's fresh initialisation and the log names it; other missing, unexpected or
+  differs only in its first dimension, the model's number of classes (a classifier head of
+  another number of classes), keeps the run's fresh initialisation and the log names it; any
+  other tensor that would start anew (token embeddings of another vocabulary, K/V
+  projections of other heads) is refused, naming it, unless
+  `model.init_from_reinit_mismatched` (`match_keys`); other missing, unexpected or
   mis-shaped keys are an error listing them.
 
 Loading goes through `set_model_state_dict(full_state_dict=True)`, which maps the plain
@@ -230,14 +233,22 @@ def read_state_dict(path: str, *, ema: bool = False) -> dict[str, torch.Tensor]:
 
 
 def match_keys(
-    source: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], path: str
+    source: dict[str, tuple[int, ...]],
+    expected: dict[str, tuple[int, ...]],
+    path: str,
+    *,
+    num_classes: int | None = None,
+    reinit_mismatched: bool = False,
 ) -> list[str]:
     """The keys of `expected` to keep at their fresh initialisation: those whose shape in
-    `source` (name -> shape) differs only in the first dimension (a head of another number
-    of classes).
+    `source` (name -> shape) differs only in the first dimension, where that dimension is the
+    model's number of classes (`num_classes`: a classifier head of another number of
+    classes), or any such key with `reinit_mismatched` (`model.init_from_reinit_mismatched`).
 
     Raises:
-        ConfigError: missing, unexpected or otherwise mis-shaped keys, listed.
+        ConfigError: missing, unexpected or otherwise mis-shaped keys, listed; a tensor
+            other than a head of classes (token embeddings of another vocabulary, K/V
+            projections of other heads) that would start anew, named, unless opted in.
     """
     problems = []
     missing = sorted(set(expected) - set(source))
@@ -246,20 +257,39 @@ def match_keys(
         problems.append(f"missing keys: {', '.join(missing)}")
     if unexpected:
         problems.append(f"unexpected keys: {', '.join(unexpected)}")
-    fresh, wrong = [], []
+    fresh, wrong, refused = [], [], []
     for key in sorted(set(source) & set(expected)):
         have, want = source[key], expected[key]
         if have == want:
             continue
         if len(have) == len(want) and have[1:] == want[1:]:
-            fresh.append(key)
+            if reinit_mismatched or (num_classes is not None and want[0] == num_classes):
+                fresh.append(key)
+            else:
+                refused.append(f"{key} {list(have)} (the model's {list(want)})")
         else:
             wrong.append(f"{key} {list(have)} (the model's {list(want)})")
     if wrong:
         problems.append(f"shapes differ: {', '.join(wrong)}")
     if problems:
         raise ConfigError(f"{KEY}={path}: {'; '.join(problems)}")
+    if refused:
+        raise ConfigError(
+            f"{KEY}={path}: would start anew, trained weights thrown away: {', '.join(refused)} "
+            "(another vocabulary, other heads?); set model.init_from_reinit_mismatched=true "
+            "to re-initialise them"
+        )
     return fresh
+
+
+def reinit_rules(cfg: Config, task: Any) -> dict[str, Any]:
+    """`match_keys`' options for this run: the task's number of classes (its heads may start
+    anew), and whether the user opted in for other tensors."""
+    num_classes = getattr(task, "num_classes", None)
+    return {
+        "num_classes": num_classes if isinstance(num_classes, int) else None,
+        "reinit_mismatched": cfg.model.init_from_reinit_mismatched,
+    }
 
 
 @torch.no_grad()
@@ -301,7 +331,7 @@ def load_initial_weights(
         from hpctrain.checkpoint.weights import load_model_weights_sharded
 
         store, name, manifest, entries = open_run(path, ema=cfg.model.init_from_ema)
-        fresh = match_keys(entry_shapes(entries), expected, path)
+        fresh = match_keys(entry_shapes(entries), expected, path, **reinit_rules(cfg, task))
         for key in fresh:
             del targets[key]
         try:  # each rank reads its own pieces, into `targets` in place
@@ -317,7 +347,8 @@ def load_initial_weights(
         options = StateDictOptions(strict=not fresh and not adapters)
     else:
         source = read_state_dict(path, ema=cfg.model.init_from_ema)
-        fresh = match_keys({k: tuple(v.shape) for k, v in source.items()}, expected, path)
+        shapes = {k: tuple(v.shape) for k, v in source.items()}
+        fresh = match_keys(shapes, expected, path, **reinit_rules(cfg, task))
         for key in fresh:
             del source[key]
         values = dict(source)

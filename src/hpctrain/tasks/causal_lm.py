@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+from contextvars import ContextVar
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -45,19 +46,28 @@ from hpctrain.data.mixture_index import describe as describe_train
 from hpctrain.data.tokenizer import (
     BYTES,
     Tokenizer,
+    check_recorded_tokenizer,
     check_tokenizer,
     file_sha256,
     load_tokenizer,
+    recorded_info,
+    same_tokenizer,
 )
 from hpctrain.models import hf
 from hpctrain.models.gpt import GPT, PRESETS, GPTConfig, flops_per_token, gpt_config
 from hpctrain.tasks import answers
+from hpctrain.tasks.lm_shape import (
+    check_preset,
+    lm_model_card,
+    warn_if_changed,
+)
 from hpctrain.tasks.task import Sample, masked_mean
 
 log = logging.getLogger(__name__)
 
-CAUSAL_LM = "causal_lm"
-EMBEDDING = "tok_embeddings.weight"
+# The manifest of the checkpoint whose model a `CausalLM` is being built for (see
+# `CausalLM.from_checkpoint`); None: a new model.
+BUILDING_FROM: ContextVar[dict[str, Any] | None] = ContextVar("BUILDING_FROM", default=None)
 
 
 def index_tokenizer(index: ShardIndex, spec: str, key: str, configured: str) -> dict[str, Any]:
@@ -144,6 +154,8 @@ class CausalLM:
 
     def __init__(self, cfg: Config, index: ShardIndex) -> None:
         self.cfg = cfg
+        # The manifest of the checkpoint the model comes from (`from_checkpoint`), or None.
+        self.checkpoint = BUILDING_FROM.get()
         self.seq_len = cfg.data.seq_len
         if self.seq_len <= 0:
             raise ConfigError(
@@ -156,7 +168,7 @@ class CausalLM:
         if cfg.data.val:
             val_index = open_index(cfg.data.val, allow_pipe=cfg.data.allow_pipe)
             val_tokenizer = index_tokenizer(val_index, cfg.data.val, "data.val", configured)
-            if val_tokenizer != self.tokenizer:
+            if not same_tokenizer(val_tokenizer, self.tokenizer):
                 raise ConfigError(
                     f"data.val={cfg.data.val}: its tokenizer {describe(val_tokenizer)} differs "
                     f"from data.train's ({train}) {describe(self.tokenizer)}"
@@ -168,39 +180,8 @@ class CausalLM:
             s.num_targets is not None for i in indexes for s in i.shards
         )
         vocab = int(self.tokenizer["vocab_size"])
-        from_hf = bool(cfg.model.init_from) and hf.is_hf_folder(cfg.model.init_from)
-        self.hf_source: dict[str, Any] = {}  # architecture and token ids of an imported folder
-        recorded = self.warm_start_shape() if cfg.model.init_from and not from_hf else None
-        if from_hf:
-            self.model_cfg: GPTConfig = self.hf_model_config(vocab, train)
-        elif recorded is not None:
-            hf.check_against_model_keys(
-                recorded, cfg.causal_lm, cfg.model.init_from, "the source run's config"
-            )
-            if recorded.vocab_size < vocab:
-                raise ConfigError(
-                    f"{hf.KEY}={cfg.model.init_from}: its vocabulary ({recorded.vocab_size}) is "
-                    f"smaller than that of the tokenizer {self.tokenizer['name']!r} of {train} "
-                    f"({vocab})"
-                )
-            self.model_cfg = recorded
-        elif cfg.causal_lm.vocab_size and cfg.causal_lm.vocab_size < vocab:
-            raise ConfigError(
-                f"causal_lm.vocab_size={cfg.causal_lm.vocab_size}: smaller than the vocabulary of the "
-                f"tokenizer {self.tokenizer['name']!r} of {train} ({vocab})"
-            )
-        if not from_hf and recorded is None:
-            m = cfg.causal_lm
-            self.model_cfg = gpt_config(
-                cfg.model.name,
-                m.vocab_size or vocab,
-                dim=m.dim,
-                n_layers=m.n_layers,
-                n_heads=m.n_heads,
-                n_kv_heads=m.n_kv_heads,
-                ffn_dim=m.ffn_dim,
-                **({} if m.tie_embeddings is None else {"tie_embeddings": m.tie_embeddings}),
-            )
+        self.hf_source: dict[str, Any] = {}  # the recorded config.json entries of an import
+        self.model_cfg: GPTConfig = self.model_shape(vocab, train)
         # Read by the trainer's metrics (hpctrain.models.flops): tokens/s and MFU.
         self.tokens_per_sample = self.seq_len
         self._text_tokenizer: Tokenizer | None = None  # loaded when `predict` first decodes
@@ -222,13 +203,102 @@ class CausalLM:
             )
         self._examples: list[answers.Example] | None = None
 
+    @classmethod
+    def from_checkpoint(cls, cfg: Config, index: ShardIndex, manifest: dict[str, Any]) -> CausalLM:
+        """The task of the model checkpoint `manifest` records (a resume, eval, predict):
+        its shape when the run started from `model.init_from` (which is then never read),
+        its tokenizer checked against data.train's. The manifest reaches the constructor
+        through `BUILDING_FROM`, so that a subclass's own `__init__(cfg, index)` (a user's
+        task built on this one) works unchanged."""
+        token = BUILDING_FROM.set(manifest)
+        try:
+            return cls(cfg, index)
+        finally:
+            BUILDING_FROM.reset(token)
+
+    def model_shape(self, vocab: int, train: str) -> GPTConfig:
+        """The GPT's shape: the checkpoint's record for a run that started from
+        `model.init_from`, else the folder's or source run's, else the preset and the
+        `causal_lm.*` keys."""
+        cfg, init_from = self.cfg, self.cfg.model.init_from
+        metadata = (self.checkpoint or {}).get("metadata") or {}
+        if self.checkpoint is not None and isinstance(metadata.get("tokenizer"), dict):
+            check_recorded_tokenizer(
+                metadata["tokenizer"],
+                self.tokenizer,
+                f"the checkpoint of step {self.checkpoint.get('step')}",
+                f"data.train={train}",
+            )
+        if init_from and isinstance(metadata.get("gpt"), dict):
+            return self.recorded_shape(metadata, vocab, train)
+        if init_from and self.checkpoint is not None:
+            log.info(
+                "the checkpoint of step %s records no model shape (an older hpctrain saved "
+                "it): the shape is read from %s=%s again",
+                self.checkpoint.get("step"),
+                hf.KEY,
+                init_from,
+            )
+        if init_from and hf.is_hf_folder(init_from):
+            return self.hf_model_config(vocab, train)
+        recorded = self.warm_start_shape() if init_from else None
+        if recorded is not None:
+            hf.check_against_model_keys(
+                recorded, cfg.causal_lm, init_from, "the source run's config"
+            )
+            check_preset(self.cfg.model.name, recorded, f"{hf.KEY}={init_from} (its checkpoint)")
+            self.check_vocab(recorded.vocab_size, vocab, train, f"{hf.KEY}={init_from}")
+            return recorded
+        m = cfg.causal_lm
+        if m.vocab_size and m.vocab_size < vocab:
+            raise ConfigError(
+                f"causal_lm.vocab_size={m.vocab_size}: smaller than the vocabulary of the "
+                f"tokenizer {self.tokenizer['name']!r} of {train} ({vocab})"
+            )
+        return gpt_config(
+            cfg.model.name,
+            m.vocab_size or vocab,
+            dim=m.dim,
+            n_layers=m.n_layers,
+            n_heads=m.n_heads,
+            n_kv_heads=m.n_kv_heads,
+            ffn_dim=m.ffn_dim,
+            **({} if m.tie_embeddings is None else {"tie_embeddings": m.tie_embeddings}),
+        )
+
+    def recorded_shape(self, metadata: dict[str, Any], vocab: int, train: str) -> GPTConfig:
+        """The shape (and imported config.json entries) the checkpoint records, checked like
+        the source's; a folder that has changed since is only warned about."""
+        assert self.checkpoint is not None
+        where = f"the checkpoint of step {self.checkpoint.get('step')}"
+        try:
+            shape = GPTConfig(**metadata["gpt"])
+        except (TypeError, ConfigError) as exc:
+            raise CheckpointError(f"{where}: its recorded GPT shape is unusable: {exc}") from None
+        self.hf_source = dict(metadata.get("hf_config") or {})
+        hf.check_against_model_keys(shape, self.cfg.causal_lm, self.cfg.model.init_from, where)
+        check_preset(self.cfg.model.name, shape, where)
+        self.check_vocab(shape.vocab_size, vocab, train, where)
+        hf.check_window(self.hf_source, self.seq_len, f"{hf.KEY}={self.cfg.model.init_from}")
+        warn_if_changed(self.cfg.model.init_from, shape, where)
+        return shape
+
+    def check_vocab(self, model_vocab: int, vocab: int, train: str, source: str) -> None:
+        if model_vocab < vocab:
+            raise ConfigError(
+                f"{source}: its vocabulary ({model_vocab}) is smaller than that of the "
+                f"tokenizer {self.tokenizer['name']!r} of {train} ({vocab})"
+            )
+
     def hf_model_config(self, vocab: int, train: str) -> GPTConfig:
         """The GPT's shape from the Hugging Face folder `model.init_from`, checked against the
-        run's `causal_lm.*` keys, the tokenizer's vocabulary and `data.seq_len`."""
+        run's `causal_lm.*` keys and `model.name`, the tokenizer's vocabulary and
+        `data.seq_len` (`hf.open_folder`: preflight runs the same checks)."""
         folder = self.cfg.model.init_from
-        config = hf.read_hf_config(folder)
-        model_cfg = hf.gpt_config_from_hf(config, folder)
+        source = hf.open_folder(folder, self.seq_len)
+        model_cfg = source.shape
         hf.check_against_model_keys(model_cfg, self.cfg.causal_lm, folder)
+        check_preset(self.cfg.model.name, model_cfg, f"{hf.KEY}={folder} ({hf.CONFIG})")
         if model_cfg.vocab_size < vocab:
             raise ConfigError(
                 f"{hf.KEY}={folder}: vocab_size {model_cfg.vocab_size} is smaller than the "
@@ -248,24 +318,17 @@ class CausalLM:
                 self.tokenizer["name"],
                 own,
             )
-        self.hf_source = {
-            key: config[key]
-            for key in ("architectures", "bos_token_id", "eos_token_id", "max_position_embeddings")
-            if key in config
-        }
-        window = config.get("sliding_window")
-        if window and config.get("use_sliding_window", True) and window < self.seq_len:
-            raise ConfigError(
-                f"data.seq_len={self.seq_len}: longer than the sliding_window {window} of "
-                f"{hf.KEY}={folder} (the built-in GPT attends to the whole sequence)"
-            )
+        self.hf_source = source.recorded
         return model_cfg
 
     def warm_start_shape(self) -> GPTConfig | None:
         """The GPT shape the checkpoint at `model.init_from` records (a run folder or
         checkpoint of a newer causal_lm run), so that a warm start needs no `causal_lm.*` keys;
-        None for anything else (the model is then built from the config and must match)."""
-        from hpctrain.checkpoint import CheckpointError
+        None for anything else (the model is then built from the config and must match).
+
+        Raises:
+            ConfigError: the source run was trained on another tokenizer than data.train's.
+        """
         from hpctrain.checkpoint.weights import locate_checkpoint
 
         try:
@@ -273,6 +336,14 @@ class CausalLM:
         except (CheckpointError, OSError, ValueError):
             return None  # not a checkpoint: init_from.check names what it is
         metadata = manifest.get("metadata") or {}
+        if isinstance(metadata.get("tokenizer"), dict):
+            check_recorded_tokenizer(
+                metadata["tokenizer"],
+                self.tokenizer,
+                f"{hf.KEY}={self.cfg.model.init_from}",
+                f"data.train={describe_train(self.cfg.data.train)}",
+                config=True,
+            )
         recorded = metadata.get("gpt")
         if not isinstance(recorded, dict):
             return None
@@ -298,9 +369,14 @@ class CausalLM:
 
     def model_metadata(self) -> dict[str, Any]:
         """What checkpoints record to rebuild the model without the config's sources: the
-        GPT's shape and, when imported, the Hugging Face folder's architecture and token ids
-        (`hpctrain export --format hf` then needs no `model.init_from` folder)."""
-        metadata: dict[str, Any] = {"gpt": asdict(self.model_cfg)}
+        GPT's shape, the tokenizer (its file's absolute path and sha256) and, when imported,
+        the Hugging Face folder's `hf.RECORDED_KEYS` (architecture, token ids, context,
+        sliding window): a resume, eval, predict, generate or `export --format hf` then never
+        reads the `model.init_from` folder, and refuses data of another tokenizer."""
+        metadata: dict[str, Any] = {
+            "gpt": asdict(self.model_cfg),
+            "tokenizer": recorded_info(self.tokenizer),
+        }
         if self.hf_source:
             metadata["hf_config"] = self.hf_source
         return metadata
@@ -455,80 +531,6 @@ class CausalLM:
                 strict=True,
             )
         ]
-
-
-def gpt_config_for(
-    tree: dict[str, Any],
-    weights: dict[str, torch.Tensor],
-    where: str,
-    manifest: dict[str, Any] | None = None,
-) -> GPTConfig:
-    """The GPTConfig of a causal_lm run's config `tree` whose weights are `weights`: the one
-    the checkpoint's `manifest` records (`metadata.gpt`, written by runs since
-    `model.init_from`), else rebuilt from the config (a run started from a Hugging Face folder:
-    from that folder's config.json).
-
-    Raises:
-        CheckpointError: not a causal_lm run, or weights that are not of the config's shape.
-    """
-    if tree.get("task") != CAUSAL_LM or EMBEDDING not in weights:
-        raise CheckpointError(
-            f"{where}: not a causal_lm checkpoint (task {tree.get('task')!r}); "
-            "hpctrain generate needs a language model"
-        )
-    m = tree.get("model") or {}
-    shape = tree.get("causal_lm") or m  # the shape keys were model.* before causal_lm.*
-    recorded = ((manifest or {}).get("metadata") or {}).get("gpt")
-    if isinstance(recorded, dict):
-        try:
-            cfg = GPTConfig(**recorded)
-        except (TypeError, ConfigError) as exc:
-            raise CheckpointError(f"{where}: its recorded GPT shape is unusable: {exc}") from None
-    elif m.get("init_from"):  # the shape is that of the Hugging Face folder the run started from
-        init_from = str(m["init_from"])
-        try:
-            cfg = hf.gpt_config_from_hf(hf.read_hf_config(init_from), init_from)
-        except ConfigError as exc:
-            raise CheckpointError(f"{where}: the run's shape is unknown: {exc}") from None
-    else:
-        cfg = gpt_config(
-            str(m.get("name") or ""),
-            int(weights[EMBEDDING].shape[0]),
-            dim=int(shape.get("dim") or 0),
-            n_layers=int(shape.get("n_layers") or 0),
-            n_heads=int(shape.get("n_heads") or 0),
-            n_kv_heads=int(shape.get("n_kv_heads") or 0),
-            ffn_dim=int(shape.get("ffn_dim") or 0),
-            tie_embeddings="output.weight" not in weights,
-        )
-    with torch.device("meta"):  # shapes only
-        built = {k: tuple(v.shape) for k, v in GPT(cfg).state_dict().items()}
-    if built != {k: tuple(v.shape) for k, v in weights.items()}:
-        raise CheckpointError(
-            f"{where}: the weights are not those of the GPT its config describes ({cfg})"
-        )
-    return cfg
-
-
-def lm_model_card(
-    tree: dict[str, Any],
-    weights: dict[str, torch.Tensor],
-    where: str,
-    manifest: dict[str, Any] | None = None,
-) -> dict:
-    """What `hpctrain export` writes beside a causal_lm model's weights: its shape and tokens."""
-    cfg = gpt_config_for(tree, weights, where, manifest)
-    data = tree.get("data") or {}
-    return {
-        "task": CAUSAL_LM,
-        "model": asdict(cfg),
-        "seq_len": int(data.get("seq_len") or 0),
-        "input": "token ids int64 [B, T] (T ≤ seq_len); output: logits [B, T, vocab_size]",
-        "rebuild": (
-            "from hpctrain.models.gpt import GPT, GPTConfig; "
-            "model = GPT(GPTConfig(**card['model']))"
-        ),
-    }
 
 
 def _targets(batch: dict[str, Any]) -> torch.Tensor | None:

@@ -68,6 +68,14 @@ class Task(Protocol):
     - `check_model_name(name: str, image_size: int | None) -> None`: raise `ConfigError` for
       a `model.name` the task cannot build, without building it (`hpctrain preflight`, before
       the queue wait); empty is the task's default. Default: every name passes.
+
+    And one class method, for the task of a model that a checkpoint already holds (a resume,
+    `eval`, `predict`):
+
+    - `from_checkpoint(cfg, index, manifest: dict) -> Task`: the task built with what the
+      checkpoint records (`manifest["metadata"]`, written by `model_metadata`), so that the
+      model is the one saved whatever its sources are now (causal_lm: the shape of a
+      `model.init_from` folder, the tokenizer). Default: `cls(cfg, index)`.
     """
 
     def build_model(self) -> nn.Module:
@@ -118,6 +126,7 @@ OPTIONAL_HOOKS = (
     "model_card",
     "check_model_name",
     "answer_sums",
+    "from_checkpoint",
 )
 
 
@@ -193,11 +202,19 @@ def task_class(name: str) -> Any:
     return cls
 
 
-def load_task(cfg: Config, index: ShardIndex) -> Task:
-    """Instantiate the task named by `cfg.task` (a built-in name or `module.path:ClassName`)."""
+def load_task(cfg: Config, index: ShardIndex, checkpoint: dict[str, Any] | None = None) -> Task:
+    """Instantiate the task named by `cfg.task` (a built-in name or `module.path:ClassName`).
+
+    `checkpoint`: the manifest of the checkpoint whose model the task is for (a resume, an
+    eval, a predict): built with the class's `from_checkpoint` hook when it has one.
+    """
     cls = task_class(cfg.task)
     class_name = BUILTIN_TASKS.get(cfg.task, cfg.task).partition(":")[2]
-    task = cls(cfg, index)
+    from_checkpoint = getattr(cls, "from_checkpoint", None)
+    if checkpoint is not None and callable(from_checkpoint):
+        task = from_checkpoint(cfg, index, checkpoint)
+    else:
+        task = cls(cfg, index)
     missing = [m for m in REQUIRED_METHODS if not hasattr(task, m)]
     if missing:
         raise ConfigError(f"task={cfg.task!r}: {class_name} lacks {', '.join(missing)}")

@@ -16,8 +16,11 @@ import torch.distributed as dist
 
 import hpctrain.models.init_from as init_from  # a module: tests patch its functions
 from hpctrain.checkpoint import CheckpointManager
+from hpctrain.checkpoint.selection import peek
+from hpctrain.checkpoint.storage import open_store
 from hpctrain.config import Config, ConfigError, config_to_yaml
 from hpctrain.config.lora_rules import check_lora
+from hpctrain.config.rules import check_rules
 from hpctrain.data import ShardedLoader, open_index
 from hpctrain.data.index import ShardIndex
 from hpctrain.data.mixture_index import describe as describe_train
@@ -81,7 +84,10 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
         self.check_config()
         self.configure_torch()
         train_index = open_train_index(cfg.data)  # one index, or a mixture of sources
-        self.task = load_task(cfg, train_index)
+        # The checkpoint a resume will load, if any: the task builds the model it records
+        # (a `model.init_from` folder is then never read, whatever became of it).
+        self.resume_manifest = peek(open_store(cfg.checkpoint_root()), cfg.checkpoint.resume)
+        self.task = load_task(cfg, train_index, self.resume_manifest)
         self.build_model()
         self.build_loaders(train_index)
         self.plan_steps()
@@ -92,6 +98,7 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
         cfg = self.cfg
         if not cfg.data.train:
             raise ConfigError("data.train is empty: give an index.json path/URL or a shard pattern")
+        check_rules(cfg)  # the rules between keys that preflight runs too
         if cfg.logging.tensorboard and self.env.is_main:
             require_tensorboard()
         if self.env.is_main:
@@ -160,8 +167,13 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
     def build_model(self) -> None:
         """The task's model, moved, wrapped and sharded; its optimizer and gradient scaler."""
         torch.manual_seed(self.cfg.seed)  # identical initial weights on every rank (FSDP2 needs it)
-        init_from.check(self.cfg, self.task)
-        model = init_from.build_model(self.task, self.cfg, self.plan.strategy)
+        # A resume never reads model.init_from (the checkpoint records the model), except for
+        # a LoRA run's base: its checkpoints hold the adapters only.
+        if self.resume_manifest is None or self.cfg.model.lora.rank:
+            init_from.check(self.cfg, self.task)
+            model = init_from.build_model(self.task, self.cfg, self.plan.strategy)
+        else:
+            model = self.task.build_model()
         self.base_on_meta = any(p.is_meta for p in model.parameters())
         self.adapted: lora.Adapted | None = None  # model.lora: the adapters, on the base
         if self.cfg.model.lora.rank:
