@@ -162,9 +162,7 @@ class CausalLM:
         # Instruction data: a loss mask in the training shards (or the validation shards)
         # makes every batch carry one (see SequenceTransform).
         indexes = [index, val_index] if cfg.data.val else [index]
-        self.loss_mask = cfg.data.loss_mask and any(
-            s.num_targets is not None for i in indexes for s in i.shards
-        )
+        self.loss_mask = cfg.data.loss_mask and any(i.holds("num_targets") for i in indexes)
         vocab = int(self.tokenizer["vocab_size"])
         from_hf = bool(cfg.model.init_from) and hf.is_hf_folder(cfg.model.init_from)
         self.hf_source: dict[str, Any] = {}  # architecture and token ids of an imported folder
