@@ -59,7 +59,7 @@ def varied_index() -> ShardIndex:
 
 def test_the_compact_form_holds_exactly_what_the_json_holds():
     index = varied_index()
-    compact = parse_compact(compact_bytes(index, JsonStamp(SHA, 1, "2")), "/data/index.json")
+    compact = parse_compact(compact_bytes(index, JsonStamp(SHA, 1)), "/data/index.json")
     assert isinstance(compact.shards, CompactShards)
     assert index_to_bytes(compact) == index_to_bytes(index)  # every key, shard by shard
     assert [compact.shard_url(i) for i in range(16)] == [index.shard_url(i) for i in range(16)]
@@ -74,7 +74,7 @@ def test_urls_are_stored_as_a_pattern_plus_exceptions():
     runs = url_runs(urls)
     assert [(r.first, r.width) for r in runs] == [(0, 6), (1000, 0), (1001, 1), (1002, 2)]
     shards = tuple(ShardInfo(u, 1, 0) for u in urls)
-    raw = compact_bytes(ShardIndex(shards=shards), JsonStamp(SHA, 1, ""))
+    raw = compact_bytes(ShardIndex(shards=shards), JsonStamp(SHA, 1))
     assert read_header(raw, "x")["num_runs"] == 4
     compact = parse_compact(raw, "s3://bucket/d/index.json")
     assert compact.shard_url(999) == "s3://bucket/d/train-000999.tar"
@@ -92,7 +92,7 @@ def test_a_pickled_compact_index_maps_the_same_file_again(tmp_path):
 
 def hostile(index: ShardIndex, **changes) -> bytes:
     """`index`'s compact bytes with column bytes (by column name) or header fields replaced."""
-    raw = bytearray(compact_bytes(index, JsonStamp(SHA, 1, "")))
+    raw = bytearray(compact_bytes(index, JsonStamp(SHA, 1)))
     header = read_header(raw, "x")
     fields = {}
     for name, value in changes.items():
@@ -172,7 +172,8 @@ def test_a_touched_json_with_the_same_bytes_keeps_its_companion(tmp_path):
     make_shards(tmp_path, [3, 4])
     write_companion(str(tmp_path / "index.json"))
     before = (tmp_path / "index.compact").read_bytes()
-    os.utime(tmp_path / "index.json", ns=(1, 1))  # copied: another mtime, the same content
+    later = (tmp_path / "index.compact").stat().st_mtime_ns + 10**9
+    os.utime(tmp_path / "index.json", ns=(later, later))  # copied: newer, the same content
     index = open_index(str(tmp_path))
     assert isinstance(index.shards, CompactShards)
     assert (tmp_path / "index.compact").read_bytes() == before
@@ -272,3 +273,18 @@ def test_counting_filesystem_counts_what_it_hands_out(tmp_path):
         f.read(300)
     assert fsspec.filesystem("countfs").cat_file(f"{tmp_path}/f", 100, 150) == b"x" * 50
     assert CountingFileSystem.bytes_read == 350
+
+
+def test_inspect_reads_either_form_alike_and_flags_a_stale_companion(tmp_path, capsys):
+    make_shards(tmp_path, [3, 4])
+    write_companion(str(tmp_path / "index.json"))
+    reports = {}
+    for name in ("index.json", "index.compact"):
+        assert main(["inspect", str(tmp_path / name), "--json", "--verify"]) == 0
+        reports[name] = json.loads(capsys.readouterr().out)
+        reports[name].pop("source"), reports[name].pop("index")
+    assert reports["index.json"] == reports["index.compact"]
+    assert reports["index.json"]["num_samples"] == 7 and reports["index.json"]["ok"]
+    make_shards(tmp_path, [3, 4], prefix="other")  # a new index.json, the old companion
+    assert main(["inspect", str(tmp_path)]) == 3
+    assert "index.compact does not match index.json" in capsys.readouterr().out

@@ -24,6 +24,7 @@ from fsspec.implementations.local import LocalFileSystem
 from hpctrain.convert.errors import ConvertError, ConvertOptionError
 from hpctrain.convert.options import ConvertOptions, command_line
 from hpctrain.convert.sources.generated import is_python_spec
+from hpctrain.data.compact import companion_url
 from hpctrain.data.index import (
     INDEX_NAME,
     ShardIndex,
@@ -32,6 +33,7 @@ from hpctrain.data.index import (
     read_index,
     redact_url,
 )
+from hpctrain.data.node_index import write_companion_of
 from hpctrain.files import TEMP_MARKER, write_atomic
 
 STATE_NAME = ".hpctrain-convert.json"
@@ -120,7 +122,10 @@ def commit(
         _remove(skipped_url)
     index_urls = index_urls_of(layout)
     for split, index in indexes.items():
-        write_atomic(index_urls[split], index_to_bytes(index), durable=True)
+        raw = index_to_bytes(index)
+        write_atomic(index_urls[split], raw, durable=True)
+        # its compact form, what the ranks of a large job read (`hpctrain.data.node_index`)
+        write_companion_of(index, index_urls[split], raw)
     _remove(state_url_of(options))
 
 
@@ -232,6 +237,7 @@ def prepare(
     if options.overwrite and not options.resume:
         for url in [*index_urls.values(), *other]:
             _remove(url)  # first: no index may describe shards while they are rewritten
+            _remove(companion_url(url))
         for url, index in other.items():
             _remove_listed_shards(url, index)
         for folder, prefix in layout.values():

@@ -11,8 +11,8 @@ instead of parsing 150 MB of JSON into a million objects. Layout (version 1, lit
     columns      each at the offset the header gives (a multiple of 64)
 
 The header holds what `index.json` holds besides its shards (class_names, tokenizer, command,
-extra), the totals, the stamp of the JSON it was derived from (`JsonStamp`: its sha256, size
-and modification mark, so a companion that no longer matches is never used silently), and
+extra), the totals, the stamp of the JSON it was derived from (`JsonStamp`: its sha256 and
+size, so a companion that no longer matches is never used silently), and
 where each column lies: `num_samples`, `num_bytes` and, for token shards, `num_tokens` and
 `num_targets` as int64 (the dtype the plan computes in: a column is read with no copy);
 `sha256` as 32 raw bytes per shard (all zero: none recorded). URLs are stored once as *runs*:
@@ -78,20 +78,16 @@ def companion_url(json_url: str) -> str:
 
 @dataclass(frozen=True)
 class JsonStamp:
-    """The `index.json` a compact index was derived from.
+    """The `index.json` a compact index was derived from: its sha256 and size.
 
-    `sha256` decides; `size` and `modified` (the filesystem's mark: mtime in ns, an object's
-    ETag or last-modified time; "" when it gives none) let a node trust the companion after a
-    `stat`, without reading the JSON.
+    The sha256 decides. A node trusts the companion after a `stat` of both files when the
+    JSON has the recorded size and is not newer than its companion (`node_index`); otherwise
+    it reads the JSON once and compares digests. Nothing about the files' times is stored,
+    so the same index always gives the same bytes.
     """
 
     sha256: str
     size: int
-    modified: str
-
-    def same_file(self, size: int, modified: str) -> bool:
-        """The JSON has not changed since (by its size and mark; no mark: unknown, False)."""
-        return bool(modified) and (size, modified) == (self.size, self.modified)
 
 
 # -- writing ----------------------------------------------------------------------------------
@@ -158,7 +154,7 @@ def compact_bytes(index: ShardIndex, stamp: JsonStamp) -> bytes:
     header: dict[str, Any] = {
         "format": COMPACT_FORMAT,
         "version": COMPACT_VERSION,
-        "json": {"sha256": stamp.sha256, "size": stamp.size, "modified": stamp.modified},
+        "json": {"sha256": stamp.sha256, "size": stamp.size},
         "num_shards": n,
         "num_runs": len(runs),
         "url_kinds": sorted({url_kind(urls[r.first]) for r in runs}),
@@ -228,7 +224,7 @@ def header_stamp(header: dict[str, Any], where: str) -> JsonStamp:
     raw = header.get("json")
     try:
         assert isinstance(raw, dict)
-        return JsonStamp(str(raw["sha256"]), int(raw["size"]), str(raw["modified"]))
+        return JsonStamp(str(raw["sha256"]), int(raw["size"]))
     except (AssertionError, KeyError, ValueError):
         raise ShardIndexError(f"{where}: compact index header lacks its JSON's stamp") from None
 

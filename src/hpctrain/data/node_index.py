@@ -8,11 +8,14 @@ there; every rank of the node then maps that copy read-only. So a node reads one
 from the shared filesystem whatever its ranks, and a rank reads of it only the pages its plan
 touches: the count column and the URLs of its own shards.
 
-Before copying, the companion is checked against its JSON: a `stat` of both files (size and
-modification mark) keys the node-local copy, and the companion's recorded stamp must match the
-JSON's; if the marks differ, the JSON is read once (on that node) and its sha256 decides. A
-companion that does not match is re-derived from the JSON and written back, or, where that
-folder cannot be written, refused in one line: never used silently.
+Before copying, the companion is checked against its JSON. A `stat` of both files (size and
+modification time) keys the node-local copy; the JSON must have the size the companion records
+and be no newer than the companion. Otherwise (a JSON edited or copied since, or a filesystem
+without times) the JSON is read once, on that node, and its sha256 decides. A companion that
+does not match is re-derived from the JSON and written back, or, where that folder cannot be
+written, refused in one line: never used silently. (Not caught: an older JSON of the same size
+put back with its old time, `cp -p` of a previous version over it; `hpctrain index compact`
+after such a change.)
 
 `HPCTRAIN_INDEX_FORM` chooses the form: `auto` (default: the companion when there is one),
 `json` (never the companion), `compact` (the companion, derived from the JSON when missing).
@@ -21,6 +24,7 @@ folder cannot be written, refused in one line: never used silently.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import fcntl
 import hashlib
 import json
@@ -38,6 +42,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from hpctrain.data.compact import (
     COMPACT_SUFFIX,
+    CompactShards,
     JsonStamp,
     compact_bytes,
     companion_url,
@@ -47,7 +52,13 @@ from hpctrain.data.compact import (
     parse_compact,
     read_header,
 )
-from hpctrain.data.index import ShardIndex, ShardIndexError, parse_index, redact_url
+from hpctrain.data.index import (
+    ShardIndex,
+    ShardIndexError,
+    index_to_bytes,
+    parse_index,
+    redact_url,
+)
 from hpctrain.files import write_atomic
 
 log = logging.getLogger("hpctrain.data")
@@ -74,18 +85,26 @@ def json_of(compact_url: str) -> str:
 @dataclass(frozen=True)
 class _Stat:
     size: int
-    modified: str  # mtime in ns, an object's ETag or last-modified time; "": none given
+    mtime: float | None  # seconds; None: the filesystem gives no time to compare
 
 
 def _stat(fs: Any, path: str) -> _Stat:
     if isinstance(fs, LocalFileSystem):
         st = os.stat(path)
-        return _Stat(st.st_size, str(st.st_mtime_ns))
+        return _Stat(st.st_size, st.st_mtime_ns / 1e9)
     info = fs.info(path)
-    mark = next(
-        (info[k] for k in ("ETag", "LastModified", "last_modified", "mtime") if info.get(k)), ""
-    )
-    return _Stat(int(info.get("size") or 0), str(mark))
+    mark = next((info[k] for k in ("LastModified", "last_modified", "mtime") if info.get(k)), None)
+    if isinstance(mark, datetime.datetime):
+        mark = mark.timestamp()
+    return _Stat(int(info.get("size") or 0), float(mark) if isinstance(mark, int | float) else None)
+
+
+def _trusted(stamp: JsonStamp, json_stat: _Stat, compact_stat: _Stat) -> bool:
+    """The companion stands for the JSON as it is, by `stat` alone: the JSON has the size it
+    was derived from and has not changed since the companion was written."""
+    if json_stat.mtime is None or compact_stat.mtime is None:
+        return False
+    return json_stat.size == stamp.size and json_stat.mtime <= compact_stat.mtime
 
 
 def load_index(
@@ -175,7 +194,7 @@ def _copy_to_node(source: _Source, local: str) -> None:
     if source.compact_stat is not None:
         raw = _read(where, fs=source.fs, path=source.compact_path)
         stamp = header_stamp(read_header(raw, where), where)
-        if not stamp.same_file(source.json_stat.size, source.json_stat.modified):
+        if not _trusted(stamp, source.json_stat, source.compact_stat):
             json_raw = _read(source.json_url, fs=source.fs, path=source.json_path)
             if json_sha256(json_raw) != stamp.sha256:
                 raw = _derive(source, json_raw, stale=True)
@@ -200,7 +219,7 @@ def _derive(source: _Source, json_raw: bytes, *, stale: bool) -> bytes:
     """The companion made from the JSON, written beside it where possible; a stale one that
     cannot be replaced is refused (its folder is read-only)."""
     index = _parse_json(json_raw, source.json_url)
-    stamp = JsonStamp(json_sha256(json_raw), len(json_raw), source.json_stat.modified)
+    stamp = JsonStamp(json_sha256(json_raw), len(json_raw))
     raw = compact_bytes(index, stamp)
     where = redact_url(companion_url(source.json_url))
     try:
@@ -241,17 +260,44 @@ class Companion:
     json_bytes: int  # of the JSON it stands for
 
 
+def companion_problem(json_url: str) -> str | None:
+    """What is wrong with the companion of `json_url` (None: it matches, or there is none):
+    `hpctrain inspect` compares the two forms whole, entry by entry."""
+    fs, path = fsspec.core.url_to_fs(json_url)
+    where = redact_url(companion_url(json_url))
+    if not fs.exists(companion_url(path)):
+        return None
+    json_raw = _read(json_url, fs=fs, path=path)
+    try:
+        compact = parse_compact(_read(where, fs=fs, path=companion_url(path)), json_url)
+    except ShardIndexError as exc:
+        return str(exc)
+    assert isinstance(compact.shards, CompactShards)
+    if header_stamp(compact.shards.header, where).sha256 != json_sha256(json_raw):
+        return (
+            f"{where} does not match {os.path.basename(path)} (derived from another version); "
+            "run `hpctrain index compact` to derive it again"
+        )
+    if index_to_bytes(compact) != index_to_bytes(_parse_json(json_raw, json_url)):
+        return f"{where} holds other shards than {os.path.basename(path)} (its digest matches)"
+    return None
+
+
+def write_companion_of(index: ShardIndex, json_url: str, json_raw: bytes) -> None:
+    """Write the companion of an index just written as `json_raw` at `json_url` (what
+    `hpctrain convert` commits: no second read of the JSON)."""
+    fs, path = fsspec.core.url_to_fs(json_url)
+    stamp = JsonStamp(json_sha256(json_raw), len(json_raw))
+    _write(fs, companion_url(path), compact_bytes(index, stamp))
+
+
 def write_companion(json_url: str, storage_options: dict[str, Any] | None = None) -> Companion:
     """Derive `index.compact` from `json_url` and write it beside it (`hpctrain index compact`,
     and `hpctrain convert` after each index it commits)."""
     fs, path = fsspec.core.url_to_fs(json_url, **(storage_options or {}))
-    try:
-        modified = _stat(fs, path).modified  # before reading: a later change is then seen
-    except FileNotFoundError:
-        raise ShardIndexError(f"{redact_url(json_url)}: index not found") from None
     json_raw = _read(json_url, fs=fs, path=path)
     index = _parse_json(json_raw, json_url)
-    raw = compact_bytes(index, JsonStamp(json_sha256(json_raw), len(json_raw), modified))
+    raw = compact_bytes(index, JsonStamp(json_sha256(json_raw), len(json_raw)))
     url = companion_url(json_url)
     try:
         _write(fs, companion_url(path), raw)
