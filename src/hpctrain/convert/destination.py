@@ -59,7 +59,7 @@ def _remove(url: str) -> None:
         fs.rm(path)
 
 
-def _remove_stale(folder: str) -> None:
+def remove_stale(folder: str) -> None:
     """Delete temp files killed writers left in `folder` (hidden names with the temp marker)."""
     fs, path = fsspec.core.url_to_fs(folder)
     if not fs.isdir(path):
@@ -246,7 +246,7 @@ def prepare(
                 for entry in fs.glob(posixpath.join(path, f"{prefix}-*.tar")):
                     fs.rm(entry)
     for folder in {options.dest, *(folder for folder, _ in layout.values())}:
-        _remove_stale(folder)
+        remove_stale(folder)
     fs, path = fsspec.core.url_to_fs(options.dest)
     try:
         fs.makedirs(path, exist_ok=True)
