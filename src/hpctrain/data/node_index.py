@@ -314,7 +314,13 @@ def _reason(exc: BaseException) -> str:
 def node_local_folder() -> str:
     """This user's folder for node-local index copies (created 0700; refused when another
     user owns it or others may write it: a planted copy would be trusted)."""
-    root = os.path.expandvars(os.environ.get(NODE_LOCAL_ENV, ""))
+    configured = os.environ.get(NODE_LOCAL_ENV, "")
+    root = os.path.expandvars(configured)  # '$TMPDIR': this node's, expanded here
+    if "$" in root:
+        log.warning(
+            "%s=%s: a variable is not set here; using the default", NODE_LOCAL_ENV, configured
+        )
+        root = ""
     if not root:
         shm = "/dev/shm"
         root = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
