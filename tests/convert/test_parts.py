@@ -270,3 +270,21 @@ def test_parts_options_are_checked_before_anything_is_written(tmp_path, capsys):
     assert main([*base, "--parts", "2", "--dry-run"]) == 2
     assert "--dry-run prints job scripts" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_shard_changed_after_its_part_is_named_by_the_merge(tmp_path):
+    folder = make_image_folder(tmp_path / "images", per_class=2)
+    options = ConvertOptions(
+        src=str(folder), dest=str(tmp_path / "out"), samples_per_shard=2, progress="none"
+    )
+    assert prepare_parts(options, 2) is None
+    for k in range(2):
+        run_part(options, 2, k, "write")
+    shard = tmp_path / "out" / "shard-000003.tar"
+    shard.write_bytes(shard.read_bytes()[:1024])
+    with pytest.raises(ConvertError, match=r"shard-000003.tar: 1024 bytes, but part 1 wrote"):
+        merge_parts(options, 2)
+    shard.unlink()
+    Path(record_url(options, "write", 1)).unlink()  # as the message says
+    run_part(options, 2, 1, "write")
+    assert merge_parts(options, 2).indexes[""].num_shards == 5

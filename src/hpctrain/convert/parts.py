@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import posixpath
 import shutil
 import subprocess
 import sys
@@ -162,7 +163,6 @@ def merge_parts(options: ConvertOptions, parts: int) -> ConvertResult:
         for e in split_entries
     }
     if stages[0] == "tokenize":
-        setup = text.text_setup(options)
         skipped = [
             pair for r in _records(options, parts, "tokenize") for c in r["chunks"]
             for pair in _pairs(c["errors"])
@@ -177,7 +177,8 @@ def merge_parts(options: ConvertOptions, parts: int) -> ConvertResult:
             records[0]["settings"],
             records[0]["plan"],
         )
-        indexes = text.text_indexes(options, tp, results, layout, setup.info, len(skipped))
+        info = records[0]["settings"]["tokenizer"]  # recorded: no tokenizer loaded here
+        indexes = text.text_indexes(options, tp, results, layout, info, len(skipped))
     else:
         urls = {split: [e["url"] for e in items] for split, items in entries.items()}
         class_names = tuple(records[0]["class_names"])
@@ -203,7 +204,7 @@ def _entries(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     out: dict[str, list[dict[str, Any]]] = {split: [] for split in counts}
     for r in records:
         for e in r["shards"]:
-            out[e["split"]].append(e)
+            out[e["split"]].append({**e, "part": r["part"]})
     for split, items in out.items():
         items.sort(key=lambda e: e["number"])
         if [e["number"] for e in items] != list(range(counts[split])):
@@ -212,21 +213,23 @@ def _entries(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
 
 
 def _check_shards(entries: dict[str, list[dict[str, Any]]]) -> None:
-    """Every recorded shard is there with its recorded size (a stat each: the merge reads no
-    shard; its bytes were hashed while written)."""
+    """Every recorded shard is there with its recorded size (one listing per folder: the
+    merge reads no shard, whose bytes were hashed while written)."""
+    sizes: dict[tuple[str, str], int] = {}
+    for folder in {posixpath.dirname(e["url"]) for items in entries.values() for e in items}:
+        fs, path = fsspec.core.url_to_fs(folder)
+        listed = fs.ls(path, detail=True) if fs.isdir(path) else []
+        sizes.update({(folder, posixpath.basename(x["name"])): int(x["size"] or 0) for x in listed})
     for items in entries.values():
         for e in items:
             if not e["num_samples"]:
                 continue  # every sample skipped: no shard, and none in the index
-            fs, path = fsspec.core.url_to_fs(e["url"])
-            try:
-                size = fs.size(path)
-            except FileNotFoundError:
-                size = None
+            size = sizes.get((posixpath.dirname(e["url"]), posixpath.basename(e["url"])))
             if size != e["num_bytes"]:
                 raise ConvertError(
                     f"{redact_url(e['url'])}: {'missing' if size is None else f'{size} bytes'}, "
-                    f"but its part wrote {e['num_bytes']}; run the conversion again with --resume"
+                    f"but part {e['part']} wrote {e['num_bytes']}; remove the shard and "
+                    f"{PARTS_DIR}/write-{e['part']:05d}.json, then run again with --resume"
                 )
 
 
