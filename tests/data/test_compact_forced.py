@@ -19,10 +19,8 @@ from tests.data.test_loader import (  # noqa: F401  (tests and fixtures run here
     shards,
     test_batches_hold_every_field_uint8_images_labels_keys_in_plan_order,
     test_elastic_resume_sees_every_sample_once,
-    test_eval_pads_with_invalid_samples,
     test_exact_resume_gives_identical_remaining_batches,
     test_state_saved_after_the_last_batch_resumes_into_the_next_epoch,
-    test_two_workers_round_robin_matches_plan_and_epochs_differ,
 )
 from tests.data.test_mixture_loader import (  # noqa: F401
     test_exact_elastic_and_reweighted_resume,
