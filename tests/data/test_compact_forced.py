@@ -3,18 +3,15 @@
 `HPCTRAIN_INDEX_FORM=compact`: every index these tests open is read through its companion
 (`index.compact`, derived beside the JSON when missing, copied to a node-local folder and
 mapped), in this process and in the rank processes they start. The tests are the ones of
-`test_loader`, `test_mixture_loader`, `test_sequences` and `test_plan_cli`, imported unchanged:
+`test_loader`, `test_mixture_loader`, `test_sequences` and `test_plan_cli` (and `test_remote`'s
+HTTP and S3 ones in `test_compact_forced_remote.py`), imported unchanged:
 they must give the same batches, states and plans as with `index.json`.
 """
 
 from __future__ import annotations
 
-import pytest
-
-from hpctrain.data import locate
 from hpctrain.data.compact import CompactShards
 from hpctrain.data.mixture_index import ChainedShards
-from hpctrain.data.node_index import FORM_ENV, NODE_LOCAL_ENV
 from tests.data.test_loader import (  # noqa: F401  (tests and fixtures run here again)
     shards,
     test_batches_hold_every_field_uint8_images_labels_keys_in_plan_order,
@@ -39,34 +36,7 @@ from tests.data.test_sequences import (  # noqa: F401
     test_plan_cli_shows_sequences_and_dropped_tokens,
     tokens,
 )
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compact_forced(tmp_path_factory):
-    """Before the module's fixtures build shards (autouse: set up first in its scope)."""
-    node = tmp_path_factory.mktemp("node-local")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(FORM_ENV, "compact")
-        mp.setenv(NODE_LOCAL_ENV, str(node))
-        yield node
-    copies = list(node.glob("hpctrain-index-*/*.compact"))
-    assert copies, "no index was read in the compact form"
-
-
-@pytest.fixture(autouse=True)
-def every_index_is_compact(monkeypatch):
-    """Every index opened in this process comes from its companion."""
-    opened = []
-    load = locate.load_index
-
-    def spy(*args, **kwargs):
-        index = load(*args, **kwargs)
-        opened.append(index.shards)
-        return index
-
-    monkeypatch.setattr(locate, "load_index", spy)
-    yield
-    assert all(isinstance(s, CompactShards) for s in opened), [type(s) for s in opened]
+from tests.support.compact_kit import compact_forced, every_index_is_compact  # noqa: F401
 
 
 def test_a_mixture_chains_compact_sources(tmp_path):
