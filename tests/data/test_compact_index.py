@@ -228,6 +228,21 @@ def test_a_node_local_folder_others_may_write_is_refused(tmp_path, node_dir):
         open_index(str(tmp_path / "d"))
 
 
+def test_a_full_node_local_folder_is_one_line_naming_it(tmp_path, node_dir, monkeypatch):
+    import errno
+    import tempfile
+
+    make_shards(tmp_path / "d", [2])
+    write_companion(str(tmp_path / "d" / "index.json"))
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tempfile, "mkstemp", full)
+    with pytest.raises(ShardIndexError, match="No space left on device; set HPCTRAIN_NODE_LOCAL"):
+        open_index(str(tmp_path / "d"))
+
+
 def test_sixteen_local_processes_read_the_compact_index_once(tmp_path, node_dir):
     """The node case of `hpctrain bench index`, small: every process gets the same plan,
     one copy lands in the node-local folder, and the shared filesystem hands out one

@@ -205,13 +205,20 @@ def _copy_to_node(source: _Source, local: str) -> None:
         raw = _derive(source, json_raw, stale=False)
     parse_compact(raw, source.json_url, check=True)
     folder, name = os.path.split(local)
-    fd, temp = tempfile.mkstemp(prefix=f".{name}.", dir=folder)
+    temp = ""
     try:
+        fd, temp = tempfile.mkstemp(prefix=f".{name}.", dir=folder)
         with os.fdopen(fd, "wb") as f:
             f.write(raw)
         os.replace(temp, local)
+    except OSError as exc:  # a full /dev/shm: say where, and what to set
+        raise ShardIndexError(
+            f"{folder}: cannot hold a copy of {where} ({len(raw) >> 20} MB): {_reason(exc)}; "
+            f"set {NODE_LOCAL_ENV} to a node-local folder with room (the profile's "
+            "node_local_dir)"
+        ) from None
     finally:
-        if os.path.lexists(temp):
+        if temp and os.path.lexists(temp):
             os.unlink(temp)
 
 
