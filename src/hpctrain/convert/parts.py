@@ -104,6 +104,10 @@ def check_parts(options: ConvertOptions, parts: int, max_parallel: int = 0) -> N
     if max_parallel < 0:
         raise ConvertOptionError(f"--max-parallel {max_parallel}: must be 1 or more")
     validate(options)
+    if options.dest.startswith("memory://"):
+        raise ConvertOptionError(
+            "memory:// lives inside one process: a conversion in parts writes from several"
+        )
     stages = stages_of(options)
     if stages[0] != "write":
         fs, _ = fsspec.core.url_to_fs(options.dest)
