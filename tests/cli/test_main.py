@@ -133,6 +133,7 @@ INTERMIXED = {
     "preflight": (["c.yaml", "--no-data", "slurm.time=1:00:00"], {"overrides": ["slurm.time=1:00:00"], "no_data": True}),
     "status": (["-n", "3", "runs/x", "--json"], {"run_dir": "runs/x", "lines": 3, "json": True}),
     "bench": (["loader", "--workers", "1", "d"], {"bench": "loader", "data": "d", "workers": 1}),
+    "index": (["compact", "a/index.json", "b"], {"action": "compact", "indexes": ["a/index.json", "b"]}),
     "eval": (["runs/x", "data.val=v", "--checkpoint", "best", "--nproc", "2"],
              {"source": "runs/x", "overrides": ["data.val=v"], "checkpoint": "best", "nproc": 2}),
     "predict": (["runs/x", "--out", "p", "seed=1", "--format", "shards"],

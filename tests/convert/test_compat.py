@@ -149,8 +149,9 @@ def test_workers_1_and_4_are_byte_identical(tmp_path: Path) -> None:
     shutil.rmtree(dest)
     convert(str(source), str(dest), *args, "--workers", "4")
     assert tree_bytes(dest) == one  # shards and both indexes
-    # 37 samples: val 2 + 2 + 3 (round(0.2 * n) per class) in 2 shards, train 30 in 6; 2 indexes.
-    assert len(one) == 6 + 2 + 2
+    # 37 samples: val 2 + 2 + 3 (round(0.2 * n) per class) in 2 shards, train 30 in 6; 2 indexes
+    # and their compact forms
+    assert len(one) == 6 + 2 + 2 + 2
     assert all("workers" not in name for name in one)
 
 
@@ -277,6 +278,7 @@ def test_s3_destination_on_local_moto_server(
         # Two workers: child processes reach the server through the same environment.
         convert(str(image_folder), dest, "--samples-per-shard", "10", "--workers", "2")
         assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls("bucket/data/shards")) == [
+            "index.compact",
             "index.json",
             "shard-000000.tar",
             "shard-000001.tar",

@@ -81,8 +81,10 @@ def test_two_layouts_in_one_folder_are_refused_or_replaced(
     assert convert(image_folder, lay, "--val-fraction", "0.2", "--overwrite") == 0
     assert sorted(snapshot(lay)) == [
         "notes.txt",
+        "train/index.compact",
         "train/index.json",
         "train/train-000000.tar",
+        "val/index.compact",
         "val/index.json",
         "val/val-000000.tar",
     ]
@@ -94,6 +96,7 @@ def test_two_layouts_in_one_folder_are_refused_or_replaced(
     assert "holds a train/ and val/ layout" in capsys.readouterr().err
     assert convert(image_folder, lay, "--samples-per-shard", "10", "--overwrite") == 0
     assert sorted(snapshot(lay)) == [
+        "index.compact",
         "index.json",
         "notes.txt",
         "shard-000000.tar",
@@ -136,15 +139,17 @@ def test_text_conversions_keep_one_layout_per_folder_too(
     assert f"holds a train/ and val/ layout ({lay}/train/index.json, {lay}/val/index.json)" in err
     assert snapshot(lay) == before
     assert convert(*text, "--overwrite") == 0
-    assert sorted(snapshot(lay)) == ["index.json", "shard-000000.tar"]
+    assert sorted(snapshot(lay)) == ["index.compact", "index.json", "shard-000000.tar"]
     before = snapshot(lay)
     assert convert(*text, "--val-fraction", "0.2") == 3  # and back
     assert f"holds a layout without --val-fraction ({lay}/index.json)" in capsys.readouterr().err
     assert snapshot(lay) == before
     assert convert(*text, "--val-fraction", "0.2", "--overwrite") == 0
     assert sorted(snapshot(lay)) == [
+        "train/index.compact",
         "train/index.json",
         "train/train-000000.tar",
+        "val/index.compact",
         "val/index.json",
         "val/val-000000.tar",
     ]

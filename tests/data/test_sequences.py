@@ -146,7 +146,7 @@ def test_loader_batches_follow_the_plan_with_counts_from_num_tokens(tokens, work
         index, cfg(workers_per_rank=workers, shuffle_buffer=4), rank=0, world_size=1, seed=2
     )
     counts = [num_sequences(len(s), SEQ_LEN) for s in streams]
-    assert loader.shard_sizes == tuple(counts)
+    assert list(loader.shard_sizes) == counts
     assert loader.dropped_tokens == sum(dropped_tokens(len(s), SEQ_LEN) for s in streams)
     batches = list(loader)
     assert len(batches) == len(loader) == sum(counts) // 3

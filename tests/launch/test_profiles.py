@@ -234,3 +234,17 @@ def test_jobs_within_their_qos_limits_resolve_and_the_limits_cite_a_source() -> 
             },
             "x.yaml",
         )
+
+
+def test_a_profile_s_node_local_dir_reaches_every_task_of_the_job(tmp_path: Path) -> None:
+    text = (Path(load_profile("local-dev").source).read_text()).replace(
+        "name: local-dev", "name: shm-dev\nnode_local_dir: $TMPDIR/hpctrain"
+    )
+    (tmp_path / "shm-dev.yaml").write_text(text)
+    profile = load_profile(str(tmp_path / "shm-dev.yaml"))
+    job = resolve_job(with_overrides(Config(), ["slurm.profile=shm-dev"]), profile)
+    assert job.setup[0] == "export HPCTRAIN_NODE_LOCAL_DIR='$TMPDIR/hpctrain'"
+    assert not any("NODE_LOCAL" in line for line in job_for("local-dev").setup)
+    (tmp_path / "bad.yaml").write_text(text.replace("$TMPDIR/hpctrain", '"/tmp/x\'; rm -rf /"'))
+    with pytest.raises(LaunchError, match="node_local_dir=.*not a folder path"):
+        load_profile(str(tmp_path / "bad.yaml"))

@@ -17,6 +17,8 @@ BENCHES: dict[str, str] = {
     "convert": "hpctrain.bench.convert",
     "trainer": "hpctrain.bench.trainer",
     "loader": "hpctrain.bench.loader",
+    "index": "hpctrain.bench.index",
+    "convert-parts": "hpctrain.bench.convert_parts",
     "gpu-lm": "hpctrain.bench.gpu_lm",
     "import": "hpctrain.bench.weights_import",
     "mesh": "hpctrain.bench.mesh",

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import time
 
 from hpctrain.convert.errors import ConvertOptionError
 from hpctrain.convert.layout import parse_size
 from hpctrain.convert.options import ConvertOptions
+from hpctrain.convert.parts import STAGES
 from hpctrain.convert.run import convert, result_summary
 from hpctrain.convert.sources import KINDS
 
@@ -24,6 +26,9 @@ examples:
   hpctrain convert corpus/ data/tokens --tokenizer bytes --text-glob '*.py' --val-fraction 0.01
   hpctrain convert docs.jsonl data/tokens --tokenizer tokenizer.json --text-field content
   hpctrain convert sft.jsonl data/sft --tokenizer tok/tokenizer.json --messages-field messages
+  hpctrain convert corpus/ data/tokens --tokenizer bytes --parts 8 --max-parallel 4
+  hpctrain convert data/images $SCRATCH/shards --slurm --parts 64 --profile jean-zay-cpu \
+      --account abc@cpu --time 02:00:00 --workers 8 --dry-run
 
 SRC is a folder SRC/<class>/<image> (classes sorted -> labels); a .csv/.jsonl manifest (every
 column a member: path/label, file columns like mask.png, cls/txt/json, the rest gathered into
@@ -32,6 +37,9 @@ save_to_disk folder or parquet files (pip install 'hpctrain[arrow]'); or shards 
 index.json or .tar files, a brace pattern). docs/conversion.md has the mapping rules.
 DEST is a folder or an fsspec URL (s3://..., memory://...). Output is identical for any
 --workers; the index is written last, so a killed run leaves no index (finish it with --resume).
+--parts N splits the work into N parts (local processes, or with --slurm a job array per stage
+and a merge job): the same output as one process; --resume runs only the parts that did not
+finish (docs/conversion.md, "Converting on a cluster").
 """
 
 
@@ -128,6 +136,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="progress bar in a terminal, periodic lines otherwise (default auto)",
     )
+    parts = parser.add_argument_group(
+        "conversion in parts (docs/conversion.md: the same output, spread over processes or a "
+        "SLURM job array)"
+    )
+    parts.add_argument(
+        "--parts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="convert in N parts: local processes, or array tasks with --slurm",
+    )
+    parts.add_argument(
+        "--max-parallel",
+        type=int,
+        default=0,
+        metavar="K",
+        help="at most K parts at once (SLURM's --array=...%%K); default: all",
+    )
+    parts.add_argument(
+        "--slurm", action="store_true", help="submit the parts as SLURM job arrays + a merge job"
+    )
+    parts.add_argument(
+        "--profile", default="", help="--slurm: cluster profile (configs/clusters/NAME.yaml)"
+    )
+    parts.add_argument("--account", default="", help="--slurm: the account to charge")
+    parts.add_argument("--partition", default="", help="--slurm: the partition (a CPU one)")
+    parts.add_argument("--qos", default="", help="--slurm: the quality of service")
+    parts.add_argument("--time", default="", help="--slurm: wall time of each part, HH:MM:SS")
+    parts.add_argument(
+        "--log-dir", default="", help="--slurm: where the jobs' logs go (default: here)"
+    )
+    parts.add_argument(
+        "--dry-run", action="store_true", help="--slurm: print the job scripts, submit nothing"
+    )
+    # What an array task or a local part process runs (rendered by --parts, not typed)
+    parts.add_argument("--run-part", type=int, default=None, help=argparse.SUPPRESS)
+    parts.add_argument("--stage", default="write", choices=STAGES, help=argparse.SUPPRESS)
+    parts.add_argument("--merge", action="store_true", help=argparse.SUPPRESS)
     text = parser.add_argument_group(
         "text sources (language models: token shards; docs/conversion.md and docs/language-model-data.md)"
     )
@@ -232,5 +278,58 @@ def run(args: argparse.Namespace) -> int:
         response_field=args.response_field,
         messages_field=args.messages_field,
     )
+    if args.parts or args.run_part is not None or args.merge or args.slurm:
+        return _run_parts(args, options)
     print(result_summary(convert(options)))  # ConvertError/ShardIndexError: data errors (3)
+    return 0
+
+
+def _run_parts(args: argparse.Namespace, options: ConvertOptions) -> int:
+    from hpctrain.convert.parts import merge_parts, run_locally, run_part
+
+    if args.parts < 1:
+        raise ConvertOptionError("--slurm, --run-part and --merge need --parts N")
+    if args.run_part is not None:
+        print(f"hpctrain convert: {run_part(options, args.parts, args.run_part, args.stage)}")
+        return 0
+    if args.merge:
+        started = time.perf_counter()
+        result = merge_parts(options, args.parts)
+        print(result_summary(result))
+        print(f"merged {args.parts} parts in {time.perf_counter() - started:.2f} s")
+        return 0
+    if args.slurm:
+        return _submit(args, options)
+    if args.dry_run:
+        raise ConvertOptionError("--dry-run prints job scripts: it goes with --slurm")
+    print(result_summary(run_locally(options, args.parts, args.max_parallel)))
+    return 0
+
+
+def _submit(args: argparse.Namespace, options: ConvertOptions) -> int:
+    from hpctrain.config.schema import SlurmConfig
+    from hpctrain.launch.convert_array import array_job, submit_conversion
+
+    aj = array_job(
+        options,
+        profile=args.profile or SlurmConfig().profile,
+        account=args.account,
+        partition=args.partition,
+        qos=args.qos,
+        time=args.time,
+        log_dir=args.log_dir,
+        max_parallel=args.max_parallel,
+    )
+    done = submit_conversion(options, args.parts, aj, dry_run=args.dry_run)
+    if done.finished:
+        print(f"hpctrain convert: {options.dest}: finished already, nothing to submit")
+    elif args.dry_run:
+        for what, script in done.scripts:
+            print(f"# ---- {what} ----")
+            print(script)
+        print("# submitted in this order, each with --dependency=afterok:<the job before>")
+    else:
+        for (what, _script), job_id in zip(done.scripts, done.job_ids, strict=True):
+            print(f"job {job_id}: {what}")
+        print(f"logs in {aj.log_dir}; the index is written by job {done.job_ids[-1]}")
     return 0

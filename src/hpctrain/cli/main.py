@@ -35,6 +35,7 @@ VERBS = [
     "sync",
     "convert",
     "inspect",
+    "index",
     "plan",
     "submit",
     "sbatch",

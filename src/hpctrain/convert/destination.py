@@ -24,6 +24,7 @@ from fsspec.implementations.local import LocalFileSystem
 from hpctrain.convert.errors import ConvertError, ConvertOptionError
 from hpctrain.convert.options import ConvertOptions, command_line
 from hpctrain.convert.sources.generated import is_python_spec
+from hpctrain.data.compact import companion_url
 from hpctrain.data.index import (
     INDEX_NAME,
     ShardIndex,
@@ -32,6 +33,7 @@ from hpctrain.data.index import (
     read_index,
     redact_url,
 )
+from hpctrain.data.node_index import write_companion_of
 from hpctrain.files import TEMP_MARKER, write_atomic
 
 STATE_NAME = ".hpctrain-convert.json"
@@ -57,7 +59,7 @@ def _remove(url: str) -> None:
         fs.rm(path)
 
 
-def _remove_stale(folder: str) -> None:
+def remove_stale(folder: str) -> None:
     """Delete temp files killed writers left in `folder` (hidden names with the temp marker)."""
     fs, path = fsspec.core.url_to_fs(folder)
     if not fs.isdir(path):
@@ -120,7 +122,10 @@ def commit(
         _remove(skipped_url)
     index_urls = index_urls_of(layout)
     for split, index in indexes.items():
-        write_atomic(index_urls[split], index_to_bytes(index), durable=True)
+        raw = index_to_bytes(index)
+        write_atomic(index_urls[split], raw, durable=True)
+        # its compact form, what the ranks of a large job read (`hpctrain.data.node_index`)
+        write_companion_of(index, index_urls[split], raw)
     _remove(state_url_of(options))
 
 
@@ -232,6 +237,7 @@ def prepare(
     if options.overwrite and not options.resume:
         for url in [*index_urls.values(), *other]:
             _remove(url)  # first: no index may describe shards while they are rewritten
+            _remove(companion_url(url))
         for url, index in other.items():
             _remove_listed_shards(url, index)
         for folder, prefix in layout.values():
@@ -240,7 +246,7 @@ def prepare(
                 for entry in fs.glob(posixpath.join(path, f"{prefix}-*.tar")):
                     fs.rm(entry)
     for folder in {options.dest, *(folder for folder, _ in layout.values())}:
-        _remove_stale(folder)
+        remove_stale(folder)
     fs, path = fsspec.core.url_to_fs(options.dest)
     try:
         fs.makedirs(path, exist_ok=True)

@@ -94,7 +94,14 @@ def list_options(options: ConvertOptions, spool_dir: str) -> ListOptions:
 
 def command_line(options: ConvertOptions) -> str:
     """The canonical command that reproduces the output (without run-only flags like --workers)."""
-    words = ["hpctrain", "convert", redact_url(options.src), redact_url(options.dest)]
+    return shlex.join(command_words(options))
+
+
+def command_words(options: ConvertOptions, *, redact: bool = True) -> list[str]:
+    """`command_line` as words; `redact=False` keeps SRC and DEST whole (what the processes of
+    a conversion in parts are started with: `hpctrain.convert.parts`)."""
+    shown = redact_url if redact else str
+    words = ["hpctrain", "convert", shown(options.src), shown(options.dest)]
     defaults = ConvertOptions(src="", dest="")
     for name in (
         "source_kind",
@@ -129,7 +136,7 @@ def command_line(options: ConvertOptions) -> str:
         words.append("--shuffle")
     if options.text_per_line:
         words.append("--text-per-line")
-    return shlex.join(words)
+    return words
 
 
 def validate(options: ConvertOptions) -> None:

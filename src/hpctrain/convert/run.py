@@ -69,7 +69,7 @@ def _convert(options: ConvertOptions) -> ConvertResult:
     with tempfile.TemporaryDirectory(prefix="hpctrain-convert-") as spool_dir:
         if text.is_text_conversion(options):
             return text.convert_text(options, spool_dir, layout)
-        plan = _plan(options, spool_dir, layout)
+        plan = plan_samples(options, spool_dir, layout)
         shard_urls = {split: [t.url for t in tasks] for split, tasks in plan.tasks.items()}
         destination.prepare(options, layout, shard_urls, plan.fingerprint)
         results, num_resumed = _write_shards(options, plan)
@@ -78,7 +78,7 @@ def _convert(options: ConvertOptions) -> ConvertResult:
 
 
 @dataclass(frozen=True)
-class _Plan:
+class SamplePlan:
     """What a conversion will write: the listed source, each split's shard tasks, where."""
 
     source: Source
@@ -88,11 +88,17 @@ class _Plan:
     fingerprint: str
 
 
-def _plan(options: ConvertOptions, spool_dir: str, layout: Layout) -> _Plan:
-    """List the source, split it, order it and cut it into shards (no output written yet)."""
-    kind = detect_kind(options.src) if options.source_kind == "auto" else options.source_kind
-    check_options_apply(options, kind)
-    source = list_source(options.src, kind, list_options(options, spool_dir))
+def plan_samples(
+    options: ConvertOptions, spool_dir: str, layout: Layout, source: Source | None = None
+) -> SamplePlan:
+    """List the source, split it, order it and cut it into shards (no output written yet).
+
+    `source`: listed already (the parts of an Arrow source, `hpctrain.convert.parts`).
+    """
+    if source is None:
+        kind = source_kind(options)
+        check_options_apply(options, kind)
+        source = list_source(options.src, kind, list_options(options, spool_dir))
     if options.val_fraction > 0:
         train, val = split_train_val(source.samples, options.val_fraction, options.seed)
         if not val or not train:
@@ -126,16 +132,29 @@ def _plan(options: ConvertOptions, spool_dir: str, layout: Layout) -> _Plan:
         ]
         for split, plan in plans.items()
     }
-    return _Plan(source, output_settings, layout, tasks, plan_fingerprint(plans, output_settings))
+    return SamplePlan(
+        source, output_settings, layout, tasks, plan_fingerprint(plans, output_settings)
+    )
 
 
-def _write_shards(options: ConvertOptions, plan: _Plan) -> tuple[dict[str, ShardResult], int]:
-    """Write every shard not already committed (those are kept under `--resume`)."""
+def source_kind(options: ConvertOptions) -> str:
+    return detect_kind(options.src) if options.source_kind == "auto" else options.source_kind
+
+
+def _write_shards(options: ConvertOptions, plan: SamplePlan) -> tuple[dict[str, ShardResult], int]:
     all_tasks = [task for split in plan.tasks for task in plan.tasks[split]]
+    return write_tasks(options, all_tasks, options.resume)
+
+
+def write_tasks(
+    options: ConvertOptions, all_tasks: list[ShardTask], keep: bool
+) -> tuple[dict[str, ShardResult], int]:
+    """Write every shard of `all_tasks` (`keep`: those committed already are kept, as under
+    `--resume`); the results and how many were kept."""
     results: dict[str, ShardResult] = {}
     todo = []
     for task in all_tasks:
-        if options.resume and destination.exists(task.url):
+        if keep and destination.exists(task.url):
             results[task.url] = scan_committed_shard(task)
         else:
             todo.append(task)
@@ -150,15 +169,32 @@ def _write_shards(options: ConvertOptions, plan: _Plan) -> tuple[dict[str, Shard
 
 
 def _commit(
-    options: ConvertOptions, plan: _Plan, results: dict[str, ShardResult]
+    options: ConvertOptions, plan: SamplePlan, results: dict[str, ShardResult]
 ) -> tuple[dict[str, ShardIndex], list[tuple[str, str]]]:
     """The index of each split, committed with `skipped.txt` (`destination.commit`)."""
-    skipped = [
-        item for split in plan.tasks for t in plan.tasks[split] for item in results[t.url].skipped
-    ]
+    urls = {split: [t.url for t in tasks] for split, tasks in plan.tasks.items()}
+    indexes, skipped = sample_indexes(
+        options, plan.layout, urls, results, plan.settings, plan.source.class_names
+    )
+    shown = [(redact_url(url), reason) for url, reason in skipped]
+    destination.commit(options, plan.layout, indexes, shown)
+    return indexes, skipped
+
+
+def sample_indexes(
+    options: ConvertOptions,
+    layout: Layout,
+    urls: dict[str, list[str]],
+    results: dict[str, ShardResult],
+    output_settings: dict[str, object],
+    class_names: tuple[str, ...],
+) -> tuple[dict[str, ShardIndex], list[tuple[str, str]]]:
+    """The index of each split (its shards `urls`, in order; those without samples left out)
+    and the skipped samples, in plan order."""
+    skipped = [item for split in urls for url in urls[split] for item in results[url].skipped]
     command = command_line(options)
     indexes = {}
-    for split, split_tasks in plan.tasks.items():
+    for split, split_urls in urls.items():
         shards = tuple(
             ShardInfo(
                 url=posixpath.basename(r.url),
@@ -166,23 +202,21 @@ def _commit(
                 num_bytes=r.num_bytes,
                 sha256=r.sha256,
             )
-            for r in (results[t.url] for t in split_tasks)
+            for r in (results[url] for url in split_urls)
             if r.num_samples > 0
         )
         extra = {
-            **plan.settings,
+            **output_settings,
             "split": split or None,
-            "num_skipped": sum(len(results[t.url].skipped) for t in split_tasks),
+            "num_skipped": sum(len(results[url].skipped) for url in split_urls),
         }
         indexes[split] = ShardIndex(
             shards=shards,
-            base_url=plan.layout[split][0],
-            class_names=plan.source.class_names,
+            base_url=layout[split][0],
+            class_names=class_names,
             command=command,
             extra=extra,
         )
-    shown = [(redact_url(url), reason) for url, reason in skipped]
-    destination.commit(options, plan.layout, indexes, shown)
     return indexes, skipped
 
 

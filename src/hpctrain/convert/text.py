@@ -79,7 +79,7 @@ def _pack(lengths: np.ndarray, sample_tokens: int) -> list[tuple[int, int]]:
 
 
 @dataclass(frozen=True)
-class _ShardPlan:
+class ShardPlan:
     url: str
     samples: tuple[tuple[str, np.ndarray], ...]  # (key, document numbers)
     num_tokens: int
@@ -93,11 +93,11 @@ def _shards(
     field: str,
     layout: Layout,
     split: str,
-) -> list[_ShardPlan]:
+) -> list[ShardPlan]:
     itemsize = TOKEN_FIELDS[field].itemsize
     packed = _pack(docs.length[order], options.sample_tokens)
     target = options.shard_size or DEFAULT_SHARD_SIZE
-    shards: list[_ShardPlan] = []
+    shards: list[ShardPlan] = []
     current: list[tuple[str, np.ndarray]] = []
     size = tokens = 0
 
@@ -106,7 +106,7 @@ def _shards(
         targets = None
         if docs.targets is not None:
             targets = sum(int(docs.targets[members].sum()) for _, members in current)
-        shards.append(_ShardPlan(url, tuple(current), tokens, targets))
+        shards.append(ShardPlan(url, tuple(current), tokens, targets))
 
     for position, (first, end) in enumerate(packed):
         key = sample_key(position)
@@ -131,7 +131,7 @@ def _shards(
     return shards
 
 
-class _SpoolReader:
+class SpoolReader:
     def __init__(self, docs: Documents, dtype: str) -> None:
         self.docs = docs
         self.maps = [np.memmap(s, dtype=dtype, mode="r") if s else None for s in docs.spools]
@@ -155,7 +155,7 @@ class _SpoolReader:
         return self.ids(members, self.masks).astype(bool)
 
 
-def _write(plan: _ShardPlan, reader: _SpoolReader, field: str) -> ShardResult:
+def _write(plan: ShardPlan, reader: SpoolReader, field: str) -> ShardResult:
     output = ShardOutput(plan.url)
     try:
         writer = ShardTarWriter(output.file)
@@ -174,7 +174,7 @@ def _write(plan: _ShardPlan, reader: _SpoolReader, field: str) -> ShardResult:
     return ShardResult(plan.url, len(plan.samples), writer.num_bytes, sha256, ())
 
 
-def _scan(plan: _ShardPlan) -> ShardResult:
+def _scan(plan: ShardPlan) -> ShardResult:
     """A shard an interrupted run committed (`--resume`): its bytes are the plan's."""
     with fsspec.open(plan.url, "rb") as f:
         data = f.read()
@@ -208,8 +208,18 @@ def _validate(options: ConvertOptions, index: ShardIndex | None) -> None:
         raise ConvertOptionError(f"{flag}: does nothing for a {kind} ({_redact(options.src)})")
 
 
-def convert_text(options: ConvertOptions, spool_dir: str, layout: Layout) -> ConvertResult:
-    """Convert a text source or token index into token shards (see the module doc)."""
+@dataclass(frozen=True)
+class TextSetup:
+    """What a text conversion reads with, checked before any document is read."""
+
+    index: ShardIndex | None  # SRC as a token index (re-packing), or None for text
+    info: dict[str, Any]  # the tokenizer's `info()`
+    records: instructions.RecordFormat | None  # instruction data
+    field: str  # the token member: tokens.u16 or tokens.u32
+
+
+def text_setup(options: ConvertOptions) -> TextSetup:
+    """Refuse what cannot be converted; the tokenizer and the token member (see the module doc)."""
     index = source_index(options.src)
     _validate(options, index)
     if index is not None and index.tokenizer is None:
@@ -237,48 +247,84 @@ def convert_text(options: ConvertOptions, spool_dir: str, layout: Layout) -> Con
             f"{_redact(options.src)}: --prompt-field, --response-field and --messages-field "
             "read .jsonl records"
         )
-    field = token_field(info["vocab_size"])
-    job = TokenizeJob(
+    return TextSetup(index, info, records, token_field(info["vocab_size"]))
+
+
+def token_job(options: ConvertOptions, setup: TextSetup, spool_dir: str) -> TokenizeJob:
+    return TokenizeJob(
         options.tokenizer,
         options.eod_token,
         options.text_field,
         options.text_per_line,
         spool_dir,
-        TOKEN_FIELDS[field].str,
-        info["vocab_size"],
-        info["eod_id"],
-        records,
+        TOKEN_FIELDS[setup.field].str,
+        setup.info["vocab_size"],
+        setup.info["eod_id"],
+        setup.records,
     )
-    docs, skipped, digests = tokenize_source(options, index, job)
+
+
+@dataclass(frozen=True)
+class TextPlan:
+    """Every split's shards, decided over all documents (split, order, packing)."""
+
+    plans: dict[str, list[ShardPlan]]
+    settings: dict[str, Any]  # what decides the output bytes (the index's extra)
+    fingerprint: str
+
+
+def text_plan(
+    options: ConvertOptions,
+    setup: TextSetup,
+    docs: Documents,
+    digests: list[str],
+    layout: Layout,
+) -> TextPlan:
+    """Step 2's plan: split, order and pack the documents into shards (pure arithmetic)."""
     orders = _split_and_order(options, len(docs.length))
     plans = {
-        split: _shards(order, docs, options, field, layout, split)
+        split: _shards(order, docs, options, setup.field, layout, split)
         for split, order in orders.items()
     }
-    kind = "tokens" if index is not None else "text"
+    kind = "tokens" if setup.index is not None else "text"
     output_settings = {
         **settings(options, kind),
-        "tokenizer": info,
+        "tokenizer": setup.info,
         "sample_tokens": options.sample_tokens,
         "text_field": options.text_field,
         "text_glob": options.text_glob,
         "text_per_line": options.text_per_line,
-        **(records.settings() if records is not None else {}),
+        **(setup.records.settings() if setup.records is not None else {}),
     }
     fingerprint = plan_fingerprint({}, {**output_settings, "chunks": digests})
-    shard_urls = {split: [p.url for p in shard_plans] for split, shard_plans in plans.items()}
-    destination.prepare(options, layout, shard_urls, fingerprint)
-    reader = _SpoolReader(docs, job.dtype)
+    return TextPlan(plans, output_settings, fingerprint)
+
+
+def write_or_keep(
+    plan: ShardPlan, reader: SpoolReader, field: str, keep: bool
+) -> tuple[ShardResult, bool]:
+    """Shard `plan` written, or (`keep`: resuming) kept when complete; True when kept."""
+    if keep and destination.exists(plan.url):
+        return _scan(plan), True
+    return _write(plan, reader, field), False
+
+
+def convert_text(options: ConvertOptions, spool_dir: str, layout: Layout) -> ConvertResult:
+    """Convert a text source or token index into token shards (see the module doc)."""
+    setup = text_setup(options)
+    job = token_job(options, setup, spool_dir)
+    docs, skipped, digests = tokenize_source(options, setup.index, job)
+    tp = text_plan(options, setup, docs, digests, layout)
+    shard_urls = {split: [p.url for p in shard_plans] for split, shard_plans in tp.plans.items()}
+    destination.prepare(options, layout, shard_urls, tp.fingerprint)
+    reader = SpoolReader(docs, job.dtype)
     results: dict[str, ShardResult] = {}
     num_resumed = 0
-    for split_plans in plans.values():
+    for split_plans in tp.plans.values():
         for plan in split_plans:
-            if options.resume and destination.exists(plan.url):
-                results[plan.url] = _scan(plan)
-                num_resumed += 1
-            else:
-                results[plan.url] = _write(plan, reader, field)
-    indexes = _indexes(options, plans, results, layout, output_settings, info, len(skipped))
+            results[plan.url], kept = write_or_keep(plan, reader, setup.field, options.resume)
+            num_resumed += kept
+    indexes = text_indexes(options, tp, results, layout, setup.info, len(skipped))
     destination.commit(options, layout, indexes, skipped)
     return ConvertResult(indexes, destination.index_urls_of(layout), skipped, num_resumed)
 
@@ -309,30 +355,31 @@ def _split_and_order(options: ConvertOptions, num_docs: int) -> dict[str, np.nda
     return by_split
 
 
-def _indexes(
+def index_entry(plan: ShardPlan, result: ShardResult) -> ShardInfo:
+    """Shard `plan`'s entry in its index (token counts from the plan)."""
+    return ShardInfo(
+        url=posixpath.basename(plan.url),
+        num_samples=result.num_samples,
+        num_bytes=result.num_bytes,
+        sha256=result.sha256,
+        num_tokens=plan.num_tokens,
+        num_targets=plan.num_targets,
+    )
+
+
+def text_indexes(
     options: ConvertOptions,
-    plans: dict[str, list[_ShardPlan]],
+    tp: TextPlan,
     results: dict[str, ShardResult],
     layout: Layout,
-    output_settings: dict[str, Any],
     info: dict[str, Any],
     num_skipped: int,
 ) -> dict[str, ShardIndex]:
     """Each split's index: token counts per shard, the tokenizer."""
     indexes = {}
-    for split, split_plans in plans.items():
-        shards = tuple(
-            ShardInfo(
-                url=posixpath.basename(p.url),
-                num_samples=results[p.url].num_samples,
-                num_bytes=results[p.url].num_bytes,
-                sha256=results[p.url].sha256,
-                num_tokens=p.num_tokens,
-                num_targets=p.num_targets,
-            )
-            for p in split_plans
-        )
-        extra = {**output_settings, "split": split or None, "num_skipped_documents": num_skipped}
+    for split, split_plans in tp.plans.items():
+        shards = tuple(index_entry(p, results[p.url]) for p in split_plans)
+        extra = {**tp.settings, "split": split or None, "num_skipped_documents": num_skipped}
         extra.pop("tokenizer")  # the index's own key
         indexes[split] = ShardIndex(
             shards=shards,

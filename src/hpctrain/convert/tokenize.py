@@ -126,6 +126,13 @@ def tokenize_chunk(chunk: Chunk, job: TokenizeJob) -> ChunkResult:
     return ChunkResult(chunk.number, spool, lengths, tuple(errors), digest.hexdigest(), targets)
 
 
+def tokenize_chunks(
+    chunks: Iterable[Chunk], job: TokenizeJob, workers: int
+) -> Iterator[ChunkResult]:
+    """Every chunk tokenized (`workers` processes), results in chunk order."""
+    return _ordered_map(tokenize_chunk, chunks, job, workers)
+
+
 def _ordered_map(
     func: Callable[..., ChunkResult], items: Iterable[Chunk], job: TokenizeJob, workers: int
 ) -> Iterator[ChunkResult]:
@@ -156,14 +163,9 @@ class Documents:
     targets: np.ndarray | None = None  # instruction data: document -> target tokens
 
 
-def tokenize_source(
-    options: ConvertOptions, index: ShardIndex | None, job: TokenizeJob
-) -> tuple[Documents, list[tuple[str, str]], list[str]]:
-    """Step 1: every chunk tokenized; under `--on-error fail` the first bad document stops."""
-    spools: list[str] = []
-    chunk_of, starts, lengths, targets = [], [], [], []
-    skipped: list[tuple[str, str]] = []
-    digests = []
+def source_chunks(options: ConvertOptions, index: ShardIndex | None) -> Iterable[Chunk]:
+    """The source's tokenize tasks, in source order (numbers 0, 1, ...: the same for any
+    `--workers` or `--parts`)."""
     chunks: Iterable[Chunk] = document_chunks(
         options.src,
         index,
@@ -173,6 +175,14 @@ def tokenize_source(
     )
     if index is not None or not options.src.lower().endswith(TEXT_SUFFIXES):
         chunks = list(chunks)  # file names or shard URLs only: cheap
+    return chunks
+
+
+def tokenize_source(
+    options: ConvertOptions, index: ShardIndex | None, job: TokenizeJob
+) -> tuple[Documents, list[tuple[str, str]], list[str]]:
+    """Step 1: every chunk tokenized; under `--on-error fail` the first bad document stops."""
+    chunks = source_chunks(options, index)
     # A file is a document unless --text-per-line: then, and for tables (read as they go) and
     # token indexes, the number of documents is known only at the end.
     total = 0
@@ -187,23 +197,40 @@ def tokenize_source(
         count_tokens=True,
     )
     try:
-        for result in _ordered_map(tokenize_chunk, chunks, job, options.workers):
-            if result.errors and options.on_error == "fail":
-                where, reason = result.errors[0]
-                raise ConvertError(
-                    f"{where}: {reason} (use --on-error skip to skip and list such documents)"
-                )
-            skipped.extend(result.errors)
-            digests.append(result.digest)
-            chunk_of.append(np.full(result.lengths.size, len(spools), dtype=np.int64))
-            starts.append(np.concatenate(([0], np.cumsum(result.lengths)[:-1])).astype(np.int64))
-            lengths.append(result.lengths)
-            if result.targets is not None:
-                targets.append(result.targets)
-            spools.append(result.spool)
-            progress.update(result.lengths.size + len(result.errors), int(result.lengths.sum()))
+        results = _ordered_map(tokenize_chunk, chunks, job, options.workers)
+        return assemble(options, job.records is not None, results, progress)
     finally:
         progress.close()
+
+
+def assemble(
+    options: ConvertOptions,
+    with_targets: bool,
+    results: Iterable[ChunkResult],
+    progress: Progress | None = None,
+) -> tuple[Documents, list[tuple[str, str]], list[str]]:
+    """The documents of chunk results in source order (the skipped ones, the chunks'
+    digests); under `--on-error fail` the first bad document stops."""
+    spools: list[str] = []
+    chunk_of, starts, lengths, targets = [], [], [], []
+    skipped: list[tuple[str, str]] = []
+    digests = []
+    for result in results:
+        if result.errors and options.on_error == "fail":
+            where, reason = result.errors[0]
+            raise ConvertError(
+                f"{where}: {reason} (use --on-error skip to skip and list such documents)"
+            )
+        skipped.extend(result.errors)
+        digests.append(result.digest)
+        chunk_of.append(np.full(result.lengths.size, len(spools), dtype=np.int64))
+        starts.append(np.concatenate(([0], np.cumsum(result.lengths)[:-1])).astype(np.int64))
+        lengths.append(result.lengths)
+        if result.targets is not None:
+            targets.append(result.targets)
+        spools.append(result.spool)
+        if progress is not None:
+            progress.update(result.lengths.size + len(result.errors), int(result.lengths.sum()))
     if not lengths or not sum(x.size for x in lengths):
         raise ConvertError(f"{_redact(options.src)}: no documents")
     docs = Documents(
@@ -211,6 +238,6 @@ def tokenize_source(
         np.concatenate(chunk_of),
         np.concatenate(starts),
         np.concatenate(lengths),
-        np.concatenate(targets) if job.records is not None else None,
+        np.concatenate(targets) if with_targets else None,
     )
     return docs, skipped, digests

@@ -19,7 +19,9 @@ import fsspec
 from hpctrain.convert.errors import ConvertError
 from hpctrain.convert.processes import process_pool
 from hpctrain.convert.sources.shards import shard_urls
+from hpctrain.data.compact import COMPACT_SUFFIX
 from hpctrain.data.index import INDEX_NAME, ShardIndex, read_index, redact_url
+from hpctrain.data.node_index import companion_problem, json_of, load_index
 from hpctrain.data.stream import ShardStream, pipe_label
 from hpctrain.data.tar import iter_samples
 from hpctrain.data.tokens import LOSS_MASK_FIELD, TOKEN_FIELDS, decode_loss_mask, decode_tokens
@@ -167,6 +169,9 @@ def resolve(spec: str) -> list[tuple[str, ShardIndex | None, list[str]]]:
     if spec.endswith(".json"):
         index = read_index(spec)
         return [(spec, index, [index.shard_url(i) for i in range(len(index.shards))])]
+    if spec.endswith(COMPACT_SUFFIX):  # that form, checked against its JSON (node_index)
+        index = load_index(json_of(spec), form="compact")
+        return [(spec, index, list(index.shard_urls()))]
     fs, path = fsspec.core.url_to_fs(spec)
     if "{" not in spec and fs.isdir(path):
         base = spec.rstrip("/")
@@ -382,6 +387,9 @@ def inspect_dataset(
                 dataset.shards = list(pool.map(_inspect_shard_task, tasks))
         else:
             dataset.shards = [_inspect_shard_task(task) for task in tasks]
+        if name.endswith(".json"):  # its compact form must say the same (index.compact)
+            problem = companion_problem(name)
+            dataset.errors.extend([problem] if problem else [])
         for report in dataset.shards:
             dataset.errors.extend(report.errors)
             dataset.class_histogram.update(report.class_histogram)

@@ -36,10 +36,13 @@ from __future__ import annotations
 import json
 import posixpath
 import re
+from abc import abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import fsspec
+import numpy as np
 
 from hpctrain.errors import DataError
 
@@ -62,9 +65,65 @@ class ShardInfo:
     num_targets: int | None = None  # token shards with a loss mask: tokens marked as targets
 
 
+COUNT_COLUMNS = ("num_samples", "num_bytes", "num_tokens", "num_targets")
+Counts = Sequence[int] | np.ndarray  # per-shard counts: a tuple, or a column (int64)
+
+
+class ShardTable(Sequence[ShardInfo]):
+    """Shards held as columns rather than one `ShardInfo` per shard (the compact index,
+    `hpctrain.data.compact`; a mixture's sources chained, `hpctrain.data.mixture_index`).
+
+    What a rank needs at a million shards: a count column for the plan (one numpy array, no
+    Python object per shard) and the URLs of the few shards it reads, made on demand.
+    Indexing still gives a `ShardInfo`, so every reader of `ShardIndex.shards` works on it.
+    """
+
+    @abstractmethod
+    def column(self, name: str) -> np.ndarray | None:
+        """`name` (one of `COUNT_COLUMNS`) of every shard as int64, in index order; None
+        when the shards lack it (token counts of a sample index)."""
+
+    @abstractmethod
+    def url(self, i: int) -> str:
+        """Shard `i`'s URL as the index writes it (relative to the index folder, or absolute)."""
+
+    @abstractmethod
+    def resolved_urls(self, base: str) -> Sequence[str]:
+        """Every shard's URL resolved against `base` (`join_url`), made when asked."""
+
+    @abstractmethod
+    def protocols(self, base: str) -> set[str]:
+        """The `url_protocol` of every resolved shard URL (without making them all)."""
+
+    def holds(self, name: str) -> bool:
+        """Whether any shard records `name` (one of `COUNT_COLUMNS`)."""
+        return self.column(name) is not None
+
+    def sha256(self, i: int) -> str:
+        return self[i].sha256
+
+    @overload
+    def __getitem__(self, i: int) -> ShardInfo: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[ShardInfo]: ...
+
+    def __getitem__(self, i: int | slice) -> ShardInfo | Sequence[ShardInfo]:
+        if isinstance(i, slice):
+            return [self.info(j) for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"shard {i} of {n}")
+        return self.info(i % n)
+
+    @abstractmethod
+    def info(self, i: int) -> ShardInfo:
+        """Shard `i` (0 <= i < len) as one record."""
+
+
 @dataclass(frozen=True)
 class ShardIndex:
-    shards: tuple[ShardInfo, ...]
+    shards: Sequence[ShardInfo]  # a tuple (index.json) or a `ShardTable` (the compact form)
     base_url: str = ""  # folder the relative shard URLs are resolved against
     class_names: tuple[str, ...] = ()
     command: str = ""
@@ -72,32 +131,75 @@ class ShardIndex:
     tokenizer: dict[str, Any] | None = None  # token shards: name, vocab_size, eod_id, sha256
 
     @property
+    def num_shards(self) -> int:
+        return len(self.shards)
+
+    def counts(self, name: str) -> np.ndarray | None:
+        """Column `name` (`COUNT_COLUMNS`: num_samples, num_bytes, num_tokens, num_targets)
+        of every shard, int64 in index order; None when a shard lacks it.
+
+        From the compact form, a read-only view of its mapped column: no copy, no Python
+        object per shard (what the plan reads at a million shards).
+        """
+        if isinstance(self.shards, ShardTable):
+            return self.shards.column(name)
+        values = [getattr(s, name) for s in self.shards]
+        if any(v is None for v in values):
+            return None
+        return np.fromiter(values, dtype=np.int64, count=len(values))
+
+    def holds(self, name: str) -> bool:
+        """Whether any shard records `name` (one of `COUNT_COLUMNS`; token counts)."""
+        if isinstance(self.shards, ShardTable):
+            return self.shards.holds(name)
+        return any(getattr(s, name) is not None for s in self.shards)
+
+    def _total(self, name: str) -> int | None:
+        column = self.counts(name)
+        return None if column is None else int(column.sum())
+
+    @property
     def num_tokens(self) -> int | None:
         """Token ids in all shards, or None when this is not a token index."""
-        counts = [s.num_tokens for s in self.shards]
-        if not counts or any(c is None for c in counts):
-            return None
-        return sum(c for c in counts if c is not None)
+        return self._total("num_tokens") if self.shards else None
 
     @property
     def num_targets(self) -> int | None:
         """Target tokens of the loss mask in all shards, or None when the shards have none."""
-        counts = [s.num_targets for s in self.shards]
-        if not counts or any(c is None for c in counts):
-            return None
-        return sum(c for c in counts if c is not None)
+        return self._total("num_targets") if self.shards else None
 
     @property
     def num_samples(self) -> int:
-        return sum(s.num_samples for s in self.shards)
+        return self._total("num_samples") or 0
 
     @property
     def num_bytes(self) -> int:
-        return sum(s.num_bytes for s in self.shards)
+        return self._total("num_bytes") or 0
 
     def shard_url(self, i: int) -> str:
         """The absolute URL (or local path) of shard `i`."""
+        if isinstance(self.shards, ShardTable):
+            return join_url(self.base_url, self.shards.url(i))
         return join_url(self.base_url, self.shards[i].url)
+
+    def shard_urls(self) -> Sequence[str]:
+        """`shard_url(i)` of every shard: a tuple from index.json, made on demand from the
+        compact form (a rank reads a few hundred of a million)."""
+        if isinstance(self.shards, ShardTable):
+            return self.shards.resolved_urls(self.base_url)
+        return resolve_urls(self.base_url, [s.url for s in self.shards])
+
+    def written_urls(self) -> Sequence[str]:
+        """Every shard's URL as the index writes it (relative ones unresolved)."""
+        if isinstance(self.shards, ShardTable):
+            return self.shards.resolved_urls("")
+        return [s.url for s in self.shards]
+
+    def url_protocols(self) -> set[str]:
+        """The protocols of the shard URLs (`url_protocol`: file, http, s3, pipe...)."""
+        if isinstance(self.shards, ShardTable):
+            return self.shards.protocols(self.base_url)
+        return {url_protocol(url) for url in self.shard_urls()}
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -133,6 +235,18 @@ def _shard_json(s: ShardInfo) -> dict[str, Any]:
     return entry
 
 
+def resolve_urls(base: str, urls: Sequence[str]) -> tuple[str, ...]:
+    """`join_url(base, url)` of every URL (its rule inlined: at 100k shards the call per shard
+    is a noticeable share of `hpctrain plan`)."""
+    if not base:
+        return tuple(urls)
+    prefix = base.rstrip("/") + "/"
+    return tuple(
+        url if "://" in url or url[:1] == "/" or url.startswith("pipe:") else prefix + url
+        for url in urls
+    )
+
+
 def is_absolute_url(url: str) -> bool:
     return "://" in url or url.startswith("/") or url.startswith("pipe:")
 
@@ -164,29 +278,34 @@ def _count(value: Any, where: str, key: str) -> int:
     return value
 
 
-def _shard_info(entry: Any, i: int, where: str, protocol: str) -> ShardInfo:
-    key = f"shards[{i}]"
-    if not isinstance(entry, dict):
-        raise ShardIndexError(f"{where}: {key} must be an object with url and num_samples")
-    url = entry.get("url")
+def check_shard_url(url: Any, key: str, where: str, protocol: str) -> None:
+    """Refuse a shard URL an index may not hold (the module doc); `protocol`: the index's."""
     if not isinstance(url, str) or not url.strip() or not url.isprintable():
-        raise ShardIndexError(f"{where}: {key}.url must be a non-empty printable string")
+        raise ShardIndexError(f"{where}: {key} must be a non-empty printable string")
     # a relative path without any ':' has no scheme, pipe or chain: the checks below pass
     # (skipping them is a fifth of `hpctrain plan` at 100k shards)
     relative = ":" not in url and url[:1] != "/"
     if not relative and url_protocol(url) == "pipe":
         # the command is not shown: it is not ours to print (it may hold a token)
         raise ShardIndexError(
-            f"{where}: {key}.url is a pipe: command; an index may name only files and URLs "
+            f"{where}: {key} is a pipe: command; an index may name only files and URLs "
             "(pipe: shards come only from a pattern in data.train/data.val with "
             "data.allow_pipe: true)"
         )
     absolute = not relative and (is_absolute_url(url) or "::" in url)  # "::": a chain
     if protocol != "file" and absolute and ("::" in url or url_protocol(url) != protocol):
         raise ShardIndexError(
-            f"{where}: {key}.url = {redact_url(url)!r} leaves the index's filesystem: a "
+            f"{where}: {key} = {redact_url(url)!r} leaves the index's filesystem: a "
             f"{protocol} index may name only relative paths or {protocol} URLs"
         )
+
+
+def _shard_info(entry: Any, i: int, where: str, protocol: str) -> ShardInfo:
+    key = f"shards[{i}]"
+    if not isinstance(entry, dict):
+        raise ShardIndexError(f"{where}: {key} must be an object with url and num_samples")
+    url = entry.get("url")
+    check_shard_url(url, f"{key}.url", where, protocol)
     if "num_samples" not in entry:
         raise ShardIndexError(f"{where}: {key} lacks num_samples")
     num_samples = _count(entry["num_samples"], where, f"{key}.num_samples")
@@ -209,6 +328,7 @@ def _shard_info(entry: Any, i: int, where: str, protocol: str) -> ShardInfo:
             raise ShardIndexError(
                 f"{where}: {key}.num_targets = {num_targets} must not exceed its num_tokens"
             )
+    assert isinstance(url, str)  # check_shard_url refuses anything else
     return ShardInfo(
         url=url,
         num_samples=num_samples,
@@ -268,6 +388,19 @@ def parse_index(data: Any, index_url: str) -> ShardIndex:
     for key, total in totals:
         if key in data and _count(data[key], where, key) != total:
             raise ShardIndexError(f"{where}: {key} = {data[key]} but its shards add up to {total}")
+    return ShardIndex(
+        shards=tuple(shards), base_url=base_url_of(index_url), **described(data, where)
+    )
+
+
+def base_url_of(index_url: str) -> str:
+    """The folder an index's relative shard URLs are resolved against."""
+    return index_url.rsplit("/", 1)[0] if "/" in index_url else ""
+
+
+def described(data: dict[str, Any], where: str) -> dict[str, Any]:
+    """The checked top-level keys of an index besides its shards: class_names, command,
+    extra and tokenizer, as `ShardIndex` takes them (the compact form's header holds them too)."""
     class_names = data.get("class_names", [])
     if not isinstance(class_names, list) or not all(isinstance(c, str) for c in class_names):
         raise ShardIndexError(f"{where}: class_names must be a list of strings")
@@ -275,15 +408,12 @@ def parse_index(data: Any, index_url: str) -> ShardIndex:
     if not isinstance(extra, dict):
         raise ShardIndexError(f"{where}: extra must be an object")
     tokenizer = _tokenizer(data["tokenizer"], where) if "tokenizer" in data else None
-    base = index_url.rsplit("/", 1)[0] if "/" in index_url else ""
-    return ShardIndex(
-        shards=tuple(shards),
-        base_url=base,
-        class_names=tuple(class_names),
-        command=str(data.get("command", "")),
-        extra=dict(extra),
-        tokenizer=tokenizer,
-    )
+    return {
+        "class_names": tuple(class_names),
+        "command": str(data.get("command", "")),
+        "extra": dict(extra),
+        "tokenizer": tokenizer,
+    }
 
 
 def read_index(index_url: str, storage_options: dict[str, Any] | None = None) -> ShardIndex:

@@ -17,16 +17,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from typing import Any
 
 import fsspec
+import numpy as np
 import torch
 
 from hpctrain.config.schema import DataConfig
 from hpctrain.data.buffers import PlainMemory
-from hpctrain.data.index import ShardIndex, ShardIndexError
+from hpctrain.data.index import Counts, ShardIndex, ShardIndexError
 from hpctrain.data.mixture import Mixture
 from hpctrain.data.mixture_resume import (
     check_state_sources,
@@ -45,7 +46,6 @@ from hpctrain.data.samples import (
     SampleReader,
     Transform,
     encode_stage,
-    is_remote,
     stage_params,
 )
 from hpctrain.data.sequences import sequence_layout
@@ -109,7 +109,7 @@ class ShardedLoader:
         device: torch.device | str | None = None,
         storage_options: dict[str, Any] | None = None,
     ) -> None:
-        if not index.shards:
+        if not index.num_shards:
             raise ValueError("the shard index lists no shards")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
@@ -120,14 +120,15 @@ class ShardedLoader:
         self.seed = seed
         self.train = train
         self.device = torch.device(device) if device is not None else None
-        urls = tuple(index.shard_url(i) for i in range(len(index.shards)))
-        if not cfg.allow_pipe:
+        # resolved when read: a tuple from index.json, made on demand from the compact form
+        urls = index.shard_urls()
+        protocols = index.url_protocols()
+        if not cfg.allow_pipe and "pipe" in protocols:
             # before any worker starts: a pipe: URL here came from code, not from an index
             # (`parse_index` refuses them), and still runs only with the user's opt-in
-            for i, url in enumerate(urls):
-                if url.startswith("pipe:"):
-                    raise ShardIndexError(f"shard {i} of the index is a pipe: command: {PIPE_RULE}")
-        import_filesystems(urls)
+            i = next(i for i, url in enumerate(urls) if url.startswith("pipe:"))
+            raise ShardIndexError(f"shard {i} of the index is a pipe: command: {PIPE_RULE}")
+        import_filesystems(protocols)
         self.params = StageParams(
             world_size=world_size,
             workers_per_rank=cfg.workers_per_rank,
@@ -135,7 +136,11 @@ class ShardedLoader:
             remainder=cfg.remainder if train else "pad",
             shuffle_buffer=cfg.shuffle_buffer if train else 0,
         )
-        shard_sizes, vocab_size, eod_id = tuple(s.num_samples for s in index.shards), 0, None
+        # columns, not one object per shard: at a million shards the plan reads these alone
+        samples, byte_sizes = index.counts("num_samples"), index.counts("num_bytes")
+        assert samples is not None and byte_sizes is not None  # every shard has both
+        shard_sizes: Counts = samples
+        vocab_size, eod_id = 0, None
         self.dropped_tokens = 0  # per epoch: token-stream tails too short for a sequence
         if cfg.seq_len:  # token shards read as packed sequences (data/sequences.py)
             shard_sizes, vocab_size, self.dropped_tokens = sequence_layout(index, cfg.seq_len)
@@ -144,11 +149,11 @@ class ShardedLoader:
         # items the plan counts (packed sequences with data.seq_len)
         mixture = getattr(index, "mixture", None) if train else None
         if mixture is not None:
-            mixture = mixture.with_shard_sizes(shard_sizes)
+            mixture = mixture.with_shard_sizes(np.asarray(shard_sizes).tolist())
         spec = ReadSpec(
             urls=urls,
             shard_sizes=shard_sizes,
-            byte_sizes=tuple(s.num_bytes for s in index.shards),
+            byte_sizes=byte_sizes,
             rank=rank,
             seed=seed,
             train=train,
@@ -189,8 +194,8 @@ class ShardedLoader:
         self._reader.spec = replace(self._reader.spec, backoff_s=value)
 
     @property
-    def shard_sizes(self) -> tuple[int, ...]:
-        """Samples per shard, in index order."""
+    def shard_sizes(self) -> Counts:
+        """Samples (sequences with `data.seq_len`) per shard, in index order."""
         return self._reader.spec.shard_sizes
 
     # -- the plan ------------------------------------------------------------------------
@@ -346,7 +351,7 @@ class ShardedLoader:
             "version": STATE_VERSION,
             "seed": self.seed,
             "num_shards": len(self.shard_sizes),
-            "num_samples": sum(self.shard_sizes),
+            "num_samples": int(np.sum(self.shard_sizes)),
             "epoch": self.epoch,
             "stages": [s.to_dict() for s in (*self._stages, current)],
             **({"mixture": self.mixture.to_dict()} if self.mixture is not None else {}),
@@ -365,7 +370,7 @@ class ShardedLoader:
         mixed = self.mixture is not None and "mixture" in state  # checked by source below
         if not mixed and (state["num_shards"], state["num_samples"]) != (
             len(self.shard_sizes),
-            sum(self.shard_sizes),
+            int(np.sum(self.shard_sizes)),
         ):
             raise LoaderStateError(
                 "the loader state was saved for other shards "
@@ -435,8 +440,8 @@ def pin_batch(batch: dict[str, Any]) -> dict[str, Any]:
     return {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def import_filesystems(urls: tuple[str, ...]) -> None:
-    """Import the fsspec filesystems the shards need here, before the workers start.
+def import_filesystems(protocols: Iterable[str]) -> None:
+    """Import the fsspec filesystems of the shards' `protocols` here, before the workers start.
 
     Forked workers then share the modules instead of each importing them again whenever
     it starts: importing fsspec's HTTP filesystem (aiohttp) is a
@@ -444,7 +449,6 @@ def import_filesystems(urls: tuple[str, ...]) -> None:
     "Figures behind the code"). An unknown
     protocol is left to fail when its shard is read, with the shard's URL.
     """
-    remote = (u for u in urls if is_remote(u) and not u.startswith("pipe:"))
-    for protocol in {u.split("://", 1)[0] for u in remote}:
+    for protocol in set(protocols) - {"file", "pipe"}:
         with contextlib.suppress(ImportError, ValueError):
             fsspec.get_filesystem_class(protocol)

@@ -8,14 +8,15 @@ from typing import Any
 
 import fsspec
 
+from hpctrain.data.compact import COMPACT_SUFFIX
 from hpctrain.data.index import (
     INDEX_NAME,
     ShardIndex,
     ShardIndexError,
     ShardInfo,
-    read_index,
     redact_url,
 )
+from hpctrain.data.node_index import json_of, load_index
 from hpctrain.data.stream import (
     PIPE_RULE,
     CorruptShardError,
@@ -71,7 +72,9 @@ def open_index(
     """The shard index that `spec` names.
 
     Args:
-        spec: an `index.json` path/URL; a folder or URL holding `index.json`; or a shard
+        spec: an `index.json` path/URL (its compact companion `index.compact` is read instead
+            when there is one: `hpctrain.data.node_index`); an `index.compact` (that form,
+            checked against its JSON); a folder or URL holding `index.json`; or a shard
             pattern such as `dir/train-{000000..000009}.tar` (or one `.tar`), whose shards
             are then read once to count their samples. `pipe:COMMAND` (braces expanded,
             one command per shard) only with `allow_pipe`.
@@ -88,11 +91,13 @@ def open_index(
             raise ShardIndexError(f"{pipe_label(spec)}: {PIPE_RULE}")
         return _require_samples(_count_pattern(spec, storage_options, allow_pipe=True), spec)
     if spec.endswith(".json"):
-        return _require_samples(read_index(spec, storage_options), spec)
+        return _require_samples(load_index(spec, storage_options), spec)
+    if spec.endswith(COMPACT_SUFFIX):
+        return _require_samples(load_index(json_of(spec), storage_options, form="compact"), spec)
     if spec.endswith(".tar") or _BRACE.search(spec):
         return _require_samples(_count_pattern(spec, storage_options, allow_pipe=False), spec)
     url = f"{spec.rstrip('/')}/{INDEX_NAME}"
-    return _require_samples(read_index(url, storage_options), url)
+    return _require_samples(load_index(url, storage_options), url)
 
 
 def _require_samples(index: ShardIndex, spec: str) -> ShardIndex:
@@ -102,7 +107,7 @@ def _require_samples(index: ShardIndex, spec: str) -> ShardIndex:
     if not index.shards:
         raise ShardIndexError(f'{where}: the index lists no shards ("shards": [])')
     if index.num_samples == 0:
-        raise ShardIndexError(f"{where}: the index's {len(index.shards)} shard(s) hold no samples")
+        raise ShardIndexError(f"{where}: the index's {index.num_shards} shard(s) hold no samples")
     return index
 
 

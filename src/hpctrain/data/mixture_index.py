@@ -11,7 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hpctrain.data.index import ShardIndex
+import numpy as np
+
+from hpctrain.data.index import ShardIndex, ShardInfo, ShardTable
 from hpctrain.data.locate import open_index
 from hpctrain.data.mixture import Mixture, MixtureError, Source
 
@@ -67,16 +69,67 @@ def source_names(sources: Sequence[Any]) -> list[str]:
     return names
 
 
+class ChainedShards(ShardTable):
+    """The shards of several indexes, one after another (a mixture's sources): columns are
+    concatenated, URLs resolved against each source's own folder."""
+
+    def __init__(self, indexes: Sequence[ShardIndex]) -> None:
+        self.indexes = tuple(indexes)
+        self.starts = np.cumsum([0, *(index.num_shards for index in self.indexes)])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def _locate(self, i: int) -> tuple[ShardIndex, int]:
+        k = int(np.searchsorted(self.starts, i, side="right")) - 1
+        return self.indexes[k], i - int(self.starts[k])
+
+    def column(self, name: str) -> np.ndarray | None:
+        parts = [index.counts(name) for index in self.indexes]
+        if any(p is None for p in parts):
+            return None
+        return np.concatenate([p for p in parts if p is not None])
+
+    def url(self, i: int) -> str:
+        index, j = self._locate(i)
+        return index.shard_url(j)  # resolved: the mixture has no folder of its own
+
+    def info(self, i: int) -> ShardInfo:
+        index, j = self._locate(i)
+        return index.shards[j]
+
+    def resolved_urls(self, base: str) -> Sequence[str]:
+        parts = [index.shard_urls() for index in self.indexes]
+        if all(isinstance(p, tuple) for p in parts):
+            return tuple(url for p in parts for url in p)
+        return _ChainedUrls(self)
+
+    def holds(self, name: str) -> bool:
+        return any(index.holds(name) for index in self.indexes)
+
+    def protocols(self, base: str) -> set[str]:
+        return set().union(*(index.url_protocols() for index in self.indexes))
+
+
+class _ChainedUrls(Sequence[str]):
+    def __init__(self, shards: ChainedShards) -> None:
+        self.shards = shards
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return self.shards.url(i % len(self) if i < 0 else i)
+
+
 @dataclass(frozen=True)
 class MixtureIndex(ShardIndex):
-    """The shards of every source of a mixture, concatenated (URLs resolved), and the
-    mixture that plans them. Class names and tokenizer are the sources' common ones."""
+    """The shards of every source of a mixture, chained (`ChainedShards`: URLs resolved),
+    and the mixture that plans them. Class names and tokenizer are the sources' common ones."""
 
     mixture: Mixture | None = None
-    urls: tuple[str, ...] = ()  # every shard's URL, resolved against its own index's folder
-
-    def shard_url(self, i: int) -> str:
-        return self.urls[i]
 
 
 def open_mixture(
@@ -96,34 +149,20 @@ def open_mixture(
             raise MixtureError(f"data.train[{i}].path is empty")
         index = open_index(src.path, storage_options, allow_pipe=allow_pipe)
         indexes.append(index)
-        sizes = tuple(s.num_samples for s in index.shards)
+        counts = index.counts("num_samples")
+        assert counts is not None  # every shard has a sample count
+        sizes = tuple(counts.tolist())
         parts.append(Source(name, float(src.weight), first, sizes))
         first += len(sizes)
     check_compatible(names, indexes)
     mixture = Mixture(tuple(parts), samples_per_epoch)
-    shards = tuple(s for index in indexes for s in index.shards)
-    urls = tuple(url for index in indexes for url in _resolve_all(index))
     return MixtureIndex(
-        shards,
+        ChainedShards(indexes),
         class_names=indexes[0].class_names,
         tokenizer=indexes[0].tokenizer,
         extra=dict(indexes[0].extra),
         mixture=mixture,
-        urls=urls,
     )
-
-
-def _resolve_all(index: ShardIndex) -> list[str]:
-    """`index.shard_url(i)` of every shard (`join_url`'s rule, inlined: at 100k shards the
-    call per shard is a noticeable share of `hpctrain plan`)."""
-    base = index.base_url
-    if not base:
-        return [s.url for s in index.shards]
-    prefix = base.rstrip("/") + "/"
-    return [
-        s.url if "://" in s.url or s.url[:1] == "/" or s.url.startswith("pipe:") else prefix + s.url
-        for s in index.shards
-    ]
 
 
 def open_train_index(data: Any) -> ShardIndex:

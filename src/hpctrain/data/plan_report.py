@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -78,7 +78,7 @@ class PlanReport:
         """Every stream's segments (rank-major) as rows [url, start, end, valid]."""
         if isinstance(self.plan, MixturePlan):
             assert isinstance(self.index, MixtureIndex)
-            urls = self.index.urls
+            urls = self.index.shard_urls()
             seg = self.plan.segment_table()
             bounds = np.searchsorted(seg["stream"], np.arange(len(self.table["rank"]) + 1))
             # tuples built in C (zip), encoded as JSON arrays: [url, start, end, valid]
@@ -92,7 +92,7 @@ class PlanReport:
                 )
             )
             return (rows[lo:hi] for lo, hi in itertools.pairwise(bounds.tolist()))
-        shard_urls = [s.url for s in self.index.shards]
+        shard_urls = self.index.written_urls()
         return (
             [[shard_urls[s.shard], s.start, s.end, s.valid] for s in segments]
             for segments in self.plan.all_segments()
@@ -122,11 +122,12 @@ def plan_report(data: str, request: PlanRequest) -> PlanReport:
     """The plan of one index (`data`: an index path/URL, a folder holding one, or a shard
     pattern)."""
     index = open_index(data)  # ShardIndexError: a data error, exit code 3
-    sizes = [s.num_samples for s in index.shards]
+    sizes = index.counts("num_samples")
     if request.seq_len:  # the plan's items are sequences (hpctrain.data.sequences)
-        sizes = list(sequence_counts(index, request.seq_len))
+        sizes = sequence_counts(index, request.seq_len)
+    assert sizes is not None  # every shard has a sample count
     p = plan(
-        sizes,
+        cast(Sequence[int], sizes),  # read with np.asarray: a mapped column is not copied
         world_size=request.world_size,
         workers_per_rank=request.workers_per_rank,
         batch_size=request.batch_size,
@@ -140,7 +141,7 @@ def plan_report(data: str, request: PlanRequest) -> PlanReport:
         **p.summary,
         "epoch": request.epoch,
         "seed": request.seed,
-        "num_shards": len(index.shards),
+        "num_shards": index.num_shards,
         "streams": len(table["rank"]),
         "shards_per_stream": _spread(table["shards"]),
         "partial_shards_per_stream": _spread(table["partial"]),
@@ -161,7 +162,7 @@ def mixture_report(
     mixture = index.mixture
     assert mixture is not None
     if request.seq_len:  # the plan's items are packed sequences
-        mixture = mixture.with_shard_sizes(sequence_counts(index, request.seq_len))
+        mixture = mixture.with_shard_sizes(sequence_counts(index, request.seq_len).tolist())
     p = plan_mixture(
         mixture,
         world_size=request.world_size,
@@ -193,7 +194,7 @@ def mixture_report(
         **p.summary,
         "epoch": request.epoch,
         "seed": request.seed,
-        "num_shards": len(index.shards),
+        "num_shards": index.num_shards,
         "streams": len(table["rank"]),
         "sources": rows,
     }

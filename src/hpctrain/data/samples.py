@@ -19,16 +19,16 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from hpctrain.data.collate import Batch, BatchMemory, Collator, Sample, pack_batch
 from hpctrain.data.decode import SampleError, decode_sample
-from hpctrain.data.index import redact_url
+from hpctrain.data.index import Counts, redact_url
 from hpctrain.data.mixture import Mixture, MixturePlan, interleave, plan_mixture, source_counts
 from hpctrain.data.planning import EpochPlan, Segment, StageParams, derive_seed, plan
 from hpctrain.data.sequences import iter_sequences, shard_stem
@@ -97,9 +97,11 @@ def decode_stage(v: list[int]) -> StageParams:
 class ReadSpec:
     """What a rank's workers read and how: everything a worker needs from the loader."""
 
-    urls: tuple[str, ...]
-    shard_sizes: tuple[int, ...]  # samples per shard
-    byte_sizes: tuple[int, ...]  # bytes per shard (0: unknown)
+    # per shard, in index order: tuples, or (from the compact index) the mapped columns and
+    # URLs made on demand (`ShardIndex.shard_urls`): a rank touches only those it reads
+    urls: Sequence[str]
+    shard_sizes: Counts  # samples per shard
+    byte_sizes: Counts  # bytes per shard (0: unknown)
     rank: int
     seed: int
     train: bool  # shards permuted per epoch (else index order)
@@ -131,7 +133,8 @@ class ReadSpec:
         }
         if self.mixture is not None:
             return plan_mixture(self.mixture, **layout)
-        return plan(list(self.shard_sizes), shuffle_shards=self.train, **layout)
+        # the plan reads the counts with np.asarray: a mapped column is not copied
+        return plan(cast(Sequence[int], self.shard_sizes), shuffle_shards=self.train, **layout)
 
 
 class SampleReader:
@@ -326,7 +329,7 @@ class SampleReader:
         spec = self.spec
         return open_shard(
             spec.urls[shard],
-            size=spec.byte_sizes[shard],
+            size=int(spec.byte_sizes[shard]),
             max_retries=spec.max_retries if max_retries is None else max_retries,
             stats=stats,
             storage_options=dict(spec.storage_options),

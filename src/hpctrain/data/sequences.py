@@ -84,8 +84,8 @@ def index_label(index: ShardIndex) -> str:
     return index.command or "the shard index"
 
 
-def sequence_counts(index: ShardIndex, seq_len: int) -> tuple[int, ...]:
-    """Sequences per shard (index order) for `data.seq_len = seq_len`.
+def sequence_counts(index: ShardIndex, seq_len: int) -> np.ndarray:
+    """Sequences per shard (index order, int64) for `data.seq_len = seq_len`.
 
     Raises:
         ShardIndexError: the index has no tokenizer or a shard without `num_tokens` (it
@@ -96,12 +96,20 @@ def sequence_counts(index: ShardIndex, seq_len: int) -> tuple[int, ...]:
             f"{index_label(index)}: data.seq_len = {seq_len} needs token shards, but this is "
             f"{NOT_A_TOKEN_INDEX}"
         )
-    return tuple(num_sequences(s.num_tokens or 0, seq_len) for s in index.shards)
+    tokens = index.counts("num_tokens")
+    assert tokens is not None  # num_tokens is not None: every shard has one
+    # `num_sequences` over the column (a million shards: no Python int per shard)
+    return np.maximum(tokens - 1, 0) // seq_len
 
 
 def total_dropped_tokens(index: ShardIndex, seq_len: int) -> int:
     """Tokens in no sequence over all shards of a token index (an epoch-independent figure)."""
-    return sum(dropped_tokens(s.num_tokens or 0, seq_len) for s in index.shards)
+    tokens = index.counts("num_tokens")
+    if tokens is None:
+        return 0
+    # `dropped_tokens` over the column: a shard with a sequence drops what is past its last
+    counts = np.maximum(tokens - 1, 0) // seq_len
+    return int(np.where(counts > 0, tokens - (counts * seq_len + 1), tokens).sum())
 
 
 def shard_stem(url: str) -> str:
@@ -258,7 +266,7 @@ def _fields() -> str:
     return " or ".join(TOKEN_FIELDS)
 
 
-def sequence_layout(index: ShardIndex, seq_len: int) -> tuple[tuple[int, ...], int, int]:
+def sequence_layout(index: ShardIndex, seq_len: int) -> tuple[np.ndarray, int, int]:
     """What a loader with `data.seq_len = seq_len` needs of a token index: sequences per
     shard, the vocabulary size, and the tokens per epoch in no sequence (logged here).
 
@@ -272,7 +280,7 @@ def sequence_layout(index: ShardIndex, seq_len: int) -> tuple[tuple[int, ...], i
         "%s: %d sequences of %d+1 tokens; %d of %d tokens in shard tails too short for one "
         "are dropped every epoch",
         index_label(index),
-        sum(counts),
+        int(counts.sum()),
         seq_len,
         dropped,
         index.num_tokens,

@@ -62,6 +62,9 @@ class ClusterProfile:
     cache_root: str
     gpu_arch: str = ""  # the CUDA architecture of its GPUs (sm_70, sm_80, sm_90); "": no GPU
     container_runtime: str = "apptainer"  # the command that runs slurm.container images
+    # where each node keeps its copy of a compact index (hpctrain.data.node_index): /dev/shm,
+    # $TMPDIR...; "": that module's default (/dev/shm)
+    node_local_dir: str = ""
     source: str = ""
     # Per-job limits of a QoS where the site states them: GPUs and nodes one job may hold.
     qos_max_gpus: dict[str, int] = field(default_factory=dict)
@@ -163,6 +166,7 @@ def parse_profile(data: Any, source: str) -> ClusterProfile:
         "name", "description", "account_suffix", "hint", "request_gpus", "default_partition",
         "partitions", "qos", "default_qos", "default_time", "precisions", "setup", "run_root",
         "cache_root", "gpu_arch", "container_runtime", "qos_max_gpus", "qos_max_nodes",
+        "node_local_dir",
     }  # fmt: skip
     unknown = sorted(set(data) - known)
     if unknown:
@@ -213,6 +217,7 @@ def parse_profile(data: Any, source: str) -> ClusterProfile:
         cache_root=str(data.get("cache_root", "") or ""),
         gpu_arch=str(data.get("gpu_arch", "") or ""),
         container_runtime=str(data.get("container_runtime", "") or "apptainer"),
+        node_local_dir=_node_local_dir(data, source),
         source=source,
         qos_max_gpus=per_job["qos_max_gpus"],
         qos_max_nodes=per_job["qos_max_nodes"],
@@ -265,6 +270,22 @@ def load_profile(name: str) -> ClusterProfile:
     except yaml.YAMLError as exc:
         raise LaunchError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
     return parse_profile(data, str(path))
+
+
+def _node_local_dir(data: dict[str, Any], source: str) -> str:
+    value = str(data.get("node_local_dir", "") or "")
+    # rendered inside single quotes in job scripts: a path and $VARIABLES, nothing else
+    if value and not re.fullmatch(r"[A-Za-z0-9_.,@+=/%~${}-]+", value):
+        raise LaunchError(f"{source}: node_local_dir={value!r}: not a folder path")
+    return value
+
+
+def node_local_lines(profile: ClusterProfile) -> tuple[str, ...]:
+    """The job's line naming the profile's node-local folder to every task (single quotes:
+    each task expands `$TMPDIR` on its own node, `hpctrain.data.node_index`)."""
+    if not profile.node_local_dir:
+        return ()
+    return (f"export HPCTRAIN_NODE_LOCAL_DIR='{profile.node_local_dir}'",)
 
 
 def job_name_for(cfg: Config) -> str:
@@ -364,7 +385,7 @@ def resolve_job(cfg: Config, profile: ClusterProfile) -> JobSpec:
         time_minutes=minutes,
         signal_margin_s=s.signal_margin_s,
         max_requeues=s.max_requeues,
-        setup=tuple(profile.setup) + tuple(s.setup),
+        setup=node_local_lines(profile) + tuple(profile.setup) + tuple(s.setup),
         cache_root=profile.cache_root,
         gpu_arch=profile.gpu_arch,
         container=s.container,

@@ -176,9 +176,7 @@ class CausalLM:
         # Instruction data: a loss mask in the training shards (or the validation shards)
         # makes every batch carry one (see SequenceTransform).
         indexes = [index, val_index] if cfg.data.val else [index]
-        self.loss_mask = cfg.data.loss_mask and any(
-            s.num_targets is not None for i in indexes for s in i.shards
-        )
+        self.loss_mask = cfg.data.loss_mask and any(i.holds("num_targets") for i in indexes)
         vocab = int(self.tokenizer["vocab_size"])
         self.hf_source: dict[str, Any] = {}  # the recorded config.json entries of an import
         self.model_cfg: GPTConfig = self.model_shape(vocab, train)

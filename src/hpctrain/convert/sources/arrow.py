@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import posixpath
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import fsspec
@@ -47,6 +47,7 @@ from hpctrain.convert.fields import (
 )
 from hpctrain.convert.sources.base import (
     ListOptions,
+    SampleRef,
     Source,
     full_url,
     image_extension,
@@ -342,3 +343,140 @@ def list_arrow(src: str, options: ListOptions) -> Source:
         spool.abort()
         raise
     return Source("arrow", spool.finish(), class_names)
+
+
+# -- conversions in parts (`hpctrain.convert.parts`) ------------------------------------------
+
+
+@dataclass(frozen=True)
+class ArrowUnit:
+    """What one part of a conversion reads of an Arrow/parquet source: a row group of a
+    parquet file, or a whole Arrow file (its batches cannot be reached without the ones
+    before)."""
+
+    url: str
+    row_group: int | None = None
+
+
+def arrow_units(src: str) -> list[ArrowUnit]:
+    """Every unit of the source, in source order (parquet footers read: cheap)."""
+    pa = import_pyarrow()
+    units = []
+    for url in arrow_files(src)[0]:
+        if not url.split("?", 1)[0].endswith(".parquet"):
+            units.append(ArrowUnit(url))
+            continue
+        with fsspec.open(url, "rb") as f:
+            try:
+                groups = pa.parquet.ParquetFile(f).num_row_groups
+            except pa.ArrowException as exc:
+                raise ConvertError(f"{redact_url(url)}: not readable as parquet: {exc}") from None
+        units += [ArrowUnit(url, g) for g in range(groups)]
+    return units
+
+
+def _unit_batches(unit: ArrowUnit) -> Iterator[Any]:
+    if unit.row_group is None:
+        yield from iter_batches(unit.url)
+        return
+    pa = import_pyarrow()
+    with fsspec.open(unit.url, "rb") as f:
+        try:
+            parquet = pa.parquet.ParquetFile(f)
+            yield from parquet.iter_batches(batch_size=BATCH_ROWS, row_groups=[unit.row_group])
+        except pa.ArrowException as exc:
+            raise ConvertError(f"{redact_url(unit.url)}: not readable as parquet: {exc}") from None
+
+
+@dataclass(frozen=True)
+class PartRow:
+    """A row one part encoded into its spool; its place in the whole source (and so its
+    default key and the row number messages give) is known once every part has listed."""
+
+    unit: int  # the unit's number in `arrow_units`
+    row: int  # its row in the unit
+    key: str | None  # from the `__key__` column; None: the key of its position
+    sample: SampleRef  # spooled; key and origin are placeholders until `place_rows`
+
+
+@dataclass(frozen=True)
+class ArrowPart:
+    rows: list[PartRow]
+    unit_rows: dict[int, int]  # rows of each unit this part read
+    class_names: tuple[str, ...]
+    columns: list[str]  # of the first batch read (every part's must agree)
+
+
+def list_arrow_part(
+    src: str, options: ListOptions, units: list[ArrowUnit], mine: range
+) -> ArrowPart:
+    """Encode the rows of units `mine` into the spool (`options.spool_dir`), as `list_arrow`
+    encodes every row; the columns and class names are decided over the whole source as
+    there (`_label_classes` reads the label column of every file)."""
+    pa = import_pyarrow()
+    files, features, base = arrow_files(src)
+    shown = redact_url(src)
+    spool = Spool(options.spool_dir, shown)
+    columns: list[_Column] | None = None
+    class_names: tuple[str, ...] = ()
+    names: list[str] = []
+    rows: list[PartRow] = []
+    unit_rows: dict[int, int] = {}
+    try:
+        for u in mine:
+            count = 0
+            for batch in _unit_batches(units[u]):
+                if columns is None:
+                    columns, class_names = plan_columns(
+                        src, batch.schema, features, options.columns, options.label_column
+                    )
+                    columns, found = _label_classes(columns, files)
+                    class_names = found or class_names
+                    names = batch.schema.names
+                elif batch.schema.names != names:
+                    raise ConvertError(
+                        f"{redact_url(units[u].url)}: columns {', '.join(batch.schema.names)} "
+                        f"differ from the first file's ({', '.join(names)})"
+                    )
+                for row in batch.to_pylist():
+                    placeholder = f"u{u}-{count}"  # unique in the spool; the real key later
+                    try:
+                        key, members = encode_row(row, columns, base)
+                        spool.add(placeholder, members, "")
+                    except ValueError as exc:
+                        key = None
+                        spool.add(placeholder, [], "", str(exc))
+                    rows.append(PartRow(u, count, key, spool.last()))
+                    count += 1
+            unit_rows[u] = count
+    except pa.ArrowException as exc:
+        spool.abort()
+        raise ConvertError(f"{shown}: {exc}") from None
+    except BaseException:
+        spool.abort()
+        raise
+    spool.finish(allow_empty=True)
+    return ArrowPart(rows, unit_rows, class_names, names)
+
+
+def place_rows(src: str, rows: list[PartRow], unit_rows: dict[int, int]) -> tuple[SampleRef, ...]:
+    """Every part's rows in source order, keyed and named as `list_arrow` keys them: the
+    `__key__` column, else the row's position in the whole source."""
+    shown = redact_url(src)
+    offsets, total = {}, 0
+    for u in sorted(unit_rows):
+        offsets[u], total = total, total + unit_rows[u]
+    samples: list[SampleRef] = []
+    seen: dict[str, int] = {}
+    for r in sorted(rows, key=lambda r: (r.unit, r.row)):
+        position = offsets[r.unit] + r.row
+        key = r.key or sample_key(position)
+        if key in seen:  # as the spool of one conversion says it
+            raise DataError(
+                f"{shown}: samples {seen[key]} and {len(samples)} have the same key {key!r}"
+            )
+        seen[key] = len(samples)
+        samples.append(replace(r.sample, key=key, origin=f"{shown} row {position + 1}"))
+    if not samples:
+        raise DataError(f"{shown}: no samples")
+    return tuple(samples)

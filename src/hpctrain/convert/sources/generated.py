@@ -100,11 +100,16 @@ class Spool:
         """Close the spool file after a failure (the folder is deleted with the conversion)."""
         self._file.close()
 
-    def finish(self) -> tuple[SampleRef, ...]:
-        """Close the spool file; the samples in the order they were added."""
+    def last(self) -> SampleRef:
+        """The sample added last."""
+        return self._samples[-1]
+
+    def finish(self, *, allow_empty: bool = False) -> tuple[SampleRef, ...]:
+        """Close the spool file; the samples in the order they were added (`allow_empty`:
+        none is no error: a part of a conversion may hold none)."""
         self._writer.finish()
         self._file.close()
-        if not self._samples:
+        if not self._samples and not allow_empty:
             raise DataError(f"{self.name}: no samples")
         return tuple(self._samples)
 
