@@ -33,9 +33,11 @@ naming the index and the key.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import posixpath
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -300,6 +302,19 @@ def read_index(index_url: str, storage_options: dict[str, Any] | None = None) ->
     except ValueError:
         raise ShardIndexError(f"{redact_url(index_url)}: not valid JSON") from None
     return parse_index(data, index_url)
+
+
+def shards_digest(shards: Sequence[ShardInfo]) -> str:
+    """What identifies the samples of a shard list, for a loader state to check a resume
+    against: a sha256 over every shard's file name, counts (samples, bytes, tokens, targets)
+    and sha256 (where the index has one), in order; not over where the shards lie, so a
+    copy of the data elsewhere (`$SCRATCH`, a node's disk) resumes as the original."""
+    digest = hashlib.sha256()
+    for s in shards:
+        name = posixpath.basename(s.url.split("?", 1)[0])
+        entry = [name, s.num_samples, s.num_bytes, s.sha256, s.num_tokens, s.num_targets]
+        digest.update(json.dumps(entry).encode() + b"\n")
+    return digest.hexdigest()
 
 
 def index_to_bytes(index: ShardIndex) -> bytes:

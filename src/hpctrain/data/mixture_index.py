@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hpctrain.data.index import ShardIndex
+from hpctrain.data.index import ShardIndex, shards_digest
 from hpctrain.data.locate import open_index
 from hpctrain.data.mixture import Mixture, MixtureError, Source
 
@@ -97,7 +97,7 @@ def open_mixture(
         index = open_index(src.path, storage_options, allow_pipe=allow_pipe)
         indexes.append(index)
         sizes = tuple(s.num_samples for s in index.shards)
-        parts.append(Source(name, float(src.weight), first, sizes))
+        parts.append(Source(name, float(src.weight), first, sizes, shards_digest(index.shards)))
         first += len(sizes)
     check_compatible(names, indexes)
     mixture = Mixture(tuple(parts), samples_per_epoch)

@@ -115,11 +115,15 @@ class ReadSpec:
     seq_len: int = 0  # > 0: shards are token streams read as sequences (data.sequences)
     vocab_size: int = 0  # with seq_len: ids must lie below it
     eod_id: int | None = None  # with seq_len: the end-of-document id (for positions)
+    # epochs from this one on rotate which samples `drop` leaves out (`planning.plan`); a
+    # loader state saved before the rotation existed finishes its epoch as it was planned
+    drop_rotation_from: int = 0
 
     def plan(self, epoch: int, stages: tuple[StageParams, ...]) -> EpochPlan:
         """The plan of the stage after `stages` of `epoch`."""
         p = stage_params(self.params, stages)
         layout: dict[str, Any] = {
+            "rotate_dropped": epoch >= self.drop_rotation_from,
             "world_size": p.world_size,
             "workers_per_rank": p.workers_per_rank,
             "batch_size": p.batch_size,

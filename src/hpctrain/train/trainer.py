@@ -21,6 +21,7 @@ from hpctrain.data import ShardedLoader, open_index
 from hpctrain.data.index import ShardIndex
 from hpctrain.data.mixture_index import describe as describe_train
 from hpctrain.data.mixture_index import open_train_index
+from hpctrain.data.plan_report import dropped_note
 from hpctrain.distributed import DistEnv, new_cpu_group
 from hpctrain.observe.gpu_stats import GpuCounters
 from hpctrain.observe.hangs import HangWatch
@@ -216,6 +217,14 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
         self.total_steps = cfg.train.max_steps or cfg.train.max_epochs * self.steps_per_epoch
         if self.total_steps == 0:
             raise ConfigError("train.max_steps=0 and train.max_epochs=0: set one of them")
+        epoch_plan = self.loader.plan()
+        if epoch_plan.num_dropped:
+            # a tenth of the data out of every epoch is worth a look: say it louder
+            large = epoch_plan.num_dropped >= 0.1 * epoch_plan.num_samples
+            (log.warning if large else log.info)(
+                "data.remainder=drop: %s (data.remainder=pad keeps them, as padding)",
+                dropped_note(epoch_plan, "sequences" if cfg.data.seq_len else "samples"),
+            )
         self.scheduler = build_scheduler(self.optimizer, cfg.train, self.total_steps)
 
     def build_run_state(self) -> None:
