@@ -74,7 +74,8 @@ def test_loss_and_eval_average_over_the_masked_targets_only() -> None:
     per_token = lm.token_losses(model, tokens).detach()
     targets = mask[:, 1:] & valid[:, None]  # loss_mask[t]: token t is a target
     torch.testing.assert_close(loss.detach(), per_token[targets].mean())
-    assert float(values["targets"]) == int(targets.sum())
+    assert values == {} and int(lm.count_targets(batch)) == int(targets.sum())
+    assert int(lm.count_targets({"tokens": tokens, "valid": valid})) == 2 * SEQ_LEN  # plain
     with torch.no_grad():
         sums = lm.eval_metrics(model, batch)
     metrics = lm.summarize(sums)
@@ -181,7 +182,7 @@ def test_a_fixed_response_is_learned_with_the_mask_and_not_without(
     counted = np.mean([r["targets"] for r in masked]) / (8 * SEQ_LEN)
     assert counted == pytest.approx(share, abs=0.05)
     plain = train_losses(instructions, tmp_path / "plain", "data.loss_mask=false")
-    assert "targets" not in plain[-1]
+    assert plain[-1]["targets"] == 8 * SEQ_LEN  # every position of every sequence
     assert min(r["loss"] for r in plain) > 0.3  # random letters cannot be predicted
 
 

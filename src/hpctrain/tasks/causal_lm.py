@@ -325,10 +325,17 @@ class CausalLM:
             # Every sequence has seq_len targets: the mean of valid sequences' means is the
             # mean over their tokens.
             return masked_mean(losses.mean(dim=1), batch["valid"]), {}
-        # Instruction data: the mean over this batch's masked targets (`targets`, logged).
-        count = targets.sum()
-        loss = (losses * targets).sum() / count.clamp(min=1)
-        return loss, {"targets": count.float()}
+        # Instruction data: the mean over this batch's masked targets (`count_targets`).
+        loss = (losses * targets).sum() / targets.sum().clamp(min=1)
+        return loss, {}
+
+    def count_targets(self, batch: dict[str, Any]) -> torch.Tensor:
+        """The target tokens `loss` averages over: the masked ones of valid sequences, or
+        every position of them (the trainer weighs micro-batches and ranks by it)."""
+        targets = _targets(batch)
+        if targets is None:
+            return batch["valid"].sum() * (batch["tokens"].shape[1] - 1)
+        return targets.sum()
 
     def eval_metrics(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         losses = self.token_losses(model, batch["tokens"], batch.get("positions"))

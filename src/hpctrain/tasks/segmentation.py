@@ -255,6 +255,11 @@ class Segmentation:
             pixel_accuracy = (correct * weights).sum() / num_pixels
         return loss, {"pixel_accuracy": pixel_accuracy}
 
+    def count_targets(self, batch: dict[str, Any]) -> torch.Tensor:
+        """The labelled pixels of valid samples, which `loss` averages over (the trainer
+        weighs micro-batches and ranks by it)."""
+        return self._labelled(batch)[1].sum()
+
     def eval_metrics(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         logits = self._logits(model, batch)
         targets, labelled = self._labelled(batch)

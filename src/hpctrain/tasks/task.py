@@ -56,6 +56,12 @@ class Task(Protocol):
       without the run's data; default none.
     - `tokens_per_sample: int` (an attribute) and `flops_per_token() -> int`: the train
       records then hold tokens/s and MFU (`hpctrain.models.flops`); default none.
+    - `count_targets(batch: Batch) -> int | torch.Tensor`: how many terms `loss` averages
+      over in `batch` (masked target tokens, labelled pixels), counted on the host batch
+      before it moves to the device. The optimizer step weighs each micro-batch's loss by it
+      and divides by the step's count over every micro-batch and data-parallel rank, so
+      that gradient accumulation and the number of ranks give the loss and gradients of one
+      large batch. Default: the valid samples (what `masked_mean` divides by).
 
     Two hooks are read from the class, without an instance (`export` and `preflight` have no
     data to construct a task with), so they are static methods:
@@ -117,6 +123,7 @@ OPTIONAL_HOOKS = (
     "flops_per_token",
     "model_card",
     "check_model_name",
+    "count_targets",
 )
 
 
@@ -124,6 +131,13 @@ def masked_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Mean of per-sample `values` over the samples where `valid` is True."""
     weights = valid.to(values.dtype)
     return (values * weights).sum() / weights.sum().clamp(min=1)
+
+
+def count_targets(task: Task, batch: Batch) -> int:
+    """What `task.loss` averages over in the host `batch`: its `count_targets` hook, else
+    the valid samples. An int read on the host: no wait for the device."""
+    hook = getattr(task, "count_targets", None)
+    return int(hook(batch) if hook is not None else batch["valid"].sum())
 
 
 def divide_by_count(sums: Mapping[str, torch.Tensor]) -> dict[str, float]:

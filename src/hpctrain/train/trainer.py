@@ -186,7 +186,12 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             if hasattr(self.task, hook):
                 loader_args[hook] = getattr(self.task, hook)
         self.loader = ShardedLoader(
-            train_index, cfg.data, transform=self.task.train_transform(), train=True, **loader_args
+            train_index,
+            cfg.data,
+            transform=self.task.train_transform(),
+            train=True,
+            batches_held=cfg.train.grad_accum_steps,  # a step holds its micro-batches
+            **loader_args,
         )
         self.val_loader = None
         self.class_names = train_index.class_names  # stored in every checkpoint
@@ -251,6 +256,7 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             dump_on_usr1=signal.SIGUSR1 not in self.preemption.signals,
         )
         self.meter = IntervalMeter()
+        self.empty_steps, self.warned_empty, self.first_step = 0, False, 0
         self.lr = 0.0
         self.grad_norm = torch.zeros(())
         # Ranks agree on preemption flags every step. On a CPU (gloo) group, reading the result
@@ -273,6 +279,7 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
         self.prepare_run_dir()
         self.preemption.install()
         self.resume()
+        self.first_step = self.state.step
         self.write_run_config()
         metrics = MetricsWriter(
             self.run_dir,
