@@ -303,7 +303,10 @@ class CausalLM:
         return SequenceTransform(self.seq_len, self.cfg.data.document_mask, self.loss_mask)
 
     def eval_transform(self) -> SequenceTransform:
-        return SequenceTransform(self.seq_len, self.cfg.data.document_mask, self.loss_mask)
+        # The data evaluated (`hpctrain eval --data`, `predict`) may hold masks that the
+        # training data had not: every batch carries one (the data's, or every target), so
+        # that evaluation and prediction average over the data's own targets.
+        return SequenceTransform(self.seq_len, self.cfg.data.document_mask, self.cfg.data.loss_mask)
 
     def token_losses(
         self, model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor | None = None
@@ -366,10 +369,13 @@ class CausalLM:
 
     @torch.no_grad()
     def predict(self, model: nn.Module, batch: dict[str, Any]) -> list[dict[str, Any]]:
-        """One dict per sequence, in batch order: its mean loss (nats per token), the fraction
-        of positions where the greedy (argmax) next token is right, and the greedy token after
-        the sequence's last one, as id and decoded text. The key is the writer's to add, and
-        invalid rows (padding) are the writer's to drop (`hpctrain.inference.predict`)."""
+        """One dict per sequence, in batch order: its mean loss (nats per target token) and
+        the fraction of its targets where the greedy (argmax) next token is right, both over
+        the targets the loss counts (instruction data: the masked ones, as training and
+        evaluation; None for a sequence without any), its number of `targets`, and the
+        greedy token after the sequence's last one, as id and decoded text. The key is the
+        writer's to add, and invalid rows (padding) are the writer's to drop
+        (`hpctrain.inference.predict`)."""
         tokens, positions = batch["tokens"], batch.get("positions")
         inputs = (tokens,) if positions is None else (tokens, positions)
         logits = model(*inputs).float()  # every position, the last one's next token too
@@ -378,18 +384,26 @@ class CausalLM:
             logits[:, :-1].flatten(0, 1), targets.flatten(), reduction="none"
         ).view_as(targets)
         greedy = logits.argmax(dim=-1)
-        accuracy = (greedy[:, :-1] == targets).float().mean(dim=1)
+        mask = batch.get("loss_mask")
+        counted = (
+            torch.ones_like(losses) if mask is None else mask[:, 1:].to(losses.dtype)
+        )  # per row: `valid` is the writer's
+        count = counted.sum(dim=1)
+        loss = (losses * counted).sum(dim=1) / count.clamp(min=1)
+        accuracy = ((greedy[:, :-1] == targets).float() * counted).sum(dim=1) / count.clamp(min=1)
         decode = self.text_tokenizer().decode
         return [
             {
-                "loss": float(loss),
-                "accuracy": float(acc),
+                "loss": row_loss if n else None,
+                "accuracy": acc if n else None,
+                "targets": int(n),
                 "next_token": int(nxt),
                 "next_text": decode([int(nxt)]),
             }
-            for loss, acc, nxt in zip(
-                losses.mean(dim=1).tolist(),
+            for row_loss, acc, n, nxt in zip(
+                loss.tolist(),
                 accuracy.tolist(),
+                count.tolist(),
                 greedy[:, -1].tolist(),
                 strict=True,
             )
