@@ -221,6 +221,20 @@ def check_task(cfg: Config) -> Check:
     return Check("task", True, f"{target} imports")
 
 
+def check_monitor_metric(cfg: Config) -> Check | None:
+    """`checkpoint.monitor` is a metric the task's evaluation reports (None: no monitor, or
+    a task that does not declare its metrics)."""
+    from hpctrain.tasks.task import check_monitor, class_hook
+
+    if not cfg.checkpoint.monitor or class_hook(cfg.task, "eval_metric_names") is None:
+        return None
+    try:
+        check_monitor(cfg)
+    except ConfigError as exc:
+        return Check("checkpoint.monitor", False, str(exc))
+    return Check("checkpoint.monitor", True, f"{cfg.checkpoint.monitor}: reported by the task")
+
+
 def check_init_from(cfg: Config) -> Check | None:
     """`model.init_from` exists, is readable and of a known kind (None: not set)."""
     path = cfg.model.init_from
@@ -280,9 +294,9 @@ def preflight(
     if data:
         checks += check_data(cfg)
     checks += [check_task(cfg), check_python()]
-    init_check = check_init_from(cfg)
-    if init_check is not None:
-        checks.append(init_check)
+    for optional in (check_init_from(cfg), check_monitor_metric(cfg)):
+        if optional is not None:
+            checks.append(optional)
     if environment and job is not None:
         checks += check_job_environment(job, python)
     return checks

@@ -267,6 +267,18 @@ class CausalLM:
             raise ConfigError(f"model.name={name!r}: task causal_lm takes {', '.join(PRESETS)}")
 
     @staticmethod
+    def eval_metric_names(cfg: Config) -> tuple[str, ...]:
+        """What `summarize` may report with `cfg`: `targets` with the loss masks on (every
+        evaluation batch then carries one), `bits_per_byte` unless `data.tokenizer` names a
+        tokenizer file (the index's tokenizer may be the bytes one)."""
+        names = ("loss", "perplexity")
+        if cfg.data.loss_mask:
+            names += ("targets",)
+        if cfg.data.tokenizer in ("", BYTES):
+            names += ("bits_per_byte",)
+        return names
+
+    @staticmethod
     def model_card(
         tree: dict[str, Any], weights: dict[str, torch.Tensor], manifest: dict[str, Any]
     ) -> dict[str, Any] | None:

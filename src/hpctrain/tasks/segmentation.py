@@ -195,6 +195,11 @@ class Segmentation:
         if name:
             check_segmenter_name(name)
 
+    @staticmethod
+    def eval_metric_names(cfg: Config) -> tuple[str, ...]:
+        """What `summarize` reports."""
+        return ("loss", "mIoU", "pixel_accuracy")
+
     def build_model(self) -> nn.Module:
         return build_segmenter(self.cfg.model.name or "unet", self.num_classes)
 

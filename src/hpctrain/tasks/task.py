@@ -74,6 +74,11 @@ class Task(Protocol):
     - `check_model_name(name: str, image_size: int | None) -> None`: raise `ConfigError` for
       a `model.name` the task cannot build, without building it (`hpctrain preflight`, before
       the queue wait); empty is the task's default. Default: every name passes.
+    - `eval_metric_names(cfg: Config) -> Collection[str]`: the metrics its evaluation can
+      report with `cfg` (the keys of `summarize`, without `val_`), so that a
+      `checkpoint.monitor` naming another is refused before any work (the trainer's start,
+      `hpctrain preflight`). Default: undeclared, the monitor is first looked up in the
+      first evaluation record.
     """
 
     def build_model(self) -> nn.Module:
@@ -124,6 +129,7 @@ OPTIONAL_HOOKS = (
     "model_card",
     "check_model_name",
     "count_targets",
+    "eval_metric_names",
 )
 
 
@@ -240,6 +246,27 @@ def model_card(
     hook = class_hook(str(tree.get("task") or DEFAULT_TASK), "model_card")
     card: dict[str, Any] | None = hook(tree, weights, manifest) if hook is not None else None
     return card
+
+
+def check_monitor(cfg: Config) -> None:
+    """Refuse a `checkpoint.monitor` that the task's evaluation never reports (its
+    `eval_metric_names` hook, with `val_` and `val_samples`), before any work: the run would
+    otherwise train until its first evaluation, then fail. A task without the hook (or
+    that cannot be imported here) is not checked.
+
+    Raises:
+        ConfigError: naming the key and the task's metric names.
+    """
+    monitor = cfg.checkpoint.monitor
+    hook = class_hook(cfg.task, "eval_metric_names") if monitor else None
+    if hook is None:
+        return
+    reported = [f"val_{name}" for name in hook(cfg)] + ["val_samples"]
+    if monitor not in reported:
+        raise ConfigError(
+            f"checkpoint.monitor={monitor}: task {cfg.task} reports {', '.join(reported)} "
+            "(with this config); monitor one of them"
+        )
 
 
 def check_model_name(task: str, name: str, image_size: int | None = None) -> None:

@@ -32,7 +32,7 @@ from hpctrain.observe.trackers import check_trackers, start_trackers
 from hpctrain.parallel.parallelize import parallelize
 from hpctrain.parallel.precision import device_facts, make_grad_scaler, plan_training
 from hpctrain.tasks.classes import check_class_names
-from hpctrain.tasks.task import Batch, load_task
+from hpctrain.tasks.task import Batch, check_monitor, load_task
 from hpctrain.train.checkpointing import Checkpointing, TrainState
 from hpctrain.train.ema import build_ema
 from hpctrain.train.evaluation import require_items
@@ -98,6 +98,7 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             raise ConfigError(
                 f"checkpoint.monitor={cfg.checkpoint.monitor}: needs data.val (evaluations to rank by)"
             )
+        check_monitor(cfg)  # a metric the task's evaluation reports
         # Both refuse bad settings here; they hold the run's state from here on.
         self.monitor = MetricMonitor(
             cfg.checkpoint.monitor,
