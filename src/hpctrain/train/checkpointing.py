@@ -152,6 +152,11 @@ class Checkpointing:
         return metadata
 
     def resume(self) -> None:
+        fresh = self.cfg.checkpoint.resume == "none"
+        if fresh and self.cfg.model.init_from:
+            # Read before `--resume none` sets the older run's checkpoints aside: init_from
+            # may name this run folder or a step in it (a new run from its own weights).
+            self.init_weights()
         try:
             step = self.checkpoints.load(
                 self.checkpoint_states(),
@@ -173,7 +178,7 @@ class Checkpointing:
             check_same_groups(self.cfg.train, self.checkpoints.tried_manifest)
             raise
         if step is None:
-            if self.cfg.model.init_from:
+            if self.cfg.model.init_from and not fresh:
                 self.init_weights()
             return
         check_same_groups(self.cfg.train, self.checkpoints.loaded_manifest)
