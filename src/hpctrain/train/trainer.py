@@ -17,6 +17,7 @@ import torch.distributed as dist
 import hpctrain.models.init_from as init_from  # a module: tests patch its functions
 from hpctrain.checkpoint import CheckpointManager
 from hpctrain.config import Config, ConfigError, config_to_yaml
+from hpctrain.config.load import check_rules
 from hpctrain.data import ShardedLoader, open_index
 from hpctrain.data.index import ShardIndex
 from hpctrain.data.mixture_index import describe as describe_train
@@ -83,6 +84,7 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
     def check_config(self) -> None:
         """Refuse what cannot train (bf16 on a V100, no data, ...) before any model or loader work."""
         cfg = self.cfg
+        check_rules(cfg)  # as loading does: this config may have been built in code
         if not cfg.data.train:
             raise ConfigError("data.train is empty: give an index.json path/URL or a shard pattern")
         if cfg.logging.tensorboard and self.env.is_main:
