@@ -271,7 +271,7 @@ class CausalLM:
         """What `summarize` may report with `cfg`: `targets` with the loss masks on (every
         evaluation batch then carries one), `bits_per_byte` unless `data.tokenizer` names a
         tokenizer file (the index's tokenizer may be the bytes one)."""
-        names = ("loss", "perplexity")
+        names: tuple[str, ...] = ("loss", "perplexity")
         if cfg.data.loss_mask:
             names += ("targets",)
         if cfg.data.tokenizer in ("", BYTES):
