@@ -344,13 +344,14 @@ class CausalLM:
         loss = (losses * targets).sum() / targets.sum().clamp(min=1)
         return loss, {}
 
-    def count_targets(self, batch: dict[str, Any]) -> torch.Tensor:
+    def count_targets(self, batch: dict[str, Any]) -> int:
         """The target tokens `loss` averages over: the masked ones of valid sequences, or
-        every position of them (the trainer weighs micro-batches and ranks by it)."""
-        targets = _targets(batch)
-        if targets is None:
-            return batch["valid"].sum() * (batch["tokens"].shape[1] - 1)
-        return targets.sum()
+        every position of them (the trainer weighs micro-batches and ranks by it; on the
+        host, so `count_nonzero` of the bools, several times faster than a sum here)."""
+        valid, mask = batch["valid"], batch.get("loss_mask")
+        if mask is None:
+            return int(valid.sum()) * (batch["tokens"].shape[1] - 1)
+        return int(torch.count_nonzero(mask[:, 1:] & valid[:, None]))
 
     def eval_metrics(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         losses = self.token_losses(model, batch["tokens"], batch.get("positions"))
