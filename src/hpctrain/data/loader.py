@@ -142,9 +142,11 @@ class ShardedLoader:
         )
         shard_sizes, vocab_size, eod_id = tuple(s.num_samples for s in index.shards), 0, None
         self.dropped_tokens = 0  # per epoch: token-stream tails too short for a sequence
+        shard_tokens: tuple[int, ...] = ()
         if cfg.seq_len:  # token shards read as packed sequences (data/sequences.py)
             shard_sizes, vocab_size, self.dropped_tokens = sequence_layout(index, cfg.seq_len)
             eod_id = (index.tokenizer or {}).get("eod_id")  # documents end there (positions)
+            shard_tokens = tuple(s.num_tokens or 0 for s in index.shards)
         # a mixture (`hpctrain.data.mixture_index.MixtureIndex`) plans training only, over the
         # items the plan counts (packed sequences with data.seq_len)
         mixture = getattr(index, "mixture", None) if train else None
@@ -168,6 +170,7 @@ class ShardedLoader:
             seq_len=cfg.seq_len,
             vocab_size=vocab_size,
             eod_id=None if eod_id is None else int(eod_id),
+            shard_tokens=shard_tokens,
         )
         self.epoch = 0
         self._stages: tuple[StageParams, ...] = ()  # earlier stages of this epoch
