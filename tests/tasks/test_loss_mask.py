@@ -282,3 +282,18 @@ def test_predicted_losses_weighed_by_targets_give_the_evaluation_loss(
     assert total == evaluated["val_targets"] and total < len(rows) * SEQ_LEN
     weighed = sum(r["loss"] * r["targets"] for r in counted) / total
     assert weighed == pytest.approx(evaluated["val_loss"], rel=1e-4)
+
+
+def test_an_evaluation_without_a_target_reports_no_loss_rather_than_zero() -> None:
+    # the evaluation sibling of #37 item 4: instruction data whose prompts fill every
+    # sequence (no mask bit set) evaluated to val_loss 0.0, a perfect score
+    lm = task()
+    torch.manual_seed(0)
+    model = lm.build_model()
+    tokens = torch.randint(0, 257, (2, SEQ_LEN + 1))
+    batch = {"tokens": tokens, "loss_mask": torch.zeros(2, SEQ_LEN + 1, dtype=torch.bool),
+             "valid": torch.ones(2, dtype=torch.bool)}  # fmt: skip
+    with torch.no_grad():
+        metrics = lm.summarize(lm.eval_metrics(model, batch))
+    assert metrics["targets"] == 0
+    assert np.isnan(metrics["loss"]) and np.isnan(metrics["perplexity"])

@@ -371,8 +371,10 @@ class CausalLM:
         }
 
     def summarize(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
-        """loss (nats per token), perplexity and, for the bytes tokenizer, bits per byte."""
-        loss = float(sums["loss"]) / max(1.0, float(sums["tokens"]))
+        """loss (nats per token), perplexity and, for the bytes tokenizer, bits per byte;
+        NaN over data without a single target (masks that mark none), not a perfect 0.0."""
+        tokens = float(sums["tokens"])
+        loss = float(sums["loss"]) / tokens if tokens else math.nan
         metrics = {"loss": loss, "perplexity": math.exp(min(loss, 700.0))}
         if "targets" in sums:  # instruction data: how many masked targets the loss counted
             metrics["targets"] = float(sums["targets"])

@@ -18,6 +18,7 @@ ranks (padded samples, `valid=False`, left out).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -286,7 +287,8 @@ class Segmentation:
         confusion = sums["confusion"].double()
         iou, pixel_accuracy = iou_and_accuracy(confusion)
         metrics = {
-            "loss": float(sums["loss"]) / max(1.0, float(sums["pixels"])),
+            # no labelled pixel at all: no loss to report, not a perfect 0.0
+            "loss": float(sums["loss"]) / float(sums["pixels"]) if sums["pixels"] else math.nan,
             "mIoU": float(iou.nanmean()) if not iou.isnan().all() else 0.0,
             "pixel_accuracy": pixel_accuracy,
         }
