@@ -377,7 +377,7 @@ class CausalLM:
         loss = float(sums["loss"]) / tokens if tokens else math.nan
         metrics = {"loss": loss, "perplexity": math.exp(min(loss, 700.0))}
         if "targets" in sums:  # instruction data: how many masked targets the loss counted
-            metrics["targets"] = float(sums["targets"])
+            metrics["targets"] = int(sums["targets"])
         if self.tokenizer["name"] == BYTES and not self.tokenizer.get("sha256"):
             metrics["bits_per_byte"] = loss / math.log(2)
         return metrics

@@ -49,7 +49,7 @@ class OptimizerStep:
     grad_norm: torch.Tensor
     log_samples: Callable[[Batch], None]  # RunRecords'
     flag_group: Any  # a CPU process group of every rank (None: one process)
-    empty_steps: int  # steps of this start without any target (`note_empty_step`)
+    empty_steps: int  # steps of this start without any target (`watch_empty_steps`)
     warned_empty: bool
     first_step: int  # the step this start began at
 
