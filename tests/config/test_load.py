@@ -2,6 +2,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 
 from hpctrain.config import (
     ConfigError,
@@ -374,3 +375,38 @@ def test_the_gpt_shape_keys_moved_to_causal_lm_and_the_old_ones_still_load(
     caplog.clear()
     load_config(write(tmp_path, "model:\n  dim: 0\n  tie_embeddings: null\n"))
     assert not caplog.records  # at their defaults (an older resolved config): no warning
+
+
+def test_a_sequence_length_tensor_parallelism_cannot_split_is_refused_on_load(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # #37 item 13: each TP rank takes an equal part of every sequence (sequence parallelism);
+    # 30 tokens on 4 ranks aborted the first step in gloo (SIGABRT), after the queue wait.
+    from hpctrain.cli.main import main
+    from hpctrain.config import config_from_dict
+    from hpctrain.distributed import resolve_env
+    from hpctrain.train.trainer import Trainer
+
+    config = tmp_path / "lm.yaml"
+    config.write_text("task: causal_lm\ndata:\n  seq_len: 30\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(config, ["train.strategy=fsdp", "train.tp_degree=4"])
+    assert str(info.value) == (
+        f"data.seq_len=30 ({config}): train.tp_degree=4 (command line) must divide it (tensor "
+        "parallelism splits every sequence into 4 equal parts): use 28 or 32"
+    )
+    with pytest.raises(ConfigError, match=r"data.seq_len=3 \(command line\): .* use 4$"):
+        load_config(None, ["data.seq_len=3", "train.tp_degree=4"])
+    load_config(None, ["data.seq_len=32", "train.tp_degree=4"])  # divides: fine
+    load_config(None, ["data.seq_len=31"])  # no tensor parallelism: any length
+    # preflight (so submit and sbatch) loads the config the same way: refused on the login node
+    code = main(["preflight", str(config), "train.tp_degree=4", "--profile", "local-dev"])
+    assert (
+        code == 2 and "train.tp_degree=4 (command line) must divide it" in capsys.readouterr().err
+    )
+    # a config built in code (submitit pickles one) meets the rule at the trainer's start
+    built = config_from_dict(
+        {"task": "causal_lm", "data": {"seq_len": 30}, "train": {"tp_degree": 4}}
+    )
+    with pytest.raises(ConfigError, match="data.seq_len=30: train.tp_degree=4 must divide it"):
+        Trainer(built, resolve_env({}), torch.device("cpu"))

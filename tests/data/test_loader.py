@@ -372,3 +372,65 @@ def test_a_transform_returning_several_sizes_is_a_clear_error(shards, workers):
     error = f"field 'png' differs within a batch: {shape}, {shape}; the transform must"
     with pytest.raises(BatchError, match=error):
         list(loader)
+
+
+def test_a_resume_onto_shards_replaced_in_place_is_refused_or_starts_the_next_epoch(tmp_path):
+    # The same shard and sample counts, other contents (re-converted in place): read by
+    # position, the rest of the epoch would be other samples. Mixtures: test_mixture_loader.
+    from hpctrain.data.loader import LoaderStateError
+
+    sizes = [13, 7, 20]
+    make_shards(tmp_path, sizes)
+    first = ShardedLoader(open_index(str(tmp_path)), cfg(), rank=0, world_size=1, seed=1)
+    first.set_epoch(2)
+    it = iter(first)
+    next(it), next(it)
+    state = first.state_dict()
+    same = ShardedLoader(open_index(str(tmp_path)), cfg(), rank=0, world_size=1, seed=1)
+    same.load_state_dict(state)  # the shards untouched: an exact resume
+    assert same.position == 2
+    make_shards(tmp_path, sizes, with_json=True)  # re-converted: a json member more
+    index = open_index(str(tmp_path))
+    refused = ShardedLoader(index, cfg(), rank=0, world_size=1, seed=1)
+    with pytest.raises(LoaderStateError) as info:
+        refused.load_state_dict(state)
+    message = str(info.value)
+    assert message.startswith(
+        "data.train changed since the checkpoint (the same 3 shards and 40 samples, other "
+        "contents: shard list sha256 "
+    )
+    assert "data.resume_changed=new_epoch to end epoch 2 at the checkpoint" in message
+    # the way on: epoch 2 ends at the checkpoint, epoch 3 plans the new shards
+    moved_on = ShardedLoader(index, cfg(resume_changed="new_epoch"), rank=0, world_size=1, seed=1)
+    moved_on.load_state_dict(state)
+    assert list(moved_on) == [] and moved_on.epoch == 2
+    moved_on.set_epoch(3)
+    assert len(keys_of(moved_on)) == 40 // 4 * 4
+    # another shard count: the same rule, the counts named
+    make_shards(tmp_path, [*sizes, 5])
+    with pytest.raises(LoaderStateError, match=r"\(3 -> 4 shards, 40 -> 45 samples\)"):
+        ShardedLoader(
+            open_index(str(tmp_path)), cfg(), rank=0, world_size=1, seed=1
+        ).load_state_dict(state)
+
+
+def test_a_state_saved_before_dropped_samples_rotated_finishes_its_epoch_as_planned(shards):
+    from hpctrain.data import plan
+
+    root, sizes = shards
+    index = open_index(str(root))
+    loader = ShardedLoader(index, cfg(), rank=0, world_size=1, seed=4)
+    loader.set_epoch(3)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    del state["drop_rotation_from"], state["index_digest"]  # as the loader saved it then
+    resumed = ShardedLoader(index, cfg(), rank=0, world_size=1, seed=4)
+    resumed.load_state_dict(state)
+    old = plan(
+        sizes, world_size=1, workers_per_rank=0, batch_size=4, seed=4, epoch=3, rotate_dropped=False
+    )
+    assert keys_of(resumed) == [sample_key(s, i) for s, i, _v in old.rank_order(0)][4:]
+    resumed.set_epoch(4)  # the next epoch rotates
+    assert keys_of(resumed) == expected_keys(resumed)
+    assert resumed.state_dict()["drop_rotation_from"] == 4

@@ -5,6 +5,7 @@ resume), and the checks made before any work (config form, sample kinds, tokeniz
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 from collections import Counter
 from pathlib import Path
@@ -39,7 +40,8 @@ def make_source(root: Path, sizes: list[int], first: int, tokenizer=None) -> Non
     for i, n in enumerate(sizes):
         name = f"train-{i:06d}.tar"
         write_shard(root / name, first + i, n)
-        infos.append(ShardInfo(url=name, num_samples=n, num_bytes=(root / name).stat().st_size))
+        data = (root / name).read_bytes()
+        infos.append(ShardInfo(name, n, len(data), hashlib.sha256(data).hexdigest()))
     index = ShardIndex(
         shards=tuple(infos), base_url=str(root), class_names=tuple("abcdefg"), tokenizer=tokenizer
     )
@@ -204,6 +206,17 @@ def test_state_of_other_sources_is_refused(tmp_path):
     loader = ShardedLoader(swapped, data_cfg(0), rank=0, world_size=1, seed=5)
     with pytest.raises(MixtureError, match=r"sources changed since the checkpoint: reordered"):
         loader.load_state_dict(state)
+    # a source re-converted in place: the same counts, other samples (its shards' digest)
+    make_source(tmp_path / "mid", SOURCES["mid"][0], 300)
+    replaced = ShardedLoader(
+        open_mixture(sources(str(tmp_path))), data_cfg(0), rank=0, world_size=1, seed=5
+    )
+    with pytest.raises(MixtureError) as info:
+        replaced.load_state_dict(state)
+    assert str(info.value).startswith(
+        "the mixture's sources changed since the checkpoint: changed mid (the same 2 shards "
+        "and 14 samples, other contents)."
+    )
 
 
 def test_token_sources_mix_as_packed_sequences(tmp_path):

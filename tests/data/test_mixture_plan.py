@@ -3,6 +3,7 @@ at most once per pass of a source, exact/elastic resume and a weight change (no 
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 import numpy as np
@@ -256,3 +257,21 @@ def test_vectorised_tables_agree_with_the_streams(args):
         assert counts[i].tolist() == [valid[s] for s in range(len(mixture.sources))]
         if all(seg.valid for seg in one):
             assert table["shards"][i] == len(one)
+
+
+def test_which_samples_a_mixture_drops_rotates_with_the_epoch_for_one_shard_sources():
+    # two one-shard sources, 76 slots, batch 16: 12 slots dropped an epoch, shared by both.
+    # Before, each source's pass order never changed (one shard), so the same tail samples
+    # of each were left out of every epoch.
+    mixture = make_mixture([[46], [30]], [46.0, 30.0])
+    kw = dict(world_size=1, workers_per_rank=0, batch_size=16, seed=2)
+    dropped = []
+    for epoch in range(6):
+        p = plan_mixture(mixture, epoch=epoch, **kw)
+        read = {(s, i) for s, i, _v in p.emission_order(0, 0)}
+        everything = {(0, i) for i in range(46)} | {(1, i) for i in range(30)}
+        dropped.append(everything - read)
+        assert len(dropped[-1]) == p.num_dropped == 12
+    for before, after in itertools.pairwise(dropped):
+        assert not before & after, "a sample left out of two epochs in a row"
+    assert len(set().union(*dropped)) == 6 * 12

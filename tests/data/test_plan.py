@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 import pytest
@@ -173,3 +174,50 @@ def test_vectorised_segments_equal_per_stream_ones(args):
     assert fast == slow
     table = p.stream_table()
     assert [sum(len(s) for s in segs) for segs in fast] == table["samples"].tolist()
+
+
+def dropped_items(p) -> set[tuple[int, int]]:
+    """The samples of the whole data (every shard's) that no stream of `p` reads."""
+    sizes = p.sequence.end - p.sequence.start
+    everything = {
+        (int(s), i)
+        for s, a, n in zip(p.sequence.shard, p.sequence.start, sizes, strict=True)
+        for i in range(int(a), int(a + n))
+    }
+    return everything - {(s, i) for s, i, _v in all_items(p)}
+
+
+@pytest.mark.parametrize("sizes", [[46], [20, 26], [5, 7, 9, 11, 14]])
+def test_which_samples_are_dropped_rotates_with_the_epoch_for_any_number_of_shards(sizes):
+    # 46 samples, batch 16: 14 left out of each epoch. With one shard the shard permutation
+    # cannot move them: before, samples 32-45 were left out of every epoch, never trained on.
+    kw = dict(world_size=1, workers_per_rank=0, batch_size=16, seed=5)
+    everything = {(s, i) for s, n in enumerate(sizes) for i in range(n)}
+    dropped = [dropped_items(plan(sizes, epoch=e, **kw)) for e in range(4)]
+    assert [len(d) for d in dropped] == [14] * 4
+    for before, after in itertools.pairwise(dropped):
+        assert not before & after, "a sample left out of two epochs in a row"
+    assert set().union(*dropped) == everything  # in 4 epochs every sample had its turn
+
+
+def test_the_dropped_window_walks_through_the_data_in_index_order():
+    kw = dict(world_size=2, workers_per_rank=3, batch_size=4, seed=0)  # 8 a step: 6 of 46
+    windows = [sorted(dropped_items(plan([20, 26], epoch=e, **kw))) for e in range(3)]
+    assert windows == [
+        [(1, i) for i in range(20, 26)],
+        [(0, i) for i in range(6)],
+        [(0, i) for i in range(6, 12)],
+    ]
+    # epoch 8 starts at sample 40 + 8 * 6 = 88 = 46 + 42: the window wraps around the end
+    assert sorted(dropped_items(plan([20, 26], epoch=8, **kw))) == [
+        *((0, i) for i in range(2)),
+        *((1, i) for i in range(22, 26)),
+    ]
+
+
+def test_evaluation_and_padding_plans_do_not_rotate():
+    kw = dict(world_size=1, workers_per_rank=0, batch_size=16, seed=5, epoch=3)
+    evaluation = plan([46], shuffle_shards=False, remainder="pad", **kw)
+    assert [i for _s, i, _v in all_items(evaluation)][:46] == list(range(46))
+    padded = plan([46], remainder="pad", **kw)
+    assert [i for _s, i, _v in all_items(padded)][:46] == list(range(46))

@@ -360,3 +360,38 @@ def test_plan_cli_shows_sequences_and_dropped_tokens(tokens, capsys):
     assert main([*args, "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["num_samples"] == total and summary["tokens_dropped"] == dropped
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_tokens_too_few_for_a_sequence_alternate_between_a_shards_end_and_start(
+    tmp_path, workers
+):
+    # Sibling of #37 item 1: the tail of a shard's stream shorter than a sequence was the
+    # same every epoch, so a one-shard set never trained on its last tokens.
+    streams = write_token_shards(tmp_path, [(9, 2), (7, 3)])
+    index = open_index(str(tmp_path))
+    c = cfg(batch_size=1, workers_per_rank=workers, shuffle_buffer=3)
+    loader = ShardedLoader(index, c, rank=0, world_size=1, seed=1)
+    tails = [dropped_tokens(len(s), SEQ_LEN) for s in streams]
+    assert all(tails), tails  # both shards have tokens left over
+    targets: list[set[tuple[int, int]]] = []
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        seen = set()
+        for b in loader:
+            key, row, positions = b["key"][0], b["tokens"][0], b["positions"][0]
+            assert row.tolist() == window(streams, key, epoch=epoch)
+            assert positions.tolist() == positions_window(streams, key, epoch=epoch)
+            shard, i = int(key.split("/")[0][-6:]), int(key.split("/")[1])
+            start = (tails[shard] if epoch % 2 else 0) + i * SEQ_LEN
+            seen |= {(shard, t) for t in range(start + 1, start + SEQ_LEN + 1)}
+        targets.append(seen)
+    loader.close()
+    every = {(s, t) for s, stream in enumerate(streams) for t in range(1, len(stream))}
+    assert targets[0] != targets[1] and targets[0] == targets[2]
+    assert targets[0] | targets[1] == every  # every token a target every other epoch
+    # evaluation reads the same windows in every epoch
+    evaluation = ShardedLoader(index, c, rank=0, world_size=1, seed=1, train=False)
+    evaluation.set_epoch(1)
+    for b in evaluation:
+        assert b["tokens"][0].tolist() == window(streams, b["key"][0])

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from hpctrain.data.index import ShardIndex, ShardInfo, index_to_bytes
-from hpctrain.data.sequences import num_sequences, sequence_key
+from hpctrain.data.sequences import num_sequences, sequence_key, sequence_offset
 from hpctrain.data.tokens import encode_tokens
 
 SEQ_LEN = 8
@@ -73,21 +73,24 @@ def write_token_shards(
     return streams
 
 
-def window(streams: list[list[int]], key: str, seq_len: int = SEQ_LEN) -> list[int]:
-    """The ids sequence `key` (`train-<shard>/<i>`) must hold."""
+def window(streams: list[list[int]], key: str, seq_len: int = SEQ_LEN, epoch: int = 0) -> list[int]:
+    """The ids sequence `key` (`train-<shard>/<i>`) must hold in a training `epoch`."""
     stem, i = key.split("/")
-    start = int(i) * seq_len
-    return streams[int(stem[-6:])][start : start + seq_len + 1]
+    stream = streams[int(stem[-6:])]
+    start = sequence_offset(len(stream), seq_len, epoch) + int(i) * seq_len
+    return stream[start : start + seq_len + 1]
 
 
-def positions_window(streams: list[list[int]], key: str, seq_len: int = SEQ_LEN) -> list[int]:
-    """The positions in documents sequence `key` must hold, from its shard's whole stream
-    (0 at the shard's first id and after each EOD, one more elsewhere)."""
+def positions_window(
+    streams: list[list[int]], key: str, seq_len: int = SEQ_LEN, epoch: int = 0
+) -> list[int]:
+    """The positions in documents sequence `key` must hold in a training `epoch`, from its
+    shard's whole stream (0 at the shard's first id and after each EOD, one more elsewhere)."""
     stem, i = key.split("/")
     stream, positions = streams[int(stem[-6:])], []
     for t in range(len(stream)):
         positions.append(0 if t == 0 or stream[t - 1] == EOD else positions[-1] + 1)
-    start = int(i) * seq_len
+    start = sequence_offset(len(stream), seq_len, epoch) + int(i) * seq_len
     return positions[start : start + seq_len + 1]
 
 

@@ -134,7 +134,7 @@ def test_transform_checks_the_sequence() -> None:
     with pytest.raises(SampleError, match=r"'s/0' has no `positions` beside its tokens"):
         transform({"key": "s/0", "tokens": ids})
     # data.document_mask=false: positions are dropped (never travel), none needed
-    plain = task("data.document_mask=false").eval_transform()
+    plain = task("data.document_mask=false").train_transform()
     assert set(plain({"key": "s/0", "tokens": ids, "positions": ids})) == {"key", "tokens"}
     assert set(plain({"key": "s/0", "tokens": ids})) == {"key", "tokens"}
     with pytest.raises(SampleError, match=r"'s/1': tokens of shape \[5\], expected \[33\]"):

@@ -74,7 +74,8 @@ def test_loss_and_eval_average_over_the_masked_targets_only() -> None:
     per_token = lm.token_losses(model, tokens).detach()
     targets = mask[:, 1:] & valid[:, None]  # loss_mask[t]: token t is a target
     torch.testing.assert_close(loss.detach(), per_token[targets].mean())
-    assert float(values["targets"]) == int(targets.sum())
+    assert values == {} and int(lm.count_targets(batch)) == int(targets.sum())
+    assert int(lm.count_targets({"tokens": tokens, "valid": valid})) == 2 * SEQ_LEN  # plain
     with torch.no_grad():
         sums = lm.eval_metrics(model, batch)
     metrics = lm.summarize(sums)
@@ -181,7 +182,7 @@ def test_a_fixed_response_is_learned_with_the_mask_and_not_without(
     counted = np.mean([r["targets"] for r in masked]) / (8 * SEQ_LEN)
     assert counted == pytest.approx(share, abs=0.05)
     plain = train_losses(instructions, tmp_path / "plain", "data.loss_mask=false")
-    assert "targets" not in plain[-1]
+    assert plain[-1]["targets"] == 8 * SEQ_LEN  # every position of every sequence
     assert min(r["loss"] for r in plain) > 0.3  # random letters cannot be predicted
 
 
@@ -214,3 +215,85 @@ def test_a_mask_that_does_not_fit_its_ids_is_a_data_error(
             tar.addfile(info, io.BytesIO(data))
     with open_shard(str(path)) as f, pytest.raises(TokenDataError, match=message):
         list(iter_sequences(f, [0, 1, 2], 2, 257, "s"))
+
+
+def test_predict_averages_each_sequence_over_its_masked_targets() -> None:
+    lm = task()
+    torch.manual_seed(0)
+    model = lm.build_model()
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 257, (3, SEQ_LEN + 1), generator=g)
+    mask = torch.zeros(3, SEQ_LEN + 1, dtype=torch.bool)
+    mask[0, -5:] = True  # a response of 5 tokens after its prompt
+    mask[1, 1:] = True  # every token a target
+    # row 2: a prompt that fills the sequence: no target
+    batch = {"tokens": tokens, "loss_mask": mask, "valid": torch.ones(3, dtype=torch.bool)}
+    rows = lm.predict(model, batch)
+    per_token = lm.token_losses(model, tokens).detach()
+    assert [r["targets"] for r in rows] == [5, SEQ_LEN, 0]
+    assert rows[0]["loss"] == pytest.approx(float(per_token[0, -5:].mean()), rel=1e-5)
+    assert rows[1]["loss"] == pytest.approx(float(per_token[1].mean()), rel=1e-5)
+    assert rows[2]["loss"] is None and rows[2]["accuracy"] is None
+    # plain text: every position counts, as before
+    plain = lm.predict(model, {"tokens": tokens, "valid": batch["valid"]})
+    assert plain[0]["targets"] == SEQ_LEN
+    assert plain[0]["loss"] == pytest.approx(float(per_token[0].mean()), rel=1e-5)
+    # evaluation and prediction read the data's own masks even when training had none
+    plain_task = task(index=ShardIndex(shards=(ShardInfo("a.tar", 10, num_tokens=1000),),
+                                       tokenizer=dict(BYTES_TOKENIZER)))  # fmt: skip
+    assert not plain_task.loss_mask
+    sample = {"key": "s/0", "tokens": tokens[0], "positions": torch.arange(SEQ_LEN + 1),
+              "loss_mask": mask[0]}  # fmt: skip
+    assert torch.equal(plain_task.eval_transform()(sample)["loss_mask"], mask[0])
+
+
+@pytest.mark.slow
+def test_predicted_losses_weighed_by_targets_give_the_evaluation_loss(
+    instructions: Path, tmp_path: Path
+) -> None:
+    from hpctrain.inference.evaluate import run_eval
+    from hpctrain.inference.predict import run_predict
+
+    train_losses(instructions, tmp_path / "run", "train.max_steps=3", "train.log_every=1")
+    cfg = load_config(
+        None,
+        [
+            f"run_dir={tmp_path / 'run'}",
+            "task=causal_lm",
+            f"data.train={instructions}",
+            f"data.val={instructions}",
+            *TINY,
+            "data.batch_size=8",
+            "data.workers_per_rank=0",
+            "train.precision=fp32",
+        ],
+    )
+    out = tmp_path / "eval.json"
+    assert run_eval(cfg, out=str(out)) == 0
+    evaluated = json.loads(out.read_text())
+    assert run_predict(cfg, data=str(instructions), out=str(tmp_path / "pred")) == 0
+    rows = [
+        json.loads(line)
+        for part in sorted((tmp_path / "pred").glob("part-*.jsonl"))
+        for line in part.read_text().splitlines()
+    ]
+    counted = [r for r in rows if r["targets"]]
+    total = sum(r["targets"] for r in counted)
+    assert total == evaluated["val_targets"] and total < len(rows) * SEQ_LEN
+    weighed = sum(r["loss"] * r["targets"] for r in counted) / total
+    assert weighed == pytest.approx(evaluated["val_loss"], rel=1e-4)
+
+
+def test_an_evaluation_without_a_target_reports_no_loss_rather_than_zero() -> None:
+    # the evaluation sibling of #37 item 4: instruction data whose prompts fill every
+    # sequence (no mask bit set) evaluated to val_loss 0.0, a perfect score
+    lm = task()
+    torch.manual_seed(0)
+    model = lm.build_model()
+    tokens = torch.randint(0, 257, (2, SEQ_LEN + 1))
+    batch = {"tokens": tokens, "loss_mask": torch.zeros(2, SEQ_LEN + 1, dtype=torch.bool),
+             "valid": torch.ones(2, dtype=torch.bool)}  # fmt: skip
+    with torch.no_grad():
+        metrics = lm.summarize(lm.eval_metrics(model, batch))
+    assert metrics["targets"] == 0
+    assert np.isnan(metrics["loss"]) and np.isnan(metrics["perplexity"])

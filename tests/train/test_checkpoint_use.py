@@ -202,7 +202,7 @@ def test_predict_of_a_causal_lm_writes_one_line_a_sequence(lm_run: Path, tmp_pat
     assert main(["predict", str(lm_run), "--data", str(val), "--out", str(tmp_path / "p")]) == 0
     lines = [json.loads(line) for line in (tmp_path / "p" / "part-00000-of-00001.jsonl").open()]
     assert len(lines) == len({line["key"] for line in lines}) == 16  # every sequence once
-    assert set(lines[0]) == {"key", "loss", "accuracy", "next_token", "next_text"}
+    assert set(lines[0]) == {"key", "loss", "accuracy", "targets", "next_token", "next_text"}
     assert 0 < lines[0]["loss"] < 10 and 0 <= lines[0]["next_token"] < 257
 
 

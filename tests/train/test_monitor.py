@@ -99,3 +99,61 @@ def test_monitor_without_validation_data_is_refused(shapes_shards, tmp_path):
     )
     assert proc.returncode == 2
     assert "checkpoint.monitor=val_loss: needs data.val" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("overrides", "refused"),
+    [
+        (["task=segmentation", "checkpoint.monitor=val_accuracy"],
+         "checkpoint.monitor=val_accuracy: task segmentation reports val_loss, val_mIoU, "
+         "val_pixel_accuracy, val_samples (with this config); monitor one of them"),
+        (["task=causal_lm", "checkpoint.monitor=val_accuracy"],
+         "task causal_lm reports val_loss, val_perplexity, val_targets, val_bits_per_byte, "
+         "val_samples"),
+        (["task=causal_lm", "data.tokenizer=/x/tokenizer.json", "data.loss_mask=false",
+          "checkpoint.monitor=val_bits_per_byte"],
+         "task causal_lm reports val_loss, val_perplexity, val_samples"),
+        (["classification.multi_label=true", "checkpoint.monitor=val_accuracy"],
+         "task image_classification reports val_loss, val_mAP, val_f1, val_f1_micro, "),
+        (["task=segmentation", "checkpoint.monitor=val_mIoU"], ""),
+        (["task=causal_lm", "checkpoint.monitor=val_perplexity"], ""),
+        (["checkpoint.monitor=val_top5"], ""),
+        (["checkpoint.monitor=val_samples"], ""),
+        # a task that does not declare its metrics: its first evaluation checks the monitor
+        (["task=examples.custom_task:ThumbnailMLP", "checkpoint.monitor=val_anything"], ""),
+    ],
+)  # fmt: skip
+def test_a_monitor_the_task_never_reports_is_refused_before_any_work(overrides, refused):
+    from hpctrain.config import load_config
+    from hpctrain.tasks.task import check_monitor
+
+    cfg = load_config(None, overrides)
+    if not refused:
+        check_monitor(cfg)
+        return
+    with pytest.raises(ConfigError) as info:
+        check_monitor(cfg)
+    assert refused in str(info.value)
+
+
+def test_the_trainer_and_preflight_refuse_it_before_training(shapes_shards, tmp_path):
+    # configs/demo.yaml monitors val_accuracy; with task=segmentation it trained 40 steps,
+    # then failed at its first evaluation
+    from hpctrain.config import load_config, with_overrides
+    from hpctrain.launch.preflight import preflight
+    from hpctrain.launch.profiles import load_profile
+    from tests.support.train_kit import REPO, tiny_run_overrides
+    from tests.train.test_trainer import build
+
+    cfg = load_config(
+        REPO / "configs" / "demo.yaml",
+        tiny_run_overrides(shapes_shards, tmp_path / "run", "task=segmentation"),
+    )
+    with pytest.raises(ConfigError, match="checkpoint.monitor=val_accuracy: task segmentation"):
+        build(cfg)
+    assert not (tmp_path / "run").exists()  # nothing done, nothing written
+    checks = preflight(with_overrides(cfg, ["slurm.profile=local-dev"]), load_profile("local-dev"),
+                       data=False, environment=False)  # fmt: skip
+    monitor = [c for c in checks if c.name == "checkpoint.monitor"]
+    assert len(monitor) == 1 and not monitor[0].ok
+    assert "task segmentation reports val_loss, val_mIoU" in monitor[0].message

@@ -110,6 +110,43 @@ def test_resume_none_sets_the_older_runs_checkpoints_aside(
     again.checkpoints.close()
 
 
+@pytest.mark.parametrize("source", ["run", "step-2"])
+def test_resume_none_warm_starting_from_its_own_run_reads_the_weights_first(
+    shapes_shards: Path, tmp_path: Path, source: str
+) -> None:
+    # #37 item 9: `--resume none` set the checkpoints aside, then failed to read the one
+    # model.init_from named in the same folder: nothing committed was left to start from.
+    fit(make_config(shapes_shards, tmp_path, "seed=1"))
+    root = tmp_path / "checkpoints"
+    init_from = tmp_path if source == "run" else root / source
+    expected = "step-4" if source == "run" else source
+    fresh = Trainer(
+        make_config(
+            shapes_shards,
+            tmp_path,
+            "seed=7",
+            "train.max_steps=2",
+            "checkpoint.resume=none",
+            f"model.init_from={init_from}",
+        ),
+        resolve_env({}),
+        CPU,
+    )
+    fresh.resume()
+    assert fresh.state.step == 0  # a new run: step 0, fresh optimizer
+    copy = make_config(shapes_shards, tmp_path / "copy", "seed=1")
+    source_run = Trainer(copy, resolve_env({}), CPU)
+    shutil.copytree(root / f".abandoned-{expected}", tmp_path / "copy" / "checkpoints" / expected)
+    source_run.resume()  # the source step's weights, as a plain resume reads them
+    for name, value in source_run.model.state_dict().items():
+        assert torch.equal(fresh.model.state_dict()[name], value), name
+    source_run.checkpoints.close()
+    # the older run's checkpoints are set aside (kept), not lost: the new run's are its own
+    assert {".abandoned-step-2", ".abandoned-step-4"} <= names(root)
+    assert not {"step-2", "step-4", "latest"} & names(root)
+    fresh.checkpoints.close()
+
+
 def saved_config(root: Path, step: int) -> Any:
     return json.loads((root / f"step-{step}" / "manifest.json").read_text())["metadata"]["config"]
 

@@ -333,3 +333,19 @@ def test_task_decode_collate_and_summarize_hooks_are_used(
     final = [r for r in records if r["kind"] == "eval"][-1]
     assert final["val_counted"] == final["val_samples"] == 80  # padding left out
     assert final["val_classes_seen"] == 10 and 0 <= final["val_accuracy"] <= 1
+
+
+def test_the_samples_remainder_drop_leaves_out_are_logged_at_the_start(
+    shapes_shards: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        build(make_config(shapes_shards, tmp_path, "data.batch_size=120", "data.val="))
+    dropped = [r for r in caplog.records if "data.remainder=drop" in r.getMessage()]
+    assert [r.levelname for r in dropped] == ["WARNING"]  # a quarter of the data: loud
+    assert dropped[0].getMessage() == (
+        "data.remainder=drop: 80 of 320 samples, 25%, do not fill a batch on every rank and "
+        "are left out of each epoch, a different 80 each epoch (data.remainder=pad keeps "
+        "them, as padding)"
+    )

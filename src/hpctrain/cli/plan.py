@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from hpctrain.cli import plan_mixture
-from hpctrain.data.plan_report import PlanRequest, plan_report
+from hpctrain.data.plan_report import PlanRequest, plan_report, remainder_line
 from hpctrain.errors import UsageError
 
 HELP = "show the epoch plan: batches per rank, samples dropped or padded, shards per worker"
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         f"{p.batches_per_rank} batches per rank (every rank), "
         f"{p.batches_per_rank * p.batch_size} samples per rank"
     )
-    print(f"remainder {request.remainder}: {p.num_dropped} samples dropped, {p.num_padded} padded")
+    print(remainder_line(p, request.remainder, "sequences" if request.seq_len else "samples"))
     if args.seq_len:
         print(
             f"seq_len {args.seq_len}: samples are sequences of {args.seq_len}+1 tokens, "

@@ -10,7 +10,7 @@ import sys
 
 from hpctrain.config.schema import SourceConfig
 from hpctrain.data.index import ShardIndex
-from hpctrain.data.plan_report import PlanReport, PlanRequest, mixture_report
+from hpctrain.data.plan_report import PlanReport, PlanRequest, mixture_report, remainder_line
 from hpctrain.data.planning import EpochPlan
 from hpctrain.errors import UsageError
 
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace, request: PlanRequest, ranks: list[int]) -> int
         f"{p.world_size} ranks x {p.streams_per_rank} streams, batch {p.batch_size}: "
         f"{p.batches_per_rank} batches per rank (every rank)"
     )
-    print(f"remainder {request.remainder}: {p.num_dropped} samples dropped, {p.num_padded} padded")
+    print(remainder_line(p, request.remainder, "sequences" if request.seq_len else "samples"))
     total_weight = sum(weights)
     share = report.rank_shares()
     for s, row in enumerate(rows):

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import yaml
 
+from hpctrain.config.rules import broken_rule
 from hpctrain.config.schema import CausalLMConfig, Config
 from hpctrain.config.yaml_text import (
     Plain,
@@ -406,7 +407,21 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         _move_keys(tree, sources)
     for text in overrides:
         _set_override(tree, sources, text)
-    return _build(Config, tree, sources, "")
+    cfg = _build(Config, tree, sources, "")
+    check_rules(cfg, sources)
+    return cfg
+
+
+def check_rules(cfg: Config, sources: Mapping[str, str] | None = None) -> None:
+    """Refuse keys that cannot train together (`rules.broken_rule`), in one line naming
+    them and, with `sources`, where each came from.
+
+    Raises:
+        ConfigError: the first rule `cfg` breaks.
+    """
+    message = broken_rule(cfg, sources)
+    if message is not None:
+        raise ConfigError(message)
 
 
 def config_to_dict(obj: Any) -> Any:

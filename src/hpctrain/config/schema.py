@@ -269,6 +269,15 @@ class DataConfig:
         "average over the masked targets only (batch field `loss_mask`); false: over every "
         "token, the masks ignored (for comparison)",
     )
+    resume_changed: str = _f(
+        "refuse",
+        "a resume whose data.train (one source) holds other shards than the checkpoint's "
+        "(re-converted or replaced in place, shards added): refuse (the rest of the epoch "
+        "would read other samples by their positions), or new_epoch: the checkpoint's epoch "
+        "ends there and the next one plans the new shards. A mixture's saved sources must "
+        "stay as they were (new ones may follow them)",
+        choices=("refuse", "new_epoch"),
+    )
 
     def train_paths(self) -> list[tuple[str, str]]:
         """(dotted key, path) of every training source: one, or each of a mixture's."""

@@ -346,6 +346,9 @@ class CompactShards(ShardTable):
         digest = self._columns["sha256"][i]
         return digest.tobytes().hex() if digest.any() else ""
 
+    def column_sha256(self) -> np.ndarray:
+        return self._columns["sha256"]
+
     def info(self, i: int) -> ShardInfo:
         tokens, targets = self._columns.get("num_tokens"), self._columns.get("num_targets")
         return ShardInfo(

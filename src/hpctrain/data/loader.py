@@ -19,6 +19,7 @@ import contextlib
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
+from functools import cached_property
 from typing import Any
 
 import fsspec
@@ -27,7 +28,7 @@ import torch
 
 from hpctrain.config.schema import DataConfig
 from hpctrain.data.buffers import PlainMemory
-from hpctrain.data.index import Counts, ShardIndex, ShardIndexError
+from hpctrain.data.index import Counts, ShardIndex, ShardIndexError, shards_digest
 from hpctrain.data.mixture import Mixture
 from hpctrain.data.mixture_resume import (
     check_state_sources,
@@ -92,6 +93,8 @@ class ShardedLoader:
             evaluation (index order, no shuffle, remainder "pad" with `valid` flags).
         device: where batches go; pinned memory is used only for CUDA devices.
         storage_options: fsspec options for remote shards (credentials, endpoint_url).
+        batches_held: batches the consumer keeps at once (the trainer: a step's
+            `train.grad_accum_steps` micro-batches), for the workers' buffer pools.
     """
 
     def __init__(
@@ -108,6 +111,7 @@ class ShardedLoader:
         train: bool = True,
         device: torch.device | str | None = None,
         storage_options: dict[str, Any] | None = None,
+        batches_held: int = 1,
     ) -> None:
         if not index.num_shards:
             raise ValueError("the shard index lists no shards")
@@ -119,6 +123,7 @@ class ShardedLoader:
         self.world_size = world_size
         self.seed = seed
         self.train = train
+        self.batches_held = batches_held
         self.device = torch.device(device) if device is not None else None
         # resolved when read: a tuple from index.json, made on demand from the compact form
         urls = index.shard_urls()
@@ -142,9 +147,11 @@ class ShardedLoader:
         shard_sizes: Counts = samples
         vocab_size, eod_id = 0, None
         self.dropped_tokens = 0  # per epoch: token-stream tails too short for a sequence
+        shard_tokens: tuple[int, ...] = ()
         if cfg.seq_len:  # token shards read as packed sequences (data/sequences.py)
             shard_sizes, vocab_size, self.dropped_tokens = sequence_layout(index, cfg.seq_len)
             eod_id = (index.tokenizer or {}).get("eod_id")  # documents end there (positions)
+            shard_tokens = tuple(s.num_tokens or 0 for s in index.shards)
         # a mixture (`hpctrain.data.mixture_index.MixtureIndex`) plans training only, over the
         # items the plan counts (packed sequences with data.seq_len)
         mixture = getattr(index, "mixture", None) if train else None
@@ -168,6 +175,7 @@ class ShardedLoader:
             seq_len=cfg.seq_len,
             vocab_size=vocab_size,
             eod_id=None if eod_id is None else int(eod_id),
+            shard_tokens=shard_tokens,
         )
         self.epoch = 0
         self._stages: tuple[StageParams, ...] = ()  # earlier stages of this epoch
@@ -233,6 +241,7 @@ class ShardedLoader:
             prefetch=self.cfg.prefetch_factor,
             context=worker_start_method(),
             timeout_s=self.cfg.timeout_s,
+            held=self.batches_held,
         )
 
     def _raw_batches(self) -> Iterator[dict[str, Any]]:
@@ -344,6 +353,12 @@ class ShardedLoader:
 
     # -- state ---------------------------------------------------------------------------
 
+    @cached_property
+    def index_digest(self) -> str:
+        """The identity of the shards this loader reads (`shards_digest`), kept in its state:
+        a resume onto shards replaced in place (same counts, other samples) is noticed."""
+        return shards_digest(self.index.shards)
+
     def state_dict(self) -> dict[str, Any]:
         """Position of this rank: epoch and stages (all ranks hold the same values)."""
         current = replace(stage_params(self.params, self._stages), consumed=self._consumed)
@@ -352,10 +367,12 @@ class ShardedLoader:
             "seed": self.seed,
             "num_shards": len(self.shard_sizes),
             "num_samples": int(np.sum(self.shard_sizes)),
+            "index_digest": self.index_digest,
             "epoch": self.epoch,
             "stages": [s.to_dict() for s in (*self._stages, current)],
             **({"mixture": self.mixture.to_dict()} if self.mixture is not None else {}),
             "seq_len": self.cfg.seq_len,
+            "drop_rotation_from": self._reader.spec.drop_rotation_from,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -367,19 +384,17 @@ class ShardedLoader:
             raise LoaderStateError(
                 f"the loader state was saved with data.seq_len = {state.get('seq_len', 0)}"
             )
-        mixed = self.mixture is not None and "mixture" in state  # checked by source below
-        if not mixed and (state["num_shards"], state["num_samples"]) != (
-            len(self.shard_sizes),
-            int(np.sum(self.shard_sizes)),
-        ):
-            raise LoaderStateError(
-                "the loader state was saved for other shards "
-                f"({state['num_shards']} shards, {state['num_samples']} samples)"
-            )
         if int(state["seed"]) != self.seed:
             raise LoaderStateError(f"the loader state was saved with seed {state['seed']}")
         stages = [StageParams.from_dict(s) for s in state["stages"]]
         self.epoch = int(state["epoch"])
+        # a state saved before the rotation of dropped samples: its epoch as it was planned
+        self._set_spec(drop_rotation_from=int(state.get("drop_rotation_from", self.epoch + 1)))
+        mixed = self.mixture is not None and "mixture" in state  # checked by source below
+        if not mixed and not self._same_data(state):
+            self._stages, self._consumed = (), 0
+            self._finished_on_load = True  # the trainer moves on to the next epoch
+            return
         if self._load_mixture(state, stages):
             return
         last = stages[-1]
@@ -391,6 +406,39 @@ class ShardedLoader:
             self._stages = tuple(s for s in stages if s.consumed > 0)
             self._consumed = 0
         self._finished_on_load = self.position >= len(self)
+
+    def _same_data(self, state: dict[str, Any]) -> bool:
+        """True when `state` was saved for these shards (a state without a digest: when the
+        counts agree); otherwise refuse, or with `data.resume_changed=new_epoch` warn and
+        return False: the saved epoch then ends at the checkpoint."""
+        saved = (int(state["num_shards"]), int(state["num_samples"]))
+        ours = (len(self.shard_sizes), int(np.sum(self.shard_sizes)))
+        digest = str(state.get("index_digest") or "")
+        if saved == ours and digest in ("", self.index_digest):
+            return True
+        items = "sequences" if self.cfg.seq_len else "samples"
+        if saved != ours:
+            what = f"{saved[0]} -> {ours[0]} shards, {saved[1]} -> {ours[1]} {items}"
+        else:
+            what = (
+                f"the same {ours[0]} shards and {ours[1]} {items}, other contents: shard list "
+                f"sha256 {digest[:12]} -> {self.index_digest[:12]}"
+            )
+        if self.cfg.resume_changed == "new_epoch":
+            log.warning(
+                "data.train changed since the checkpoint (%s): epoch %d ends at the checkpoint, "
+                "epoch %d plans the new shards (data.resume_changed=new_epoch)",
+                what,
+                self.epoch,
+                self.epoch + 1,
+            )
+            return False
+        raise LoaderStateError(
+            f"data.train changed since the checkpoint ({what}): the rest of epoch {self.epoch} "
+            f"would read other {items} by their positions; restore the shards the run trained "
+            f"on, or set data.resume_changed=new_epoch to end epoch {self.epoch} at the "
+            f"checkpoint and plan the new shards from epoch {self.epoch + 1}"
+        )
 
     def _load_mixture(self, state: dict[str, Any], stages: list[StageParams]) -> bool:
         """A mixture's origin from `state`; True when the weights changed: then the saved
@@ -414,7 +462,8 @@ class ShardedLoader:
             for s, w in zip(self.mixture.sources, saved["weights"], strict=False)
         )
         old = with_state_origin(Mixture(old_sources, int(saved["samples_per_epoch"])), saved)
-        self._set_mixture(rebase(old, self.mixture, self.seed, self.epoch, stages))
+        rotated = self.epoch >= self._reader.spec.drop_rotation_from
+        self._set_mixture(rebase(old, self.mixture, self.seed, self.epoch, stages, rotated))
         log.info(
             "mixture %s at epoch %d: epoch %d starts a new plan from every source's position",
             f"sources added ({', '.join(added)})" if added else "weights changed",
@@ -426,11 +475,16 @@ class ShardedLoader:
         return True
 
     def _set_mixture(self, mixture: Mixture) -> None:
-        if mixture == self.mixture:
+        self._set_spec(mixture=mixture)
+
+    def _set_spec(self, **changes: Any) -> None:
+        """Change what the workers read by (`ReadSpec` fields) before a pass."""
+        spec = replace(self._reader.spec, **changes)
+        if spec == self._reader.spec:
             return
         if self._pool is not None:  # workers hold the old plan's spec
             self._stop(self._pool)
-        self._reader.spec = replace(self._reader.spec, mixture=mixture)
+        self._reader.spec = spec
         self._reader._plan_cache = None
 
 

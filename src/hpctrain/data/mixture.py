@@ -26,6 +26,11 @@ world size, workers, batch size and remainder policy):
    reads one contiguous range of every source and interleaves them by the schedule. Within a
    stream's reading order the window bound of step 3 holds; a shuffle buffer moves samples
    only inside its block, which adds at most the two partial blocks at a window's ends.
+5. `drop` leaves out the last slots, which take the last positions of every source's range
+   for the epoch; which of the range's samples those are rotates with the epoch (a window
+   moving on by the dropped count each epoch is put at the range's end, as
+   `planning.drop_window` does for one source), so a one-shard source (whose passes all
+   read in one order) does not leave the same samples out of every epoch.
 
 Elastic resume: the samples not yet emitted are gathered per source (stream by stream, as
 for one source) and the next stage mixes those with quotas equal to what is left of each, so
@@ -52,7 +57,10 @@ from hpctrain.data.planning import (
     SampleSequence,
     Segment,
     StageParams,
+    cut_window,
     derive_seed,
+    drop_window,
+    num_left_out,
 )
 
 # slot indices times quotas must fit in int64 (the schedule's closed form multiplies them)
@@ -79,12 +87,15 @@ class Source:
         weight: relative share of the slots (> 0).
         first_shard: global id of its first shard in the mixture's shard list.
         shard_sizes: samples per shard, in its index's order.
+        digest: the identity of its shards (`index.shards_digest`; "": unknown), kept in
+            loader states so that a resume notices shards replaced in place.
     """
 
     name: str
     weight: float
     first_shard: int
     shard_sizes: tuple[int, ...]
+    digest: str = ""
 
     @property
     def num_samples(self) -> int:
@@ -227,6 +238,7 @@ class Mixture:
             "weights": [s.weight for s in self.sources],
             "num_shards": [len(s.shard_sizes) for s in self.sources],
             "num_samples": [s.num_samples for s in self.sources],
+            "digests": [s.digest for s in self.sources],
             "samples_per_epoch": self.samples_per_epoch,
             "origin_epoch": self.origin_epoch,
             "origins": [
@@ -536,6 +548,7 @@ def plan_mixture(
     remainder: str = "drop",
     shuffle_buffer: int = 0,
     stages: Sequence[StageParams] = (),
+    rotate_dropped: bool = True,
 ) -> MixturePlan:
     """The plan of one epoch of a mixture (pure; identical on every rank).
 
@@ -554,9 +567,6 @@ def plan_mixture(
         )
         for s, q in enumerate(quotas)
     ]
-    for i, st in enumerate(stages):
-        earlier = MixturePlan(sources, st, seed=seed, epoch=epoch, stage=i)
-        sources = earlier.remaining_sources(st.consumed)
     params = StageParams(
         world_size=world_size,
         workers_per_rank=workers_per_rank,
@@ -564,4 +574,27 @@ def plan_mixture(
         remainder=remainder,
         shuffle_buffer=shuffle_buffer,
     )
+    dropped = num_left_out(sum(quotas), stages[0] if stages else params)
+    if dropped and rotate_dropped:
+        kept = Schedule(quotas).counts([sum(quotas) - dropped])[:, 0]
+        # counted from the origin: its epoch drops the tail, as before the rotation, so
+        # an interrupted epoch's leftovers (read first, `rebase`) are all read
+        since = epoch - mixture.origin_epoch
+        sources = [
+            _dropping_last(seq, q - int(k), since)
+            for seq, q, k in zip(sources, quotas, kept, strict=True)
+        ]
+    for i, st in enumerate(stages):
+        earlier = MixturePlan(sources, st, seed=seed, epoch=epoch, stage=i)
+        sources = earlier.remaining_sources(st.consumed)
     return MixturePlan(sources, params, seed=seed, epoch=epoch, stage=len(stages))
+
+
+def _dropping_last(sequence: SampleSequence, num_dropped: int, epoch: int) -> SampleSequence:
+    """`sequence` with the window of `num_dropped` positions this epoch leaves out
+    (`planning.drop_window`) moved to its end."""
+    if not num_dropped:
+        return sequence
+    start = drop_window(sequence.num_samples, num_dropped, epoch)
+    kept, window = cut_window(sequence, start, num_dropped)
+    return SampleSequence(*(np.concatenate([a, b]) for a, b in zip(kept, window, strict=True)))

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from hpctrain.data.index import ShardIndex, ShardInfo, ShardTable
+from hpctrain.data.index import ShardIndex, ShardInfo, ShardTable, shards_digest
 from hpctrain.data.locate import open_index
 from hpctrain.data.mixture import Mixture, MixtureError, Source
 
@@ -152,7 +152,7 @@ def open_mixture(
         counts = index.counts("num_samples")
         assert counts is not None  # every shard has a sample count
         sizes = tuple(counts.tolist())
-        parts.append(Source(name, float(src.weight), first, sizes))
+        parts.append(Source(name, float(src.weight), first, sizes, shards_digest(index.shards)))
         first += len(sizes)
     check_compatible(names, indexes)
     mixture = Mixture(tuple(parts), samples_per_epoch)

@@ -25,8 +25,15 @@ def check_state_sources(mixture: Mixture, state: Mapping[str, Any]) -> list[str]
             state["names"], state["num_shards"], state["num_samples"], strict=True
         )
     ]
+    # states saved before digests were kept have none: their counts alone are compared
+    saved_digests = dict(zip(state["names"], state.get("digests") or [], strict=False))
     mine = [(s.name, len(s.shard_sizes), s.num_samples) for s in mixture.sources]
-    if mine[: len(saved)] == saved:
+    replaced = [
+        s.name
+        for s in mixture.sources
+        if saved_digests.get(s.name) and s.digest and saved_digests[s.name] != s.digest
+    ]
+    if mine[: len(saved)] == saved and not replaced:
         return [name for name, _, _ in mine[len(saved) :]]
     stats = {name: (shards, samples) for name, shards, samples in saved}
     mine_names = {name for name, _, _ in mine}
@@ -35,8 +42,10 @@ def check_state_sources(mixture: Mixture, state: Mapping[str, Any]) -> list[str]
     changes += [
         f"changed {name} ({stats[name][0]} -> {shards} shards, "
         f"{stats[name][1]} -> {samples} samples)"
+        if stats[name] != (shards, samples)
+        else f"changed {name} (the same {shards} shards and {samples} samples, other contents)"
         for name, shards, samples in mine
-        if name in stats and stats[name] != (shards, samples)
+        if name in stats and (stats[name] != (shards, samples) or name in replaced)
     ]
     if not changes:
         changes = [f"reordered (saved as {', '.join(stats)})"]
@@ -71,7 +80,12 @@ def same_weights(mixture: Mixture, state: Mapping[str, Any]) -> bool:
 
 
 def rebase(
-    mixture: Mixture, new: Mixture, seed: int, epoch: int, stages: Sequence[StageParams]
+    mixture: Mixture,
+    new: Mixture,
+    seed: int,
+    epoch: int,
+    stages: Sequence[StageParams],
+    rotate_dropped: bool = True,
 ) -> Mixture:
     """`new` (other weights or epoch length, maybe sources added after the old ones)
     starting at epoch `epoch + 1`, each old source's stream continuing where `mixture` left it after `stages` of `epoch`: first the samples the
@@ -86,6 +100,7 @@ def rebase(
         remainder=stages[-1].remainder,
         shuffle_buffer=stages[-1].shuffle_buffer,
         stages=stages[:-1],
+        rotate_dropped=rotate_dropped,
     )
     left = last.remaining_sources(stages[-1].consumed)
     origins = []

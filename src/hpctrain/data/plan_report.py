@@ -118,6 +118,24 @@ class PlanReport:
         return out
 
 
+def remainder_line(the_plan: EpochPlan, remainder: str, items: str = "samples") -> str:
+    """`remainder drop: 14 samples dropped, 0 padded (...)`: what `hpctrain plan` prints,
+    saying for `drop` what share of the epoch that is and that it rotates with the epoch."""
+    line = f"remainder {remainder}: {the_plan.num_dropped} {items} dropped, {the_plan.num_padded} padded"
+    return line + (f" ({dropped_note(the_plan, items)})" if the_plan.num_dropped else "")
+
+
+def dropped_note(the_plan: EpochPlan, items: str = "samples") -> str:
+    """What the samples a training epoch drops are (the trainer logs it too)."""
+    n, d = the_plan.num_samples, the_plan.num_dropped
+    if not the_plan.batches_per_rank:
+        return f"all {n} {items}: fewer than one batch for every rank"
+    return (
+        f"{d} of {n} {items}, {d / n:.0%}, do not fill a batch on every rank and are left out "
+        f"of each epoch, a different {d} each epoch"
+    )
+
+
 def plan_report(data: str, request: PlanRequest) -> PlanReport:
     """The plan of one index (`data`: an index path/URL, a folder holding one, or a shard
     pattern)."""

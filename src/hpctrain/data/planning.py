@@ -14,8 +14,13 @@ How it works:
    A stream therefore reads whole shards plus, at its two ends, contiguous sample ranges of
    the shards it shares with its neighbours.
 3. Remainder: `drop` leaves out the sequence's tail that does not fill equal batches (fewer
-   than `world_size * batch_size` samples; which ones rotates with the shard permutation);
-   `pad` wraps around to the sequence's start and flags the repeats (`valid=False`).
+   than `world_size * batch_size` samples, `d`); `pad` wraps around to the sequence's start
+   and flags the repeats (`valid=False`). Which samples a training epoch drops rotates with
+   the epoch, whatever the number of shards: the tail is a window of `d` samples in index
+   order that moves on by `d` every epoch (`drop_window`), taken out of the permuted shards
+   and put at the sequence's end. So every sample has its turn, none is left out of two
+   epochs in a row, and a one-shard index (where permuting shards changes nothing) does
+   not leave the same samples out forever.
 4. Inside a stream, samples are shuffled in blocks of `shuffle_buffer`: the stream reads one
    block (raw bytes), then emits it in an order permuted from (seed, epoch, stage, rank,
    worker, block). The output order is thus a pure function of the plan, which makes resume
@@ -163,17 +168,74 @@ class SampleSequence:
         return self.shard[seg], self.start[seg] + (pos - self.offsets[seg])
 
 
+def num_left_out(num_samples: int, params: StageParams) -> int:
+    """Samples `remainder: drop` leaves out of a stage of `num_samples` planned with `params`
+    that still fills a batch on every rank (0 otherwise: nothing to rotate)."""
+    per_step = params.world_size * params.batch_size
+    if params.remainder != "drop" or num_samples < per_step:
+        return 0
+    return num_samples % per_step
+
+
+def drop_window(num_samples: int, num_dropped: int, epoch: int) -> int:
+    """Where the `num_dropped` samples an epoch leaves out start (positions modulo
+    `num_samples`): the last ones at epoch 0, then the next `num_dropped` each epoch."""
+    return (num_samples - num_dropped + epoch * num_dropped) % num_samples
+
+
+def cut_window(
+    sequence: SampleSequence, start: int, length: int
+) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
+    """`sequence` split at positions `start` and `start + length` (modulo its length): the
+    pieces outside that window in sequence order, and those inside in window order, each
+    as (shard, start, end) arrays. Two cut points in all, so vectorised at any size."""
+    n = sequence.num_samples
+    ends = np.asarray([start % n, (start + length) % n], dtype=np.int64)
+    bounds = np.unique(np.concatenate([sequence.offsets, ends]))
+    lo, hi = bounds[:-1], bounds[1:]
+    seg = np.searchsorted(sequence.offsets, lo, side="right") - 1
+    shard = sequence.shard[seg]
+    first = sequence.start[seg] + (lo - sequence.offsets[seg])
+    last = first + (hi - lo)
+    into = (lo - start) % n  # pieces never straddle a cut: a piece is in or out
+    inside = into < length
+    order = np.argsort(into[inside], kind="stable")
+    window = (shard[inside][order], first[inside][order], last[inside][order])
+    return (shard[~inside], first[~inside], last[~inside]), window
+
+
 def epoch_sequence(
-    shard_sizes: Sequence[int], seed: int, epoch: int, shuffle_shards: bool
+    shard_sizes: Sequence[int],
+    seed: int,
+    epoch: int,
+    shuffle_shards: bool,
+    num_dropped: int = 0,
 ) -> SampleSequence:
-    """Stage 0 of an epoch: all shards, permuted from (seed, epoch) when `shuffle_shards`."""
+    """Stage 0 of an epoch: all shards, permuted from (seed, epoch) when `shuffle_shards`.
+
+    With `num_dropped` (> 0: the stage drops that many samples at its end), the window of
+    that many samples in index order that this epoch leaves out (`drop_window`) is taken
+    out of the permuted shards and put at the end, in index order.
+    """
     sizes = np.asarray(shard_sizes, dtype=np.int64)
     order = (
         _rng(seed, epoch, 0x5A4D).permutation(len(sizes))
         if shuffle_shards
         else np.arange(len(sizes))
     )
-    return SampleSequence(order, np.zeros(len(sizes), dtype=np.int64), sizes[order])
+    if not num_dropped:
+        return SampleSequence(order, np.zeros(len(sizes), dtype=np.int64), sizes[order])
+    by_index = SampleSequence(np.arange(len(sizes)), np.zeros(len(sizes), dtype=np.int64), sizes)
+    start = drop_window(by_index.num_samples, num_dropped, epoch)
+    (shard, first, last), window = cut_window(by_index, start, num_dropped)
+    place = np.empty(len(sizes), dtype=np.int64)
+    place[order] = np.arange(len(sizes))
+    kept = np.argsort(place[shard], kind="stable")  # a shard's pieces stay in index order
+    return SampleSequence(
+        np.concatenate([shard[kept], window[0]]),
+        np.concatenate([first[kept], window[1]]),
+        np.concatenate([last[kept], window[2]]),
+    )
 
 
 class EpochPlan:
@@ -456,6 +518,7 @@ def plan(
     shuffle_buffer: int = 0,
     shuffle_shards: bool = True,
     stages: Sequence[StageParams] = (),
+    rotate_dropped: bool = True,
 ) -> EpochPlan:
     """The plan of one epoch (pure function; identical on every rank).
 
@@ -472,14 +535,13 @@ def plan(
         shuffle_shards: permute shards per epoch (training) or keep index order (evaluation).
         stages: earlier stages of this epoch, when resuming with another world size or worker
             count; each one's `consumed` batches are taken out before planning the rest.
+        rotate_dropped: with `shuffle_shards`, rotate which samples `drop` leaves out with
+            the epoch (see the module doc); False: the tail of the permuted shards, as
+            loader states saved before the rotation planned their epoch.
 
     Returns:
         The `EpochPlan` of the last stage (`stage == len(stages)`).
     """
-    sequence = epoch_sequence(shard_sizes, seed, epoch, shuffle_shards)
-    for i, st in enumerate(stages):
-        earlier = EpochPlan(sequence, st, seed=seed, epoch=epoch, stage=i)
-        sequence = earlier.remaining_sequence(st.consumed)
     params = StageParams(
         world_size=world_size,
         workers_per_rank=workers_per_rank,
@@ -487,4 +549,10 @@ def plan(
         remainder=remainder,
         shuffle_buffer=shuffle_buffer,
     )
+    first = stages[0] if stages else params  # the stage that drops (re-plans pad)
+    dropped = num_left_out(sum(shard_sizes), first) if shuffle_shards and rotate_dropped else 0
+    sequence = epoch_sequence(shard_sizes, seed, epoch, shuffle_shards, dropped)
+    for i, st in enumerate(stages):
+        earlier = EpochPlan(sequence, st, seed=seed, epoch=epoch, stage=i)
+        sequence = earlier.remaining_sequence(st.consumed)
     return EpochPlan(sequence, params, seed=seed, epoch=epoch, stage=len(stages))

@@ -31,7 +31,7 @@ from hpctrain.data.decode import SampleError, decode_sample
 from hpctrain.data.index import Counts, redact_url
 from hpctrain.data.mixture import Mixture, MixturePlan, interleave, plan_mixture, source_counts
 from hpctrain.data.planning import EpochPlan, Segment, StageParams, derive_seed, plan
-from hpctrain.data.sequences import iter_sequences, shard_stem
+from hpctrain.data.sequences import iter_sequences, sequence_offset, shard_stem
 from hpctrain.data.stream import (
     CorruptShardError,
     ReadStats,
@@ -117,11 +117,16 @@ class ReadSpec:
     seq_len: int = 0  # > 0: shards are token streams read as sequences (data.sequences)
     vocab_size: int = 0  # with seq_len: ids must lie below it
     eod_id: int | None = None  # with seq_len: the end-of-document id (for positions)
+    shard_tokens: tuple[int, ...] = ()  # with seq_len: ids per shard (`sequence_offset`)
+    # epochs from this one on rotate which samples `drop` leaves out (`planning.plan`); a
+    # loader state saved before the rotation existed finishes its epoch as it was planned
+    drop_rotation_from: int = 0
 
     def plan(self, epoch: int, stages: tuple[StageParams, ...]) -> EpochPlan:
         """The plan of the stage after `stages` of `epoch`."""
         p = stage_params(self.params, stages)
         layout: dict[str, Any] = {
+            "rotate_dropped": epoch >= self.drop_rotation_from,
             "world_size": p.world_size,
             "workers_per_rank": p.workers_per_rank,
             "batch_size": p.batch_size,
@@ -167,6 +172,7 @@ class SampleReader:
         self._opener: ThreadPoolExecutor | None = None
         self._stats = ReadStats()  # the current pass's counters
         self.worker_id = 0
+        self.epoch = 0  # the pass being read (`batches`)
         self._owner: Any = None  # a mixture's source of every shard, made on first use
 
     def __getstate__(self) -> dict[str, Any]:
@@ -186,6 +192,7 @@ class SampleReader:
         self.worker_id = worker_id
         control = self.control.tolist()
         epoch, num_stages, start = control[0], control[1], control[2]
+        self.epoch = epoch  # where packed sequences are cut (`_iter_items`)
         stages = tuple(
             decode_stage(control[3 + i * STAGE_INTS : 3 + (i + 1) * STAGE_INTS])
             for i in range(num_stages)
@@ -383,8 +390,13 @@ class SampleReader:
             return
         stem = shard_stem(self.spec.urls[shard])
         spec = self.spec
+        offset = (
+            sequence_offset(spec.shard_tokens[shard], spec.seq_len, self.epoch)
+            if spec.train
+            else 0  # evaluation always reads the same windows
+        )
         for index, key, ids, positions, mask in iter_sequences(
-            f, wanted, spec.seq_len, spec.vocab_size, stem, spec.eod_id
+            f, wanted, spec.seq_len, spec.vocab_size, stem, spec.eod_id, offset
         ):
             members = {"tokens": ids, "positions": positions}
             if mask is not None:

@@ -12,7 +12,12 @@ index alone: the epoch plan (`hpctrain.data.planning`) runs unchanged over per-s
 *sequence* counts, so equal batches per rank, seeded shuffling, exact and elastic resume all
 hold per sequence. The tail shorter than a sequence (fewer than N tokens after the last
 full sequence, or a whole shard shorter than N+1 tokens) is dropped and counted
-(`dropped_tokens`, shown by `hpctrain plan --seq-len N` and logged by the loader).
+(`dropped_tokens`, shown by `hpctrain plan --seq-len N` and logged by the loader). Which
+tokens those are alternates with the training epoch (`sequence_offset`): odd epochs cut the
+stream from `t` on, `t` being the tail's length, so the tokens left out are its start
+instead of its end, and every token is a target at least every other epoch (a one-shard
+instruction set would otherwise never train on its last response's end). Evaluation always
+cuts from the start.
 
 Reading (`iter_sequences`) is one pass over a shard: a token member's length comes from its
 tar header, so samples before the first wanted sequence (or between scattered wanted
@@ -77,6 +82,14 @@ def dropped_tokens(num_tokens: int, seq_len: int) -> int:
     return num_tokens - (n * seq_len + 1) if n else num_tokens
 
 
+def sequence_offset(num_tokens: int, seq_len: int, epoch: int) -> int:
+    """Where a training epoch starts cutting a shard of `num_tokens` into sequences: token 0
+    in even epochs, the length of the tail too short for a sequence in odd ones (see the
+    module doc)."""
+    n = num_sequences(num_tokens, seq_len)
+    return num_tokens - (n * seq_len + 1) if n and epoch % 2 else 0
+
+
 def index_label(index: ShardIndex) -> str:
     """How an error names an index (credentials stripped)."""
     if index.base_url:
@@ -130,6 +143,7 @@ def iter_sequences(
     vocab_size: int,
     stem: str,
     eod_id: int | None = None,
+    offset: int = 0,
 ) -> Iterator[tuple[int, str, np.ndarray, np.ndarray, np.ndarray | None]]:
     """The wanted sequences of one shard as (sequence index, key, int64 ids [seq_len + 1],
     int64 positions [seq_len + 1], bool loss mask [seq_len + 1] or None) (positions and
@@ -142,6 +156,7 @@ def iter_sequences(
         vocab_size: the index tokenizer's vocabulary size; every id read must be below it.
         stem: the shard's name without `.tar`, for the keys.
         eod_id: the end-of-document id (None: documents start only at samples' starts).
+        offset: where sequence 0 starts in the stream (`sequence_offset`; at most the tail).
 
     Raises:
         TokenDataError: see the class (the message names the sample's key).
@@ -174,7 +189,7 @@ def iter_sequences(
                     raise TokenDataError(f"sample {key!r}: {field} comes after its token member")
                 has_mask = True
                 assert current is not None
-                if pos + 8 * member.size > current * seq_len:  # it may hold wanted ids
+                if pos + 8 * member.size > offset + current * seq_len:  # may hold wanted ids
                     mask_data = bytes(read_data())
             continue  # other members (metadata) are not part of the token stream
         if has_tokens:
@@ -194,7 +209,7 @@ def iter_sequences(
             )
         count = member.size // dtype.itemsize
         assert current is not None  # the loop returns once the last wanted sequence is out
-        start = current * seq_len
+        start = offset + current * seq_len
         if pos + count <= start:
             pos += count  # entirely before the next wanted sequence: skipped unread
             continue
@@ -227,8 +242,8 @@ def iter_sequences(
         held = np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
         held_positions = np.concatenate(position_pieces)
         held_mask = np.concatenate(mask_pieces)
-        while current is not None and current * seq_len + seq_len + 1 <= pos:
-            lo = current * seq_len - held_from
+        while current is not None and offset + current * seq_len + seq_len + 1 <= pos:
+            lo = offset + current * seq_len - held_from
             window = slice(lo, lo + seq_len + 1)
             name = sequence_key(stem, current)
             window_mask = held_mask[window].copy() if masked else None
@@ -237,7 +252,7 @@ def iter_sequences(
             current = next(targets, None)
         if current is None:
             return  # no need to read the rest of the shard
-        start = current * seq_len
+        start = offset + current * seq_len
         kept = slice(start - held_from, None)
         pieces = [held[kept]] if start < pos else []
         position_pieces = [held_positions[kept]] if start < pos else []
@@ -247,8 +262,9 @@ def iter_sequences(
         raise TokenDataError(f"sample {key!r} has no token member ({_fields()})")
     if current is not None:
         raise TokenDataError(
-            f"ends after {pos} tokens, before sequence {current} (tokens {current * seq_len} to "
-            f"{current * seq_len + seq_len}) that the index's num_tokens promises"
+            f"ends after {pos} tokens, before sequence {current} (tokens "
+            f"{offset + current * seq_len} to {offset + current * seq_len + seq_len}) that the "
+            "index's num_tokens promises"
         )
 
 
@@ -277,8 +293,8 @@ def sequence_layout(index: ShardIndex, seq_len: int) -> tuple[np.ndarray, int, i
     assert index.tokenizer is not None  # sequence_counts refuses an index without one
     dropped = total_dropped_tokens(index, seq_len)
     log.info(
-        "%s: %d sequences of %d+1 tokens; %d of %d tokens in shard tails too short for one "
-        "are dropped every epoch",
+        "%s: %d sequences of %d+1 tokens; %d of %d tokens, too few for one more per shard, "
+        "are left out of every epoch (a shard's end in even epochs, its start in odd ones)",
         index_label(index),
         int(counts.sum()),
         seq_len,

@@ -336,6 +336,9 @@ class WorkerPool:
     tensors (see `MappedBuffers`); other messages pass as they are. `discard(message)` is
     called on batches of an abandoned pass that arrive after it was called off (default:
     their buffers go back). `timeout_s` (0: none) bounds the wait for a worker's next message.
+    `held`: batches the consumer keeps at once (a step's micro-batches under gradient
+    accumulation); each worker keeps buffers for its share of them too, so that holding
+    them never makes a worker allocate a new buffer.
     """
 
     def __init__(
@@ -347,6 +350,7 @@ class WorkerPool:
         context: str,
         discard: Callable[[Any], None] | None = None,
         timeout_s: float = 0.0,
+        held: int = 1,
     ) -> None:
         if context == "forkserver":
             start_forkserver()  # before any semaphore: those start the resource tracker
@@ -385,10 +389,10 @@ class WorkerPool:
                     results_out,
                     orders_in,
                     releases_in,
-                    # in use at once: `prefetch` in flight, the batch the training process
-                    # holds, the one it is receiving (its credit is back before the held one
-                    # is dropped), and the one this worker fills
-                    prefetch + 3,
+                    # in use at once: `prefetch` in flight, the batches the training process
+                    # holds (its share of `held`), the one it is receiving (its credit is
+                    # back before a held one is dropped), and the one this worker fills
+                    prefetch + 2 + -(-held // num_workers),
                     credits,
                     workers.cancelled,
                     activity,

@@ -235,6 +235,20 @@ def resume_manifest(cfg: Config) -> dict[str, Any] | None:
     return peek(open_store(cfg.checkpoint_root()), cfg.checkpoint.resume)
 
 
+def check_monitor_metric(cfg: Config) -> Check | None:
+    """`checkpoint.monitor` is a metric the task's evaluation reports (None: no monitor, or
+    a task that does not declare its metrics)."""
+    from hpctrain.tasks.task import check_monitor, class_hook
+
+    if not cfg.checkpoint.monitor or class_hook(cfg.task, "eval_metric_names") is None:
+        return None
+    try:
+        check_monitor(cfg)
+    except ConfigError as exc:
+        return Check("checkpoint.monitor", False, str(exc))
+    return Check("checkpoint.monitor", True, f"{cfg.checkpoint.monitor}: reported by the task")
+
+
 def check_init_from(cfg: Config) -> Check | None:
     """`model.init_from` exists, is readable and of a known kind (None: not set); not read
     by a run that resumes (which needs it no more)."""
@@ -297,7 +311,7 @@ def check_plan(cfg: Config, job: JobSpec) -> tuple[Check, TrainingPlan | None]:
     a `train.tp_degree` or `train.shard_degree` the node shape does not divide, a
     `data.seq_len` the TP degree does not divide, bf16 on GPUs without it. The same
     functions the trainer runs first (`check_rules`, `plan_training`)."""
-    from hpctrain.config.rules import check_rules
+    from hpctrain.config.load import check_rules
     from hpctrain.parallel.precision import plan_training
 
     ranks = job.nodes * job.tasks_per_node
@@ -389,9 +403,9 @@ def preflight(
     init_check = check_init_from(cfg)
     if init_check is not None:
         checks.append(init_check)
-    lora_check = check_lora_settings(cfg)
-    if lora_check is not None:
-        checks.append(lora_check)
+    for optional in (check_lora_settings(cfg), check_monitor_metric(cfg)):
+        if optional is not None:
+            checks.append(optional)
     if data and (init_check is None or init_check.ok):
         model_check = check_model(cfg, plan)
         if model_check is not None:

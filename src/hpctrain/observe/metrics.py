@@ -68,7 +68,15 @@ def is_main_rank() -> bool:
 
 class IntervalMeter:
     """Sums over the steps since the last log line: step time, data wait, compute time (this
-    rank's, from the start of a step to its first gradient collective), loss, samples."""
+    rank's, from the start of a step to its first gradient collective), loss, samples, the
+    steps' targets.
+
+    The loss and metric values a step adds are this rank's shares of the step's values
+    (`train.step`: each micro-batch's mean weighed by its share of the step's targets on
+    every rank), so their sum over the ranks is the step's value; the logged value is their
+    mean over the steps that had targets. A step without any (`targets` 0) is counted
+    (`empty_steps`) and left out of that mean: it would log a loss of 0.
+    """
 
     def __init__(self) -> None:
         self.stragglers = StragglerWatch()
@@ -80,6 +88,8 @@ class IntervalMeter:
         self.step_time = 0.0
         self.data_wait = 0.0
         self.compute_time = 0.0
+        self.targets = 0  # the steps' targets, summed (every rank has the same)
+        self.empty_steps = 0  # steps without any target on any rank
         # Tensors, summed on the device: reading them (a sync) happens only at log steps.
         self.sums: dict[str, torch.Tensor] = {}
 
@@ -91,8 +101,13 @@ class IntervalMeter:
         data_wait: float,
         values: dict[str, torch.Tensor],
         compute_time: float = 0.0,
+        targets: int = 1,
     ) -> None:
+        """One step: `values` are this rank's shares of the step's loss and metrics, summed
+        over the ranks at a log step; `targets` the step's targets on every rank."""
         self.steps += 1
+        self.targets += targets
+        self.empty_steps += not targets
         self.samples += samples
         self.step_time += step_time
         self.data_wait += data_wait
@@ -117,13 +132,18 @@ class IntervalMeter:
         )
         samples, step_time_sum, wait_sum = totals[:3]
         worst = all_reduce_max(local_wait, device)
+        with_targets = self.steps - self.empty_steps
+        # steps without targets add nothing: their mean would be 0/0 (NaN, as a loss that is
+        # not known, rather than a 0.0 that looks like a perfect fit)
         out = {
-            name: total / (steps * world_size)
+            name: total / with_targets if with_targets else math.nan
             for name, total in zip(names, totals[3:], strict=True)
         }
         mean_step_time = step_time_sum / (steps * world_size)
         out.update(
             {
+                "targets": self.targets / steps,
+                "empty_steps": self.empty_steps,
                 "samples_per_s": samples / max(1e-9, step_time_sum / world_size),
                 "step_time_s": mean_step_time,
                 "data_wait_fraction": min(1.0, wait_sum / world_size),
@@ -286,10 +306,12 @@ class MetricsWriter:
             )
             self.bar.refresh()
             return
+        empty = record.get("empty_steps")
         self._print(
             f"step {record['step']} epoch {record['epoch']} loss {record['loss']:.4f} lr {record['lr']:.2e} "
             f"{record['samples_per_s']:.1f} samples/s data-wait {record['data_wait_fraction']:.1%} "
             f"(worst {record['data_wait_fraction_worst']:.1%}) step {record['step_time_s'] * 1000:.0f} ms"
+            + (f" ({empty} steps without a target, not in the loss)" if empty else "")
         )
 
     def _print(self, line: str) -> None:

@@ -355,6 +355,21 @@ class CausalLM:
             raise ConfigError(f"model.name={name!r}: task causal_lm takes {', '.join(PRESETS)}")
 
     @staticmethod
+    def eval_metric_names(cfg: Config) -> tuple[str, ...]:
+        """What `summarize` may report with `cfg`: `targets` with the loss masks on (every
+        evaluation batch then carries one), `bits_per_byte` unless `data.tokenizer` names a
+        tokenizer file (the index's tokenizer may be the bytes one), the answers' scores with
+        `eval.generate`."""
+        names: tuple[str, ...] = ("loss", "perplexity")
+        if cfg.data.loss_mask:
+            names += ("targets",)
+        if cfg.data.tokenizer in ("", BYTES):
+            names += ("bits_per_byte",)
+        if cfg.eval.generate:
+            names += (*answers.METRICS, "answers")
+        return names
+
+    @staticmethod
     def model_card(
         tree: dict[str, Any], weights: dict[str, torch.Tensor], manifest: dict[str, Any]
     ) -> dict[str, Any] | None:
@@ -396,7 +411,10 @@ class CausalLM:
         return SequenceTransform(self.seq_len, self.cfg.data.document_mask, self.loss_mask)
 
     def eval_transform(self) -> SequenceTransform:
-        return SequenceTransform(self.seq_len, self.cfg.data.document_mask, self.loss_mask)
+        # The data evaluated (`hpctrain eval --data`, `predict`) may hold masks that the
+        # training data had not: every batch carries one (the data's, or every target), so
+        # that evaluation and prediction average over the data's own targets.
+        return SequenceTransform(self.seq_len, self.cfg.data.document_mask, self.cfg.data.loss_mask)
 
     def token_losses(
         self, model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor | None = None
@@ -418,10 +436,18 @@ class CausalLM:
             # Every sequence has seq_len targets: the mean of valid sequences' means is the
             # mean over their tokens.
             return masked_mean(losses.mean(dim=1), batch["valid"]), {}
-        # Instruction data: the mean over this batch's masked targets (`targets`, logged).
-        count = targets.sum()
-        loss = (losses * targets).sum() / count.clamp(min=1)
-        return loss, {"targets": count.float()}
+        # Instruction data: the mean over this batch's masked targets (`count_targets`).
+        loss = (losses * targets).sum() / targets.sum().clamp(min=1)
+        return loss, {}
+
+    def count_targets(self, batch: dict[str, Any]) -> int:
+        """The target tokens `loss` averages over: the masked ones of valid sequences, or
+        every position of them (the trainer weighs micro-batches and ranks by it; on the
+        host, so `count_nonzero` of the bools, several times faster than a sum here)."""
+        valid, mask = batch["valid"], batch.get("loss_mask")
+        if mask is None:
+            return int(valid.sum()) * (batch["tokens"].shape[1] - 1)
+        return int(torch.count_nonzero(mask[:, 1:] & valid[:, None]))
 
     def eval_metrics(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         losses = self.token_losses(model, batch["tokens"], batch.get("positions"))
@@ -488,23 +514,28 @@ class CausalLM:
 
     def summarize(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
         """loss (nats per token), perplexity and, for the bytes tokenizer, bits per byte; with
-        `eval.generate`, exact_match and token_f1 of the answers (`hpctrain.tasks.answers`)."""
-        loss = float(sums["loss"]) / max(1.0, float(sums["tokens"]))
+        `eval.generate`, exact_match and token_f1 of the answers (`hpctrain.tasks.answers`);
+        NaN over data without a single target (masks that mark none), not a perfect 0.0."""
+        tokens = float(sums["tokens"])
+        loss = float(sums["loss"]) / tokens if tokens else math.nan
         metrics = {"loss": loss, "perplexity": math.exp(min(loss, 700.0))}
         if "answers" in sums:
             metrics.update(answers.answer_metrics(sums))
         if "targets" in sums:  # instruction data: how many masked targets the loss counted
-            metrics["targets"] = float(sums["targets"])
+            metrics["targets"] = int(sums["targets"])
         if self.tokenizer["name"] == BYTES and not self.tokenizer.get("sha256"):
             metrics["bits_per_byte"] = loss / math.log(2)
         return metrics
 
     @torch.no_grad()
     def predict(self, model: nn.Module, batch: dict[str, Any]) -> list[dict[str, Any]]:
-        """One dict per sequence, in batch order: its mean loss (nats per token), the fraction
-        of positions where the greedy (argmax) next token is right, and the greedy token after
-        the sequence's last one, as id and decoded text. The key is the writer's to add, and
-        invalid rows (padding) are the writer's to drop (`hpctrain.inference.predict`)."""
+        """One dict per sequence, in batch order: its mean loss (nats per target token) and
+        the fraction of its targets where the greedy (argmax) next token is right, both over
+        the targets the loss counts (instruction data: the masked ones, as training and
+        evaluation; None for a sequence without any), its number of `targets`, and the
+        greedy token after the sequence's last one, as id and decoded text. The key is the
+        writer's to add, and invalid rows (padding) are the writer's to drop
+        (`hpctrain.inference.predict`)."""
         tokens, positions = batch["tokens"], batch.get("positions")
         inputs = (tokens,) if positions is None else (tokens, positions)
         logits = model(*inputs).float()  # every position, the last one's next token too
@@ -513,18 +544,26 @@ class CausalLM:
             logits[:, :-1].flatten(0, 1), targets.flatten(), reduction="none"
         ).view_as(targets)
         greedy = logits.argmax(dim=-1)
-        accuracy = (greedy[:, :-1] == targets).float().mean(dim=1)
+        mask = batch.get("loss_mask")
+        counted = (
+            torch.ones_like(losses) if mask is None else mask[:, 1:].to(losses.dtype)
+        )  # per row: `valid` is the writer's
+        count = counted.sum(dim=1)
+        loss = (losses * counted).sum(dim=1) / count.clamp(min=1)
+        accuracy = ((greedy[:, :-1] == targets).float() * counted).sum(dim=1) / count.clamp(min=1)
         decode = self.text_tokenizer().decode
         return [
             {
-                "loss": float(loss),
-                "accuracy": float(acc),
+                "loss": row_loss if n else None,
+                "accuracy": acc if n else None,
+                "targets": int(n),
                 "next_token": int(nxt),
                 "next_text": decode([int(nxt)]),
             }
-            for loss, acc, nxt in zip(
-                losses.mean(dim=1).tolist(),
+            for row_loss, acc, n, nxt in zip(
+                loss.tolist(),
                 accuracy.tolist(),
+                count.tolist(),
                 greedy[:, -1].tolist(),
                 strict=True,
             )

@@ -183,6 +183,13 @@ class ImageClassification:
             check_classifier_name(name, image_size)
 
     @staticmethod
+    def eval_metric_names(cfg: Config) -> tuple[str, ...]:
+        """What `summarize` reports: top-1 and top-5 accuracy, or mAP and F1 (multi-label)."""
+        if cfg.classification.multi_label:
+            return ("loss", "mAP", "f1", "f1_micro")
+        return ("loss", "accuracy", "top5")
+
+    @staticmethod
     def model_card(
         tree: dict[str, Any], weights: dict[str, torch.Tensor], manifest: dict[str, Any]
     ) -> dict[str, Any] | None:

@@ -18,6 +18,7 @@ ranks (padded samples, `valid=False`, left out).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -195,6 +196,11 @@ class Segmentation:
         if name:
             check_segmenter_name(name)
 
+    @staticmethod
+    def eval_metric_names(cfg: Config) -> tuple[str, ...]:
+        """What `summarize` reports."""
+        return ("loss", "mIoU", "pixel_accuracy")
+
     def build_model(self) -> nn.Module:
         return build_segmenter(self.cfg.model.name or "unet", self.num_classes)
 
@@ -255,6 +261,14 @@ class Segmentation:
             pixel_accuracy = (correct * weights).sum() / num_pixels
         return loss, {"pixel_accuracy": pixel_accuracy}
 
+    def count_targets(self, batch: dict[str, Any]) -> int:
+        """The labelled pixels of valid samples, which `loss` averages over (the trainer
+        weighs micro-batches and ranks by it). Counted on the host for every micro-batch,
+        with numpy: 3.5 ms for 16 masks of 512 x 512 on the 2-core development machine,
+        where torch's comparison and count took 24 ms (its bool sum alone 87 ms)."""
+        masks = batch["mask"].numpy()[batch["valid"].numpy()]
+        return int(np.count_nonzero(masks != self.ignore_index))
+
     def eval_metrics(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         logits = self._logits(model, batch)
         targets, labelled = self._labelled(batch)
@@ -273,7 +287,8 @@ class Segmentation:
         confusion = sums["confusion"].double()
         iou, pixel_accuracy = iou_and_accuracy(confusion)
         metrics = {
-            "loss": float(sums["loss"]) / max(1.0, float(sums["pixels"])),
+            # no labelled pixel at all: no loss to report, not a perfect 0.0
+            "loss": float(sums["loss"]) / float(sums["pixels"]) if sums["pixels"] else math.nan,
             "mIoU": float(iou.nanmean()) if not iou.isnan().all() else 0.0,
             "pixel_accuracy": pixel_accuracy,
         }

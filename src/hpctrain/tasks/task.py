@@ -56,6 +56,12 @@ class Task(Protocol):
       without the run's data; default none.
     - `tokens_per_sample: int` (an attribute) and `flops_per_token() -> int`: the train
       records then hold tokens/s and MFU (`hpctrain.models.flops`); default none.
+    - `count_targets(batch: Batch) -> int | torch.Tensor`: how many terms `loss` averages
+      over in `batch` (masked target tokens, labelled pixels), counted on the host batch
+      before it moves to the device. The optimizer step weighs each micro-batch's loss by it
+      and divides by the step's count over every micro-batch and data-parallel rank, so
+      that gradient accumulation and the number of ranks give the loss and gradients of one
+      large batch. Default: the valid samples (what `masked_mean` divides by).
 
     Two hooks are read from the class, without an instance (`export` and `preflight` have no
     data to construct a task with), so they are static methods:
@@ -76,6 +82,11 @@ class Task(Protocol):
       checkpoint records (`manifest["metadata"]`, written by `model_metadata`), so that the
       model is the one saved whatever its sources are now (causal_lm: the shape of a
       `model.init_from` folder, the tokenizer). Default: `cls(cfg, index)`.
+    - `eval_metric_names(cfg: Config) -> Collection[str]`: the metrics its evaluation can
+      report with `cfg` (the keys of `summarize`, without `val_`), so that a
+      `checkpoint.monitor` naming another is refused before any work (the trainer's start,
+      `hpctrain preflight`). Default: undeclared, the monitor is first looked up in the
+      first evaluation record.
     """
 
     def build_model(self) -> nn.Module:
@@ -127,6 +138,8 @@ OPTIONAL_HOOKS = (
     "check_model_name",
     "answer_sums",
     "from_checkpoint",
+    "count_targets",
+    "eval_metric_names",
 )
 
 
@@ -134,6 +147,13 @@ def masked_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Mean of per-sample `values` over the samples where `valid` is True."""
     weights = valid.to(values.dtype)
     return (values * weights).sum() / weights.sum().clamp(min=1)
+
+
+def count_targets(task: Task, batch: Batch) -> int:
+    """What `task.loss` averages over in the host `batch`: its `count_targets` hook, else
+    the valid samples. An int read on the host: no wait for the device."""
+    hook = getattr(task, "count_targets", None)
+    return int(hook(batch) if hook is not None else batch["valid"].sum())
 
 
 def divide_by_count(sums: Mapping[str, torch.Tensor]) -> dict[str, float]:
@@ -249,6 +269,27 @@ def model_card(
     hook = class_hook(str(tree.get("task") or DEFAULT_TASK), "model_card")
     card: dict[str, Any] | None = hook(tree, weights, manifest) if hook is not None else None
     return card
+
+
+def check_monitor(cfg: Config) -> None:
+    """Refuse a `checkpoint.monitor` that the task's evaluation never reports (its
+    `eval_metric_names` hook, with `val_` and `val_samples`), before any work: the run would
+    otherwise train until its first evaluation, then fail. A task without the hook (or
+    that cannot be imported here) is not checked.
+
+    Raises:
+        ConfigError: naming the key and the task's metric names.
+    """
+    monitor = cfg.checkpoint.monitor
+    hook = class_hook(cfg.task, "eval_metric_names") if monitor else None
+    if hook is None:
+        return
+    reported = [f"val_{name}" for name in hook(cfg)] + ["val_samples"]
+    if monitor not in reported:
+        raise ConfigError(
+            f"checkpoint.monitor={monitor}: task {cfg.task} reports {', '.join(reported)} "
+            "(with this config); monitor one of them"
+        )
 
 
 def check_model_name(task: str, name: str, image_size: int | None = None) -> None:

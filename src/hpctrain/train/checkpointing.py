@@ -164,12 +164,17 @@ class Checkpointing:
         return metadata
 
     def resume(self) -> None:
+        fresh = self.cfg.checkpoint.resume == "none"
         if self.adapted is not None and self.base_on_meta:
             # each rank's shards of the base, before the checkpoint's trained entries
             line = load_initial_weights(
                 self.model, self.cfg, self.task, process_group=self.checkpoints.group
             )
             log.info("LoRA base: %s", line)
+        elif fresh and self.cfg.model.init_from and self.adapted is None:
+            # Read before `--resume none` sets the older run's checkpoints aside: init_from
+            # may name this run folder or a step in it (a new run from its own weights).
+            self.init_weights()
         try:
             step = self.checkpoints.load(
                 self.checkpoint_states(),
@@ -193,7 +198,7 @@ class Checkpointing:
         if step is None:
             if self.adapted is not None:
                 self.start_adapters()
-            elif self.cfg.model.init_from:
+            elif self.cfg.model.init_from and not fresh:
                 self.init_weights()
             return
         check_same_groups(self.cfg.train, self.checkpoints.loaded_manifest)

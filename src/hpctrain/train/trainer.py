@@ -19,12 +19,13 @@ from hpctrain.checkpoint import CheckpointManager
 from hpctrain.checkpoint.selection import peek
 from hpctrain.checkpoint.storage import open_store
 from hpctrain.config import Config, ConfigError, config_to_yaml
+from hpctrain.config.load import check_rules
 from hpctrain.config.lora_rules import check_lora
-from hpctrain.config.rules import check_rules
 from hpctrain.data import ShardedLoader, open_index
 from hpctrain.data.index import ShardIndex
 from hpctrain.data.mixture_index import describe as describe_train
 from hpctrain.data.mixture_index import open_train_index
+from hpctrain.data.plan_report import dropped_note
 from hpctrain.distributed import DistEnv, new_cpu_group
 from hpctrain.distributed.signals import start_compile_workers
 from hpctrain.models import lora, lora_base
@@ -42,7 +43,7 @@ from hpctrain.parallel.precision import (
     plan_training,
 )
 from hpctrain.tasks.classes import check_class_names
-from hpctrain.tasks.task import Batch, load_task
+from hpctrain.tasks.task import Batch, check_monitor, load_task
 from hpctrain.train.checkpointing import Checkpointing, TrainState
 from hpctrain.train.ema import build_ema
 from hpctrain.train.evaluation import require_items
@@ -96,9 +97,9 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
     def check_config(self) -> None:
         """Refuse what cannot train (bf16 on a V100, no data, ...) before any model or loader work."""
         cfg = self.cfg
+        check_rules(cfg)  # as loading does: this config may have been built in code
         if not cfg.data.train:
             raise ConfigError("data.train is empty: give an index.json path/URL or a shard pattern")
-        check_rules(cfg)  # the rules between keys that preflight runs too
         if cfg.logging.tensorboard and self.env.is_main:
             require_tensorboard()
         if self.env.is_main:
@@ -113,6 +114,7 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             raise ConfigError(
                 f"checkpoint.monitor={cfg.checkpoint.monitor}: needs data.val (evaluations to rank by)"
             )
+        check_monitor(cfg)  # a metric the task's evaluation reports
         # Both refuse bad settings here; they hold the run's state from here on.
         self.monitor = MetricMonitor(
             cfg.checkpoint.monitor,
@@ -219,7 +221,12 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             if hasattr(self.task, hook):
                 loader_args[hook] = getattr(self.task, hook)
         self.loader = ShardedLoader(
-            train_index, cfg.data, transform=self.task.train_transform(), train=True, **loader_args
+            train_index,
+            cfg.data,
+            transform=self.task.train_transform(),
+            train=True,
+            batches_held=cfg.train.grad_accum_steps,  # a step holds its micro-batches
+            **loader_args,
         )
         self.val_loader = None
         self.class_names = train_index.class_names  # stored in every checkpoint
@@ -250,6 +257,14 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
         self.total_steps = cfg.train.max_steps or cfg.train.max_epochs * self.steps_per_epoch
         if self.total_steps == 0:
             raise ConfigError("train.max_steps=0 and train.max_epochs=0: set one of them")
+        epoch_plan = self.loader.plan()
+        if epoch_plan.num_dropped:
+            # a tenth of the data out of every epoch is worth a look: say it louder
+            large = epoch_plan.num_dropped >= 0.1 * epoch_plan.num_samples
+            (log.warning if large else log.info)(
+                "data.remainder=drop: %s (data.remainder=pad keeps them, as padding)",
+                dropped_note(epoch_plan, "sequences" if cfg.data.seq_len else "samples"),
+            )
         self.scheduler = build_scheduler(self.optimizer, cfg.train, self.total_steps)
 
     def build_run_state(self) -> None:
@@ -277,6 +292,7 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             dump_on_usr1=signal.SIGUSR1 not in self.preemption.signals,
         )
         self.meter = IntervalMeter()
+        self.empty_steps, self.warned_empty, self.first_step = 0, False, 0
         self.lr = 0.0
         self.grad_norm = torch.zeros(())
         # Ranks agree on preemption flags every step. On a CPU (gloo) group, reading the result
@@ -299,6 +315,7 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
         self.prepare_run_dir()
         self.preemption.install()
         self.resume()
+        self.first_step = self.state.step
         self.write_run_config()
         metrics = MetricsWriter(
             self.run_dir,
