@@ -333,3 +333,22 @@ def test_task_decode_collate_and_summarize_hooks_are_used(
     final = [r for r in records if r["kind"] == "eval"][-1]
     assert final["val_counted"] == final["val_samples"] == 80  # padding left out
     assert final["val_classes_seen"] == 10 and 0 <= final["val_accuracy"] <= 1
+
+
+def test_checkpoint_final_false_saves_nothing_at_the_end(
+    shapes_shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A benchmark's run (#38 item 11): no final checkpoint, also with a monitor whose final
+    evaluation has no saved step to annotate; a preemption would still save."""
+    cfg = make_config(
+        shapes_shards,
+        tmp_path / "run",
+        "checkpoint.final=false",
+        "checkpoint.monitor=val_accuracy",
+        "train.max_steps=2",
+    )
+    assert build(cfg).fit() == 0
+    assert list((tmp_path / "run" / "checkpoints").glob("step-*")) == []
+    out = capsys.readouterr().out
+    assert "checkpoint: none saved (checkpoint.final=false)" in out
+    assert [r["kind"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")][-1] == "eval"

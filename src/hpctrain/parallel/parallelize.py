@@ -136,8 +136,8 @@ def data_parallel_mesh(mesh: Any, plan: TrainingPlan) -> Any:
     return mesh["shard"]
 
 
-def tensor_parallel(model: nn.Module, mesh: Any, plan: TrainingPlan) -> None:
-    """Split `model` over the mesh's `tp` dimension with its own plan (`parallelize_tensors`).
+def check_tensor_parallel(model: nn.Module, plan: TrainingPlan) -> Any:
+    """The model's tensor-parallel plan (`parallelize_tensors`), or the refusal of one it lacks.
 
     Raises:
         ConfigError: the model has no tensor-parallel plan (only the causal_lm GPT has one).
@@ -148,6 +148,16 @@ def tensor_parallel(model: nn.Module, mesh: Any, plan: TrainingPlan) -> None:
             f"train.tp_degree={plan.tp}: {type(model).__name__} has no tensor-parallel plan; "
             "tensor parallelism splits the causal_lm GPT only (set train.tp_degree=1)"
         )
+    return apply
+
+
+def tensor_parallel(model: nn.Module, mesh: Any, plan: TrainingPlan) -> None:
+    """Split `model` over the mesh's `tp` dimension with its own plan (`parallelize_tensors`).
+
+    Raises:
+        ConfigError: the model has no tensor-parallel plan (only the causal_lm GPT has one).
+    """
+    apply = check_tensor_parallel(model, plan)
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     apply(mesh["tp"])
     # SequenceParallel registers the norms' weights anew as (trainable) DTensor parameters:

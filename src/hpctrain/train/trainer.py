@@ -29,7 +29,12 @@ from hpctrain.observe.metrics import IntervalMeter, MetricMonitor, MetricsWriter
 from hpctrain.observe.profiling import StepProfiler
 from hpctrain.observe.trackers import check_trackers, start_trackers
 from hpctrain.parallel.parallelize import parallelize
-from hpctrain.parallel.precision import device_facts, make_grad_scaler, plan_training
+from hpctrain.parallel.precision import (
+    DeviceFacts,
+    device_facts,
+    make_grad_scaler,
+    plan_training,
+)
 from hpctrain.tasks.classes import check_class_names
 from hpctrain.tasks.task import Batch, load_task
 from hpctrain.train.checkpointing import Checkpointing, TrainState
@@ -125,7 +130,7 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             enabled=cfg.profile.oom_snapshot,
             history=cfg.profile.memory_history,
         )
-        facts = device_facts(self.device, compile=cfg.train.compile)
+        facts = self.device_facts()
         self.plan = plan_training(cfg.train, facts, self.env.world_size, self.env.local_world_size)
         self.precision = self.plan.precision
         if self.env.is_distributed:
@@ -136,6 +141,10 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
                 "train.strategy=hsdp shards inside a node and replicates across nodes",
                 -(-self.env.world_size // max(1, self.env.local_world_size)),
             )
+
+    def device_facts(self) -> DeviceFacts:
+        """What the plan needs to know about this device (a dry run gives a GPU's instead)."""
+        return device_facts(self.device, compile=self.cfg.train.compile)
 
     def configure_torch(self) -> None:
         """Deterministic algorithms or fast kernels, and the global seeds."""
@@ -301,8 +310,10 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
                     )
                     break
             self.profiler.close()
-            if self.checkpoints.latest_step() != self.state.step:
+            saved_last = self.checkpoints.latest_step() == self.state.step
+            if not saved_last and self.cfg.checkpoint.final:
                 self.save()  # before the final evaluation: one that fails loses no training
+                saved_last = True
             final_eval = self.last_eval  # the last step's, when eval_every evaluated it
             if final_eval is not None and final_eval["step"] != self.state.step:
                 final_eval = None
@@ -310,7 +321,7 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
                 final_eval = self.evaluate()
                 metrics.write(final_eval)
                 self.monitor.observe(final_eval)
-                if self.monitor.name:  # the saved step's score and monitor state, for best
+                if self.monitor.name and saved_last:  # the saved step's score, for best
                     self.checkpoints.annotate(
                         self.state.step,
                         metadata=self.checkpoint_metadata(),
