@@ -202,3 +202,23 @@ def test_batchnorm_classes_cover_every_batchnorm_and_dynamo_answers():
         assert issubclass(kind, classes)
     assert not issubclass(nn.LayerNorm, classes)
     assert isinstance(dynamo_supported(strict=True), bool)
+
+
+def test_dispatch_mode_and_storage_identity_for_the_meta_build():
+    from hpctrain.compat_torch import dispatch_mode_class, storage_key
+
+    seen = []
+
+    class Mode(dispatch_mode_class(strict=True)):  # type: ignore[misc]
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with torch.device("meta"), Mode():
+        weight = torch.nn.Parameter(torch.empty(3, 4))
+        torch.nn.init.normal_(weight)
+    assert seen == ["empty", "normal_"]
+    # the Parameter and a view share their storage's key; another tensor has its own
+    key = storage_key(weight, strict=True)
+    assert key == storage_key(weight[1], strict=True)
+    assert key != storage_key(torch.empty(3, 4, device="meta"), strict=True)

@@ -18,6 +18,7 @@ version and the API, instead of the fallback hiding the change.
 | `checkpoint._fsspec_filesystem.FsspecReader`, `FsspecWriter` | checkpoints at fsspec URLs (subclassed) | `torch.distributed.checkpoint.FsspecReader`/`Writer`, the public export to watch for |
 | `checkpoint.filesystem._StorageInfo`, `_StorageWriterTransforms` | item checksums while DCP writes (subclassed) | none (`TorchAPIChanged`); watch for a public `StorageInfo` and stream-transform extension |
 | `FileSystemReader._slice_file` (overridden)     | item checksums while DCP reads       | none: tested only; watch for a public read-stream hook |
+| `torch.utils._python_dispatch.TorchDispatchMode`, `UntypedStorage._cdata` | record a model's initialisation on the meta device (`models/deferred_init.py`) | none: the model is built whole, as before; watch for a public deferred init |
 
 Public replacements to watch for: a public way to close a `DataLoader`'s persistent workers
 (pytorch/pytorch#64766, #71383) would replace both `DataLoader._iterator` uses.
@@ -386,3 +387,24 @@ def dynamo_supported(*, strict: bool = False) -> bool:
         _fallback("torch._dynamo.is_dynamo_supported", exc, strict)
         return True
     return bool(supported())
+
+
+def dispatch_mode_class(*, strict: bool = False) -> type | None:
+    """`TorchDispatchMode`, the base of a mode that sees every aten op (None if moved)."""
+    try:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        return TorchDispatchMode
+    except ImportError as exc:
+        _fallback("torch.utils._python_dispatch.TorchDispatchMode", exc, strict)
+    return None
+
+
+def storage_key(tensor: torch.Tensor, *, strict: bool = False) -> int | None:
+    """An identity of `tensor`'s storage, shared by its views and the Parameter made of it
+    (meta tensors have no data pointer to tell them apart); None if torch changed it."""
+    try:
+        return int(tensor.untyped_storage()._cdata)
+    except (AttributeError, TypeError, RuntimeError) as exc:
+        _fallback("torch.UntypedStorage._cdata", exc, strict)
+    return None

@@ -161,7 +161,8 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
         """The task's model, moved, wrapped and sharded; its optimizer and gradient scaler."""
         torch.manual_seed(self.cfg.seed)  # identical initial weights on every rank (FSDP2 needs it)
         init_from.check(self.cfg, self.task)
-        model = init_from.build_model(self.task, self.cfg, self.plan.strategy)
+        built = init_from.build_model(self.task, self.cfg, self.plan.strategy, tp=self.plan.tp)
+        model = built.model
         trainable, frozen = freeze_parameters(model, self.cfg.train.freeze)  # before wrapping
         log.info(
             "parameters: %s trainable, %s frozen (train.freeze)", f"{trainable:,}", f"{frozen:,}"
@@ -173,6 +174,8 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             self.device,
             channels_last=self.cfg.model.channels_last,
         )
+        if built.init is not None:  # before anything reads the values (the EMA copies them)
+            built.init.materialize(self.model)
         self.optimizer = build_optimizer(self.model, self.cfg.train)
         self.ema = build_ema(self.model, self.cfg.train.ema_decay)  # None when disabled
         self.scaler = make_grad_scaler(self.precision)
