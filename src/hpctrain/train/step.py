@@ -14,7 +14,7 @@ import torch
 
 from hpctrain.config import Config
 from hpctrain.distributed import DistEnv
-from hpctrain.observe.metrics import IntervalMeter
+from hpctrain.observe.metrics import GpuForwardTimer, IntervalMeter
 from hpctrain.parallel.parallelize import no_gradient_sync
 from hpctrain.parallel.precision import Precision, TrainingPlan
 from hpctrain.tasks.task import Batch, Task
@@ -45,6 +45,7 @@ class OptimizerStep:
     def train_step(self, batches: Iterator[Batch]) -> None:
         """One optimizer step over `grad_accum_steps` micro-batches."""
         start = time.perf_counter()
+        self.meter.clock.start_step()
         accum = self.cfg.train.grad_accum_steps
         data_wait, num_samples = 0.0, 0
         loss_sum: torch.Tensor | float = 0.0
@@ -66,6 +67,9 @@ class OptimizerStep:
                 scaled = loss / accum if accum > 1 else loss
                 if micro == accum - 1:  # up to the first gradient collective: the straggler check
                     compute_time = time.perf_counter() - start - data_wait
+                    self.meter.clock.mark("backward")
+                    if self.meter.gpu_forward is not None:
+                        self.meter.gpu_forward.backward_starts()
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             # Sums stay on the device: nothing waits for them until a log step.
             detached = loss.detach().float()  # float(): a no-op unless a task returns bf16
@@ -97,6 +101,24 @@ class OptimizerStep:
             values=values,
             compute_time=compute_time,
         )
+
+    def watch_sync_points(self) -> None:
+        """Mark this rank's arrival at the model's call, before any wrapper's collective
+        (DDP's buffer broadcast, FSDP2's first all-gather), and on GPUs start the forward's
+        device timer there: the straggler check (`observe.metrics.StragglerWatch`)."""
+        clock = self.meter.clock
+        gpu = None
+        if self.device.type == "cuda":
+            gpu = self.meter.gpu_forward = GpuForwardTimer()
+
+        def at_model_call(module: torch.nn.Module, args: Any) -> None:
+            if module.training:  # not an evaluation's forward
+                clock.mark("model_call")
+                if gpu is not None:
+                    gpu.forward_starts()
+
+        # first among the forward pre-hooks: FSDP2's own gathers the root's parameters
+        self.model.register_forward_pre_hook(at_model_call, prepend=True)
 
     def clip_and_measure_gradients(self) -> None:
         """Clip to `train.grad_clip`, and keep the global gradient norm for the next log line.

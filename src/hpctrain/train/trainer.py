@@ -254,6 +254,8 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             dump_on_usr1=signal.SIGUSR1 not in self.preemption.signals,
         )
         self.meter = IntervalMeter()
+        if self.env.is_distributed:
+            self.watch_sync_points()
         self.lr = 0.0
         self.grad_norm = torch.zeros(())
         # Ranks agree on preemption flags every step. On a CPU (gloo) group, reading the result
@@ -411,7 +413,10 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
         flags = torch.tensor(
             [float(self.preemption.requested), float(time_due)], dtype=torch.float64
         )
+        self.meter.clock.mark("boundary")  # this rank's arrival: the straggler check
         dist.all_reduce(flags, group=self.flag_group)
+        self.meter.add_arrivals()
+        self.meter.clock.leave_boundary()  # every rank leaves at the same moment
         stop, due = flags.tolist()
         return stop > 0, due > 0
 
