@@ -12,7 +12,6 @@ version and the API, instead of the fallback hiding the change.
 | `torch.utils.data._utils.worker._worker_info`   | `get_worker_info()` in our workers   | none: it answers None there     |
 | `DataLoader._iterator._workers`                 | the bench's live workers' pids (CPU) | multiprocessing's live children |
 | `DataLoader._iterator._shutdown_workers()`      | the bench joins workers at once     | none: they exit when collected  |
-| `torch.distributed._state_dict_utils._create_cpu_state_dict`, `_copy_state_dict` | async saves stage into reused pinned buffers | `BlockingAsyncStager` (new buffers each save); watch for a public reusing stager |
 | `torch.distributed.checkpoint._traverse.set_element` | `SafeLoadPlanner.load_bytes` as DCP's | a copy here; watch for a `weights_only` `DefaultLoadPlanner` |
 | `FileSystemReader._get_metadata_path`           | the `.metadata` our safe reader reads | `fs.concat_path(path, ".metadata")`; watch for a public metadata path |
 | `checkpoint._fsspec_filesystem.FsspecReader`, `FsspecWriter` | checkpoints at fsspec URLs (subclassed) | `torch.distributed.checkpoint.FsspecReader`/`Writer`, the public export to watch for |
@@ -173,36 +172,6 @@ def __getattr__(name: str) -> Any:
     if name in _DCP_CLASSES:
         return dcp_class(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def stage_state_dict(
-    state_dict: dict[str, Any],
-    buffers: dict[str, Any] | None,
-    *,
-    pin_memory: bool,
-    strict: bool = False,
-) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """A CPU copy of `state_dict`, made into `buffers` (the CPU tensors an earlier call
-    returned for the same structure) or, with None, into new ones (pinned with `pin_memory`).
-
-    Returns (the copy, the buffers for the next call). Without the private functions (a
-    torch that moved them): DCP's public `BlockingAsyncStager`, new unpinned buffers each
-    call (slower), and None as buffers, with a warning; `strict`: `TorchAPIChanged` instead.
-    """
-    try:
-        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-
-        if buffers is None:
-            buffers = _create_cpu_state_dict(state_dict, pin_memory=pin_memory)
-        return _copy_state_dict(state_dict, buffers, type_check=False), buffers
-    except (ImportError, TypeError) as exc:
-        error = _changed("torch.distributed._state_dict_utils._copy_state_dict", exc)
-        if strict:
-            raise error from exc
-        warnings.warn(str(error), RuntimeWarning, stacklevel=2)
-    from torch.distributed.checkpoint.staging import BlockingAsyncStager
-
-    return BlockingAsyncStager().stage(state_dict), None
 
 
 def _set_element(root: Any, path: tuple[Any, ...], value: Any) -> None:
