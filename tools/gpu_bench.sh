@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The one command to run on a GPU machine (about 7 minutes on one H200, a few GB of disk):
+# The one command to run on a GPU machine (sized for about 7 minutes on one H200 and a few GB
+# of disk; not yet timed on one: no GPU has been lent so far):
 #   1. checks of what only a GPU can show (`python -m hpctrain.bench.gpu_checks`): SLURM's
 #      signals to a live run's loader forkserver, flex attention compiled, train.deterministic
 #      refused or warned;
@@ -53,7 +54,7 @@ SMOKE=1
 SMOKE_STEPS=3
 LM=1
 LM_PRESET=gpt-1b
-LM_STEPS=""  # --lm-steps, else --steps when given, else 60
+LM_STEPS=""  # --lm-steps, else --steps when given, else 50
 STEPS_GIVEN=""
 WORK="${GPU_BENCH_DIR:-/tmp/hpctrain-gpu-bench-${USER:-$(id -un)}}"
 
@@ -79,7 +80,7 @@ while [[ $# -gt 0 ]]; do
   esac
   shift
 done
-: "${LM_STEPS:=${STEPS_GIVEN:-60}}"
+: "${LM_STEPS:=${STEPS_GIVEN:-50}}"
 
 bench() { "$PYTHON" -m hpctrain.bench.gpu_vision "$@" --batch-size "$BATCH_SIZE" --workers "$WORKERS"; }
 

@@ -151,5 +151,11 @@ def test_gpu_bench_runs_on_this_gpu(tmp_path: Path) -> None:
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = proc.stdout.split("== summary\n", 1)[1]
+    for check in ("signals", "flex", "deterministic"):
+        assert f"check {check:13s} ok" in summary, summary
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["images_per_s"] > 0 and 0 <= report["data_wait_fraction"] <= 1
+    lm = json.loads((tmp_path / "lm" / "report.json").read_text())
+    assert lm["plan"]["preset"] == "gpt-1b" and lm["mfu"] is not None
+    assert not list(tmp_path.rglob("step-*"))  # no benchmark writes a checkpoint
