@@ -91,19 +91,6 @@ def test_dcp_classes_come_from_their_private_modules():
     assert callable(getattr(filesystem.FileSystemReader, "_slice_file", None))
 
 
-def test_staging_copies_into_the_buffers_it_made():
-    from hpctrain.compat_torch import stage_state_dict
-
-    state = {"w": torch.arange(4.0), "nested": {"b": torch.ones(2)}, "step": 3}
-    staged, buffers = stage_state_dict(state, None, pin_memory=False, strict=True)
-    assert buffers is not None and staged["step"] == 3
-    assert torch.equal(staged["w"], state["w"]) and staged["w"].data_ptr() != state["w"].data_ptr()
-    state["w"] += 1
-    again, same = stage_state_dict(state, buffers, pin_memory=False, strict=True)
-    assert same is buffers and again["w"].data_ptr() == staged["w"].data_ptr()
-    assert torch.equal(again["w"], state["w"]) and torch.equal(again["nested"]["b"], torch.ones(2))
-
-
 def test_set_element_is_dcp_s_and_the_fallback_does_the_same():
     from hpctrain.compat_torch import _set_element, set_element
 
@@ -124,13 +111,11 @@ def test_metadata_path_is_the_one_the_reader_reads(tmp_path):
     assert str(metadata_path(reader, 2, strict=True)) == str(tmp_path / "__2.metadata")
 
 
-def test_the_fallbacks_of_a_torch_without_them_give_the_same(tmp_path, monkeypatch):
-    import sys
-
+def test_the_fallbacks_of_a_torch_without_them_give_the_same(tmp_path):
     import pytest
     from torch.distributed.checkpoint import FileSystemReader
 
-    from hpctrain.compat_torch import metadata_path, stage_state_dict
+    from hpctrain.compat_torch import metadata_path
 
     reader = FileSystemReader(str(tmp_path))
 
@@ -139,10 +124,6 @@ def test_the_fallbacks_of_a_torch_without_them_give_the_same(tmp_path, monkeypat
 
     with pytest.warns(RuntimeWarning, match="_get_metadata_path"):
         assert str(metadata_path(MovedReader(), 1)) == str(metadata_path(reader, 1, strict=True))
-    monkeypatch.setitem(sys.modules, "torch.distributed._state_dict_utils", None)
-    with pytest.warns(RuntimeWarning, match="_copy_state_dict"):
-        staged, buffers = stage_state_dict({"w": torch.ones(3)}, None, pin_memory=False)
-    assert buffers is None and torch.equal(staged["w"], torch.ones(3))
 
 
 # --- tasks ---
@@ -278,3 +259,23 @@ def test_ddp_ignore_is_the_list_ddp_reads():
     compat_torch.ddp_ignore(module, ["weight"], strict=True)
     assert module._ddp_params_and_buffers_to_ignore == ["weight"]
     assert module.weight._ddp_ignored and not hasattr(module.bias, "_ddp_ignored")
+
+
+def test_dispatch_mode_and_storage_identity_for_the_meta_build():
+    from hpctrain.compat_torch import dispatch_mode_class, storage_key
+
+    seen = []
+
+    class Mode(dispatch_mode_class(strict=True)):  # type: ignore[misc]
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with torch.device("meta"), Mode():
+        weight = torch.nn.Parameter(torch.empty(3, 4))
+        torch.nn.init.normal_(weight)
+    assert seen == ["empty", "normal_"]
+    # the Parameter and a view share their storage's key; another tensor has its own
+    key = storage_key(weight, strict=True)
+    assert key == storage_key(weight[1], strict=True)
+    assert key != storage_key(torch.empty(3, 4, device="meta"), strict=True)

@@ -12,13 +12,13 @@ version and the API, instead of the fallback hiding the change.
 | `torch.utils.data._utils.worker._worker_info`   | `get_worker_info()` in our workers   | none: it answers None there     |
 | `DataLoader._iterator._workers`                 | the bench's live workers' pids (CPU) | multiprocessing's live children |
 | `DataLoader._iterator._shutdown_workers()`      | the bench joins workers at once     | none: they exit when collected  |
-| `torch.distributed._state_dict_utils._create_cpu_state_dict`, `_copy_state_dict` | async saves stage into reused pinned buffers | `BlockingAsyncStager` (new buffers each save); watch for a public reusing stager |
 | `torch.distributed.checkpoint._traverse.set_element` | `SafeLoadPlanner.load_bytes` as DCP's | a copy here; watch for a `weights_only` `DefaultLoadPlanner` |
 | `FileSystemReader._get_metadata_path`           | the `.metadata` our safe reader reads | `fs.concat_path(path, ".metadata")`; watch for a public metadata path |
 | `checkpoint._fsspec_filesystem.FsspecReader`, `FsspecWriter` | checkpoints at fsspec URLs (subclassed) | `torch.distributed.checkpoint.FsspecReader`/`Writer`, the public export to watch for |
 | `checkpoint.filesystem._StorageInfo`, `_StorageWriterTransforms` | item checksums while DCP writes (subclassed) | none (`TorchAPIChanged`); watch for a public `StorageInfo` and stream-transform extension |
 | `FileSystemReader._slice_file` (overridden)     | item checksums while DCP reads       | none: tested only; watch for a public read-stream hook |
 | `DistributedDataParallel._set_params_and_buffers_to_ignore_for_model` | DDP leaves QLoRA's NF4 base alone | the attribute it sets; watch for a public ignore list |
+| `torch.utils._python_dispatch.TorchDispatchMode`, `UntypedStorage._cdata` | record a model's initialisation on the meta device (`models/deferred_init.py`) | none: the model is built whole, as before; watch for a public deferred init |
 
 Public replacements to watch for: a public way to close a `DataLoader`'s persistent workers
 (pytorch/pytorch#64766, #71383) would replace both `DataLoader._iterator` uses.
@@ -173,36 +173,6 @@ def __getattr__(name: str) -> Any:
     if name in _DCP_CLASSES:
         return dcp_class(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def stage_state_dict(
-    state_dict: dict[str, Any],
-    buffers: dict[str, Any] | None,
-    *,
-    pin_memory: bool,
-    strict: bool = False,
-) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """A CPU copy of `state_dict`, made into `buffers` (the CPU tensors an earlier call
-    returned for the same structure) or, with None, into new ones (pinned with `pin_memory`).
-
-    Returns (the copy, the buffers for the next call). Without the private functions (a
-    torch that moved them): DCP's public `BlockingAsyncStager`, new unpinned buffers each
-    call (slower), and None as buffers, with a warning; `strict`: `TorchAPIChanged` instead.
-    """
-    try:
-        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-
-        if buffers is None:
-            buffers = _create_cpu_state_dict(state_dict, pin_memory=pin_memory)
-        return _copy_state_dict(state_dict, buffers, type_check=False), buffers
-    except (ImportError, TypeError) as exc:
-        error = _changed("torch.distributed._state_dict_utils._copy_state_dict", exc)
-        if strict:
-            raise error from exc
-        warnings.warn(str(error), RuntimeWarning, stacklevel=2)
-    from torch.distributed.checkpoint.staging import BlockingAsyncStager
-
-    return BlockingAsyncStager().stage(state_dict), None
 
 
 def _set_element(root: Any, path: tuple[Any, ...], value: Any) -> None:
@@ -423,3 +393,24 @@ def ddp_ignore(module: torch.nn.Module, names: list[str], *, strict: bool = Fals
             "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model", exc, strict
         )
     module._ddp_params_and_buffers_to_ignore = names  # type: ignore[assignment]
+
+
+def dispatch_mode_class(*, strict: bool = False) -> type | None:
+    """`TorchDispatchMode`, the base of a mode that sees every aten op (None if moved)."""
+    try:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        return TorchDispatchMode
+    except ImportError as exc:
+        _fallback("torch.utils._python_dispatch.TorchDispatchMode", exc, strict)
+    return None
+
+
+def storage_key(tensor: torch.Tensor, *, strict: bool = False) -> int | None:
+    """An identity of `tensor`'s storage, shared by its views and the Parameter made of it
+    (meta tensors have no data pointer to tell them apart); None if torch changed it."""
+    try:
+        return int(tensor.untyped_storage()._cdata)
+    except (AttributeError, TypeError, RuntimeError) as exc:
+        _fallback("torch.UntypedStorage._cdata", exc, strict)
+    return None

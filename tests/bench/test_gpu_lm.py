@@ -120,6 +120,8 @@ def test_cpu_run_reports_tokens_and_data_wait(tmp_path: Path) -> None:
     assert report["mfu"] is None  # a CPU has no entry in the peak table
     assert report["steps_measured"] == 1  # the first logged step is warm-up
     assert report["train_gflops_per_token"] > 0
+    # No final checkpoint: a benchmark's weights are thrown away (#38 item 11).
+    assert list((tmp_path / "run" / "checkpoints").glob("step-*")) == []
     text = gpu_lm.format_report(report)
     assert "tokens/s" in text and "data wait" in text and "MFU:             n/a" in text
 

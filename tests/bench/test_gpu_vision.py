@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hpctrain.bench import gpu_report, gpu_vision
-from hpctrain.config import load_config
+from hpctrain.config import load_config, with_overrides
 from tests.support.train_kit import REPO
 
 
@@ -72,22 +72,31 @@ def test_resnet50_training_flops_and_report(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is for machines without GPUs")
 @pytest.mark.slow  # a subprocess or worker processes: seconds, not the unit tier's ms
-def test_dry_run_generates_shards_and_a_valid_config(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [
-            *(str(REPO / "tools" / "gpu_bench.sh"), "--dry-run", "--images", "30"),
-            *("--image-size", "32", "--steps", "7", "--work", str(tmp_path)),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+def test_dry_run_generates_shards_and_builds_every_trainer(tmp_path: Path) -> None:
+    """`--dry-run` builds each run's Trainer on the CPU as it will start on the GPU (issue
+    #44: a config that loads but cannot start must not read "config valid")."""
+    command = [
+        *(str(REPO / "tools" / "gpu_bench.sh"), "--dry-run", "--images", "64"),
+        *("--image-size", "32", "--batch-size", "8", "--steps", "7", "--work", str(tmp_path)),
+    ]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "dry run: config valid" in proc.stdout and "--nproc 1" in proc.stdout
+    summary = proc.stdout.split("== summary\n", 1)[1]
+    assert summary.endswith("dry run: config valid; not training\n"), summary
+    for check in ("signals", "flex", "deterministic"):
+        assert f"check {check:13s} dry run: config valid: " in summary, summary
     for cell in gpu_vision.SMOKE_CELLS:
-        assert f"smoke {cell.name:22s} config valid" in proc.stdout, proc.stdout
+        assert f"smoke {cell.name:22s} config valid: " in summary, summary
+    assert "resnet50 config valid: none (single process), bf16, 23.5 M parameters, 7 steps" in (
+        summary
+    )
+    # --steps reaches the LLM case too (#38 item 11)
+    assert "lm gpt-1b config valid: none (single process), bf16, 1040.3 M parameters, 7 steps" in (
+        summary
+    )
+    assert "lora: not measured" in summary
     index = json.loads((tmp_path / "shards" / "index.json").read_text())
-    assert sum(s["num_samples"] for s in index["shards"]) == 30
+    assert sum(s["num_samples"] for s in index["shards"]) == 64
     cfg = load_config(str(tmp_path / "config.yaml"))
     assert (cfg.model.name, cfg.model.channels_last, cfg.train.strategy) == (
         "resnet50",
@@ -95,6 +104,10 @@ def test_dry_run_generates_shards_and_a_valid_config(tmp_path: Path) -> None:
         "ddp",
     )
     assert cfg.train.max_steps == 7 and cfg.data.workers_per_rank >= 1
+    assert not cfg.checkpoint.final and cfg.checkpoint.every_steps == 0  # nothing saved (#38)
+    # A batch the shards cannot fill is a failure of the dry run, not "config valid".
+    too_big = with_overrides(cfg, ["data.batch_size=128"])
+    assert gpu_vision.dry_check(too_big, 0).startswith("FAILED: data.batch_size=128: ")
 
 
 def test_smoke_cells_are_the_matrix_gpu_cells_and_outcomes(tmp_path: Path) -> None:
@@ -138,5 +151,12 @@ def test_gpu_bench_runs_on_this_gpu(tmp_path: Path) -> None:
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = proc.stdout.split("== summary\n", 1)[1]
+    for check in ("signals", "flex", "deterministic"):
+        assert f"check {check:13s} ok" in summary, summary
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["images_per_s"] > 0 and 0 <= report["data_wait_fraction"] <= 1
+    lm = json.loads((tmp_path / "lm" / "report.json").read_text())
+    assert lm["plan"]["preset"] == "gpt-1b" and lm["mfu"] is not None
+    # no benchmark writes a checkpoint (the signals check saves one: USR2 asks for it)
+    assert [p for p in tmp_path.rglob("step-*") if "checks" not in p.parts] == []

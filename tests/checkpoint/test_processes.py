@@ -82,6 +82,17 @@ def test_two_ranks_ddp_and_fsdp2_reshard_one_to_two_and_two_to_one(tmp_path):
     for rank, output in enumerate(outputs):
         assert f"rank {rank} ok" in output
 
+    # Async staging holds only what each rank writes (#38 item 8).
+    def staged(rank: int, case: str) -> int:
+        line = next(
+            x for x in outputs[rank].splitlines() if x.startswith(f"rank {rank} staged {case} ")
+        )
+        return int(line.rsplit(" ", 1)[1])
+
+    assert staged(0, "ddp") > 0 and staged(1, "ddp") == 0  # rank 0 writes the replicas
+    assert staged(0, "hsdp") > 0 and staged(1, "hsdp") == 0  # replica 0 writes the shards
+    assert 0.5 < staged(1, "fsdp") / staged(0, "fsdp") < 2  # each rank its own half
+
     # Both ranks' per-rank entries are in the world-2 checkpoint, once each.
     manifest = verify_checkpoint(open_store(str(tmp_path / "ddp")), "step-2")
     assert manifest["world_size"] == 2 and manifest["metadata"] == {"strategy": "ddp"}

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -205,13 +206,19 @@ def test_a_step_over_step_timeout_s_writes_the_stacks_and_ends_the_run(shapes_sh
     assert logged_steps(run_dir) == 2
 
 
-def test_a_straggling_rank_is_named_in_the_metrics_and_the_log(shapes_shards, tmp_path):
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_a_straggling_rank_is_named_in_the_metrics_and_the_log(
+    shapes_shards: Path, tmp_path: Path, where: str
+) -> None:
+    """Rank 1 sleeps 0.15 s per step before or after its forward (issue #38 item 7: before
+    it, a time taken up to the backward was the same on both ranks)."""
     run_dir = tmp_path / "run"
     args = train_args(
         shapes_shards,
         run_dir,
         "task=tests.support.hang_tasks:StragglingImageClassification",
         "task_options.sleep_s=0.15",
+        f"task_options.where={where}",
         "train.max_steps=10",
         "data.val=",
         "checkpoint.monitor=",  # the demo config ranks checkpoints by val_accuracy
@@ -224,13 +231,19 @@ def test_a_straggling_rank_is_named_in_the_metrics_and_the_log(shapes_shards, tm
         if '"kind": "train"' in line
     ]
     assert len(records) == 10
-    slowest = [r["slowest_rank"] for r in records]
-    assert slowest.count(1) >= 0.8 * len(records), slowest
-    assert all(r["compute_time_s_worst"] >= 0.15 for r in records if r["slowest_rank"] == 1)
+    # From the third logged step (the arrivals of a step after the first boundary) on
+    named = [r for r in records if "wait_for_slowest_s" in r]
+    seen = [(r["step"], r["slowest_rank"], round(r["wait_for_slowest_s"], 3)) for r in named]
+    assert len(named) >= 7, records
+    assert [rank for _, rank, _ in seen].count(1) >= 0.8 * len(named), seen
+    # the earliest rank waits for the 0.15 s (one process's scheduling noise aside)
+    assert statistics.median(wait for _, rank, wait in seen if rank == 1) >= 0.1, seen
     warnings = [line for line in done.stderr.splitlines() if "straggler: rank" in line]
-    # Once per occurrence (a busy machine may cut one in two: H::...once_after_three... pins it).
+    # Once per occurrence (a busy machine may cut one in two: test_step_metrics.py pins it).
     assert 1 <= len(warnings) <= 2, done.stderr[-3000:]
-    assert all(f"straggler: rank 1 on {socket.gethostname()} computes" in w for w in warnings)
+    assert all(
+        f"straggler: rank 1 on {socket.gethostname()} holds the others" in w for w in warnings
+    )
 
 
 def test_slurm_signals_to_every_process_of_a_run_leave_its_loader_working(shapes_shards, tmp_path):

@@ -1,5 +1,5 @@
-"""Stack dumps of hung ranks (`hpctrain.observe.hangs`), the NCCL flight recorder's settings and
-the straggler check, in one process. The runs of several ranks are in
+"""Stack dumps of hung ranks (`hpctrain.observe.hangs`) and the NCCL flight recorder's settings,
+in one process (the straggler check: test_step_metrics.py). The runs of several ranks are in
 tests/faults/test_run_faults.py."""
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from hpctrain.observe.hangs import (
     newest_dump,
     write_dump,
 )
-from hpctrain.observe.metrics import StragglerWatch
 
 GLOO_TIMEOUT = (
     "[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] "
@@ -140,21 +139,6 @@ def test_the_flight_recorder_is_set_unless_the_user_set_it(tmp_path):
     env = flight_recorder_env(mine, tmp_path)
     assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env  # the user's choice stays
     assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "nccl" / "local-29500-rank-")
-
-
-def test_a_straggler_is_named_once_after_three_slow_logged_steps(caplog, monkeypatch):
-    # Two ranks' host names without two processes (the 2-rank run is in test_run_faults.py).
-    monkeypatch.setattr("hpctrain.observe.metrics.all_hostnames", lambda: ["n0", "n1"])
-    watch = StragglerWatch()
-    slow, even = [0.01, 0.05], [0.01, 0.011]  # two ranks: above 1.5x the median is 3x the other
-    with caplog.at_level(logging.WARNING, logger="hpctrain"):
-        fields = [watch.observe(times) for times in (slow, slow, even, slow, slow, slow, slow)]
-    assert [f["slowest_rank"] for f in fields] == [1, 1, 1, 1, 1, 1, 1]
-    assert fields[0]["compute_time_s_worst"] == 0.05
-    assert fields[0]["compute_time_s_median"] == pytest.approx(0.03)
-    warnings = [r.getMessage() for r in caplog.records if "straggler" in r.getMessage()]
-    assert len(warnings) == 1, warnings  # the first two slow steps were cut by an even one
-    assert warnings[0].startswith("straggler: rank 1 on n1 computes 50 ms per step")
 
 
 def test_status_points_to_the_dumps_and_the_last_straggler_line(tmp_path, monkeypatch, capsys):

@@ -152,6 +152,20 @@ def scenario_two_ranks(out: str) -> None:
     assert fresh_counter.value == 100 + rank, fresh_counter.value
     manager.close()
 
+    # DDP, asynchronous: DCP writes the model and optimizer from rank 0, which alone stages
+    # them (#38 item 8); rank 1 stages nothing (its per-rank entries are bytes).
+    torch.manual_seed(50 + rank)
+    ddp_async = CheckpointManager(f"{out}/ddp-async", keep_last=1, async_save=True)
+    ddp_async.save(2, states, metadata={"strategy": "ddp"})
+    print(f"rank {rank} staged ddp {ddp_async._stager.staged_bytes}", flush=True)
+    train(model, optimizer, 1, rank)  # the staged copy, not the live model, is written
+    ddp_async.wait()
+    fresh = DistributedDataParallel(make_model(1))
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.01)
+    assert ddp_async.load({"model": ModelOptimizerState(fresh, fresh_opt)}) == 2
+    assert_equal_nested(expected, full_state(fresh, fresh_opt), "ddp async")
+    ddp_async.close()
+
     # FSDP2, asynchronous save; training continues while it is written.
     torch.manual_seed(0)
     sharded = make_model(0)
@@ -168,6 +182,7 @@ def scenario_two_ranks(out: str) -> None:
     async_manager.save(
         4, {"model": ModelOptimizerState(sharded, sharded_opt)}, metadata={"strategy": "fsdp"}
     )
+    print(f"rank {rank} staged fsdp {async_manager._stager.staged_bytes}", flush=True)
     train(sharded, sharded_opt, 1, rank)  # mutates parameters while the save is in flight
     async_manager.wait()
     reloaded = make_model(3)
@@ -179,6 +194,32 @@ def scenario_two_ranks(out: str) -> None:
     assert async_manager.load({"model": ModelOptimizerState(reloaded, reloaded_opt)}) == 4
     assert_equal_nested(expected, full_state(reloaded, reloaded_opt), "fsdp")
     async_manager.close()
+
+    # HSDP over 2 replicas of 1 shard: replica 0 (rank 0) writes and stages every shard.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    hsdp = make_model(0)
+    for layer in hsdp:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(hsdp, mesh=mesh)
+    hsdp_opt = torch.optim.AdamW(hsdp.parameters(), lr=0.01)
+    train(hsdp, hsdp_opt, 2, rank)
+    expected = full_state(hsdp, hsdp_opt)
+    hsdp_manager = CheckpointManager(f"{out}/hsdp", keep_last=1, async_save=True)
+    hsdp_manager.save(2, {"model": ModelOptimizerState(hsdp, hsdp_opt)})
+    print(f"rank {rank} staged hsdp {hsdp_manager._stager.staged_bytes}", flush=True)
+    hsdp_manager.wait()
+    reloaded = make_model(3)
+    for layer in reloaded:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(reloaded, mesh=mesh)
+    reloaded_opt = torch.optim.AdamW(reloaded.parameters(), lr=0.01)
+    assert hsdp_manager.load({"model": ModelOptimizerState(reloaded, reloaded_opt)}) == 2
+    assert_equal_nested(expected, full_state(reloaded, reloaded_opt), "hsdp async")
+    hsdp_manager.close()
 
     # close() is not collective: safe in a `finally` after an error on one rank only.
     last = CheckpointManager(f"{out}/close", keep_last=1, async_save=True)

@@ -16,23 +16,25 @@ from hpctrain.tasks.image_classification import ImageClassification
 
 
 class StragglingImageClassification(ImageClassification):
-    """Rank `task_options.slow_rank` (default 1) computes `task_options.sleep_s` longer per step.
-
-    The sleep comes after the model's forward, where a slow GPU is slow: before it, the slow
-    rank would also hold its peers in DDP's buffer broadcast at the forward's start, and they
-    would measure its sleep as their own compute time.
-    """
+    """Rank `task_options.slow_rank` (default 1) sleeps `task_options.sleep_s` per step,
+    `task_options.where` its forward: `after` (where a slow GPU is slow) or `before` (a slow
+    host, a slow batch: the slow rank then holds its peers in DDP's buffer broadcast at the
+    forward's start, and a time measured up to the backward is the same on every rank)."""
 
     def __init__(self, cfg: Config, index: ShardIndex) -> None:
         super().__init__(cfg, index)
         slow = int(cfg.task_options.get("slow_rank", 1)) == int(os.environ.get("RANK", "0"))
         self.sleep_s = float(cfg.task_options.get("sleep_s", 0.15)) if slow else 0.0
+        self.before = cfg.task_options.get("where", "after") == "before"
 
     def loss(
         self, model: nn.Module, batch: dict[str, Any]
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if self.before:
+            time.sleep(self.sleep_s)
         result = super().loss(model, batch)
-        time.sleep(self.sleep_s)
+        if not self.before:
+            time.sleep(self.sleep_s)
         return result
 
 

@@ -116,10 +116,10 @@ def trainer_built_on_meta(cfg: Any, env: Any, device: Any) -> tuple[Any, bool]:
     built: list[bool] = []
     build = init_from.build_model
 
-    def spy(task: Any, cfg: Any, strategy: str) -> Any:
-        model = build(task, cfg, strategy)
-        built.append(next(model.parameters()).is_meta)
-        return model
+    def spy(task: Any, cfg: Any, strategy: str, **kwargs: Any) -> Any:
+        result = build(task, cfg, strategy, **kwargs)
+        built.append(result.on_meta)
+        return result
 
     init_from.build_model = spy  # the Trainer calls it through the module
     try:

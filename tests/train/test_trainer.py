@@ -349,3 +349,22 @@ def test_the_samples_remainder_drop_leaves_out_are_logged_at_the_start(
         "are left out of each epoch, a different 80 each epoch (data.remainder=pad keeps "
         "them, as padding)"
     )
+
+
+def test_checkpoint_final_false_saves_nothing_at_the_end(
+    shapes_shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A benchmark's run (#38 item 11): no final checkpoint, also with a monitor whose final
+    evaluation has no saved step to annotate; a preemption would still save."""
+    cfg = make_config(
+        shapes_shards,
+        tmp_path / "run",
+        "checkpoint.final=false",
+        "checkpoint.monitor=val_accuracy",
+        "train.max_steps=2",
+    )
+    assert build(cfg).fit() == 0
+    assert list((tmp_path / "run" / "checkpoints").glob("step-*")) == []
+    out = capsys.readouterr().out
+    assert "checkpoint: none saved (checkpoint.final=false)" in out
+    assert [r["kind"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")][-1] == "eval"

@@ -45,6 +45,7 @@ from hpctrain.data.tokens import encode_tokens, token_field
 from hpctrain.errors import UsageError
 
 HELP = "LLM training on this node's GPUs: tokens/s, MFU, peak memory, data wait"
+DRY_RUN_GPU = "dry run (a pretend H200)"
 # Headroom left by the memory estimate: the caching allocator's fragmentation, CUDA context,
 # NCCL buffers and compile workspaces.
 MEMORY_FRACTION = 0.8
@@ -194,7 +195,11 @@ def make_lm_plan(args: argparse.Namespace) -> LMPlan:
 
     cpus = usable_cpus()
     shapes = preset_shapes(args.vocab_size)
-    if args.device == "cuda":
+    if args.device == "cuda" and not torch.cuda.is_available() and args.dry_run:
+        # The plan of the machine the GPU script is sized for: one H200.
+        num_gpus, gpu_name, memory_gib = 1, DRY_RUN_GPU, 139.8
+        precision, compile_blocks = "bf16", not args.no_compile
+    elif args.device == "cuda":
         if not torch.cuda.is_available():
             raise UsageError("--device cuda: no CUDA GPU visible (--device cpu runs on the CPU)")
         props = torch.cuda.get_device_properties(0)
@@ -314,7 +319,10 @@ def config_overrides(plan: LMPlan, index: Path, run_dir: Path, steps: int) -> li
         "train.grad_clip=1.0",
         "train.log_every=10" if steps >= 30 else "train.log_every=1",
         "train.eval_every=0",
+        # Nothing saved: a final save of gpt-1b's state is ~16 GB of a small disk (of the
+        # largest preset that fits one H200, ~35 GB).
         "checkpoint.every_steps=0",
+        "checkpoint.final=false",
         "logging.progress=lines",
     ]
 
@@ -340,6 +348,31 @@ def train(plan: LMPlan, overrides: list[str], work: Path) -> None:
     trainer = Trainer(cfg, resolve_env({}), device)
     with contextlib.redirect_stdout(io.StringIO()):  # the summary; the report follows
         trainer.fit()
+
+
+def dry_run(plan: LMPlan, overrides: list[str]) -> int:
+    """Build the run's Trainer as it will start, on the CPU (`hpctrain.train.dry_run`)."""
+    import torch
+
+    from hpctrain.config import load_config
+    from hpctrain.errors import HpctrainError
+    from hpctrain.parallel.precision import device_facts
+    from hpctrain.train.dry_run import check_startup, pretend_gpu
+
+    cfg = load_config(None, overrides)
+    if plan.device == "cpu":
+        facts = device_facts(torch.device("cpu"))
+    elif plan.gpu_name == DRY_RUN_GPU:
+        facts = pretend_gpu(DRY_RUN_GPU, capability=90)
+    else:
+        facts = device_facts(torch.device("cuda", 0), compile=cfg.train.compile)
+    try:
+        report = check_startup(cfg, facts, world_size=max(1, plan.num_gpus))
+    except HpctrainError as exc:
+        print(f"lm {plan.preset} FAILED: {exc}", flush=True)
+        return 1
+    print(f"lm {plan.preset} config valid: {report.describe()}", flush=True)
+    return 0
 
 
 def train_flops_per_token(plan: LMPlan) -> float:
@@ -422,6 +455,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--activation-checkpointing", action="store_true", help="even when it is not needed"
     )
     parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="write the shards and the config, build the Trainer on the CPU, do not train "
+        "(without a GPU: the plan of one H200)",
+    )
+    parser.add_argument(
         "--work",
         type=Path,
         default=Path("/tmp/hpctrain-gpu-bench-lm"),
@@ -439,7 +478,10 @@ def run(args: argparse.Namespace) -> int:
     num_shards = 4 * ranks * max(1, plan.workers_per_rank)
     index = write_token_shards(args.work / "shards", tokens, plan.vocab_size, num_shards)
     run_dir = args.work / "run"
-    train(plan, config_overrides(plan, index, run_dir, args.steps), args.work)
+    overrides = config_overrides(plan, index, run_dir, args.steps)
+    if args.dry_run:
+        return dry_run(plan, overrides)
+    train(plan, overrides, args.work)
     result = report(run_dir, plan, train_flops_per_token(plan))
     (args.work / "report.json").write_text(json.dumps(result, indent=2))
     print(format_report(result))

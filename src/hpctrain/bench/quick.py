@@ -3,7 +3,8 @@ few minutes on a development machine can check, one line each: `goal | ratio | v
 
 Run it before a change that touches the training loop, the loader or the checkpoint path. It
 reuses the benchmarks, each in a process of its own and at a small size: `hpctrain bench
-trainer` (MLP and resnet18, paired, A/A control), `hpctrain bench loader` (limit and hpctrain
+trainer` (MLP and resnet18, paired, A/A control; then the demo config's data wait, trained
+for real), `hpctrain bench loader` (limit and hpctrain
 cases, no peers), `tools/loader_floor.py` (the loader's own cost against the floors),
 `tools/plan_bench.py` (the plan at W=4096, K=8, 100k shards) and `hpctrain bench checkpoint`
 (a small state against `dd`).
@@ -98,6 +99,22 @@ def trainer_lines(results: dict[str, Any]) -> list[str]:
                 )
             )
     return lines
+
+
+DATA_WAIT_GOAL = 0.05
+
+
+def data_wait_lines(results: dict[str, Any]) -> list[str]:
+    """The demo config's data wait from `hpctrain bench trainer --json` (2 loader workers)."""
+    wait = results["data_wait"]["data_wait_fraction"]
+    return [
+        report_line(
+            f"trainer: data wait of the demo config (2 workers, CPU) <= {DATA_WAIT_GOAL:.0%} "
+            "of step time",
+            f"{wait:.1%} / {DATA_WAIT_GOAL:.0%} = {wait / DATA_WAIT_GOAL:.2f}",
+            verdict(wait, DATA_WAIT_GOAL, higher_is_better=False),
+        )
+    ]
 
 
 def _case_ratio(cases: dict[str, Any], a: str, b: str) -> tuple[float, float, float]:
@@ -223,6 +240,16 @@ CASES: list[tuple[str, list[str], Callable[[dict[str, Any]], list[str]]]] = [
             *("--resnet-steps", "4", "--mlp-pairs", "8", "--demo-steps", "0"),
         ],
         trainer_lines,
+    ),
+    (
+        # The demo config as shipped (configs/demo.yaml), trained for real: a change of it
+        # that breaks the benchmark shows here.
+        "demo data wait",
+        [
+            *("-m", "hpctrain", "bench", "trainer", "--json", "--pairs", "0"),
+            *("--mlp-pairs", "0", "--demo-steps", "30"),
+        ],
+        data_wait_lines,
     ),
     (
         "loader",

@@ -253,7 +253,9 @@ def load_fsdp(
     plan = plan_training(run.train, device_facts(device), world_size)
     task = ImportTask(cfg)
     start = time.perf_counter()
-    model = parallelize(init_from.build_model(task, run, plan.strategy), run.train, plan, device)
+    model = parallelize(
+        init_from.build_model(task, run, plan.strategy).model, run.train, plan, device
+    )
     built = time.perf_counter()
     init_from.load_initial_weights(model, run, task)
     return {"build": built - start, "load": time.perf_counter() - built}

@@ -71,7 +71,7 @@ from hpctrain.checkpoint.selection import (
     set_aside_newer,
     steps_to_try,
 )
-from hpctrain.checkpoint.staging import ReusedBufferStager
+from hpctrain.checkpoint.staging import ReusedBufferStager, StagingTooLarge
 from hpctrain.checkpoint.state import PerRankState
 from hpctrain.checkpoint.storage import open_store
 from hpctrain.errors import RunLockedError
@@ -220,7 +220,7 @@ class CheckpointManager:
         else:
             _silence_single_process_warning()
         self._executor = ThreadPoolExecutor(1, "hpctrain-checkpoint") if async_save else None
-        self._stager = ReusedBufferStager() if async_save else None
+        self._stager = ReusedBufferStager(self._group) if async_save else None
         self._pending: Future[None] | None = None
         self._pending_where = ""
         self._pending_step: int | None = None
@@ -275,32 +275,45 @@ class CheckpointManager:
         manifest = self._manifest_head(step, metadata, score)
         self._parent = step  # of the next save (a failed save fails the run at `wait`)
         writer = self._store.writer(tmp, checksums=self.verify != "size")
-        where = self._store.path(tmp)
-        if self._executor is None:
-            self._pending = Future()
+        self._pending_where = self._store.path(tmp)
+        if self._executor is not None:
             try:
-                dcp.save(
-                    states, storage_writer=writer, planner=save_planner(), process_group=self._group
+                upload = dcp.async_save(
+                    states,
+                    storage_writer=writer,
+                    planner=save_planner(),
+                    process_group=self._group,
+                    async_stager=self._stager,
                 )
-                self._commit(step, manifest, writer)
-                self._pending.set_result(None)
-            except (Exception, CheckpointException) as exc:
-                self._discard_failed(tmp)
-                self._pending.set_exception(exc)
-            self._pending_where = where
-            self.wait()
-            return
-        upload = dcp.async_save(
-            states,
-            storage_writer=writer,
-            planner=save_planner(),
-            process_group=self._group,
-            async_stager=self._stager,
-        )
-        assert isinstance(upload, Future)
-        self._pending = self._executor.submit(self._finish_async, upload, step, manifest, writer)
-        self._pending_where = where
-        self._pending_step = step
+            except StagingTooLarge as exc:  # every rank: the stager decides on gathered sizes
+                log.warning("%s: saving synchronously from now on", exc)
+                self._stop_async()
+            else:
+                assert isinstance(upload, Future)
+                finish = self._finish_async
+                self._pending = self._executor.submit(finish, upload, step, manifest, writer)
+                self._pending_step = step
+                return
+        self._pending = Future()
+        try:
+            dcp.save(
+                states, storage_writer=writer, planner=save_planner(), process_group=self._group
+            )
+            self._commit(step, manifest, writer)
+            self._pending.set_result(None)
+        except (Exception, CheckpointException) as exc:
+            self._discard_failed(tmp)
+            self._pending.set_exception(exc)
+        self.wait()
+
+    def _stop_async(self) -> None:
+        """Save synchronously from now on; release the thread and the staging buffer."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
     def annotate(self, step: int, *, metadata: dict, score: float | None) -> None:
         """Replace the metadata and score of committed checkpoint `step` (collective).
@@ -483,11 +496,7 @@ class CheckpointManager:
             if error is not None and error[1]:
                 raise CheckpointSaveError(f"checkpoint save to {error[0]} failed: {error[1]}")
         finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
-            if self._stager is not None:
-                self._stager.close()
+            self._stop_async()
             if self._group is not None:
                 dist.destroy_process_group(self._group)
                 self._group = None

@@ -406,6 +406,11 @@ class CheckpointConfig:
     )
     every_steps: int = _f(0, "save every N optimizer steps; 0 disables", min=0)
     every_minutes: float = _f(0.0, "save every N minutes of training; 0 disables", min=0.0)
+    final: bool = _f(
+        True,
+        "save when training ends; false for runs whose weights nobody keeps (benchmarks: a "
+        "final save of a large model fills a small disk); a preemption still saves",
+    )
     keep_last: int = _f(3, "committed checkpoints kept, newest first", min=1)
     keep_every: int = _f(
         0, "also keep every checkpoint whose step is a multiple of N; 0 disables", min=0

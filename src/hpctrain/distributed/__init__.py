@@ -3,6 +3,7 @@
 from hpctrain.distributed.env import DistEnv, expand_hostlist, port_from_job_id, resolve_env
 from hpctrain.distributed.group import (
     all_gather_floats,
+    all_gather_vectors,
     all_hostnames,
     all_reduce_max,
     all_reduce_sum,
@@ -19,6 +20,7 @@ from hpctrain.distributed.startup import setup_logging, start_process
 __all__ = [
     "DistEnv",
     "all_gather_floats",
+    "all_gather_vectors",
     "all_hostnames",
     "all_reduce_max",
     "all_reduce_sum",

@@ -202,6 +202,16 @@ def all_gather_floats(value: float, device: torch.device) -> list[float]:
     return [float(t.item()) for t in gathered]
 
 
+def all_gather_vectors(values: list[float], device: torch.device) -> list[list[float]]:
+    """Every rank's `values` (the same length on every rank), in rank order."""
+    if not dist.is_initialized():
+        return [list(values)]
+    local = torch.tensor(values, dtype=torch.float64, device=device)
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    return [t.tolist() for t in gathered]
+
+
 def all_hostnames() -> list[str]:
     """Every rank's host name, in rank order (one all-gather; this host alone without a group)."""
     if not dist.is_initialized():

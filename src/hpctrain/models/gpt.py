@@ -465,6 +465,11 @@ class GPT(nn.Module):
     own document and RoPE rotates by `positions` (see `document_mask`).
     """
 
+    # FSDP2 mixed precision: a block's inputs are not cast to the compute dtype
+    # (`parallel/parallelize.py`): the residual stream already is (the embedding's output),
+    # and the RoPE tables must stay fp32 (in bf16, angles at large positions lose their digits).
+    fsdp_cast_block_inputs = False
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg

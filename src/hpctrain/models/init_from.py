@@ -33,6 +33,7 @@ is always read whole (a new head keeps the model's seeded initialisation).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ from torch import nn
 
 from hpctrain.config import Config, ConfigError
 from hpctrain.models import hf
+from hpctrain.models.deferred_init import InitRecording, build_on_meta
 
 log = logging.getLogger(__name__)
 KEY = hf.KEY
@@ -91,9 +93,29 @@ def builds_on_meta(cfg: Config, strategy: str) -> bool:
     )
 
 
-def build_model(task: Any, cfg: Config, strategy: str) -> nn.Module:
-    """The task's model; on the meta device when `builds_on_meta` (no memory, no values:
-    `parallelize` allocates each rank's shard, `load_initial_weights` fills it).
+@dataclass(frozen=True)
+class BuiltModel:
+    """The task's model as built, and how its values come (see `build_model`)."""
+
+    model: nn.Module
+    # A fresh FSDP2/HSDP run's model built on the meta device: `init.materialize(model)` gives
+    # each rank its shards of the values a CPU build has, once `parallelize` sharded it.
+    init: InitRecording | None = None
+
+    @property
+    def on_meta(self) -> bool:
+        return any(p.is_meta for p in self.model.parameters())
+
+
+def build_model(task: Any, cfg: Config, strategy: str, *, tp: int = 1) -> BuiltModel:
+    """The task's model, on the meta device where the run is sharded (no memory, no values:
+    `parallelize` allocates each rank's shard, and the values come after it):
+
+    - a fresh run (no `model.init_from`) under FSDP2/HSDP: with its initialisation recorded
+      (`deferred_init.build_on_meta`; `BuiltModel.init` replays it into the shards, bitwise
+      the CPU build's values), or whole on the CPU where the recording cannot replay it and
+      under tensor parallelism;
+    - when `builds_on_meta`: `load_initial_weights` fills the shards from PATH.
 
     Built as usual instead when PATH would not fill every tensor: a Hugging Face folder holds
     parameters only (a buffer's value, a table computed at construction, would be lost on the
@@ -101,14 +123,19 @@ def build_model(task: Any, cfg: Config, strategy: str) -> nn.Module:
     holds persistent buffers but not the others, and a tensor of another shape there (a new
     head) keeps its fresh initialisation.
     """
+    if strategy in ("fsdp", "hsdp") and not cfg.model.init_from and tp == 1:
+        model, init = build_on_meta(task.build_model)
+        if init is not None:
+            log.info("model built on the meta device: each rank initialises its own shards")
+        return BuiltModel(model, init)
     if not builds_on_meta(cfg, strategy):
-        return task.build_model()
+        return BuiltModel(task.build_model())
     with torch.device("meta"):
         model = task.build_model()
     if not fills_every_tensor(model, cfg):
-        return task.build_model()
+        return BuiltModel(task.build_model())
     log.info("model built on the meta device: each rank reads its shard from %s", KEY)
-    return model
+    return BuiltModel(model)
 
 
 def fills_every_tensor(model: nn.Module, cfg: Config) -> bool:

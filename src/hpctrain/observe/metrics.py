@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -14,7 +15,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hpctrain.config import ConfigError
-from hpctrain.distributed import all_gather_floats, all_hostnames, all_reduce_max, all_reduce_sum
+from hpctrain.distributed import (
+    all_gather_vectors,
+    all_hostnames,
+    all_reduce_max,
+    all_reduce_sum,
+)
 
 if TYPE_CHECKING:
     from hpctrain.observe.trackers import Trackers
@@ -22,44 +28,155 @@ if TYPE_CHECKING:
 log = logging.getLogger("hpctrain")
 
 
-class StragglerWatch:
-    """Names a rank that computes slowly: its compute time per step stays above `ratio` times
-    the median rank's for `patience` logged steps in a row; warned once per such occurrence.
+# The points of a step where a rank meets the others, in order: the model's call (DDP's buffer
+# broadcast, FSDP2's first all-gather), the last micro-step's backward (the gradient
+# reduction) and the step boundary's all-reduce (the Trainer's flags).
+SYNC_POINTS = ("model_call", "backward", "boundary")
 
-    Every rank gets the same per-rank times (one all-gather), so every rank takes the same
+
+class ArrivalClock:
+    """When this rank reaches each of the step's `SYNC_POINTS`, in seconds after it left the
+    last step boundary's all-reduce. Every rank leaves that all-reduce at the same moment,
+    so these times compare across ranks without a common clock: at each point, a rank's
+    time less the earliest rank's is how long the earliest waited for it there (when a sync
+    point between hides a delay from the next one, it shows at the first point after it)."""
+
+    def __init__(self) -> None:
+        self.departed: float | None = None
+        self.marks: dict[str, float] = {}
+
+    def start_step(self) -> None:
+        self.marks = {}
+
+    def mark(self, point: str) -> None:
+        """The first arrival at `point` in this step (later calls, such as micro-steps and
+        an evaluation's forwards, do not move it)."""
+        self.marks.setdefault(point, time.perf_counter())
+
+    def leave_boundary(self) -> None:
+        self.departed = time.perf_counter()
+
+    def arrivals(self) -> list[float] | None:
+        """The step's arrival times at `SYNC_POINTS`, or None (the first step, which no
+        boundary precedes, or a point not reached)."""
+        if self.departed is None or any(point not in self.marks for point in SYNC_POINTS):
+            return None
+        return [self.marks[point] - self.departed for point in SYNC_POINTS]
+
+
+class GpuForwardTimer:
+    """Each rank's forward on its GPU, from CUDA events recorded around it each step and read
+    at log steps only (after the log step's synchronize: no new wait per step). The host's
+    times follow the kernel launches, not the GPU's work: a throttled GPU shows only here.
+
+    `event_class`: `torch.cuda.Event` (a fake of its `record`/`elapsed_time` in tests).
+    """
+
+    def __init__(self, event_class: Any = None) -> None:
+        self.event_class = event_class or torch.cuda.Event
+        self.pairs: list[tuple[Any, Any]] = []
+        self.start: Any = None
+
+    def forward_starts(self) -> None:
+        if self.start is None:
+            self.start = self.event_class(enable_timing=True)
+            self.start.record()
+
+    def backward_starts(self) -> None:
+        if self.start is not None:
+            end = self.event_class(enable_timing=True)
+            end.record()
+            self.pairs.append((self.start, end))
+        self.start = None
+
+    def read(self) -> tuple[float, int]:
+        """Seconds of forward over the steps since the last read, and their number (the
+        events must have completed: call after a synchronize)."""
+        total = sum(start.elapsed_time(end) for start, end in self.pairs) / 1000
+        count = len(self.pairs)
+        self.pairs = []
+        return total, count
+
+
+class StragglerWatch:
+    """Names the rank the others wait for, wherever in its step it is slow: from the ranks'
+    arrivals at the step's sync points (`ArrivalClock`), and on GPUs from each rank's forward
+    on its device (`GpuForwardTimer`). A rank straggles when the earliest rank waits for it
+    more than `ratio - 1` times the rest of its step (it takes `ratio` times the others'
+    time), or when its GPU's forward takes more than `ratio` times the other ranks' median,
+    for `patience` logged steps in a row; warned once per such occurrence.
+
+    Every rank gets the same per-rank figures (one all-gather), so every rank takes the same
     decisions here (the host-name gather at a warning is a collective of all ranks).
     """
 
     def __init__(self, ratio: float = 1.5, patience: int = 3) -> None:
         self.ratio, self.patience = ratio, patience
         self.streak = 0
+        self.gpu_streak = 0
         self.hosts: list[str] | None = None
 
-    def observe(self, compute_s: list[float]) -> dict[str, Any]:
-        """Per-rank compute times of one log interval → the record's fields (and the warning)."""
+    def observe(
+        self,
+        compute_s: list[float],
+        lateness_s: list[float] | None = None,
+        step_s: float = 0.0,
+        gpu_forward_s: list[float] | None = None,
+    ) -> dict[str, Any]:
+        """One log interval's per-rank figures (per step) -> the record's fields.
+
+        `compute_s`: each rank's host time from its step's start to its backward (less data
+        wait); `lateness_s`: how long the earliest rank waited for each rank at the step's
+        sync points; `step_s`: the mean step time; `gpu_forward_s`: each GPU's forward.
+        """
         median = statistics.median(compute_s)
-        worst = max(compute_s)
-        slowest = compute_s.index(worst)
-        self.streak = self.streak + 1 if worst > self.ratio * median > 0 else 0
-        if self.streak == self.patience:
-            if self.hosts is None:
-                self.hosts = all_hostnames()
-            if is_main_rank():
-                log.warning(
-                    "straggler: rank %d on %s computes %.0f ms per step, %.1fx the median "
-                    "rank's %.0f ms, for %d logged steps in a row",
-                    slowest,
-                    self.hosts[slowest],
-                    worst * 1000,
-                    worst / median,
-                    median * 1000,
-                    self.patience,
-                )
-        return {
+        fields: dict[str, Any] = {
             "compute_time_s_median": median,
-            "compute_time_s_worst": worst,
-            "slowest_rank": slowest,
+            "compute_time_s_worst": max(compute_s),
         }
+        if lateness_s is None:
+            if len(compute_s) == 1:
+                fields["slowest_rank"] = 0  # one process
+            # else the first logged steps, before any step's arrivals are known: no name
+            return fields
+        wait = max(lateness_s)
+        slowest = lateness_s.index(wait)
+        fields["slowest_rank"] = slowest
+        fields["wait_for_slowest_s"] = wait
+        others = max(0.0, step_s - wait)  # the step of a rank that did not straggle
+        self.streak = self.streak + 1 if wait > (self.ratio - 1) * others > 0 else 0
+        if self.streak == self.patience:
+            self.warn(
+                slowest,
+                f"holds the others {wait * 1000:.0f} ms per step at its sync points (steps "
+                f"of {step_s * 1000:.0f} ms: {(others + wait) / max(others, 1e-9):.1f}x "
+                f"the others' time), for {self.patience} logged steps in a row",
+            )
+        if gpu_forward_s:
+            gpu_worst = max(gpu_forward_s)
+            gpu_slowest = gpu_forward_s.index(gpu_worst)
+            rest = statistics.median(gpu_forward_s[:gpu_slowest] + gpu_forward_s[gpu_slowest + 1 :])
+            fields.update(
+                gpu_forward_s_median=statistics.median(gpu_forward_s),
+                gpu_forward_s_worst=gpu_worst,
+                slowest_gpu_rank=gpu_slowest,
+            )
+            slow = gpu_worst > self.ratio * rest > 0
+            self.gpu_streak = self.gpu_streak + 1 if slow else 0
+            if self.gpu_streak == self.patience:
+                self.warn(
+                    gpu_slowest,
+                    f"runs its forward on its GPU in {gpu_worst * 1000:.0f} ms, "
+                    f"{gpu_worst / rest:.1f}x the other ranks' median of {rest * 1000:.0f} "
+                    f"ms, for {self.patience} logged steps in a row",
+                )
+        return fields
+
+    def warn(self, rank: int, what: str) -> None:
+        if self.hosts is None:
+            self.hosts = all_hostnames()
+        if is_main_rank():
+            log.warning("straggler: rank %d on %s %s", rank, self.hosts[rank], what)
 
 
 def is_main_rank() -> bool:
@@ -68,8 +185,8 @@ def is_main_rank() -> bool:
 
 class IntervalMeter:
     """Sums over the steps since the last log line: step time, data wait, compute time (this
-    rank's, from the start of a step to its first gradient collective), loss, samples, the
-    steps' targets.
+    rank's, from the start of a step to its first gradient collective), the arrivals at the
+    step's sync points, the GPU's forward time, loss, samples, the steps' targets.
 
     The loss and metric values a step adds are this rank's shares of the step's values
     (`train.step`: each micro-batch's mean weighed by its share of the step's targets on
@@ -80,6 +197,8 @@ class IntervalMeter:
 
     def __init__(self) -> None:
         self.stragglers = StragglerWatch()
+        self.clock = ArrivalClock()
+        self.gpu_forward: GpuForwardTimer | None = None  # set for CUDA devices
         self.reset()
 
     def reset(self) -> None:
@@ -90,6 +209,8 @@ class IntervalMeter:
         self.compute_time = 0.0
         self.targets = 0  # the steps' targets, summed (every rank has the same)
         self.empty_steps = 0  # steps without any target on any rank
+        self.arrivals = [0.0] * len(SYNC_POINTS)
+        self.arrival_steps = 0
         # Tensors, summed on the device: reading them (a sync) happens only at log steps.
         self.sums: dict[str, torch.Tensor] = {}
 
@@ -115,9 +236,18 @@ class IntervalMeter:
         for name, value in values.items():
             self.sums[name] = self.sums[name] + value if name in self.sums else value.clone()
 
+    def add_arrivals(self) -> None:
+        """Add the step's arrivals at its sync points (`ArrivalClock`): called once it reached
+        the boundary's all-reduce (after a log step's record: they count in the next one)."""
+        arrivals = self.clock.arrivals()
+        if arrivals is not None:
+            self.arrivals = [a + b for a, b in zip(self.arrivals, arrivals, strict=True)]
+            self.arrival_steps += 1
+
     def summarize(self, device: torch.device, world_size: int) -> dict[str, float]:
         """Reduce over ranks (one all-reduce of sums, one of the worst data wait, one
-        all-gather of each rank's compute time: the straggler check)."""
+        all-gather of each rank's compute time, arrivals and GPU forward time: the
+        straggler check)."""
         steps = max(1, self.steps)
         local_wait = self.data_wait / self.step_time if self.step_time > 0 else 0.0
         names = sorted(self.sums)
@@ -150,17 +280,49 @@ class IntervalMeter:
                 "data_wait_fraction_worst": min(1.0, worst),
             }
         )
-        out.update(self.stragglers.observe(all_gather_floats(self.compute_time / steps, device)))
+        gpu_s, gpu_steps = self.gpu_forward.read() if self.gpu_forward else (0.0, 0)
+        mine = [
+            self.compute_time / steps,
+            *(a / max(1, self.arrival_steps) for a in self.arrivals),
+            float(self.arrival_steps),
+            gpu_s / max(1, gpu_steps),
+            float(gpu_steps),
+        ]
+        ranks = all_gather_vectors(mine, device)
+        compute = [r[0] for r in ranks]
+        lateness = None
+        if world_size > 1 and all(r[1 + len(SYNC_POINTS)] > 0 for r in ranks):
+            points = range(1, 1 + len(SYNC_POINTS))
+            earliest = [min(r[i] for r in ranks) for i in points]
+            lateness = [max(r[i] - earliest[i - 1] for i in points) for r in ranks]
+        gpu = [r[-2] for r in ranks] if all(r[-1] > 0 for r in ranks) else None
+        out.update(self.stragglers.observe(compute, lateness, mean_step_time, gpu))
         return out
 
 
 def peak_memory_mb(device: torch.device) -> float:
-    """Peak allocated accelerator memory, or the process's peak RSS on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    import resource
+    """The peak memory since the last call (at log steps: the interval's), then reset.
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    On CUDA the peak allocated memory (`reset_peak_memory_stats`); on CPU the process's peak
+    resident memory (Linux's VmHWM, reset through /proc/self/clear_refs; where that cannot
+    be read or reset, the peak since the process started, as `getrusage` gives it).
+    """
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak
+    try:
+        status = Path("/proc/self/status").read_text()
+        peak_kib = next(
+            int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")
+        )
+    except (OSError, StopIteration, ValueError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM back to the current RSS
+    return peak_kib / 1024
 
 
 class MetricMonitor:

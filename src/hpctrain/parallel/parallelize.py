@@ -146,8 +146,8 @@ def data_parallel_mesh(mesh: Any, plan: TrainingPlan) -> Any:
     return mesh["shard"]
 
 
-def tensor_parallel(model: nn.Module, mesh: Any, plan: TrainingPlan) -> None:
-    """Split `model` over the mesh's `tp` dimension with its own plan (`parallelize_tensors`).
+def check_tensor_parallel(model: nn.Module, plan: TrainingPlan) -> Any:
+    """The model's tensor-parallel plan (`parallelize_tensors`), or the refusal of one it lacks.
 
     Raises:
         ConfigError: the model has no tensor-parallel plan (only the causal_lm GPT has one).
@@ -158,6 +158,16 @@ def tensor_parallel(model: nn.Module, mesh: Any, plan: TrainingPlan) -> None:
             f"train.tp_degree={plan.tp}: {type(model).__name__} has no tensor-parallel plan; "
             "tensor parallelism splits the causal_lm GPT only (set train.tp_degree=1)"
         )
+    return apply
+
+
+def tensor_parallel(model: nn.Module, mesh: Any, plan: TrainingPlan) -> None:
+    """Split `model` over the mesh's `tp` dimension with its own plan (`parallelize_tensors`).
+
+    Raises:
+        ConfigError: the model has no tensor-parallel plan (only the causal_lm GPT has one).
+    """
+    apply = check_tensor_parallel(model, plan)
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     apply(mesh["tp"])
     # SequenceParallel registers the norms' weights anew as (trainable) DTensor parameters:
@@ -193,6 +203,15 @@ def shard_fsdp2(
 
     reshard = cfg.reshard_after_forward
     policy = MixedPrecisionPolicy(param_dtype=precision.dtype, reduce_dtype=torch.float32)
+    # A model whose blocks take side inputs that must keep their precision (the GPT's fp32
+    # RoPE tables) says so: its blocks then cast nothing; their activations come in the
+    # compute dtype from the root's (cast) layers.
+    if not getattr(model, "fsdp_cast_block_inputs", True):
+        block_policy = MixedPrecisionPolicy(
+            param_dtype=precision.dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
+    else:
+        block_policy = policy
     norms: list[nn.Module] = [m for m in model.modules() if isinstance(m, FP32_NORMS)]
     if precision.dtype != torch.float32 and norms:
         fp32 = MixedPrecisionPolicy(
@@ -201,14 +220,26 @@ def shard_fsdp2(
         # Under a megabyte even for ResNet-50: gathered once per step, kept through backward.
         fully_shard(norms, mesh=mesh, mp_policy=fp32, reshard_after_forward=False)
     for _, _, block in find_blocks(model):
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(block, mesh=mesh, mp_policy=block_policy, reshard_after_forward=reshard)
+    # The root stays gathered after forward: its parameters (embeddings, head) are the first
+    # the backward needs; FSDP2 does that by itself only when the root's value is left unset,
+    # and any explicit value (ours was True) reshards it and gathers it again at once.
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     return model
 
 
 @contextlib.contextmanager
 def no_gradient_sync(model: nn.Module, skip: bool) -> Iterator[None]:
-    """Skip the gradient all-reduce on accumulation micro-steps (all but the last one)."""
+    """Gradient accumulation: what the micro-steps before the last one skip.
+
+    DDP skips its all-reduce (`no_sync`): its gradients are full-size on every rank anyway.
+    FSDP2 still reduce-scatters every micro-step, and each rank accumulates only its shard of
+    the gradient: skipping the reduce-scatter (`set_requires_gradient_sync(False)`) would keep
+    a full-size unsharded gradient of every block on every rank until the last micro-step,
+    in fp32 under mixed precision (+4 bytes per parameter of the whole model per GPU, ~29 GiB
+    for gpt-8b). HSDP skips only the all-reduce across the replicas (FSDP2 adds the micro-
+    steps' reduce-scattered shards, then all-reduces their sum once), as torchtitan does.
+    """
     if not skip:
         yield
         return
@@ -217,12 +248,12 @@ def no_gradient_sync(model: nn.Module, skip: bool) -> Iterator[None]:
         with wrapped.no_sync():
             yield
         return
-    if hasattr(wrapped, "set_requires_gradient_sync"):  # FSDP2
-        wrapped.set_requires_gradient_sync(False)
+    if hasattr(wrapped, "set_requires_all_reduce"):  # FSDP2: no all-reduce without replicas
+        wrapped.set_requires_all_reduce(False)
         try:
             yield
         finally:
-            wrapped.set_requires_gradient_sync(True)
+            wrapped.set_requires_all_reduce(True)
         return
     yield
 

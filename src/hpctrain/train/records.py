@@ -156,5 +156,9 @@ class RunRecords:
         if final_eval is not None:
             lines.append(summary_line(self.task, final_eval))
         lines.append(f"run folder: {self.run_dir}")
-        lines.append(f"checkpoint: {self.checkpoints.root}/step-{self.state.step}")
+        latest = self.checkpoints.latest_step()
+        if latest is None:
+            lines.append("checkpoint: none saved (checkpoint.final=false)")
+        else:
+            lines.append(f"checkpoint: {self.checkpoints.root}/step-{latest}")
         print("\n".join(lines), flush=True)

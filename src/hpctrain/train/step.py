@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from hpctrain.config import Config
 from hpctrain.distributed import DistEnv
-from hpctrain.observe.metrics import IntervalMeter
+from hpctrain.observe.metrics import GpuForwardTimer, IntervalMeter
 from hpctrain.parallel.parallelize import no_gradient_sync
 from hpctrain.parallel.precision import Precision, TrainingPlan
 from hpctrain.tasks.task import Batch, Task, count_targets
@@ -65,6 +65,7 @@ class OptimizerStep:
         CPU group (`flag_group`), which never waits for the device.
         """
         start = time.perf_counter()
+        self.meter.clock.start_step()
         accum = self.cfg.train.grad_accum_steps
         data_wait, num_samples = 0.0, 0
         micro_batches: list[Batch] = []
@@ -99,6 +100,9 @@ class OptimizerStep:
                 scaled = loss * weight if weight != 1.0 else loss
                 if micro == accum - 1:  # up to the first gradient collective: the straggler check
                     compute_time = time.perf_counter() - start - data_wait
+                    self.meter.clock.mark("backward")
+                    if self.meter.gpu_forward is not None:
+                        self.meter.gpu_forward.backward_starts()
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             # Sums stay on the device: nothing waits for them until a log step. Summed over
             # the ranks (a log step's all-reduce) they are the step's loss and metrics.
@@ -162,6 +166,24 @@ class OptimizerStep:
                 self.empty_steps,
                 steps,
             )
+
+    def watch_sync_points(self) -> None:
+        """Mark this rank's arrival at the model's call, before any wrapper's collective
+        (DDP's buffer broadcast, FSDP2's first all-gather), and on GPUs start the forward's
+        device timer there: the straggler check (`observe.metrics.StragglerWatch`)."""
+        clock = self.meter.clock
+        gpu = None
+        if self.device.type == "cuda":
+            gpu = self.meter.gpu_forward = GpuForwardTimer()
+
+        def at_model_call(module: torch.nn.Module, args: Any) -> None:
+            if module.training:  # not an evaluation's forward
+                clock.mark("model_call")
+                if gpu is not None:
+                    gpu.forward_starts()
+
+        # first among the forward pre-hooks: FSDP2's own gathers the root's parameters
+        self.model.register_forward_pre_hook(at_model_call, prepend=True)
 
     def clip_and_measure_gradients(self) -> None:
         """Clip to `train.grad_clip`, and keep the global gradient norm for the next log line.

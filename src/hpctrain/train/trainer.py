@@ -7,6 +7,7 @@ import random
 import signal
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from hpctrain.observe.profiling import StepProfiler
 from hpctrain.observe.trackers import check_trackers, start_trackers
 from hpctrain.parallel.parallelize import parallelize
 from hpctrain.parallel.precision import (
+    DeviceFacts,
     configure_backends,
     device_facts,
     make_grad_scaler,
@@ -143,9 +145,9 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             enabled=cfg.profile.oom_snapshot,
             history=cfg.profile.memory_history,
         )
-        self.device_facts = device_facts(self.device, compile=cfg.train.compile)
+        self.facts = self.device_facts()
         self.plan = plan_training(
-            cfg.train, self.device_facts, self.env.world_size, self.env.local_world_size
+            cfg.train, self.facts, self.env.world_size, self.env.local_world_size
         )
         self.precision = self.plan.precision
         if self.plan.why_precision:
@@ -159,9 +161,13 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
                 -(-self.env.world_size // max(1, self.env.local_world_size)),
             )
 
+    def device_facts(self) -> DeviceFacts:
+        """What the plan needs to know about this device (a dry run gives a GPU's instead)."""
+        return device_facts(self.device, compile=self.cfg.train.compile)
+
     def configure_torch(self) -> None:
         """Deterministic algorithms or fast kernels (`configure_backends`), the global seeds."""
-        note = configure_backends(self.device_facts, self.cfg.train.deterministic)
+        note = configure_backends(self.facts, self.cfg.train.deterministic)
         if note:
             log.info(note)
         seed_everything(self.cfg.seed)
@@ -173,10 +179,12 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
         # a LoRA run's base: its checkpoints hold the adapters only.
         if self.resume_manifest is None or self.cfg.model.lora.rank:
             init_from.check(self.cfg, self.task)
-            model = init_from.build_model(self.task, self.cfg, self.plan.strategy)
+            source = self.cfg
         else:
-            model = self.task.build_model()
-        self.base_on_meta = any(p.is_meta for p in model.parameters())
+            source = replace(self.cfg, model=replace(self.cfg.model, init_from=""))
+        built = init_from.build_model(self.task, source, self.plan.strategy, tp=self.plan.tp)
+        model = built.model
+        self.base_on_meta = built.on_meta
         self.adapted: lora.Adapted | None = None  # model.lora: the adapters, on the base
         if self.cfg.model.lora.rank:
             self.lora_base = lora_base.fingerprint(
@@ -200,6 +208,8 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             self.device,
             channels_last=self.cfg.model.channels_last,
         )
+        if built.init is not None:  # before anything reads the values (the EMA copies them)
+            built.init.materialize(self.model)
         self.optimizer = build_optimizer(self.model, self.cfg.train)
         self.ema = build_ema(self.model, self.cfg.train.ema_decay)  # None when disabled
         self.scaler = make_grad_scaler(self.precision)
@@ -293,6 +303,8 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
         )
         self.meter = IntervalMeter()
         self.empty_steps, self.warned_empty, self.first_step = 0, False, 0
+        if self.env.is_distributed:
+            self.watch_sync_points()
         self.lr = 0.0
         self.grad_norm = torch.zeros(())
         # Ranks agree on preemption flags every step. On a CPU (gloo) group, reading the result
@@ -353,8 +365,10 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
                     )
                     break
             self.profiler.close()
-            if self.checkpoints.latest_step() != self.state.step:
+            saved_last = self.checkpoints.latest_step() == self.state.step
+            if not saved_last and self.cfg.checkpoint.final:
                 self.save()  # before the final evaluation: one that fails loses no training
+                saved_last = True
             final_eval = self.last_eval  # the last step's, when eval_every evaluated it
             if final_eval is not None and final_eval["step"] != self.state.step:
                 final_eval = None
@@ -362,7 +376,7 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
                 final_eval = self.evaluate()
                 metrics.write(final_eval)
                 self.monitor.observe(final_eval)
-                if self.monitor.name:  # the saved step's score and monitor state, for best
+                if self.monitor.name and saved_last:  # the saved step's score, for best
                     self.checkpoints.annotate(
                         self.state.step,
                         metadata=self.checkpoint_metadata(),
@@ -449,7 +463,10 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
         flags = torch.tensor(
             [float(self.preemption.requested), float(time_due)], dtype=torch.float64
         )
+        self.meter.clock.mark("boundary")  # this rank's arrival: the straggler check
         dist.all_reduce(flags, group=self.flag_group)
+        self.meter.add_arrivals()
+        self.meter.clock.leave_boundary()  # every rank leaves at the same moment
         stop, due = flags.tolist()
         return stop > 0, due > 0
 

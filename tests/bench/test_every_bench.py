@@ -1,0 +1,88 @@
+"""Every `hpctrain bench` case runs as shipped, at a tiny size on the CPU (the GPU case with
+`--device cpu` and its dry run), so that a change of a shipped config or of the Trainer's
+checks cannot break a benchmark unnoticed (issue #44: the demo config's `checkpoint.monitor`
+once broke `hpctrain bench trainer` with its defaults).
+
+A case that another test already runs end to end at a tiny size is named here by that test
+(a multi-rank case costs tens of seconds: run once); `test_every_case_is_run` fails when a
+case is added to `hpctrain.cli.bench.BENCHES` without a tiny run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpctrain.cli.bench import BENCHES
+from hpctrain.cli.main import main
+from tests.support.train_kit import REPO
+
+# case -> the test that runs it end to end at a tiny size
+ELSEWHERE = {
+    "checkpoint": "tests/bench/test_checkpoint.py::test_bench_checkpoint_tiny",
+    "loader": "tests/bench/test_loader.py::test_bench_loader_runs_all_cases",
+    "mesh": "tests/bench/test_mesh.py::test_bench_mesh_reports_paired_ratios",
+    "import": "tests/bench/test_weights_import.py::test_import_bench_loads_both_ways_and_reports",
+    "gpu-lm": "tests/bench/test_gpu_lm.py::test_cpu_run_reports_tokens_and_data_wait",
+}
+# label -> (case, arguments of a tiny run); run here
+TINY = {
+    "trainer": (
+        "trainer",
+        ["--pairs", "0", "--mlp-pairs", "1", "--mlp-steps", "2", "--demo-steps", "3", "--json"],
+    ),
+    "trainer-lm": (
+        "trainer",
+        ["--task", "causal_lm", "--gpt-pairs", "1", "--gpt-steps", "1", "--seq-len", "16"],
+    ),
+    "convert": (
+        "convert",
+        ["--num-images", "20", "--size", "32", "--samples-per-shard", "10", "--rounds", "1"],
+    ),
+    "gpu-lm-dry-run": ("gpu-lm", ["--preset", "gpt-1b", "--steps", "2", "--dry-run"]),
+}
+
+
+def test_every_case_is_run() -> None:
+    here = {case for case, _ in TINY.values()}
+    assert here | set(ELSEWHERE) == set(BENCHES)
+    for where in ELSEWHERE.values():
+        path, _, name = where.partition("::")
+        text = (REPO / path).read_text()
+        assert f"def {name}(" in text, where
+
+
+@pytest.mark.slow  # seconds each
+@pytest.mark.parametrize("case", sorted(TINY))
+def test_a_case_runs_as_shipped(
+    case: str, shapes_shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name, args = TINY[case][0], list(TINY[case][1])
+    if case == "trainer":
+        # The demo config (configs/demo.yaml) as shipped, on the suite's small shape shards.
+        args += ["--demo-shards", str(shapes_shards)]
+    if case == "gpu-lm-dry-run":
+        args += ["--work", str(tmp_path / "lm")]
+    if name == "convert":
+        args += ["--workdir", str(tmp_path / "convert")]
+    threads = torch.get_num_threads()
+    try:  # in this process: the imports are paid once for every case
+        assert main(["bench", name, *args]) == 0
+    finally:
+        torch.set_num_threads(threads)  # `bench trainer` runs on one thread
+    out = capsys.readouterr().out
+    if case == "trainer":
+        result = json.loads(out)
+        assert [r["model"] for r in result["compare"]] == ["mlp"]
+        wait = result["data_wait"]
+        assert wait["steps"] == 3 and 0 <= wait["data_wait_fraction"] <= 1
+    elif case == "trainer-lm":
+        assert "gpt-tiny+docs cpu time: Trainer / reference loop = " in out
+    elif case == "convert":
+        assert "hpctrain --workers 1" in out
+    else:  # the dry run: the Trainer of the one-H200 plan built on the CPU, nothing trained
+        assert "lm gpt-1b config valid: none (single process), bf16, " in out
+        assert not (tmp_path / "lm" / "run").exists()
