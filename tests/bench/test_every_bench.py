@@ -27,6 +27,10 @@ ELSEWHERE = {
     "mesh": "tests/bench/test_mesh.py::test_bench_mesh_reports_paired_ratios",
     "import": "tests/bench/test_weights_import.py::test_import_bench_loads_both_ways_and_reports",
     "gpu-lm": "tests/bench/test_gpu_lm.py::test_cpu_run_reports_tokens_and_data_wait",
+    # the bench's node case (16 processes, one compact index read), small
+    "index": "tests/data/test_compact_index.py::test_sixteen_local_processes_read_the_compact_index_once",
+    # job arrays: needs the SLURM dev cluster
+    "convert-parts": "tests/launch/test_convert_array.py::test_bench_convert_parts_runs_tiny",
 }
 # label -> (case, arguments of a tiny run); run here
 TINY = {
@@ -43,6 +47,44 @@ TINY = {
         ["--num-images", "20", "--size", "32", "--samples-per-shard", "10", "--rounds", "1"],
     ),
     "gpu-lm-dry-run": ("gpu-lm", ["--preset", "gpt-1b", "--steps", "2", "--dry-run"]),
+    "lora": (
+        "lora",
+        [
+            "--preset",
+            "gpt-tiny",
+            "--vocab",
+            "300",
+            "--seq-len",
+            "16",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--pairs",
+            "1",
+            "--json",
+        ],
+    ),
+    "generate": (
+        "generate",
+        [
+            "--preset",
+            "gpt-tiny",
+            "--layers",
+            "1",
+            "--vocab",
+            "300",
+            "--batches",
+            "1,2",
+            "--prompt-tokens",
+            "8",
+            "--new-tokens",
+            "4",
+            "--repeats",
+            "1",
+            "--json",
+        ],
+    ),
 }
 
 
@@ -83,6 +125,11 @@ def test_a_case_runs_as_shipped(
         assert "gpt-tiny+docs cpu time: Trainer / reference loop = " in out
     elif case == "convert":
         assert "hpctrain --workers 1" in out
+    elif case == "lora":  # the goals are for gpt-125m: only that every kind ran and was measured
+        kinds = set(json.loads(out)["runs"])
+        assert kinds == {"full", "lora"}, out
+    elif case == "generate":
+        assert all(row["identical"] for row in json.loads(out)["rows"]), out
     else:  # the dry run: the Trainer of the one-H200 plan built on the CPU, nothing trained
         assert "lm gpt-1b config valid: none (single process), bf16, " in out
         assert not (tmp_path / "lm" / "run").exists()

@@ -154,3 +154,17 @@ def test_a_conversion_as_job_arrays_reruns_its_failed_part_alone(tmp_path, jobs)
             assert (one / split / name).read_bytes() == (dest / split / name).read_bytes()
     assert not (dest / ".hpctrain-parts").exists()
     shutil.rmtree(logs)
+
+
+@pytest.mark.slurm
+@pytest.mark.usefixtures("slurm_cluster")
+def test_bench_convert_parts_runs_tiny(tmp_path, capsys):
+    """`hpctrain bench convert-parts` as shipped, at a tiny size (tests/bench/test_every_bench.py
+    names this test): both ways convert, the outputs are compared, the merge is timed."""
+    from hpctrain.cli.main import main
+
+    args = ["--mb", "1", "--file-kb", "100", "--parts", "2", "--workers", "1"]
+    code = main(["bench", "convert-parts", *args, "--workdir", str(tmp_path), "--timeout", "300"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "outputs identical: True" in out and "goal: merge <=" in out, out
