@@ -424,6 +424,34 @@ class SlurmConfig:
     cpus_per_task: int = _f(0, "CPUs per task; 0 takes the profile's", min=0)
     time: str = _f("", "wall time (HH:MM:SS or minutes); empty takes the profile's default")
     max_requeues: int = _f(3, "automatic requeues after a time limit or preemption", min=0)
+    max_restarts: int = _f(
+        3,
+        "restarts inside one allocation after a failure that is not the user's (a rank killed, "
+        "a lost node, a distributed error; docs/clusters.md); then the job requeues",
+        min=0,
+    )
+    max_no_progress: int = _f(
+        2,
+        "stop restarting and requeueing after this many attempts in a row committed no new "
+        "checkpoint (preemptions and time limits do not count); 0: never stop for that",
+        min=0,
+    )
+    spare_nodes: int = _f(
+        0,
+        "extra nodes the job asks for; each attempt trains on slurm.nodes of the nodes that "
+        "pass the health probe, the others stand by for one that goes bad",
+        min=0,
+    )
+    probe: bool = _f(
+        True,
+        "before each attempt, check every node (run folder, data, disks, /dev/shm, GPUs, a "
+        "timed exchange between nodes) and set aside those that fail",
+    )
+    require_fabric: bool = _f(
+        False,
+        "fail at start-up when NCCL does not use the profile's fabric (InfiniBand) but falls "
+        "back to sockets; false: one warning line",
+    )
     signal_margin_s: int = _f(
         120,
         "seconds before the time limit when SLURM sends the signal",
