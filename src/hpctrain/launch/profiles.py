@@ -24,6 +24,7 @@ from hpctrain.launch.container import container_binds
 
 PROFILES_ENV = "HPCTRAIN_CLUSTERS_DIR"
 CONTAINER_RUNTIMES = ("apptainer", "singularity")
+FABRICS = ("", "infiniband", "ethernet")  # distributed/fabric.py checks NCCL uses it
 
 
 class LaunchError(LaunchFailure, ValueError):
@@ -63,6 +64,7 @@ class ClusterProfile:
     gpu_arch: str = ""  # the CUDA architecture of its GPUs (sm_70, sm_80, sm_90); "": no GPU
     container_runtime: str = "apptainer"  # the command that runs slurm.container images
     source: str = ""
+    fabric: str = ""  # the nodes' interconnect NCCL should use (infiniband); "": unchecked
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,14 @@ class JobSpec:
     container_runtime: str = "apptainer"
     container_binds: tuple[str, ...] = field(default_factory=tuple)  # SRC or SRC:DEST
     max_parallel: int = 0  # a job array runs at most this many tasks at once; 0: no limit
+    spare_nodes: int = 0  # asked for beyond `nodes`: standbys for a node that goes bad
+    probe: bool = True  # the health probe before each attempt (launch/probe.py)
+    fabric: str = ""  # the profile's interconnect, exported to the tasks (HPCTRAIN_FABRIC)
+
+    @property
+    def allocated_nodes(self) -> int:
+        """The job's --nodes: the nodes an attempt trains on, and the spares."""
+        return self.nodes + self.spare_nodes
 
     @property
     def time(self) -> str:
@@ -159,7 +169,7 @@ def parse_profile(data: Any, source: str) -> ClusterProfile:
     known = {
         "name", "description", "account_suffix", "hint", "request_gpus", "default_partition",
         "partitions", "qos", "default_qos", "default_time", "precisions", "setup", "run_root",
-        "cache_root", "gpu_arch", "container_runtime",
+        "cache_root", "gpu_arch", "container_runtime", "fabric",
     }  # fmt: skip
     unknown = sorted(set(data) - known)
     if unknown:
@@ -200,10 +210,15 @@ def parse_profile(data: Any, source: str) -> ClusterProfile:
         gpu_arch=str(data.get("gpu_arch", "") or ""),
         container_runtime=str(data.get("container_runtime", "") or "apptainer"),
         source=source,
+        fabric=str(data.get("fabric", "") or ""),
     )
     if profile.gpu_arch and not re.fullmatch(r"sm_\d{2,3}a?", profile.gpu_arch):
         raise LaunchError(
             f"{source}: gpu_arch={profile.gpu_arch!r} is not like sm_70, sm_80, sm_90"
+        )
+    if profile.fabric not in FABRICS:
+        raise LaunchError(
+            f"{source}: fabric={profile.fabric!r} is not one of {', '.join(FABRICS[1:])} (or empty)"
         )
     if profile.container_runtime not in CONTAINER_RUNTIMES:
         raise LaunchError(
@@ -326,4 +341,7 @@ def resolve_job(cfg: Config, profile: ClusterProfile) -> JobSpec:
         container=s.container,
         container_runtime=profile.container_runtime,
         container_binds=container_binds(cfg) if s.container else (),
+        spare_nodes=s.spare_nodes,
+        probe=s.probe,
+        fabric=profile.fabric,
     )
