@@ -14,8 +14,8 @@ from hpctrain.distributed.fabric import (
     FabricError,
     check_fabric,
     fabric_problem,
-    network_in_log,
     nccl_log_env,
+    network_in_log,
 )
 
 IB_LOG = """\
