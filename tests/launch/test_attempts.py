@@ -254,8 +254,8 @@ def test_a_probe_that_leaves_too_few_nodes_requeues_without_them(tmp_path: Path)
 def test_a_config_error_stops_after_one_attempt_with_its_code(tmp_path: Path) -> None:
     cfg = config(tmp_path)
     folder = Path(shell(begin(cfg, JOB))["ATTEMPT_DIR"])
-    place_attempt(cfg, JOB)  # no probe: every node trains
-    for rank in range(4):
+    place_attempt(cfg, JOB)  # no probe: every node trains, 3 x 2 ranks
+    for rank in range(6):
         rank_record(folder, rank, f"n{rank // 2 + 1}", exit_code=2)
     ended = shell(end_attempt(cfg, JOB, srun_status=2, state="RUNNING"))
     assert (ended["NEXT"], ended["EXIT"]) == ("stop", "2")
@@ -308,3 +308,12 @@ def test_unreadable_history_lines_are_skipped(tmp_path: Path) -> None:
     (tmp_path / "slurm").mkdir()
     (tmp_path / "slurm" / attempts_mod.RECORDS).write_text('{"attempt": 1, "job_id": "1"\n')
     assert read_records(tmp_path) == []
+
+
+def test_the_nodes_to_train_on_are_the_allocations_less_the_spares(tmp_path: Path) -> None:
+    """`#SBATCH --nodes` edited by hand (3 nodes for a config's 2) trains on all three."""
+    from hpctrain.launch.attempts import nodes_to_train
+
+    assert nodes_to_train(config(tmp_path), JOB) == 3
+    assert nodes_to_train(config(tmp_path, "slurm.spare_nodes=1"), JOB) == 2
+    assert nodes_to_train(config(tmp_path), JobFacts("", 0, (), 1, None)) == 2  # slurm.nodes

@@ -119,14 +119,22 @@ def _size(path: Path) -> int:
         return 0
 
 
-def policy_of(cfg: Config) -> Policy:
+def policy_of(cfg: Config, job: JobFacts) -> Policy:
     s = cfg.slurm
     return Policy(
-        nodes=s.nodes,
+        nodes=nodes_to_train(cfg, job),
         max_restarts=s.max_restarts,
         max_requeues=s.max_requeues,
         max_no_progress=s.max_no_progress,
     )
+
+
+def nodes_to_train(cfg: Config, job: JobFacts) -> int:
+    """The allocation's nodes less `slurm.spare_nodes`: what `#SBATCH --nodes` asked for, so a
+    script edited by hand (more nodes) trains on them all. `slurm.nodes` outside a job."""
+    if not job.allocation:
+        return cfg.slurm.nodes
+    return max(1, len(job.allocation) - cfg.slurm.spare_nodes)
 
 
 @dataclass(frozen=True)
@@ -302,7 +310,10 @@ def place_attempt(cfg: Config, job: JobFacts) -> str:
     folder = current_folder(run_dir)
     begun = _read_json(folder / "begin.json")
     placement = place(
-        job.allocation, begun.get("excluded", []), read_probes(folder), nodes=cfg.slurm.nodes
+        job.allocation,
+        begun.get("excluded", []),
+        read_probes(folder),
+        nodes=nodes_to_train(cfg, job),
     )
     if placement.line:
         _say(placement.line)
@@ -322,7 +333,7 @@ def place_attempt(cfg: Config, job: JobFacts) -> str:
     verdict = decide(
         Failure("probe"),
         history=records,
-        policy=policy_of(cfg),
+        policy=policy_of(cfg, job),
         step_reached=None,
         committed_start=begun.get("committed"),
         committed_end=begun.get("committed"),
@@ -370,7 +381,7 @@ def end_attempt(cfg: Config, job: JobFacts, *, srun_status: int, state: str) -> 
     verdict = decide(
         classify(ranks, srun_status=srun_status),
         history=records,
-        policy=policy_of(cfg),
+        policy=policy_of(cfg, job),
         step_reached=steps_logged_since(run_dir, begun.get("metrics_offset", 0)),
         committed_start=begun.get("committed"),
         committed_end=newest_committed(cfg.checkpoint_root()),
@@ -378,7 +389,7 @@ def end_attempt(cfg: Config, job: JobFacts, *, srun_status: int, state: str) -> 
         requeues=job.restart,
         job_running=state in ("RUNNING", ""),
         near_time_limit=job.end_time is not None and job.end_time - time.time() <= margin,
-        healthy_spares=len(available) - cfg.slurm.nodes,
+        healthy_spares=len(available) - nodes_to_train(cfg, job),
     )
     return _finish(cfg, job, folder, begun, verdict, ranks=ranks, srun_status=srun_status)
 

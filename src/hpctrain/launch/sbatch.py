@@ -310,8 +310,9 @@ def attempt_loop_lines(job: JobSpec) -> list[str]:
     """The attempts: probe, place, train, decide; again while the verdict is `restart`."""
     py = _python(job)
     probe = [
-        "    # The health probe, one task per node; a node that fails is set aside (its line says why).",
-        f'    [ "$NUM_PROBE_NODES" -gt 0 ] && srun --nodelist="$PROBE_NODES" --nodes="$NUM_PROBE_NODES" --ntasks="$NUM_PROBE_NODES" --ntasks-per-node=1 --cpus-per-task=1 ${{SLURM_GPUS_ON_NODE:+--gres=gpu:$SLURM_GPUS_ON_NODE}} {py} -m hpctrain.launch.probe "$ATTEMPT_DIR" --gpus "${{SLURM_GPUS_ON_NODE:-0}}" "${{TRAIN_ARGS[@]}}"',
+        "    # The health probe, one task per node, 3 minutes at most; a node that fails (or never",
+        "    # answers) is set aside, its line says why.",
+        f'    [ "$NUM_PROBE_NODES" -gt 0 ] && srun --nodelist="$PROBE_NODES" --nodes="$NUM_PROBE_NODES" --ntasks="$NUM_PROBE_NODES" --ntasks-per-node=1 --cpus-per-task=1 --time=3 ${{SLURM_GPUS_ON_NODE:+--gres=gpu:$SLURM_GPUS_ON_NODE}} {py} -m hpctrain.launch.probe "$ATTEMPT_DIR" --gpus "${{SLURM_GPUS_ON_NODE:-0}}" "${{TRAIN_ARGS[@]}}"',
     ]  # fmt: skip
     return [
         "",
