@@ -56,7 +56,7 @@ def test_the_usable_cpus_are_logged_and_too_few_for_the_workers_warned(caplog) -
     from hpctrain.distributed.startup import log_usable_cpus
 
     env = DistEnv(rank=3, local_rank=1, world_size=4, local_world_size=2,
-                  master_addr="n1", master_port=20001, source="slurm")  # fmt: skip
+                  master_addr="n1", master_port=20001, source="slurm", job_id="7")  # fmt: skip
     with caplog.at_level(logging.INFO, logger="hpctrain"):
         assert log_usable_cpus(env, 4, affinity=lambda: {0, 1, 2, 3, 4, 5}) == 6
         assert (
@@ -71,3 +71,9 @@ def test_the_usable_cpus_are_logged_and_too_few_for_the_workers_warned(caplog) -
         "rank 3 may use 1 CPU(s) (sched_getaffinity) for itself and data.workers_per_rank=4"
     )
     assert "--cpus-per-task=5" in warning.getMessage()
+    caplog.clear()
+    outside = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1,
+                      master_addr="127.0.0.1", master_port=29500, source="single")  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="hpctrain"):
+        log_usable_cpus(outside, 4, affinity=lambda: {0})  # not a SLURM job: the user's choice
+    assert caplog.records == []

@@ -51,9 +51,11 @@ def log_usable_cpus(
     srun from SLURM 22.05 to 23.11 ignores the job's `--cpus-per-task` unless srun gets it
     on its own command line (the job scripts pass it, and export SRUN_CPUS_PER_TASK): a rank
     and all its workers then share one CPU, and the loader crawls without another sign.
-    Returns the count.
+    Said in SLURM jobs only (elsewhere the CPUs are the user's own choice). Returns the count.
     """
     cpus = len(affinity())
+    if not env.job_id:
+        return cpus
     wanted = workers_per_rank + 1  # the workers, and the rank itself
     if cpus < wanted:
         log.warning(
