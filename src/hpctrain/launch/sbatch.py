@@ -364,7 +364,7 @@ def _requeue_lines() -> list[str]:
         "        # A running job's ExcNodeList cannot change: requeue it held, add the bad node(s) to",
         "        # the nodes it excludes (yours kept), release it. SLURM's TERM to this shell and its",
         "        # commands must not cut that short: ignored from here (scontrol inherits it).",
-        '        mine=$(scontrol show job -o "$SLURM_JOB_ID" | sed -n \'s/.* ExcNodeList=\\([^ ]*\\).*/\\1/p\')',
+        "        mine=$(scontrol show job -o \"$SLURM_JOB_ID\" | sed -n 's/.* ExcNodeList=\\([^ ]*\\).*/\\1/p')",
         '        [ "$mine" = "(null)" ] && mine=""',
         '        echo "hpctrain: requeueing job $SLURM_JOB_ID without $EXCLUDE"',
         "        trap '' TERM",
