@@ -169,6 +169,28 @@ if [[ "$SMOKE" -eq 1 ]]; then
   step "smoke " bench smoke "$WORK" --steps "$SMOKE_STEPS"
 fi
 
+# Issue #39, what only a GPU shows: the health probe's GPU count (CUDA's driver API through
+# ctypes, launch/probe.py) against torch's, and NCCL's init log as the fabric check reads it
+# (distributed/fabric.py: its "Using network X" line; one rank is enough to print it).
+"$PYTHON" - <<'PY' || SMOKE_RC=$?
+import os, pathlib, tempfile
+import torch, torch.distributed as dist
+from hpctrain.distributed.fabric import nccl_log_env, network_in_log
+from hpctrain.launch.probe import visible_gpus
+seen, torch_count = visible_gpus(), torch.cuda.device_count()
+print(f"check probe-gpus: {'ok' if seen == torch_count else 'FAILED'} (probe {seen}, torch {torch_count})")
+folder = pathlib.Path(tempfile.mkdtemp(prefix="hpctrain-nccl-"))
+os.environ.update(nccl_log_env({}, folder), MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+dist.all_reduce(torch.ones(1, device="cuda"))
+dist.destroy_process_group()
+text = "".join(p.read_text(errors="replace") for p in folder.glob("*.log"))
+network = network_in_log(text)
+print(f"check nccl-network-line: {'ok' if network else 'FAILED'} (Using network {network}; {len(text.splitlines())} log lines)")
+raise SystemExit(0 if network and seen == torch_count else 1)
+PY
+
 rm -rf "$WORK/run"
 echo "train: $PYTHON -m hpctrain train $WORK/config.yaml --nproc $NPROC --resume none"
 step "resnet50 " "$PYTHON" -m hpctrain train "$WORK/config.yaml" --nproc "$NPROC" --resume none

@@ -6,6 +6,12 @@ private `_make_sbatch_string` can render, with the executor's parameters under
 release that renames either breaks `--dry-run` silently unless checked: `check_compatible`
 raises naming the installed submitit version and what changed, and
 tests/test_compat_submitit.py calls it, so an upgrade fails the test suite loudly instead.
+
+A training job (`launch/submit.py` `training_parameters`) also relies on two behaviours of
+the public parameters: `use_srun=False` runs the job's one process in the batch step, and a
+key of `additional_parameters` replaces the #SBATCH line of the same regular parameter (the
+allocation's real nodes and tasks per node, while submitit counts one task). Both are
+checked here too.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ GENERIC_TO_SLURM = {
 SBATCH_STRING_PARAMETERS = frozenset(
     {"command", "folder", "job_name", "partition", "time", "nodes", "ntasks_per_node",
      "cpus_per_task", "qos", "setup", "signal_delay_s", "constraint", "account", "gres",
-     "additional_parameters", "srun_args", "array_parallelism", "map_count"}
+     "additional_parameters", "srun_args", "array_parallelism", "map_count", "use_srun"}
 )  # fmt: skip
 
 
@@ -68,6 +74,15 @@ def check_compatible() -> None:
             f"submitit {submitit.__version__}: SlurmExecutor maps generic parameters differently "
             f"({', '.join(f'{k}->{table.get(k)!r}, expected {v!r}' for k, v in changed.items())}); "
             "update hpctrain/compat_submitit.py"
+        )
+    shaped = renderer(
+        command="python -m x", folder="/tmp/x", nodes=1, ntasks_per_node=1, use_srun=False,
+        additional_parameters={"nodes": 3, "ntasks_per_node": 4},
+    )  # fmt: skip
+    if "--nodes=3" not in shaped or "--nodes=1" in shaped or "\nsrun " in shaped:
+        raise SubmititChanged(
+            f"submitit {submitit.__version__}: additional_parameters no longer replace nodes/ntasks_per_node, "
+            "or use_srun=False still runs srun; update hpctrain/compat_submitit.py and launch/submit.py"
         )
     python_parameter = inspect.signature(SlurmExecutor.__init__).parameters.get("python")
     if python_parameter is None:

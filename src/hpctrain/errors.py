@@ -15,6 +15,7 @@ one of the kinds below, so the CLI needs to know only these.
 | 4         | checkpoint: missing, damaged, untrusted, or a failed save              |
 | 5         | the run folder is locked by another run                                |
 | 6         | launch: cluster profile, preflight, submission                         |
+| 7         | distributed: a peer rank, the network or a collective failed (retried) |
 | 75        | not an error: saved after a preemption signal, requeue me (EX_TEMPFAIL)|
 """
 
@@ -30,6 +31,7 @@ EXIT_DATA = 3
 EXIT_CHECKPOINT = 4
 EXIT_LOCKED = 5
 EXIT_LAUNCH = 6
+EXIT_DISTRIBUTED = 7
 
 
 class HpctrainError(Exception):
@@ -72,6 +74,16 @@ class LaunchFailure(HpctrainError):
 
     exit_code = EXIT_LAUNCH
     label = "launch error"
+
+
+class DistributedError(HpctrainError):
+    """A collective failed because of another rank or the network: a peer that died or hung,
+    a connection reset, a timed-out collective. Not this rank's own fault: the job script
+    restarts the run (docs/clusters.md), and the first rank that failed for its own reason
+    is the one its attempt record names."""
+
+    exit_code = EXIT_DISTRIBUTED
+    label = "distributed error"
 
 
 def rank_tag(environ: Mapping[str, str] | None = None) -> str:

@@ -148,3 +148,17 @@ def test_s3_lease_refuses_a_second_run_and_expires():
         assert not fs.exists(f"{bucket}/run/checkpoints/{LOCK_NAME}")
         first._renewer = None
         first.release()  # no longer ours: leaves the store alone
+
+
+def test_an_earlier_attempt_of_the_same_job_run_is_taken_over():
+    """A restart inside the allocation (launch/attempts.py): srun ended every task of attempt 1
+    before attempt 2 began, wherever its rank 0 held the lock (another node, a live lease)."""
+    env = {"SLURM_JOB_ID": "123", "SLURM_RESTART_COUNT": "1", "HPCTRAIN_ATTEMPT": "2"}
+    me = {**holder_record(env), "host": "n2"}
+    now = time.time()
+    reason = takeover_reason(record(restart=1, attempt=1), me, now, flock_granted=False)
+    assert reason == "it is attempt 1 of job 123, which ended before this one began"
+    # the same attempt (two runs started by hand in one step), a later one, another job run
+    for other in (record(restart=1, attempt=2), record(restart=1, attempt=3),
+                  record(restart=2, attempt=1), record(restart=1)):  # fmt: skip
+        assert takeover_reason(other, me, now, flock_granted=False) is None

@@ -193,7 +193,7 @@ def test_an_override_after_an_option_reaches_the_job_script(
     demo = str(Path(__file__).resolve().parents[2] / "configs" / "demo.yaml")
     argv = ["sbatch", demo, "--no-preflight", "train.max_steps=7", "--profile", "generic"]
     assert main([*argv, f"run_dir={tmp_path}"]) == 0
-    assert '"run_dir=$RUN_DIR" train.max_steps=7\n' in capsys.readouterr().out
+    assert '"run_dir=$RUN_DIR" train.max_steps=7)\n' in capsys.readouterr().out
 
 
 def test_a_multi_line_message_is_printed_as_one_line(

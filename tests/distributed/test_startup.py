@@ -68,3 +68,33 @@ def test_cublas_workspace_is_fixed_before_cuda_starts(monkeypatch, restored_thre
     monkeypatch.setenv(CUBLAS_WORKSPACE, ":16:8")
     start_process(deterministic=True)
     assert seen[-1] == ":16:8"
+
+
+def test_the_usable_cpus_are_logged_and_too_few_for_the_workers_warned(caplog) -> None:
+    """srun from SLURM 22.05 to 23.11 may give a rank one CPU whatever --cpus-per-task says
+    (issue #38): the rank says how many it may use, and warns when its workers must share."""
+    from hpctrain.distributed import DistEnv
+    from hpctrain.distributed.startup import log_usable_cpus
+
+    env = DistEnv(rank=3, local_rank=1, world_size=4, local_world_size=2,
+                  master_addr="n1", master_port=20001, source="slurm", job_id="7")  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="hpctrain"):
+        assert log_usable_cpus(env, 4, affinity=lambda: {0, 1, 2, 3, 4, 5}) == 6
+        assert (
+            "CPUs: 6 usable by each rank (sched_getaffinity), data.workers_per_rank=4"
+            in caplog.text
+        )
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        caplog.clear()
+        log_usable_cpus(env, 4, affinity=lambda: {7})
+    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.getMessage().startswith(
+        "rank 3 may use 1 CPU(s) (sched_getaffinity) for itself and data.workers_per_rank=4"
+    )
+    assert "--cpus-per-task=5" in warning.getMessage()
+    caplog.clear()
+    outside = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1,
+                      master_addr="127.0.0.1", master_port=29500, source="single")  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="hpctrain"):
+        log_usable_cpus(outside, 4, affinity=lambda: {0})  # not a SLURM job: the user's choice
+    assert caplog.records == []

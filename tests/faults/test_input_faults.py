@@ -134,7 +134,7 @@ def test_submit_puts_submitit_files_into_slurm_folder_and_status_finds_them(
     folders: list[Path] = []
 
     class FakeExecutor:
-        def __init__(self, job: object, folder: Path) -> None:
+        def __init__(self, job: object, folder: Path, **options: object) -> None:
             folders.append(folder)
 
         def submit(self, fn: object) -> _FakeJob:

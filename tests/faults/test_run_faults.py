@@ -156,7 +156,8 @@ def test_stopped_rank_ends_the_job_within_the_collective_timeout(shapes_shards, 
     assert "Python stacks of all threads" in text, text
     assert "hang error: a collective waited train.collective_timeout_s=10 s" in err, err[-3000:]
     launcher_line = err.strip().splitlines()[-1]
-    assert launcher_line.startswith("hpctrain train: rank 0 exited with code 1"), launcher_line
+    # exit 7: a distributed error, retried by the job script (docs/errors.md)
+    assert launcher_line.startswith("hpctrain train: rank 0 exited with code 7"), launcher_line
     assert launcher_line.endswith(f"Python stacks in {folder} (rank-0.txt)"), launcher_line
 
 

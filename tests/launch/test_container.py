@@ -66,21 +66,23 @@ def test_container_script_matches_golden() -> None:
     script = render(container_job())
     golden(HERE / "golden" / "jean-zay-h100-container.sbatch", script)
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
-    srun = next(line for line in script.splitlines() if line.startswith("srun "))
-    assert srun.startswith(
-        'srun --kill-on-bad-exit=1 singularity exec --nv --bind "$RUN_DIR" --bind "/work/u/hpctrain/configs"'
+    python = next(line for line in script.splitlines() if line.startswith("PYTHON=("))
+    assert python.startswith(
+        'PYTHON=(singularity exec --nv --bind "$RUN_DIR" --bind "/work/u/hpctrain/configs"'
     )
-    assert '"$CONTAINER" python3 -m hpctrain train "$CONFIG"' in srun
+    assert python.endswith('"$CONTAINER" python3)')
+    sruns = [line.strip() for line in script.splitlines() if line.strip().startswith("srun ")]
+    assert sruns and all('"${PYTHON[@]}" -m hpctrain.launch.' in line for line in sruns)
     assert 'PYTHON="' not in script  # the host interpreter plays no part
 
 
 def test_cpu_profile_runs_without_nv_and_apptainer() -> None:
-    srun = next(
+    python = next(
         line
         for line in render(container_job(profile="local-dev")).splitlines()
-        if line.startswith("srun ")
+        if line.startswith("PYTHON=(")
     )
-    assert " apptainer exec --bind " in srun and "--nv" not in srun
+    assert python.startswith("PYTHON=(apptainer exec --bind ") and "--nv" not in python
 
 
 def test_submitit_runs_the_container_python(tmp_path: Path) -> None:
@@ -88,9 +90,12 @@ def test_submitit_runs_the_container_python(tmp_path: Path) -> None:
     python = job_python(job, tmp_path / "submitit")
     assert python.startswith('singularity exec --nv --bind "/scratch/u/runs/demo"')
     assert python.endswith(f'--bind "{tmp_path / "submitit"}" "{IMAGE}" python3')
-    script = submission_script(job, tmp_path / "submitit")
+    script = submission_script(job, tmp_path / "submitit")  # eval/predict: every task a rank
     assert f'"{IMAGE}" python3 -u -m submitit.core._submit' in script
     assert "slurm_python" not in executor_parameters(job)  # a constructor argument, not a parameter
+    # training: the job's one process runs the job script on the host; its tasks use the image
+    training = submission_script(job, tmp_path / "submitit", "/venv/bin/python", training=True)
+    assert "\n/venv/bin/python -u -m submitit.core._submit" in training
 
 
 def test_unsafe_container_values_are_refused() -> None:

@@ -70,19 +70,43 @@ def test_script_is_valid_bash_with_the_key_lines() -> None:
         "#SBATCH --gres=gpu:8",
         "#SBATCH --hint=nomultithread",
         "#SBATCH --constraint=a100",
-        "REQUEUE_EXIT_CODE=75",
+        "#SBATCH --no-kill",
         'scontrol requeue "$SLURM_JOB_ID"',
-        'srun --kill-on-bad-exit=1 "$PYTHON" -m hpctrain train "$CONFIG" "run_dir=$RUN_DIR" train.max_steps=100',
+        'TRAIN_ARGS=("$CONFIG" "run_dir=$RUN_DIR" train.max_steps=100)',
         "module load arch/a100",
         "HF_HUB_OFFLINE=1",
+        'export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"',
+        "export HPCTRAIN_FABRIC=infiniband",
     ):
         assert line in script, line
 
 
-def test_requeue_constant_matches_the_trainer() -> None:
-    from hpctrain.train.preemption import REQUEUE_EXIT_CODE
+def test_every_srun_gets_the_cpus_of_its_tasks() -> None:
+    """srun from SLURM 22.05 to 23.11 ignores the job's --cpus-per-task (issue #38)."""
+    script = render(a100_job())
+    assert 'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"' in script
+    sruns = [line.strip().partition("&& ")[2] or line.strip() for line in script.splitlines()
+             if "srun " in line and not line.lstrip().startswith("#")]  # fmt: skip
+    assert len(sruns) == 2  # the health probe, the training
+    assert all("--cpus-per-task=" in line for line in sruns), sruns
+    train = sruns[1]
+    assert (
+        train.startswith("srun --kill-on-bad-exit=1 ")
+        and '--cpus-per-task="$SLURM_CPUS_PER_TASK"' in train
+    )
+    assert train.endswith(
+        '"$PYTHON" -m hpctrain.launch.watch "$ATTEMPT_DIR" -- train "${TRAIN_ARGS[@]}" "${RESUME[@]}"'
+    )
 
-    assert f"REQUEUE_EXIT_CODE={REQUEUE_EXIT_CODE} " in render(a100_job())
+
+def test_spare_nodes_are_asked_for_and_the_probe_can_be_switched_off() -> None:
+    script = render(a100_job("slurm.spare_nodes=1"))
+    assert "#SBATCH --nodes=3  " in script and "# 2 to train on + 1 spare" in script
+    assert "hpctrain.launch.probe" in script
+    assert "hpctrain.launch.probe" not in render(a100_job("slurm.probe=false"))
+    assert "HPCTRAIN_FABRIC" not in render(
+        resolve_job(with_overrides(Config(), ["slurm.profile=generic"]), load_profile("generic"))
+    )
 
 
 def test_free_arguments_are_shell_quoted() -> None:
@@ -166,7 +190,7 @@ def test_sweep_renders_a_throttled_array_with_a_folder_per_point() -> None:
     assert """    0) POINT=(train.lr=0.1); RUN_DIR="/scratch/u/runs/demo/lr-0.1" ;;""" in script
     assert """    1) POINT=(train.lr=0.2 'data.train=/d/my shards'); RUN_DIR=""" in script
     assert script.index('case "$SLURM_ARRAY_TASK_ID"') < script.index('mkdir -p "$RUN_DIR/slurm"')
-    assert '"run_dir=$RUN_DIR" train.max_steps=100 "${POINT[@]}"' in script
+    assert '"run_dir=$RUN_DIR" train.max_steps=100 "${POINT[@]}")' in script
     unthrottled = render(a100_job(), sweep=sweep)
     assert "#SBATCH --array=0-1 " in unthrottled or "#SBATCH --array=0-1\n" in unthrottled
 

@@ -114,3 +114,35 @@ def test_last_error_line_prefers_the_newest_log(tmp_path: Path) -> None:
     assert last_error_line([old, new, tmp_path / "missing"]) == ("ValueError: bad value", str(new))
     new.write_text("all fine\n")
     assert last_error_line([new]) == ("", "")
+
+
+def test_status_lists_the_attempts_and_says_why_the_run_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hpctrain.launch.attempts import append_record
+    from hpctrain.launch.restart_policy import AttemptRecord
+
+    (tmp_path / "slurm").mkdir()
+    (tmp_path / "slurm" / "job_id").write_text("3\n")
+    monkeypatch.setattr(status_mod, "query_state", lambda job_id: ("FAILED", "9:0", 0))
+    monkeypatch.setattr(status_mod, "query_jobs", lambda ids: [])
+    common = {"job_id": "3", "restart": 0, "start": 0.0, "end": 1.0, "nodes": ["n1", "n2"],
+              "excluded": [], "num_tasks": 4}  # fmt: skip
+    append_record(tmp_path, AttemptRecord(attempt=1, kind="signal", decision="restart",
+        reason="rank 1 on n1 killed by SIGKILL at step 1; restarting in this allocation (1/3, slurm.max_restarts)",
+        **common))  # fmt: skip
+    stopped = ("stopped: no progress (2 attempts in a row committed no checkpoint, "
+               "slurm.max_no_progress=2); last failure: rank 1 on n1 killed by SIGKILL at step 1")  # fmt: skip
+    append_record(tmp_path, AttemptRecord(attempt=2, kind="signal", decision="stop",
+                                          reason=stopped, exit_code=137, **common))  # fmt: skip
+    assert main(["status", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "attempts:  (restarts and requeues: RUN_DIR/slurm/attempts.jsonl)" in out
+    assert (
+        "    1  job 3          n1,n2          signal      restart  rank 1 on n1 killed by SIGKILL"
+        in out
+    )
+    assert f"\n{stopped}\n" in out
+    assert main(["status", str(tmp_path), "--json"]) == 1
+    record = json.loads(capsys.readouterr().out)
+    assert record["stopped"] == stopped and [a["attempt"] for a in record["attempts"]] == [1, 2]

@@ -1,9 +1,8 @@
-"""submitit submission without a cluster: parameters, sweeps, requeue decision, refusals."""
+"""submitit submission without a cluster: parameters, sweeps, the training job's script, refusals."""
 
 from __future__ import annotations
 
 import dataclasses
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,12 +13,12 @@ from hpctrain.launch import submit as submit_mod
 from hpctrain.launch.profiles import LaunchError, load_profile, resolve_job
 from hpctrain.launch.submit import (
     executor_parameters,
+    job_script,
     parse_sweep,
-    requeue_this_job,
     submission_script,
     sweep_run_dir,
+    training_parameters,
 )
-from hpctrain.train.preemption import REQUEUE_EXIT_CODE
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = str(REPO / "configs" / "demo.yaml")
@@ -38,7 +37,28 @@ def test_executor_parameters_follow_the_profile() -> None:
     assert params["slurm_additional_parameters"] == {"requeue": True, "hint": "nomultithread"}
     assert params["slurm_signal_delay_s"] == 120 and params["timeout_min"] == 120
     assert "slurm_partition" not in params  # gpu_p13 is picked by the constraint
-    assert params["slurm_srun_args"] == ["--kill-on-bad-exit=1"]
+    # every task's srun gets its CPUs: srun from SLURM 22.05 to 23.11 ignores the job's
+    assert params["slurm_srun_args"] == ["--kill-on-bad-exit=1", "--cpus-per-task=10"]
+
+
+def test_a_training_job_is_one_process_that_runs_the_job_scripts_loop() -> None:
+    params = training_parameters(dataclasses.replace(v100_job(), spare_nodes=1))
+    # submitit counts one task (one result); the allocation is 2 nodes x 4 tasks
+    assert (params["nodes"], params["tasks_per_node"], params["slurm_use_srun"]) == (1, 1, False)
+    extra = params["slurm_additional_parameters"]
+    assert (extra["nodes"], extra["ntasks_per_node"], extra["no_kill"]) == (2, 4, True)
+    assert "slurm_srun_args" not in params
+    assert params["slurm_setup"] == list(v100_job().setup)  # the script exports the rest
+
+
+def test_the_submitit_job_runs_the_sbatch_script_without_its_setup() -> None:
+    script = job_script(
+        with_overrides(Config(), ["run_dir=/scratch/r"]), v100_job(), "/scratch/r/slurm/c.yaml",
+        python="/venv/bin/python",
+    )  # fmt: skip
+    assert "module load" not in script  # submitit ran the site's setup before the process
+    assert 'CONFIG="/scratch/r/slurm/c.yaml"' in script and 'RUN_DIR="/scratch/r"' in script
+    assert "-m hpctrain.launch.attempts" in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
 
 
 def test_dry_run_script_is_submitits(tmp_path: Path) -> None:
@@ -69,30 +89,6 @@ def test_sweep_is_a_cartesian_product_with_one_folder_each() -> None:
     for bad in ("train.lr", "=1,2", "a b=1", "x;id=1"):
         with pytest.raises(LaunchError, match="--sweep"):
             parse_sweep([bad])
-
-
-def test_requeue_from_rank_zero_only_and_within_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[list[str]] = []
-
-    def fake_run(cmd, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append(cmd)
-        return subprocess.CompletedProcess(cmd, 0, "", "")
-
-    monkeypatch.setattr(submit_mod.subprocess, "run", fake_run)
-    monkeypatch.setattr(submit_mod, "job_state", lambda job_id: "RUNNING")
-    env = {"SLURM_JOB_ID": "42", "SLURM_PROCID": "0", "SLURM_RESTART_COUNT": "1"}
-    with pytest.raises(SystemExit) as info:
-        requeue_this_job(3, env)
-    assert info.value.code == REQUEUE_EXIT_CODE and calls == [["scontrol", "requeue", "42"]]
-
-    calls.clear()
-    with pytest.raises(SystemExit):
-        requeue_this_job(3, {**env, "SLURM_PROCID": "1"}, wait_s=0)
-    assert calls == []  # other ranks only exit (after rank 0 requeued: --kill-on-bad-exit)
-
-    with pytest.raises(RuntimeError, match="max_requeues=1"):
-        requeue_this_job(1, env)
-    assert calls == []
 
 
 def _no_submission(monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -179,16 +175,7 @@ def test_dry_run_prints_the_script_and_submits_nothing(
     assert code == 0 and submitted == []
     assert "#SBATCH --partition=debug" in out and "#SBATCH --ntasks-per-node=2" in out
     assert "--gres" not in out  # local-dev: tasks stand in for GPUs
-
-
-def test_no_requeue_of_a_job_cancelled_from_outside(monkeypatch: pytest.MonkeyPatch) -> None:
-    """scancel sends TERM too; the trainers save and exit 75, but the job must stay cancelled."""
-    calls: list[list[str]] = []
-    monkeypatch.setattr(submit_mod.subprocess, "run", lambda cmd, **kw: calls.append(cmd))
-    monkeypatch.setattr(submit_mod, "job_state", lambda job_id: "CANCELLED")
-    with pytest.raises(SystemExit):
-        requeue_this_job(3, {"SLURM_JOB_ID": "42", "SLURM_PROCID": "0"})
-    assert calls == []
+    assert "#SBATCH --no-kill" in out and "\nsrun " not in out  # one process runs the loop
 
 
 def test_sweep_dry_run_is_a_throttled_array(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
@@ -114,3 +115,30 @@ def sacct_nodes(job_id: str) -> str:
         timeout=30,
     ).stdout
     return out.strip().splitlines()[-1] if out.strip() else ""
+
+
+def trainer_pid(job_id: str, rank: int) -> int | None:
+    """The pid of rank `rank`'s `hpctrain train` process in the job (not its watcher, not its
+    loader workers): the one process of the job's task whose command is `-m hpctrain train`."""
+    wanted = {f"SLURM_JOB_ID={job_id}".encode(), f"SLURM_PROCID={rank}".encode()}
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            if not wanted <= set((proc / "environ").read_bytes().split(b"\0")):
+                continue
+            if b"\0-m\0hpctrain\0train\0" in (proc / "cmdline").read_bytes():
+                found.append(int(proc.name))
+    # loader workers started by fork share the command line: the trainer is their parent
+    parents = {pid: _parent(pid) for pid in found}
+    trainers = [pid for pid, parent in parents.items() if parent not in parents]
+    return trainers[0] if len(trainers) == 1 else None
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def attempts(run_dir: Path) -> list[dict]:
+    """RUN_DIR/slurm/attempts.jsonl, oldest first."""
+    path = run_dir / "slurm" / "attempts.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []

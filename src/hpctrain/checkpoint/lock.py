@@ -22,7 +22,9 @@ thread renews every `lease_s / 4` while the run lives.
 A holder is taken over as gone when: flock was granted and the record is from this host (the
 kernel released it); its lease has expired (it stopped renewing: dead, or frozen for longer
 than the lease); or the record is from the same SLURM job with a lower restart count (a
-requeued job: SLURM ended all processes of the previous run of the job before restarting it).
+requeued job: SLURM ended all processes of the previous run of the job before restarting it),
+or with the same restart count and a lower attempt (`HPCTRAIN_ATTEMPT`, set by the job script:
+a restart inside the allocation begins after srun ended every task of the attempt before).
 Wall clocks of nodes are compared: they are assumed to agree within seconds (NTP).
 A root this user cannot write is not locked (a warning says so): such a run can neither
 save nor remove anything there.
@@ -68,6 +70,7 @@ def holder_record(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
         "pid": os.getpid(),
         "job_id": job,
         "restart": int(env.get("SLURM_RESTART_COUNT", "0") or 0),
+        "attempt": int(env.get("HPCTRAIN_ATTEMPT", "0") or 0),
         "token": uuid.uuid4().hex,
     }
 
@@ -113,6 +116,13 @@ def takeover_reason(
         restart = me["restart"]
     if me["job_id"] and record.get("job_id") == me["job_id"] and restart < me["restart"]:
         return f"it is the previous run of the requeued job {me['job_id']}"
+    try:
+        attempt = int(record.get("attempt", 0))
+    except (TypeError, ValueError):
+        attempt = 0
+    same_run = me["job_id"] and record.get("job_id") == me["job_id"] and restart == me["restart"]
+    if same_run and 0 < attempt < me.get("attempt", 0):
+        return f"it is attempt {attempt} of job {me['job_id']}, which ended before this one began"
     return None
 
 

@@ -62,6 +62,16 @@ def run(args: argparse.Namespace) -> int:
                 print(
                     f"  {row.job_id:<14} {row.state:<12} exit {row.exit_code or '-':<6} {row.start} .. {row.end}"
                 )
+        if status.attempts:
+            print("attempts:  (restarts and requeues: RUN_DIR/slurm/attempts.jsonl)")
+            for a in status.attempts:
+                nodes = ",".join(a["nodes"]) or "-"
+                print(
+                    f"  {a['attempt']:>3}  job {a['job_id']:<10} {nodes:<14} {a['kind']:<11} "
+                    f"{a['decision']:<8} {a['reason']}"
+                )
+        if status.stopped:
+            print(status.stopped)
         if status.error_line:
             print(f"error:     {status.error_line}")
             print(f"           ({status.error_path})")

@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         folder = slurm_folder(prep.cfg) / "submitit"
         script = submission_script(
-            prep.job, folder, num_tasks=len(combos), max_parallel=args.max_parallel
+            prep.job, folder, num_tasks=len(combos), max_parallel=args.max_parallel, training=True
         )
         sys.stdout.write(script)
         return 0

@@ -12,13 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
-
-def _f(default: Any, help: str, **checks: Any) -> Any:
-    """A dataclass field with a default, a help line and optional checks."""
-    if isinstance(default, (list, dict)):
-        factory = default.copy
-        return field(default_factory=factory, metadata={"help": help, **checks})
-    return field(default=default, metadata={"help": help, **checks})
+from hpctrain.config.fields import _f
+from hpctrain.config.slurm_schema import SlurmConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -510,37 +505,6 @@ class ProfileConfig:
         "(torch.cuda.memory._record_memory_history), so the OOM snapshot shows what "
         "allocated each block; costs time per allocation; 0 disables",
         min=0,
-    )
-
-
-@dataclass(frozen=True, kw_only=True)
-class SlurmConfig:
-    profile: str = _f("generic", "cluster profile from configs/clusters/")
-    account: str = _f("", "account, e.g. abc@a100 on Jean Zay")
-    partition: str = _f("", "partition; empty takes the profile's")
-    constraint: str = _f("", "node constraint (-C); empty takes the profile's")
-    qos: str = _f("", "quality of service; empty takes the profile's default")
-    nodes: int = _f(1, "nodes", min=1)
-    gpus_per_node: int = _f(0, "tasks (GPUs) per node; 0 takes the profile's", min=0)
-    cpus_per_task: int = _f(0, "CPUs per task; 0 takes the profile's", min=0)
-    time: str = _f("", "wall time (HH:MM:SS or minutes); empty takes the profile's default")
-    max_requeues: int = _f(3, "automatic requeues after a time limit or preemption", min=0)
-    signal_margin_s: int = _f(
-        120,
-        "seconds before the time limit when SLURM sends the signal",
-        min=1,
-        max=65535,
-        max_reason="sbatch --signal takes at most 65535 s",
-    )
-    setup: list[str] = _f([], "shell lines run before training (module load ...)")
-    folder: str = _f("", "where job scripts and logs go; empty: RUN_DIR/slurm")
-    container: str = _f(
-        "",
-        "Apptainer/Singularity image (.sif) the trainer runs in (the profile's container_runtime); empty: the host environment",
-    )
-    container_binds: list[str] = _f(
-        [],
-        "extra paths bound into the container (SRC or SRC:DEST); the run folder, data, checkpoint and config folders are bound already",
     )
 
 

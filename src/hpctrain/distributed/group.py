@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import datetime
+import logging
 import os
+import shutil
 import socket
+import tempfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,7 +16,10 @@ import torch
 import torch.distributed as dist
 
 from hpctrain.distributed.env import DistEnv
-from hpctrain.errors import LaunchFailure
+from hpctrain.distributed.fabric import FABRIC_ENV, check_fabric, nccl_log_env
+from hpctrain.errors import DistributedError, LaunchFailure
+
+log = logging.getLogger("hpctrain")
 
 
 class SharedGPUError(LaunchFailure):
@@ -107,6 +113,8 @@ def init_process_group(
     device: torch.device,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     hang_dir: Path | None = None,
+    *,
+    require_fabric: bool = False,
 ) -> None:
     """Join the job's process group through `env://` (a no-op for a single process).
 
@@ -115,7 +123,10 @@ def init_process_group(
     allocation. Groups made later need it again (`new_cpu_group`): torch gives them its own
     default (30 min for gloo), not this group's. On GPUs with `hang_dir` (RUN_DIR/hangs),
     NCCL's flight recorder is switched on unless the user set its variables
-    (`flight_recorder_env`): ProcessGroupNCCL reads them when it is made, here.
+    (`flight_recorder_env`): ProcessGroupNCCL reads them when it is made, here. On a GPU job
+    over several nodes of a cluster whose profile names a fabric (`HPCTRAIN_FABRIC`), NCCL's
+    init log tells the network it uses: not the fabric is one warning line, or a
+    `FabricError` with `require_fabric` (`slurm.require_fabric`; distributed/fabric.py).
     """
     if not env.is_distributed or dist.is_initialized():
         return
@@ -129,12 +140,20 @@ def init_process_group(
     # in the same PrefixStore)
     store, _rank, _size = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
     store.set_timeout(timeout)
+    fabric = os.environ.get(FABRIC_ENV, "")
+    nccl_log: Path | None = None
     if device.type == "cuda":
         assert device.index is not None
         check_own_gpus(store, env, socket.gethostname(), gpu_identity(device), device.index)
         if hang_dir is not None:
             (hang_dir / "nccl").mkdir(parents=True, exist_ok=True)
             os.environ.update(flight_recorder_env(os.environ, hang_dir))
+        if fabric and env.local_world_size < env.world_size:  # over several nodes
+            nccl_log = Path(tempfile.mkdtemp(prefix="hpctrain-nccl-"))
+            wanted = nccl_log_env(os.environ, nccl_log)
+            os.environ.update(wanted)
+            nccl_log = nccl_log if wanted else None
+    # with device_id, NCCL makes its communicator (and picks its network) here, eagerly
     dist.init_process_group(
         backend=backend_for(device),
         store=store,
@@ -143,6 +162,13 @@ def init_process_group(
         timeout=timeout,
         device_id=device if device.type == "cuda" else None,
     )
+    if nccl_log is not None:
+        try:
+            line = check_fabric(nccl_log, fabric, required=require_fabric)
+        finally:
+            shutil.rmtree(nccl_log, ignore_errors=True)
+        if line and env.is_main:
+            log.warning(line)
 
 
 def destroy_process_group() -> None:
@@ -157,12 +183,41 @@ def new_cpu_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.ProcessGroup:
     return group
 
 
+# gloo raises a peer that went away as a plain RuntimeError with these words (torch 2.14:
+# "[.../gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:9866").
+_GLOO_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def peer_failure(error: BaseException) -> DistributedError | None:
+    """`error` as a `DistributedError` (exit 7) when a peer rank or the network caused it,
+    anywhere in its cause chain: torch's DistError family (NCCL errors, the store, the
+    network; not NCCL's "invalid usage", a bug) or gloo's words for a peer gone. A checkpoint
+    save that failed because a peer died is such a failure too, not the checkpoint's. None
+    for anything else (and for a `DistributedError` already)."""
+    seen: BaseException | None = error
+    visited: set[int] = set()  # a chain can loop
+    while seen is not None and id(seen) not in visited:
+        visited.add(id(seen))
+        if isinstance(seen, DistributedError):
+            return None if seen is error else DistributedError(str(seen))
+        text = str(seen)
+        first = text.strip().splitlines()[0] if text.strip() else type(seen).__name__
+        if isinstance(seen, dist.DistError) and "invalid usage" not in text.lower():
+            return DistributedError(f"a peer rank or the network failed: {first}")
+        if isinstance(seen, RuntimeError) and any(words in text for words in _GLOO_PEER_GONE):
+            return DistributedError(f"a peer rank went away: {first}")
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 @contextmanager
 def process_group(
     env: DistEnv,
     device: torch.device,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     hang_dir: Path | None = None,
+    *,
+    require_fabric: bool = False,
 ) -> Iterator[None]:
     """Init on entry, always tear down on exit (also on errors, so no rank lingers).
 
@@ -170,13 +225,17 @@ def process_group(
     and a rank 0 that tears down and exits while another rank still talks to the store (its
     own teardown) killed that rank with SIGABRT ("terminate called without an active
     exception", about 1 run in 10 of a 2-rank `hpctrain eval` on CPU). On an error no rank
-    waits for the others, which may be gone.
+    waits for the others, which may be gone; an error a peer or the network caused leaves
+    as a `DistributedError` (exit 7, retried by the job script: `peer_failure`).
     """
-    init_process_group(env, device, timeout_s, hang_dir)
+    init_process_group(env, device, timeout_s, hang_dir, require_fabric=require_fabric)
     try:
         yield
-    except BaseException:
+    except BaseException as error:
         destroy_process_group()
+        failure = peer_failure(error)
+        if failure is not None:
+            raise failure from error
         raise
     if dist.is_initialized():
         dist.barrier()

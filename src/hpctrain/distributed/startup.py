@@ -5,11 +5,14 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 
 from hpctrain.distributed.env import DistEnv, resolve_env
 from hpctrain.distributed.group import choose_device
+
+log = logging.getLogger("hpctrain")
 
 
 def setup_logging(env: DistEnv) -> None:
@@ -46,3 +49,38 @@ def start_process(*, deterministic: bool = False) -> tuple[DistEnv, torch.device
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ and env.local_world_size > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
     return env, device
+
+
+def log_usable_cpus(
+    env: DistEnv,
+    workers_per_rank: int,
+    affinity: Callable[[], set[int]] = lambda: os.sched_getaffinity(0),
+) -> int:
+    """Log the CPUs this rank may run on next to its loader workers; warn when too few.
+
+    srun from SLURM 22.05 to 23.11 ignores the job's `--cpus-per-task` unless srun gets it
+    on its own command line (the job scripts pass it, and export SRUN_CPUS_PER_TASK): a rank
+    and all its workers then share one CPU, and the loader crawls without another sign.
+    Said in SLURM jobs only (elsewhere the CPUs are the user's own choice). Returns the count.
+    """
+    cpus = len(affinity())
+    if not env.job_id:
+        return cpus
+    wanted = workers_per_rank + 1  # the workers, and the rank itself
+    if cpus < wanted:
+        log.warning(
+            "rank %d may use %d CPU(s) (sched_getaffinity) for itself and data.workers_per_rank=%d "
+            "loader workers: they share CPUs; ask for --cpus-per-task=%d on srun (or export "
+            "SRUN_CPUS_PER_TASK), or lower data.workers_per_rank",
+            env.rank,
+            cpus,
+            workers_per_rank,
+            wanted,
+        )
+    else:
+        log.info(
+            "CPUs: %d usable by each rank (sched_getaffinity), data.workers_per_rank=%d",
+            cpus,
+            workers_per_rank,
+        )
+    return cpus

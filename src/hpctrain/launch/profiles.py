@@ -24,6 +24,7 @@ from hpctrain.launch.container import container_binds
 
 PROFILES_ENV = "HPCTRAIN_CLUSTERS_DIR"
 CONTAINER_RUNTIMES = ("apptainer", "singularity")
+FABRICS = ("", "infiniband", "ethernet")  # distributed/fabric.py checks NCCL uses it
 
 
 class LaunchError(LaunchFailure, ValueError):
@@ -69,6 +70,7 @@ class ClusterProfile:
     # Per-job limits of a QoS where the site states them: GPUs and nodes one job may hold.
     qos_max_gpus: dict[str, int] = field(default_factory=dict)
     qos_max_nodes: dict[str, int] = field(default_factory=dict)
+    fabric: str = ""  # the nodes' interconnect NCCL should use (infiniband); "": unchecked
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,14 @@ class JobSpec:
     container_runtime: str = "apptainer"
     container_binds: tuple[str, ...] = field(default_factory=tuple)  # SRC or SRC:DEST
     max_parallel: int = 0  # a job array runs at most this many tasks at once; 0: no limit
+    spare_nodes: int = 0  # asked for beyond `nodes`: standbys for a node that goes bad
+    probe: bool = True  # the health probe before each attempt (launch/probe.py)
+    fabric: str = ""  # the profile's interconnect, exported to the tasks (HPCTRAIN_FABRIC)
+
+    @property
+    def allocated_nodes(self) -> int:
+        """The job's --nodes: the nodes an attempt trains on, and the spares."""
+        return self.nodes + self.spare_nodes
 
     @property
     def time(self) -> str:
@@ -166,7 +176,7 @@ def parse_profile(data: Any, source: str) -> ClusterProfile:
         "name", "description", "account_suffix", "hint", "request_gpus", "default_partition",
         "partitions", "qos", "default_qos", "default_time", "precisions", "setup", "run_root",
         "cache_root", "gpu_arch", "container_runtime", "qos_max_gpus", "qos_max_nodes",
-        "node_local_dir",
+        "node_local_dir", "fabric",
     }  # fmt: skip
     unknown = sorted(set(data) - known)
     if unknown:
@@ -221,10 +231,15 @@ def parse_profile(data: Any, source: str) -> ClusterProfile:
         source=source,
         qos_max_gpus=per_job["qos_max_gpus"],
         qos_max_nodes=per_job["qos_max_nodes"],
+        fabric=str(data.get("fabric", "") or ""),
     )
     if profile.gpu_arch and not re.fullmatch(r"sm_\d{2,3}a?", profile.gpu_arch):
         raise LaunchError(
             f"{source}: gpu_arch={profile.gpu_arch!r} is not like sm_70, sm_80, sm_90"
+        )
+    if profile.fabric not in FABRICS:
+        raise LaunchError(
+            f"{source}: fabric={profile.fabric!r} is not one of {', '.join(FABRICS[1:])} (or empty)"
         )
     if profile.container_runtime not in CONTAINER_RUNTIMES:
         raise LaunchError(
@@ -391,4 +406,7 @@ def resolve_job(cfg: Config, profile: ClusterProfile) -> JobSpec:
         container=s.container,
         container_runtime=profile.container_runtime,
         container_binds=container_binds(cfg) if s.container else (),
+        spare_nodes=s.spare_nodes,
+        probe=s.probe,
+        fabric=profile.fabric,
     )

@@ -1,11 +1,16 @@
 """Render a readable sbatch script for a training run (a pure function of its inputs).
 
-The script runs one task per GPU under `srun`, every task running `hpctrain train`. SLURM
-sends USR2 `signal_margin_s` before the time limit (to job steps, i.e. the trainers; USR1
-clashes with NCCL); the trainers checkpoint together and exit with `REQUEUE_EXIT_CODE`, and
-the script then requeues its own job with `scontrol requeue`, so requeueing works with plain
-`sbatch` and without submitit. `#SBATCH --requeue` lets SLURM requeue it on node failure or
-preemption too.
+The script trains in *attempts* inside its allocation (docs/clusters.md, "When a rank dies or
+a node goes bad"): before each, a health probe on every node (`launch/probe.py`) and the
+choice of nodes; then one task per GPU under `srun`, each `hpctrain train` under a watcher
+that records how it ended (`launch/watch.py`); after it, `python -m hpctrain.launch.attempts
+end` decides: done, restart here from the newest committed checkpoint, requeue (with the bad
+node excluded), or stop (`launch/restart_policy.py`). SLURM sends USR2 `signal_margin_s`
+before the time limit (to job steps, i.e. the trainers; USR1 clashes with NCCL); the trainers
+checkpoint together and exit with `REQUEUE_EXIT_CODE`, and the script then requeues its own
+job with `scontrol requeue`, so requeueing works with plain `sbatch` and without submitit.
+`#SBATCH --requeue` lets SLURM requeue it on preemption too. The submitit job runs this same
+script (`launch/submit.py`): the loop exists once.
 """
 
 from __future__ import annotations
@@ -56,8 +61,9 @@ def sbatch_options(job: JobSpec, *, log_path: str) -> list[tuple[str, str | None
         )
     if job.qos:
         opts.append(("qos", check_token(job.qos, "slurm.qos"), ""))
+    spares = f"{job.nodes} to train on + {job.spare_nodes} spare" if job.spare_nodes else ""
     opts += [
-        ("nodes", str(job.nodes), ""),
+        ("nodes", str(job.allocated_nodes), spares),
         ("ntasks-per-node", str(job.tasks_per_node), "one task per GPU"),
     ]
     if job.gpus_per_node:
@@ -73,6 +79,11 @@ def sbatch_options(job: JobSpec, *, log_path: str) -> list[tuple[str, str | None
             "checkpoint this long before the limit (USR1 clashes with NCCL)",
         ),
         ("requeue", None, "the job may be requeued (preemption, node failure, by itself)"),
+        (
+            "no-kill",
+            None,
+            "a failed node does not end the job: the next attempt goes on without it",
+        ),
         ("open-mode", "append", "a requeued job appends to its log"),
         ("output", check_path(log_path, "log path"), "stdout and stderr of all tasks"),
     ]
@@ -117,19 +128,17 @@ def render_sbatch(
     Raises:
         LaunchError: a value that cannot be written into a script safely.
     """
-    # Imported here: hpctrain.train imports torch (seconds), which `--help` need not pay.
-    from hpctrain.train.preemption import REQUEUE_EXIT_CODE
-
     log_dir = _check_inputs(job, config_path, overrides, run_dir, python, log_dir, sweep)
     log_path = f"{log_dir.rstrip('/')}/%j.out" if log_dir else "%x-%j.out"
     array = _array_option(len(sweep), max_parallel) if len(sweep) > 1 else ""
     return "\n".join(
         [
             *_header_lines(job, log_path, description, array),
-            *_environment_lines(job, config_path, run_dir, python, REQUEUE_EXIT_CODE),
+            *_environment_lines(job, config_path, run_dir, python),
             *_sweep_lines(sweep if array else ()),
             *_start_lines(job),
             *_launch_lines(job, config_path, run_dir, overrides, with_sweep=bool(array)),
+            *attempt_loop_lines(job),
             *_requeue_lines(),
         ]
     )
@@ -189,9 +198,7 @@ def _header_lines(job: JobSpec, log_path: str, description: str, array: str) -> 
     return lines
 
 
-def _environment_lines(
-    job: JobSpec, config_path: str, run_dir: str, python: str, requeue_exit_code: int
-) -> list[str]:
+def _environment_lines(job: JobSpec, config_path: str, run_dir: str, python: str) -> list[str]:
     lines = [
         "",
         "set -uo pipefail",
@@ -207,14 +214,23 @@ def _environment_lines(
     if job.cache_root:
         lines.append(f'CACHE_DIR="{job.cache_root}"')
     lines += [
-        f"MAX_REQUEUES={job.max_requeues}",
-        f"REQUEUE_EXIT_CODE={requeue_exit_code}  # the trainer checkpointed and asks to be requeued",
         "",
         "# Compute nodes have no internet: nothing may try to download.",
         "export " + " ".join(f"{k}={v}" for k, v in OFFLINE_ENV),
     ]
     if job.cache_root:
         lines.append('export TORCH_HOME="$CACHE_DIR/torch" HF_HOME="$CACHE_DIR/huggingface"')
+    lines += [
+        "# srun from SLURM 22.05 to 23.11 ignores the job's --cpus-per-task: without this a rank",
+        "# and all its loader workers share one CPU. (Every srun below passes it too.)",
+        'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"',
+        "# CUDA's caching allocator grows its segments instead of fragmenting (unless you chose).",
+        'export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"',
+    ]
+    if job.fabric:
+        lines.append(
+            f"export HPCTRAIN_FABRIC={job.fabric}  # NCCL must use it, not sockets (slurm.require_fabric)"
+        )
     if job.setup:
         lines += ["", "# Environment", *job.setup]
     return lines
@@ -260,7 +276,15 @@ def _start_lines(job: JobSpec) -> list[str]:
 def _launch_lines(
     job: JobSpec, config_path: str, run_dir: str, overrides: Sequence[str], *, with_sweep: bool
 ) -> list[str]:
+    """The trainer's arguments (the same for every attempt) and, with a container, its command."""
     args = " ".join(shlex.quote(a) for a in overrides)
+    train_args = '"$CONFIG" "run_dir=$RUN_DIR"' + (f" {args}" if args else "")
+    train_args += ' "${POINT[@]}"' if with_sweep else ""
+    lines = [
+        "",
+        "# The arguments of `hpctrain train`, the same for every attempt of the job.",
+        f"TRAIN_ARGS=({train_args})",
+    ]
     if job.container:
         # $RUN_DIR, not the literal folder: an array task's run folder is its sweep point's
         others = [b for b in job.container_binds if b.rstrip("/") != run_dir.rstrip("/")]
@@ -271,43 +295,94 @@ def _launch_lines(
             list(dict.fromkeys(binds)),
             gpus=bool(job.gpus_per_node),
         )
-        python = " ".join(words)
-    else:
-        python = '"$PYTHON"'
-    command = (
-        f'srun {SRUN_KILL_ON_BAD_EXIT} {python} -m hpctrain train "$CONFIG" "run_dir=$RUN_DIR"'
-    )
-    command += f" {args}" if args else ""
-    command += ' "${POINT[@]}"' if with_sweep else ""
+        lines += [
+            "# Every hpctrain command runs in the image, with these folders bound.",
+            f"PYTHON=({' '.join(words)})",
+        ]
+    return lines
+
+
+def _python(job: JobSpec) -> str:
+    return '"${PYTHON[@]}"' if job.container else '"$PYTHON"'
+
+
+def attempt_loop_lines(job: JobSpec) -> list[str]:
+    """The attempts: probe, place, train, decide; again while the verdict is `restart`."""
+    py = _python(job)
+    probe = [
+        "    # The health probe, one task per node, 3 minutes at most; a node that fails (or never",
+        "    # answers) is set aside, its line says why.",
+        f'    [ "$NUM_PROBE_NODES" -gt 0 ] && srun --nodelist="$PROBE_NODES" --nodes="$NUM_PROBE_NODES" --ntasks="$NUM_PROBE_NODES" --ntasks-per-node=1 --cpus-per-task=1 --time=3 ${{SLURM_GPUS_ON_NODE:+--gres=gpu:$SLURM_GPUS_ON_NODE}} {py} -m hpctrain.launch.probe "$ATTEMPT_DIR" --gpus "${{SLURM_GPUS_ON_NODE:-0}}" "${{TRAIN_ARGS[@]}}"',
+    ]  # fmt: skip
     return [
         "",
-        "# One task per GPU, all running the same command; ranks come from SLURM_PROCID/LOCALID.",
-        "# A task that fails (also one whose collective timed out on a hung rank) ends them all.",
-        command,
-        "status=$?",
-    ]
+        "# Attempts (docs/clusters.md): train; after a failure that is not yours (a rank killed,",
+        "# a lost node, a distributed error) train again in this allocation from the newest",
+        "# committed checkpoint, on the nodes that pass the health probe. Each step of",
+        "# `hpctrain.launch.attempts` prints its verdict as shell variables (NEXT, EXIT, ...);",
+        "# RUN_DIR/slurm/attempts.jsonl keeps one record per attempt (`hpctrain status` shows them).",
+        "step() {",
+        "    local out",
+        f'    out=$({py} -m hpctrain.launch.attempts "$@" "${{TRAIN_ARGS[@]}}") || {{ EXIT=$?; NEXT=stop; return 1; }}',
+        '    eval "$out"',
+        "}",
+        "# SLURM's TERM (scancel, preemption) reaches this shell too: finish the attempt, then stop.",
+        "STOPPING=",
+        "trap 'STOPPING=1' TERM",
+        "NEXT=restart EXIT=0 EXCLUDE=",
+        'while [ "$NEXT" = restart ] && [ -z "$STOPPING" ]; do',
+        "    # nodes SLURM itself took out of service (down, drained: e.g. a task it could not kill)",
+        '    down=$(sinfo -h -N -n "$SLURM_JOB_NODELIST" -t down,drain,fail -o %N 2>/dev/null | sort -u | paste -sd, -)',
+        '    step begin --down "$down" || break',
+        *(probe if job.probe else []),
+        "    step place || break",
+        '    [ "$NEXT" = train ] || break',
+        "    # One task per GPU, all running the same command; ranks come from SLURM_PROCID/LOCALID.",
+        "    # A task that fails (also one whose collective timed out on a hung rank) ends them all.",
+        f'    srun {SRUN_KILL_ON_BAD_EXIT} --nodelist="$TRAIN_NODES" --nodes="$NUM_NODES" --ntasks="$NUM_TASKS" --ntasks-per-node="$SLURM_NTASKS_PER_NODE" --cpus-per-task="$SLURM_CPUS_PER_TASK" {py} -m hpctrain.launch.watch "$ATTEMPT_DIR" -- train "${{TRAIN_ARGS[@]}}" "${{RESUME[@]}}"',
+        "    status=$?",
+        '    step end --status "$status" --state "$(squeue -h -j "$SLURM_JOB_ID" -o %T 2>/dev/null)" || break',
+        "done",
+    ]  # fmt: skip
 
 
 def _requeue_lines() -> list[str]:
-    # The requeue policy; its Python twin is launch/submit.py `requeue_this_job` (change
-    # both; tests/launch/test_requeue_policy.py checks they agree).
+    # What to requeue and when is decided in Python (restart_policy.decide); here only the
+    # scontrol calls, which may be missing inside a container.
     return [
         "",
-        'if [ "$status" -eq "$REQUEUE_EXIT_CODE" ]; then',
+        'if [ "$NEXT" = requeue ] && [ -z "$STOPPING" ]; then',
         "    # Only a running job requeues itself: scancel also sends TERM (the trainers then",
         "    # save and exit 75), and `scontrol requeue` would bring a cancelled job back.",
         '    state=$(squeue -h -j "$SLURM_JOB_ID" -o %T 2>/dev/null)',
         '    if [ "$state" != RUNNING ]; then',
-        '        echo "hpctrain: checkpoint saved; job $SLURM_JOB_ID is ${state:-gone}, not requeueing" >&2',
-        '    elif [ "${SLURM_RESTART_COUNT:-0}" -lt "$MAX_REQUEUES" ]; then',
-        '        echo "hpctrain: checkpoint saved; requeueing job $SLURM_JOB_ID"',
+        '        echo "hpctrain: job $SLURM_JOB_ID is ${state:-gone}, not requeueing" >&2',
+        '    elif [ -z "$EXCLUDE" ]; then',
+        '        echo "hpctrain: requeueing job $SLURM_JOB_ID"',
         '        scontrol requeue "$SLURM_JOB_ID" && exit 0',
-        '        echo "hpctrain: scontrol requeue failed; resubmit this script to resume" >&2',
         "    else",
-        '        echo "hpctrain: checkpoint saved but $MAX_REQUEUES requeues done (slurm.max_requeues)" >&2',
+        "        # A running job's ExcNodeList cannot change: requeue it held, add the bad node(s) to",
+        "        # the nodes it excludes (yours kept), release it. SLURM's TERM to this shell and its",
+        "        # commands must not cut that short: ignored from here (scontrol inherits it).",
+        "        mine=$(scontrol show job -o \"$SLURM_JOB_ID\" | sed -n 's/.* ExcNodeList=\\([^ ]*\\).*/\\1/p')",
+        '        [ "$mine" = "(null)" ] && mine=""',
+        '        echo "hpctrain: requeueing job $SLURM_JOB_ID without $EXCLUDE"',
+        "        trap '' TERM",
+        '        if scontrol requeuehold "$SLURM_JOB_ID"; then',
+        "            for _ in $(seq 10); do",
+        '                scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="${mine:+$mine,}$EXCLUDE" && break',
+        "                sleep 0.5",
+        "            done",
+        "            for _ in $(seq 10); do",
+        '                scontrol release "$SLURM_JOB_ID" && exit 0',
+        "                sleep 0.5",
+        "            done",
+        '            echo "hpctrain: job $SLURM_JOB_ID is held: check its ExcNodeList, then scontrol release $SLURM_JOB_ID" >&2',
+        "        fi",
         "    fi",
+        '    echo "hpctrain: scontrol requeue failed; resubmit this script to resume" >&2',
         "fi",
-        'exit "$status"',
+        'exit "$EXIT"',
         "",
     ]
 

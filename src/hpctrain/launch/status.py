@@ -1,6 +1,7 @@
-"""`hpctrain status RUN_DIR`: the job's state (sacct), requeue count, last step, log tail.
+"""`hpctrain status RUN_DIR`: the job's state (sacct), requeue count, attempts, last step, log tail.
 
-The job id comes from RUN_DIR/slurm/job.json (written by `hpctrain submit`) or
+The attempts (restarts inside an allocation, requeues) come from RUN_DIR/slurm/attempts.jsonl,
+written by the job script (`launch/attempts.py`). The job id comes from RUN_DIR/slurm/job.json (written by `hpctrain submit`) or
 RUN_DIR/slurm/job_id (written by the sbatch script when it starts). The sbatch script's log is
 `<slurm.folder>/<job id>.out`, with `slurm.folder` read from the run's config.yaml
 (RUN_DIR/slurm when it is empty).
@@ -14,9 +15,11 @@ import subprocess
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
+from hpctrain.launch.attempts import read_records
 from hpctrain.launch.profiles import LaunchError
 from hpctrain.observe.hangs import newest_dump
 
@@ -57,6 +60,8 @@ class RunStatus:
     error_path: str = ""  # the log it is in
     hangs_path: str = ""  # the newest RUN_DIR/hangs/<time> folder of Python stacks
     straggler_line: str = ""  # the last "straggler: rank R on HOST ..." warning of the logs
+    attempts: list[dict[str, Any]] = field(default_factory=list)  # attempts.jsonl, oldest first
+    stopped: str = ""  # why the job script stopped for good ("stopped: no progress ..."), if it did
 
     @property
     def failed(self) -> bool:
@@ -266,6 +271,11 @@ def run_status(run_dir: str, *, num_lines: int = 10) -> RunStatus:
     folder = Path(run_dir)
     record = read_job_record(folder)
     status = RunStatus(run_dir=run_dir, last_step=last_step(folder))
+    attempts = read_records(folder)
+    status.attempts = [a.to_json() for a in attempts]
+    if attempts and attempts[-1].decision == "stop":
+        reason = attempts[-1].reason
+        status.stopped = reason if reason.startswith("stopped:") else f"stopped: {reason}"
     dumps = newest_dump(folder)
     status.hangs_path = str(dumps) if dumps is not None else ""
     if not record.get("job_id"):

@@ -1,11 +1,16 @@
-"""Submission through submitit: a checkpointable job whose every task runs `run_training`.
+"""Submission through submitit: the job's one process runs the job script's loop of attempts.
 
-Requeueing follows the trainer's flag path, not submitit's handler: the trainer installs its
-own USR2/TERM handlers (they only set a flag), saves with all ranks at a step boundary and
-returns `REQUEUE_EXIT_CODE`; rank 0 then runs `scontrol requeue` and every task exits without
-a result, so submitit sees the job as still running. If a signal arrives before the trainer
-has installed its handlers, submitit's own handler requeues the job through
-`TrainingJob.checkpoint` and the resumed job continues from the latest checkpoint all the same.
+The training job does not run a task per GPU under submitit's own `srun`: its batch step runs
+one process (`TrainingJob`, submitit's `use_srun=False`), and that process runs the very
+script `hpctrain sbatch` renders for the job (`launch/sbatch.py`): the health probe, the
+training step under `srun` (one task per GPU, each `hpctrain train`), and the decisions of
+`launch/attempts.py` between them, restarts inside the allocation and requeues included. So
+plain `sbatch` and submitit share one loop. The trainer installs its own USR2/TERM handlers
+(they only set a flag), saves with all ranks at a step boundary and exits
+`REQUEUE_EXIT_CODE`; the script then requeues the job, and the process leaves without a
+result, so submitit's client keeps waiting for the requeued job.
+
+Eval and predict jobs (`InferenceJob`) keep submitit's usual shape: every task one rank.
 """
 
 from __future__ import annotations
@@ -18,7 +23,6 @@ import re
 import shlex
 import subprocess
 import sys
-import time
 import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -28,15 +32,18 @@ from typing import Any, NoReturn
 import submitit
 
 from hpctrain.compat_submitit import render_submission
-from hpctrain.config import Config, with_overrides
+from hpctrain.config import Config, config_to_yaml, with_overrides
 from hpctrain.errors import HpctrainError, print_error_line, rank_tag
+from hpctrain.launch.attempts import read_records
 from hpctrain.launch.container import exec_words
 from hpctrain.launch.prepare import slurm_folder
 from hpctrain.launch.profiles import JobSpec, LaunchError
+from hpctrain.launch.restart_policy import REQUEUE_EXIT_CODE
 from hpctrain.launch.sbatch import (
     END_TIME_LINES,
     OFFLINE_ENV,
     SRUN_KILL_ON_BAD_EXIT,
+    render_sbatch,
     sbatch_options,
 )
 from hpctrain.launch.script_values import check_no_credential, check_path, check_setup_line
@@ -46,28 +53,50 @@ JOBS_FILE = "jobs"  # one job id a line, oldest first
 
 
 class TrainingJob(submitit.helpers.Checkpointable):
-    """The callable submitit pickles: `run_training(cfg)` in every task of the job."""
+    """The callable submitit pickles: the job script's loop, run in the job's batch step."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, job: JobSpec | None = None) -> None:
         self.cfg = cfg
+        self.job = job
 
     def __call__(self) -> int:
-        from hpctrain.train import run_training
-        from hpctrain.train.preemption import REQUEUE_EXIT_CODE
-
-        try:
-            code = run_training(self.cfg)
-        except HpctrainError as exc:
-            exit_with_one_line(exc)
-        if code == REQUEUE_EXIT_CODE:
-            requeue_this_job(self.cfg.slurm.max_requeues)
+        assert self.job is not None, "a TrainingJob is made with its JobSpec (submit())"
+        run_dir = Path(self.cfg.run_dir)
+        slurm = private_dir(run_dir / "slurm")
+        # The config as the user resolved it at submission: the script's tasks load it.
+        config = slurm / "submitted-config.yaml"
+        config.write_text(config_to_yaml(self.cfg))
+        script = slurm / "submitit-job.sh"
+        script.write_text(job_script(self.cfg, self.job, str(config)))
+        code = subprocess.run(["bash", str(script)], check=False).returncode
+        records = read_records(run_dir)
+        if code == 0 and records and records[-1].decision == "requeue":
+            # The script requeued the job: no result, submitit's client waits for the next run.
+            raise SystemExit(REQUEUE_EXIT_CODE)
         if code != 0:
-            raise RuntimeError(f"training exited with status {code}")
+            # As the tasks of `hpctrain train` do: leave with the job's exit status (sacct
+            # shows it), the one line that says why is in the log already.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
         return code
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
         """Called by submitit's own signal handler: resubmit as is (resume=latest)."""
-        return submitit.helpers.DelayedSubmission(TrainingJob(self.cfg))
+        return submitit.helpers.DelayedSubmission(TrainingJob(self.cfg, self.job))
+
+
+def job_script(cfg: Config, job: JobSpec, config_path: str, python: str = sys.executable) -> str:
+    """The script the submitit job runs: `hpctrain sbatch`'s, without the setup lines
+    submitit ran before this process (module loads) and with the submitted config."""
+    return render_sbatch(
+        dataclasses.replace(job, setup=()),
+        config_path=config_path,
+        overrides=[],
+        run_dir=cfg.run_dir,
+        python=python,
+        description="run by the submitit job (hpctrain.launch.submit.TrainingJob)",
+    )
 
 
 def exit_with_one_line(
@@ -101,68 +130,6 @@ def exit_with_one_line(
     os._exit(exc.exit_code)
 
 
-def requeue_this_job(
-    max_requeues: int, environ: dict[str, str] | None = None, *, wait_s: float = 300.0
-) -> None:
-    """Requeue the current SLURM job from rank 0 and exit every task without a result.
-
-    Other ranks wait up to `wait_s` before they exit: under `srun --kill-on-bad-exit=1` the
-    first task to exit non-zero ends the step, which must not happen before rank 0 has
-    requeued the job. The requeue ends them (SLURM stops the job), and so does rank 0's exit
-    when it does not requeue.
-
-    The same policy as the bash of `launch/sbatch.py` `render_sbatch` (change both;
-    tests/launch/test_requeue_policy.py checks they agree).
-
-    Raises:
-        SystemExit: after a successful requeue (rank 0) or on other ranks, so that submitit
-            writes no result and its client keeps waiting for the requeued job.
-        RuntimeError: when `max_requeues` requeues were already done, or scontrol failed.
-    """
-    from hpctrain.train.preemption import REQUEUE_EXIT_CODE
-
-    env = os.environ if environ is None else environ
-    rank = int(env.get("SLURM_PROCID", "0"))
-    restarts = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
-    if rank != 0:
-        time.sleep(wait_s)
-        raise SystemExit(REQUEUE_EXIT_CODE)
-    if restarts >= max_requeues:
-        raise RuntimeError(
-            f"checkpoint saved but slurm.max_requeues={max_requeues} requeues are done; resubmit to continue"
-        )
-    job_id = env["SLURM_JOB_ID"]
-    state = job_state(job_id)
-    if state != "RUNNING":
-        # scancel also sends TERM, and `scontrol requeue` would bring a cancelled (or
-        # already requeued, or timed-out) job back: only a running job requeues itself.
-        print(
-            f"hpctrain: checkpoint saved; job {job_id} is {state}, not requeueing",
-            file=sys.stderr,
-            flush=True,
-        )
-        raise SystemExit(REQUEUE_EXIT_CODE)
-    done = subprocess.run(
-        ["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"scontrol requeue {job_id} failed: {done.stderr.strip()}")
-    print(f"hpctrain: checkpoint saved; requeued job {job_id}", file=sys.stderr, flush=True)
-    raise SystemExit(REQUEUE_EXIT_CODE)
-
-
-def job_state(job_id: str) -> str:
-    """The job's state from squeue (RUNNING, CANCELLED, COMPLETING...); UNKNOWN on failure."""
-    try:
-        done = subprocess.run(
-            ["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=60
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return "UNKNOWN"
-    lines = done.stdout.split()
-    return lines[0] if done.returncode == 0 and lines else "UNKNOWN"
-
-
 def check_submission(cfg: Config, job: JobSpec) -> None:
     """Every value that reaches the script or the pickled job is safe and credential-free."""
     sbatch_options(job, log_path="x")
@@ -184,7 +151,8 @@ def check_submission(cfg: Config, job: JobSpec) -> None:
 
 
 def executor_parameters(job: JobSpec) -> dict[str, Any]:
-    """AutoExecutor parameters for `job` (the same #SBATCH lines as the rendered script).
+    """AutoExecutor parameters for `job`'s tasks (eval/predict: every task one rank, under
+    submitit's srun), with the same #SBATCH lines as the rendered script.
 
     `job.max_parallel` caps the running tasks of a job array (SLURM's `--array=...%N`).
     """
@@ -201,7 +169,8 @@ def executor_parameters(job: JobSpec) -> dict[str, Any]:
             *job.setup,
         ],
         "slurm_additional_parameters": {"requeue": True},
-        "slurm_srun_args": [SRUN_KILL_ON_BAD_EXIT],
+        # srun from SLURM 22.05 to 23.11 ignores the job's --cpus-per-task (issue #38)
+        "slurm_srun_args": [SRUN_KILL_ON_BAD_EXIT, f"--cpus-per-task={job.cpus_per_task}"],
     }
     if job.gpus_per_node:
         params["slurm_gres"] = f"gpu:{job.gpus_per_node}"
@@ -217,6 +186,32 @@ def executor_parameters(job: JobSpec) -> dict[str, Any]:
     ):
         if value:
             params[key] = value
+    return params
+
+
+def training_parameters(job: JobSpec) -> dict[str, Any]:
+    """AutoExecutor parameters of a training job: one process in the batch step runs the
+    job script (`TrainingJob`), which starts the tasks itself.
+
+    submitit counts a job's results as nodes x tasks per node: it is told one of each, and
+    the allocation's real shape goes to the #SBATCH lines through `additional_parameters`
+    (`compat_submitit.check_compatible` checks they still override). The job script sets
+    its own environment, so submitit's setup keeps only the site's lines (module loads).
+    """
+    params = executor_parameters(job)
+    params.update(
+        nodes=1,
+        tasks_per_node=1,
+        slurm_use_srun=False,
+        slurm_setup=list(job.setup),
+    )
+    del params["slurm_srun_args"]
+    params["slurm_additional_parameters"] = {
+        **params["slurm_additional_parameters"],
+        "nodes": job.allocated_nodes,
+        "ntasks_per_node": job.tasks_per_node,
+        "no_kill": True,  # a failed node does not end the job (launch/sbatch.py)
+    }
     return params
 
 
@@ -237,14 +232,18 @@ def job_python(job: JobSpec, folder: Path, python: str = sys.executable) -> str:
     )
 
 
-def make_executor(job: JobSpec, folder: Path) -> submitit.AutoExecutor:
+def make_executor(job: JobSpec, folder: Path, *, training: bool = False) -> submitit.AutoExecutor:
+    """The executor of an eval/predict job (every task one rank, in the container if any), or
+    of a training job (`training`: one process on the host runs the job script)."""
     executor = submitit.AutoExecutor(
         folder=folder,
         cluster="slurm",
         slurm_max_num_timeout=job.max_requeues,
-        slurm_python=job_python(job, folder),
+        slurm_python=shlex.quote(sys.executable) if training else job_python(job, folder),
     )
-    executor.update_parameters(**executor_parameters(job))
+    executor.update_parameters(
+        **(training_parameters(job) if training else executor_parameters(job))
+    )
     return executor
 
 
@@ -255,20 +254,22 @@ def submission_script(
     *,
     num_tasks: int = 1,
     max_parallel: int = 0,
+    training: bool = False,
 ) -> str:
     """The sbatch script submitit writes for `job` (for --dry-run; needs no SLURM binaries).
 
     Args:
         num_tasks: sweep points; two or more make a job array.
         max_parallel: at most this many array tasks at once; 0: submitit's default.
+        training: a training job (one process runs the job script's loop on the host), not
+            an eval/predict job (every task one rank).
     """
-    command = " ".join(
-        [job_python(job, folder, python), "-u -m submitit.core._submit", shlex.quote(str(folder))]
-    )
+    start = shlex.quote(python) if training else job_python(job, folder, python)
+    command = " ".join([start, "-u -m submitit.core._submit", shlex.quote(str(folder))])
     if max_parallel:
         job = dataclasses.replace(job, max_parallel=max_parallel)
     return render_submission(
-        executor_parameters(job),
+        training_parameters(job) if training else executor_parameters(job),
         command=command,
         folder=folder,
         map_count=num_tasks if num_tasks > 1 else None,
@@ -345,12 +346,12 @@ def submit(
     folder = log_folder(cfg) / "submitit"
     if max_parallel:
         job = dataclasses.replace(job, max_parallel=max_parallel)
-    executor = make_executor(job, folder)
+    executor = make_executor(job, folder, training=True)
     if len(configs) == 1:
-        jobs = [executor.submit(TrainingJob(configs[0]))]
+        jobs = [executor.submit(TrainingJob(configs[0], job))]
     else:
         with executor.batch():
-            jobs = [executor.submit(TrainingJob(c)) for c in configs]
+            jobs = [executor.submit(TrainingJob(c, job)) for c in configs]
     results = []
     for run_cfg, sjob in zip(configs, jobs, strict=True):
         paths = sjob.paths

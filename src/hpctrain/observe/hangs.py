@@ -43,7 +43,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from hpctrain.errors import HpctrainError, rank_tag
+from hpctrain.errors import DistributedError, rank_tag
 
 log = logging.getLogger("hpctrain")
 
@@ -53,8 +53,12 @@ STEP_TIMEOUT_EXIT_CODE = 1
 _FOLDER = re.compile(r"^(\d{8}-\d{6})Z(?:-\d+)?$")
 
 
-class CollectiveTimeout(HpctrainError):
-    """A collective waited longer than `train.collective_timeout_s` for a peer rank."""
+class CollectiveTimeout(DistributedError):
+    """A collective waited longer than `train.collective_timeout_s` for a peer rank.
+
+    Exit 7 (`EXIT_DISTRIBUTED`): the peer hung or died, not this rank; the job script
+    restarts the run and blames the rank that never ended (launch/restart_policy.py).
+    """
 
     label = "hang error"
 

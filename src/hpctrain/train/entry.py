@@ -10,6 +10,7 @@ import torch
 
 from hpctrain.config import Config
 from hpctrain.distributed import process_group, start_process
+from hpctrain.distributed.startup import log_usable_cpus
 from hpctrain.train.trainer import Trainer
 
 log = logging.getLogger("hpctrain")
@@ -31,10 +32,17 @@ def run_training(cfg: Config) -> int:
         os.environ.get("HPCTRAIN_LAUNCHER") or env.source,
         cfg.run_dir,
     )
+    log_usable_cpus(env, cfg.data.workers_per_rank)
     # Anomaly detection names the forward op that made a NaN gradient (slow: debug mode only);
     # as a context it is switched off again when an in-process run returns.
     with (
-        process_group(env, device, cfg.train.collective_timeout_s, Path(cfg.run_dir) / "hangs"),
+        process_group(
+            env,
+            device,
+            cfg.train.collective_timeout_s,
+            Path(cfg.run_dir) / "hangs",
+            require_fabric=cfg.slurm.require_fabric,
+        ),
         torch.autograd.set_detect_anomaly(cfg.train.debug),
     ):
         trainer = Trainer(cfg, env, device)

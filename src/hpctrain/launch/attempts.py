@@ -1,0 +1,458 @@
+"""The attempts of a job, step by step: `python -m hpctrain.launch.attempts begin|place|end ...`.
+
+Every job script (the sbatch templates of `launch/sbatch.py`, and the one the submitit job runs:
+`launch/submit.py`) trains in a loop of attempts inside its allocation:
+
+    begin   number the attempt, close one the job shell never finished, list the nodes to probe
+    (srun)  the health probe, one task per node (launch/probe.py)
+    place   the nodes that passed: train on `slurm.nodes` of them, or requeue without the others
+    (srun)  the training, every task under launch/watch.py
+    end     classify how the ranks ended, write the attempt's record, decide what comes next
+
+Each step loads the run's config (the arguments `hpctrain train` gets), reads and writes the
+run folder only (no SLURM command: they may be missing inside a container; the script runs
+those), prints shell assignments on stdout for the script to `eval`, and one line for the job
+log on stderr. The decisions themselves are the pure functions of `launch/restart_policy.py`.
+
+Files, all under RUN_DIR/slurm: `attempts.jsonl` (one `AttemptRecord` a line, the run's
+history: docs/clusters.md) and `attempts/<N>/` (the attempt's own: `begin.json`,
+`place.json`, `probe-<node>.json`, `rank-<R>.json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpctrain.config import Config, ConfigError, load_config
+from hpctrain.distributed.env import expand_hostlist
+from hpctrain.files import write_atomic
+from hpctrain.launch.restart_policy import (
+    AttemptRecord,
+    Failure,
+    Policy,
+    ProbeResult,
+    RankEnd,
+    Verdict,
+    classify,
+    decide,
+    place,
+)
+
+RECORDS = "attempts.jsonl"
+FOLDERS = "attempts"
+LATEST_POINTER = "latest"  # hpctrain.checkpoint.manifest's (read here without torch)
+TIME_LIMIT_SLACK_S = 60.0  # SLURM checks limits every ~30 s: its warning may come that early
+
+
+def slurm_folder(run_dir: Path) -> Path:
+    return run_dir / "slurm"
+
+
+def read_records(run_dir: Path) -> list[AttemptRecord]:
+    """The run's attempts, oldest first; a line cut by a kill is skipped."""
+    path = slurm_folder(run_dir) / RECORDS
+    records = []
+    if path.is_file():
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                records.append(AttemptRecord.from_json(json.loads(line)))
+            except (ValueError, TypeError):
+                continue
+    return records
+
+
+def append_record(run_dir: Path, record: AttemptRecord) -> None:
+    # One write of one line: the job shell is the only writer of its run folder's history.
+    with open(slurm_folder(run_dir) / RECORDS, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record.to_json()) + "\n")
+
+
+def newest_committed(root: str) -> int | None:
+    """The step the checkpoint root's `latest` pointer names (None: no committed checkpoint)."""
+    text = ""
+    try:
+        if "://" in root:
+            import fsspec
+
+            with fsspec.open(f"{root.rstrip('/')}/{LATEST_POINTER}", "rt") as f:
+                text = f.read()
+        else:
+            text = (Path(os.path.expandvars(root)) / LATEST_POINTER).read_text()
+    except (OSError, ValueError):
+        return None
+    text = text.strip()
+    return int(text[5:]) if text.startswith("step-") and text[5:].isdigit() else None
+
+
+def steps_logged_since(run_dir: Path, offset: int) -> int | None:
+    """The highest training step metrics.jsonl got after byte `offset` (None: none)."""
+    path = run_dir / "metrics.jsonl"
+    step = None
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue  # a line cut by a kill
+                if isinstance(record, dict) and isinstance(record.get("step"), int):
+                    step = max(step or 0, record["step"])
+    except OSError:
+        return None
+    return step
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def policy_of(cfg: Config, job: JobFacts) -> Policy:
+    s = cfg.slurm
+    return Policy(
+        nodes=nodes_to_train(cfg, job),
+        max_restarts=s.max_restarts,
+        max_requeues=s.max_requeues,
+        max_no_progress=s.max_no_progress,
+    )
+
+
+def nodes_to_train(cfg: Config, job: JobFacts) -> int:
+    """The allocation's nodes less `slurm.spare_nodes`: what `#SBATCH --nodes` asked for, so a
+    script edited by hand (more nodes) trains on them all. `slurm.nodes` outside a job."""
+    if not job.allocation:
+        return cfg.slurm.nodes
+    return max(1, len(job.allocation) - cfg.slurm.spare_nodes)
+
+
+@dataclass(frozen=True)
+class JobFacts:
+    """What the job's environment says (SLURM's variables in the batch shell)."""
+
+    job_id: str
+    restart: int
+    allocation: tuple[str, ...]
+    tasks_per_node: int
+    end_time: float | None
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str]) -> JobFacts:
+        job = env.get("SLURM_JOB_ID", "")
+        if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
+            job = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+        nodes = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
+        tasks = env.get("SLURM_NTASKS_PER_NODE", "") or env.get("SLURM_TASKS_PER_NODE", "1")
+        end = env.get("SLURM_JOB_END_TIME", "")
+        return cls(
+            job_id=job,
+            restart=int(env.get("SLURM_RESTART_COUNT", "0") or 0),
+            allocation=tuple(expand_hostlist(nodes)) if nodes else (),
+            tasks_per_node=int(tasks.split("(")[0].split(",")[0] or 1),
+            end_time=float(end) if end.isdigit() else None,
+        )
+
+
+def same_allocation(record: AttemptRecord, job: JobFacts) -> bool:
+    return record.job_id == job.job_id and record.restart == job.restart
+
+
+# Read by the tasks (the run lock takes over an earlier attempt's: checkpoint/lock.py)
+EXPORTED = frozenset({"HPCTRAIN_ATTEMPT"})
+
+
+def _shell(**values: object) -> str:
+    """`KEY=value` lines for the script's eval (lists become bash arrays)."""
+    lines = []
+    for key, value in values.items():
+        if isinstance(value, (list, tuple)):
+            lines.append(f"{key}=({' '.join(shlex.quote(str(v)) for v in value)})")
+        else:
+            export = "export " if key in EXPORTED else ""
+            lines.append(f"{export}{key}={shlex.quote(str(value))}")
+    return "\n".join(lines)
+
+
+def _say(line: str) -> None:
+    sys.stderr.write(f"hpctrain: {line}\n")  # one write: the job log's line stays whole
+    sys.stderr.flush()
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_json(path: Path, data: Mapping[str, Any]) -> None:
+    write_atomic(path, (json.dumps(data) + "\n").encode())
+
+
+# ------------------------------------------------------------------------------ begin
+def close_unfinished(run_dir: Path, records: list[AttemptRecord], root: str) -> list[AttemptRecord]:
+    """Records for attempts whose job shell was killed before their `end` (a hard time limit,
+    a node failure, SLURM's own requeue): kind "interrupted", ended when their files last
+    changed. The run's history stays whole for `hpctrain status` and the goodput."""
+    done = {r.attempt for r in records}
+    folders = slurm_folder(run_dir) / FOLDERS
+    numbers = (
+        sorted(int(p.name) for p in folders.iterdir() if p.name.isdigit())
+        if folders.is_dir()
+        else []
+    )
+    for number in numbers:
+        folder = folders / str(number)
+        begun = _read_json(folder / "begin.json")
+        if number in done or not begun:
+            continue
+        placed = _read_json(folder / "place.json")
+        last = max((p.stat().st_mtime for p in folder.iterdir()), default=begun["start"])
+        record = AttemptRecord(
+            attempt=number, job_id=begun["job_id"], restart=begun["restart"],
+            start=begun["start"], end=last, nodes=placed.get("nodes", []),
+            excluded=begun.get("excluded", []), num_tasks=placed.get("num_tasks", 0),
+            kind="interrupted", decision="requeue",
+            reason="the job ended under this attempt (time limit, node failure or SLURM's requeue)",
+            step_reached=steps_logged_since(run_dir, begun.get("metrics_offset", 0)),
+            resumed_from=begun.get("committed"), committed=newest_committed(root),
+        )  # fmt: skip
+        append_record(run_dir, record)
+        records.append(record)
+    return records
+
+
+def begin(cfg: Config, job: JobFacts, *, down: Sequence[str] = ()) -> str:
+    """Start an attempt: its number and folder, the nodes to probe, the resume to ask for."""
+    run_dir = Path(cfg.run_dir)
+    root = cfg.checkpoint_root()
+    records = close_unfinished(run_dir, read_records(run_dir), root)
+    folders = slurm_folder(run_dir) / FOLDERS
+    folders.mkdir(parents=True, exist_ok=True)
+    taken = [int(p.name) for p in folders.iterdir() if p.name.isdigit()]
+    number = max([0, *taken, *(r.attempt for r in records)]) + 1
+    folder = folders / str(number)
+    folder.mkdir()
+    excluded = sorted(
+        {n for r in records if same_allocation(r, job) for n in r.set_aside}
+        | (set(down) & set(job.allocation))
+    )
+    committed = newest_committed(root)
+    _write_json(
+        folder / "begin.json",
+        {
+            "attempt": number, "job_id": job.job_id, "restart": job.restart,
+            "start": time.time(), "excluded": excluded, "committed": committed,
+            "metrics_offset": _size(run_dir / "metrics.jsonl"),
+        },
+    )  # fmt: skip
+    probe = [n for n in job.allocation if n not in excluded]
+    # After a failure or a requeue, continue from the run's own newest checkpoint, whatever
+    # the config's checkpoint.resume says (none, or a path: the run's start).
+    again = (bool(records) and records[-1].decision in ("restart", "requeue")) or job.restart > 0
+    resume = ["checkpoint.resume=latest"] if again and committed is not None else []
+    aside = f", {','.join(excluded)} set aside" if excluded else ""
+    _say(
+        f"attempt {number} (job {job.job_id}, restart {job.restart}) probes {','.join(probe)}{aside}"
+    )
+    return _shell(
+        ATTEMPT=number,
+        ATTEMPT_DIR=str(folder),
+        PROBE_NODES=",".join(probe),
+        NUM_PROBE_NODES=len(probe),
+        HPCTRAIN_ATTEMPT=number,
+        RESUME=resume,
+    )
+
+
+def current_folder(run_dir: Path) -> Path:
+    folders = slurm_folder(run_dir) / FOLDERS
+    numbers = (
+        [int(p.name) for p in folders.iterdir() if p.name.isdigit()] if folders.is_dir() else []
+    )
+    if not numbers:
+        raise ConfigError(f"{folders}: no attempt begun (run `attempts begin` first)")
+    return folders / str(max(numbers))
+
+
+# ------------------------------------------------------------------------------ place
+def read_probes(folder: Path) -> list[ProbeResult]:
+    results = []
+    for path in sorted(folder.glob("probe-*.json")):
+        data = _read_json(path)
+        if data.get("node"):
+            results.append(
+                ProbeResult(
+                    node=str(data["node"]),
+                    failed_check=str(data.get("failed_check", "")),
+                    message=str(data.get("message", "")),
+                    shared=bool(data.get("shared", False)),
+                )
+            )
+    return results
+
+
+def place_attempt(cfg: Config, job: JobFacts) -> str:
+    """After the probe: the nodes this attempt trains on, or the requeue/stop without them."""
+    run_dir = Path(cfg.run_dir)
+    folder = current_folder(run_dir)
+    begun = _read_json(folder / "begin.json")
+    placement = place(
+        job.allocation,
+        begun.get("excluded", []),
+        read_probes(folder),
+        nodes=nodes_to_train(cfg, job),
+    )
+    if placement.line:
+        _say(placement.line)
+    num_tasks = len(placement.nodes) * job.tasks_per_node
+    _write_json(
+        folder / "place.json",
+        {"nodes": list(placement.nodes), "num_tasks": num_tasks, "set_aside": placement.set_aside},
+    )
+    if placement.nodes:
+        return _shell(
+            NEXT="train",
+            TRAIN_NODES=",".join(placement.nodes),
+            NUM_NODES=len(placement.nodes),
+            NUM_TASKS=num_tasks,
+        )
+    records = read_records(run_dir)
+    verdict = decide(
+        Failure("probe"),
+        history=records,
+        policy=policy_of(cfg, job),
+        step_reached=None,
+        committed_start=begun.get("committed"),
+        committed_end=begun.get("committed"),
+        restarts_here=sum(same_allocation(r, job) for r in records),
+        requeues=job.restart,
+        job_running=True,
+        set_aside=sorted(placement.set_aside),
+    )
+    return _finish(cfg, job, folder, begun, verdict, ranks=(), srun_status=None)
+
+
+# ------------------------------------------------------------------------------ end
+def read_ranks(folder: Path, nodes: Sequence[str], tasks_per_node: int) -> list[RankEnd]:
+    """Every rank of the attempt, from its watcher's record or, without one, as never started
+    (on the node srun's block distribution gave it)."""
+    ranks = []
+    for rank in range(len(nodes) * tasks_per_node):
+        data = _read_json(folder / f"rank-{rank}.json")
+        ranks.append(
+            RankEnd(
+                rank=rank,
+                node=str(data.get("node") or nodes[rank // tasks_per_node]),
+                started=data.get("started"),
+                ended=data.get("ended"),
+                exit_code=data.get("exit_code"),
+                signal=data.get("signal"),
+                received=tuple(data.get("received") or ()),
+            )
+        )
+    return ranks
+
+
+def end_attempt(cfg: Config, job: JobFacts, *, srun_status: int, state: str) -> str:
+    """After the training step: the attempt's record, and what the job does next."""
+    run_dir = Path(cfg.run_dir)
+    folder = current_folder(run_dir)
+    begun = _read_json(folder / "begin.json")
+    placed = _read_json(folder / "place.json")
+    nodes = placed.get("nodes", [])
+    ranks = read_ranks(folder, nodes, job.tasks_per_node)
+    records = read_records(run_dir)
+    excluded = {*begun.get("excluded", []), *placed.get("set_aside", {})}
+    available = [n for n in job.allocation if n not in excluded]
+    margin = max(cfg.slurm.signal_margin_s, cfg.checkpoint.deadline_margin_s) + TIME_LIMIT_SLACK_S
+    verdict = decide(
+        classify(ranks, srun_status=srun_status),
+        history=records,
+        policy=policy_of(cfg, job),
+        step_reached=steps_logged_since(run_dir, begun.get("metrics_offset", 0)),
+        committed_start=begun.get("committed"),
+        committed_end=newest_committed(cfg.checkpoint_root()),
+        restarts_here=sum(same_allocation(r, job) for r in records),
+        requeues=job.restart,
+        job_running=state in ("RUNNING", ""),
+        near_time_limit=job.end_time is not None and job.end_time - time.time() <= margin,
+        healthy_spares=len(available) - nodes_to_train(cfg, job),
+    )
+    return _finish(cfg, job, folder, begun, verdict, ranks=ranks, srun_status=srun_status)
+
+
+def _finish(
+    cfg: Config,
+    job: JobFacts,
+    folder: Path,
+    begun: Mapping[str, Any],
+    verdict: Verdict,
+    *,
+    ranks: Sequence[RankEnd],
+    srun_status: int | None,
+) -> str:
+    run_dir = Path(cfg.run_dir)
+    placed = _read_json(folder / "place.json")
+    set_aside = dict(placed.get("set_aside", {}))
+    for node in verdict.exclude:
+        set_aside.setdefault(
+            node, f"{verdict.kind}: {verdict.culprit.describe() if verdict.culprit else 'suspect'}"
+        )
+    record = AttemptRecord(
+        attempt=int(begun["attempt"]), job_id=job.job_id, restart=job.restart,
+        start=float(begun["start"]), end=time.time(), nodes=list(placed.get("nodes", [])),
+        excluded=list(begun.get("excluded", [])), num_tasks=len(ranks),
+        kind=verdict.kind, decision=verdict.action, reason=verdict.line,
+        first_failure=verdict.culprit.summary() if verdict.culprit else None,
+        step_reached=steps_logged_since(run_dir, begun.get("metrics_offset", 0)),
+        resumed_from=begun.get("committed"), committed=newest_committed(cfg.checkpoint_root()),
+        set_aside=set_aside, srun_status=srun_status, exit_code=verdict.exit_code,
+    )  # fmt: skip
+    append_record(run_dir, record)
+    _say(f"attempt {record.attempt}: {verdict.line}")
+    exclude = sorted(set(verdict.exclude) | set(placed.get("set_aside", {})))
+    return _shell(NEXT=verdict.action, EXCLUDE=",".join(exclude), EXIT=verdict.exit_code)
+
+
+# ------------------------------------------------------------------------------ main
+def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hpctrain.launch.attempts")
+    parser.add_argument("step", choices=("begin", "place", "end"))
+    parser.add_argument("--down", default="", help="begin: nodes SLURM lists as down or drained")
+    parser.add_argument("--status", type=int, default=0, help="end: srun's exit status")
+    parser.add_argument("--state", default="", help="end: the job's state (squeue %%T)")
+    parser.add_argument("config")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    env = os.environ if environ is None else environ
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        _say(f"attempts {args.step}: config error: {exc}")
+        return exc.exit_code
+    job = JobFacts.from_environ(env)
+    if args.step == "begin":
+        down = expand_hostlist(args.down.replace(" ", ",")) if args.down.strip() else []
+        print(begin(cfg, job, down=down))
+    elif args.step == "place":
+        print(place_attempt(cfg, job))
+    else:
+        print(end_attempt(cfg, job, srun_status=args.status, state=args.state.strip()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,280 @@
+"""The decisions after an attempt (launch/restart_policy.py), from made-up rank ends.
+
+No processes: each case writes how the ranks of an attempt ended, as the watchers would, and
+checks the failure named and what the job does next.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hpctrain.launch.restart_policy import (
+    REQUEUE_EXIT_CODE,
+    AttemptRecord,
+    Failure,
+    Policy,
+    ProbeResult,
+    RankEnd,
+    classify,
+    decide,
+    no_progress_run,
+    place,
+)
+
+KILL, TERM, SEGV = int(signal.SIGKILL), int(signal.SIGTERM), int(signal.SIGSEGV)
+POLICY = Policy(nodes=2, max_restarts=3, max_requeues=3, max_no_progress=2)
+
+
+def ended(rank: int, at: float, *, code: int | None = None, sig: int | None = None,
+          node: str = "") -> RankEnd:  # fmt: skip
+    return RankEnd(rank, node or f"n{rank // 2 + 1}", started=0.0, ended=at,
+                   exit_code=code, signal=sig)  # fmt: skip
+
+
+def record(kind: str, *, committed: int | None = 10, resumed: int | None = 10,
+           step: int | None = 12, code: int | None = 1, node: str = "n1",
+           job: str = "7", restart: int = 0, decision: str = "restart") -> AttemptRecord:  # fmt: skip
+    return AttemptRecord(
+        attempt=1, job_id=job, restart=restart, start=0.0, end=1.0, nodes=["n1", "n2"],
+        excluded=[], num_tasks=4, kind=kind, decision=decision, reason="",
+        first_failure={"rank": 0, "node": node, "exit_code": code, "signal": None},
+        step_reached=step, resumed_from=resumed, committed=committed,
+    )  # fmt: skip
+
+
+def verdict(failure: Failure, history=(), **facts):  # type: ignore[no-untyped-def]
+    args = {
+        "history": list(history), "policy": POLICY, "step_reached": 12, "committed_start": 10,
+        "committed_end": 10, "restarts_here": 0, "requeues": 0, "job_running": True,
+        "near_time_limit": False, "healthy_spares": 0,
+    }  # fmt: skip
+    args.update(facts)
+    return decide(failure, **args)
+
+
+# ------------------------------------------------------------------------------ classify
+def test_a_rank_killed_by_sigkill_is_the_failure_not_the_peers_that_lost_it() -> None:
+    ranks = [ended(0, 10.2, code=7), ended(1, 10.0, sig=KILL), ended(2, 10.3, sig=TERM),
+             ended(3, 10.1, code=1)]  # fmt: skip
+    failure = classify(ranks, srun_status=143)
+    assert failure.kind == "signal" and failure.culprit is not None
+    assert (failure.culprit.rank, failure.suspect_node) == (1, "n1")
+    assert failure.culprit.describe() == "rank 1 on n1 killed by SIGKILL"
+
+
+def test_the_earliest_own_failure_wins_and_exit_2_to_6_is_the_users() -> None:
+    ranks = [ended(0, 5.0, code=3), ended(1, 4.0, code=3), ended(2, 6.0, code=7)]
+    failure = classify(ranks, srun_status=3)
+    assert failure.kind == "user" and failure.culprit is not None and failure.culprit.rank == 1
+    assert classify([ended(0, 1.0, code=1), ended(1, 2.0, code=7)], srun_status=1).kind == "error"
+
+
+def test_peers_that_gave_up_while_one_never_ended_point_at_the_hung_rank() -> None:
+    hung = RankEnd(3, "n2", started=0.0)  # killed with its watcher when srun ended the step
+    failure = classify([ended(0, 9.0, code=7), ended(1, 9.1, code=7), ended(2, 9.0, code=7), hung],
+                       srun_status=7)  # fmt: skip
+    assert (failure.kind, failure.suspect_node) == ("hang", "n2")
+    assert failure.culprit == hung
+
+
+def test_distributed_errors_alone_blame_no_node() -> None:
+    failure = classify([ended(0, 1.0, code=7), ended(1, 1.1, code=7)], srun_status=7)
+    assert failure.kind == "distributed" and failure.suspect_node == ""
+
+
+def test_ranks_that_never_started_are_a_lost_node_unless_none_started() -> None:
+    ranks = [ended(0, 1.0, code=7), ended(1, 1.0, code=7), RankEnd(2, "n2"), RankEnd(3, "n2")]
+    assert classify(ranks, srun_status=1) == Failure("lost", ranks[2], "n2")
+    assert classify([RankEnd(0, "n1"), RankEnd(1, "n1")], srun_status=1) == Failure("lost")
+
+
+def test_the_trainers_requeue_code_and_slurms_own_signals_are_preemptions() -> None:
+    saved = classify([ended(0, 1.0, code=REQUEUE_EXIT_CODE), ended(1, 1.0, code=REQUEUE_EXIT_CODE)],
+                     srun_status=75)  # fmt: skip
+    assert saved.kind == "preempted"
+    stopped = classify([ended(0, 1.0, sig=TERM), ended(1, 1.0, sig=TERM)], srun_status=143)
+    assert stopped.kind == "preempted"
+    assert (
+        classify([ended(0, 1.0, code=0), ended(1, 1.0, code=0)], srun_status=0).kind == "completed"
+    )
+
+
+# ------------------------------------------------------------------------------ decide
+def test_a_killed_rank_restarts_in_place_without_a_spare_and_swaps_its_node_with_one() -> None:
+    failure = classify([ended(0, 1.0, code=7), ended(1, 0.9, sig=KILL)], srun_status=143)
+    here = verdict(failure, committed_end=12)
+    assert here.action == "restart" and here.exclude == ()
+    assert here.line == (
+        "rank 1 on n1 killed by SIGKILL at step 12; restarting in this allocation "
+        "(1/3, slurm.max_restarts)"
+    )
+    swapped = verdict(failure, committed_end=12, healthy_spares=1)
+    assert swapped.action == "restart" and swapped.exclude == ("n1",)
+    assert swapped.line.endswith("; n1 set aside")
+
+
+def test_a_node_blamed_twice_running_is_set_aside_by_a_requeue_without_spares() -> None:
+    failure = classify([ended(0, 1.0, sig=SEGV, node="n1")], srun_status=139)
+    before = record("signal", node="n1", code=None, committed=12, resumed=10)
+    again = verdict(failure, [before], committed_end=14, committed_start=12)
+    assert (again.action, again.exclude) == ("requeue", ("n1",))
+    assert again.line.endswith("; requeueing (n1 set aside)")
+
+
+def test_a_lost_node_is_always_set_aside() -> None:
+    failure = Failure("lost", RankEnd(2, "n2", started=0.0), "n2")
+    assert verdict(failure, committed_end=11).action == "requeue"
+    assert verdict(failure, committed_end=11, healthy_spares=1).exclude == ("n2",)
+
+
+def test_the_users_error_is_never_retried_and_keeps_its_exit_code() -> None:
+    failure = classify([ended(0, 1.0, code=2), ended(1, 1.0, code=2)], srun_status=2)
+    stop = verdict(failure)
+    assert (stop.action, stop.kind, stop.exit_code) == ("stop", "user", 2)
+    assert "the user's error (exit 2-6: docs/errors.md), not retried" in stop.line
+
+
+def test_the_same_exit_1_at_the_same_step_twice_is_a_bug() -> None:
+    failure = classify([ended(0, 1.0, code=1)], srun_status=1)
+    first = verdict(failure, committed_end=11)
+    assert first.action == "restart"
+    twice = verdict(failure, [record("error", step=12, committed=11)], committed_start=11,
+                    committed_end=11)  # fmt: skip
+    assert (twice.action, twice.kind, twice.exit_code) == ("stop", "bug", 1)
+    assert (
+        twice.line == "rank 0 on n1 exited 1 at step 12, as the attempt before: a bug, not retried"
+    )
+    elsewhere = verdict(failure, [record("error", step=9)], step_reached=12, committed_end=12)
+    assert elsewhere.action == "restart"
+
+
+def test_no_progress_stops_a_crash_loop_and_preemptions_do_not_count() -> None:
+    failure = classify([ended(0, 1.0, sig=KILL)], srun_status=137)
+    stuck = record("signal", committed=10, resumed=10, code=None, node="n2")
+    stop = verdict(failure, [stuck])
+    assert stop.action == "stop" and stop.exit_code == 128 + KILL
+    assert stop.line.startswith(
+        "stopped: no progress (2 attempts in a row committed no checkpoint, slurm.max_no_progress=2); "
+        "last failure: rank 0 on n1 killed by SIGKILL at step 12"
+    )
+    preempted = record("preempted", committed=10, resumed=10)
+    assert verdict(failure, [stuck, preempted]).action == "stop"  # skipped, not a reset
+    assert verdict(failure, [stuck], committed_end=11).action == "restart"  # it progressed
+    progressed = record("signal", committed=10, resumed=8, node="n3")
+    assert verdict(failure, [stuck, progressed]).action == "restart"
+    off = decide(failure, history=[stuck] * 5, policy=Policy(nodes=2, max_no_progress=0),
+                 step_reached=1, committed_start=None, committed_end=None, restarts_here=0,
+                 requeues=0, job_running=True)  # fmt: skip
+    assert off.action == "restart"
+    assert no_progress_run([stuck, preempted, stuck]) == 2
+
+
+def test_restarts_run_out_into_a_requeue_then_a_stop() -> None:
+    failure = classify([ended(0, 1.0, code=7), ended(1, 1.0, code=7)], srun_status=7)
+    assert verdict(failure, committed_end=11, restarts_here=3).line.endswith(
+        "; requeueing (3 restarts done here)"
+    )
+    done = verdict(failure, committed_end=11, restarts_here=3, requeues=3)
+    assert done.action == "stop" and "slurm.max_restarts, slurm.max_requeues" in done.line
+
+
+def test_preemption_and_time_limit_requeue_within_max_requeues() -> None:
+    saved = Failure("preempted", ended(0, 1.0, code=REQUEUE_EXIT_CODE))
+    assert (verdict(saved).action, verdict(saved).kind) == ("requeue", "preempted")
+    assert verdict(saved, near_time_limit=True).kind == "time_limit"
+    spent = verdict(saved, requeues=3)
+    assert (spent.action, spent.exit_code) == ("stop", REQUEUE_EXIT_CODE)
+    assert "3 requeues done (slurm.max_requeues)" in spent.line
+
+
+def test_a_job_no_longer_running_stops_whatever_happened() -> None:
+    failure = classify([ended(0, 1.0, sig=KILL)], srun_status=137)
+    stop = verdict(failure, job_running=False)
+    assert (stop.action, stop.kind) == ("stop", "cancelled")
+
+
+def test_a_failed_probe_requeues_without_the_bad_nodes() -> None:
+    probe = verdict(Failure("probe"), set_aside=["n2"], committed_end=10)
+    assert (probe.action, probe.exclude) == ("requeue", ("n2",))
+    assert probe.line.startswith("too few nodes passed the health probe (n2 failed)")
+    assert verdict(Failure("probe"), set_aside=["n2"], requeues=3).action == "stop"
+
+
+# ------------------------------------------------------------------------------ place
+def test_place_sets_aside_the_nodes_that_failed_and_keeps_allocation_order() -> None:
+    probes = [ProbeResult("n1"), ProbeResult("n2", "local temp", "/tmp/x: Is a directory"),
+              ProbeResult("n3")]  # fmt: skip
+    placed = place(["n1", "n2", "n3"], [], probes, nodes=2)
+    assert placed.nodes == ("n1", "n3")
+    assert placed.set_aside == {"n2": "local temp: /tmp/x: Is a directory"}
+    assert placed.line == "probe: n2 failed local temp: /tmp/x: Is a directory"
+    assert place(["n1", "n2", "n3"], ["n1"], probes, nodes=2).nodes == ()  # n1 set aside before
+    silent = place(["n1", "n2", "n3"], [], probes[:2], nodes=2)  # n3 never answered
+    assert silent.nodes == () and "n3 failed answer" in silent.line
+
+
+def test_place_trains_anyway_when_every_node_fails_the_same_shared_check() -> None:
+    probes = [
+        ProbeResult(n, "data", "data.train=/x: No such file", shared=True) for n in ("n1", "n2")
+    ]
+    placed = place(["n1", "n2"], [], probes, nodes=2)
+    assert placed.nodes == ("n1", "n2") and placed.set_aside == {}
+    assert "not a node's fault" in placed.line
+    # one node alone failing a node-local check: the node, not the config
+    lone = place(["n1"], [], [ProbeResult("n1", "local temp", "full")], nodes=1)
+    assert lone.nodes == () and lone.set_aside == {"n1": "local temp: full"}
+    assert place(["n1", "n2"], [], [], nodes=2).nodes == ("n1", "n2")  # no probe: all train
+    gone = place(["n1"], ["n1"], [], nodes=1)  # SLURM drained it, or it failed before
+    assert gone.nodes == () and gone.line == "0 node(s) left (n1 set aside), 1 needed"
+    after = verdict(Failure("probe"), committed_end=10)
+    assert (
+        after.line
+        == "too few nodes left in the allocation at step 12; requeueing (for other nodes)"
+    )
+
+
+# ------------------------------------------------------------------------------ properties
+rank_end = st.builds(
+    RankEnd,
+    rank=st.integers(0, 7),
+    node=st.sampled_from(["n1", "n2", "n3"]),
+    started=st.one_of(st.none(), st.floats(0, 10)),
+    ended=st.one_of(st.none(), st.floats(10, 20)),
+    exit_code=st.one_of(st.none(), st.sampled_from([0, 1, 2, 3, 4, 5, 6, 7, 75, 137])),
+    signal=st.one_of(st.none(), st.sampled_from([KILL, TERM, SEGV, int(signal.SIGUSR2)])),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ranks=st.lists(rank_end, min_size=1, max_size=8), restarts=st.integers(0, 5),
+       requeues=st.integers(0, 5), spares=st.integers(0, 2))  # fmt: skip
+def test_every_outcome_gets_a_verdict_and_the_users_error_is_never_retried(
+    ranks: list[RankEnd], restarts: int, requeues: int, spares: int
+) -> None:
+    failure = classify(ranks, srun_status=1)
+    if failure.culprit is not None:
+        assert failure.culprit in ranks
+    result = verdict(failure, restarts_here=restarts, requeues=requeues, healthy_spares=spares)
+    assert result.action in ("done", "restart", "requeue", "stop") and "\n" not in result.line
+    if failure.kind == "user":
+        assert result.action == "stop" and 2 <= result.exit_code <= 6
+    if result.action == "restart":
+        assert restarts < POLICY.max_restarts and (not result.exclude or spares > 0)
+    if result.action == "requeue":
+        assert requeues < POLICY.max_requeues
+
+
+def test_the_requeue_code_is_the_trainers() -> None:
+    from hpctrain.train.preemption import REQUEUE_EXIT_CODE as TRAINERS
+
+    assert REQUEUE_EXIT_CODE == TRAINERS
+
+
+@pytest.mark.parametrize("kind", ["completed", "preempted"])
+def test_records_round_trip_through_json(kind: str) -> None:
+    one = record(kind)
+    assert AttemptRecord.from_json({**one.to_json(), "a_field_of_later": 1}) == one
