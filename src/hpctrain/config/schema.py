@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
-from typing import Any
+from typing import Any, Literal
 
 
 def _f(default: Any, help: str, **checks: Any) -> Any:
@@ -333,7 +333,14 @@ class CheckpointConfig:
         "empty: RUN_DIR/checkpoints",
     )
     every_steps: int = _f(0, "save every N optimizer steps; 0 disables", min=0)
-    every_minutes: float = _f(0.0, "save every N minutes of training; 0 disables", min=0.0)
+    every_minutes: float | Literal["auto"] = _f(
+        0.0,
+        "save every N minutes of training; 0 disables; auto: the Young/Daly interval "
+        "sqrt(2 x blocking save time x mean time between failures), from the measured save "
+        "time and the run's failures (the cluster profile's mtbf_node_hours until it has its "
+        "own), re-evaluated after each save (docs/checkpoints.md)",
+        min=0.0,
+    )
     keep_last: int = _f(3, "committed checkpoints kept, newest first", min=1)
     keep_every: int = _f(
         0, "also keep every checkpoint whose step is a multiple of N; 0 disables", min=0
