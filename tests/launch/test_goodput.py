@@ -247,3 +247,16 @@ def test_status_goodput_and_plot_of_a_run_without_a_job(
     (tmp_path / "timeline.jsonl").unlink()
     assert main(["status", str(tmp_path), "--goodput"]) == 2  # nothing to account
     assert "nothing to account" in capsys.readouterr().err
+
+
+def test_lines_cut_by_a_kill_are_left_out(tmp_path: Path) -> None:
+    """A rank 0 killed mid-write leaves a cut last line in timeline.jsonl and metrics.jsonl."""
+    write_run(tmp_path)
+    with open(tmp_path / "timeline.jsonl", "a") as f:
+        f.write('{"kind": "checkpoint", "step": 40, "ti')
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "step": 31, "time": 11')
+    answer = sacct_line("7", 990, 1000, 1100) + sacct_line("7", 1100, 1111, 1150)
+    goodput = run_goodput(tmp_path, query=lambda ids: answer)
+    assert goodput.part_hours()["lost"] * 3600 == pytest.approx(4 * 36.0)
+    assert sum(goodput.part_hours().values()) == pytest.approx(goodput.allocated_hours)
