@@ -260,3 +260,24 @@ def test_lines_cut_by_a_kill_are_left_out(tmp_path: Path) -> None:
     goodput = run_goodput(tmp_path, query=lambda ids: answer)
     assert goodput.part_hours()["lost"] * 3600 == pytest.approx(4 * 36.0)
     assert sum(goodput.part_hours().values()) == pytest.approx(goodput.allocated_hours)
+
+
+def test_an_attempt_still_running_or_killed_with_its_job_stands_in_for_its_record() -> None:
+    """Attempt 2 has no record yet: while the job runs its trainer counts to now with nothing
+    lost; once the job was killed under it (no record: the next attempt writes one), the work
+    after its last save (step 20 at 1076, to step 22 at 1080) is lost."""
+    # attempt 2: started, saved step 20 (1076), logged step 22 (1080)
+    trainers = processes(TIMELINE[:5], [*METRICS[:6], train(22, 1080, 2, 1.0, 0.0)])
+    running = Allocation(job_id="7", restart=0, start=1000, end=1100, tasks=2, running=True)
+    goodput = account([running], RECORDS[:1], trainers, unit="task-hours", source="test")
+    rows = {row.label: row for row in goodput.rows}
+    assert rows["attempt 2"].kind == "running" and rows["attempt 2"].parts["lost"] == 0.0
+    assert rows["attempt 2"].parts["tail"] == 0.0
+    # 1050-1100 (now): no gap for the job script, the probe and launch to 1054, start-up to 1060
+    assert rows["attempt 2"].parts["startup"] == pytest.approx(2 * 10.0)
+    assert sum(goodput.part_hours().values()) * 3600 == pytest.approx(200.0)
+    killed = Allocation(job_id="7", restart=0, start=1000, end=1100, tasks=2)
+    rows = {r.label: r for r in account([killed], RECORDS[:1], trainers, unit="h", source="t").rows}
+    assert rows["attempt 2"].kind == "unrecorded" and rows["attempt 2"].lost_steps == 2
+    assert rows["attempt 2"].parts["lost"] == pytest.approx(2 * (1080 - 1076))
+    assert rows["attempt 2"].parts["tail"] == pytest.approx(2 * (1100 - 1080))

@@ -74,6 +74,7 @@ class Allocation:
     tasks: int  # nodes x tasks per node
     units_per_task: float = 1.0  # GPUs (else CPUs) allocated per task
     submit: float | None = None  # when it (or its requeue) entered the queue
+    running: bool = False  # still running: `end` is now
 
 
 @dataclass
@@ -271,7 +272,9 @@ def account_attempt(
     # The loop ends at the first rank's failure (the time after it is the tail: the others
     # noticing, srun ending the step), else at rank 0's end record or its last record.
     failed_at = (record.first_failure or {}).get("time")
-    if not isinstance(failed_at, (int, float)):
+    if record.kind == "running":  # training now: the steps since its last record included
+        loop_end = end
+    elif not isinstance(failed_at, (int, float)):
         loop_end = process.end["time"] if process.end is not None else process.last_record
     else:  # rank 0 ran to the failure at least (its last record may be well before)
         loop_end = min(failed_at, process.end["time"]) if process.end is not None else failed_at
@@ -328,9 +331,6 @@ def account(
             r for r in records if (r.job_id, r.restart) == (allocation.job_id, allocation.restart)
         ]
         mine.sort(key=lambda r: r.start)
-        if not mine:  # no attempt records (a job script of before them): one attempt, whole
-            inside = [p for p in trainers if allocation.start <= p.first_step <= allocation.end]
-            mine = [_whole_job_attempt(allocation, inside[0] if inside else None)]
         script = Row(
             label=f"job {allocation.job_id}" + (f" (requeue {allocation.restart})" if allocation.restart else ""),
             job_id=allocation.job_id, attempt=None, kind="job script", start=allocation.start,
@@ -346,20 +346,36 @@ def account(
             )  # without an attempt number (no job script's attempt): placed by time
             rows.append(account_attempt(record, process, allocation, start, end))
             now = end
+        # A trainer after the last record: the attempt still running, one whose job was
+        # killed under it (its record comes with the next attempt), or a job script without
+        # attempt records. It stands in for its attempt, to the allocation's end.
+        unrecorded = [p for p in trainers if now < p.first_step <= allocation.end]
+        if unrecorded or not mine:
+            process = unrecorded[0] if unrecorded else None
+            record = _stand_in(allocation, process, now)
+            rows.append(account_attempt(record, process, allocation, now, allocation.end))
+            now = allocation.end
         script.add("tail", (allocation.end - now) * allocation.tasks)
         if allocation.job_id:  # a trainer without SLURM has no job script around it
             rows.append(script)
     return Goodput(unit=unit, allocations=list(allocations), rows=rows, source=source)
 
 
-def _whole_job_attempt(allocation: Allocation, process: Process | None) -> AttemptRecord:
-    """A stand-in record for a process without one: the whole allocation, committed up to
-    its newest save."""
+def _stand_in(allocation: Allocation, process: Process | None, start: float) -> AttemptRecord:
+    """A record for a trainer without one, from `start` to the allocation's end: committed up
+    to its newest save (a running one has lost nothing yet)."""
     end = process.end if process is not None else None
     saves = [int(s["step"]) for s in process.saves] if process is not None else []
+    committed = max(saves) if saves else None
+    if process is not None and allocation.running:
+        committed = process.step_reached
+    kind = str(end["status"]) if end else ("running" if allocation.running else "unrecorded")
+    tasks = (
+        int(process.startup.get("world_size", allocation.tasks)) if process else allocation.tasks
+    )
     return AttemptRecord(
-        attempt=0, job_id=allocation.job_id, restart=allocation.restart, start=allocation.start,
-        end=allocation.end, nodes=[], excluded=[], num_tasks=allocation.tasks,
-        kind=str(end["status"]) if end else "unknown", decision="", reason="",
-        committed=max(saves) if saves else None,
+        attempt=int(process.startup.get("attempt") or 0) if process else 0,
+        job_id=allocation.job_id, restart=allocation.restart, start=start, end=allocation.end,
+        nodes=[], excluded=[], num_tasks=min(tasks, allocation.tasks), kind=kind, decision="",
+        reason="", committed=committed,
     )  # fmt: skip

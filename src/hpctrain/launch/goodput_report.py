@@ -106,7 +106,7 @@ def parse_allocations(
         allocations.append(
             Allocation(
                 job_id=job_id, restart=restart, start=started,
-                end=sacct_time(end) or now, tasks=tasks,
+                end=sacct_time(end) or now, tasks=tasks, running=sacct_time(end) is None,
                 units_per_task=units_allocated / tasks if units_allocated else 1.0,
                 submit=sacct_time(submit),
             )

@@ -22,6 +22,7 @@ A few records per process, each one small write: nothing here runs per step.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Mapping
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 TIMELINE = "timeline.jsonl"
+log = logging.getLogger("hpctrain")
 _IMPORTED = time.time()  # the fallback process start where /proc is missing
 
 
@@ -89,8 +91,12 @@ class Timeline:
         if not self.enabled:
             return
         line = json.dumps({"kind": kind, "time": time.time(), **fields}) + "\n"
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(line)  # one write of one line: a kill leaves whole lines before it
+        try:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(line)  # one write of one line: a kill leaves whole lines before it
+        except OSError as exc:  # a full disk ends no training for the sake of its accounting
+            log.warning("%s: cannot write (%s); no more timeline records", self.path, exc)
+            self.enabled = False
 
 
 def read_timeline(run_dir: Path) -> list[dict[str, Any]]:
