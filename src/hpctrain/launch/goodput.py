@@ -34,6 +34,7 @@ the files and sacct.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,7 +101,8 @@ class Process:
 
     @property
     def step_reached(self) -> int:
-        return max([int(self.startup.get("step", 0)), *(int(r["step"]) for r in self.train)])
+        steps = (int(r["step"]) for r in (*self.train, *self.saves))
+        return max([int(self.startup.get("step", 0)), *steps])
 
 
 def processes(
@@ -117,12 +119,12 @@ def processes(
             found[-1].saves.append(record)
         elif found and kind == "end":
             found[-1].end = record
-    starts = [p.first_step for p in found]
+    starts = [p.first_step for p in found]  # in the order written: one process after another
     for record in metrics:
         when = record.get("time")
         if not isinstance(when, (int, float)) or not found or when < starts[0]:
             continue
-        owner = found[max(i for i, start in enumerate(starts) if start <= when)]
+        owner = found[bisect.bisect_right(starts, when) - 1]
         if record.get("kind", "train") == "train":
             owner.train.append(record)
         elif record.get("kind") == "eval":
@@ -259,26 +261,8 @@ def account_attempt(
         row.startup("probe_and_launch", (end - start) * tasks)
         return row
     first = _between(process.first_step, start, end)
-    launched = _between(float(process.startup.get("process_start", first)), start, first)
-    row.startup("probe_and_launch", (launched - start) * tasks)
-    recorded = 0.0
-    for phase, seconds in (process.startup.get("phases") or {}).items():
-        name = phase if phase in STARTUP_PHASES and phase != "job_script" else "other"
-        share = max(0.0, min(float(seconds), first - launched - recorded))
-        row.startup(name, share * tasks)
-        recorded += share
-    row.startup("other", (first - launched - recorded) * tasks)
-
-    # The loop ends at the first rank's failure (the time after it is the tail: the others
-    # noticing, srun ending the step), else at rank 0's end record or its last record.
-    failed_at = (record.first_failure or {}).get("time")
-    if record.kind == "running":  # training now: the steps since its last record included
-        loop_end = end
-    elif not isinstance(failed_at, (int, float)):
-        loop_end = process.end["time"] if process.end is not None else process.last_record
-    else:  # rank 0 ran to the failure at least (its last record may be well before)
-        loop_end = min(failed_at, process.end["time"]) if process.end is not None else failed_at
-    loop_end = _between(loop_end, first, end)
+    _count_startup(row, process, start, first)
+    loop_end = _between(_loop_end(record, process, end), first, end)
     # Work past the newest committed checkpoint is lost: the next attempt trains it again.
     reached = max(record.step_reached or 0, process.step_reached)
     committed = record.committed
@@ -288,16 +272,58 @@ def account_attempt(
         row.lost_steps = reached - lost_from
         saved = [s["time"] for s in process.saves if s.get("step") == lost_from]
         cut = _between(saved[-1] if saved else first, first, loop_end)
+    _count_loop(row, process, first, cut, lost_from if cut < loop_end else None)
+    row.add("lost", (loop_end - cut) * tasks)
+    row.add("tail", (end - loop_end) * tasks)
+    return row
+
+
+def _count_startup(row: Row, process: Process, start: float, first: float) -> None:
+    """From the attempt's start to its first step: probe and launch (until the process
+    started), then the phases the trainer measured."""
+    launched = _between(float(process.startup.get("process_start", first)), start, first)
+    row.startup("probe_and_launch", (launched - start) * row.tasks)
+    recorded = 0.0
+    for phase, seconds in (process.startup.get("phases") or {}).items():
+        name = phase if phase in STARTUP_PHASES and phase != "job_script" else "other"
+        share = max(0.0, min(float(seconds), first - launched - recorded))
+        row.startup(name, share * row.tasks)
+        recorded += share
+    row.startup("other", (first - launched - recorded) * row.tasks)
+
+
+def _loop_end(record: AttemptRecord, process: Process, end: float) -> float:
+    """When the attempt stopped training: at the first rank's failure (the time after it is
+    the tail: the others noticing, srun ending the step), else at rank 0's end record or its
+    last record; now, for an attempt still training."""
+    failed_at = (record.first_failure or {}).get("time")
+    if record.kind == "running":
+        return end
+    if not isinstance(failed_at, (int, float)):
+        return process.end["time"] if process.end is not None else process.last_record
+    # rank 0 ran to the failure at least (its last record may be well before it)
+    return min(failed_at, process.end["time"]) if process.end is not None else failed_at
+
+
+def _count_loop(
+    row: Row, process: Process, first: float, cut: float, lost_from: int | None
+) -> None:
+    """The loop's time from its first step to `cut`: what rank 0's records say it spent on
+    steps, data wait, evaluations and saves up to then, and the rest as overhead.
+
+    `lost_from`: the step work is lost after (when `cut` is its save): a logged interval that
+    holds steps on both sides counts its steps up to it.
+    """
     claimed = 0.0
     for r in process.train:
         steps = max(1, int(r.get("interval_steps", 1)))
         share = 1.0 if r["time"] <= cut else 0.0
-        if share == 0.0 and cut < loop_end and r["step"] - steps < lost_from < r["step"]:
-            share = (lost_from - (r["step"] - steps)) / steps  # the interval straddles the cut
+        if share == 0.0 and lost_from is not None and r["step"] - steps < lost_from < r["step"]:
+            share = (lost_from - (r["step"] - steps)) / steps
         step_s = float(r.get("step_time_s", 0.0)) * steps * share
         wait_s = min(float(r.get("data_wait_s", 0.0)) * share, step_s)
-        row.add("productive", (step_s - wait_s) * tasks)
-        row.add("data_wait", wait_s * tasks)
+        row.add("productive", (step_s - wait_s) * row.tasks)
+        row.add("data_wait", wait_s * row.tasks)
         claimed += step_s
     for part, records, key in (
         ("evaluation", process.evals, "eval_time_s"),
@@ -306,12 +332,9 @@ def account_attempt(
     ):
         for r in records:
             if r["time"] <= cut:
-                row.add(part, float(r.get(key, 0.0)) * tasks)
+                row.add(part, float(r.get(key, 0.0)) * row.tasks)
                 claimed += float(r.get(key, 0.0))
-    row.add("loop_overhead", (cut - first - claimed) * tasks)
-    row.add("lost", (loop_end - cut) * tasks)
-    row.add("tail", (end - loop_end) * tasks)
-    return row
+    row.add("loop_overhead", (cut - first - claimed) * row.tasks)
 
 
 def account(
