@@ -47,7 +47,8 @@ def test_auto_interval_takes_the_measured_save_cost_after_each_save(
     """Step 2's save (every_steps) measures the cost; against a job that fails every few
     milliseconds Young/Daly then wants a save at every step: steps 3 and 4 save by time, which
     the first interval (5 minutes, before any measured save) would never have done."""
-    flaky = FailureRate.estimate(1e-6, 0, 0.0, "a test")  # one node-MTBF of 3.6 ms
+    # a node failing every few microseconds, however long the run goes on without a failure
+    flaky = FailureRate.estimate(1e-6, 10**6, 0.0, "a test")
     cfg = make_config(
         shapes_shards,
         tmp_path,
@@ -65,8 +66,8 @@ def test_auto_interval_takes_the_measured_save_cost_after_each_save(
     for record in saves:  # each save logs the interval it leads to, with its inputs
         assert record["save_cost_s"] == record["blocking_s"]
         assert record["interval_s"] == young_daly_s(record["blocking_s"], record["mtbf_s"])
-        assert record["mtbf_s"] == pytest.approx(1e-6 * 3600)
-        assert (record["nodes"], record["failures"]) == (1, 0)
+        assert record["mtbf_s"] < 0.01 and record["node_hours"] > 0  # the run so far counts
+        assert (record["nodes"], record["failures"]) == (1, 10**6)
     lines = [
         r.getMessage() for r in caplog.records if "every_minutes=auto: every" in r.getMessage()
     ]

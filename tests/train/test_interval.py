@@ -49,7 +49,7 @@ def test_auto_divides_one_nodes_mtbf_by_the_nodes_and_starts_with_the_first_inte
     assert first.inputs()["save_cost_s"] == 20.0
     assert "sqrt(2 x save 20.00 s x MTBF 90,000 s)" in first.describe()
     measured = CheckpointInterval("auto", nodes=4, failure_rate=rate, last_save_s=20.0)
-    assert measured.seconds == first.seconds
+    assert measured.seconds == pytest.approx(first.seconds)  # (and the microseconds run)
 
 
 def test_numbers_are_minutes_and_zero_disables() -> None:
@@ -58,3 +58,17 @@ def test_numbers_are_minutes_and_zero_disables() -> None:
     assert fixed.seconds == 150.0
     fixed.after_save(10.0)  # a fixed interval stays fixed
     assert fixed.seconds == 150.0 and fixed.inputs() == {}
+
+
+def test_each_save_adds_the_node_hours_run_without_a_failure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr("hpctrain.train.interval.time.monotonic", lambda: clock[0])
+    rate = FailureRate.estimate(100.0, 1, 10.0, "a test")  # (100 + 10) / 2 = 55 h per node
+    interval = CheckpointInterval("auto", nodes=2, failure_rate=rate)
+    clock[0] += 3600.0  # an hour on 2 nodes: 2 more node-hours
+    interval.after_save(20.0)
+    assert interval.failure_rate.node_hours == 12.0
+    assert interval.mtbf_s == (100 + 12) / 2 * 3600 / 2  # 56 h per node, 28 h for the job
+    assert interval.seconds == pytest.approx(math.sqrt(2 * 20 * 28 * 3600))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +75,12 @@ class FailureRate:
             source=source,
         )
 
+    def with_exposure(self, node_hours: float) -> FailureRate:
+        """The estimate once this many more node-hours ran without a failure."""
+        return FailureRate.estimate(
+            self.prior_node_hours, self.failures, self.node_hours + node_hours, self.source
+        )
+
     def describe(self) -> str:
         return (
             f"{self.node_mtbf_hours:,.0f} node-hours between failures: prior "
@@ -91,7 +98,8 @@ class CheckpointInterval:
     Args:
         every_minutes: `checkpoint.every_minutes`: minutes (0: no timed saves) or "auto".
         nodes: the nodes the job trains on (a job on N nodes fails N times as often as one).
-        failure_rate: for "auto": one node's failure rate.
+        failure_rate: for "auto": one node's failure rate when the process started; the
+            node-hours it runs without failing are added at each save.
         last_save_s: for "auto": a blocking save cost already measured (an earlier process).
     """
 
@@ -105,7 +113,8 @@ class CheckpointInterval:
     ) -> None:
         self.auto = every_minutes == "auto"
         self.nodes = max(1, nodes)
-        self.failure_rate = failure_rate
+        self.failure_rate = self.initial_rate = failure_rate
+        self.started = time.monotonic()
         self.save_s = last_save_s
         self.seconds: float | None
         if not self.auto:
@@ -151,9 +160,12 @@ class CheckpointInterval:
         )
 
     def after_save(self, blocking_s: float) -> None:
-        """Re-evaluate with the cost the save just measured, and log it."""
+        """Re-evaluate with the cost the save just measured and the node-hours run since the
+        process started, and log it."""
         if not self.auto:
             return
+        running_h = (time.monotonic() - self.started) * self.nodes / 3600
+        self.failure_rate = self.initial_rate.with_exposure(running_h)  # no failure so far
         self.save_s = blocking_s
         self.seconds = young_daly_s(blocking_s, self.mtbf_s)
         log.info("%s", self.describe())
