@@ -196,7 +196,20 @@ echo "train: $PYTHON -m hpctrain train $WORK/config.yaml --nproc $NPROC --resume
 step "resnet50 " "$PYTHON" -m hpctrain train "$WORK/config.yaml" --nproc "$NPROC" --resume none
 step "gpu_bench: |images/s|data wait|peak memory|MFU" bench report "$WORK"
 echo "report: $WORK/report.json"
-
+# Issue #39 part 4 on a GPU: the run's goodput adds up, and the loop leaves little unaccounted
+# (steps only queue GPU work: their time arrives with the syncs of the logged steps).
+step "check goodput" "$PYTHON" - "$WORK/run" <<'PY'
+import sys
+from hpctrain.launch.goodput_report import describe, run_goodput
+goodput = run_goodput(sys.argv[1])
+print("\n".join(describe(goodput)))
+parts, total = goodput.part_hours(), goodput.allocated_hours
+ok = abs(sum(parts.values()) - total) <= 0.02 * total and parts["productive"] > 0
+ok = ok and 0 <= parts["loop_overhead"] <= 0.05 * total
+print(f"check goodput-adds-up: {'ok' if ok else 'FAILED'} (loop overhead "
+      f"{100 * parts['loop_overhead'] / max(total, 1e-12):.1f} % of {total:.4f} {goodput.unit})")
+raise SystemExit(0 if ok else 1)
+PY
 if [[ "$LM" -eq 1 ]]; then
   echo "lm: ${LM_CMD[*]}"
   step "$LM_LINES" "${LM_CMD[@]}"

@@ -410,3 +410,17 @@ def test_a_sequence_length_tensor_parallelism_cannot_split_is_refused_on_load(
     )
     with pytest.raises(ConfigError, match="data.seq_len=30: train.tp_degree=4 must divide it"):
         Trainer(built, resolve_env({}), torch.device("cpu"))
+
+
+def test_every_minutes_takes_minutes_or_the_word_auto(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, "checkpoint:\n  every_minutes: auto\n"))
+    assert cfg.checkpoint.every_minutes == "auto"
+    assert config_from_dict(config_to_dict(cfg)).checkpoint.every_minutes == "auto"
+    assert "every_minutes: auto" in config_to_yaml(cfg)
+    assert with_overrides(cfg, ["checkpoint.every_minutes=30"]).checkpoint.every_minutes == 30.0
+    with pytest.raises(
+        ConfigError, match=r"every_minutes='soon' \(command line\): expected float \| 'auto'"
+    ):
+        load_config(None, ["checkpoint.every_minutes=soon"])
+    with pytest.raises(ConfigError, match=r"every_minutes=-1.0 \(command line\): must be >= 0.0"):
+        load_config(None, ["checkpoint.every_minutes=-1"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-HELP = "write PNG plots (loss, accuracy, throughput, data wait) from RUN_DIR/metrics.jsonl"
+HELP = "write PNG plots (loss, accuracy, throughput, data wait, goodput) from RUN_DIR/metrics.jsonl"
 EPILOG = "example: hpctrain plot runs/demo"
 
 
@@ -14,9 +14,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hpctrain.launch.goodput_report import write_goodput_plot
     from hpctrain.observe.plot import plot_run
 
     paths = plot_run(Path(args.run_dir))  # UsageError: no metrics there
+    goodput = write_goodput_plot(args.run_dir)  # where the allocation's hours went
+    if goodput is not None:
+        paths.append(goodput)
     for path in paths:
         print(f"plot: {path}")
     return 0

@@ -9,11 +9,15 @@ import sys
 from pathlib import Path
 
 from hpctrain.errors import UsageError
+from hpctrain.launch.goodput_report import describe, run_goodput
 from hpctrain.launch.profiles import LaunchError
 from hpctrain.launch.status import run_status
 
 HELP = "show the SLURM jobs of a run folder: state, requeues, every job, last error, last step, log tail"
-EPILOG = "example: hpctrain status runs/demo"
+EPILOG = """examples:
+  hpctrain status runs/demo
+  hpctrain status runs/demo --goodput          # where the allocated hours went
+  hpctrain status runs/demo --goodput --json   # the same as one JSON object ("goodput")"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,6 +27,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("-n", "--lines", type=int, default=10, help="log lines to show")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--goodput",
+        action="store_true",
+        help="account for the run's allocated GPU-hours (CPU core-hours): queue wait, start-up, "
+        "productive steps, data wait, checkpoints, evaluation, lost work, tail (also for a "
+        "run without a SLURM job)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -37,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
         if not Path(args.run_dir).is_dir():
             raise UsageError(f"{args.run_dir}: not a run folder")
         status = run_status(args.run_dir, num_lines=args.lines)
+        if args.goodput and not status.job_id:  # a local run: its processes' hours
+            return print_goodput(args)
         if not status.job_id:
             raise LaunchError(
                 f"{args.run_dir}: no SLURM job recorded (RUN_DIR/slurm/job.json or job_id)"
@@ -48,8 +61,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({**known, "error": str(exc), "exit_code": exc.exit_code}), flush=True)
         print(f"hpctrain status: {exc.label}: {exc}", file=sys.stderr)
         return exc.exit_code
+    goodput = run_goodput(args.run_dir) if args.goodput else None
     if args.json:
-        print(json.dumps({**dataclasses.asdict(status), "failed": status.failed}))
+        extra = {"goodput": goodput.to_json()} if goodput is not None else {}
+        print(json.dumps({**dataclasses.asdict(status), "failed": status.failed, **extra}))
     else:
         verdict = " (failed)" if status.failed else ""
         print(f"job:       {status.job_id}")
@@ -85,4 +100,20 @@ def run(args: argparse.Namespace) -> int:
             print(f"log:       {status.log_path}")
             for line in status.log_tail:
                 print(f"  | {line}")
+        if goodput is not None:
+            print("\n".join(describe(goodput)))
     return 1 if status.failed else 0
+
+
+def print_goodput(args: argparse.Namespace) -> int:
+    goodput = run_goodput(args.run_dir)
+    if not goodput.rows:
+        raise UsageError(
+            f"{args.run_dir}: nothing to account: no SLURM job and no trainer records "
+            "(RUN_DIR/timeline.jsonl)"
+        )
+    if args.json:
+        print(json.dumps({"run_dir": args.run_dir, "goodput": goodput.to_json()}))
+    else:
+        print("\n".join(describe(goodput)))
+    return 0

@@ -7,6 +7,7 @@ import os
 
 from hpctrain.config import load_config, with_overrides
 from hpctrain.errors import UsageError
+from hpctrain.launch.failure_rate import run_failure_rate
 from hpctrain.launch.local import LAUNCHER_PID_ENV, exit_with_launcher, run_local
 
 HELP = "train a model from a config (one process, N local processes, or as a SLURM task)"
@@ -84,4 +85,5 @@ def run(args: argparse.Namespace) -> int:
         return run_local(forwarded, args.nproc, run_dir=cfg.run_dir)
     from hpctrain.train import run_training
 
-    return run_training(cfg)
+    # checkpoint.every_minutes=auto: the cluster profile's prior and the run's own failures
+    return run_training(cfg, failure_rate=run_failure_rate(cfg))

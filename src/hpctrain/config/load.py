@@ -59,6 +59,14 @@ def _fields_by_key(cls: type) -> dict[str, dataclasses.Field[Any]]:
 
 
 def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:  # its words: 'auto'
+        return " | ".join(map(repr, typing.get_args(tp)))
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType) and any(
+        typing.get_origin(a) is typing.Literal for a in args
+    ):
+        return " | ".join(_describe(a) for a in args)  # float | 'auto'
     return getattr(tp, "__name__", str(tp).replace("typing.", ""))
 
 
@@ -90,6 +98,11 @@ def _coerce(
                 return _coerce(value, arg, key, source, sources)
             except ConfigError:
                 continue
+        raise ConfigError(f"{key}={value!r} ({source}): expected {_describe(tp)}")
+    if origin is typing.Literal:  # a word a number field also takes (`auto`)
+        word = value.text if isinstance(value, Plain) else value
+        if isinstance(word, str) and word in typing.get_args(tp):
+            return word
         raise ConfigError(f"{key}={value!r} ({source}): expected {_describe(tp)}")
     if origin is list:
         (item_tp,) = typing.get_args(tp) or (Any,)
@@ -165,6 +178,8 @@ def _check(value: Any, f: dataclasses.Field[Any], key: str, source: str) -> None
         raise ConfigError(
             f"{key}={value!r} ({source}): must be one of {'|'.join(map(str, choices))}"
         )
+    if isinstance(value, str) and choices is None:
+        return  # the word of a number field (`auto`): the bounds are the numbers'
     low = f.metadata.get("min")
     if low is not None and value < low:
         raise ConfigError(f"{key}={value!r} ({source}): must be >= {low}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
-from typing import Any
+from typing import Any, Literal
 
 from hpctrain.config.fields import _f
 from hpctrain.config.slurm_schema import SlurmConfig
@@ -400,7 +400,14 @@ class CheckpointConfig:
         "empty: RUN_DIR/checkpoints",
     )
     every_steps: int = _f(0, "save every N optimizer steps; 0 disables", min=0)
-    every_minutes: float = _f(0.0, "save every N minutes of training; 0 disables", min=0.0)
+    every_minutes: float | Literal["auto"] = _f(
+        0.0,
+        "save every N minutes of training; 0 disables; auto: the Young/Daly interval "
+        "sqrt(2 x blocking save time x mean time between failures), from the measured save "
+        "time and the run's failures (the cluster profile's mtbf_node_hours until it has its "
+        "own), re-evaluated after each save (docs/checkpoints.md)",
+        min=0.0,
+    )
     final: bool = _f(
         True,
         "save when training ends; false for runs whose weights nobody keeps (benchmarks: a "

@@ -21,6 +21,7 @@ from hpctrain.config import Config
 from hpctrain.config.load import load_yaml
 from hpctrain.errors import LaunchFailure
 from hpctrain.launch.container import container_binds
+from hpctrain.train.interval import DEFAULT_NODE_MTBF_HOURS
 
 PROFILES_ENV = "HPCTRAIN_CLUSTERS_DIR"
 CONTAINER_RUNTIMES = ("apptainer", "singularity")
@@ -71,6 +72,9 @@ class ClusterProfile:
     qos_max_gpus: dict[str, int] = field(default_factory=dict)
     qos_max_nodes: dict[str, int] = field(default_factory=dict)
     fabric: str = ""  # the nodes' interconnect NCCL should use (infiniband); "": unchecked
+    # One node's mean time between failures, hours: the prior of checkpoint.every_minutes=auto
+    # (hpctrain.launch.failure_rate); a job on N nodes fails N times as often.
+    mtbf_node_hours: float = DEFAULT_NODE_MTBF_HOURS
 
 
 @dataclass(frozen=True)
@@ -176,7 +180,7 @@ def parse_profile(data: Any, source: str) -> ClusterProfile:
         "name", "description", "account_suffix", "hint", "request_gpus", "default_partition",
         "partitions", "qos", "default_qos", "default_time", "precisions", "setup", "run_root",
         "cache_root", "gpu_arch", "container_runtime", "qos_max_gpus", "qos_max_nodes",
-        "node_local_dir", "fabric",
+        "node_local_dir", "fabric", "mtbf_node_hours",
     }  # fmt: skip
     unknown = sorted(set(data) - known)
     if unknown:
@@ -232,6 +236,7 @@ def parse_profile(data: Any, source: str) -> ClusterProfile:
         qos_max_gpus=per_job["qos_max_gpus"],
         qos_max_nodes=per_job["qos_max_nodes"],
         fabric=str(data.get("fabric", "") or ""),
+        mtbf_node_hours=_mtbf_node_hours(data, source),
     )
     if profile.gpu_arch and not re.fullmatch(r"sm_\d{2,3}a?", profile.gpu_arch):
         raise LaunchError(
@@ -257,6 +262,16 @@ def parse_profile(data: Any, source: str) -> ClusterProfile:
                 )
     parse_time(profile.default_time, f"{source}: default_time")
     return profile
+
+
+def _mtbf_node_hours(data: dict[str, Any], source: str) -> float:
+    value = data.get("mtbf_node_hours", DEFAULT_NODE_MTBF_HOURS)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise LaunchError(
+            f"{source}: mtbf_node_hours={value!r} is not a positive number (hours between "
+            "failures of one node)"
+        )
+    return float(value)
 
 
 def load_profile(name: str) -> ClusterProfile:

@@ -256,18 +256,19 @@ class IntervalMeter:
                 float(self.samples),
                 self.step_time,
                 local_wait,
+                self.data_wait,
                 *(float(self.sums[n]) for n in names),
             ],
             device,
         )
-        samples, step_time_sum, wait_sum = totals[:3]
+        samples, step_time_sum, wait_sum, wait_seconds = totals[:4]
         worst = all_reduce_max(local_wait, device)
         with_targets = self.steps - self.empty_steps
         # steps without targets add nothing: their mean would be 0/0 (NaN, as a loss that is
         # not known, rather than a 0.0 that looks like a perfect fit)
         out = {
             name: total / with_targets if with_targets else math.nan
-            for name, total in zip(names, totals[3:], strict=True)
+            for name, total in zip(names, totals[4:], strict=True)
         }
         mean_step_time = step_time_sum / (steps * world_size)
         out.update(
@@ -278,6 +279,9 @@ class IntervalMeter:
                 "step_time_s": mean_step_time,
                 "data_wait_fraction": min(1.0, wait_sum / world_size),
                 "data_wait_fraction_worst": min(1.0, worst),
+                # the interval's sums (mean rank): what `status --goodput` adds up
+                "interval_steps": self.steps,
+                "data_wait_s": wait_seconds / world_size,
             }
         )
         gpu_s, gpu_steps = self.gpu_forward.read() if self.gpu_forward else (0.0, 0)
@@ -441,11 +445,13 @@ class MetricsWriter:
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
+        # The wall time it was written, in the file only (the trackers keep their own): the
+        # goodput report (`hpctrain.launch.goodput`) places the record on the job's timeline.
+        stamped = {**record, "time": time.time()}
         if self.first and record.get("kind", "train") == "train":
-            self._file.write(json.dumps({**record, **self.first}) + "\n")
+            stamped.update(self.first)
             self.first = {}
-        else:
-            self._file.write(json.dumps(record) + "\n")
+        self._file.write(json.dumps(stamped) + "\n")
         self._file.flush()
         if self.trackers is not None:
             self.trackers.log(record)

@@ -1,4 +1,5 @@
-"""PNG plots of a run's `metrics.jsonl`: loss, accuracy, throughput, data wait."""
+"""PNG plots of a run's `metrics.jsonl`: loss, accuracy, throughput, data wait; and where its
+allocated hours went (`plot_goodput`, from `hpctrain.launch.goodput`)."""
 
 from __future__ import annotations
 
@@ -98,3 +99,54 @@ def plot_run(run_dir: str | Path) -> list[Path]:
             written.append(run_dir / name)
         plt.close(fig)
     return written
+
+
+# One color per part of `hpctrain.launch.goodput.PARTS`, useful work first.
+GOODPUT_COLORS = {
+    "productive": "#2ca02c",
+    "data_wait": "#bcbd22",
+    "checkpoint": "#1f77b4",
+    "evaluation": "#17becf",
+    "lost": "#d62728",
+    "startup": "#ff7f0e",
+    "loop_overhead": "#9467bd",
+    "tail": "#8c564b",
+    "idle": "#7f7f7f",
+}
+
+
+def plot_goodput(
+    bars: list[tuple[str, dict[str, float]]],
+    labels: dict[str, str],
+    unit: str,
+    title: str,
+    path: Path,
+) -> Path:
+    """A stacked bar per attempt (and per job script's time around them): its hours by part.
+
+    Args:
+        bars: (bar label, {part: hours}) in the order to draw.
+        labels: the legend's words for each part.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(bars) + 3), 4.5), dpi=100)
+    positions = list(range(len(bars)))
+    bottoms = [0.0] * len(bars)
+    for part, color in GOODPUT_COLORS.items():
+        heights = [hours.get(part, 0.0) for _, hours in bars]
+        if any(heights):
+            ax.bar(positions, heights, bottom=bottoms, color=color, label=labels.get(part, part))
+            bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    ax.set_xticks(positions, [label for label, _ in bars], rotation=30, ha="right")
+    ax.set_ylabel(unit)
+    ax.set_title(title)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -27,10 +27,12 @@ from hpctrain.data import ShardedLoader
 from hpctrain.models import lora, lora_base
 from hpctrain.models.init_from import load_initial_weights
 from hpctrain.observe.metrics import MetricMonitor
+from hpctrain.observe.timeline import Timeline
 from hpctrain.parallel.parallelize import broadcast_buffers
 from hpctrain.tasks.classes import ClassNamesError, checkpoint_class_names, differ, mismatch
 from hpctrain.tasks.task import Task
 from hpctrain.train.ema import CHECKPOINT_KEY as EMA_KEY
+from hpctrain.train.interval import CheckpointInterval
 from hpctrain.train.optim import check_same_groups, keep_fused_adamw
 
 log = logging.getLogger("hpctrain")
@@ -108,6 +110,9 @@ class Checkpointing:
     monitor: MetricMonitor
     state: TrainState
     last_save: float
+    timeline: Timeline  # RUN_DIR/timeline.jsonl: one record per save
+    save_interval: CheckpointInterval  # checkpoint.every_minutes (auto: re-evaluated here)
+    save_wait_s: float  # blocked on background saves (checkpoint.async) at the end
     resumed_loader: bool
     truncate_sample_log: Callable[[], None]  # RunRecords'
 
@@ -141,6 +146,9 @@ class Checkpointing:
         self.optimizer.zero_grad(set_to_none=True)
 
     def save(self) -> None:
+        """Save (and commit) a checkpoint of this step; its blocking time goes to the
+        timeline and, with `checkpoint.every_minutes: auto`, into the next interval."""
+        start = time.monotonic()
         self.free_gradients()
         broadcast_buffers(self.model)  # FSDP2: one set of BatchNorm statistics, rank 0's
         self.checkpoints.save(
@@ -150,6 +158,17 @@ class Checkpointing:
             score=self.monitor.score_at(self.state.step),
         )
         self.last_save = time.monotonic()
+        blocking_s = self.last_save - start  # with checkpoint.async: the staging only
+        self.save_interval.after_save(blocking_s)
+        self.timeline.write(
+            "checkpoint", step=self.state.step, blocking_s=blocking_s, **self.save_interval.inputs()
+        )
+
+    def wait_for_saves(self) -> None:
+        """Block until background saves are committed (before exiting); counted as saving."""
+        start = time.monotonic()
+        self.checkpoints.wait()
+        self.save_wait_s += time.monotonic() - start
 
     def checkpoint_metadata(self) -> dict[str, Any]:
         metadata = {

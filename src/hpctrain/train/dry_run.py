@@ -27,6 +27,7 @@ from hpctrain.config import Config
 from hpctrain.distributed import DistEnv
 from hpctrain.parallel.parallelize import check_tensor_parallel
 from hpctrain.parallel.precision import DeviceFacts
+from hpctrain.train.interval import DEFAULT_FAILURE_RATE, FailureRate
 from hpctrain.train.optim import build_optimizer, freeze_parameters
 from hpctrain.train.preemption import PreemptionFlag
 from hpctrain.train.trainer import Trainer
@@ -119,5 +120,5 @@ class _DryRunTrainer(Trainer):
         self.model = model
         self.optimizer = build_optimizer(model, self.cfg.train)
 
-    def build_run_state(self) -> None:
+    def build_run_state(self, failure_rate: FailureRate = DEFAULT_FAILURE_RATE) -> None:
         PreemptionFlag(self.cfg.checkpoint.signals, self.cfg.checkpoint.deadline_margin_s)

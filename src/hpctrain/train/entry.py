@@ -11,17 +11,22 @@ import torch
 from hpctrain.config import Config
 from hpctrain.distributed import process_group, start_process
 from hpctrain.distributed.startup import log_usable_cpus
+from hpctrain.observe.timeline import StartupClock
+from hpctrain.train.interval import DEFAULT_FAILURE_RATE, FailureRate
 from hpctrain.train.trainer import Trainer
 
 log = logging.getLogger("hpctrain")
 
 
-def run_training(cfg: Config) -> int:
+def run_training(cfg: Config, *, failure_rate: FailureRate = DEFAULT_FAILURE_RATE) -> int:
     """Train in this process as one rank of the job; returns the process exit code.
 
     0 when training finished, `REQUEUE_EXIT_CODE` (75) after a checkpoint made because of a
     signal or the job's deadline: the launcher requeues the job, which then resumes.
+    `failure_rate`: how often a node fails, for `checkpoint.every_minutes: auto` (the launch
+    side works it out from the cluster profile and the run's attempts).
     """
+    startup = StartupClock()  # since the process started: the interpreter and the imports
     env, device = start_process(deterministic=cfg.train.deterministic)
     log.info(
         "rank %d/%d on %s (%s), run folder %s",
@@ -45,5 +50,6 @@ def run_training(cfg: Config) -> int:
         ),
         torch.autograd.set_detect_anomaly(cfg.train.debug),
     ):
-        trainer = Trainer(cfg, env, device)
+        startup.mark("process_group")
+        trainer = Trainer(cfg, env, device, startup=startup, failure_rate=failure_rate)
         return trainer.fit()

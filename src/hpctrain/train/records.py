@@ -58,6 +58,7 @@ class RunRecords:
         its `summarize` (default: divide by `count`) makes the final metrics.
         """
         assert self.val_loader is not None
+        start = time.perf_counter()
         record: dict[str, Any] = {
             "kind": "eval",
             "step": self.state.step,
@@ -89,6 +90,7 @@ class RunRecords:
                 ema.swap()
         if self.ema is not None:
             record["weights"] = "ema" if ema is not None else "model"
+        record["eval_time_s"] = time.perf_counter() - start  # the run's goodput counts it
         return record
 
     def log_record(self) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from hpctrain.observe.hangs import HangWatch
 from hpctrain.observe.memory import OOMSnapshots
 from hpctrain.observe.metrics import IntervalMeter, MetricMonitor, MetricsWriter
 from hpctrain.observe.profiling import StepProfiler
+from hpctrain.observe.timeline import StartupClock, Timeline, job_fields, last_save_cost
 from hpctrain.observe.trackers import check_trackers, start_trackers
 from hpctrain.parallel.parallelize import parallelize
 from hpctrain.parallel.precision import (
@@ -49,6 +50,7 @@ from hpctrain.tasks.task import Batch, check_monitor, load_task
 from hpctrain.train.checkpointing import Checkpointing, TrainState
 from hpctrain.train.ema import build_ema
 from hpctrain.train.evaluation import require_items
+from hpctrain.train.interval import DEFAULT_FAILURE_RATE, CheckpointInterval, FailureRate
 from hpctrain.train.optim import build_optimizer, build_scheduler, freeze_parameters
 from hpctrain.train.preemption import REQUEUE_EXIT_CODE, PreemptionFlag
 from hpctrain.train.records import RunRecords
@@ -81,20 +83,36 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
     records and summary (`train/records.py`), saving and resuming (`train/checkpointing.py`).
     """
 
-    def __init__(self, cfg: Config, env: DistEnv, device: torch.device) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        env: DistEnv,
+        device: torch.device,
+        *,
+        startup: StartupClock | None = None,
+        failure_rate: FailureRate = DEFAULT_FAILURE_RATE,
+    ) -> None:
+        """`startup`: the process's start-up phases so far (`run_training` starts it);
+        `failure_rate`: for `checkpoint.every_minutes: auto` (`train/interval.py`)."""
         self.cfg, self.env, self.device = cfg, env, device
         self.run_dir = Path(cfg.run_dir)
+        self.startup = startup or StartupClock()  # phases, then RUN_DIR/timeline.jsonl
         self.check_config()
         self.configure_torch()
+        self.startup.mark("other")
         train_index = open_train_index(cfg.data)  # one index, or a mixture of sources
+        self.startup.mark("index")
         # The checkpoint a resume will load, if any: the task builds the model it records
         # (a `model.init_from` folder is then never read, whatever became of it).
         self.resume_manifest = peek(open_store(cfg.checkpoint_root()), cfg.checkpoint.resume)
         self.task = load_task(cfg, train_index, self.resume_manifest)
         self.build_model()
+        self.startup.mark("model_build")
         self.build_loaders(train_index)
         self.plan_steps()
-        self.build_run_state()
+        self.startup.mark("index")
+        self.build_run_state(failure_rate)
+        self.startup.mark("other")
 
     def check_config(self) -> None:
         """Refuse what cannot train (bf16 on a V100, no data, ...) before any model or loader work."""
@@ -277,8 +295,9 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             )
         self.scheduler = build_scheduler(self.optimizer, cfg.train, self.total_steps)
 
-    def build_run_state(self) -> None:
-        """Counters, the checkpoint manager, the preemption flag and the meters."""
+    def build_run_state(self, failure_rate: FailureRate = DEFAULT_FAILURE_RATE) -> None:
+        """Counters, the checkpoint manager, the preemption flag, the meters, the timed-save
+        interval."""
         cfg = self.cfg
         self.state = TrainState()
         self.checkpoints = CheckpointManager(
@@ -317,6 +336,17 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
                 else dist.group.WORLD
             )
         self.gpu_counters = GpuCounters(self.device, self.flag_group)
+        self.timeline = Timeline(self.run_dir, enabled=self.env.is_main)
+        self.save_wait_s = 0.0
+        auto = cfg.checkpoint.every_minutes == "auto"
+        self.save_interval = CheckpointInterval(
+            cfg.checkpoint.every_minutes,
+            nodes=-(-self.env.world_size // max(1, self.env.local_world_size)),
+            failure_rate=failure_rate,
+            last_save_s=last_save_cost(self.run_dir) if auto else None,  # an earlier process's
+        )
+        if auto and self.env.is_main:
+            log.info("%s", self.save_interval.describe())
         self.last_save = time.monotonic()
         self.resumed_loader = False
         self.last_eval: dict[str, Any] | None = None  # the newest evaluation record
@@ -326,8 +356,10 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
         """Train to `total_steps`; returns 0, or REQUEUE_EXIT_CODE after a preemption save."""
         self.prepare_run_dir()
         self.preemption.install()
+        self.startup.mark("other")
         self.resume()
         self.first_step = self.state.step
+        self.startup.mark("checkpoint_load")
         self.write_run_config()
         metrics = MetricsWriter(
             self.run_dir,
@@ -347,6 +379,15 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
         batches = self.batch_stream()
         self.model.train()
         status = "failed"  # how the run ends, for the trackers
+        self.startup.mark("other")
+        self.timeline.write(
+            "startup",
+            step=self.state.step,
+            process_start=self.startup.process_start,
+            phases=self.startup.phases,
+            world_size=self.env.world_size,
+            **job_fields(),
+        )
         try:
             self.hangs.install()  # SIGUSR1 and train.step_timeout_s: stacks in RUN_DIR/hangs
             while self.state.step < self.total_steps:
@@ -382,7 +423,7 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
                         metadata=self.checkpoint_metadata(),
                         score=self.monitor.score_at(self.state.step),
                     )
-            self.checkpoints.wait()
+            self.wait_for_saves()
             if self.env.is_main:
                 self.print_summary(final_eval)
             status = "finished"
@@ -394,6 +435,9 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             self.hangs.uninstall()
             self.profiler.close()
             self.memory.close()
+            self.timeline.write(
+                "end", step=self.state.step, status=status, save_wait_s=self.save_wait_s
+            )
             metrics.close(status)
             self.checkpoints.close()
             self.preemption.uninstall()
@@ -419,7 +463,7 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             log.warning("preemption requested: saving step %d, then exiting for requeue", step)
             if not saved:
                 self.save()
-            self.checkpoints.wait()
+            self.wait_for_saves()
             self.preemption.exit_on_signal(REQUEUE_EXIT_CODE)  # saved: a TERM now only ends us
             return True
         every_steps = self.cfg.checkpoint.every_steps
@@ -456,8 +500,8 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
         Signals reach ranks at different moments and clocks differ, so every rank must act on
         the same answer, or some would enter a collective save that others never join.
         """
-        minutes = self.cfg.checkpoint.every_minutes
-        time_due = bool(minutes) and time.monotonic() - self.last_save >= minutes * 60
+        interval = self.save_interval.seconds  # None: no timed saves
+        time_due = interval is not None and time.monotonic() - self.last_save >= interval
         if self.flag_group is None:
             return self.preemption.requested, time_due
         flags = torch.tensor(

@@ -1,0 +1,54 @@
+"""How often a node fails under this run: the input of `checkpoint.every_minutes: auto`.
+
+The cluster profile's `mtbf_node_hours` is the prior (configs/clusters/*.yaml say where each
+figure comes from); the run's own history (`RUN_DIR/slurm/attempts.jsonl`) adds its failures
+and the node-hours its attempts ran. The Trainer divides one node's estimate by the nodes it
+trains on and turns it into an interval (`hpctrain.train.interval`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from hpctrain.config import Config
+from hpctrain.launch.attempts import read_records
+from hpctrain.launch.profiles import load_profile
+from hpctrain.launch.restart_policy import RETRYABLE, AttemptRecord
+from hpctrain.train.interval import DEFAULT_FAILURE_RATE, FailureRate
+
+# Failures that ended training without warning and were not the user's: a rank killed, a
+# distributed error, a hang, a lost node, an unexpected exit 1. A probe failure ended no
+# training (no work lost), preemptions and time limits are announced (saved for), and user
+# errors and bugs say nothing about the hardware.
+FAILURE_KINDS = RETRYABLE - {"probe"}
+
+
+def observed(records: Sequence[AttemptRecord]) -> tuple[int, float]:
+    """(failures, node-hours) of a run's attempts.
+
+    The exposure is every second an attempt ran on its nodes, start-up and saves included:
+    a node fails whatever the job is doing on it.
+    """
+    failures, node_hours = 0, 0.0
+    for record in records:
+        if record.num_tasks and record.nodes:
+            node_hours += max(0.0, record.end - record.start) * len(record.nodes) / 3600
+            failures += record.kind in FAILURE_KINDS
+    return failures, node_hours
+
+
+def run_failure_rate(cfg: Config) -> FailureRate:
+    """The estimate for this run (the built-in default unless `checkpoint.every_minutes` is
+    auto, which alone reads it).
+
+    Raises:
+        LaunchError: `slurm.profile` names no readable profile.
+    """
+    if cfg.checkpoint.every_minutes != "auto":
+        return DEFAULT_FAILURE_RATE
+    profile = load_profile(cfg.slurm.profile)
+    failures, node_hours = observed(read_records(Path(cfg.run_dir)))
+    return FailureRate.estimate(
+        profile.mtbf_node_hours, failures, node_hours, f"profile {profile.name}"
+    )
