@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from hpctrain.checkpoint.interval import FIRST_INTERVAL_S, FailureRate, young_daly_s
 from hpctrain.distributed import resolve_env
 from hpctrain.observe.timeline import read_timeline
-from hpctrain.train.interval import FIRST_INTERVAL_S, FailureRate, young_daly_s
 from hpctrain.train.trainer import Trainer
 from tests.train.test_trainer import CPU, make_config, read_jsonl
 

@@ -3,7 +3,7 @@
 The cluster profile's `mtbf_node_hours` is the prior (configs/clusters/*.yaml say where each
 figure comes from); the run's own history (`RUN_DIR/slurm/attempts.jsonl`) adds its failures
 and the node-hours its attempts ran. The Trainer divides one node's estimate by the nodes it
-trains on and turns it into an interval (`hpctrain.train.interval`).
+trains on and turns it into an interval (`hpctrain.checkpoint.interval`).
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from hpctrain.checkpoint.interval import DEFAULT_FAILURE_RATE, FailureRate
 from hpctrain.config import Config
 from hpctrain.launch.attempts import read_records
 from hpctrain.launch.profiles import load_profile
 from hpctrain.launch.restart_policy import RETRYABLE, AttemptRecord
-from hpctrain.train.interval import DEFAULT_FAILURE_RATE, FailureRate
 
 # Failures that ended training without warning and were not the user's: a rank killed, a
 # distributed error, a hang, a lost node, an unexpected exit 1. A probe failure ended no

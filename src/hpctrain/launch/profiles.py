@@ -17,11 +17,11 @@ from typing import Any
 
 import yaml
 
+from hpctrain.checkpoint.interval import DEFAULT_NODE_MTBF_HOURS
 from hpctrain.config import Config
 from hpctrain.config.load import load_yaml
 from hpctrain.errors import LaunchFailure
 from hpctrain.launch.container import container_binds
-from hpctrain.train.interval import DEFAULT_NODE_MTBF_HOURS
 
 PROFILES_ENV = "HPCTRAIN_CLUSTERS_DIR"
 CONTAINER_RUNTIMES = ("apptainer", "singularity")

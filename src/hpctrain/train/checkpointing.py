@@ -22,6 +22,7 @@ from hpctrain.checkpoint import (
     PerRankState,
     RNGState,
 )
+from hpctrain.checkpoint.interval import CheckpointInterval
 from hpctrain.config import Config, config_to_yaml
 from hpctrain.data import ShardedLoader
 from hpctrain.models import lora, lora_base
@@ -32,7 +33,6 @@ from hpctrain.parallel.parallelize import broadcast_buffers
 from hpctrain.tasks.classes import ClassNamesError, checkpoint_class_names, differ, mismatch
 from hpctrain.tasks.task import Task
 from hpctrain.train.ema import CHECKPOINT_KEY as EMA_KEY
-from hpctrain.train.interval import CheckpointInterval
 from hpctrain.train.optim import check_same_groups, keep_fused_adamw
 
 log = logging.getLogger("hpctrain")

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 import torch
 
 import hpctrain.models.init_from as init_from
+from hpctrain.checkpoint.interval import DEFAULT_FAILURE_RATE, FailureRate
 from hpctrain.config import Config
 from hpctrain.distributed import DistEnv
 from hpctrain.parallel.parallelize import check_tensor_parallel
 from hpctrain.parallel.precision import DeviceFacts
-from hpctrain.train.interval import DEFAULT_FAILURE_RATE, FailureRate
 from hpctrain.train.optim import build_optimizer, freeze_parameters
 from hpctrain.train.preemption import PreemptionFlag
 from hpctrain.train.trainer import Trainer

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import torch
 
+from hpctrain.checkpoint.interval import DEFAULT_FAILURE_RATE, FailureRate
 from hpctrain.config import Config
 from hpctrain.distributed import process_group, start_process
 from hpctrain.distributed.startup import log_usable_cpus
 from hpctrain.observe.timeline import StartupClock
-from hpctrain.train.interval import DEFAULT_FAILURE_RATE, FailureRate
 from hpctrain.train.trainer import Trainer
 
 log = logging.getLogger("hpctrain")

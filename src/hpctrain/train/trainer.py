@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import hpctrain.models.init_from as init_from  # a module: tests patch its functions
 from hpctrain.checkpoint import CheckpointManager
+from hpctrain.checkpoint.interval import DEFAULT_FAILURE_RATE, CheckpointInterval, FailureRate
 from hpctrain.checkpoint.selection import peek
 from hpctrain.checkpoint.storage import open_store
 from hpctrain.config import Config, ConfigError, config_to_yaml
@@ -50,7 +51,6 @@ from hpctrain.tasks.task import Batch, check_monitor, load_task
 from hpctrain.train.checkpointing import Checkpointing, TrainState
 from hpctrain.train.ema import build_ema
 from hpctrain.train.evaluation import require_items
-from hpctrain.train.interval import DEFAULT_FAILURE_RATE, CheckpointInterval, FailureRate
 from hpctrain.train.optim import build_optimizer, build_scheduler, freeze_parameters
 from hpctrain.train.preemption import REQUEUE_EXIT_CODE, PreemptionFlag
 from hpctrain.train.records import RunRecords
@@ -93,7 +93,7 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
         failure_rate: FailureRate = DEFAULT_FAILURE_RATE,
     ) -> None:
         """`startup`: the process's start-up phases so far (`run_training` starts it);
-        `failure_rate`: for `checkpoint.every_minutes: auto` (`train/interval.py`)."""
+        `failure_rate`: for `checkpoint.every_minutes: auto` (`checkpoint/interval.py`)."""
         self.cfg, self.env, self.device = cfg, env, device
         self.run_dir = Path(cfg.run_dir)
         self.startup = startup or StartupClock()  # phases, then RUN_DIR/timeline.jsonl

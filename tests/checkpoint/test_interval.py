@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from hpctrain.train.interval import (
+from hpctrain.checkpoint.interval import (
     FIRST_INTERVAL_S,
     CheckpointInterval,
     FailureRate,
@@ -64,7 +64,7 @@ def test_each_save_adds_the_node_hours_run_without_a_failure(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     clock = [1000.0]
-    monkeypatch.setattr("hpctrain.train.interval.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("hpctrain.checkpoint.interval.time.monotonic", lambda: clock[0])
     rate = FailureRate.estimate(100.0, 1, 10.0, "a test")  # (100 + 10) / 2 = 55 h per node
     interval = CheckpointInterval("auto", nodes=2, failure_rate=rate)
     clock[0] += 3600.0  # an hour on 2 nodes: 2 more node-hours
