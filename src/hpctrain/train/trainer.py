@@ -224,6 +224,9 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
         self.total_steps = cfg.train.max_steps or cfg.train.max_epochs * self.steps_per_epoch
         if self.total_steps == 0:
             raise ConfigError("train.max_steps=0 and train.max_epochs=0: set one of them")
+        # the epochs the console counts to (0: not shown; --overfit-batches has none)
+        epochs = -(-self.total_steps // self.steps_per_epoch)  # the last one may be partial
+        self.num_epochs = 0 if cfg.train.overfit_batches else epochs
         self.scheduler = build_scheduler(self.optimizer, cfg.train, self.total_steps)
 
     def build_run_state(self) -> None:
@@ -279,6 +282,8 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             enabled=self.env.is_main,
             progress=self.cfg.logging.progress,
             total_steps=self.total_steps,
+            num_epochs=self.num_epochs,
+            start_step=self.state.step,
             tensorboard=self.cfg.logging.tensorboard,
             trackers=start_trackers(
                 self.cfg,
