@@ -247,6 +247,27 @@ def test_the_demo_config_keeps_a_best_checkpoint(
     assert main(["export", str(run), str(tmp_path / "model.safetensors"), "--best"]) == 0
 
 
+def test_export_and_generate_choose_a_checkpoint_as_eval_does(
+    run: Path, lm_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """#43 item 12: `--checkpoint PATH|latest|best` on every verb (`generate` took no PATH,
+    `export` only `--best`), `-o` for the output; the older spellings still work."""
+
+    def exported_step(*options: str) -> int:
+        out = tmp_path / f"m{len(list(tmp_path.iterdir()))}.pt"
+        assert main(["export", str(run), "-o", str(out), *options]) == 0
+        return int(json.loads(out.with_name(out.name + ".json").read_text())["step"])
+
+    best = int((run / "checkpoints" / "best").read_text().strip().split("-")[1])
+    assert exported_step() == exported_step("--checkpoint", "latest") == 2
+    assert exported_step("--checkpoint", str(run / "checkpoints" / "step-1")) == 1
+    assert exported_step("--checkpoint", "best") == exported_step("--best") == best
+    generate = ["generate", str(lm_run), "--prompt", "the ", "--max-new-tokens", "2"]
+    assert main([*generate, "--checkpoint", str(lm_run / "checkpoints" / "step-2")]) == 0
+    assert main([*generate, "--checkpoint", str(tmp_path / "nope")]) == 4
+    assert f"{tmp_path / 'nope'}: no committed checkpoint" in capsys.readouterr().err
+
+
 def test_export_of_an_ema_eval_run_writes_the_ema_unless_told(tmp_path: Path) -> None:
     """#32 item 7: `export --best` of a `train.ema_eval` run wrote the trained weights, not the
     EMA whose evaluation picked the checkpoint (eval, predict and generate read the EMA)."""

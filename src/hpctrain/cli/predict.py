@@ -6,6 +6,7 @@ import argparse
 import os
 
 from hpctrain.cli.eval import add_target_arguments, forwarded_options, resolve
+from hpctrain.cli.options import add_output_option
 from hpctrain.launch.local import LAUNCHER_PID_ENV, exit_with_launcher, run_local
 
 HELP = "write a checkpoint's per-sample predictions (JSONL or shards, each sample once)"
@@ -27,7 +28,7 @@ def add_predict_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data", default="", help="index.json, folder or shard pattern (default: data.val)"
     )
-    parser.add_argument("--out", default="", help="destination folder or fsspec URL (required)")
+    add_output_option(parser, "destination folder or fsspec URL (required)", metavar="DEST")
     parser.add_argument(
         "--format",
         choices=("jsonl", "shards"),

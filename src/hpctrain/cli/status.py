@@ -9,8 +9,6 @@ import sys
 from pathlib import Path
 
 from hpctrain.errors import UsageError
-from hpctrain.launch.profiles import LaunchError
-from hpctrain.launch.status import run_status
 
 HELP = "show the SLURM jobs of a run folder: state, requeues, every job, last error, last step, log tail"
 EPILOG = "example: hpctrain status runs/demo"
@@ -26,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hpctrain.launch.profiles import LaunchError
+    from hpctrain.launch.status import run_status
+
     """Exit status: 0 running or completed, 1 failed/cancelled/timed out.
 
     No such folder is a usage error (2); a folder without a SLURM job (a local run) or with a

@@ -5,16 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from hpctrain.cli.options import add_checkpoint_option, add_output_option
 from hpctrain.cli.sbatch import add_profile_arguments, add_sweep_arguments, check_max_parallel
 from hpctrain.errors import UsageError
-from hpctrain.launch.preflight import format_checks, preflight, raise_if_failed
-from hpctrain.launch.prepare import prepare, slurm_folder
-from hpctrain.launch.submit import (
-    check_submission,
-    parse_sweep,
-    submission_script,
-    submit,
-)
 
 HELP = "submit a training job to SLURM with submitit (requeued on time limit or preemption)"
 EPILOG = """examples:
@@ -40,11 +33,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="submit `hpctrain predict` of the run (--data, --out)",
     )
-    parser.add_argument(
-        "--checkpoint", default="latest", help="--eval/--predict: PATH|latest|best (default latest)"
+    add_checkpoint_option(
+        parser, help="--eval/--predict: the checkpoint: latest (default), best or a folder"
     )
     parser.add_argument("--data", default="", help="--predict: the data (default data.val)")
-    parser.add_argument("--out", default="", help="--eval: record file; --predict: destination")
+    add_output_option(parser, "--eval: record file; --predict: destination")
     parser.add_argument(
         "--format", choices=("jsonl", "shards"), default="jsonl", help="--predict: output format"
     )
@@ -53,9 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_inference(args: argparse.Namespace) -> int:
     """`submit --eval/--predict`: one job whose tasks are the ranks of `hpctrain eval/predict`."""
     from hpctrain.inference.target import resolve_target
-    from hpctrain.launch.prepare import Prepared, absolute_run_dir
+    from hpctrain.launch.preflight import preflight, raise_if_failed
+    from hpctrain.launch.prepare import Prepared, absolute_run_dir, slurm_folder
     from hpctrain.launch.profiles import load_profile, resolve_job
-    from hpctrain.launch.submit import InferenceSpec, submit_inference
+    from hpctrain.launch.submit import InferenceSpec, submission_script, submit_inference
 
     if args.eval and args.predict:
         raise UsageError("--eval and --predict: choose one")
@@ -90,6 +84,11 @@ def run_inference(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.eval or args.predict:
         return run_inference(args)
+    # here, not at the top: `hpctrain --help` should not import submitit (hpctrain.cli.main)
+    from hpctrain.launch.preflight import format_checks, preflight, raise_if_failed
+    from hpctrain.launch.prepare import prepare, slurm_folder
+    from hpctrain.launch.submit import check_submission, parse_sweep, submission_script, submit
+
     # ConfigError (2) and LaunchError (6, with preflight failures) reach `hpctrain.cli.main`
     prep = prepare(args.config, args.overrides, args.profile)
     combos = parse_sweep(args.sweep)
