@@ -289,6 +289,7 @@ LIGHT_COMMANDS = [
     ["bench", "convert", "--help"],  # one bench: only its own module is imported
     ["config", "show", "configs/demo.yaml"],
     ["nosuchverb"],
+    ["plot", "/nonexistent/run"],  # fails before matplotlib is imported
 ]
 LIGHT_CHECK = """
 import contextlib, io, json, sys
