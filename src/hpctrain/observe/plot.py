@@ -32,7 +32,10 @@ class Plot:
 
 
 LOSS = Plot(
-    "loss.png", "Loss", (Series("train", "loss", "train"), Series("eval", "val_loss", "validation")), "loss"
+    "loss.png",
+    "Loss",
+    (Series("train", "loss", "train"), Series("eval", "val_loss", "validation")),
+    "loss",
 )
 ACCURACY = Plot(
     "accuracy.png",
