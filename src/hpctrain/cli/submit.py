@@ -57,6 +57,10 @@ def run_inference(args: argparse.Namespace) -> int:
         raise UsageError("--sweep trains several runs; it does not combine with --eval/--predict")
     if args.predict and not args.out:
         raise UsageError("--predict needs --out: a folder or fsspec URL for the predictions")
+    if args.predict and args.data:
+        from hpctrain.inference.inputs import refuse_image_folder
+
+        refuse_image_folder(args.data, "each task of the job would convert it")
     extra = [f"slurm.profile={args.profile}"] if args.profile else []
     cfg, named = resolve_target(args.config, [*args.overrides, *extra])
     cfg = absolute_run_dir(cfg)

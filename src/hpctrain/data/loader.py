@@ -92,6 +92,9 @@ class ShardedLoader:
             evaluation (index order, no shuffle, remainder "pad" with `valid` flags).
         device: where batches go; pinned memory is used only for CUDA devices.
         storage_options: fsspec options for remote shards (credentials, endpoint_url).
+        keep_source: each batch also carries `__source__`, its samples' source paths as
+            `hpctrain convert` recorded them ("" where none; see
+            `hpctrain.data.fieldnames.SOURCE_FIELD`): what `hpctrain predict` writes.
     """
 
     def __init__(
@@ -108,6 +111,7 @@ class ShardedLoader:
         train: bool = True,
         device: torch.device | str | None = None,
         storage_options: dict[str, Any] | None = None,
+        keep_source: bool = False,
     ) -> None:
         if not index.shards:
             raise ValueError("the shard index lists no shards")
@@ -163,6 +167,7 @@ class ShardedLoader:
             seq_len=cfg.seq_len,
             vocab_size=vocab_size,
             eod_id=None if eod_id is None else int(eod_id),
+            keep_source=keep_source,
         )
         self.epoch = 0
         self._stages: tuple[StageParams, ...] = ()  # earlier stages of this epoch

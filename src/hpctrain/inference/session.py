@@ -165,7 +165,8 @@ def inference_session(
     Args:
         checkpoint: `latest`, `best`, or a path (see `find_checkpoint`).
         data: an index, folder or shard pattern; `key` names where it came from in errors.
-        predict: read samples with the task's `predict_transform` (when it has one).
+        predict: read samples with the task's `predict_transform` (when it has one), in
+            batches that carry the samples' source paths (`__source__`).
 
     Raises:
         ConfigError: no data given; ShardIndexError: the data cannot be read (naming it);
@@ -228,6 +229,7 @@ def inference_session(
             transform=transform,
             train=False,
             device=device,
+            keep_source=predict,
             **hooks,
         )
         try:
