@@ -107,7 +107,7 @@ def add_output_option(
             default=argparse.SUPPRESS,  # absent: leaves -o's value alone
             action=_OneOutput,
             metavar=positional,
-            help=f"{help} (the same as -o {positional})",
+            help=f"{help}: an older spelling of -o {positional}",
         )
     old = f" ({', '.join(aliases)}: the same, an older spelling)" if aliases else ""
     parser.add_argument(
