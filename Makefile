@@ -3,7 +3,15 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# Two installs into one venv: what running needs (`make demo`, `make demo-lm`: hpctrain, torch
+# and the runtime dependencies) and, on top of it, the dev extra (`make test`, `make lint`: the
+# test, lint and tracker stack). A stamp is newer than pyproject.toml once its install is done;
+# the dev stamp keeps its old name, so venvs made before the split stay valid.
 STAMP := $(VENV)/.installed-stamp
+RUN_STAMP := $(VENV)/.runtime-stamp
+# pip's own output (no --quiet) is the progress: each package as it is fetched, with a bar in a
+# terminal; torch alone is a few GB.
+PIP := $(BIN)/pip install --disable-pip-version-check
 DEMO_DATA := data/demo
 LM_DATA := data/demo-lm
 
@@ -11,13 +19,27 @@ LM_DATA := data/demo-lm
 
 venv: $(STAMP)
 
-# torch>=2.6 resolves to the release pip may install here (2.14.1 with torchvision 0.29.1).
-$(STAMP): pyproject.toml
+$(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
-	touch $(STAMP)
 
-$(DEMO_DATA)/images/.done: tools/make_demo_data.py | $(STAMP)
+# torch>=2.6 resolves to the release pip may install here (2.14.1 with torchvision 0.29.1).
+# A venv that already has the dev extra (installed after the last change of pyproject.toml)
+# has all that running needs.
+$(RUN_STAMP): pyproject.toml | $(BIN)/python
+	@if [ -f $(STAMP) ] && [ $(STAMP) -nt pyproject.toml ]; then \
+		echo "make: $(VENV) already has what running needs (the dev extra)"; \
+	else \
+		echo "make: installing hpctrain, torch and what running needs into $(VENV) (about 5 GB: minutes)"; \
+		$(PIP) -e . ; \
+	fi
+	touch $@
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	@echo "make: installing hpctrain with its dev extra into $(VENV) (torch, tests, lint, trackers: about 6.5 GB: minutes)"
+	$(PIP) -e '.[dev]'
+	touch $@
+
+$(DEMO_DATA)/images/.done: tools/make_demo_data.py | $(RUN_STAMP)
 	$(BIN)/python tools/make_demo_data.py $(DEMO_DATA)/images --num-images 3000 --size 64 --seed 0
 	touch $@
 
@@ -26,13 +48,13 @@ $(DEMO_DATA)/shards/train/index.json: $(DEMO_DATA)/images/.done
 	$(BIN)/hpctrain convert $(DEMO_DATA)/images $(DEMO_DATA)/shards --val-fraction 0.1 --samples-per-shard 256 --shuffle --seed 0
 
 # Generates the dataset (once), converts it to shards, trains from scratch, plots the curves.
-demo: $(DEMO_DATA)/shards/train/index.json
+demo: $(RUN_STAMP) $(DEMO_DATA)/shards/train/index.json
 	rm -rf runs/demo
 	$(BIN)/hpctrain train configs/demo.yaml
 	$(BIN)/hpctrain plot runs/demo
 
 # The language-model demo's text: the top-level modules of this Python's standard library.
-$(LM_DATA)/text/SOURCES.txt: tools/stdlib_corpus.py | $(STAMP)
+$(LM_DATA)/text/SOURCES.txt: tools/stdlib_corpus.py | $(RUN_STAMP)
 	rm -rf $(LM_DATA)/text
 	$(BIN)/python tools/stdlib_corpus.py $(LM_DATA)/text
 
@@ -41,11 +63,12 @@ $(LM_DATA)/shards/train/index.json: $(LM_DATA)/text/SOURCES.txt
 	$(BIN)/hpctrain convert $(LM_DATA)/text $(LM_DATA)/shards --tokenizer bytes --text-glob '*.py' --val-fraction 0.05 --samples-per-shard 16 --shuffle --seed 0
 
 # Converts the stdlib (once), trains a byte-level gpt-tiny, prints bits per byte against the
-# unigram baseline (fails if not below it) and a generated continuation.
-demo-lm: $(LM_DATA)/shards/train/index.json
+# unigram baseline (fails if not below it), plots the curves and prints a generated continuation.
+demo-lm: $(RUN_STAMP) $(LM_DATA)/shards/train/index.json
 	rm -rf runs/demo-lm
 	$(BIN)/hpctrain train configs/demo-lm.yaml
 	$(BIN)/python tools/lm_report.py runs/demo-lm
+	$(BIN)/hpctrain plot runs/demo-lm
 	$(BIN)/hpctrain generate runs/demo-lm --prompt 'def __init__(self' --max-new-tokens 200 --temperature 0.8 --top-k 20
 
 # The whole suite; the SLURM tier runs against a local dev cluster that tools/run-tests starts.

@@ -117,7 +117,7 @@ def test_readme_exit_codes_match_hpctrain_errors() -> None:
 # Options and `key=value` overrides in any order after the verb (issue #17).
 INTERMIXED = {
     "train": (["c.yaml", "--nproc", "2", "train.max_steps=7", "--resume", "none", "seed=1"],
-              {"config": "c.yaml", "overrides": ["train.max_steps=7", "seed=1"], "nproc": 2, "resume": "none"}),
+              {"config": "c.yaml", "overrides": ["train.max_steps=7", "seed=1"], "nproc": 2, "checkpoint": "none"}),
     "config": (["show", "c.yaml", "a.b=1", "c=2"], {"config": "c.yaml", "overrides": ["a.b=1", "c=2"]}),
     "plot": (["runs/x"], {"run_dir": "runs/x"}),
     "export": (["runs/x", "out.pt"], {"source": "runs/x", "out": "out.pt"}),
@@ -280,3 +280,128 @@ def test_a_reader_that_closes_early_ends_the_verb_quietly(tmp_path: Path) -> Non
         assert (code, err) == (EXIT_BROKEN_PIPE, ""), args
     code, err = _into_a_closed_pipe("inspect", str(tmp_path / "nowhere"))
     assert code == EXIT_DATA and err.count("\n") == 1  # an error keeps its code and line
+
+
+# Every `--help` and `config show` start without torch (#43 item 11: `hpctrain --help` took
+# 21-23 s importing torch and DCP). One process runs them all, checking after each.
+LIGHT_COMMANDS = [
+    ["--help"],
+    *[[verb, "--help"] for verb in VERBS],
+    ["bench", "convert", "--help"],  # one bench: only its own module is imported
+    ["config", "show", "configs/demo.yaml"],
+    ["nosuchverb"],
+    ["plot", "/nonexistent/run"],  # fails before matplotlib is imported
+]
+LIGHT_CHECK = """
+import contextlib, io, json, sys
+from hpctrain.cli.main import main
+heavy = ("torch", "submitit", "matplotlib")
+for argv in json.loads(sys.argv[1]):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            main(argv)
+        except SystemExit:
+            pass
+    loaded = [name for name in heavy if name in sys.modules]
+    if loaded:
+        print(" ".join(argv), "imported", ", ".join(loaded))
+        break
+"""
+
+
+def test_help_and_config_show_import_no_torch() -> None:
+    import json
+
+    proc = subprocess.run(
+        [sys.executable, "-c", LIGHT_CHECK, json.dumps(LIGHT_COMMANDS)],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == ""
+
+
+def test_convert_s_part_stages_are_the_conversion_s_own() -> None:
+    from hpctrain.cli.convert import PART_STAGES
+    from hpctrain.convert.parts import STAGES
+
+    assert PART_STAGES == STAGES
+
+
+def test_the_bench_help_lines_are_the_benches_own() -> None:
+    """`hpctrain bench --help` lists each bench from cli/bench.py's copy of its HELP line."""
+    import ast
+    import importlib.util
+
+    from hpctrain.cli.bench import BENCHES
+
+    for name, (module_path, line) in BENCHES.items():
+        spec = importlib.util.find_spec(module_path)
+        assert spec is not None and spec.origin is not None
+        tree = ast.parse(Path(spec.origin).read_text())
+        helps = [
+            ast.literal_eval(node.value)
+            for node in tree.body
+            if isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "HELP" for t in node.targets)
+        ]
+        assert helps == [line], name
+
+
+# One vocabulary across verbs (#43 item 12): the older spellings parse to the same arguments.
+SAME_ARGUMENTS = [
+    (["export", "runs/x", "m.pt", "--best"], ["export", "runs/x", "-o", "m.pt", "--checkpoint", "best"]),
+    (["export", "runs/x", "m.pt"], ["export", "runs/x", "--out", "m.pt"]),
+    (["train", "c.yaml", "--resume", "none"], ["train", "c.yaml", "--checkpoint", "none"]),
+    (["sbatch", "c.yaml", "--output", "j.sh"], ["sbatch", "c.yaml", "--out", "j.sh"]),
+    (["sbatch", "c.yaml", "-o", "j.sh"], ["sbatch", "c.yaml", "--out", "j.sh"]),
+    (["convert", "src", "dest"], ["convert", "src", "-o", "dest"]),
+    (["eval", "runs/x", "--out", "e.json"], ["eval", "runs/x", "-o", "e.json"]),
+    (["predict", "runs/x", "--out", "p"], ["predict", "runs/x", "-o", "p"]),
+    (["submit", "runs/x", "--eval", "--out", "e.json"], ["submit", "runs/x", "--eval", "-o", "e.json"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("old", "new"), SAME_ARGUMENTS, ids=[old[0] for old, _ in SAME_ARGUMENTS])
+def test_older_spellings_are_aliases(old: list[str], new: list[str]) -> None:
+    def parsed(argv: list[str]) -> dict[str, object]:
+        args = vars(parse_arguments(build_parser([argv[0]]), argv))
+        return {k: v for k, v in args.items() if not k.startswith("_")}
+
+    assert parsed(old) == parsed(new)
+
+
+def test_every_verb_that_chooses_a_checkpoint_takes_a_path(tmp_path: Path) -> None:
+    step = str(tmp_path / "checkpoints" / "step-4")
+    for verb, rest in [
+        ("eval", ["runs/x"]),
+        ("predict", ["runs/x"]),
+        ("export", ["runs/x", "-o", "m.pt"]),
+        ("generate", ["runs/x", "--prompt", "a"]),
+        ("train", ["c.yaml"]),
+        ("submit", ["runs/x", "--eval"]),
+    ]:
+        args = parse_arguments(build_parser([verb]), [verb, *rest, "--checkpoint", step])
+        assert args.checkpoint == step, verb
+
+
+def test_two_outputs_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_arguments(build_parser(["export"]), ["export", "runs/x", "a.pt", "-o", "b.pt"])
+    assert exit_info.value.code == 2
+    assert "two outputs: b.pt and a.pt; give one (-o/--out)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["export", "runs/x"], "export needs the file to write: -o OUT"),
+        (["convert", "src"], "convert needs the output folder: -o DEST (or SRC DEST)"),
+    ],
+)
+def test_a_verb_without_its_output_says_how_to_name_it(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == EXIT_CONFIG
+    assert message in capsys.readouterr().err

@@ -128,6 +128,7 @@ def test_csv_manifest_scalars_and_gathered_json(tmp_path: Path) -> None:
         "cls2": b"7",
         "meta.json": b'{"a":1,"b":2}',  # a CSV cell of JSON text, written canonically
         "json": b'{"caption":"hi","weight":"0.5"}',  # the other columns, gathered
+        "__source__": b"a.jpg",  # the path column as written
     }
     assert read_index(str(tmp_path / "out" / "index.json")).class_names == ("dog",)
 

@@ -63,9 +63,10 @@ def test_gnu_tar_lists_our_shards(image_folder: Path, tmp_path: Path) -> None:
     assert listing.stderr == ""
     lines = listing.stdout.splitlines()
     assert (
-        len(lines) == 20
+        len(lines) == 30
         and lines[0].split()[-1] == "000000000.jpg"
         and lines[1].split()[-1] == "000000000.cls"
+        and lines[2].split()[-1] == "000000000.__source__"
     )
     assert all(line.startswith("-rw-r--r-- 0/0") for line in lines)
 
@@ -292,7 +293,7 @@ def test_s3_destination_on_local_moto_server(
         data = fs.cat_file("bucket/data/small/shard-000000.tar")
         with tarfile.open(fileobj=io.BytesIO(data)) as tar:
             names = tar.getnames()
-        assert len(names) == 50 and all(n.endswith((".jpg", ".cls")) for n in names)
+        assert len(names) == 75 and all(n.endswith((".jpg", ".cls", ".__source__")) for n in names)
 
 
 def test_loader_reads_shardwriter_and_gnu_tar_shards(tmp_path: Path) -> None:

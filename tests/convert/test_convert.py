@@ -82,7 +82,7 @@ def test_members_are_plain_ustar_with_fixed_metadata(image_folder: Path, tmp_pat
     assert len(raw) % tarfile.RECORDSIZE == 0
     with tarfile.open(dest / "shard-000000.tar") as tar:
         infos = tar.getmembers()
-    assert len(infos) == 50
+    assert len(infos) == 75  # 25 samples: image, cls and __source__ (the path it came from)
     for info in infos:
         assert (info.mtime, info.uid, info.gid, info.mode, info.uname, info.gname) == (
             0,
@@ -275,7 +275,7 @@ def test_reencode_max_side(image_folder: Path, tmp_path: Path) -> None:
         == 0
     )
     for sample in samples_of(dest).values():
-        assert set(sample) == {"jpg", "cls"}
+        assert set(sample) == {"jpg", "cls", "__source__"}
         assert Image.open(BytesIO(sample["jpg"])).size == (8, 8)
 
 

@@ -123,8 +123,8 @@ def test_manifests_with_a_byte_order_mark(
         index = read_index(str(out / "index.json"))
         assert index.class_names == ("cat", "dog")
         with tarfile.open(out / index.shards[0].url) as tar:
-            names = ["000000000.jpg", "000000000.cls", "000000001.jpg", "000000001.cls"]
-            assert tar.getnames() == names
+            names = ["000000000.jpg", "000000000.cls", "000000000.__source__", "000000001.jpg"]
+            assert tar.getnames()[:4] == names and len(tar.getnames()) == 6
     (tmp_path / "latin1.csv").write_bytes(b"path,label\n0.jpg,caf\xe9\n")
     assert convert(tmp_path / "latin1.csv", tmp_path / "out-latin1") == 3
     assert f"{tmp_path}/latin1.csv:2: not valid UTF-8" in capsys.readouterr().err

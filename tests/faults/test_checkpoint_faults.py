@@ -317,8 +317,29 @@ def tiny_tmpfs(size: str = "1m") -> Iterator[Path]:
         where.rmdir()
 
 
+@pytest.fixture
+def writer_thread_errors(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[BaseException]]:
+    """What DCP's extra writer threads raise: they print it through `threading.excepthook`
+    and return no results (the save then fails with the error). Expected in these tests, so
+    it is collected here instead of reaching the output as tracebacks that read as failures
+    (#43), and the test checks it is the fault it injected."""
+    seen: list[BaseException] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: seen.append(args.exc_value))
+    yield seen
+
+
+def caused_by(exc: BaseException, code: int) -> bool:
+    """Whether `exc` is, or happened while handling, an OSError with errno `code`."""
+    chain: BaseException | None = exc
+    while chain is not None:
+        if isinstance(chain, OSError) and chain.errno == code:
+            return True
+        chain = chain.__cause__ or chain.__context__
+    return False
+
+
 @pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
-def test_full_disk_save_error_says_no_space_and_names_the_path(async_save):
+def test_full_disk_save_error_says_no_space_and_names_the_path(async_save, writer_thread_errors):
     many = {"x": {f"t{i}": torch.randn(20_000) for i in range(40)}}  # 3.2 MB in 40 tensors
     with tiny_tmpfs() as disk:
         root = disk / "ck"
@@ -340,6 +361,7 @@ def test_full_disk_save_error_says_no_space_and_names_the_path(async_save):
         manager.wait()
         assert sorted(os.listdir(root)) == [".lock", "latest", "step-2"]
         manager.close()
+    assert all(caused_by(e, errno.ENOSPC) for e in writer_thread_errors), writer_thread_errors
 
 
 def remount(disk: Path, size: str) -> None:
@@ -347,7 +369,7 @@ def remount(disk: Path, size: str) -> None:
 
 
 @pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
-def test_a_save_that_fills_the_disk_heals_once_space_returns(async_save):
+def test_a_save_that_fills_the_disk_heals_once_space_returns(async_save, writer_thread_errors):
     """Issue 29: a requeued job must start again without anyone removing `.tmp-step-*`."""
     big = {"x": {f"t{i}": torch.randn(20_000) for i in range(40)}}  # 3.2 MB: never fits in 1 MiB
     with tiny_tmpfs("1m") as disk:
@@ -380,6 +402,7 @@ def test_a_save_that_fills_the_disk_heals_once_space_returns(async_save):
         assert manager.load(restored) == 1
         assert all(torch.equal(restored["x"][n], big["x"][n]) for n in big["x"])
         manager.close()
+    assert all(caused_by(e, errno.ENOSPC) for e in writer_thread_errors), writer_thread_errors
 
 
 def test_a_start_whose_lock_record_finds_no_space_says_so():
@@ -400,7 +423,9 @@ def test_a_start_whose_lock_record_finds_no_space_says_so():
 
 
 @pytest.mark.parametrize("verify", ["crc32c", "size"])
-def test_a_failed_write_thread_never_commits_a_partial_checkpoint(tmp_path, monkeypatch, verify):
+def test_a_failed_write_thread_never_commits_a_partial_checkpoint(
+    tmp_path, monkeypatch, verify, writer_thread_errors
+):
     """DCP's extra writer threads print their exception and return no results: the save must
     fail with that error, not commit a checkpoint missing that thread's tensors."""
     import torch.distributed.checkpoint.filesystem as dcp_fs
@@ -422,3 +447,4 @@ def test_a_failed_write_thread_never_commits_a_partial_checkpoint(tmp_path, monk
         manager.save(1, {"x": {"big": torch.randn(100_000), "small": torch.randn(10)}})
     assert failed.is_set()
     assert not [n for n in os.listdir(root) if n.startswith("step-")]
+    assert writer_thread_errors and all(caused_by(e, errno.EIO) for e in writer_thread_errors)

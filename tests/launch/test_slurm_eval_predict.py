@@ -71,6 +71,6 @@ def test_submit_eval_and_predict_run_as_two_slurm_tasks(
     keys = []
     for part in manifest["parts"]:
         with tarfile.open(preds / part["url"]) as f:
-            keys += [name.split(".", 1)[0] for name in f.getnames()]
+            keys += [name.split(".", 1)[0] for name in f.getnames() if name.endswith(".json")]
     assert len(keys) == len(set(keys)) == manifest["num_samples"] == manifest["data_num_samples"]
     assert evaluation["val_samples"] == manifest["num_samples"]

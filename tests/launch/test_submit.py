@@ -98,7 +98,7 @@ def _no_submission(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         submitted.append("submitted")
         raise AssertionError("nothing may be submitted")
 
-    monkeypatch.setattr("hpctrain.cli.submit.submit", refuse)
+    monkeypatch.setattr(submit_mod, "submit", refuse)  # hpctrain submit imports it when run
     monkeypatch.setattr(submit_mod, "make_executor", refuse)
     return submitted
 

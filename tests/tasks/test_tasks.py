@@ -102,6 +102,29 @@ def test_inverted_crop_scale_is_a_config_error() -> None:
         classification("augment.scale_min=0.9", "augment.scale_max=0.5")
 
 
+@pytest.mark.parametrize("num_classes", [4, 5, 6])
+def test_top5_accuracy_is_reported_only_above_five_classes(num_classes: int) -> None:
+    """#43 item 15: with 5 classes or fewer every label is in the top 5 (val_top5 always 1)."""
+    index = ShardIndex(shards=(ShardInfo("a.tar", 10),), class_names=tuple("abcdef")[:num_classes])
+    task = load_task(load_config(None, ["model.image_size=16"]), index)
+    model = task.build_model().eval()
+    batch = {
+        "image": torch.stack([image(16, 16) for _ in range(4)]),
+        "label": torch.tensor([0, 1, 2, 3]),
+        "valid": torch.ones(4, dtype=torch.bool),
+    }
+    with torch.no_grad():
+        metrics = task.summarize(task.eval_metrics(model, batch))  # type: ignore[attr-defined]
+    expected = {"loss", "accuracy", "top5"} if num_classes > 5 else {"loss", "accuracy"}
+    assert set(metrics) == expected
+    monitor = ["model.image_size=16", "checkpoint.monitor=val_top5"]
+    if num_classes > 5:
+        load_task(load_config(None, monitor), index)
+    else:
+        with pytest.raises(ConfigError, match=rf"monitor=val_top5: with {num_classes} classes"):
+            load_task(load_config(None, monitor), index)
+
+
 def test_multi_label_targets_from_json_or_npy() -> None:
     transform = classification("classification.multi_label=true").eval_transform()
     out = transform({"key": "k", "jpg": image(), "labels.json": [0, 3]})

@@ -247,6 +247,27 @@ def test_the_demo_config_keeps_a_best_checkpoint(
     assert main(["export", str(run), str(tmp_path / "model.safetensors"), "--best"]) == 0
 
 
+def test_export_and_generate_choose_a_checkpoint_as_eval_does(
+    run: Path, lm_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """#43 item 12: `--checkpoint PATH|latest|best` on every verb (`generate` took no PATH,
+    `export` only `--best`), `-o` for the output; the older spellings still work."""
+
+    def exported_step(*options: str) -> int:
+        out = tmp_path / f"m{len(list(tmp_path.iterdir()))}.pt"
+        assert main(["export", str(run), "-o", str(out), *options]) == 0
+        return int(json.loads(out.with_name(out.name + ".json").read_text())["step"])
+
+    best = int((run / "checkpoints" / "best").read_text().strip().split("-")[1])
+    assert exported_step() == exported_step("--checkpoint", "latest") == 2
+    assert exported_step("--checkpoint", str(run / "checkpoints" / "step-1")) == 1
+    assert exported_step("--checkpoint", "best") == exported_step("--best") == best
+    generate = ["generate", str(lm_run), "--prompt", "the ", "--max-new-tokens", "2"]
+    assert main([*generate, "--checkpoint", str(lm_run / "checkpoints" / "step-2")]) == 0
+    assert main([*generate, "--checkpoint", str(tmp_path / "nope")]) == 4
+    assert f"{tmp_path / 'nope'}: no committed checkpoint" in capsys.readouterr().err
+
+
 def test_export_of_an_ema_eval_run_writes_the_ema_unless_told(tmp_path: Path) -> None:
     """#32 item 7: `export --best` of a `train.ema_eval` run wrote the trained weights, not the
     EMA whose evaluation picked the checkpoint (eval, predict and generate read the EMA)."""
@@ -264,6 +285,61 @@ def test_export_of_an_ema_eval_run_writes_the_ema_unless_told(tmp_path: Path) ->
     assert any(not torch.equal(default[k], trained[k]) for k in default)
     assert json.loads((tmp_path / "default.pt.json").read_text())["ema"] is True
     assert "ema" not in json.loads((tmp_path / "no-ema.pt.json").read_text())
+
+
+def new_images(folder: Path) -> Path:
+    """folder/b.jpg, a.jpg, more/c.png (16 px), and a text file that is no image."""
+    rng = np.random.default_rng(7)
+    (folder / "more").mkdir(parents=True)
+    for name in ("b.jpg", "a.jpg", "more/c.png"):
+        pixels = rng.integers(0, 256, size=(16, 16, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(folder / name)
+    (folder / "notes.txt").write_text("not an image")
+    return folder
+
+
+def prediction_rows(out: Path) -> list[dict]:
+    return [json.loads(line) for part in sorted(out.glob("part-*")) for line in part.open()]
+
+
+def test_predict_on_a_folder_of_images_names_each_file(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """#43 item 13: a folder of new images (no index) is converted for the prediction, and each
+    row names the file it is about, not only the sample's position."""
+    import tempfile
+
+    new, out = new_images(tmp_path / "new"), tmp_path / "preds"
+    temporary = set(Path(tempfile.gettempdir()).glob("hpctrain-predict-*"))
+    assert main(["predict", str(run), "--data", str(new), "-o", str(out)]) == 0
+    assert f"3 images of {new} converted for this prediction" in capsys.readouterr().err
+    rows = prediction_rows(out)
+    assert [r["source"] for r in rows] == ["a.jpg", "b.jpg", "more/c.png"]
+    assert all(r["class"] in CLASSES for r in rows) and len({r["key"] for r in rows}) == 3
+    assert json.loads((out / "manifest.json").read_text())["data"] == str(new)
+    assert set(Path(tempfile.gettempdir()).glob("hpctrain-predict-*")) == temporary  # removed
+    # every task of an srun step (or of a submitted job) would convert it: one line instead
+    command = f"hpctrain convert {new} -o SHARDS --source images"
+    submit = ["submit", str(run), "--predict", "--data", str(new), "-o", str(out), "--dry-run"]
+    assert main([*submit, "--profile", "local-dev"]) == EXIT_CONFIG
+    assert command in capsys.readouterr().err
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    assert main(["predict", str(run), "--data", str(new), "-o", str(out)]) == EXIT_CONFIG
+    assert f"convert it first ({command}) and predict on SHARDS" in capsys.readouterr().err
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_predict_on_a_folder_of_images_with_two_ranks_converts_it_once(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    new, out = new_images(tmp_path / "new"), tmp_path / "preds"
+    assert main(["predict", str(run), "--data", str(new), "-o", str(out), "--nproc", "2"]) == 0
+    assert capsys.readouterr().err.count("converted for this prediction") == 1
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and manifest["data"] == str(new)
+    assert sorted(r["source"] for r in prediction_rows(out)) == ["a.jpg", "b.jpg", "more/c.png"]
 
 
 def test_predict_with_two_ranks_refuses_before_starting_them(

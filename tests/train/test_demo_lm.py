@@ -1,6 +1,7 @@
 """`make demo-lm`'s pieces end to end at a tiny scale: three stdlib modules copied by
 tools/stdlib_corpus.py → `hpctrain convert --tokenizer bytes` → 3 steps of configs/demo-lm.yaml
-→ tools/lm_report.py (bits per byte against the unigram baseline) → `hpctrain generate`.
+→ tools/lm_report.py (bits per byte against the unigram baseline) → `hpctrain plot` →
+`hpctrain generate`.
 
 Every piece runs in this process (one torch import for all); the demo's full length and its
 figures are in docs/benchmark-log.md.
@@ -79,7 +80,12 @@ def test_demo_lm_pieces(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
         )
         == 0
     )
-    assert "bits_per_byte" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "bits_per_byte" in out and "step 3/3 epoch " in out and " tokens/s " in out
+
+    assert main(["plot", str(run_dir)]) == 0  # as `make demo-lm` does (#43 item 14)
+    assert "bits_per_byte.png" in capsys.readouterr().out
+    assert (run_dir / "bits_per_byte.png").stat().st_size > 1000
 
     text, beaten = load_tool("lm_report").report(run_dir)
     lines = text.splitlines()

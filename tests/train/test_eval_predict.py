@@ -132,6 +132,10 @@ def test_predictions_cover_every_sample_once_on_two_ranks(done: Path, shapes_sha
     probabilities = [t["probability"] for t in first["top_k"]]
     assert probabilities == sorted(probabilities, reverse=True) and sum(probabilities) <= 1.0001
     assert not list(folder.glob(".tmp*"))
+    # each row names the file its sample was converted from (#43 item 13)
+    images = shapes_shards.parent / "images"
+    sources = [line["source"] for line in lines]
+    assert len(set(sources)) == 80 and all((images / s).is_file() for s in sources)
 
 
 @pytest.mark.distributed
@@ -142,10 +146,12 @@ def test_shards_output_is_a_dataset_with_an_index(done: Path, shapes_shards: Pat
     for shard in index["shards"]:
         with tarfile.open(folder / shard["url"]) as f:
             names = f.getnames()
-            assert all(n.endswith(".json") for n in names)
-            keys += [n.split(".", 1)[0] for n in names]
+            assert all(n.endswith((".json", ".__source__")) for n in names)
+            keys += [n.split(".", 1)[0] for n in names if n.endswith(".json")]
             sample = json.loads(f.extractfile(names[0]).read())  # type: ignore[union-attr]
             assert {"label", "class", "probability", "top_k"} <= set(sample)
+            source = f.extractfile(names[1]).read().decode()  # type: ignore[union-attr]
+            assert names[1].endswith(".__source__") and source.endswith(".jpg")
     assert sorted(keys) == sorted(val_keys(shapes_shards))
     assert index["num_samples"] == 80
 

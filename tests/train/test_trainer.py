@@ -194,7 +194,9 @@ def test_overfit_one_batch_drives_the_loss_near_zero(shapes_shards: Path, tmp_pa
     assert losses[-1] < 0.05, losses
 
 
-def test_max_epochs_runs_whole_epochs(shapes_shards: Path, tmp_path: Path) -> None:
+def test_max_epochs_runs_whole_epochs(
+    shapes_shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     cfg = make_config(
         shapes_shards,
         tmp_path,
@@ -215,6 +217,13 @@ def test_max_epochs_runs_whole_epochs(shapes_shards: Path, tmp_path: Path) -> No
     assert sorted(by_epoch) == [0, 1]
     assert len(by_epoch[0]) == len(set(by_epoch[0])) == 320
     assert sorted(by_epoch[0]) == sorted(by_epoch[1]) and by_epoch[0] != by_epoch[1]
+    # the console says where the run is and when it ends (#43 item 10)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [line.split(" loss ")[0] for line in lines[4:6]] == [
+        "step 5/10 epoch 1/2",
+        "step 6/10 epoch 2/2",
+    ]
+    assert lines[-1].startswith("step 10/10 epoch 2/2 ") and lines[-1].endswith(" ETA 0:00")
 
 
 def test_channels_last_converts_the_model(shapes_shards: Path, tmp_path: Path) -> None:

@@ -1,16 +1,18 @@
-"""`hpctrain convert SRC DEST`: image folder / manifest / Python / Arrow / shards -> tar shards + index.json."""
+"""`hpctrain convert SRC -o DEST` (or `SRC DEST`): image folder / manifest / Python / Arrow / shards -> tar shards + index.json."""
 
 from __future__ import annotations
 
 import argparse
 import time
+from typing import TYPE_CHECKING
 
+from hpctrain.cli.options import add_output_option
 from hpctrain.convert.errors import ConvertOptionError
-from hpctrain.convert.layout import parse_size
-from hpctrain.convert.options import ConvertOptions
-from hpctrain.convert.parts import STAGES
-from hpctrain.convert.run import convert, result_summary
-from hpctrain.convert.sources import KINDS
+
+if TYPE_CHECKING:
+    from hpctrain.convert.options import ConvertOptions
+
+PART_STAGES = ("tokenize", "list", "write")
 
 HELP = (
     "convert an image folder, a CSV/JSONL manifest, a Python dataset, Arrow/parquet or shards "
@@ -19,6 +21,7 @@ HELP = (
 EPILOG = """\
 examples:
   hpctrain convert data/images data/shards --val-fraction 0.1 --shuffle --seed 0
+  hpctrain convert new-images/ -o data/new --source images   # unlabelled: for predict
   hpctrain convert manifest.csv s3://bucket/shards --shard-size 512MB --workers 8
   hpctrain convert old-shards/ data/small --max-side 256 --quality 90 --resume
   hpctrain convert mypkg.data:make_dataset data/shards --arg split=train --arg size=64
@@ -35,7 +38,7 @@ column a member: path/label, file columns like mask.png, cls/txt/json, the rest 
 .json); a Python callable pkg.module:function returning dict samples; a Hugging Face
 save_to_disk folder or parquet files (pip install 'hpctrain[arrow]'); or shards (a folder with
 index.json or .tar files, a brace pattern). docs/conversion.md has the mapping rules.
-DEST is a folder or an fsspec URL (s3://..., memory://...). Output is identical for any
+DEST (or -o DEST) is a folder or an fsspec URL (s3://..., memory://...). Output is identical for any
 --workers; the index is written last, so a killed run leaves no index (finish it with --resume).
 --parts N splits the work into N parts (local processes, or with --slurm a job array per stage
 and a merge job): the same output as one process; --resume runs only the parts that did not
@@ -44,10 +47,13 @@ finish (docs/conversion.md, "Converting on a cluster").
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # here, not at the top: `hpctrain --help` should not import numpy and fsspec
+    from hpctrain.convert.sources import KINDS
+
     parser.add_argument(
         "src", help="image folder, manifest (.csv/.jsonl) or shards (folder, pattern, index.json)"
     )
-    parser.add_argument("dest", help="output folder or fsspec URL")
+    add_output_option(parser, "output folder or fsspec URL", dest="dest", positional="DEST")
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--samples-per-shard", type=int, metavar="N", help="samples in each shard")
     size.add_argument(
@@ -172,7 +178,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     # What an array task or a local part process runs (rendered by --parts, not typed)
     parts.add_argument("--run-part", type=int, default=None, help=argparse.SUPPRESS)
-    parts.add_argument("--stage", default="write", choices=STAGES, help=argparse.SUPPRESS)
+    # convert.parts.STAGES, written out: importing convert.parts costs --help a second
+    # (tests/cli/test_main.py checks the two agree)
+    parts.add_argument("--stage", default="write", choices=PART_STAGES, help=argparse.SUPPRESS)
     parts.add_argument("--merge", action="store_true", help=argparse.SUPPRESS)
     text = parser.add_argument_group(
         "text sources (language models: token shards; docs/conversion.md and docs/language-model-data.md)"
@@ -247,6 +255,12 @@ def _pairs(values: list[str], flag: str) -> tuple[tuple[str, str], ...]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hpctrain.convert.layout import parse_size
+    from hpctrain.convert.options import ConvertOptions
+    from hpctrain.convert.run import convert, result_summary
+
+    if not args.dest:
+        raise ConvertOptionError("convert needs the output folder: -o DEST (or SRC DEST)")
     options = ConvertOptions(
         src=args.src,
         dest=args.dest,
@@ -286,6 +300,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_parts(args: argparse.Namespace, options: ConvertOptions) -> int:
     from hpctrain.convert.parts import merge_parts, run_locally, run_part
+    from hpctrain.convert.run import result_summary
 
     if args.parts < 1:
         raise ConvertOptionError("--slurm, --run-part and --merge need --parts N")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from hpctrain.cli.options import add_checkpoint_option, add_output_option
 from hpctrain.errors import UsageError
 from hpctrain.launch.local import LAUNCHER_PID_ENV, exit_with_launcher, run_local
 
@@ -33,12 +34,7 @@ def add_target_arguments(parser: argparse.ArgumentParser, what: str) -> None:
         metavar="KEY=VALUE",
         help="dotted overrides, e.g. data.batch_size=64",
     )
-    parser.add_argument(
-        "--checkpoint",
-        default="latest",
-        metavar="PATH|latest|best",
-        help="the checkpoint: latest (default), best (checkpoint.keep_best) or a folder",
-    )
+    add_checkpoint_option(parser)
     parser.add_argument(
         "--nproc", type=int, default=1, help="start N local processes (gloo on CPU, NCCL on GPUs)"
     )
@@ -46,10 +42,8 @@ def add_target_arguments(parser: argparse.ArgumentParser, what: str) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_target_arguments(parser, "config file, run folder, or one step-<N> checkpoint folder")
-    parser.add_argument(
-        "--out",
-        default="",
-        help="the record's file (default RUN_DIR/eval/step-<N>.<data>-<hash>.json)",
+    add_output_option(
+        parser, "the record's file (default RUN_DIR/eval/step-<N>.<data>-<hash>.json)"
     )
     add_answer_arguments(parser)
     add_harness_arguments(parser)

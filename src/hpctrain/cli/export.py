@@ -1,9 +1,16 @@
-"""`hpctrain export RUN_DIR_OR_CHECKPOINT OUT [--format pt|safetensors|hf|peft] [--best] [--[no-]ema]
-[--tokenizer PATH]`."""
+"""`hpctrain export RUN_DIR_OR_CHECKPOINT -o OUT [--format pt|safetensors|hf|peft]
+[--checkpoint best] [--[no-]ema] [--tokenizer PATH]`."""
 
 from __future__ import annotations
 
 import argparse
+
+from hpctrain.cli.options import (
+    add_best_alias,
+    add_checkpoint_option,
+    add_output_option,
+    checkpoint_location,
+)
 
 HELP = (
     "write a checkpoint's model as consolidated weights (.pt or .safetensors; DDP or FSDP2) "
@@ -11,14 +18,15 @@ HELP = (
     "adapter (--format peft)"
 )
 EPILOG = """examples:
-  hpctrain export runs/demo model.pt                        # newest checkpoint of the run
-  hpctrain export runs/demo model.safetensors --best        # the best by checkpoint.monitor
-  hpctrain export runs/demo/checkpoints/step-400 model.pt   # one checkpoint
-  hpctrain export runs/demo model-ema.safetensors --ema     # the EMA (train.ema_decay)
-  hpctrain export runs/demo model.pt --no-ema               # the trained weights, always
-  hpctrain export runs/lm hf-model --format hf              # a folder transformers loads
-  hpctrain export runs/lora adapter --format peft           # a LoRA run's adapters for peft
-  hpctrain export runs/lm hf-model --format hf --tokenizer moved/tokenizer.json
+  hpctrain export runs/demo -o model.pt                     # newest checkpoint of the run
+  hpctrain export runs/demo -o model.safetensors --checkpoint best  # the best by checkpoint.monitor
+  hpctrain export runs/demo/checkpoints/step-400 -o model.pt  # one checkpoint
+  hpctrain export runs/demo -o model-ema.safetensors --ema  # the EMA (train.ema_decay)
+  hpctrain export runs/demo -o model.pt --no-ema            # the trained weights, always
+  hpctrain export runs/lm -o hf-model --format hf           # a folder transformers loads
+  hpctrain export runs/lora -o adapter --format peft        # a LoRA run's adapters for peft
+  hpctrain export runs/lm -o hf-model --format hf --tokenizer moved/tokenizer.json
+  hpctrain export runs/demo model.pt --best                 # older spellings: OUT word, --best
 Load it with: model.load_state_dict(torch.load("model.pt", weights_only=True))
 or: safetensors.torch.load_file("model.safetensors"); built-in models also get a model card,
 OUT.json (model.safetensors.json). The weights are those the training evaluated with (the EMA
@@ -29,7 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "source", help="run folder, checkpoint folder, or one step-<N> checkpoint (path or URL)"
     )
-    parser.add_argument("out", help="the file to write (--format hf, peft: a new folder)")
+    add_output_option(
+        parser, "the file to write (--format hf, peft: a new folder)", positional="OUT"
+    )
     parser.add_argument(
         "--format",
         choices=("pt", "safetensors", "hf", "peft"),
@@ -37,11 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="file format (default: safetensors for a .safetensors name, else pt); hf: a "
         "Hugging Face model folder (causal_lm runs); peft: a LoRA run's adapter folder",
     )
-    parser.add_argument(
-        "--best",
-        action="store_true",
-        help="the checkpoint the `best` pointer names (checkpoint.keep_best) instead of the newest",
-    )
+    add_checkpoint_option(parser)
+    add_best_alias(parser)
     parser.add_argument(
         "--tokenizer",
         default="",
@@ -62,9 +69,12 @@ def run(args: argparse.Namespace) -> int:
     from hpctrain.errors import UsageError
     from hpctrain.inference.export import export_hf, export_peft, export_weights
 
+    if not args.out:
+        raise UsageError("export needs the file to write: -o OUT")
+    source, best = checkpoint_location(args.source, args.checkpoint)
     # CheckpointError: exit code 4
     if args.format == "peft":
-        result = export_peft(args.source, args.out, best=args.best, ema=args.ema)
+        result = export_peft(source, args.out, best=best, ema=args.ema)
         print(
             f"exported {result.source} (step {result.step}{', EMA' if result.ema else ''}): "
             f"{result.num_tensors} adapter tensors -> {result.out} "
@@ -72,9 +82,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 0
     if args.format == "hf":
-        result = export_hf(
-            args.source, args.out, best=args.best, ema=args.ema, tokenizer_spec=args.tokenizer
-        )
+        result = export_hf(source, args.out, best=best, ema=args.ema, tokenizer_spec=args.tokenizer)
         print(
             f"exported {result.source} (step {result.step}{', EMA' if result.ema else ''}): "
             f"{result.num_tensors} tensors -> {result.out} "
@@ -83,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.tokenizer:
         raise UsageError("--tokenizer: only for --format hf (a weights file holds no tokenizer)")
-    result = export_weights(args.source, args.out, fmt=args.format, best=args.best, ema=args.ema)
+    result = export_weights(source, args.out, fmt=args.format, best=best, ema=args.ema)
     print(
         f"exported {result.source} (step {result.step}{', EMA' if result.ema else ''}): "
         f"{result.num_tensors} tensors, "

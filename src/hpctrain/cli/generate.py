@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from hpctrain.cli.options import add_checkpoint_option, checkpoint_location
+
 HELP = "print a causal_lm checkpoint's continuation of a prompt (CPU or one GPU)"
 EPILOG = """examples:
   hpctrain generate runs/demo-lm --prompt "def main("                      # greedy
@@ -29,12 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--top-k", type=int, default=0, help="sample among the K likeliest tokens only; 0: all"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
-    parser.add_argument(
-        "--checkpoint",
-        choices=("latest", "best"),
-        default="latest",
-        help="of a run or checkpoint folder: the newest checkpoint or the `best` one",
-    )
+    add_checkpoint_option(parser)
     parser.add_argument(
         "--ema",
         action=argparse.BooleanOptionalAction,
@@ -58,14 +55,15 @@ def run(args: argparse.Namespace) -> int:
     from hpctrain.inference.generate import generate_text
 
     # CheckpointError (exit 4) for a missing or non-LM checkpoint; UsageError for bad options
+    source, best = checkpoint_location(args.source, args.checkpoint)
     text = generate_text(
-        args.source,
+        source,
         args.prompt,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
         seed=args.seed,
-        best=args.checkpoint == "best",
+        best=best,
         device=args.device,
         tokenizer_spec=args.tokenizer,
         ema=args.ema,

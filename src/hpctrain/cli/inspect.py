@@ -6,7 +6,6 @@ import argparse
 import json
 import sys
 
-from hpctrain.convert.verify import format_report, inspect_dataset
 from hpctrain.errors import EXIT_DATA
 
 HELP = "show totals, shards, classes and keys of a shard set; --verify decodes every field"
@@ -50,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hpctrain.convert.verify import format_report, inspect_dataset
+
     # nothing to inspect (no index, no shards): a DataError, one line and exit code 3
     reports = inspect_dataset(
         args.dest,

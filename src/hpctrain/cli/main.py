@@ -2,6 +2,10 @@
 
 Each verb is a module `hpctrain.cli.<verb>` with `HELP` (one line), `EPILOG` (an example),
 `add_arguments(parser)` and `run(args) -> int`. Verbs listed here all work.
+
+`hpctrain --help` and every `hpctrain VERB --help` answer in well under a second: a verb module
+imports torch, numpy, fsspec or submitit only inside `run` (or, for what its arguments need,
+inside `add_arguments`, which runs for the requested verb only); tests/cli checks it.
 """
 
 from __future__ import annotations
@@ -48,8 +52,14 @@ VERBS = [
 ]
 
 
-def build_parser(verbs_to_load: Sequence[str] = VERBS) -> argparse.ArgumentParser:
-    """The parser with the given verbs (all of them for `hpctrain --help`)."""
+def build_parser(
+    verbs_to_load: Sequence[str] = VERBS, *, with_arguments: bool = True
+) -> argparse.ArgumentParser:
+    """The parser with the given verbs (all of them for `hpctrain --help`).
+
+    Without `with_arguments` the verbs get their help lines only: all that `hpctrain --help`
+    (or a mistake before the verb) shows, without what a verb's arguments import.
+    """
     parser = argparse.ArgumentParser(
         prog="hpctrain",
         description="Train PyTorch models on SLURM clusters from WebDataset shards.",
@@ -74,7 +84,8 @@ def build_parser(verbs_to_load: Sequence[str] = VERBS) -> argparse.ArgumentParse
             epilog=module.EPILOG,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
-        module.add_arguments(sub)
+        if with_arguments:
+            module.add_arguments(sub)
         sub.set_defaults(_run=module.run)
     parser.set_defaults(_verb_parsers=verbs.choices)  # for parse_arguments
     return parser
@@ -137,7 +148,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Import only the verb asked for: some verbs import torch (seconds; BENCHMARKS.md), and
     # `hpctrain plan` or `hpctrain inspect` should not pay for it.
     verb = requested_verb(argv)
-    parser = build_parser([verb] if verb is not None else VERBS)
+    if verb is None:  # `hpctrain --help`, --version, or a mistake: no verb's arguments needed
+        parser = build_parser(VERBS, with_arguments=False)
+    else:
+        parser = build_parser([verb])
     args = parse_arguments(parser, argv)
     if args.show_tracebacks:
         os.environ[DEBUG_ENV] = "1"

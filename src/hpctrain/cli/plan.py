@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 
 from hpctrain.cli import plan_mixture
-from hpctrain.data.plan_report import PlanRequest, plan_report, remainder_line
 from hpctrain.errors import UsageError
 
 HELP = "show the epoch plan: batches per rank, samples dropped or padded, shards per worker"
@@ -57,6 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hpctrain.data.plan_report import PlanRequest, plan_report, remainder_line
+
     if args.world_size < 1 or args.batch_size < 1 or args.workers_per_rank < 0:
         raise UsageError("--world-size and --batch-size must be >= 1, --workers-per-rank >= 0")
     for r in args.rank or []:

@@ -7,12 +7,14 @@ import argparse
 import json
 import math
 import sys
+from typing import TYPE_CHECKING
 
-from hpctrain.config.schema import SourceConfig
-from hpctrain.data.index import ShardIndex
-from hpctrain.data.plan_report import PlanReport, PlanRequest, mixture_report, remainder_line
-from hpctrain.data.planning import EpochPlan
 from hpctrain.errors import UsageError
+
+if TYPE_CHECKING:  # imported where used: `hpctrain --help` should not import numpy
+    from hpctrain.data.index import ShardIndex
+    from hpctrain.data.plan_report import PlanReport, PlanRequest
+    from hpctrain.data.planning import EpochPlan
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, request: PlanRequest, ranks: list[int]) -> int:
     """The mixture's plan: summary, passes per source, realized mixture per rank."""
+    from hpctrain.config.schema import SourceConfig
+    from hpctrain.data.plan_report import mixture_report, remainder_line
+
     paths = list(args.data)
     weights = _weights(args.weights) if args.weights else [1.0] * len(paths)
     names = args.names.split(",") if args.names else [""] * len(paths)

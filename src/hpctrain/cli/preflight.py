@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 
 from hpctrain.cli.sbatch import add_profile_arguments
-from hpctrain.launch.preflight import format_checks, preflight, raise_if_failed
-from hpctrain.launch.prepare import prepare
 
 HELP = "check a job before queueing: profile limits, data reachable, run folder, task, offline"
 EPILOG = "example: hpctrain preflight configs/demo.yaml --profile jean-zay-v100 slurm.time=30:00:00"
@@ -18,6 +16,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hpctrain.launch.preflight import format_checks, preflight, raise_if_failed
+    from hpctrain.launch.prepare import prepare
+
     prep = prepare(args.config, args.overrides, args.profile)
     checks = preflight(prep.cfg, prep.profile, data=not args.no_data)
     print(format_checks(checks))

@@ -6,12 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from hpctrain.cli.options import add_output_option
 from hpctrain.errors import UsageError
-from hpctrain.launch.preflight import preflight, raise_if_failed
-from hpctrain.launch.prepare import prepare, train_overrides
-from hpctrain.launch.sbatch import SweepPoint, render_sbatch
-from hpctrain.launch.script_values import check_path
-from hpctrain.launch.submit import log_folder, parse_sweep, sweep_run_dir
 
 HELP = "print an sbatch script (one task per GPU, requeue on preemption) for a config"
 EPILOG = """examples:
@@ -68,13 +64,24 @@ def check_max_parallel(max_parallel: int, num_points: int) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_profile_arguments(parser)
-    parser.add_argument(
-        "-o", "--output", default="", help="write the script here instead of stdout"
+    add_output_option(
+        parser,
+        "write the script here instead of stdout",
+        dest="output",
+        aliases=("--output",),
+        metavar="FILE",
     )
     add_sweep_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    # here, not at the top: `hpctrain --help` should not import submitit (hpctrain.cli.main)
+    from hpctrain.launch.preflight import preflight, raise_if_failed
+    from hpctrain.launch.prepare import prepare, train_overrides
+    from hpctrain.launch.sbatch import SweepPoint, render_sbatch
+    from hpctrain.launch.script_values import check_path
+    from hpctrain.launch.submit import log_folder, parse_sweep, sweep_run_dir
+
     # ConfigError (2) and LaunchError (6, with preflight failures) reach `hpctrain.cli.main`
     prep = prepare(args.config, args.overrides, args.profile)
     combos = parse_sweep(args.sweep)

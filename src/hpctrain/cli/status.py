@@ -9,9 +9,6 @@ import sys
 from pathlib import Path
 
 from hpctrain.errors import UsageError
-from hpctrain.launch.goodput_report import describe, run_goodput
-from hpctrain.launch.profiles import LaunchError
-from hpctrain.launch.status import run_status
 
 HELP = "show the SLURM jobs of a run folder: state, requeues, every job, last error, last step, log tail"
 EPILOG = """examples:
@@ -43,6 +40,10 @@ def run(args: argparse.Namespace) -> int:
     damaged job record a launch error (6). With `--json` those are a JSON object too (stdout:
     what is known, `error` and `exit_code`; the usual line on stderr), with the same code.
     """
+    from hpctrain.launch.goodput_report import describe, run_goodput
+    from hpctrain.launch.profiles import LaunchError
+    from hpctrain.launch.status import run_status
+
     status = None
     try:
         if not Path(args.run_dir).is_dir():
@@ -106,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_goodput(args: argparse.Namespace) -> int:
+    from hpctrain.launch.goodput_report import describe, run_goodput
+
     goodput = run_goodput(args.run_dir)
     if not goodput.rows:
         raise UsageError(

@@ -6,16 +6,9 @@ import argparse
 import sys
 
 from hpctrain.cli.eval import add_harness_arguments, answer_fields
+from hpctrain.cli.options import add_checkpoint_option, add_output_option
 from hpctrain.cli.sbatch import add_profile_arguments, add_sweep_arguments, check_max_parallel
 from hpctrain.errors import UsageError
-from hpctrain.launch.preflight import format_checks, preflight, raise_if_failed
-from hpctrain.launch.prepare import prepare, slurm_folder
-from hpctrain.launch.submit import (
-    check_submission,
-    parse_sweep,
-    submission_script,
-    submit,
-)
 
 HELP = "submit a training job to SLURM with submitit (requeued on time limit or preemption)"
 EPILOG = """examples:
@@ -42,13 +35,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="submit `hpctrain predict` of the run (--data, --out)",
     )
-    parser.add_argument(
-        "--checkpoint", default="latest", help="--eval/--predict: PATH|latest|best (default latest)"
+    add_checkpoint_option(
+        parser, help="--eval/--predict: the checkpoint: latest (default), best or a folder"
     )
     parser.add_argument(
         "--data", default="", help="--predict: the data (default data.val); --eval: a JSONL file"
     )
-    parser.add_argument("--out", default="", help="--eval: record file; --predict: destination")
+    add_output_option(parser, "--eval: record file; --predict: destination")
     parser.add_argument(
         "--format", choices=("jsonl", "shards"), default="jsonl", help="--predict: output format"
     )
@@ -62,9 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_inference(args: argparse.Namespace) -> int:
     """`submit --eval/--predict`: one job whose tasks are the ranks of `hpctrain eval/predict`."""
     from hpctrain.inference.target import resolve_target
-    from hpctrain.launch.prepare import Prepared, absolute_run_dir
+    from hpctrain.launch.preflight import preflight, raise_if_failed
+    from hpctrain.launch.prepare import Prepared, absolute_run_dir, slurm_folder
     from hpctrain.launch.profiles import load_profile, resolve_job
-    from hpctrain.launch.submit import InferenceSpec, submit_inference
+    from hpctrain.launch.submit import InferenceSpec, submission_script, submit_inference
 
     if args.eval and args.predict:
         raise UsageError("--eval and --predict: choose one")
@@ -72,6 +66,10 @@ def run_inference(args: argparse.Namespace) -> int:
         raise UsageError("--sweep trains several runs; it does not combine with --eval/--predict")
     if args.predict and not args.out:
         raise UsageError("--predict needs --out: a folder or fsspec URL for the predictions")
+    if args.predict and args.data:
+        from hpctrain.inference.inputs import refuse_image_folder
+
+        refuse_image_folder(args.data, "each task of the job would convert it")
     extra = [f"slurm.profile={args.profile}"] if args.profile else []
     cfg, named = resolve_target(args.config, [*args.overrides, *extra])
     cfg = absolute_run_dir(cfg)
@@ -127,6 +125,11 @@ def training_job(run_dir: str) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.eval or args.predict:
         return run_inference(args)
+    # here, not at the top: `hpctrain --help` should not import submitit (hpctrain.cli.main)
+    from hpctrain.launch.preflight import format_checks, preflight, raise_if_failed
+    from hpctrain.launch.prepare import prepare, slurm_folder
+    from hpctrain.launch.submit import check_submission, parse_sweep, submission_script, submit
+
     # ConfigError (2) and LaunchError (6, with preflight failures) reach `hpctrain.cli.main`
     prep = prepare(args.config, args.overrides, args.profile)
     combos = parse_sweep(args.sweep)

@@ -1,10 +1,11 @@
-"""`hpctrain train CONFIG [overrides] [--nproc N] [--debug]`."""
+"""`hpctrain train CONFIG [overrides] [--nproc N] [--debug] [--checkpoint PATH|latest|none]`."""
 
 from __future__ import annotations
 
 import argparse
 import os
 
+from hpctrain.cli.options import add_checkpoint_option
 from hpctrain.config import load_config, with_overrides
 from hpctrain.errors import UsageError
 from hpctrain.launch.failure_rate import run_failure_rate
@@ -16,6 +17,7 @@ EPILOG = """examples:
   hpctrain train configs/demo.yaml --nproc 2 train.max_steps=50 run_dir=runs/try2
   hpctrain train configs/demo.yaml --debug            # one process, errors raised at once
   hpctrain train configs/demo.yaml --overfit-batches 1 train.max_steps=100
+  hpctrain train configs/demo.yaml --checkpoint none  # start afresh (older spelling: --resume)
 Under srun every task runs this same command; ranks come from SLURM_PROCID/SLURM_NTASKS."""
 
 
@@ -42,11 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="train on the first N batches only (loss must reach ~0)",
     )
-    parser.add_argument(
-        "--resume",
+    add_checkpoint_option(
+        parser,
+        keywords=("latest", "none"),
         default=None,
-        metavar="PATH|latest|none",
-        help="checkpoint to resume from (default: latest in the run folder)",
+        aliases=("--resume",),
+        help="the checkpoint to resume from: latest (the run folder's newest, default: "
+        "checkpoint.resume), none (start afresh) or a checkpoint folder",
     )
 
 
@@ -54,8 +58,8 @@ def resolve(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """The config these arguments describe (file, overrides, then the flags)."""
     cfg = load_config(args.config, args.overrides)
     extra: list[str] = []
-    if args.resume is not None:
-        extra.append(f"checkpoint.resume={args.resume}")
+    if args.checkpoint is not None:
+        extra.append(f"checkpoint.resume={args.checkpoint}")
     if args.overfit_batches:
         extra.append(f"train.overfit_batches={args.overfit_batches}")
     if args.debug:
@@ -78,8 +82,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = resolve(args)  # validate before starting any process
     if args.nproc > 1 and not args.debug:
         forwarded = [args.config, *args.overrides]
-        if args.resume is not None:
-            forwarded += ["--resume", args.resume]
+        if args.checkpoint is not None:
+            forwarded += ["--checkpoint", args.checkpoint]
         if args.overfit_batches:
             forwarded += ["--overfit-batches", str(args.overfit_batches)]
         return run_local(forwarded, args.nproc, run_dir=cfg.run_dir)

@@ -29,6 +29,7 @@ from typing import Any
 from hpctrain.data.fieldnames import (
     IMAGE_EXTENSIONS,
     INT_EXTENSIONS,
+    SOURCE_FIELD,
     TEXT_EXTENSIONS,
     is_target_field,
     last_extension,
@@ -62,6 +63,8 @@ def check_field_name(name: str, where: str) -> str:
         raise DataError(f"{where}: {name!r} cannot be a field name (empty, '/' or a dot at an end)")
     if any(ch.isspace() or ord(ch) < 32 for ch in name):
         raise DataError(f"{where}: field name {name!r} holds whitespace or control characters")
+    if name.lower() == SOURCE_FIELD:
+        raise DataError(f"{where}: {name!r} is hpctrain's field (the sample's source path)")
     return name.lower()
 
 

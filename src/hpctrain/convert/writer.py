@@ -30,6 +30,7 @@ from hpctrain.convert.sources.base import (
     read_url,
 )
 from hpctrain.convert.tar import ShardTarWriter
+from hpctrain.data.fieldnames import SOURCE_FIELD
 from hpctrain.data.index import redact_url
 from hpctrain.files import TEMP_MARKER
 
@@ -141,7 +142,8 @@ def sample_members(
 ) -> list[tuple[str, bytes]]:
     """The (member name, bytes) of one sample, in the order they are written.
 
-    Order: the image of `url`, `cls`, the other fields in column order, `json`.
+    Order: the image of `url`, `cls`, the other fields in column order, `json`, the source
+    path (`__source__`).
     """
     if sample.error:
         raise SourceRecordError(sample.origin or sample.url, sample.error)
@@ -178,6 +180,8 @@ def sample_members(
         members.append((f"{sample.key}.{name}", data))
     if sample.meta is not None:
         members.append((f"{sample.key}.json", sample.meta.encode()))
+    if sample.source:
+        members.append((f"{sample.key}.{SOURCE_FIELD}", sample.source.encode()))
     return members
 
 

@@ -50,6 +50,7 @@ from hpctrain.data.fieldnames import (
     IMAGE_EXTENSIONS,
     INT_EXTENSIONS,
     RESERVED_FIELDS,
+    SOURCE_FIELD,
     TEXT_EXTENSIONS,
     TORCH_EXTENSIONS,
     is_target_field,
@@ -96,6 +97,8 @@ def decode_sample(
     """
     sample: Sample = {"key": key}
     for name, data in members.items():
+        if name == SOURCE_FIELD:
+            continue  # provenance, not data (`hpctrain.data.fieldnames.SOURCE_FIELD`)
         if name in RESERVED_FIELDS:
             raise SampleError(
                 f"sample {key!r}: a member named {key}.{name}: `{name}` is the loader's own "

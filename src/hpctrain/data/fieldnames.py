@@ -15,6 +15,12 @@ TEXT_EXTENSIONS = frozenset({"txt", "text"})
 TORCH_EXTENSIONS = frozenset({"pt", "pth"})
 TARGET_MARKERS = ("mask", "seg", "label", "depth")
 RESERVED_FIELDS = frozenset({"key", "valid"})  # set by the loader for every sample
+# The path a sample was converted from (`KEY.__source__`, UTF-8 text; `hpctrain convert` writes
+# it for image folders and manifests' path column). Provenance, not data: the loader never
+# decodes it nor puts it into a training or evaluation batch (a Task's decode never sees it),
+# so shards with and without it train alike; `hpctrain predict` writes it beside each
+# prediction. Dunder-named, as webdataset's own `__key__`/`__url__`, so no data field meets it.
+SOURCE_FIELD = "__source__"
 
 
 def last_extension(name: str) -> str:

@@ -95,6 +95,9 @@ class ShardedLoader:
         storage_options: fsspec options for remote shards (credentials, endpoint_url).
         batches_held: batches the consumer keeps at once (the trainer: a step's
             `train.grad_accum_steps` micro-batches), for the workers' buffer pools.
+        keep_source: each batch also carries `__source__`, its samples' source paths as
+            `hpctrain convert` recorded them ("" where none; see
+            `hpctrain.data.fieldnames.SOURCE_FIELD`): what `hpctrain predict` writes.
     """
 
     def __init__(
@@ -112,6 +115,7 @@ class ShardedLoader:
         device: torch.device | str | None = None,
         storage_options: dict[str, Any] | None = None,
         batches_held: int = 1,
+        keep_source: bool = False,
     ) -> None:
         if not index.num_shards:
             raise ValueError("the shard index lists no shards")
@@ -176,6 +180,7 @@ class ShardedLoader:
             vocab_size=vocab_size,
             eod_id=None if eod_id is None else int(eod_id),
             shard_tokens=shard_tokens,
+            keep_source=keep_source,
         )
         self.epoch = 0
         self._stages: tuple[StageParams, ...] = ()  # earlier stages of this epoch

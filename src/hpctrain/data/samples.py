@@ -28,6 +28,7 @@ import torch
 
 from hpctrain.data.collate import Batch, BatchMemory, Collator, Sample, pack_batch
 from hpctrain.data.decode import SampleError, decode_sample
+from hpctrain.data.fieldnames import SOURCE_FIELD
 from hpctrain.data.index import Counts, redact_url
 from hpctrain.data.mixture import Mixture, MixturePlan, interleave, plan_mixture, source_counts
 from hpctrain.data.planning import EpochPlan, Segment, StageParams, derive_seed, plan
@@ -121,6 +122,7 @@ class ReadSpec:
     # epochs from this one on rotate which samples `drop` leaves out (`planning.plan`); a
     # loader state saved before the rotation existed finishes its epoch as it was planned
     drop_rotation_from: int = 0
+    keep_source: bool = False  # batches carry their samples' `__source__` paths (predict)
 
     def plan(self, epoch: int, stages: tuple[StageParams, ...]) -> EpochPlan:
         """The plan of the stage after `stages` of `epoch`."""
@@ -409,6 +411,7 @@ class SampleReader:
         self, key: str, members: dict[str, Any], epoch: int, shard: int, index: int
     ) -> Sample:
         """Decode and transform one sample (`SampleError` for bad data, see the module)."""
+        members.pop(SOURCE_FIELD, None)  # provenance: never decoded, never a Task's to see
         if self.spec.seq_len:  # a packed sequence: nothing to decode, a Task's decode unused
             sample: Sample = {
                 "key": key,
@@ -469,6 +472,8 @@ class SampleReader:
         `_stats`, which the loader takes out."""
         size = len(raw)
         keys: list[str] = [""] * size
+        # `__source__` of each sample ("" for none, lost samples and their stand-ins)
+        sources: list[str] | None = [""] * size if self.spec.keep_source else None
         valid: list[bool] = [False] * size
         missing: list[int] = []
         good: tuple[str, Sample] | None = None
@@ -478,6 +483,8 @@ class SampleReader:
             if members is None:
                 missing.append(pos)
                 continue
+            if sources is not None and SOURCE_FIELD in members:
+                sources[pos] = bytes(members[SOURCE_FIELD]).decode("utf-8", "replace")
             try:
                 sample = self.make_sample(key, members, epoch, seg.shard, index)
             except SampleError as exc:
@@ -501,14 +508,18 @@ class SampleReader:
                 kept[pos], keys[pos] = good_sample, good_key
             batch = self.collate(kept)  # type: ignore[arg-type]
             stats = counters() + self._source_counts(raw, valid)
-            return pack_batch(batch, keys, valid, memory, {"_stats": stats}), good
+            extra = (
+                {"_stats": stats} if sources is None else {"_stats": stats, SOURCE_FIELD: sources}
+            )
+            return pack_batch(batch, keys, valid, memory, extra), good
         if collator is None:
             collator = Collator(good_sample, good_key, size, memory)
         for pos in missing:
             collator.put(pos, good_sample, good_key)
             keys[pos] = good_key
         stats = counters() + self._source_counts(raw, valid)
-        return collator.finish(keys, valid, {"_stats": stats}), good
+        extra = {"_stats": stats} if sources is None else {"_stats": stats, SOURCE_FIELD: sources}
+        return collator.finish(keys, valid, extra), good
 
 
 def is_remote(url: str) -> bool:

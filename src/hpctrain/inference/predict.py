@@ -5,7 +5,8 @@ batch order) over its share of the data (an evaluation loader: index order, padd
 batches with padding flagged `valid=False`, which is dropped here) and writes one part;
 rank 0 writes the manifest last. The layout of DEST (a local folder or any fsspec URL):
 
-    DEST/part-00000-of-00002.jsonl   rank 0's samples: one JSON object a line, {"key": ..., <outputs>}
+    DEST/part-00000-of-00002.jsonl   rank 0's samples: one JSON object a line, {"key": ...,
+                                     "source": ..., <outputs>}
     DEST/part-00001-of-00002.jsonl   (with --format shards: .tar shards, plus DEST/index.json)
     DEST/manifest.json               written last: parts, sample counts, sha256, what was lost
 
@@ -21,6 +22,10 @@ Values: JSON-able values go as they are; tensors and numpy arrays become lists i
 whose name ends in `.png` (a class-id mask [H, W]): a PNG member `KEY.<name>` in shards,
 and in JSONL a run-length encoding `{"size": [H, W], "values": [...], "lengths": [...]}`
 of the row-major pixels. Shards output is itself a dataset: `hpctrain inspect DEST` reads it.
+
+Each prediction names its sample by `key` and, when the data has one (`hpctrain convert` keeps
+it for image folders and manifests), by the file it was converted from: `"source"` in JSONL,
+a `KEY.__source__` member in shards (`hpctrain.data.fieldnames.SOURCE_FIELD`).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import torch.distributed as dist
 
 from hpctrain.config import Config, ConfigError
 from hpctrain.convert.tar import ShardTarWriter
+from hpctrain.data.fieldnames import SOURCE_FIELD
 from hpctrain.data.index import ShardIndex, ShardInfo, index_to_bytes, redact_url
 from hpctrain.errors import UsageError
 from hpctrain.files import write_atomic
@@ -121,19 +127,26 @@ def json_value(value: Any, key: str, name: str) -> Any:
     return array.tolist()
 
 
-def jsonl_line(key: str, outputs: Mapping[str, Any]) -> bytes:
-    """One sample's JSON line: `{"key": key, <outputs>}`."""
-    if "key" in outputs:
-        raise TypeError(f"predict output of sample {key!r} has a field 'key': it is hpctrain's")
-    record = {"key": key, **{n: json_value(v, key, n) for n, v in outputs.items()}}
+def jsonl_line(key: str, outputs: Mapping[str, Any], source: str = "") -> bytes:
+    """One sample's JSON line: `{"key": key, "source": source (when known), <outputs>}`."""
+    for own in ("key", "source") if source else ("key",):
+        if own in outputs:
+            raise TypeError(
+                f"predict output of sample {key!r} has a field {own!r}: it is hpctrain's"
+            )
+    named = {"key": key, "source": source} if source else {"key": key}
+    record = {**named, **{n: json_value(v, key, n) for n, v in outputs.items()}}
     try:
         return (json.dumps(record) + "\n").encode()
     except (TypeError, ValueError) as exc:
         raise TypeError(f"predict output of sample {key!r} is not JSON-able: {exc}") from None
 
 
-def shard_members(key: str, outputs: Mapping[str, Any]) -> list[tuple[str, bytes]]:
-    """One sample's tar members: arrays as `.npy`/`.png`, everything else in `KEY.json`."""
+def shard_members(
+    key: str, outputs: Mapping[str, Any], source: str = ""
+) -> list[tuple[str, bytes]]:
+    """One sample's tar members: arrays as `.npy`/`.png`, everything else in `KEY.json`, and
+    the source path (when known) in `KEY.__source__`, as `hpctrain convert` writes it."""
     members: list[tuple[str, bytes]] = []
     plain: dict[str, Any] = {}
     for name, value in outputs.items():
@@ -152,6 +165,8 @@ def shard_members(key: str, outputs: Mapping[str, Any]) -> list[tuple[str, bytes
             members.insert(0, (f"{key}.json", json.dumps(plain).encode()))
         except (TypeError, ValueError) as exc:
             raise TypeError(f"predict output of sample {key!r} is not JSON-able: {exc}") from None
+    if source:
+        members.append((f"{key}.{SOURCE_FIELD}", source.encode()))
     return members
 
 
@@ -178,13 +193,13 @@ class PartWriter:
                 f"{redact_url(self.path)}: cannot write the predictions: {exc.strerror or exc}"
             ) from None
 
-    def add(self, key: str, outputs: Mapping[str, Any]) -> None:
+    def add(self, key: str, outputs: Mapping[str, Any], source: str = "") -> None:
         with self.writing():
             if self.tar is not None:
-                for name, data in shard_members(key, outputs):
+                for name, data in shard_members(key, outputs, source):
                     self.tar.add(name, data)
             else:
-                line = jsonl_line(key, outputs)
+                line = jsonl_line(key, outputs, source)
                 self.file.write(line)
                 self.sha256.update(line)
                 self.num_bytes += len(line)
@@ -300,9 +315,18 @@ def clear_destination(fs: Any, root: str) -> None:
 
 
 def run_predict(
-    cfg: Config, *, checkpoint: str = "latest", data: str, out: str, fmt: str = "jsonl"
+    cfg: Config,
+    *,
+    checkpoint: str = "latest",
+    data: str,
+    out: str,
+    fmt: str = "jsonl",
+    data_name: str = "",
 ) -> int:
     """`hpctrain predict` in this process, as one rank of the job; returns the exit code.
+
+    `data_name`: what the manifest names as the data when not `data` (the folder of images
+    `data` was converted from, `hpctrain.inference.inputs`).
 
     Raises:
         UsageError: a bad `--format` or `--out`; ConfigError: a task without `predict`.
@@ -350,7 +374,7 @@ def run_predict(
             "checkpoint": run.checkpoint,
             "weights": run.weights,
             "step": run.step,
-            "data": run.data,
+            "data": redact_url(data_name) if data_name else run.data,
             "data_num_samples": run.loader.index.num_samples,
             "num_samples": total,
             **lost,
@@ -391,16 +415,18 @@ def predict_part(run: Any, predict: Any, writer: PartWriter) -> dict[str, Any]:
     run.model.eval()
     run.loader.set_epoch(0)
     for batch in run.loader:
+        keys = batch["key"]
+        sources = batch.pop(SOURCE_FIELD, None) or [""] * len(keys)  # not the task's to see
         with run.precision.autocast():
             outputs = predict(run.model, to_device(batch, run.device))
-        keys = batch["key"]
         if not isinstance(outputs, list) or len(outputs) != len(keys):
             got = f"{len(outputs)} items" if isinstance(outputs, list) else type(outputs).__name__
             raise TypeError(
                 f"{type(run.task).__name__}.predict returned {got} for a batch of {len(keys)} "
                 "samples: it must return a list with one dict per sample, in batch order"
             )
-        for key, valid, sample_outputs in zip(keys, batch["valid"].tolist(), outputs, strict=True):
+        rows = zip(keys, sources, batch["valid"].tolist(), outputs, strict=True)
+        for key, source, valid, sample_outputs in rows:
             if valid:  # padding and fillers for lost samples are copies: each sample once
-                writer.add(key, sample_outputs)
+                writer.add(key, sample_outputs, source)
     return writer.commit()

@@ -185,7 +185,8 @@ def inference_session(
         data: an index, folder or shard pattern; `key` names where it came from in errors.
             "" gives the model alone (no loader), the task built from `data.train`'s index
             (answers to a JSONL file: `hpctrain.inference.answers`).
-        predict: read samples with the task's `predict_transform` (when it has one).
+        predict: read samples with the task's `predict_transform` (when it has one), in
+            batches that carry the samples' source paths (`__source__`).
 
     Raises:
         ConfigError: no data given; ShardIndexError: the data cannot be read (naming it);
@@ -253,6 +254,7 @@ def inference_session(
                 transform=transform,
                 train=False,
                 device=device,
+                keep_source=predict,
                 **hooks,
             )
         try:

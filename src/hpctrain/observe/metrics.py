@@ -9,6 +9,7 @@ import math
 import statistics
 import sys
 import time
+from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,10 @@ if TYPE_CHECKING:
     from hpctrain.observe.trackers import Trackers
 
 log = logging.getLogger("hpctrain")
+
+# Log records the ETA looks back over: recent enough to follow a change of speed, long enough
+# not to jump at each line (an evaluation or a save lands in one interval of the window).
+ETA_WINDOW = 10
 
 
 # The points of a step where a rank meets the others, in order: the model's call (DDP's buffer
@@ -415,10 +420,16 @@ class MetricsWriter:
         tensorboard: bool,
         trackers: Trackers | None = None,
         first: dict[str, Any] | None = None,
+        num_epochs: int = 0,
+        start_step: int = 0,
     ) -> None:
         """`first`: fields of this process's first training record only (the mesh), in
-        metrics.jsonl, not sent to the trackers."""
+        metrics.jsonl, not sent to the trackers. `num_epochs`: the epochs the run spans (0:
+        unknown, not shown); `start_step`: the step it resumed at."""
         self.enabled = enabled
+        self.total_steps = total_steps
+        self.num_epochs = num_epochs
+        self.eta = Eta(total_steps)
         self.first = dict(first or {})
         self.path = run_dir / "metrics.jsonl"
         self.bar: Any = None
@@ -430,7 +441,8 @@ class MetricsWriter:
         if use_bar:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
+            # `initial`: a resumed run's rate and ETA count this process's steps only
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -465,22 +477,18 @@ class MetricsWriter:
             line = " ".join(f"{k}={_fmt(v)}" for k, v in record.items() if k != "kind")
             self._print(f"eval {line}")
             return
-        if self.bar is not None:
-            self.bar.n = record["step"]
+        if self.bar is not None:  # tqdm shows the step of the total and its own ETA
+            self.bar.update(record["step"] - self.bar.n)
+            rate = {"tok_s": f"{record['tokens_per_s']:.0f}"} if "tokens_per_s" in record else {}
             self.bar.set_postfix(
+                epoch=epoch_text(record["epoch"], self.num_epochs),
                 loss=f"{record['loss']:.4f}",
-                img_s=f"{record['samples_per_s']:.0f}",
+                **(rate or {"img_s": f"{record['samples_per_s']:.0f}"}),
                 wait=f"{record['data_wait_fraction']:.0%}",
             )
-            self.bar.refresh()
             return
-        empty = record.get("empty_steps")
-        self._print(
-            f"step {record['step']} epoch {record['epoch']} loss {record['loss']:.4f} lr {record['lr']:.2e} "
-            f"{record['samples_per_s']:.1f} samples/s data-wait {record['data_wait_fraction']:.1%} "
-            f"(worst {record['data_wait_fraction_worst']:.1%}) step {record['step_time_s'] * 1000:.0f} ms"
-            + (f" ({empty} steps without a target, not in the loss)" if empty else "")
-        )
+        eta_s = self.eta.update(record["step"], record["step_time_s"])
+        self._print(console_line(record, self.total_steps, self.num_epochs, eta_s))
 
     def _print(self, line: str) -> None:
         if self.bar is not None:
@@ -504,3 +512,52 @@ class MetricsWriter:
 
 def _fmt(value: Any) -> str:
     return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+class Eta:
+    """Seconds left to `total_steps`, from the wall-clock time of the recent logged steps:
+    evaluations, saves and data waits are part of what remains, so they count (as in tqdm's
+    and the Hugging Face Trainer's estimates). Before a second log record, the step time."""
+
+    def __init__(self, total_steps: int, window: int = ETA_WINDOW) -> None:
+        self.total_steps = total_steps
+        self.recent: deque[tuple[int, float]] = deque(maxlen=window)  # (step, monotonic s)
+
+    def update(self, step: int, step_time_s: float, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        self.recent.append((step, now))
+        first_step, first_time = self.recent[0]
+        per_step = (now - first_time) / (step - first_step) if step > first_step else step_time_s
+        return max(0, self.total_steps - step) * per_step
+
+
+def format_duration(seconds: float) -> str:
+    """`4:05`, `1:02:03` (h:mm:ss, as `hpctrain convert` prints its ETA)."""
+    whole = round(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def epoch_text(epoch: int, num_epochs: int) -> str:
+    """The epoch a step is in, counted from 1 (`3/10`): `epoch` is the record's, from 0."""
+    return f"{epoch + 1}/{num_epochs}" if num_epochs else str(epoch + 1)
+
+
+def console_line(record: dict[str, Any], total_steps: int, num_epochs: int, eta_s: float) -> str:
+    """One training record as a console line: where the run is, how it learns, how fast, when
+    it ends (tokens/s for tasks that count tokens, causal_lm; else samples/s)."""
+    step = record["step"]
+    if "tokens_per_s" in record:
+        rate = f"{record['tokens_per_s']:.0f} tokens/s"
+    else:
+        rate = f"{record['samples_per_s']:.1f} samples/s"
+    empty = record.get("empty_steps")
+    return (
+        f"step {step}/{total_steps} epoch {epoch_text(record['epoch'], num_epochs)} "
+        f"loss {record['loss']:.4f} lr {record['lr']:.2e} {rate} "
+        f"data-wait {record['data_wait_fraction']:.1%} "
+        f"(worst {record['data_wait_fraction_worst']:.1%}) "
+        f"step {record['step_time_s'] * 1000:.0f} ms ETA {format_duration(eta_s)}"
+        + (f" ({empty} steps without a target, not in the loss)" if empty else "")
+    )

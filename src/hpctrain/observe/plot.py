@@ -1,44 +1,114 @@
-"""PNG plots of a run's `metrics.jsonl`: loss, accuracy, throughput, data wait; and where its
-allocated hours went (`plot_goodput`, from `hpctrain.launch.goodput`)."""
+"""PNG plots of a run's `metrics.jsonl`: loss, accuracy, throughput, data wait; for a language
+model also bits per byte (the `bytes` tokenizer) and tokens/s instead of samples/s, and the
+answers' scores (`eval.generate`); and where its allocated hours went (`plot_goodput`, from
+`hpctrain.launch.goodput`)."""
 
 from __future__ import annotations
 
 import json
+import logging
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hpctrain.errors import UsageError
 
-PLOTS = {
-    # file name: (title, [(record kind, field, label)], y label)
-    "loss.png": ("Loss", [("train", "loss", "train"), ("eval", "val_loss", "validation")], "loss"),
-    "accuracy.png": (
-        "Accuracy",
-        [("train", "accuracy", "train (batch)"), ("eval", "val_accuracy", "validation")],
-        "accuracy",
+
+@dataclass(frozen=True)
+class Series:
+    """One line of a plot: `field` of the records of `kind`, times `scale`."""
+
+    kind: str  # "train" or "eval"
+    field: str
+    label: str
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class Plot:
+    name: str  # the PNG's file name
+    title: str
+    series: tuple[Series, ...]
+    ylabel: str
+
+
+LOSS = Plot(
+    "loss.png",
+    "Loss",
+    (Series("train", "loss", "train"), Series("eval", "val_loss", "validation")),
+    "loss",
+)
+ACCURACY = Plot(
+    "accuracy.png",
+    "Accuracy",
+    (Series("train", "accuracy", "train (batch)"), Series("eval", "val_accuracy", "validation")),
+    "accuracy",
+)
+SAMPLES_PER_S = Plot(
+    "throughput.png",
+    "Throughput",
+    (Series("train", "samples_per_s", "samples/s (all ranks)"),),
+    "samples/s",
+)
+# causal_lm: what the run is measured by is tokens (hpctrain.models.flops.throughput_fields)
+TOKENS_PER_S = Plot(
+    "throughput.png",
+    "Throughput",
+    (Series("train", "tokens_per_s", "tokens/s (all ranks)"),),
+    "tokens/s",
+)
+# causal_lm with the bytes tokenizer: a token is a byte, so bits per byte = loss (nats) / ln 2,
+# the figure `make demo-lm` compares with the unigram baseline (tools/lm_report.py)
+BITS_PER_BYTE = Plot(
+    "bits_per_byte.png",
+    "Bits per byte",
+    (
+        Series("train", "loss", "train (batch)", scale=1 / math.log(2)),
+        Series("eval", "val_bits_per_byte", "validation"),
     ),
-    "answers.png": (
-        "Answers scored (eval.generate)",
-        [
-            ("eval", "val_exact_match", "exact match"),
-            ("eval", "val_token_f1", "token F1"),
-        ],
-        "fraction of the validation prompts",
+    "bits per byte",
+)
+# causal_lm with eval.generate: the validation prompts answered and scored (tasks/answers.py)
+ANSWERS = Plot(
+    "answers.png",
+    "Answers scored (eval.generate)",
+    (
+        Series("eval", "val_exact_match", "exact match"),
+        Series("eval", "val_token_f1", "token F1"),
     ),
-    "throughput.png": (
-        "Throughput",
-        [("train", "samples_per_s", "samples/s (all ranks)")],
-        "samples/s",
+    "fraction of the validation prompts",
+)
+DATA_WAIT = Plot(
+    "data_wait.png",
+    "Time blocked on the loader",
+    (
+        Series("train", "data_wait_fraction", "mean over ranks"),
+        Series("train", "data_wait_fraction_worst", "worst rank"),
     ),
-    "data_wait.png": (
-        "Time blocked on the loader",
-        [
-            ("train", "data_wait_fraction", "mean over ranks"),
-            ("train", "data_wait_fraction_worst", "worst rank"),
-        ],
-        "fraction of step time",
-    ),
-}
+    "fraction of step time",
+)
+
+
+def plots_for(records: list[dict[str, Any]]) -> list[Plot]:
+    """The plots a run's records call for: a language model's throughput is tokens/s, and
+    its bits per byte are plotted when its evaluations report them (the bytes tokenizer)."""
+    counts_tokens = any("tokens_per_s" in r for r in records)
+    plots = [LOSS, ACCURACY, TOKENS_PER_S if counts_tokens else SAMPLES_PER_S, DATA_WAIT]
+    if any("val_bits_per_byte" in r for r in records):
+        plots.insert(1, BITS_PER_BYTE)
+    if any("val_exact_match" in r for r in records):
+        plots.insert(2, ANSWERS)
+    return plots
+
+
+def series_points(records: list[dict[str, Any]], series: Series) -> list[tuple[int, float]]:
+    """(step, value) of `series` in the records, in their order."""
+    return [
+        (r["step"], r[series.field] * series.scale)
+        for r in records
+        if r.get("kind", "train") == series.kind and series.field in r
+    ]
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -67,36 +137,35 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 def plot_run(run_dir: str | Path) -> list[Path]:
     """Write one PNG per plot that has data next to `metrics.jsonl`; returns their paths."""
+    run_dir = Path(run_dir)
+    records = read_metrics(run_dir)  # before matplotlib: a wrong folder fails at once
+    # matplotlib logs at INFO (the first import on a machine: "generated new fontManager"),
+    # which is no news to a user; warnings still show
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    run_dir = Path(run_dir)
-    records = read_metrics(run_dir)
     written = []
-    for name, (title, series, ylabel) in PLOTS.items():
+    for plot in plots_for(records):
         fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
         drawn = False
-        for kind, field, label in series:
-            points = [
-                (r["step"], r[field])
-                for r in records
-                if r.get("kind", "train") == kind and field in r
-            ]
+        for series in plot.series:
+            points = series_points(records, series)
             if points:
                 steps, values = zip(*points, strict=True)
-                ax.plot(steps, values, marker="o" if len(points) < 20 else None, label=label)
+                ax.plot(steps, values, marker="o" if len(points) < 20 else None, label=series.label)
                 drawn = True
         if drawn:
-            ax.set_title(title)
+            ax.set_title(plot.title)
             ax.set_xlabel("step")
-            ax.set_ylabel(ylabel)
+            ax.set_ylabel(plot.ylabel)
             ax.grid(alpha=0.3)
             ax.legend()
             fig.tight_layout()
-            fig.savefig(run_dir / name)
-            written.append(run_dir / name)
+            fig.savefig(run_dir / plot.name)
+            written.append(run_dir / plot.name)
         plt.close(fig)
     return written
 

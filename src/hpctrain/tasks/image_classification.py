@@ -8,7 +8,8 @@ made by `hpctrain convert` from an image folder (`KEY.jpg`, `KEY.cls`, `KEY.json
 they are. A label outside the model's classes is a `SampleError` raised in the loader worker
 (handled under `data.on_error`), never a device-side assert.
 
-Single label: evaluation reports loss, top-1 and top-5 accuracy. Multi-label: loss, mAP
+Single label: evaluation reports loss, top-1 and top-5 accuracy (top-5 only with more than 5
+classes: with 5 or fewer it is always 1, and `checkpoint.monitor=val_top5` is refused). Multi-label: loss, mAP
 (average precision per class from score histograms, averaged over classes with positives),
 and F1 at a 0.5 threshold (macro over classes, and micro): every one computed from sums that
 add over batches and ranks (`summarize`).
@@ -173,6 +174,11 @@ class ImageClassification:
             raise ConfigError(
                 f"model.num_classes={num_classes}: the index {where} names {len(index.class_names)} classes"
             )
+        if cfg.checkpoint.monitor == "val_top5" and not has_top5(num_classes):
+            raise ConfigError(
+                f"checkpoint.monitor=val_top5: with {num_classes} classes every label is among "
+                "the top 5, so top-5 accuracy is not reported; monitor val_accuracy"
+            )
         self.num_classes = num_classes
         self.class_names = tuple(index.class_names)
 
@@ -281,23 +287,22 @@ class ImageClassification:
         labels = batch["label"]
         valid = batch["valid"].float()
         losses = F.cross_entropy(logits, labels, reduction="none")
-        k = min(5, logits.shape[1])
-        topk = logits.topk(k, dim=1).indices
+        sums = {"loss": (losses * valid).sum(), "count": valid.sum()}
+        if not has_top5(logits.shape[1]):
+            top1 = (logits.argmax(dim=1) == labels).float()
+            return {**sums, "accuracy": (top1 * valid).sum()}
+        topk = logits.topk(5, dim=1).indices
         top1 = (topk[:, 0] == labels).float()
         top5 = (topk == labels[:, None]).any(dim=1).float()
-        return {
-            "loss": (losses * valid).sum(),
-            "accuracy": (top1 * valid).sum(),
-            "top5": (top5 * valid).sum(),
-            "count": valid.sum(),
-        }
+        return {**sums, "accuracy": (top1 * valid).sum(), "top5": (top5 * valid).sum()}
 
     def summarize(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
         """Final metrics from the sums over all batches and ranks."""
         if self.options.multi_label:
             return summarize_multi_label(sums)
         count = max(1.0, float(sums["count"]))
-        return {name: float(sums[name]) / count for name in ("loss", "accuracy", "top5")}
+        names = ("loss", "accuracy", "top5") if "top5" in sums else ("loss", "accuracy")
+        return {name: float(sums[name]) / count for name in names}
 
     @staticmethod
     def summary_line(record: dict[str, Any]) -> str:
@@ -310,6 +315,11 @@ class ImageClassification:
             f"validation accuracy: {record['val_accuracy']:.2%} "
             f"({top5}loss {record['val_loss']:.4f}, {record['val_samples']} samples)"
         )
+
+
+def has_top5(num_classes: int) -> bool:
+    """Whether top-5 accuracy says anything: with 5 classes or fewer it is always 1."""
+    return num_classes > 5
 
 
 def classifier_card(

@@ -293,6 +293,9 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
                 "data.remainder=drop: %s (data.remainder=pad keeps them, as padding)",
                 dropped_note(epoch_plan, "sequences" if cfg.data.seq_len else "samples"),
             )
+        # the epochs the console counts to (0: not shown; --overfit-batches has none)
+        epochs = -(-self.total_steps // self.steps_per_epoch)  # the last one may be partial
+        self.num_epochs = 0 if cfg.train.overfit_batches else epochs
         self.scheduler = build_scheduler(self.optimizer, cfg.train, self.total_steps)
 
     def build_run_state(self, failure_rate: FailureRate = DEFAULT_FAILURE_RATE) -> None:
@@ -366,6 +369,8 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             enabled=self.env.is_main,
             progress=self.cfg.logging.progress,
             total_steps=self.total_steps,
+            num_epochs=self.num_epochs,
+            start_step=self.state.step,
             tensorboard=self.cfg.logging.tensorboard,
             trackers=start_trackers(
                 self.cfg,

@@ -3,6 +3,7 @@
 | kind       | module         | SRC                                                        |
 |------------|----------------|------------------------------------------------------------|
 | `folder`   | `folder.py`    | an image folder, `SRC/<class>/<image>`                     |
+| `images`   | `folder.py`    | a folder of images without labels (any depth)              |
 | `manifest` | `manifest.py`  | a CSV/JSONL manifest, one row per sample                   |
 | `shards`   | `shards.py`    | existing WebDataset shards (re-sharding)                   |
 | `python`   | `generated.py` | `pkg.module:callable`, samples made by Python code         |
@@ -23,7 +24,7 @@ from collections.abc import Callable
 from hpctrain.convert.errors import ConvertError, ConvertOptionError
 from hpctrain.convert.sources.arrow import list_arrow
 from hpctrain.convert.sources.base import ListOptions, Source, fs_and_path
-from hpctrain.convert.sources.folder import list_image_folder
+from hpctrain.convert.sources.folder import list_image_folder, list_images
 from hpctrain.convert.sources.generated import is_python_spec, list_python
 from hpctrain.convert.sources.manifest import list_manifest
 from hpctrain.convert.sources.shards import list_shards
@@ -33,6 +34,7 @@ Lister = Callable[[str, ListOptions], Source]
 
 LISTERS: dict[str, Lister] = {
     "folder": list_image_folder,
+    "images": list_images,
     "manifest": list_manifest,
     "shards": list_shards,
     "python": list_python,

@@ -69,6 +69,9 @@ class SampleRef:
             "" when `url` names it.
         error: why the sample cannot be written, found while listing (a bad value in a row):
             raised when the sample is written, so that `--on-error` decides, as for a bad file.
+        source: the file the sample comes from, as the user knows it (the path under an
+            image folder, a manifest's path column): written as `KEY.__source__`
+            (`hpctrain.data.fieldnames.SOURCE_FIELD`); "" writes none.
     """
 
     key: str
@@ -80,13 +83,14 @@ class SampleRef:
     fields: tuple[FieldRef, ...] = ()
     origin: str = ""
     error: str = ""
+    source: str = ""
 
 
 @dataclass(frozen=True)
 class Source:
     """A listed source: its samples in source order, and class names when known."""
 
-    kind: str  # "folder" | "manifest" | "shards" | "python" | "arrow"
+    kind: str  # "folder" | "images" | "manifest" | "shards" | "python" | "arrow"
     samples: tuple[SampleRef, ...]
     class_names: tuple[str, ...] = ()
 

@@ -179,6 +179,7 @@ def list_manifest(src: str, options: ListOptions) -> Source:
                 fields=fields,
                 origin=origin,
                 error=error,
+                source=str(row[path_column]) if has_path else "",
             )
         )
     return Source("manifest", tuple(_with_sizes(samples)), class_names)
@@ -248,6 +249,7 @@ def _with_sizes(samples: list[SampleRef]) -> list[SampleRef]:
                 fields=fields,
                 origin=sample.origin,
                 error=sample.error,
+                source=sample.source,
             )
         )
     return out
