@@ -178,7 +178,7 @@ def refuse_adapters_only(path: str, manifest: dict) -> None:
         )
 
 
-def fresh_keys(model: nn.Module, cfg: Config) -> list[str]:
+def fresh_keys(model: nn.Module, cfg: Config, task: Any) -> list[str]:
     """The parameters of the built, unwrapped `model` that `model.init_from` leaves at their
     fresh initialisation (`match_keys`: a head of another number of classes), found from the
     shapes PATH holds; LoRA's adapters left aside."""
@@ -194,7 +194,8 @@ def fresh_keys(model: nn.Module, cfg: Config) -> list[str]:
         source = {k: tuple(v.shape) for k, v in read_state_dict(path).items()}
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items() if not is_adapter(k)}
     parameters = {name for name, _ in model.named_parameters()}
-    return [key for key in match_keys(source, expected, path) if key in parameters]
+    fresh = match_keys(source, expected, path, **reinit_rules(cfg, task))
+    return [key for key in fresh if key in parameters]
 
 
 def entry_shapes(entries: dict) -> dict[str, tuple[int, ...]]:

@@ -109,7 +109,7 @@ def prepare(model: nn.Module, cfg: Config, task: Any) -> lora.Adapted:
     if not any(p.is_meta for p in model.parameters()):
         line = init_from.load_initial_weights(model, cfg, task)
         log.info("LoRA base: %s", line)
-    fresh = init_from.fresh_keys(model, cfg)
+    fresh = init_from.fresh_keys(model, cfg, task)
     return lora.apply_lora(model, cfg.model.lora, fresh=fresh)
 
 
