@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import tarfile
+import threading
+import time
 from collections import Counter
 
 import pytest
@@ -306,7 +308,10 @@ def _child_pids() -> list[int]:
 
     pids = []
     for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        pids += [int(p) for p in (task / "children").read_text().split()]
+        try:
+            pids += [int(p) for p in (task / "children").read_text().split()]
+        except FileNotFoundError:  # a thread that ended while we looked
+            continue
     return pids
 
 
@@ -322,13 +327,21 @@ def test_workers_survive_the_job_signals_slurm_sends_to_every_step_process(shard
     loader.set_epoch(0)
     before = set(_child_pids())  # other tests may have left servers running
     it = iter(loader)
-    batches = [next(it)]
-    workers = sorted(set(_child_pids()) - before)
+    first: list = []
+    starting = threading.Thread(target=lambda: first.append(next(it)))
+    starting.start()  # the pool starts its workers here, while this thread watches
+    # at once, as SLURM may: a worker still starting up (before its own handlers) survives
+    # too, because workers start with the job's signals blocked
+    workers: list[int] = []
+    deadline = time.monotonic() + 60
+    while len(workers) < 2 and time.monotonic() < deadline:
+        workers = sorted(set(_child_pids()) - before)
+        for pid in workers:
+            os.kill(pid, signal.SIGUSR2)
+            os.kill(pid, signal.SIGTERM)
+    starting.join()
     assert len(workers) == 2
-    for pid in workers:
-        os.kill(pid, signal.SIGUSR2)
-        os.kill(pid, signal.SIGTERM)
-    batches += list(it)
+    batches = first + list(it)
     assert len(batches) == len(loader)
     assert keys_of(batches) == expected_keys(loader)
 

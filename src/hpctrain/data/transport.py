@@ -53,7 +53,12 @@ import torch
 
 from hpctrain.compat_torch import set_worker_info
 from hpctrain.data.buffers import BatchBuffers, MappedBuffers, PooledBatch
-from hpctrain.distributed.signals import JOB_SIGNALS, start_forkserver, unblock_job_signals
+from hpctrain.distributed.signals import (
+    JOB_SIGNALS,
+    job_signals_blocked,
+    start_forkserver,
+    unblock_job_signals,
+)
 from hpctrain.errors import DataError
 
 _DONE = object()
@@ -140,10 +145,11 @@ def ignore_job_signals() -> None:
     the step, workers included; a worker killed by it takes the loader down before the
     training process can reach its step boundary and save. The training process owns the
     preemption flag and stops the workers itself; a real kill still ends them (SIGKILL, or
-    the training process's death, which workers watch for). A forkserver's workers start
-    with these signals blocked (inherited from the forkserver): ignored first, then
-    unblocked, so that what the programs a worker runs (`pipe:` commands) inherit is the
-    same as a forked worker's.
+    the training process's death, which workers watch for). Every worker starts with these
+    signals blocked (a forked one inherits the mask `WorkerPool` holds around its start, a
+    forkserver's from the forkserver): a signal sent before the worker reaches this line
+    waits instead of killing it; ignored first, then unblocked, so that what the programs a
+    worker runs (`pipe:` commands) inherit is what a signal-free start gives.
     """
     for signum in JOB_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
@@ -408,7 +414,8 @@ class WorkerPool:
             workers.credits.append(credits)
             workers.activities.append(activity)
             try:
-                process.start()
+                with job_signals_blocked():  # the child starts deaf (`ignore_job_signals`)
+                    process.start()
             finally:
                 results_out.close()  # the worker's ends: its pipe reads EOF once it is gone
                 orders_in.close()
