@@ -66,6 +66,9 @@ class ClusterProfile:
     # Per-job limits of a QoS where the site states them: GPUs and nodes one job may hold.
     qos_max_gpus: dict[str, int] = field(default_factory=dict)
     qos_max_nodes: dict[str, int] = field(default_factory=dict)
+    # The newest CUDA the nodes' NVIDIA driver runs (nvidia-smi's "CUDA Version", e.g. 12.4),
+    # as the site documents it; "": unknown. A torch built for a newer CUDA major cannot start.
+    driver_cuda: str = ""
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,7 @@ class JobSpec:
     container_runtime: str = "apptainer"
     container_binds: tuple[str, ...] = field(default_factory=tuple)  # SRC or SRC:DEST
     max_parallel: int = 0  # a job array runs at most this many tasks at once; 0: no limit
+    driver_cuda: str = ""  # the profile's documented driver CUDA version; "": unknown
 
     @property
     def time(self) -> str:
@@ -163,6 +167,7 @@ def parse_profile(data: Any, source: str) -> ClusterProfile:
         "name", "description", "account_suffix", "hint", "request_gpus", "default_partition",
         "partitions", "qos", "default_qos", "default_time", "precisions", "setup", "run_root",
         "cache_root", "gpu_arch", "container_runtime", "qos_max_gpus", "qos_max_nodes",
+        "driver_cuda",
     }  # fmt: skip
     unknown = sorted(set(data) - known)
     if unknown:
@@ -216,7 +221,14 @@ def parse_profile(data: Any, source: str) -> ClusterProfile:
         source=source,
         qos_max_gpus=per_job["qos_max_gpus"],
         qos_max_nodes=per_job["qos_max_nodes"],
+        driver_cuda=str(data.get("driver_cuda", "") or ""),
     )
+    driver = data.get("driver_cuda", "") or ""
+    # a string: YAML would read 12.10 as the number 12.1
+    if driver and not (isinstance(driver, str) and re.fullmatch(r"\d+\.\d+", driver)):
+        raise LaunchError(
+            f'{source}: driver_cuda={driver!r} is not a quoted version like "12.4" (nvidia-smi\'s CUDA Version)'
+        )
     if profile.gpu_arch and not re.fullmatch(r"sm_\d{2,3}a?", profile.gpu_arch):
         raise LaunchError(
             f"{source}: gpu_arch={profile.gpu_arch!r} is not like sm_70, sm_80, sm_90"
@@ -370,4 +382,5 @@ def resolve_job(cfg: Config, profile: ClusterProfile) -> JobSpec:
         container=s.container,
         container_runtime=profile.container_runtime,
         container_binds=container_binds(cfg) if s.container else (),
+        driver_cuda=profile.driver_cuda,
     )
