@@ -247,6 +247,9 @@ def test_a_cu13_torch_on_a_cuda_12_driver_fails_naming_both(tmp_path: Path) -> N
         nvidia_smi=smi_header("550.54.15", "12.4"),
     )
     check = driver(check_job_environment(job_for("jean-zay-h100", setup), "python"))
+    # a profile that names no GPU architecture (a copy of generic.yaml) is checked the same
+    no_arch = dataclasses.replace(job_for("generic", setup), gpu_arch="")
+    assert driver(check_job_environment(no_arch, "python")).message == check.message
     assert not check.ok
     assert (
         "torch 2.14.1+cu130 (CUDA 13.0) needs an NVIDIA driver for CUDA 13.x or newer (R580+)"

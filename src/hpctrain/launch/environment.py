@@ -317,7 +317,10 @@ def _cuda_checks(job: JobSpec, version: str, report: dict[str, Any], where: str)
                 f"torch {version} {where} is a CPU-only build; fix: install a CUDA build, e.g. pip install torch --index-url https://download.pytorch.org/whl/cu126",
             )
         ]
-    checks = [Check("torch CUDA", True, f"torch {version} built with CUDA {report['cuda']}")]
+    checks = [
+        Check("torch CUDA", True, f"torch {version} built with CUDA {report['cuda']}"),
+        driver_check(job, version, str(report["cuda"]), report.get("nvidia_smi") or {}),
+    ]
     if not job.gpu_arch:
         return checks
     arch_list = [str(a) for a in report.get("arch_list", [])]
@@ -332,7 +335,6 @@ def _cuda_checks(job: JobSpec, version: str, report: dict[str, Any], where: str)
                 "fix: install the cu126 build (pip install torch --index-url https://download.pytorch.org/whl/cu126: sm_50 to sm_90, V100 included)",
             )
         )
-    checks.append(driver_check(job, version, str(report["cuda"]), report.get("nvidia_smi") or {}))
     return checks
 
 
