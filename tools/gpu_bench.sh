@@ -146,24 +146,5 @@ if [[ "${GPU_BENCH_LORA:-1}" -eq 1 && "$DRY_RUN" -eq 0 ]]; then
 fi
 # ---- end of the LoRA block -----------------------------------------------------------------
 
-# ---- preflight's GPU driver check (issue 43) -----------------------------------------------
-# On a GPU node nvidia-smi answers: preflight's probe must read the driver's CUDA version and
-# check this torch's CUDA against it (tests fake nvidia-smi). "not checked" here is a bug.
-if [[ "$DRY_RUN" -eq 0 ]]; then
-  "$PYTHON" - <<'EOF' || SMOKE_RC=$?
-import dataclasses, sys
-from hpctrain.config import Config, with_overrides
-from hpctrain.launch.environment import check_job_environment
-from hpctrain.launch.profiles import load_profile, resolve_job
-job = resolve_job(with_overrides(Config(), ["slurm.profile=generic"]), load_profile("generic"))
-job = dataclasses.replace(job, setup=(), gpu_arch="")  # this node as it is, any GPU
-(check,) = [c for c in check_job_environment(job, sys.executable) if c.name == "gpu driver"]
-good = check.ok and not check.warning
-print(f"driver check: {'ok' if good else 'FAILED'}: {check.message}")
-sys.exit(0 if good else 1)
-EOF
-fi
-# ---- end of the driver check ---------------------------------------------------------------
-
 if [[ "$SMOKE_RC" -ne 0 ]]; then echo "gpu_bench.sh: smoke cells FAILED (above)" >&2; fi
 exit "$SMOKE_RC"
