@@ -24,8 +24,8 @@ FINETUNE = ("finetune-lm.yaml", "finetune-lora.yaml")
 BASE = "model.init_from=/models/llama-3.2-1b"  # a downloaded folder, named on the command line
 
 
-def test_the_shipped_configs_are_the_documented_ones() -> None:
-    assert SHIPPED == ["demo-lm.yaml", "demo.yaml", "finetune-lm.yaml", "finetune-lora.yaml"]
+def test_the_documented_configs_are_shipped() -> None:
+    assert {"demo.yaml", "demo-lm.yaml", *FINETUNE} <= set(SHIPPED)
 
 
 @pytest.mark.parametrize("name", SHIPPED)
