@@ -36,3 +36,19 @@ def test_make_test_fast_selects_what_the_plugin_calls_unit_and_quick_docs() -> N
     run_tests = (ROOT / "tools" / "run-tests").read_text()
     assert f'fast_tier="{FAST}"' in run_tests
     assert re.search(r"^test-fast:", (ROOT / "Makefile").read_text(), re.M)
+
+
+FAST_WHAT = "the unit tier and the docs blocks that do not train"  # the Makefile's words
+
+
+def test_every_page_says_what_make_test_fast_runs_as_the_makefile_does() -> None:
+    """README, CONTRIBUTING and docs/testing.md describe `make test-fast` in the Makefile's
+    words (the README once said "the unit tier only"), and no page quotes test counts, which
+    go stale with every test added: `make test` and `make test-fast` print them each run."""
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(rf"^# {FAST_WHAT.capitalize()}:.*\ntest-fast:", makefile, re.M)
+    for page in ("README.md", "CONTRIBUTING.md", "docs/testing.md"):
+        text = " ".join((ROOT / page).read_text().split())
+        assert FAST_WHAT in text.replace("The unit", "the unit"), page
+        assert "unit tier only" not in text, page
+        assert not re.search(r"\b\d[\d,]* (tests|passed)\b", text), page

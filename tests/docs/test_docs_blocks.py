@@ -1,23 +1,22 @@
-"""The docs' shell blocks, run as a user would run them (the `docs` tier; see blocks.py).
+"""The docs' shell blocks, run as a user would run them (the `docs` tier; see doc_blocks.py).
 
-Each document gets one scratch folder, a copy of one made once: the repo's `configs/` and
-`examples/` with step caps, `tools/` and `slurm/` linked, the demo's data made smaller (300
-generated images instead of 3,000, converted as `make demo` does) and the files the
-language-model examples name (`corpus/`, `docs.jsonl`, `lines.txt`, `tokenizer.json`). A page
-that reads a trained run trains it in a block of its own first. Its blocks then run
-there in document order, so a block sees what the blocks above it made (convert, then train,
-then export). A block that exits non-zero fails; a transcript fails when its output no longer
-matches the shown one after masking times, dates, absolute paths and numbers.
+Each document gets one scratch folder holding what a fresh clone holds and nothing else: the
+repo's `configs/` and `examples/` (copies, with step caps written into the configs the docs
+train) and `tools/` (a link). No data, no tokenizer, no model: a page makes everything its
+commands use (or says in a skipped line how to get it), so a newcomer who copies its blocks
+into a clone gets what the test got. Its blocks run there in document order, so a block sees
+what the blocks above it made (convert, then train, then export). A block that exits non-zero
+fails; a transcript fails when its output no longer matches the shown one after masking
+times, dates, absolute paths and numbers. A line that cannot run here (a cluster, S3, the
+network) still parses: `tests/support/doc_parse.py` checks its words, its config and its job.
 
-Blocks skipped as a whole (a SLURM cluster, S3, the network, a site's modules, a long run)
-are no test items, so CI's "a skip is a failure" rule does not apply to them:
-`python -m tests.support.doc_blocks` lists them with the reason, and
-`test_every_skip_says_why` keeps the reasons to the known needs.
+Blocks with nothing to run or parse (`make demo`, a download) are no test items, so CI's "a
+skip is a failure" rule does not apply to them: `python -m tests.support.doc_blocks` lists
+them with the reason, and `test_every_skip_says_why` keeps the reasons to the known needs.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -76,41 +75,13 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _run(cmd: list[str], cwd: Path, timeout: float = BLOCK_TIMEOUT_S) -> str:
-    done = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
-    if done.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)}: exit {done.returncode}\n{done.stdout}{done.stderr}")
-    return done.stdout
-
-
-def _tokenizer_json(path: Path) -> None:
-    """A tiny word-level tokenizer.json with an end-of-text token, as a user would save one."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = ["<unk>", "</s>", "def", "return", "import", "class", "self", "the", "a"]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens(["</s>"])  # the end of a document must be a special token
-    tok.save(str(path))
-
-
 def _scratch(base: Path) -> Path:
+    """What a fresh clone holds: configs/ and examples/ (step-capped copies), tools/."""
     for name in ("configs", "examples"):
         shutil.copytree(ROOT / name, base / name)
     for name, caps in STEP_CAPS.items():
         _cap(base / name, caps)
-    for name in ("tools", "slurm"):
-        (base / name).symlink_to(ROOT / name)
-    py = sys.executable
-    _run([py, "tools/make_demo_data.py", "data/demo/images", "--num-images", "300",
-          "--size", "64", "--seed", "0"], base)  # fmt: skip
-    _run(["hpctrain", "convert", "data/demo/images", "data/demo/shards", "--val-fraction", "0.1",
-          "--samples-per-shard", "64", "--shuffle", "--seed", "0"], base)  # fmt: skip
-    _run([py, "tools/stdlib_corpus.py", "--max-files", "100", "corpus"], base)
-    rows = [{"content": f"def f{i}(self): return the {i}"} for i in range(20)]
-    (base / "docs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (base / "lines.txt").write_text("".join(f"import a{i}\n\nclass b{i}\n" for i in range(50)))
-    _tokenizer_json(base / "tokenizer.json")
+    (base / "tools").symlink_to(ROOT / "tools")
     return base
 
 
@@ -120,29 +91,36 @@ def scratches() -> dict[str, Path]:
     return {}
 
 
-TEMPLATE = ""  # the key of the scratch made once and copied for each document
-
-
 def _scratch_for(doc: str, scratches: dict[str, Path], factory: pytest.TempPathFactory) -> Path:
-    if TEMPLATE not in scratches:  # generating and converting costs seconds; a copy does not
-        scratches[TEMPLATE] = _scratch(factory.mktemp("template"))
     if doc not in scratches:
-        folder = factory.mktemp(re.sub(r"\W", "_", doc))
-        shutil.copytree(scratches[TEMPLATE], folder, symlinks=True, dirs_exist_ok=True)
-        scratches[doc] = folder
+        scratches[doc] = _scratch(factory.mktemp(re.sub(r"\W", "_", doc)))
     return scratches[doc]
+
+
+PARSE = ROOT / "tests" / "support" / "doc_parse.py"
+
+
+def shell_lines(block: Block) -> list[str]:
+    """The block's commands as bash runs them: a skipped hpctrain line parses instead."""
+    lines = []
+    for c in block.commands:
+        if not c.skip:
+            lines.append(c.text)
+        elif c.parse_words:
+            lines.append(f'"{sys.executable}" "{PARSE}" {c.parse_words}')
+    return lines
 
 
 def _run_shell(block: Block, cwd: Path) -> None:
     lines = ["set -eo pipefail",
              "trap 'echo \"docs-test: this command failed: $BASH_COMMAND\" >&2' ERR"]  # fmt: skip
-    lines += [c.text for c in block.commands if not c.skip]
+    lines += shell_lines(block)
     done = subprocess.run(
         ["bash", "-c", "\n".join(lines)],
         cwd=cwd, env=_env(), capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S,
     )  # fmt: skip
-    skipped = "".join(f"  line {c.line} not run ({c.skip}): {c.text}\n"
-                      for c in block.commands if c.skip)  # fmt: skip
+    skipped = "".join(f"  line {c.line} {'parsed, ' if c.parse_words else ''}not run "
+                      f"({c.skip}): {c.text}\n" for c in block.commands if c.skip)  # fmt: skip
     if skipped:
         print(f"{block.id}: lines not run:\n{skipped}")
     assert done.returncode == 0, (

@@ -16,9 +16,11 @@ import pytest
 
 from hpctrain.cli.main import main
 from hpctrain.config import Config, with_overrides
+from hpctrain.launch.checks import Check
 from hpctrain.launch.environment import (
     arch_supported,
     check_job_environment,
+    smi_cuda,
     torch_requirement,
 )
 from hpctrain.launch.profiles import JobSpec, load_profile, resolve_job
@@ -32,10 +34,18 @@ def job_for(profile: str, *setup: str) -> JobSpec:
     return dataclasses.replace(job, setup=tuple(setup))
 
 
-def fake_env(tmp_path: Path, *, torch: str | None = None, hpctrain_broken: bool = False) -> str:
+def fake_env(
+    tmp_path: Path,
+    *,
+    torch: str | None = None,
+    hpctrain_broken: bool = False,
+    nvidia_smi: str | None = None,
+) -> str:
     """A folder with a shim `python`; returns the setup line that puts it first on PATH.
 
-    `torch`: the body of a fake torch/__init__.py (None: the real torch).
+    `torch`: the body of a fake torch/__init__.py (None: the real torch). `nvidia_smi`: what
+    a shim `nvidia-smi` prints (None: a login node's, whose driver answers nothing, exit 9,
+    whatever this machine has).
     """
     root = tmp_path / "env"
     (root / "bin").mkdir(parents=True)
@@ -51,6 +61,10 @@ def fake_env(tmp_path: Path, *, torch: str | None = None, hpctrain_broken: bool 
     shim = root / "bin" / "python"
     shim.write_text(f'#!/bin/sh\nPYTHONPATH={root / "site"} exec {sys.executable} "$@"\n')
     shim.chmod(0o755)
+    smi = root / "bin" / "nvidia-smi"
+    said, status = (NO_DRIVER, 9) if nvidia_smi is None else (nvidia_smi, 0)
+    smi.write_text(f"#!/bin/sh\ncat <<'EOF'\n{said}\nEOF\nexit {status}\n")
+    smi.chmod(0o755)
     return f'export PATH="{root / "bin"}:$PATH"'
 
 
@@ -60,6 +74,21 @@ def fake_torch(version: str, cuda: str | None, arch_list: list[str]) -> str:
         f"__version__ = {version!r}\n"
         f"version = types.SimpleNamespace(cuda={cuda!r})\n"
         f"cuda = types.SimpleNamespace(get_arch_list=lambda: {arch_list!r})\n"
+    )
+
+
+# What nvidia-smi prints: on a login node without a driver, and the header of a GPU node's.
+NO_DRIVER = (
+    "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
+    "Make sure that the latest NVIDIA driver is installed and running."
+)
+
+
+def smi_header(driver: str, cuda: str) -> str:
+    return (
+        "+-----------------------------------------------------------------------------+\n"
+        f"| NVIDIA-SMI {driver}   Driver Version: {driver}   CUDA Version: {cuda}     |\n"
+        "|-------------------------------+----------------------+----------------------+"
     )
 
 
@@ -201,3 +230,93 @@ def test_every_profile_names_its_gpu_architecture() -> None:
     }
     for name in arches:
         assert not any("pytorch-gpu/py3/2.3" in line for line in load_profile(name).setup)
+
+
+def driver(checks: list[Check]) -> Check:
+    (check,) = [c for c in checks if c.name == "gpu driver"]
+    assert "\n" not in check.message
+    return check
+
+
+def test_a_cu13_torch_on_a_cuda_12_driver_fails_naming_both(tmp_path: Path) -> None:
+    """nvidia-smi where preflight runs (a GPU node) reports a CUDA 12 driver: the pip
+    default torch (cu130) would find no GPU there after the queue wait."""
+    setup = fake_env(
+        tmp_path,
+        torch=fake_torch("2.14.1+cu130", "13.0", CU130_ARCHES),
+        nvidia_smi=smi_header("550.54.15", "12.4"),
+    )
+    check = driver(check_job_environment(job_for("jean-zay-h100", setup), "python"))
+    # a profile that names no GPU architecture (a copy of generic.yaml) is checked the same
+    no_arch = dataclasses.replace(job_for("generic", setup), gpu_arch="")
+    assert driver(check_job_environment(no_arch, "python")).message == check.message
+    assert not check.ok
+    assert (
+        "torch 2.14.1+cu130 (CUDA 13.0) needs an NVIDIA driver for CUDA 13.x or newer (R580+)"
+        in check.message
+    )
+    assert "where preflight ran: CUDA 12.4, driver 550.54.15" in check.message
+    assert "fix: install a torch build for the driver's CUDA" in check.message
+    assert "whl/cu126" in check.message
+
+
+def test_a_driver_of_the_same_cuda_major_runs_the_build(tmp_path: Path) -> None:
+    """Minor-version compatibility: a cu126 torch on a CUDA 12.2 driver; cu130 on 13.0."""
+    for torch_cuda, arches, smi in (("12.6", CU126_ARCHES, "12.2"), ("13.0", CU130_ARCHES, "13.0")):
+        folder = tmp_path / torch_cuda
+        setup = fake_env(
+            folder,
+            torch=fake_torch(f"2.14.1+cu{torch_cuda.replace('.', '')}", torch_cuda, arches),
+            nvidia_smi=smi_header("580.65.06", smi),
+        )
+        check = driver(check_job_environment(job_for("jean-zay-h100", setup), "python"))
+        assert check.ok and not check.warning, check.message
+        assert check.message.endswith(f"runs CUDA {torch_cuda}")
+
+
+def test_an_unknown_driver_is_said_to_be_unchecked(tmp_path: Path) -> None:
+    """A login node (nvidia-smi answers no driver) and a profile that documents none: the
+    check passes with a warning that says plainly it was not done, and what to do."""
+    setup = fake_env(tmp_path, torch=fake_torch("2.14.1+cu130", "13.0", CU130_ARCHES))
+    check = driver(check_job_environment(job_for("jean-zay-h100", setup), "python"))
+    assert check.ok and check.warning
+    assert check.message.startswith("not checked: nvidia-smi on ")
+    assert (
+        "answered no driver (exit 9) and profile jean-zay-h100 documents no driver_cuda"
+        in check.message
+    )
+    assert "needs an NVIDIA driver for CUDA 13.x or newer (R580+) on the nodes" in check.message
+    assert "set driver_cuda in the profile" in check.message
+
+
+def test_the_profiles_documented_driver_is_checked(tmp_path: Path) -> None:
+    """Without nvidia-smi's answer the profile's `driver_cuda` decides; with both, both count."""
+    cu130 = fake_env(tmp_path / "a", torch=fake_torch("2.14.1+cu130", "13.0", CU130_ARCHES))
+    job = dataclasses.replace(job_for("jean-zay-h100", cu130), driver_cuda="12.8")
+    check = driver(check_job_environment(job, "python"))
+    assert not check.ok
+    assert "jean-zay-h100's nodes (the profile's driver_cuda): CUDA 12.8" in check.message
+    ok = dataclasses.replace(job, driver_cuda="13.1")
+    assert driver(check_job_environment(ok, "python")).ok
+    # a GPU node's answer that disagrees with the profile: the older one fails the check
+    new_node = fake_env(
+        tmp_path / "b",
+        torch=fake_torch("2.14.1+cu130", "13.0", CU130_ARCHES),
+        nvidia_smi=smi_header("580.65.06", "13.0"),
+    )
+    both = dataclasses.replace(job_for("jean-zay-h100", new_node), driver_cuda="12.8")
+    check = driver(check_job_environment(both, "python"))
+    assert not check.ok and "CUDA 12.8" in check.message and "nvidia-smi" not in check.message
+
+
+def test_no_driver_check_without_cuda(tmp_path: Path) -> None:
+    """The CPU dev cluster, and a CPU-only torch (its own failure says what to install)."""
+    setup = fake_env(tmp_path, torch=fake_torch("2.14.1+cpu", None, []))
+    for profile in ("local-dev", "jean-zay-h100"):
+        names = {c.name for c in check_job_environment(job_for(profile, setup), "python")}
+        assert "gpu driver" not in names
+
+
+def test_nvidia_smi_header_is_read() -> None:
+    assert smi_cuda(smi_header("535.183.06", "12.2")) == ("12.2", "535.183.06")
+    assert smi_cuda(NO_DRIVER) == ("", "")

@@ -156,6 +156,12 @@ def test_profile_file_errors_name_the_file_and_key() -> None:
         )
     with pytest.raises(LaunchError, match="missing key 'default_time'"):
         parse_profile({k: v for k, v in good.items() if k != "default_time"}, "x.yaml")
+    # the driver's CUDA, quoted: YAML reads 12.10 as the number 12.1
+    assert parse_profile({**good, "driver_cuda": "12.10"}, "x.yaml").driver_cuda == "12.10"
+    with pytest.raises(LaunchError, match=r"x.yaml: driver_cuda=12.1 is not a quoted version"):
+        parse_profile({**good, "driver_cuda": 12.1}, "x.yaml")
+    with pytest.raises(LaunchError, match=r"driver_cuda='cu126' is not a quoted version"):
+        parse_profile({**good, "driver_cuda": "cu126"}, "x.yaml")
 
 
 @pytest.mark.parametrize(

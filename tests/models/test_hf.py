@@ -122,7 +122,9 @@ def test_other_architecture_is_refused_naming_it(tmp_path: Path) -> None:
 def test_missing_path_and_hub_name_are_one_line_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"^model.init_from=\S+: no such file or folder$"):
         hf.check_path(str(tmp_path / "absent"))
-    with pytest.raises(ConfigError, match=r"huggingface-cli download meta-llama/Llama-3.2-1B"):
+    # the command huggingface_hub installs today, and the one older versions have
+    hub = r"`hf download meta-llama/Llama-3.2-1B --local-dir DIR` \(`huggingface-cli download` "
+    with pytest.raises(ConfigError, match=hub + "with huggingface_hub older than 0.34"):
         hf.check_path("meta-llama/Llama-3.2-1B")
 
 
@@ -210,7 +212,7 @@ def test_bad_init_from_is_one_line_naming_the_key(tmp_path: Path, lm_shards: Pat
         str(sharded / hf.INDEX): r"a JSON file \(an index or a model card\), not weights",
         str(small): r"vocab_size 97 is smaller than the vocabulary .* \(257\)",
         str(tmp_path / "absent"): r"no such file or folder",
-        "meta-llama/Llama-3.2-1B": r"huggingface-cli download meta-llama/Llama-3.2-1B",
+        "meta-llama/Llama-3.2-1B": r"hf download meta-llama/Llama-3.2-1B --local-dir",
         str(gpt2): r"GPT2LMHeadModel",
     }
     for init_from, message in cases.items():

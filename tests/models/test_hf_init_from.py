@@ -138,7 +138,7 @@ def test_preflight_checks_that_init_from_exists_and_is_known(tmp_path: Path) -> 
     ok = check_init_from(with_overrides(Config(), [f"model.init_from={tmp_path / 'w.pt'}"]))
     assert ok is not None and ok.ok and "a state dict file" in ok.message
     for path, message in (
-        ("meta-llama/Llama-3.2-1B", "huggingface-cli download"),
+        ("meta-llama/Llama-3.2-1B", "hf download meta-llama/Llama-3.2-1B --local-dir DIR"),
         (str(tmp_path / "absent"), "no such file or folder"),
     ):
         failed = check_init_from(with_overrides(Config(), [f"model.init_from={path}"]))

@@ -5,15 +5,18 @@ run in order in one ``bash -eo pipefail``) or ``console`` (a transcript: ``$ COM
 each followed by the output it shows, compared after masking). Fences may be indented (a
 block inside a list item). An HTML comment on the line before the fence steers the test:
 
-    <!-- docs-test: skip slurm: needs sbatch and a cluster -->   never run; the reason is shown
+    <!-- docs-test: skip slurm: needs sbatch and a cluster -->   not run; the reason is shown
     <!-- docs-test: slow -->                                    only in `make test`
     <!-- docs-test: quick -->                                   also in `make test-fast`
 
 Without one, a block that trains or reads a trained run (``hpctrain train``, ``eval``,
 ``predict``, ``export``, ``generate``, ``plot``, an example's data generator) is slow and the
 others are quick. Single lines that need what this machine lacks are skipped by the rules of
-`LINE_SKIPS`, placeholders are replaced by `SUBSTITUTIONS`: both are the documented set
-docs/testing.md points to.
+`LINE_SKIPS`, placeholders and sizes are replaced by `SUBSTITUTIONS`: both are the documented
+set docs/testing.md points to. A skipped ``hpctrain`` line still parses: in its place the
+block runs `tests/support/doc_parse.py` with the same words (the verb's own parser, then the
+config file with its overrides and, for a SLURM verb, the job on its profile), so a command
+that needs a cluster or a download is checked as far as this machine can check it.
 """
 
 from __future__ import annotations
@@ -37,6 +40,16 @@ SUBSTITUTIONS: tuple[tuple[str, str, str], ...] = (
     (r"--profile P\b", "--profile local-dev", "a cluster profile"),
     (r"\bstep-400\b", "step-4", "the scratch demo run saves steps 2 and 4, not 400"),
     (
+        r"(make_demo_data\.py \S+)(?!.*--num-images)",
+        r"\1 --num-images 300",
+        "the demo's 3,000 generated images: 300",
+    ),
+    (
+        r"(stdlib_corpus\.py)(?!.*--max-files)",
+        r"\1 --max-files 100",
+        "the standard library's 168 top-level modules: 100",
+    ),
+    (
         r"(make_data\.py data/seg)(?!\S)",
         r"\1 --train 32 --val 16",
         "the segmentation example's 400 + 100 pairs: 32 + 16",
@@ -55,7 +68,11 @@ LINE_SKIPS: tuple[tuple[str, str], ...] = (
     ),
     (r"^hpctrain sync\b(?!.*--dry-run)", "network: uploads to W&B"),
     (r"^make (demo|demo-lm|test)\b", "long: the demos and the whole suite (run in CI)"),
+    (r"^(hf|huggingface-cli) download\b", "network: downloads from the Hugging Face hub"),
 )
+
+# A documented hpctrain command (or a venv's `bin/hpctrain`): a skipped one still parses.
+HPCTRAIN_COMMAND = re.compile(r"^(?:\S*/)?hpctrain\s+(?P<words>.*)$", re.DOTALL)
 
 # Commands that train or read a trained run: a block holding one is slow unless annotated.
 SLOW_COMMAND = re.compile(
@@ -73,6 +90,12 @@ class Command:
     expected: str = ""  # a transcript's shown output
     skip: str = ""  # why it is not run ("" runs it)
 
+    @property
+    def parse_words(self) -> str:
+        """The words after `hpctrain` of a skipped command the tier parses instead ("": none)."""
+        match = HPCTRAIN_COMMAND.match(self.text.strip())
+        return match["words"] if self.skip and match else ""
+
 
 @dataclass(frozen=True)
 class Block:
@@ -82,6 +105,7 @@ class Block:
     body: str
     annotation: str = ""  # the docs-test comment before the fence, if any
     commands: tuple[Command, ...] = field(default=())
+    after_slow: bool = False  # a slow block comes before it in its document
 
     @property
     def id(self) -> str:
@@ -93,13 +117,16 @@ class Block:
 
     @property
     def skip(self) -> str:
-        """Why the block is not run at all ("" when some of it runs)."""
-        if self.annotation.startswith("skip"):
-            return self.annotation[4:].strip() or "skipped"
+        """Why the block is not run at all ("" when some of it runs or parses)."""
+        if any(not c.skip or c.parse_words for c in self.commands):
+            return ""
         reasons = [c.skip for c in self.commands]
-        if reasons and all(reasons):
-            return "; ".join(dict.fromkeys(reasons))
-        return ""
+        return "; ".join(dict.fromkeys(reasons)) or annotation_skip(self.annotation) or "empty"
+
+    @property
+    def parse_only(self) -> bool:
+        """Every command is skipped and at least one parses: no command of the block runs."""
+        return not self.skip and all(c.skip for c in self.commands)
 
     @property
     def slow(self) -> bool:
@@ -107,7 +134,16 @@ class Block:
             return self.annotation == "slow"
         if self.transcript:
             return False
+        if self.parse_only:  # its config may be a file a slow block above it wrote
+            return self.after_slow
         return any(SLOW_COMMAND.match(c.text) for c in self.commands if not c.skip)
+
+
+def annotation_skip(annotation: str) -> str:
+    """The reason of a `skip REASON` annotation ("" for any other)."""
+    if not annotation.startswith("skip"):
+        return ""
+    return annotation[4:].strip() or "skipped"
 
 
 def substitute(command: str) -> str:
@@ -155,7 +191,9 @@ def fences(doc: str, text: str) -> list[tuple[int, str, str, str]]:
     return out
 
 
-def _commands(first_line: int, body: str, transcript: bool) -> tuple[Command, ...]:
+def _commands(
+    first_line: int, body: str, transcript: bool, block_skip: str = ""
+) -> tuple[Command, ...]:
     commands: list[Command] = []
     lines = body.splitlines()
     i = 0
@@ -182,7 +220,7 @@ def _commands(first_line: int, body: str, transcript: bool) -> tuple[Command, ..
                 line=first_line + 1 + start,
                 text=substitute(text),
                 expected="\n".join(expected).strip("\n"),
-                skip=line_skip(text),
+                skip=block_skip or line_skip(text),
             )
         )
     return tuple(commands)
@@ -192,11 +230,15 @@ def shell_blocks(root: Path, docs: list[str]) -> list[Block]:
     """Every shell or console block of `docs` (paths relative to `root`), in document order."""
     blocks: list[Block] = []
     for doc in docs:
+        after_slow = False
         for line, info, body, note in fences(doc, (root / doc).read_text(encoding="utf-8")):
             if info not in SHELL_INFOS + TRANSCRIPT_INFOS:
                 continue
             transcript = info in TRANSCRIPT_INFOS
-            blocks.append(Block(doc, line, info, body, note, _commands(line, body, transcript)))
+            commands = _commands(line, body, transcript, annotation_skip(note))
+            block = Block(doc, line, info, body, note, commands, after_slow)
+            blocks.append(block)
+            after_slow = after_slow or (not block.skip and block.slow)
     return blocks
 
 
@@ -238,10 +280,13 @@ def main() -> None:
     docs = ["README.md", *sorted(str(p.relative_to(root)) for p in (root / "docs").glob("*.md"))]
     for block in shell_blocks(root, docs):
         what = f"skip ({block.skip})" if block.skip else ("slow" if block.slow else "quick")
+        if block.parse_only:
+            what += ", parsed only"
         print(f"{block.id:22} {block.info:8} {what}")
         for c in block.commands:
             if c.skip and not block.skip:
-                print(f"{'':22}   line {c.line} not run ({c.skip})")
+                done = "parsed, not run" if c.parse_words else "not run"
+                print(f"{'':22}   line {c.line} {done} ({c.skip})")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ wait. `probe_environment` runs exactly those setup lines and that Python in a fr
 (`bash -lc`), or the image through its runtime, and `environment_checks` turns the answer into
 one `Check` per finding, each failure one line with its fix. The probe also looks for what
 triton and inductor build kernels with (a C compiler, Python.h, libcuda.so.1:
-`hpctrain.toolchain`), which per-document attention needs on GPUs and `train.compile` always.
+`hpctrain.toolchain`), which per-document attention needs on GPUs and `train.compile` always,
+and asks `nvidia-smi` which CUDA the driver runs (a cu13x torch needs a CUDA 13 driver).
 """
 
 from __future__ import annotations
@@ -57,6 +58,17 @@ try:
         out["arch_list"] = flags.split() if flags else []
 except Exception as exc:
     out["torch_error"] = f"{{type(exc).__name__}}: {{exc}}".splitlines()[0]
+try:
+    import shutil, socket, subprocess
+    smi = shutil.which("nvidia-smi")
+    answer = {{"host": socket.gethostname(), "found": bool(smi)}}
+    if smi:
+        done = subprocess.run([smi], capture_output=True, text=True, timeout=60)
+        answer["returncode"] = done.returncode
+        answer["header"] = next((x for x in done.stdout.splitlines() if "CUDA Version" in x), "")
+    out["nvidia_smi"] = answer
+except Exception as exc:
+    out["nvidia_smi"] = {{"error": f"{{type(exc).__name__}}: {{exc}}".splitlines()[0]}}
 try:
     import dataclasses
     from hpctrain.toolchain import find_toolchain
@@ -305,7 +317,10 @@ def _cuda_checks(job: JobSpec, version: str, report: dict[str, Any], where: str)
                 f"torch {version} {where} is a CPU-only build; fix: install a CUDA build, e.g. pip install torch --index-url https://download.pytorch.org/whl/cu126",
             )
         ]
-    checks = [Check("torch CUDA", True, f"torch {version} built with CUDA {report['cuda']}")]
+    checks = [
+        Check("torch CUDA", True, f"torch {version} built with CUDA {report['cuda']}"),
+        driver_check(job, version, str(report["cuda"]), report.get("nvidia_smi") or {}),
+    ]
     if not job.gpu_arch:
         return checks
     arch_list = [str(a) for a in report.get("arch_list", [])]
@@ -321,6 +336,74 @@ def _cuda_checks(job: JobSpec, version: str, report: dict[str, Any], where: str)
             )
         )
     return checks
+
+
+# The oldest Linux driver branch of each CUDA major (NVIDIA's CUDA compatibility table): within
+# a major, minor-version compatibility runs any 12.x build on a 12.0 driver and up.
+MIN_DRIVER = {11: "R450", 12: "R525", 13: "R580"}
+
+
+def _major(version: str) -> int:
+    match = re.match(r"(\d+)", version)
+    return int(match.group(1)) if match else -1
+
+
+def smi_cuda(header: str) -> tuple[str, str]:
+    """(CUDA version, driver version) from nvidia-smi's header line; ("", "") if absent."""
+    cuda = re.search(r"CUDA Version:\s*([\d.]+)", header)
+    driver = re.search(r"Driver Version:\s*([\d.]+)", header)
+    return (cuda.group(1) if cuda else "", driver.group(1) if driver else "")
+
+
+def driver_check(job: JobSpec, version: str, torch_cuda: str, smi: dict[str, Any]) -> Check:
+    """Whether the nodes' NVIDIA driver runs a torch built for CUDA `torch_cuda`.
+
+    A driver runs builds of its own CUDA major and older; a cu130 torch on a CUDA 12 driver
+    finds no GPU at start-up (torch warns "driver too old" and falls back to the CPU). What
+    is known of the driver: nvidia-smi where the probe ran (a GPU node when preflight runs
+    there, often nothing on a login node) and the profile's documented `driver_cuda`; each
+    that is known is checked, and neither known says so.
+    """
+    need = _major(torch_cuda)
+    needs = (
+        f"torch {version} (CUDA {torch_cuda}) needs an NVIDIA driver for CUDA {need}.x or "
+        f"newer ({MIN_DRIVER.get(need, 'see NVIDIA')}+)"
+    )
+    fix = (
+        f"install a torch build for the driver's CUDA (the cu126 wheels run on CUDA 12 "
+        f"drivers, {MIN_DRIVER[12]}+: pip install torch --index-url "
+        "https://download.pytorch.org/whl/cu126) or use nodes with a newer driver"
+    )
+    host = smi.get("host", "this machine")
+    known: list[tuple[str, str]] = []  # (CUDA version the driver runs, where it was learnt)
+    smi_found, smi_driver = smi_cuda(str(smi.get("header", "")))
+    if smi_found:
+        where = f"nvidia-smi on {host}, where preflight ran"
+        known.append((smi_found, f"{where}: CUDA {smi_found}, driver {smi_driver or '?'}"))
+    if job.driver_cuda:
+        where = f"{job.profile}'s nodes (the profile's driver_cuda)"
+        known.append((job.driver_cuda, f"{where}: CUDA {job.driver_cuda}"))
+    if not known:
+        if smi.get("error"):
+            tried = f"nvidia-smi failed where preflight ran ({smi['error']})"
+        elif smi.get("found"):
+            tried = f"nvidia-smi on {host} answered no driver (exit {smi.get('returncode')})"
+        else:
+            tried = f"no nvidia-smi on {host}"
+        return Check(
+            "gpu driver",
+            True,
+            f"not checked: {tried} and profile {job.profile} documents no driver_cuda; {needs} "
+            "on the nodes: run `nvidia-smi` there (srun ... nvidia-smi) and set driver_cuda "
+            "in the profile, or run preflight on a GPU node",
+            warning=True,
+        )
+    too_old = [what for found, what in known if _major(found) < need]
+    if too_old:
+        return Check("gpu driver", False, f"{needs}; {'; '.join(too_old)}; fix: {fix}")
+    return Check(
+        "gpu driver", True, f"{'; '.join(what for _, what in known)}: runs CUDA {torch_cuda}"
+    )
 
 
 def check_job_environment(

@@ -75,6 +75,9 @@ class ClusterProfile:
     # One node's mean time between failures, hours: the prior of checkpoint.every_minutes=auto
     # (hpctrain.launch.failure_rate); a job on N nodes fails N times as often.
     mtbf_node_hours: float = DEFAULT_NODE_MTBF_HOURS
+    # The newest CUDA the nodes' NVIDIA driver runs (nvidia-smi's "CUDA Version", e.g. 12.4),
+    # as the site documents it; "": unknown. A torch built for a newer CUDA major cannot start.
+    driver_cuda: str = ""
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,7 @@ class JobSpec:
     spare_nodes: int = 0  # asked for beyond `nodes`: standbys for a node that goes bad
     probe: bool = True  # the health probe before each attempt (launch/probe.py)
     fabric: str = ""  # the profile's interconnect, exported to the tasks (HPCTRAIN_FABRIC)
+    driver_cuda: str = ""  # the profile's documented driver CUDA version; "": unknown
 
     @property
     def allocated_nodes(self) -> int:
@@ -180,7 +184,7 @@ def parse_profile(data: Any, source: str) -> ClusterProfile:
         "name", "description", "account_suffix", "hint", "request_gpus", "default_partition",
         "partitions", "qos", "default_qos", "default_time", "precisions", "setup", "run_root",
         "cache_root", "gpu_arch", "container_runtime", "qos_max_gpus", "qos_max_nodes",
-        "node_local_dir", "fabric", "mtbf_node_hours",
+        "node_local_dir", "fabric", "mtbf_node_hours", "driver_cuda",
     }  # fmt: skip
     unknown = sorted(set(data) - known)
     if unknown:
@@ -237,7 +241,14 @@ def parse_profile(data: Any, source: str) -> ClusterProfile:
         qos_max_nodes=per_job["qos_max_nodes"],
         fabric=str(data.get("fabric", "") or ""),
         mtbf_node_hours=_mtbf_node_hours(data, source),
+        driver_cuda=str(data.get("driver_cuda", "") or ""),
     )
+    driver = data.get("driver_cuda", "") or ""
+    # a string: YAML would read 12.10 as the number 12.1
+    if driver and not (isinstance(driver, str) and re.fullmatch(r"\d+\.\d+", driver)):
+        raise LaunchError(
+            f'{source}: driver_cuda={driver!r} is not a quoted version like "12.4" (nvidia-smi\'s CUDA Version)'
+        )
     if profile.gpu_arch and not re.fullmatch(r"sm_\d{2,3}a?", profile.gpu_arch):
         raise LaunchError(
             f"{source}: gpu_arch={profile.gpu_arch!r} is not like sm_70, sm_80, sm_90"
@@ -424,4 +435,5 @@ def resolve_job(cfg: Config, profile: ClusterProfile) -> JobSpec:
         spare_nodes=s.spare_nodes,
         probe=s.probe,
         fabric=profile.fabric,
+        driver_cuda=profile.driver_cuda,
     )

@@ -69,8 +69,8 @@ def check_path(path: str) -> None:
     if HUB_NAME.fullmatch(path) and not path.startswith("."):
         raise ConfigError(
             f"{KEY}={path}: no such folder; hpctrain never downloads (compute nodes are "
-            f"offline): on a login node run `huggingface-cli download {path} --local-dir "
-            f"DIR` and set {KEY}=DIR"
+            f"offline): on a login node run `hf download {path} --local-dir DIR` "
+            f"(`huggingface-cli download` with huggingface_hub older than 0.34) and set {KEY}=DIR"
         )
     raise ConfigError(f"{KEY}={path}: no such file or folder")
 
