@@ -11,6 +11,7 @@ case is added to `hpctrain.cli.bench.BENCHES` without a tiny run.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -110,11 +111,11 @@ def test_a_case_runs_as_shipped(
         args += ["--work", str(tmp_path / "lm")]
     if name == "convert":
         args += ["--workdir", str(tmp_path / "convert")]
-    threads = torch.get_num_threads()
-    try:  # in this process: the imports are paid once for every case
-        assert main(["bench", name, *args]) == 0
-    finally:
-        torch.set_num_threads(threads)  # `bench trainer` runs on one thread
+    threads, level = torch.get_num_threads(), logging.getLogger("hpctrain").level
+    # in this process: the imports are paid once for every case; a case leaves the process as
+    # it found it (`bench trainer` quietened the package's log for the tests after it)
+    assert main(["bench", name, *args]) == 0
+    assert (torch.get_num_threads(), logging.getLogger("hpctrain").level) == (threads, level)
     out = capsys.readouterr().out
     if case == "trainer":
         result = json.loads(out)

@@ -417,7 +417,19 @@ def format_results(results: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    logging.getLogger("hpctrain").setLevel(logging.WARNING)
+    # the trainers' INFO lines would drown the comparison; both put back for whoever runs next
+    # in this process (a test session, `bench quick`)
+    logger = logging.getLogger("hpctrain")
+    level, threads = logger.level, torch.get_num_threads()
+    logger.setLevel(logging.WARNING)
+    try:
+        return _run(args)
+    finally:
+        logger.setLevel(level)
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     results: dict[str, Any] = {"threads": 1, "torch": torch.__version__, "compare": []}
