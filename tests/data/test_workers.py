@@ -242,12 +242,8 @@ def _helpers_of(pid: int, marker: str) -> list[int]:
     return found
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.slow  # a subprocess or worker processes: seconds, not the unit tier's ms
-def test_job_signals_to_the_forkserver_mid_pass_leave_the_pass_whole():
-    """SLURM signals every process of the step: USR2 before the time limit, TERM, USR1 for
-    stack dumps. The forkserver (and its resource tracker) used to die of them, and its
-    workers with it (their parent-death signal): "worker died" mid-epoch."""
+def job_signals_mid_pass() -> None:
+    """The body of the next test, run in a fresh interpreter (`SIGNALS_PARENT`)."""
     expected = [(0, i) for i in range(24)]
     pool = WorkerPool(Counting([24], delay_s=0.02), 1, prefetch=2, context="forkserver")
     try:
@@ -263,10 +259,37 @@ def test_job_signals_to_the_forkserver_mid_pass_leave_the_pass_whole():
         time.sleep(0.5)  # a signal's default action would have ended them by now
         got += list(batches)
         assert got == expected
-        assert all(_running(pid) for pid in helpers)
+        assert all(_running(pid) for pid in helpers), "a helper died of a job signal"
         assert list(pool.run()) == expected  # and the next epoch, from the same workers
     finally:
         pool.close()
+
+
+SIGNALS_PARENT = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    from tests.data.test_workers import job_signals_mid_pass
+    if __name__ == "__main__":
+        job_signals_mid_pass()
+        print("whole")
+    """
+)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow  # a subprocess or worker processes: seconds, not the unit tier's ms
+def test_job_signals_to_the_forkserver_mid_pass_leave_the_pass_whole():
+    """SLURM signals every process of the step: USR2 before the time limit, TERM, USR1 for
+    stack dumps. The forkserver (and its resource tracker) used to die of them, and its
+    workers with it (their parent-death signal): "worker died" mid-epoch. In a fresh
+    interpreter, as a training process starts them: in this one an earlier test may have
+    started multiprocessing's helpers already (they are started once per process)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run(
+        [sys.executable, "-c", SIGNALS_PARENT, root], capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0 and proc.stdout.split() == ["whole"], proc.stderr[-3000:]
 
 
 def _running(pid: int) -> bool:
