@@ -94,7 +94,7 @@ def test_dry_run_generates_shards_and_builds_every_trainer(tmp_path: Path) -> No
     assert "lm gpt-1b config valid: none (single process), bf16, 1040.3 M parameters, 7 steps" in (
         summary
     )
-    assert "lora: not measured" in summary
+    assert "lora: GPU only (hpctrain bench lora --device cuda); not in a dry run" in summary
     index = json.loads((tmp_path / "shards" / "index.json").read_text())
     assert sum(s["num_samples"] for s in index["shards"]) == 64
     cfg = load_config(str(tmp_path / "config.yaml"))
