@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import posixpath
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import fsspec
@@ -302,6 +302,36 @@ def _label_classes(
     ], classes
 
 
+@dataclass
+class _Columns:
+    """The columns of a source, planned from the first batch read (class names over every
+    file: `_label_classes`); a later batch with other column names is refused."""
+
+    src: str
+    options: ListOptions
+    files: list[str]
+    features: dict[str, Any]
+    planned: list[_Column] | None = None
+    class_names: tuple[str, ...] = ()
+    names: list[str] = field(default_factory=list)
+
+    def of(self, batch: Any, url: str) -> list[_Column]:
+        if self.planned is None:
+            planned, class_names = plan_columns(
+                self.src, batch.schema, self.features, self.options.columns,
+                self.options.label_column,
+            )  # fmt: skip
+            self.planned, found = _label_classes(planned, self.files)
+            self.class_names = found or class_names
+            self.names = batch.schema.names
+        elif batch.schema.names != self.names:
+            raise ConvertError(
+                f"{redact_url(url)}: columns {', '.join(batch.schema.names)} differ "
+                f"from the first file's ({', '.join(self.names)})"
+            )
+        return self.planned
+
+
 def list_arrow(src: str, options: ListOptions) -> Source:
     """Read every row of the Arrow/parquet source into the spool (see module doc); the
     columns as `options.columns` renames them, the label column `options.label_column`."""
@@ -309,25 +339,12 @@ def list_arrow(src: str, options: ListOptions) -> Source:
     files, features, base = arrow_files(src)
     shown = redact_url(src)
     spool = Spool(options.spool_dir, shown)
-    columns: list[_Column] | None = None
-    class_names: tuple[str, ...] = ()
-    names: list[str] = []
+    plan = _Columns(src, options, files, features)
     position = 0
     try:
         for url in files:
             for batch in iter_batches(url):
-                if columns is None:
-                    columns, class_names = plan_columns(
-                        src, batch.schema, features, options.columns, options.label_column
-                    )
-                    columns, found = _label_classes(columns, files)
-                    class_names = found or class_names
-                    names = batch.schema.names
-                elif batch.schema.names != names:
-                    raise ConvertError(
-                        f"{redact_url(url)}: columns {', '.join(batch.schema.names)} differ "
-                        f"from the first file's ({', '.join(names)})"
-                    )
+                columns = plan.of(batch, url)
                 for row in batch.to_pylist():
                     origin = f"{shown} row {position + 1}"
                     try:
@@ -342,7 +359,7 @@ def list_arrow(src: str, options: ListOptions) -> Source:
     except BaseException:
         spool.abort()
         raise
-    return Source("arrow", spool.finish(), class_names)
+    return Source("arrow", spool.finish(), plan.class_names)
 
 
 # -- conversions in parts (`hpctrain.convert.parts`) ------------------------------------------
@@ -417,27 +434,14 @@ def list_arrow_part(
     files, features, base = arrow_files(src)
     shown = redact_url(src)
     spool = Spool(options.spool_dir, shown)
-    columns: list[_Column] | None = None
-    class_names: tuple[str, ...] = ()
-    names: list[str] = []
+    plan = _Columns(src, options, files, features)
     rows: list[PartRow] = []
     unit_rows: dict[int, int] = {}
     try:
         for u in mine:
             count = 0
             for batch in _unit_batches(units[u]):
-                if columns is None:
-                    columns, class_names = plan_columns(
-                        src, batch.schema, features, options.columns, options.label_column
-                    )
-                    columns, found = _label_classes(columns, files)
-                    class_names = found or class_names
-                    names = batch.schema.names
-                elif batch.schema.names != names:
-                    raise ConvertError(
-                        f"{redact_url(units[u].url)}: columns {', '.join(batch.schema.names)} "
-                        f"differ from the first file's ({', '.join(names)})"
-                    )
+                columns = plan.of(batch, units[u].url)
                 for row in batch.to_pylist():
                     placeholder = f"u{u}-{count}"  # unique in the spool; the real key later
                     try:
@@ -456,7 +460,7 @@ def list_arrow_part(
         spool.abort()
         raise
     spool.finish(allow_empty=True)
-    return ArrowPart(rows, unit_rows, class_names, names)
+    return ArrowPart(rows, unit_rows, plan.class_names, plan.names)
 
 
 def place_rows(src: str, rows: list[PartRow], unit_rows: dict[int, int]) -> tuple[SampleRef, ...]:
