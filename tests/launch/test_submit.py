@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from hpctrain.cli.main import main
 from hpctrain.config import Config, with_overrides
 from hpctrain.launch import submit as submit_mod
 from hpctrain.launch.profiles import LaunchError, load_profile, resolve_job
+from hpctrain.launch.sbatch import environment_lines, render_sbatch
 from hpctrain.launch.submit import (
     executor_parameters,
     job_script,
@@ -48,7 +50,53 @@ def test_a_training_job_is_one_process_that_runs_the_job_scripts_loop() -> None:
     extra = params["slurm_additional_parameters"]
     assert (extra["nodes"], extra["ntasks_per_node"], extra["no_kill"]) == (2, 4, True)
     assert "slurm_srun_args" not in params
-    assert params["slurm_setup"] == list(v100_job().setup)  # the script exports the rest
+    assert params["slurm_setup"] == [*environment_lines(v100_job()), *v100_job().setup]
+
+
+def _exports(script: str) -> set[str]:
+    return {line for line in script.splitlines() if line.startswith("export ")}
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["training", "eval-predict"])
+def test_submitit_scripts_export_the_environment_of_the_sbatch_script(
+    training: bool, tmp_path: Path
+) -> None:
+    """One environment both ways (#43): every variable the `hpctrain sbatch` script exports
+    (offline switches, TORCH_HOME and HF_HOME under the profile's cache_root, srun's CPUs,
+    the allocator, the fabric) is exported by submitit's script too, before the site's setup."""
+    job = v100_job()
+    sbatch_script = render_sbatch(
+        job, config_path="/w/c.yaml", overrides=[], run_dir="/s/r", python="/venv/bin/python"
+    )
+    wanted = _exports(sbatch_script) - _exports("\n".join(job.setup))
+    assert any("TORCH_HOME=" in line and "HF_HOME=" in line for line in wanted)
+    assert 'HF_HOME="${HF_HOME:-$SCRATCH/hpctrain/cache/huggingface}"' in sbatch_script
+    submitit_script = submission_script(
+        job, tmp_path / "s", python="/v/bin/python", training=training
+    )
+    assert wanted <= _exports(submitit_script), sorted(wanted - _exports(submitit_script))
+    lines = submitit_script.splitlines()
+    assert lines.index(next(x for x in wanted if "TORCH_HOME" in x)) < lines.index(
+        "module load python/3.11.5"
+    )
+
+
+def test_the_submitit_jobs_environment_gives_the_caches_to_the_tasks(tmp_path: Path) -> None:
+    """The exports run in bash as submitit's setup would: a task sees TORCH_HOME and HF_HOME
+    under the cache root, and a value set where the user submits wins."""
+    job = dataclasses.replace(v100_job(), cache_root=str(tmp_path / "cache"), setup=())
+    setup = "\n".join(training_parameters(job)["slurm_setup"])
+    show = 'echo "$TORCH_HOME|$HF_HOME|$HF_HUB_OFFLINE"'
+    env = {"PATH": "/usr/bin:/bin", "SLURM_CPUS_PER_TASK": "4"}
+    out = subprocess.run(
+        ["bash", "-c", f"{setup}\n{show}"], env=env, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert out == f"{tmp_path}/cache/torch|{tmp_path}/cache/huggingface|1"
+    mine = {**env, "HF_HOME": "/mine/hf"}
+    out = subprocess.run(
+        ["bash", "-c", f"{setup}\n{show}"], env=mine, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert out == f"{tmp_path}/cache/torch|/mine/hf|1"
 
 
 def test_the_submitit_job_runs_the_sbatch_script_without_its_setup() -> None:

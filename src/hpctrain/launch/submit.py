@@ -41,8 +41,8 @@ from hpctrain.launch.profiles import JobSpec, LaunchError
 from hpctrain.launch.restart_policy import REQUEUE_EXIT_CODE
 from hpctrain.launch.sbatch import (
     END_TIME_LINES,
-    OFFLINE_ENV,
     SRUN_KILL_ON_BAD_EXIT,
+    environment_lines,
     render_sbatch,
     sbatch_options,
 )
@@ -163,11 +163,8 @@ def executor_parameters(job: JobSpec) -> dict[str, Any]:
         "cpus_per_task": job.cpus_per_task,
         "timeout_min": job.time_minutes,
         "slurm_signal_delay_s": job.signal_margin_s,
-        "slurm_setup": [
-            "export " + " ".join(f"{k}={v}" for k, v in OFFLINE_ENV),
-            *END_TIME_LINES,
-            *job.setup,
-        ],
+        # the environment of `hpctrain sbatch`'s script, from the same lines
+        "slurm_setup": [*environment_lines(job), *END_TIME_LINES, *job.setup],
         "slurm_additional_parameters": {"requeue": True},
         # srun from SLURM 22.05 to 23.11 ignores the job's --cpus-per-task (issue #38)
         "slurm_srun_args": [SRUN_KILL_ON_BAD_EXIT, f"--cpus-per-task={job.cpus_per_task}"],
@@ -195,15 +192,16 @@ def training_parameters(job: JobSpec) -> dict[str, Any]:
 
     submitit counts a job's results as nodes x tasks per node: it is told one of each, and
     the allocation's real shape goes to the #SBATCH lines through `additional_parameters`
-    (`compat_submitit.check_compatible` checks they still override). The job script sets
-    its own environment, so submitit's setup keeps only the site's lines (module loads).
+    (`compat_submitit.check_compatible` checks they still override). The batch step
+    exports the job's environment (`environment_lines`) and runs the site's lines (module
+    loads); the job script it runs exports the same variables again (the same values).
     """
     params = executor_parameters(job)
     params.update(
         nodes=1,
         tasks_per_node=1,
         slurm_use_srun=False,
-        slurm_setup=list(job.setup),
+        slurm_setup=[*environment_lines(job), *job.setup],
     )
     del params["slurm_srun_args"]
     params["slurm_additional_parameters"] = {
