@@ -83,7 +83,11 @@ def run(args: argparse.Namespace) -> int:
     check_path(prep.cfg.run_dir, "run_dir")
     check_path(prep.cfg.slurm.folder, "slurm.folder")
     if not args.no_preflight:
-        raise_if_failed(preflight(prep.cfg, prep.profile), "nothing written")
+        raise_if_failed(
+            preflight(prep.cfg, prep.profile),
+            "nothing written",
+            off_cluster="off the cluster, --no-preflight renders the script anyway",
+        )
     log_dir = ""
     if "$" not in (prep.cfg.slurm.folder or prep.cfg.run_dir):
         log_dir = str(log_folder(prep.cfg))

@@ -324,6 +324,18 @@ def job_name_for(cfg: Config) -> str:
     return "hpctrain-" + re.sub(r"[^A-Za-z0-9_.-]", "_", base)[:64]
 
 
+def account_warning(job: JobSpec, profile: ClusterProfile) -> str:
+    """Why an empty `slurm.account` may be refused on `profile` ("" when it is set, or the
+    site has no account notation: `account_suffix`). Printed by `sbatch` and `submit` with or
+    without preflight: the queue, not this machine, would refuse the job."""
+    if job.account or not profile.account_suffix:
+        return ""
+    return (
+        f"slurm.account is empty: the job goes to your default project; with several projects, "
+        f"or both CPU and GPU hours, {profile.name} needs slurm.account=<project>{profile.account_suffix}"
+    )
+
+
 def check_job_size(profile: ClusterProfile, qos: str, nodes: int, gpus_per_node: int) -> None:
     """Refuse a job larger than its QoS lets one job be (the profile's `qos_max_gpus`,
     `qos_max_nodes`): SLURM would queue it and never start it (`QOSMaxGRESPerJob`).
