@@ -323,3 +323,18 @@ def test_sbatch_off_the_cluster_says_so_in_one_line_and_names_no_preflight(
         "(off the cluster, sbatch --no-preflight renders the script anyway)\n"
     )
     assert "command not found" not in captured.out + captured.err
+
+
+def test_preflight_checks_the_run_folder_under_the_profiles_run_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`hpctrain preflight` places a relative run_dir as `sbatch` and `submit` do (#43) and
+    its run_dir line names that folder, not one in the clone."""
+    clone = tmp_path / "clone"
+    clone.mkdir()
+    monkeypatch.chdir(clone)
+    monkeypatch.setenv("HOME", str(tmp_path))  # the generic profile's run_root: $HOME/hpctrain
+    main(["preflight", str(REPO / "configs" / "demo.yaml"), "--profile", "generic", "--no-data"])
+    run = tmp_path / "hpctrain" / "runs" / "demo"
+    assert f"ok   run_dir: {run} writable" in capsys.readouterr().out
+    assert run.is_dir() and list(clone.iterdir()) == []

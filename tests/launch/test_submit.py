@@ -267,3 +267,112 @@ def test_a_user_error_in_a_task_is_one_line_and_its_exit_code(
     assert capsys.readouterr().err == (
         "hpctrain train [rank 1]: data error: /d/index.json: index not found\n"
     )
+
+
+# -- where a submitted run lives, and submitting from the wrong machine (#43) -------------
+
+
+class _FakeExecutor:
+    """submitit's executor without a cluster: records the folder, returns job 42."""
+
+    folders: list[Path] = []
+
+    def __init__(self, job: object, folder: Path, **options: object) -> None:
+        self.folders.append(folder)
+
+    def submit(self, fn: object) -> object:
+        folder = self.folders[-1]
+        paths = type(
+            "Paths", (), {"stdout": folder / "42_0_log.out", "stderr": folder / "42_0_log.err"}
+        )
+        return type("Job", (), {"job_id": "42", "paths": paths})()
+
+
+def test_a_submitted_relative_run_dir_lives_under_run_root_and_status_finds_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    scratch, clone = tmp_path / "scratch", tmp_path / "clone"
+    clone.mkdir()
+    monkeypatch.chdir(clone)
+    monkeypatch.setenv("SCRATCH", str(scratch))
+    monkeypatch.setattr(submit_mod, "make_executor", _FakeExecutor)
+    monkeypatch.setattr("hpctrain.launch.status.query_state", lambda job_id: ("RUNNING", "", 0))
+    args = ["submit", DEMO, "slurm.account=abc@h100", "--profile", "jean-zay-h100"]
+    assert main([*args, "--no-preflight"]) == 0
+    run = scratch / "hpctrain" / "runs" / "demo"
+    captured = capsys.readouterr()
+    assert f"  run folder: {run}\n" in captured.out
+    assert f"  status:     hpctrain status {run}\n" in captured.out
+    assert f"hpctrain submit: run folder {run} (run_dir=runs/demo under" in captured.err
+    assert _FakeExecutor.folders[-1] == run / "slurm" / "submitit"
+    assert (run / "slurm" / "job.json").is_file() and list(clone.iterdir()) == []
+    assert main(["status", str(run)]) == 0 and "42" in capsys.readouterr().out
+    # an evaluation of the same config finds the same run folder
+    assert main([*args, "--eval", "--dry-run", "--no-preflight"]) == 0
+    assert f"hpctrain submit: run folder {run} (" in capsys.readouterr().err
+
+
+def test_submit_refuses_a_run_root_whose_variable_is_unset_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """submitit writes the run's files from this machine: `$SCRATCH` must be known here (the
+    dry run keeps it, to read the script off the cluster)."""
+    submitted = _no_submission(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("SCRATCH", raising=False)
+    args = [
+        "submit",
+        DEMO,
+        "slurm.account=abc@h100",
+        "--profile",
+        "jean-zay-h100",
+        "--no-preflight",
+    ]
+    assert main(args) == 6 and submitted == []
+    err = capsys.readouterr().err
+    assert err == (
+        "hpctrain submit: launch error: run_dir=$SCRATCH/hpctrain/runs/demo: $SCRATCH is not "
+        "set here, and submitit writes the run's files from this machine; submit from the "
+        "cluster's login node, or give an absolute path\n"
+    )
+    assert main([*args, "--dry-run"]) == 0 and list(tmp_path.iterdir()) == []
+
+
+def test_submit_without_sbatch_says_where_to_submit_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    submitted: list[str] = []
+    monkeypatch.setattr(submit_mod, "make_executor", lambda *a, **k: submitted.append("x"))
+    monkeypatch.setenv("PATH", str(tmp_path))  # no SLURM commands
+    code = main(["submit", DEMO, f"run_dir={tmp_path / 'run'}", "--profile", "local-dev",
+                 "--no-preflight"])  # fmt: skip
+    assert code == 6 and submitted == []
+    assert capsys.readouterr().err == (
+        "hpctrain submit: launch error: sbatch: not found here: submit from a login node of "
+        "local-dev (off the cluster, --dry-run --no-preflight prints the script)\n"
+    )
+
+
+def test_submit_eval_of_a_run_name_finds_the_run_under_run_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`submit runs/demo --eval` from the clone: the training's folder is under the profile's
+    run_root, not here; what is here wins; neither: the name is refused as before."""
+    scratch, clone = tmp_path / "scratch", tmp_path / "clone"
+    run = scratch / "hpctrain" / "runs" / "demo"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(Path(DEMO).read_text())
+    clone.mkdir()
+    monkeypatch.chdir(clone)
+    monkeypatch.setenv("SCRATCH", str(scratch))
+    args = ["submit", "runs/demo", "--eval", "--dry-run", "--no-preflight"]
+    args += ["--profile", "jean-zay-h100", "slurm.account=abc@h100"]
+    assert main(args) == 0
+    assert f"hpctrain submit: run folder {run} (run_dir=runs/demo under" in capsys.readouterr().err
+    here = clone / "runs" / "demo"
+    here.mkdir(parents=True)
+    (here / "config.yaml").write_text(Path(DEMO).read_text())
+    assert main(args) == 0
+    assert f"hpctrain submit: run folder {here}\n" in capsys.readouterr().err
+    assert main([*args[:1], "runs/other", *args[2:]]) == 2
+    assert "runs/other: no such file or folder" in capsys.readouterr().err

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from hpctrain.errors import UsageError
 from hpctrain.launch.preflight import preflight, raise_if_failed
-from hpctrain.launch.prepare import prepare, train_overrides
+from hpctrain.launch.prepare import Prepared, describe_run_dir, prepare, train_overrides
+from hpctrain.launch.profiles import account_warning
 from hpctrain.launch.sbatch import SweepPoint, render_sbatch
 from hpctrain.launch.script_values import check_path
 from hpctrain.launch.submit import log_folder, parse_sweep, sweep_run_dir
@@ -56,6 +57,14 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="skip the checks of data, run folder, task and the job's environment",
     )
+
+
+def print_job_notes(verb: str, prep: Prepared, num_points: int = 1) -> None:
+    """On stderr: where the run will live, and a warning for an empty account the site wants."""
+    warning = account_warning(prep.job, prep.profile)
+    if warning:
+        print(f"hpctrain {verb}: warning: {warning}", file=sys.stderr)
+    print(f"hpctrain {verb}: {describe_run_dir(prep, num_points)}", file=sys.stderr)
 
 
 def check_max_parallel(max_parallel: int, num_points: int) -> None:
@@ -119,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
             Path(args.output).write_text(script)
         except OSError as exc:
             raise UsageError(f"-o {args.output}: cannot write: {exc.strerror or exc}") from None
+    print_job_notes("sbatch", prep, len(combos))
+    if args.output:
         print(
             f"hpctrain sbatch: wrote {args.output}; submit with: sbatch {args.output}",
             file=sys.stderr,

@@ -60,8 +60,8 @@ class ClusterProfile:
     default_time: str
     precisions: tuple[str, ...]
     setup: tuple[str, ...]
-    run_root: str
-    cache_root: str
+    run_root: str  # where a cluster job's relative run_dir starts (launch/prepare.py)
+    cache_root: str  # TORCH_HOME and HF_HOME of its jobs, unless set (launch/sbatch.py)
     gpu_arch: str = ""  # the CUDA architecture of its GPUs (sm_70, sm_80, sm_90); "": no GPU
     container_runtime: str = "apptainer"  # the command that runs slurm.container images
     # where each node keeps its copy of a compact index (hpctrain.data.node_index): /dev/shm,

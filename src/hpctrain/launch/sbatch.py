@@ -418,7 +418,7 @@ def render_profile_template(profile: ClusterProfile) -> str:
         job,
         config_path=f"{work}/hpctrain/configs/demo.yaml",
         overrides=[],
-        run_dir=f"{profile.run_root}/$SLURM_JOB_NAME",
+        run_dir=f"{profile.run_root}/runs/$SLURM_JOB_NAME",  # as runs/NAME would be placed
         python=f"{work}/hpctrain/.venv/bin/python",
         description=f"{profile.description}; generated from configs/clusters/{profile.name}.yaml",
     )

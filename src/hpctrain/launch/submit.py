@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import traceback
@@ -323,6 +324,19 @@ def log_folder(cfg: Config) -> Path:
     return folder if folder.is_dir() and cfg.slurm.folder else private_dir(folder)
 
 
+def require_sbatch(job: JobSpec) -> None:
+    """Refuse to submit from a machine without `sbatch` (submitit would fail deep inside).
+
+    Raises:
+        LaunchError: naming the profile and what works off the cluster.
+    """
+    if shutil.which("sbatch") is None:
+        raise LaunchError(
+            f"sbatch: not found here: submit from a login node of {job.profile} "
+            "(off the cluster, --dry-run --no-preflight prints the script)"
+        )
+
+
 def submit(
     cfg: Config, job: JobSpec, *, sweep: Sequence[str] = (), max_parallel: int = 0
 ) -> list[Submitted]:
@@ -341,6 +355,7 @@ def submit(
             run_cfg = with_overrides(cfg, [*combo, f"run_dir={sweep_run_dir(cfg.run_dir, combo)}"])
         check_submission(run_cfg, job)
         configs.append(run_cfg)
+    require_sbatch(job)
     folder = log_folder(cfg) / "submitit"
     if max_parallel:
         job = dataclasses.replace(job, max_parallel=max_parallel)
@@ -495,6 +510,7 @@ def submit_inference(cfg: Config, job: JobSpec, spec: InferenceSpec) -> Submitte
         ("--harness-include", spec.harness_include),
     ):
         check_no_credential(value, key)
+    require_sbatch(job)
     job = dataclasses.replace(job, job_name=f"{job.job_name}-{spec.verb}")
     if spec.harness:  # the harness runs in one process (one GPU)
         job = dataclasses.replace(
