@@ -111,7 +111,7 @@ def test_a_newline_in_a_path_never_reaches_a_job_script(
 def test_sbatch_writes_its_log_into_slurm_folder(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.chdir(tmp_path)  # a relative slurm.folder is made absolute, like run_dir
+    monkeypatch.chdir(tmp_path)  # a relative slurm.folder is made absolute (run_dir: run_root)
     code = main(["sbatch", DEMO, "run_dir=run", "slurm.folder=logs", "--no-preflight"])
     script = capsys.readouterr().out
     assert code == 0

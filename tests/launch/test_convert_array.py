@@ -14,6 +14,7 @@ from hpctrain.cli.main import main
 from hpctrain.convert.options import ConvertOptions
 from hpctrain.launch.convert_array import array_job, array_option, render_merge, render_stage
 from hpctrain.launch.profiles import LaunchError
+from hpctrain.launch.sbatch import environment_lines
 from tests.convert.conftest import make_image_folder
 from tests.support.slurm_kit import hpctrain, wait_for
 
@@ -50,8 +51,12 @@ def test_a_stage_script_runs_one_part_per_array_task_with_the_profile_s_job():
         "#SBATCH --array=0-3,9%8",
         "module load arch/h100",  # the profile's setup lines
         "set -euo pipefail",
+        # offline and the profile's caches, as every training job of the profile (#43)
+        *environment_lines(aj.job, tasks=False),
     ):
         assert line in lines, line
+    assert 'HF_HOME="${HF_HOME:-$SCRATCH/hpctrain/cache/huggingface}"' in script
+    assert lines.index("module load arch/h100") > lines.index(environment_lines(aj.job)[1])
     assert not [x for x in lines if x.startswith(("#SBATCH --gres", "#SBATCH --gpus"))]  # no GPU
     assert lines[-1] == (
         'exec "/work/venv/bin/python" -m hpctrain convert /data/corpus /scratch/tokens '

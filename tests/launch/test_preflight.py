@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 
 from hpctrain.cli.main import main
 from hpctrain.config import Config, with_overrides
-from hpctrain.launch.preflight import failed, format_checks, preflight
-from hpctrain.launch.profiles import load_profile
+from hpctrain.launch.checks import Check
+from hpctrain.launch.preflight import (
+    LOGIN_NODE,
+    check_login_node,
+    failed,
+    format_checks,
+    has_module_command,
+    preflight,
+    raise_if_failed,
+)
+from hpctrain.launch.profiles import LaunchError, load_profile, resolve_job
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -231,3 +241,100 @@ def test_preflight_refuses_a_job_larger_than_its_qos(tmp_path: Path) -> None:
     )
     assert not checks["profile"].ok
     assert "above the qos_gpu-t4 limit of 16 GPUs per job" in checks["profile"].message
+
+
+# -- off the cluster: one line that says so, and what renders the script anyway (#43) ----
+
+
+def path_without_sbatch(tmp_path: Path) -> str:
+    """A PATH with bash but no SLURM commands, as on a laptop or a CI runner."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    (folder / "bash").symlink_to(shutil.which("bash") or "/bin/bash")
+    return str(folder)
+
+
+def jean_zay_job(*overrides: str):  # type: ignore[no-untyped-def]
+    cfg = with_overrides(Config(), ["slurm.profile=jean-zay-a100", *overrides])
+    return resolve_job(cfg, load_profile("jean-zay-a100"))
+
+
+@pytest.mark.skipif(has_module_command(), reason="this machine has `module`: a login node")
+def test_a_machine_without_the_module_command_is_not_a_login_node(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The profile's `module load` lines would each fail with `module: command not found`;
+    one failed check says why instead, and the environment probe is not run."""
+    check = check_login_node(jean_zay_job())
+    assert check is not None and not check.ok
+    assert check.message.startswith("this shell has no `module` command")
+    assert "not a login node of jean-zay-a100" in check.message
+    monkeypatch.setenv("PATH", path_without_sbatch(tmp_path))
+    check = check_login_node(jean_zay_job())
+    assert check is not None and "no `module` command" in check.message
+    assert "and no `sbatch`" in check.message
+
+
+def test_without_sbatch_a_profile_without_modules_gets_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = resolve_job(with_overrides(Config(), []), load_profile("generic"))
+    assert check_login_node(job) is None  # sbatch is here, and no `module` line to run
+    monkeypatch.setenv("PATH", path_without_sbatch(tmp_path))
+    check = check_login_node(job)
+    assert check is not None and check.ok and check.warning
+    assert "no `sbatch`" in check.message and "can be rendered" in check.message
+
+
+def test_the_failed_login_node_check_leads_the_error_with_what_to_do() -> None:
+    checks = [
+        Check("data.train", False, "/d/index.json: index not found"),
+        Check(LOGIN_NODE, False, "this shell has no `module` command: not a login node of x"),
+    ]
+    with pytest.raises(LaunchError) as info:
+        raise_if_failed(checks, "nothing written", off_cluster="--no-preflight renders it")
+    assert str(info.value) == (
+        "preflight failed, nothing written: login node: this shell has no `module` command: "
+        "not a login node of x (--no-preflight renders it); data.train: /d/index.json: index not found"
+    )
+
+
+@pytest.mark.slow  # the whole preflight of a Jean Zay job: seconds
+@pytest.mark.skipif(has_module_command(), reason="this machine has `module`: a login node")
+def test_sbatch_off_the_cluster_says_so_in_one_line_and_names_no_preflight(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["sbatch", str(REPO / "configs" / "demo.yaml"), f"run_dir={tmp_path / 'run'}",
+                 "slurm.account=abc@a100", "--profile", "jean-zay-a100"])  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 6 and captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith(
+        "hpctrain sbatch: launch error: preflight failed, nothing written: login node: this "
+        "shell has no `module` command"
+    )
+    assert "(off the cluster, --no-preflight renders the script anyway)" in captured.err
+    assert "command not found" not in captured.err
+    # the preflight verb itself: the same first check, and what renders the script anyway
+    code = main(["preflight", str(REPO / "configs" / "demo.yaml"), f"run_dir={tmp_path / 'run'}",
+                 "slurm.account=abc@a100", "--profile", "jean-zay-a100", "--no-data"])  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 6 and "FAIL login node: this shell has no `module` command" in captured.out
+    assert captured.err.endswith(
+        "(off the cluster, sbatch --no-preflight renders the script anyway)\n"
+    )
+    assert "command not found" not in captured.out + captured.err
+
+
+def test_preflight_checks_the_run_folder_under_the_profiles_run_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`hpctrain preflight` places a relative run_dir as `sbatch` and `submit` do (#43) and
+    its run_dir line names that folder, not one in the clone."""
+    clone = tmp_path / "clone"
+    clone.mkdir()
+    monkeypatch.chdir(clone)
+    monkeypatch.setenv("HOME", str(tmp_path))  # the generic profile's run_root: $HOME/hpctrain
+    main(["preflight", str(REPO / "configs" / "demo.yaml"), "--profile", "generic", "--no-data"])
+    run = tmp_path / "hpctrain" / "runs" / "demo"
+    assert f"ok   run_dir: {run} writable" in capsys.readouterr().out
+    assert run.is_dir() and list(clone.iterdir()) == []

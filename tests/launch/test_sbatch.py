@@ -212,3 +212,100 @@ def test_sweep_case_selects_the_point_in_bash() -> None:
             check=True,
         ).stdout
         assert out == expected
+
+
+# -- where a cluster job's run lives: a relative run_dir under the profile's run_root (#43) --
+
+
+def sbatch_verb(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """`hpctrain sbatch configs/demo.yaml ARGS --no-preflight` (run_dir: runs/demo)."""
+    from hpctrain.cli.main import main
+
+    code = main(["sbatch", str(REPO / "configs" / "demo.yaml"), *args, "--no-preflight"])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_a_relative_run_dir_lands_under_the_profiles_run_root_on_scratch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On a login node ($SCRATCH set) the path is literal: the log goes into the run folder
+    and the printed line is the path to give `hpctrain status`; nothing lands in the clone."""
+    scratch, clone = tmp_path / "scratch", tmp_path / "clone"
+    clone.mkdir()
+    monkeypatch.chdir(clone)
+    monkeypatch.setenv("SCRATCH", str(scratch))
+    code, script, err = sbatch_verb(capsys, "--profile", "jean-zay-a100", "slurm.account=a@a100")
+    run = scratch / "hpctrain" / "runs" / "demo"
+    assert code == 0 and f'RUN_DIR="{run}"' in script
+    assert f"#SBATCH --output={run}/slurm/%j.out" in script
+    assert err == (
+        f"hpctrain sbatch: run folder {run} (run_dir=runs/demo under the jean-zay-a100 "
+        "profile's run_root; give this path to hpctrain status, eval, export)\n"
+    )
+    assert list(clone.iterdir()) == []
+
+
+def test_off_the_cluster_the_run_root_is_left_for_the_node(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("SCRATCH", raising=False)
+    code, script, err = sbatch_verb(capsys, "--profile", "jean-zay-a100", "slurm.account=a@a100")
+    assert code == 0 and 'RUN_DIR="$SCRATCH/hpctrain/runs/demo"' in script
+    assert "#SBATCH --output=%x-%j.out" in script  # #SBATCH cannot expand $SCRATCH
+    assert "run folder $SCRATCH/hpctrain/runs/demo (run_dir=runs/demo under" in err
+    assert "its variables are expanded on the node" in err and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("given", ["{tmp}/mine", "$SCRATCH/mine"])
+def test_an_absolute_or_variable_run_dir_is_kept(
+    given: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("SCRATCH", str(tmp_path / "scratch"))
+    run_dir = given.format(tmp=tmp_path)
+    code, script, err = sbatch_verb(
+        capsys, f"run_dir={run_dir}", "--profile", "jean-zay-a100", "slurm.account=a@a100"
+    )
+    assert code == 0 and f'RUN_DIR="{run_dir}"' in script
+    assert "run_root" not in err and f"run folder {run_dir}" in err
+
+
+def test_a_sweeps_run_folders_are_under_the_run_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))  # the generic profile's run_root: $HOME/hpctrain
+    code, script, err = sbatch_verb(capsys, "--profile", "generic", "--sweep", "seed=1,2")
+    runs = tmp_path / "hpctrain" / "runs" / "demo"
+    assert code == 0 and f'RUN_DIR="{runs}/seed-1"' in script and f'"{runs}/seed-2"' in script
+    assert f"run folders inside {runs}, one per sweep point" in err
+
+
+def test_a_profile_without_run_root_keeps_the_current_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hpctrain.launch.prepare import cluster_run_dir
+
+    monkeypatch.chdir(tmp_path)
+    profile = dataclasses.replace(load_profile("generic"), run_root="")
+    placed = cluster_run_dir(with_overrides(Config(), ["run_dir=runs/x"]), profile)
+    assert placed.run_dir == str(tmp_path / "runs" / "x")
+
+
+def test_an_empty_account_the_site_wants_is_a_warning_without_preflight(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = f"run_dir={tmp_path}"
+    code, script, err = sbatch_verb(capsys, run, "--profile", "jean-zay-h100")
+    assert code == 0 and "#SBATCH --account" not in script
+    assert err.splitlines()[0] == (
+        "hpctrain sbatch: warning: slurm.account is empty: the job goes to your default "
+        "project; with several projects, or both CPU and GPU hours, jean-zay-h100 needs "
+        "slurm.account=<project>@h100"
+    )
+    for args in ([run, "slurm.account=abc@h100", "--profile", "jean-zay-h100"],
+                 [run, "--profile", "generic"]):  # fmt: skip
+        assert "warning" not in sbatch_verb(capsys, *args)[2]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from hpctrain.cli.main import main
 from hpctrain.config import Config, with_overrides
 from hpctrain.launch import submit as submit_mod
 from hpctrain.launch.profiles import LaunchError, load_profile, resolve_job
+from hpctrain.launch.sbatch import environment_lines, render_sbatch
 from hpctrain.launch.submit import (
     executor_parameters,
     job_script,
@@ -48,7 +50,53 @@ def test_a_training_job_is_one_process_that_runs_the_job_scripts_loop() -> None:
     extra = params["slurm_additional_parameters"]
     assert (extra["nodes"], extra["ntasks_per_node"], extra["no_kill"]) == (2, 4, True)
     assert "slurm_srun_args" not in params
-    assert params["slurm_setup"] == list(v100_job().setup)  # the script exports the rest
+    assert params["slurm_setup"] == [*environment_lines(v100_job()), *v100_job().setup]
+
+
+def _exports(script: str) -> set[str]:
+    return {line for line in script.splitlines() if line.startswith("export ")}
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["training", "eval-predict"])
+def test_submitit_scripts_export_the_environment_of_the_sbatch_script(
+    training: bool, tmp_path: Path
+) -> None:
+    """One environment both ways (#43): every variable the `hpctrain sbatch` script exports
+    (offline switches, TORCH_HOME and HF_HOME under the profile's cache_root, srun's CPUs,
+    the allocator, the fabric) is exported by submitit's script too, before the site's setup."""
+    job = v100_job()
+    sbatch_script = render_sbatch(
+        job, config_path="/w/c.yaml", overrides=[], run_dir="/s/r", python="/venv/bin/python"
+    )
+    wanted = _exports(sbatch_script) - _exports("\n".join(job.setup))
+    assert any("TORCH_HOME=" in line and "HF_HOME=" in line for line in wanted)
+    assert 'HF_HOME="${HF_HOME:-$SCRATCH/hpctrain/cache/huggingface}"' in sbatch_script
+    submitit_script = submission_script(
+        job, tmp_path / "s", python="/v/bin/python", training=training
+    )
+    assert wanted <= _exports(submitit_script), sorted(wanted - _exports(submitit_script))
+    lines = submitit_script.splitlines()
+    assert lines.index(next(x for x in wanted if "TORCH_HOME" in x)) < lines.index(
+        "module load python/3.11.5"
+    )
+
+
+def test_the_submitit_jobs_environment_gives_the_caches_to_the_tasks(tmp_path: Path) -> None:
+    """The exports run in bash as submitit's setup would: a task sees TORCH_HOME and HF_HOME
+    under the cache root, and a value set where the user submits wins."""
+    job = dataclasses.replace(v100_job(), cache_root=str(tmp_path / "cache"), setup=())
+    setup = "\n".join(training_parameters(job)["slurm_setup"])
+    show = 'echo "$TORCH_HOME|$HF_HOME|$HF_HUB_OFFLINE"'
+    env = {"PATH": "/usr/bin:/bin", "SLURM_CPUS_PER_TASK": "4"}
+    out = subprocess.run(
+        ["bash", "-c", f"{setup}\n{show}"], env=env, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert out == f"{tmp_path}/cache/torch|{tmp_path}/cache/huggingface|1"
+    mine = {**env, "HF_HOME": "/mine/hf"}
+    out = subprocess.run(
+        ["bash", "-c", f"{setup}\n{show}"], env=mine, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert out == f"{tmp_path}/cache/torch|/mine/hf|1"
 
 
 def test_the_submitit_job_runs_the_sbatch_script_without_its_setup() -> None:
@@ -219,3 +267,112 @@ def test_a_user_error_in_a_task_is_one_line_and_its_exit_code(
     assert capsys.readouterr().err == (
         "hpctrain train [rank 1]: data error: /d/index.json: index not found\n"
     )
+
+
+# -- where a submitted run lives, and submitting from the wrong machine (#43) -------------
+
+
+class _FakeExecutor:
+    """submitit's executor without a cluster: records the folder, returns job 42."""
+
+    folders: list[Path] = []
+
+    def __init__(self, job: object, folder: Path, **options: object) -> None:
+        self.folders.append(folder)
+
+    def submit(self, fn: object) -> object:
+        folder = self.folders[-1]
+        paths = type(
+            "Paths", (), {"stdout": folder / "42_0_log.out", "stderr": folder / "42_0_log.err"}
+        )
+        return type("Job", (), {"job_id": "42", "paths": paths})()
+
+
+def test_a_submitted_relative_run_dir_lives_under_run_root_and_status_finds_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    scratch, clone = tmp_path / "scratch", tmp_path / "clone"
+    clone.mkdir()
+    monkeypatch.chdir(clone)
+    monkeypatch.setenv("SCRATCH", str(scratch))
+    monkeypatch.setattr(submit_mod, "make_executor", _FakeExecutor)
+    monkeypatch.setattr("hpctrain.launch.status.query_state", lambda job_id: ("RUNNING", "", 0))
+    args = ["submit", DEMO, "slurm.account=abc@h100", "--profile", "jean-zay-h100"]
+    assert main([*args, "--no-preflight"]) == 0
+    run = scratch / "hpctrain" / "runs" / "demo"
+    captured = capsys.readouterr()
+    assert f"  run folder: {run}\n" in captured.out
+    assert f"  status:     hpctrain status {run}\n" in captured.out
+    assert f"hpctrain submit: run folder {run} (run_dir=runs/demo under" in captured.err
+    assert _FakeExecutor.folders[-1] == run / "slurm" / "submitit"
+    assert (run / "slurm" / "job.json").is_file() and list(clone.iterdir()) == []
+    assert main(["status", str(run)]) == 0 and "42" in capsys.readouterr().out
+    # an evaluation of the same config finds the same run folder
+    assert main([*args, "--eval", "--dry-run", "--no-preflight"]) == 0
+    assert f"hpctrain submit: run folder {run} (" in capsys.readouterr().err
+
+
+def test_submit_refuses_a_run_root_whose_variable_is_unset_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """submitit writes the run's files from this machine: `$SCRATCH` must be known here (the
+    dry run keeps it, to read the script off the cluster)."""
+    submitted = _no_submission(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("SCRATCH", raising=False)
+    args = [
+        "submit",
+        DEMO,
+        "slurm.account=abc@h100",
+        "--profile",
+        "jean-zay-h100",
+        "--no-preflight",
+    ]
+    assert main(args) == 6 and submitted == []
+    err = capsys.readouterr().err
+    assert err == (
+        "hpctrain submit: launch error: run_dir=$SCRATCH/hpctrain/runs/demo: $SCRATCH is not "
+        "set here, and submitit writes the run's files from this machine; submit from the "
+        "cluster's login node, or give an absolute path\n"
+    )
+    assert main([*args, "--dry-run"]) == 0 and list(tmp_path.iterdir()) == []
+
+
+def test_submit_without_sbatch_says_where_to_submit_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    submitted: list[str] = []
+    monkeypatch.setattr(submit_mod, "make_executor", lambda *a, **k: submitted.append("x"))
+    monkeypatch.setenv("PATH", str(tmp_path))  # no SLURM commands
+    code = main(["submit", DEMO, f"run_dir={tmp_path / 'run'}", "--profile", "local-dev",
+                 "--no-preflight"])  # fmt: skip
+    assert code == 6 and submitted == []
+    assert capsys.readouterr().err == (
+        "hpctrain submit: launch error: sbatch: not found here: submit from a login node of "
+        "local-dev (off the cluster, --dry-run --no-preflight prints the script)\n"
+    )
+
+
+def test_submit_eval_of_a_run_name_finds_the_run_under_run_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`submit runs/demo --eval` from the clone: the training's folder is under the profile's
+    run_root, not here; what is here wins; neither: the name is refused as before."""
+    scratch, clone = tmp_path / "scratch", tmp_path / "clone"
+    run = scratch / "hpctrain" / "runs" / "demo"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(Path(DEMO).read_text())
+    clone.mkdir()
+    monkeypatch.chdir(clone)
+    monkeypatch.setenv("SCRATCH", str(scratch))
+    args = ["submit", "runs/demo", "--eval", "--dry-run", "--no-preflight"]
+    args += ["--profile", "jean-zay-h100", "slurm.account=abc@h100"]
+    assert main(args) == 0
+    assert f"hpctrain submit: run folder {run} (run_dir=runs/demo under" in capsys.readouterr().err
+    here = clone / "runs" / "demo"
+    here.mkdir(parents=True)
+    (here / "config.yaml").write_text(Path(DEMO).read_text())
+    assert main(args) == 0
+    assert f"hpctrain submit: run folder {here}\n" in capsys.readouterr().err
+    assert main([*args[:1], "runs/other", *args[2:]]) == 2
+    assert "runs/other: no such file or folder" in capsys.readouterr().err

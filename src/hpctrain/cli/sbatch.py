@@ -6,8 +6,13 @@ import argparse
 import sys
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from hpctrain.cli.options import add_output_option
 from hpctrain.errors import UsageError
+
+if TYPE_CHECKING:
+    from hpctrain.launch.prepare import Prepared
 
 HELP = "print an sbatch script (one task per GPU, requeue on preemption) for a config"
 EPILOG = """examples:
@@ -54,6 +59,17 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def print_job_notes(verb: str, prep: Prepared, num_points: int = 1) -> None:
+    """On stderr: where the run will live, and a warning for an empty account the site wants."""
+    from hpctrain.launch.prepare import describe_run_dir
+    from hpctrain.launch.profiles import account_warning
+
+    warning = account_warning(prep.job, prep.profile)
+    if warning:
+        print(f"hpctrain {verb}: warning: {warning}", file=sys.stderr)
+    print(f"hpctrain {verb}: {describe_run_dir(prep, num_points)}", file=sys.stderr)
+
+
 def check_max_parallel(max_parallel: int, num_points: int) -> None:
     """--max-parallel needs a sweep (a job array) and a positive N."""
     if max_parallel < 0:
@@ -90,7 +106,11 @@ def run(args: argparse.Namespace) -> int:
     check_path(prep.cfg.run_dir, "run_dir")
     check_path(prep.cfg.slurm.folder, "slurm.folder")
     if not args.no_preflight:
-        raise_if_failed(preflight(prep.cfg, prep.profile), "nothing written")
+        raise_if_failed(
+            preflight(prep.cfg, prep.profile),
+            "nothing written",
+            off_cluster="off the cluster, --no-preflight renders the script anyway",
+        )
     log_dir = ""
     if "$" not in (prep.cfg.slurm.folder or prep.cfg.run_dir):
         log_dir = str(log_folder(prep.cfg))
@@ -122,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
             Path(args.output).write_text(script)
         except OSError as exc:
             raise UsageError(f"-o {args.output}: cannot write: {exc.strerror or exc}") from None
+    print_job_notes("sbatch", prep, len(combos))
+    if args.output:
         print(
             f"hpctrain sbatch: wrote {args.output}; submit with: sbatch {args.output}",
             file=sys.stderr,

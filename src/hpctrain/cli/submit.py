@@ -7,7 +7,12 @@ import sys
 
 from hpctrain.cli.eval import add_harness_arguments, answer_fields
 from hpctrain.cli.options import add_checkpoint_option, add_output_option
-from hpctrain.cli.sbatch import add_profile_arguments, add_sweep_arguments, check_max_parallel
+from hpctrain.cli.sbatch import (
+    add_profile_arguments,
+    add_sweep_arguments,
+    check_max_parallel,
+    print_job_notes,
+)
 from hpctrain.errors import UsageError
 
 HELP = "submit a training job to SLURM with submitit (requeued on time limit or preemption)"
@@ -54,10 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_inference(args: argparse.Namespace) -> int:
     """`submit --eval/--predict`: one job whose tasks are the ranks of `hpctrain eval/predict`."""
-    from hpctrain.inference.target import resolve_target
     from hpctrain.launch.preflight import preflight, raise_if_failed
-    from hpctrain.launch.prepare import Prepared, absolute_run_dir, slurm_folder
-    from hpctrain.launch.profiles import load_profile, resolve_job
+    from hpctrain.launch.prepare import for_submitit, prepare_target, slurm_folder
     from hpctrain.launch.submit import InferenceSpec, submission_script, submit_inference
 
     if args.eval and args.predict:
@@ -70,11 +73,9 @@ def run_inference(args: argparse.Namespace) -> int:
         from hpctrain.inference.inputs import refuse_image_folder
 
         refuse_image_folder(args.data, "each task of the job would convert it")
-    extra = [f"slurm.profile={args.profile}"] if args.profile else []
-    cfg, named = resolve_target(args.config, [*args.overrides, *extra])
-    cfg = absolute_run_dir(cfg)
-    profile = load_profile(cfg.slurm.profile)
-    prep = Prepared(cfg=cfg, profile=profile, job=resolve_job(cfg, profile))
+    prep, named = prepare_target(args.config, args.overrides, args.profile)
+    prep = for_submitit(prep, strict=not args.dry_run)
+    cfg = prep.cfg
     if args.harness and not args.eval:
         raise UsageError("--harness goes with --eval")
     if args.eval and args.data:
@@ -95,17 +96,28 @@ def run_inference(args: argparse.Namespace) -> int:
         after=training_job(cfg.run_dir) if args.eval else "",
     )
     if not args.no_preflight:
-        raise_if_failed(preflight(prep.cfg, prep.profile), "nothing submitted")
+        raise_if_failed(
+            preflight(prep.cfg, prep.profile), "nothing submitted", off_cluster=off_cluster(args)
+        )
     if args.dry_run:
+        print_job_notes("submit", prep)
         sys.stdout.write(submission_script(prep.job, slurm_folder(prep.cfg) / "submitit"))
         return 0
     sub = submit_inference(prep.cfg, prep.job, spec)
+    print_job_notes("submit", prep)
     print(f"job {sub.job_id} ({spec.verb})")
     if spec.after:
         print(f"  after:      training job {spec.after} (starts once it has ended well)")
     print(f"  log:        {sub.stderr}")
     print(f"  stdout:     {sub.stdout}")
     return 0
+
+
+def off_cluster(args: argparse.Namespace) -> str:
+    """What to do when preflight finds this is not a login node of the job's cluster."""
+    if args.dry_run:
+        return "off the cluster, --no-preflight prints the script anyway"
+    return "submit from a login node; off the cluster, --dry-run --no-preflight prints the script"
 
 
 def training_job(run_dir: str) -> str:
@@ -127,11 +139,11 @@ def run(args: argparse.Namespace) -> int:
         return run_inference(args)
     # here, not at the top: `hpctrain --help` should not import submitit (hpctrain.cli.main)
     from hpctrain.launch.preflight import format_checks, preflight, raise_if_failed
-    from hpctrain.launch.prepare import prepare, slurm_folder
+    from hpctrain.launch.prepare import for_submitit, prepare, slurm_folder
     from hpctrain.launch.submit import check_submission, parse_sweep, submission_script, submit
 
     # ConfigError (2) and LaunchError (6, with preflight failures) reach `hpctrain.cli.main`
-    prep = prepare(args.config, args.overrides, args.profile)
+    prep = for_submitit(prepare(args.config, args.overrides, args.profile), strict=not args.dry_run)
     combos = parse_sweep(args.sweep)
     check_max_parallel(args.max_parallel, len(combos))
     check_submission(prep.cfg, prep.job)
@@ -139,8 +151,9 @@ def run(args: argparse.Namespace) -> int:
         checks = preflight(prep.cfg, prep.profile)
         if args.dry_run:
             print(format_checks(checks), file=sys.stderr)
-        raise_if_failed(checks, "nothing submitted")
+        raise_if_failed(checks, "nothing submitted", off_cluster=off_cluster(args))
     if args.dry_run:
+        print_job_notes("submit", prep, len(combos))
         folder = slurm_folder(prep.cfg) / "submitit"
         script = submission_script(
             prep.job, folder, num_tasks=len(combos), max_parallel=args.max_parallel, training=True
@@ -153,4 +166,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"  log:        {sub.stderr}")
         print(f"  stdout:     {sub.stdout}")
         print(f"  status:     hpctrain status {sub.run_dir}")
+    print_job_notes("submit", prep, len(combos))
     return 0

@@ -31,15 +31,13 @@ from hpctrain.convert.parts import (
     stages_of,
 )
 from hpctrain.launch.profiles import JobSpec, LaunchError, load_profile, resolve_job
+from hpctrain.launch.sbatch import environment_lines
 from hpctrain.launch.script_values import (
     check_argument,
     check_path,
     check_setup_line,
     check_token,
 )
-
-# Compute nodes have no internet: nothing may try to download (tokenizers, datasets).
-OFFLINE = "export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1"
 
 
 @dataclass(frozen=True)
@@ -108,7 +106,8 @@ def _body(aj: ArrayJob, words: Sequence[str], tail: str = "") -> list[str]:
     """The script's commands: `hpctrain convert WORDS` (each checked and quoted) + `tail`."""
     for i, word in enumerate(words):
         check_argument(word, f"argument {i}")
-    lines = ["", "set -euo pipefail", OFFLINE]
+    # offline, and the profile's caches: the training job's environment (launch/sbatch.py)
+    lines = ["", "set -euo pipefail", *environment_lines(aj.job, tasks=False)]
     for i, line in enumerate(aj.job.setup):
         lines.append(check_setup_line(line, f"setup[{i}]"))
     python = check_path(aj.python, "python")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib.util
 import ipaddress
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -20,13 +22,20 @@ from hpctrain.errors import DataError
 from hpctrain.launch.checks import Check
 from hpctrain.launch.cluster_limits import check_live_limits
 from hpctrain.launch.environment import check_job_environment
-from hpctrain.launch.profiles import ClusterProfile, JobSpec, LaunchError, resolve_job
+from hpctrain.launch.profiles import (
+    ClusterProfile,
+    JobSpec,
+    LaunchError,
+    account_warning,
+    resolve_job,
+)
 from hpctrain.launch.script_values import check_no_credential
 
 if TYPE_CHECKING:  # torch: imported by the checks that need it, not by `hpctrain --help`
     from hpctrain.parallel.precision import DeviceFacts, TrainingPlan
 
 SAMPLE_SHARDS = 3
+LOGIN_NODE = "login node"  # the check that tells a login node of the job's cluster from elsewhere
 
 
 def _is_local_host(host: str) -> bool:
@@ -45,13 +54,9 @@ def check_profile(cfg: Config, profile: ClusterProfile) -> Check:
     except LaunchError as exc:
         return Check("profile", False, str(exc))
     summary = f"{profile.name}: {job.nodes} node(s) x {job.tasks_per_node} task(s), {job.time}, qos {job.qos or '-'}"
-    if profile.account_suffix and not job.account:
-        return Check(
-            "profile",
-            True,
-            f"{summary}; slurm.account is empty (expected <project>{profile.account_suffix} when you have several projects)",
-            warning=True,
-        )
+    warning = account_warning(job, profile)
+    if warning:
+        return Check("profile", True, f"{summary}; {warning}", warning=True)
     return Check("profile", True, summary)
 
 
@@ -369,6 +374,46 @@ def check_python() -> Check:
     return Check("python", True, f"{sys.executable}{note}", warning=not in_venv)
 
 
+def calls_module(setup: tuple[str, ...]) -> bool:
+    """Whether setup lines call environment modules (`module load ...`, Lmod's `ml`)."""
+    return any(line.split()[:1] in (["module"], ["ml"]) for line in setup)
+
+
+def has_module_command() -> bool:
+    """Whether a fresh login shell here has `module` (a shell function that the site's
+    profile scripts define, so not found on PATH), as the environment probe's shell would."""
+    try:
+        done = subprocess.run(
+            ["bash", "-lc", "type module"],
+            capture_output=True,
+            timeout=60,
+            stdin=subprocess.DEVNULL,
+        )
+    except subprocess.TimeoutExpired:
+        return True  # a slow login shell: let the environment probe tell
+    return done.returncode == 0
+
+
+def check_login_node(job: JobSpec) -> Check | None:
+    """Whether this machine is a login node of the job's cluster (None: nothing lacking).
+
+    Off the cluster (a laptop, CI) the profile's setup lines fail one by one with `module:
+    command not found` and nothing can be submitted: one check says so instead, failing when
+    the `module` command the setup lines call is missing (the job's environment cannot be
+    probed here), a warning when only `sbatch` is (the script can be rendered and read here).
+    """
+    no_module = calls_module(job.setup) and not has_module_command()
+    lacking = ["no `module` command (the profile's setup lines call it)"] if no_module else []
+    if shutil.which("sbatch") is None:
+        lacking.append("no `sbatch`")
+    if not lacking:
+        return None
+    here = f"this shell has {' and '.join(lacking)}: not a login node of {job.profile}"
+    if no_module:
+        return Check(LOGIN_NODE, False, f"{here}, so the job's environment was not checked")
+    return Check(LOGIN_NODE, True, f"{here}: a script can be rendered, not submitted", warning=True)
+
+
 def preflight(
     cfg: Config,
     profile: ClusterProfile,
@@ -411,7 +456,11 @@ def preflight(
         if model_check is not None:
             checks.append(model_check)
     if environment and job is not None:
-        checks += check_job_environment(job, python, compile=cfg.train.compile)
+        login = check_login_node(job)
+        if login is not None:
+            checks.append(login)
+        if login is None or login.ok:
+            checks += check_job_environment(job, python, compile=cfg.train.compile)
     return checks
 
 
@@ -427,13 +476,21 @@ def failed(checks: list[Check]) -> list[Check]:
     return [c for c in checks if not c.ok]
 
 
-def raise_if_failed(checks: list[Check], consequence: str = "") -> None:
+def raise_if_failed(checks: list[Check], consequence: str = "", *, off_cluster: str = "") -> None:
     """Raise one `LaunchError` line naming every failed check, if any failed.
+
+    A failed `login node` check comes first: off the cluster it explains the others (data
+    and folders that only the cluster has).
 
     Args:
         consequence: what did not happen because of it, e.g. "nothing submitted".
+        off_cluster: what to do instead when this is not a login node, said after that
+            check, e.g. "--no-preflight renders the script anyway".
     """
-    bad = failed(checks)
+    bad = sorted(failed(checks), key=lambda c: c.name != LOGIN_NODE)
     if bad:
-        details = "; ".join(f"{c.name}: {c.message}" for c in bad).replace("\n", " ")
+        parts = [f"{c.name}: {c.message}" for c in bad]
+        if off_cluster and bad[0].name == LOGIN_NODE:
+            parts[0] += f" ({off_cluster})"
+        details = "; ".join(parts).replace("\n", " ")
         raise LaunchError(f"preflight failed{', ' + consequence if consequence else ''}: {details}")

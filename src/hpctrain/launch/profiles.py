@@ -60,8 +60,8 @@ class ClusterProfile:
     default_time: str
     precisions: tuple[str, ...]
     setup: tuple[str, ...]
-    run_root: str
-    cache_root: str
+    run_root: str  # where a cluster job's relative run_dir starts (launch/prepare.py)
+    cache_root: str  # TORCH_HOME and HF_HOME of its jobs, unless set (launch/sbatch.py)
     gpu_arch: str = ""  # the CUDA architecture of its GPUs (sm_70, sm_80, sm_90); "": no GPU
     container_runtime: str = "apptainer"  # the command that runs slurm.container images
     # where each node keeps its copy of a compact index (hpctrain.data.node_index): /dev/shm,
@@ -333,6 +333,18 @@ def job_name_for(cfg: Config) -> str:
     """hpctrain-<run folder name>, with characters SLURM and shells take without quoting."""
     base = Path(cfg.run_dir.rstrip("/")).name or "run"
     return "hpctrain-" + re.sub(r"[^A-Za-z0-9_.-]", "_", base)[:64]
+
+
+def account_warning(job: JobSpec, profile: ClusterProfile) -> str:
+    """Why an empty `slurm.account` may be refused on `profile` ("" when it is set, or the
+    site has no account notation: `account_suffix`). Printed by `sbatch` and `submit` with or
+    without preflight: the queue, not this machine, would refuse the job."""
+    if job.account or not profile.account_suffix:
+        return ""
+    return (
+        f"slurm.account is empty: the job goes to your default project; with several projects, "
+        f"or both CPU and GPU hours, {profile.name} needs slurm.account=<project>{profile.account_suffix}"
+    )
 
 
 def check_job_size(profile: ClusterProfile, qos: str, nodes: int, gpus_per_node: int) -> None:

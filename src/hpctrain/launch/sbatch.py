@@ -157,8 +157,6 @@ def _check_inputs(
     check_path(config_path, "config path")
     check_path(run_dir, "run_dir")
     check_path(python, "python")
-    if job.cache_root:
-        check_path(job.cache_root, "cache_root")
     for i, arg in enumerate(overrides):
         check_argument(arg, f"override[{i}]")
     for i, line in enumerate(job.setup):
@@ -211,15 +209,33 @@ def _environment_lines(job: JobSpec, config_path: str, run_dir: str, python: str
         lines.append(f'CONTAINER="{job.container}"  # the trainer runs inside this image')
     else:
         lines.append(f'PYTHON="{python}"')
-    if job.cache_root:
-        lines.append(f'CACHE_DIR="{job.cache_root}"')
-    lines += [
-        "",
+    lines += ["", *environment_lines(job)]
+    if job.setup:
+        lines += ["", "# Environment", *job.setup]
+    return lines
+
+
+def environment_lines(job: JobSpec, *, tasks: bool = True) -> list[str]:
+    """The variables every job of `job` exports, before the site's setup lines.
+
+    The one source of the job's environment: the script `hpctrain sbatch` renders, both
+    scripts of a submitit job (its batch step's and the loop it runs) and an eval/predict
+    job's, and a conversion's job arrays (`tasks=False`: one process, no srun, no GPU:
+    only the offline switches and the caches).
+    """
+    lines = [
         "# Compute nodes have no internet: nothing may try to download.",
         "export " + " ".join(f"{k}={v}" for k, v in OFFLINE_ENV),
     ]
     if job.cache_root:
-        lines.append('export TORCH_HOME="$CACHE_DIR/torch" HF_HOME="$CACHE_DIR/huggingface"')
+        root = check_path(job.cache_root, "cache_root")
+        lines += [
+            "# torch hub and Hugging Face caches under the profile's cache_root, unless you set",
+            "# them where you submit (download there on the login node: docs/clusters.md).",
+            f'export TORCH_HOME="${{TORCH_HOME:-{root}/torch}}" HF_HOME="${{HF_HOME:-{root}/huggingface}}"',
+        ]
+    if not tasks:
+        return lines
     lines += [
         "# srun from SLURM 22.05 to 23.11 ignores the job's --cpus-per-task: without this a rank",
         "# and all its loader workers share one CPU. (Every srun below passes it too.)",
@@ -231,8 +247,6 @@ def _environment_lines(job: JobSpec, config_path: str, run_dir: str, python: str
         lines.append(
             f"export HPCTRAIN_FABRIC={job.fabric}  # NCCL must use it, not sockets (slurm.require_fabric)"
         )
-    if job.setup:
-        lines += ["", "# Environment", *job.setup]
     return lines
 
 
@@ -404,7 +418,7 @@ def render_profile_template(profile: ClusterProfile) -> str:
         job,
         config_path=f"{work}/hpctrain/configs/demo.yaml",
         overrides=[],
-        run_dir=f"{profile.run_root}/$SLURM_JOB_NAME",
+        run_dir=f"{profile.run_root}/runs/$SLURM_JOB_NAME",  # as runs/NAME would be placed
         python=f"{work}/hpctrain/.venv/bin/python",
         description=f"{profile.description}; generated from configs/clusters/{profile.name}.yaml",
     )

@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import traceback
@@ -41,8 +42,8 @@ from hpctrain.launch.profiles import JobSpec, LaunchError
 from hpctrain.launch.restart_policy import REQUEUE_EXIT_CODE
 from hpctrain.launch.sbatch import (
     END_TIME_LINES,
-    OFFLINE_ENV,
     SRUN_KILL_ON_BAD_EXIT,
+    environment_lines,
     render_sbatch,
     sbatch_options,
 )
@@ -163,11 +164,8 @@ def executor_parameters(job: JobSpec) -> dict[str, Any]:
         "cpus_per_task": job.cpus_per_task,
         "timeout_min": job.time_minutes,
         "slurm_signal_delay_s": job.signal_margin_s,
-        "slurm_setup": [
-            "export " + " ".join(f"{k}={v}" for k, v in OFFLINE_ENV),
-            *END_TIME_LINES,
-            *job.setup,
-        ],
+        # the environment of `hpctrain sbatch`'s script, from the same lines
+        "slurm_setup": [*environment_lines(job), *END_TIME_LINES, *job.setup],
         "slurm_additional_parameters": {"requeue": True},
         # srun from SLURM 22.05 to 23.11 ignores the job's --cpus-per-task (issue #38)
         "slurm_srun_args": [SRUN_KILL_ON_BAD_EXIT, f"--cpus-per-task={job.cpus_per_task}"],
@@ -195,15 +193,16 @@ def training_parameters(job: JobSpec) -> dict[str, Any]:
 
     submitit counts a job's results as nodes x tasks per node: it is told one of each, and
     the allocation's real shape goes to the #SBATCH lines through `additional_parameters`
-    (`compat_submitit.check_compatible` checks they still override). The job script sets
-    its own environment, so submitit's setup keeps only the site's lines (module loads).
+    (`compat_submitit.check_compatible` checks they still override). The batch step
+    exports the job's environment (`environment_lines`) and runs the site's lines (module
+    loads); the job script it runs exports the same variables again (the same values).
     """
     params = executor_parameters(job)
     params.update(
         nodes=1,
         tasks_per_node=1,
         slurm_use_srun=False,
-        slurm_setup=list(job.setup),
+        slurm_setup=[*environment_lines(job), *job.setup],
     )
     del params["slurm_srun_args"]
     params["slurm_additional_parameters"] = {
@@ -325,6 +324,19 @@ def log_folder(cfg: Config) -> Path:
     return folder if folder.is_dir() and cfg.slurm.folder else private_dir(folder)
 
 
+def require_sbatch(job: JobSpec) -> None:
+    """Refuse to submit from a machine without `sbatch` (submitit would fail deep inside).
+
+    Raises:
+        LaunchError: naming the profile and what works off the cluster.
+    """
+    if shutil.which("sbatch") is None:
+        raise LaunchError(
+            f"sbatch: not found here: submit from a login node of {job.profile} "
+            "(off the cluster, --dry-run --no-preflight prints the script)"
+        )
+
+
 def submit(
     cfg: Config, job: JobSpec, *, sweep: Sequence[str] = (), max_parallel: int = 0
 ) -> list[Submitted]:
@@ -343,6 +355,7 @@ def submit(
             run_cfg = with_overrides(cfg, [*combo, f"run_dir={sweep_run_dir(cfg.run_dir, combo)}"])
         check_submission(run_cfg, job)
         configs.append(run_cfg)
+    require_sbatch(job)
     folder = log_folder(cfg) / "submitit"
     if max_parallel:
         job = dataclasses.replace(job, max_parallel=max_parallel)
@@ -497,6 +510,7 @@ def submit_inference(cfg: Config, job: JobSpec, spec: InferenceSpec) -> Submitte
         ("--harness-include", spec.harness_include),
     ):
         check_no_credential(value, key)
+    require_sbatch(job)
     job = dataclasses.replace(job, job_name=f"{job.job_name}-{spec.verb}")
     if spec.harness:  # the harness runs in one process (one GPU)
         job = dataclasses.replace(
