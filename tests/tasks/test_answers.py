@@ -83,10 +83,11 @@ def test_documents_come_whole_with_their_masks(tmp_path: Path) -> None:
 
 
 class EchoModel(torch.nn.Module):
-    """Stands in for a GPT in the share arithmetic: always answers id 7."""
+    """Stands in for a GPT in the share arithmetic: always answers id `answer` (7)."""
 
-    def __init__(self) -> None:
+    def __init__(self, answer: int = 7, vocab: int = 9) -> None:
         super().__init__()
+        self.answer, self.vocab = answer, vocab
         self.weight = torch.nn.Parameter(torch.zeros(1))
         self.blocks = torch.nn.ModuleList([torch.nn.Module()])
         self.blocks[0].attention = torch.nn.Module()  # type: ignore[assignment]
@@ -94,13 +95,13 @@ class EchoModel(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: object) -> torch.Tensor:
         cache.advance()  # type: ignore[attr-defined]
-        logits = torch.zeros(*tokens.shape, 9)
-        logits[..., 7] = 1
+        logits = torch.zeros(*tokens.shape, self.vocab)
+        logits[..., self.answer] = 1
         return logits
 
 
 class Letters:
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], unknown: str | None = None) -> str:
         return "".join(chr(ord("a") + i) for i in ids)
 
 
@@ -123,3 +124,26 @@ def test_each_rank_answers_its_share_and_the_counts_add_up() -> None:
         for k in ("answers", "answers_exact", "answers_f1")
     }
     assert answer_metrics(total) == {"exact_match": 0.4, "token_f1": 0.4, "answers": 5.0}
+
+
+def test_an_id_past_the_tokenizers_vocabulary_scores_as_a_wrong_answer() -> None:
+    """A model's vocabulary may be padded past its tokenizer's (Qwen2: 151,936 rows for
+    151,665 tokens); a generated id there has no text. It used to end the run at its final
+    evaluation (`token ids must lie in [0, 257)`)."""
+    from hpctrain.data.tokenizer import UNKNOWN, load_tokenizer
+
+    tokenizer = load_tokenizer("bytes")  # ids 0-255 and EOD 256
+    example = Example("d", tuple(b"Q: "), tuple(b"A"), frozenset({EOD}))
+    (answer,) = answer_examples(
+        EchoModel(answer=300, vocab=320),
+        [example],
+        tokenizer,
+        max_new_tokens=2,
+        batch_size=1,
+        share=Share(0, 1),
+    )
+    assert answer.answer == UNKNOWN * 2 and answer.reference == "A"
+    assert not answer.exact_match and answer.token_f1 == 0.0
+    assert tokenizer.decode([65, 300, 66], unknown="?") == "A?B"
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 257\)"):
+        tokenizer.decode([65, 300])  # where ids come from data, still an error

@@ -54,6 +54,8 @@ EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>"
 # The kinds of tokenizer (`Tokenizer.kind`).
 JSON, SENTENCEPIECE, TIKTOKEN = "tokenizer.json", "sentencepiece", "tiktoken"
 TIKTOKEN_EOD = "<|endoftext|>"
+# The text of a generated id past the tokenizer's vocabulary (`Tokenizer.decode`).
+UNKNOWN = "\ufffd"
 # The pre-tokenizer split of cl100k_base (and of Llama 3's tiktoken file): a tiktoken file does
 # not say which pattern it was trained with, so one is fixed and documented.
 TIKTOKEN_PATTERN = (
@@ -128,15 +130,28 @@ class Tokenizer:
         ]
         return np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
 
-    def decode(self, ids: list[int] | np.ndarray) -> str:
+    def decode(self, ids: list[int] | np.ndarray, *, unknown: str | None = None) -> str:
         """The text of `ids`, special ids (EOD) left out; bytes that are not UTF-8 become U+FFFD.
 
+        Args:
+            unknown: the text of an id outside [0, vocab_size), for ids a model generated: a
+                model's vocabulary may be larger than its tokenizer's (embeddings padded to a
+                round number, as Qwen2's 151,936 rows for 151,665 tokens), and an id past the
+                tokenizer's has no text. None: such an id is an error.
+
         Raises:
-            ValueError: an id outside [0, vocab_size).
+            ValueError: an id outside [0, vocab_size) and `unknown` is None.
         """
         arr = np.asarray(ids, dtype=np.int64)
-        if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
-            raise ValueError(f"token ids must lie in [0, {self.vocab_size}) for {self.name}")
+        outside = (arr < 0) | (arr >= self.vocab_size)
+        if outside.any():
+            if unknown is None:
+                raise ValueError(f"token ids must lie in [0, {self.vocab_size}) for {self.name}")
+            texts, start = [], 0
+            for at in np.flatnonzero(outside).tolist():
+                texts += [self.decode(arr[start:at]), unknown]
+                start = at + 1
+            return "".join(texts) + self.decode(arr[start:])
         if self._backend is None:
             return arr[arr < 256].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
         return str(self._backend.decode([int(i) for i in arr]))

@@ -24,6 +24,7 @@ from hpctrain.config import ConfigError
 from hpctrain.data.locate import open_index
 from hpctrain.data.tokenizer import (
     BYTES,
+    UNKNOWN,
     Tokenizer,
     TokenizerError,
     check_tokenizer,
@@ -224,7 +225,7 @@ def generate_text(
         )
     if new and new[-1] == tokenizer.eod_id:
         new = new[:-1]
-    return prompt + tokenizer.decode(new)
+    return prompt + tokenizer.decode(new, unknown=UNKNOWN)
 
 
 def run_tokenizer(

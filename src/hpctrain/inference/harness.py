@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpctrain.config import Config
-from hpctrain.data.tokenizer import Tokenizer
+from hpctrain.data.tokenizer import UNKNOWN, Tokenizer
 from hpctrain.errors import UsageError
 from hpctrain.files import write_atomic
 from hpctrain.inference.generate import generation_precision, load_gpt, run_tokenizer
@@ -134,7 +134,7 @@ def harness_lm(
 
     def stop_text(until: list[str]) -> Any:
         """True once a row's text holds a stop text (the row stops; its text is cut there)."""
-        return lambda ids: any(stop in tokenizer.decode(ids) for stop in until)
+        return lambda ids: any(stop in tokenizer.decode(ids, unknown=UNKNOWN) for stop in until)
 
     class HpctrainLM(TemplateLM):  # type: ignore[misc]
         @property
@@ -219,7 +219,7 @@ def harness_lm(
                             stop_when=stop_text(until),
                         )
                     for n, ids in zip(chunk, continued, strict=True):
-                        text = tokenizer.decode([i for i in ids if i != eod])
+                        text = tokenizer.decode([i for i in ids if i != eod], unknown=UNKNOWN)
                         answers[n] = postprocess_generated_text(text, until, None)
             return answers
 

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from hpctrain.data.documents import Document
-from hpctrain.data.tokenizer import Tokenizer
+from hpctrain.data.tokenizer import UNKNOWN, Tokenizer
 from hpctrain.models.decoding import decode
 
 NORMALIZATIONS = ("whitespace", "case", "punctuation", "articles")
@@ -165,7 +165,7 @@ def score(
     example: Example, ids: Sequence[int], tokenizer: Tokenizer, options: Collection[str]
 ) -> Answer:
     """`example` answered with `ids`, its texts compared."""
-    answer = tokenizer.decode(list(ids))
+    answer = tokenizer.decode(list(ids), unknown=UNKNOWN)  # generated: may lie past it
     reference = tokenizer.decode(list(example.reference))
     ours, theirs = normalize(answer, options), normalize(reference, options)
     return Answer(
