@@ -170,13 +170,13 @@ if [[ "$SMOKE" -eq 1 ]]; then
 fi
 
 # Issue #39, what only a GPU shows: the health probe's GPU count (CUDA's driver API through
-# ctypes, launch/probe.py) against torch's, and NCCL's init log as the fabric check reads it
+# ctypes, resilience/probe.py) against torch's, and NCCL's init log as the fabric check reads it
 # (distributed/fabric.py: its "Using network X" line; one rank is enough to print it).
 "$PYTHON" - <<'PY' || SMOKE_RC=$?
 import os, pathlib, tempfile
 import torch, torch.distributed as dist
 from hpctrain.distributed.fabric import nccl_log_env, network_in_log
-from hpctrain.launch.probe import visible_gpus
+from hpctrain.resilience.probe import visible_gpus
 seen, torch_count = visible_gpus(), torch.cuda.device_count()
 print(f"check probe-gpus: {'ok' if seen == torch_count else 'FAILED'} (probe {seen}, torch {torch_count})")
 folder = pathlib.Path(tempfile.mkdtemp(prefix="hpctrain-nccl-"))
@@ -200,7 +200,7 @@ echo "report: $WORK/report.json"
 # (steps only queue GPU work: their time arrives with the syncs of the logged steps).
 step "check goodput" "$PYTHON" - "$WORK/run" <<'PY'
 import sys
-from hpctrain.launch.goodput_report import describe, run_goodput
+from hpctrain.resilience.goodput_report import describe, run_goodput
 goodput = run_goodput(sys.argv[1])
 print("\n".join(describe(goodput)))
 parts, total = goodput.part_hours(), goodput.allocated_hours

@@ -43,10 +43,12 @@ FLOORS: dict[str, int] = {
     "convert": 6,
     "train": 7,  # the loop
     "inference": 8,  # using a trained checkpoint
-    "launch": 9,  # local, sbatch, submitit, preflight, status
-    "bench": 10,
-    "cli": 11,
-    "__main__": 12,  # python -m hpctrain
+    # inside the allocation: attempts, restart policy, probe, rank watcher, goodput (no torch)
+    "resilience": 9,
+    "launch": 10,  # the login node's side: local, sbatch, submitit, preflight, status
+    "bench": 11,
+    "cli": 12,
+    "__main__": 13,  # python -m hpctrain
 }
 
 

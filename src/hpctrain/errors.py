@@ -76,6 +76,10 @@ class LaunchFailure(HpctrainError):
     label = "launch error"
 
 
+class LaunchError(LaunchFailure, ValueError):
+    """A job that cannot be submitted as configured; the message is one line."""
+
+
 class DistributedError(HpctrainError):
     """A collective failed because of another rank or the network: a peer that died or hung,
     a connection reset, a timed-out collective. Not this rank's own fault: the job script

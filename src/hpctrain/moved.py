@@ -21,7 +21,7 @@ import importlib.machinery
 import importlib.util
 import sys
 import warnings
-from types import ModuleType
+from types import CodeType, ModuleType
 
 # old dotted path (or package prefix) -> new one; a package maps its submodules too
 MOVED = {
@@ -42,6 +42,15 @@ MOVED = {
     "hpctrain.train.gpu_stats": "hpctrain.observe.gpu_stats",
     "hpctrain.train.plot": "hpctrain.observe.plot",
     "hpctrain.dist": "hpctrain.distributed",
+    # what runs inside the allocation left launch/ (#50); rendered job scripts already in a
+    # queue run `python -m hpctrain.launch.attempts|probe|watch` (get_code below)
+    "hpctrain.launch.attempts": "hpctrain.resilience.attempts",
+    "hpctrain.launch.restart_policy": "hpctrain.resilience.restart_policy",
+    "hpctrain.launch.probe": "hpctrain.resilience.probe",
+    "hpctrain.launch.watch": "hpctrain.resilience.watch",
+    "hpctrain.launch.goodput": "hpctrain.resilience.goodput",
+    "hpctrain.launch.goodput_report": "hpctrain.resilience.goodput_report",
+    "hpctrain.launch.failure_rate": "hpctrain.resilience.failure_rate",
 }
 REMOVED_IN = "0.3"
 
@@ -87,6 +96,28 @@ class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         """The module at the new path is already executed."""
+
+    def get_code(self, fullname: str) -> CodeType | None:
+        """The new module's code, for `python -m OLD` (runpy runs it as `__main__`)."""
+        new = new_name(fullname)
+        spec = importlib.util.find_spec(new) if new else None
+        loader = spec.loader if spec else None
+        if new is None or not isinstance(loader, importlib.abc.InspectLoader):
+            return None
+        if fullname not in _warned:
+            _warned.add(fullname)
+            warnings.warn(
+                f"python -m {fullname}: the module moved to {new}; the old path is removed in "
+                f"hpctrain {REMOVED_IN}: run python -m {new}",
+                MovedModuleWarning,
+                stacklevel=2,
+            )
+        return loader.get_code(new)
+
+    def is_package(self, fullname: str) -> bool:
+        new = new_name(fullname)
+        spec = importlib.util.find_spec(new) if new else None
+        return bool(spec and spec.submodule_search_locations is not None)
 
 
 def install() -> None:

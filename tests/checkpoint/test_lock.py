@@ -151,7 +151,7 @@ def test_s3_lease_refuses_a_second_run_and_expires():
 
 
 def test_an_earlier_attempt_of_the_same_job_run_is_taken_over():
-    """A restart inside the allocation (launch/attempts.py): srun ended every task of attempt 1
+    """A restart inside the allocation (resilience/attempts.py): srun ended every task of attempt 1
     before attempt 2 began, wherever its rank 0 held the lock (another node, a live lease)."""
     env = {"SLURM_JOB_ID": "123", "SLURM_RESTART_COUNT": "1", "HPCTRAIN_ATTEMPT": "2"}
     me = {**holder_record(env), "host": "n2"}

@@ -72,7 +72,7 @@ def test_container_script_matches_golden() -> None:
     )
     assert python.endswith('"$CONTAINER" python3)')
     sruns = [line.strip() for line in script.splitlines() if line.strip().startswith("srun ")]
-    assert sruns and all('"${PYTHON[@]}" -m hpctrain.launch.' in line for line in sruns)
+    assert sruns and all('"${PYTHON[@]}" -m hpctrain.resilience.' in line for line in sruns)
     assert 'PYTHON="' not in script  # the host interpreter plays no part
 
 

@@ -95,15 +95,15 @@ def test_every_srun_gets_the_cpus_of_its_tasks() -> None:
         and '--cpus-per-task="$SLURM_CPUS_PER_TASK"' in train
     )
     assert train.endswith(
-        '"$PYTHON" -m hpctrain.launch.watch "$ATTEMPT_DIR" -- train "${TRAIN_ARGS[@]}" "${RESUME[@]}"'
+        '"$PYTHON" -m hpctrain.resilience.watch "$ATTEMPT_DIR" -- train "${TRAIN_ARGS[@]}" "${RESUME[@]}"'
     )
 
 
 def test_spare_nodes_are_asked_for_and_the_probe_can_be_switched_off() -> None:
     script = render(a100_job("slurm.spare_nodes=1"))
     assert "#SBATCH --nodes=3  " in script and "# 2 to train on + 1 spare" in script
-    assert "hpctrain.launch.probe" in script
-    assert "hpctrain.launch.probe" not in render(a100_job("slurm.probe=false"))
+    assert "hpctrain.resilience.probe" in script
+    assert "hpctrain.resilience.probe" not in render(a100_job("slurm.probe=false"))
     assert "HPCTRAIN_FABRIC" not in render(
         resolve_job(with_overrides(Config(), ["slurm.profile=generic"]), load_profile("generic"))
     )

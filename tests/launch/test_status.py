@@ -119,8 +119,8 @@ def test_last_error_line_prefers_the_newest_log(tmp_path: Path) -> None:
 def test_status_lists_the_attempts_and_says_why_the_run_stopped(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from hpctrain.launch.attempts import append_record
-    from hpctrain.launch.restart_policy import AttemptRecord
+    from hpctrain.resilience.attempts import append_record
+    from hpctrain.resilience.restart_policy import AttemptRecord
 
     (tmp_path / "slurm").mkdir()
     (tmp_path / "slurm" / "job_id").write_text("3\n")

@@ -106,7 +106,9 @@ def test_the_submitit_job_runs_the_sbatch_script_without_its_setup() -> None:
     )  # fmt: skip
     assert "module load" not in script  # submitit ran the site's setup before the process
     assert 'CONFIG="/scratch/r/slurm/c.yaml"' in script and 'RUN_DIR="/scratch/r"' in script
-    assert "-m hpctrain.launch.attempts" in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
+    assert (
+        "-m hpctrain.resilience.attempts" in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
+    )
 
 
 def test_dry_run_script_is_submitits(tmp_path: Path) -> None:

@@ -3,7 +3,7 @@
 With `auto` the interval is Young's first-order optimum, sqrt(2 x C x M), for a blocking save
 cost C (seconds, measured at every save) and the job's mean time between failures M (the
 cluster profile's prior for one node, or the run's own failures: `FailureRate`, worked out by
-`hpctrain.launch.failure_rate` before training starts, divided by the nodes the job trains on).
+`hpctrain.resilience.failure_rate` before training starts, divided by the nodes the job trains on).
 Daly's higher-order estimate adds that when C >= M/2 the best interval is M itself.
 
 - J. W. Young, "A first order approximation to the optimum checkpoint interval", CACM 17(9),

@@ -14,8 +14,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpctrain.launch.goodput_report import write_goodput_plot
     from hpctrain.observe.plot import plot_run
+    from hpctrain.resilience.goodput_report import write_goodput_plot
 
     paths = plot_run(Path(args.run_dir))  # UsageError: no metrics there
     goodput = write_goodput_plot(args.run_dir)  # where the allocation's hours went

@@ -40,9 +40,9 @@ def run(args: argparse.Namespace) -> int:
     damaged job record a launch error (6). With `--json` those are a JSON object too (stdout:
     what is known, `error` and `exit_code`; the usual line on stderr), with the same code.
     """
-    from hpctrain.launch.goodput_report import describe, run_goodput
     from hpctrain.launch.profiles import LaunchError
     from hpctrain.launch.status import run_status
+    from hpctrain.resilience.goodput_report import describe, run_goodput
 
     status = None
     try:
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_goodput(args: argparse.Namespace) -> int:
-    from hpctrain.launch.goodput_report import describe, run_goodput
+    from hpctrain.resilience.goodput_report import describe, run_goodput
 
     goodput = run_goodput(args.run_dir)
     if not goodput.rows:

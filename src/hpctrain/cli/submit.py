@@ -125,7 +125,8 @@ def training_job(run_dir: str) -> str:
     an evaluation submitted meanwhile waits for it (`--dependency=afterok`)."""
     from pathlib import Path
 
-    from hpctrain.launch.status import query_state, read_job_record
+    from hpctrain.launch.status import query_state
+    from hpctrain.resilience.job_records import read_job_record
 
     job_id = read_job_record(Path(run_dir)).get("job_id", "")
     if not job_id:

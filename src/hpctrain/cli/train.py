@@ -8,8 +8,8 @@ import os
 from hpctrain.cli.options import add_checkpoint_option
 from hpctrain.config import load_config, with_overrides
 from hpctrain.errors import UsageError
-from hpctrain.launch.failure_rate import run_failure_rate
 from hpctrain.launch.local import LAUNCHER_PID_ENV, exit_with_launcher, run_local
+from hpctrain.launch.profiles import run_failure_rate
 
 HELP = "train a model from a config (one process, N local processes, or as a SLURM task)"
 EPILOG = """examples:

@@ -1,7 +1,7 @@
 """Distributed environment: who am I in the job, and the process group.
 
 `env` (world discovery, hostlists) is stdlib only and imported at once; the torch parts
-(`group`, `startup`) load on first use, so the job script's steps (`hpctrain.launch.attempts`,
+(`group`, `startup`) load on first use, so the job script's steps (`hpctrain.resilience.attempts`,
 the health probe) expand a hostlist without paying torch's import.
 """
 

@@ -17,19 +17,16 @@ from typing import Any
 
 import yaml
 
-from hpctrain.checkpoint.interval import DEFAULT_NODE_MTBF_HOURS
+from hpctrain.checkpoint.interval import DEFAULT_FAILURE_RATE, DEFAULT_NODE_MTBF_HOURS, FailureRate
 from hpctrain.config import Config
 from hpctrain.config.load import load_yaml
-from hpctrain.errors import LaunchFailure
+from hpctrain.errors import LaunchError  # defined there since resilience/ raises it too
 from hpctrain.launch.container import container_binds
+from hpctrain.resilience import failure_rate
 
 PROFILES_ENV = "HPCTRAIN_CLUSTERS_DIR"
 CONTAINER_RUNTIMES = ("apptainer", "singularity")
 FABRICS = ("", "infiniband", "ethernet")  # distributed/fabric.py checks NCCL uses it
-
-
-class LaunchError(LaunchFailure, ValueError):
-    """A job that cannot be submitted as configured; the message is one line."""
 
 
 @dataclass(frozen=True)
@@ -73,7 +70,7 @@ class ClusterProfile:
     qos_max_nodes: dict[str, int] = field(default_factory=dict)
     fabric: str = ""  # the nodes' interconnect NCCL should use (infiniband); "": unchecked
     # One node's mean time between failures, hours: the prior of checkpoint.every_minutes=auto
-    # (hpctrain.launch.failure_rate); a job on N nodes fails N times as often.
+    # (hpctrain.resilience.failure_rate); a job on N nodes fails N times as often.
     mtbf_node_hours: float = DEFAULT_NODE_MTBF_HOURS
     # The newest CUDA the nodes' NVIDIA driver runs (nvidia-smi's "CUDA Version", e.g. 12.4),
     # as the site documents it; "": unknown. A torch built for a newer CUDA major cannot start.
@@ -106,7 +103,7 @@ class JobSpec:
     container_binds: tuple[str, ...] = field(default_factory=tuple)  # SRC or SRC:DEST
     max_parallel: int = 0  # a job array runs at most this many tasks at once; 0: no limit
     spare_nodes: int = 0  # asked for beyond `nodes`: standbys for a node that goes bad
-    probe: bool = True  # the health probe before each attempt (launch/probe.py)
+    probe: bool = True  # the health probe before each attempt (resilience/probe.py)
     fabric: str = ""  # the profile's interconnect, exported to the tasks (HPCTRAIN_FABRIC)
     driver_cuda: str = ""  # the profile's documented driver CUDA version; "": unknown
 
@@ -448,4 +445,20 @@ def resolve_job(cfg: Config, profile: ClusterProfile) -> JobSpec:
         probe=s.probe,
         fabric=profile.fabric,
         driver_cuda=profile.driver_cuda,
+    )
+
+
+def run_failure_rate(cfg: Config) -> FailureRate:
+    """The node failure rate for this run (the built-in default unless
+    `checkpoint.every_minutes` is auto, which alone reads it): the profile's prior and the
+    run's own attempts (`resilience/failure_rate.py`).
+
+    Raises:
+        LaunchError: `slurm.profile` names no readable profile.
+    """
+    if cfg.checkpoint.every_minutes != "auto":
+        return DEFAULT_FAILURE_RATE
+    profile = load_profile(cfg.slurm.profile)
+    return failure_rate.run_failure_rate(
+        Path(cfg.run_dir), profile.mtbf_node_hours, f"profile {profile.name}"
     )

@@ -1,11 +1,11 @@
 """Render a readable sbatch script for a training run (a pure function of its inputs).
 
 The script trains in *attempts* inside its allocation (docs/clusters.md, "When a rank dies or
-a node goes bad"): before each, a health probe on every node (`launch/probe.py`) and the
+a node goes bad"): before each, a health probe on every node (`resilience/probe.py`) and the
 choice of nodes; then one task per GPU under `srun`, each `hpctrain train` under a watcher
-that records how it ended (`launch/watch.py`); after it, `python -m hpctrain.launch.attempts
+that records how it ended (`resilience/watch.py`); after it, `python -m hpctrain.resilience.attempts
 end` decides: done, restart here from the newest committed checkpoint, requeue (with the bad
-node excluded), or stop (`launch/restart_policy.py`). SLURM sends USR2 `signal_margin_s`
+node excluded), or stop (`resilience/restart_policy.py`). SLURM sends USR2 `signal_margin_s`
 before the time limit (to job steps, i.e. the trainers; USR1 clashes with NCCL); the trainers
 checkpoint together and exit with `REQUEUE_EXIT_CODE`, and the script then requeues its own
 job with `scontrol requeue`, so requeueing works with plain `sbatch` and without submitit.
@@ -326,18 +326,18 @@ def attempt_loop_lines(job: JobSpec) -> list[str]:
     probe = [
         "    # The health probe, one task per node, 3 minutes at most; a node that fails (or never",
         "    # answers) is set aside, its line says why.",
-        f'    [ "$NUM_PROBE_NODES" -gt 0 ] && srun --nodelist="$PROBE_NODES" --nodes="$NUM_PROBE_NODES" --ntasks="$NUM_PROBE_NODES" --ntasks-per-node=1 --cpus-per-task=1 --time=3 ${{SLURM_GPUS_ON_NODE:+--gres=gpu:$SLURM_GPUS_ON_NODE}} {py} -m hpctrain.launch.probe "$ATTEMPT_DIR" --gpus "${{SLURM_GPUS_ON_NODE:-0}}" "${{TRAIN_ARGS[@]}}"',
+        f'    [ "$NUM_PROBE_NODES" -gt 0 ] && srun --nodelist="$PROBE_NODES" --nodes="$NUM_PROBE_NODES" --ntasks="$NUM_PROBE_NODES" --ntasks-per-node=1 --cpus-per-task=1 --time=3 ${{SLURM_GPUS_ON_NODE:+--gres=gpu:$SLURM_GPUS_ON_NODE}} {py} -m hpctrain.resilience.probe "$ATTEMPT_DIR" --gpus "${{SLURM_GPUS_ON_NODE:-0}}" "${{TRAIN_ARGS[@]}}"',
     ]  # fmt: skip
     return [
         "",
         "# Attempts (docs/clusters.md): train; after a failure that is not yours (a rank killed,",
         "# a lost node, a distributed error) train again in this allocation from the newest",
         "# committed checkpoint, on the nodes that pass the health probe. Each step of",
-        "# `hpctrain.launch.attempts` prints its verdict as shell variables (NEXT, EXIT, ...);",
+        "# `hpctrain.resilience.attempts` prints its verdict as shell variables (NEXT, EXIT, ...);",
         "# RUN_DIR/slurm/attempts.jsonl keeps one record per attempt (`hpctrain status` shows them).",
         "step() {",
         "    local out",
-        f'    out=$({py} -m hpctrain.launch.attempts "$@" "${{TRAIN_ARGS[@]}}") || {{ EXIT=$?; NEXT=stop; return 1; }}',
+        f'    out=$({py} -m hpctrain.resilience.attempts "$@" "${{TRAIN_ARGS[@]}}") || {{ EXIT=$?; NEXT=stop; return 1; }}',
         '    eval "$out"',
         "}",
         "# SLURM's TERM (scancel, preemption) reaches this shell too: finish the attempt, then stop.",
@@ -353,7 +353,7 @@ def attempt_loop_lines(job: JobSpec) -> list[str]:
         '    [ "$NEXT" = train ] || break',
         "    # One task per GPU, all running the same command; ranks come from SLURM_PROCID/LOCALID.",
         "    # A task that fails (also one whose collective timed out on a hung rank) ends them all.",
-        f'    srun {SRUN_KILL_ON_BAD_EXIT} --nodelist="$TRAIN_NODES" --nodes="$NUM_NODES" --ntasks="$NUM_TASKS" --ntasks-per-node="$SLURM_NTASKS_PER_NODE" --cpus-per-task="$SLURM_CPUS_PER_TASK" {py} -m hpctrain.launch.watch "$ATTEMPT_DIR" -- train "${{TRAIN_ARGS[@]}}" "${{RESUME[@]}}"',
+        f'    srun {SRUN_KILL_ON_BAD_EXIT} --nodelist="$TRAIN_NODES" --nodes="$NUM_NODES" --ntasks="$NUM_TASKS" --ntasks-per-node="$SLURM_NTASKS_PER_NODE" --cpus-per-task="$SLURM_CPUS_PER_TASK" {py} -m hpctrain.resilience.watch "$ATTEMPT_DIR" -- train "${{TRAIN_ARGS[@]}}" "${{RESUME[@]}}"',
         "    status=$?",
         '    step end --status "$status" --state "$(squeue -h -j "$SLURM_JOB_ID" -o %T 2>/dev/null)" || break',
         "done",

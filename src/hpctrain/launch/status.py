@@ -1,7 +1,7 @@
 """`hpctrain status RUN_DIR`: the job's state (sacct), requeue count, attempts, last step, log tail.
 
 The attempts (restarts inside an allocation, requeues) come from RUN_DIR/slurm/attempts.jsonl,
-written by the job script (`launch/attempts.py`). The job id comes from RUN_DIR/slurm/job.json (written by `hpctrain submit`) or
+written by the job script (`resilience/attempts.py`). The job id comes from RUN_DIR/slurm/job.json (written by `hpctrain submit`) or
 RUN_DIR/slurm/job_id (written by the sbatch script when it starts). The sbatch script's log is
 `<slurm.folder>/<job id>.out`, with `slurm.folder` read from the run's config.yaml
 (RUN_DIR/slurm when it is empty).
@@ -17,11 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from hpctrain.launch.attempts import read_records
-from hpctrain.launch.profiles import LaunchError
 from hpctrain.observe.hangs import newest_dump
+from hpctrain.resilience.attempts import read_records
+from hpctrain.resilience.job_records import (
+    SACCT_TIMEOUT_S,
+    log_folder,
+    read_job_record,
+    recorded_job_ids,
+)
 
 # States after which the job will not run again by itself.
 DONE_STATES = frozenset({"COMPLETED"})
@@ -29,7 +32,6 @@ FAILED_STATES = frozenset(
     {"FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE",
      "PREEMPTED", "REVOKED"}
 )  # fmt: skip
-SACCT_TIMEOUT_S = 30
 
 
 @dataclass(frozen=True)
@@ -70,36 +72,6 @@ class RunStatus:
     @property
     def finished(self) -> bool:
         return self.state in DONE_STATES or self.failed
-
-
-def read_job_record(run_dir: Path) -> dict[str, str]:
-    """Job id and log paths recorded for this run folder ({} when none)."""
-    slurm = run_dir / "slurm"
-    record: dict[str, str] = {}
-    if (slurm / "job.json").is_file():
-        try:
-            saved = json.loads((slurm / "job.json").read_text())
-            record = {k: str(v) for k, v in saved.items()}
-        except (OSError, ValueError, AttributeError) as exc:
-            raise LaunchError(f"{slurm / 'job.json'}: not a job record ({exc})") from None
-    if (slurm / "job_id").is_file():
-        job_id = (slurm / "job_id").read_text().strip()
-        # The sbatch script writes job_id when it starts; it is the newest record.
-        if job_id and job_id != record.get("job_id"):
-            record = {"job_id": job_id}
-    if record.get("job_id") and "stdout" not in record:
-        record["stdout"] = str(log_folder(run_dir) / f"{record['job_id']}.out")
-    return record
-
-
-def log_folder(run_dir: Path) -> Path:
-    """`slurm.folder` of the run's saved config.yaml, or RUN_DIR/slurm."""
-    try:
-        saved = yaml.safe_load((run_dir / "config.yaml").read_text())
-        folder = saved["slurm"]["folder"]
-    except (OSError, yaml.YAMLError, KeyError, TypeError):
-        folder = ""
-    return Path(folder) if isinstance(folder, str) and folder else run_dir / "slurm"
 
 
 def parse_sacct(text: str) -> tuple[str, str, int]:
@@ -167,17 +139,6 @@ def tail(path: Path, num_lines: int) -> list[str]:
         return []
     with open(path, encoding="utf-8", errors="replace") as f:
         return [line.rstrip("\n") for line in deque(f, maxlen=num_lines)]
-
-
-def recorded_job_ids(run_dir: Path, record: dict[str, str]) -> list[str]:
-    """Every job id recorded for the run folder, oldest first (RUN_DIR/slurm/jobs + the latest)."""
-    ids: list[str] = []
-    jobs_file = run_dir / "slurm" / "jobs"
-    if jobs_file.is_file():
-        ids = [line.strip() for line in jobs_file.read_text().splitlines() if line.strip()]
-    if record.get("job_id"):
-        ids.append(record["job_id"])
-    return list(dict.fromkeys(ids))
 
 
 def parse_sacct_rows(text: str) -> list[JobRow]:

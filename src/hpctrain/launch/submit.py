@@ -4,7 +4,7 @@ The training job does not run a task per GPU under submitit's own `srun`: its ba
 one process (`TrainingJob`, submitit's `use_srun=False`), and that process runs the very
 script `hpctrain sbatch` renders for the job (`launch/sbatch.py`): the health probe, the
 training step under `srun` (one task per GPU, each `hpctrain train`), and the decisions of
-`launch/attempts.py` between them, restarts inside the allocation and requeues included. So
+`resilience/attempts.py` between them, restarts inside the allocation and requeues included. So
 plain `sbatch` and submitit share one loop. The trainer installs its own USR2/TERM handlers
 (they only set a flag), saves with all ranks at a step boundary and exits
 `REQUEUE_EXIT_CODE`; the script then requeues the job, and the process leaves without a
@@ -35,11 +35,9 @@ import submitit
 from hpctrain.compat_submitit import render_submission
 from hpctrain.config import Config, config_to_yaml, with_overrides
 from hpctrain.errors import HpctrainError, print_error_line, rank_tag
-from hpctrain.launch.attempts import read_records
 from hpctrain.launch.container import exec_words
 from hpctrain.launch.prepare import slurm_folder
 from hpctrain.launch.profiles import JobSpec, LaunchError
-from hpctrain.launch.restart_policy import REQUEUE_EXIT_CODE
 from hpctrain.launch.sbatch import (
     END_TIME_LINES,
     SRUN_KILL_ON_BAD_EXIT,
@@ -48,6 +46,8 @@ from hpctrain.launch.sbatch import (
     sbatch_options,
 )
 from hpctrain.launch.script_values import check_no_credential, check_path, check_setup_line
+from hpctrain.resilience.attempts import read_records
+from hpctrain.resilience.restart_policy import REQUEUE_EXIT_CODE
 
 JOB_FILE = "job.json"
 JOBS_FILE = "jobs"  # one job id a line, oldest first

@@ -57,7 +57,7 @@ class CollectiveTimeout(DistributedError):
     """A collective waited longer than `train.collective_timeout_s` for a peer rank.
 
     Exit 7 (`EXIT_DISTRIBUTED`): the peer hung or died, not this rank; the job script
-    restarts the run and blames the rank that never ended (launch/restart_policy.py).
+    restarts the run and blames the rank that never ended (resilience/restart_policy.py).
     """
 
     label = "hang error"

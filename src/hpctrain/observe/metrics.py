@@ -458,7 +458,7 @@ class MetricsWriter:
         if not self.enabled:
             return
         # The wall time it was written, in the file only (the trackers keep their own): the
-        # goodput report (`hpctrain.launch.goodput`) places the record on the job's timeline.
+        # goodput report (`hpctrain.resilience.goodput`) places the record on the job's timeline.
         stamped = {**record, "time": time.time()}
         if self.first and record.get("kind", "train") == "train":
             stamped.update(self.first)

@@ -1,7 +1,7 @@
 """PNG plots of a run's `metrics.jsonl`: loss, accuracy, throughput, data wait; for a language
 model also bits per byte (the `bytes` tokenizer) and tokens/s instead of samples/s, and the
 answers' scores (`eval.generate`); and where its allocated hours went (`plot_goodput`, from
-`hpctrain.launch.goodput`)."""
+`hpctrain.resilience.goodput`)."""
 
 from __future__ import annotations
 
@@ -170,7 +170,7 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     return written
 
 
-# One color per part of `hpctrain.launch.goodput.PARTS`, useful work first.
+# One color per part of `hpctrain.resilience.goodput.PARTS`, useful work first.
 GOODPUT_COLORS = {
     "productive": "#2ca02c",
     "data_wait": "#bcbd22",

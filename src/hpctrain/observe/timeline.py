@@ -14,7 +14,7 @@ epoch) and `kind`:
 
 The steps themselves are in `metrics.jsonl` (step time and data wait summed per logged
 interval, evaluation time per evaluation). `hpctrain status RUN_DIR --goodput` puts both
-together with the job's attempts and SLURM's accounting (`hpctrain.launch.goodput`).
+together with the job's attempts and SLURM's accounting (`hpctrain.resilience.goodput`).
 
 A few records per process, each one small write: nothing here runs per step.
 """

@@ -10,9 +10,9 @@ import pytest
 
 from hpctrain.checkpoint.interval import DEFAULT_FAILURE_RATE
 from hpctrain.config import load_config
-from hpctrain.launch.failure_rate import observed, run_failure_rate
-from hpctrain.launch.profiles import LaunchError, load_profile
-from hpctrain.launch.restart_policy import AttemptRecord
+from hpctrain.launch.profiles import LaunchError, load_profile, run_failure_rate
+from hpctrain.resilience.failure_rate import observed
+from hpctrain.resilience.restart_policy import AttemptRecord
 
 
 def attempt(number: int, kind: str, hours: float, nodes: list[str]) -> AttemptRecord:

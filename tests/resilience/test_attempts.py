@@ -1,5 +1,5 @@
 """The attempts' files and processes without SLURM: the watcher of a rank, the health probe,
-and the steps `begin`/`place`/`end` of `python -m hpctrain.launch.attempts` on a run folder.
+and the steps `begin`/`place`/`end` of `python -m hpctrain.resilience.attempts` on a run folder.
 
 The decisions themselves are tested in test_restart_policy.py; the whole loop of the job
 script, with srun and scontrol stubbed, in test_attempt_loop.py.
@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from hpctrain.config import load_config
-from hpctrain.launch import attempts as attempts_mod
-from hpctrain.launch.attempts import JobFacts, begin, end_attempt, place_attempt, read_records
-from hpctrain.launch.probe import (
+from hpctrain.resilience import attempts as attempts_mod
+from hpctrain.resilience.attempts import JobFacts, begin, end_attempt, place_attempt, read_records
+from hpctrain.resilience.probe import (
     CheckFailed,
     check_gpus,
     join_collective,
@@ -41,7 +41,7 @@ def watch(tmp_path: Path, script: str, *, rank: int = 1, node: str = "n2",
     runner = textwrap.dedent(f"""
         import sys
         from pathlib import Path
-        from hpctrain.launch.watch import Watcher
+        from hpctrain.resilience.watch import Watcher
         sys.exit(Watcher(Path({str(tmp_path)!r}), [sys.executable, "-c", {script!r}]).run())
     """)
     env = {**os.environ, "SLURM_PROCID": str(rank), "SLURMD_NODENAME": node}
@@ -282,14 +282,14 @@ def test_the_steps_run_as_a_module_with_the_jobs_variables(tmp_path: Path) -> No
     env = {**os.environ, "SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "n[1-2]",
            "SLURM_NTASKS_PER_NODE": "2"}  # fmt: skip
     done = subprocess.run(
-        [sys.executable, "-m", "hpctrain.launch.attempts", "begin", "--down", "n2", str(cfg_file)],
+        [sys.executable, "-m", "hpctrain.resilience.attempts", "begin", "--down", "n2", str(cfg_file)],
         capture_output=True, text=True, env=env, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "PROBE_NODES=n1\n" in done.stdout
     assert done.stderr == "hpctrain: attempt 1 (job 9, restart 0) probes n1, n2 set aside\n"
     bad = subprocess.run(
-        [sys.executable, "-m", "hpctrain.launch.attempts", "place", str(cfg_file), "slurm.nodes=0"],
+        [sys.executable, "-m", "hpctrain.resilience.attempts", "place", str(cfg_file), "slurm.nodes=0"],
         capture_output=True, text=True, env=env, timeout=120,
     )  # fmt: skip
     assert bad.returncode == 2 and "config error: slurm.nodes" in bad.stderr
@@ -297,7 +297,7 @@ def test_the_steps_run_as_a_module_with_the_jobs_variables(tmp_path: Path) -> No
 
 @pytest.mark.slow  # a process or two (seconds)
 def test_the_module_steps_import_no_torch() -> None:
-    code = "import sys, hpctrain.launch.attempts, hpctrain.launch.probe, hpctrain.launch.watch; print('torch' in sys.modules)"
+    code = "import sys, hpctrain.resilience.attempts, hpctrain.resilience.probe, hpctrain.resilience.watch; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert (
         out.stdout.strip() == "False"
@@ -312,7 +312,7 @@ def test_unreadable_history_lines_are_skipped(tmp_path: Path) -> None:
 
 def test_the_nodes_to_train_on_are_the_allocations_less_the_spares(tmp_path: Path) -> None:
     """`#SBATCH --nodes` edited by hand (3 nodes for a config's 2) trains on all three."""
-    from hpctrain.launch.attempts import nodes_to_train
+    from hpctrain.resilience.attempts import nodes_to_train
 
     assert nodes_to_train(config(tmp_path), JOB) == 3
     assert nodes_to_train(config(tmp_path, "slurm.spare_nodes=1"), JOB) == 2

@@ -11,11 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from hpctrain.checkpoint.interval import DEFAULT_FAILURE_RATE, FailureRate
-from hpctrain.config import Config
-from hpctrain.launch.attempts import read_records
-from hpctrain.launch.profiles import load_profile
-from hpctrain.launch.restart_policy import RETRYABLE, AttemptRecord
+from hpctrain.checkpoint.interval import FailureRate
+from hpctrain.resilience.attempts import read_records
+from hpctrain.resilience.restart_policy import RETRYABLE, AttemptRecord
 
 # Failures that ended training without warning and were not the user's: a rank killed, a
 # distributed error, a hang, a lost node, an unexpected exit 1. A probe failure ended no
@@ -38,17 +36,8 @@ def observed(records: Sequence[AttemptRecord]) -> tuple[int, float]:
     return failures, node_hours
 
 
-def run_failure_rate(cfg: Config) -> FailureRate:
-    """The estimate for this run (the built-in default unless `checkpoint.every_minutes` is
-    auto, which alone reads it).
-
-    Raises:
-        LaunchError: `slurm.profile` names no readable profile.
-    """
-    if cfg.checkpoint.every_minutes != "auto":
-        return DEFAULT_FAILURE_RATE
-    profile = load_profile(cfg.slurm.profile)
-    failures, node_hours = observed(read_records(Path(cfg.run_dir)))
-    return FailureRate.estimate(
-        profile.mtbf_node_hours, failures, node_hours, f"profile {profile.name}"
-    )
+def run_failure_rate(run_dir: Path, mtbf_node_hours: float, source: str) -> FailureRate:
+    """One node's failure rate for the run in `run_dir`: the prior `mtbf_node_hours` (from
+    `source`, a cluster profile) updated with the failures and node-hours of its attempts."""
+    failures, node_hours = observed(read_records(run_dir))
+    return FailureRate.estimate(mtbf_node_hours, failures, node_hours, source)

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from hpctrain.cli.main import main
-from hpctrain.launch.goodput import Allocation, account, processes
-from hpctrain.launch.goodput_report import describe, parse_allocations, run_goodput, tres_units
-from hpctrain.launch.restart_policy import AttemptRecord
+from hpctrain.resilience.goodput import Allocation, account, processes
+from hpctrain.resilience.goodput_report import describe, parse_allocations, run_goodput, tres_units
+from hpctrain.resilience.restart_policy import AttemptRecord
 
 
 def attempt(number: int, start: float, end: float, kind: str, restart: int = 0,

@@ -1,18 +1,18 @@
-"""The attempts of a job, step by step: `python -m hpctrain.launch.attempts begin|place|end ...`.
+"""The attempts of a job, step by step: `python -m hpctrain.resilience.attempts begin|place|end ...`.
 
 Every job script (the sbatch templates of `launch/sbatch.py`, and the one the submitit job runs:
 `launch/submit.py`) trains in a loop of attempts inside its allocation:
 
     begin   number the attempt, close one the job shell never finished, list the nodes to probe
-    (srun)  the health probe, one task per node (launch/probe.py)
+    (srun)  the health probe, one task per node (resilience/probe.py)
     place   the nodes that passed: train on `slurm.nodes` of them, or requeue without the others
-    (srun)  the training, every task under launch/watch.py
+    (srun)  the training, every task under resilience/watch.py
     end     classify how the ranks ended, write the attempt's record, decide what comes next
 
 Each step loads the run's config (the arguments `hpctrain train` gets), reads and writes the
 run folder only (no SLURM command: they may be missing inside a container; the script runs
 those), prints shell assignments on stdout for the script to `eval`, and one line for the job
-log on stderr. The decisions themselves are the pure functions of `launch/restart_policy.py`.
+log on stderr. The decisions themselves are the pure functions of `resilience/restart_policy.py`.
 
 Files, all under RUN_DIR/slurm: `attempts.jsonl` (one `AttemptRecord` a line, the run's
 history: docs/clusters.md) and `attempts/<N>/` (the attempt's own: `begin.json`,
@@ -35,7 +35,7 @@ from typing import Any
 from hpctrain.config import Config, ConfigError, load_config
 from hpctrain.distributed.env import expand_hostlist
 from hpctrain.files import write_atomic
-from hpctrain.launch.restart_policy import (
+from hpctrain.resilience.restart_policy import (
     AttemptRecord,
     Failure,
     Policy,
@@ -429,7 +429,7 @@ def _finish(
 
 # ------------------------------------------------------------------------------ main
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hpctrain.launch.attempts")
+    parser = argparse.ArgumentParser(prog="python -m hpctrain.resilience.attempts")
     parser.add_argument("step", choices=("begin", "place", "end"))
     parser.add_argument("--down", default="", help="begin: nodes SLURM lists as down or drained")
     parser.add_argument("--status", type=int, default=0, help="end: srun's exit status")

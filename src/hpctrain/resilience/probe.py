@@ -1,7 +1,7 @@
-"""The health probe each node runs before an attempt: `python -m hpctrain.launch.probe DIR ...`.
+"""The health probe each node runs before an attempt: `python -m hpctrain.resilience.probe DIR ...`.
 
 The job script runs it as one task per node of the allocation not set aside (`srun
---ntasks-per-node=1 ... python -m hpctrain.launch.probe ATTEMPT_DIR --gpus N CONFIG
+--ntasks-per-node=1 ... python -m hpctrain.resilience.probe ATTEMPT_DIR --gpus N CONFIG
 [overrides]`), before the attempt's process group is made. Each node checks, in seconds:
 
 | check | scope | fails when |
@@ -15,7 +15,7 @@ The job script runs it as one task per node of the allocation not set aside (`sr
 | collective | node | the node cannot reach the first node of the probe, or it none of the others |
 
 and writes `ATTEMPT_DIR/probe-<node>.json`; a failure is also one line on stdout naming the
-node and the check. `launch/attempts.py place` reads the results: nodes that failed are set
+node and the check. `resilience/attempts.py place` reads the results: nodes that failed are set
 aside when others passed; a failure every node shares on a shared path is the path's, not the
 nodes' (`restart_policy.place`).
 
@@ -42,7 +42,7 @@ from pathlib import Path
 
 from hpctrain.config import Config, ConfigError, load_config
 from hpctrain.files import write_atomic
-from hpctrain.launch.watch import node_name
+from hpctrain.resilience.watch import node_name
 
 MIN_SHM_FREE = 64 << 20  # the loader's pooled batches; a full /dev/shm fails its workers
 MIN_CHECKPOINT_FREE = 1 << 30
@@ -268,7 +268,7 @@ def run_probe(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hpctrain.launch.probe")
+    parser = argparse.ArgumentParser(prog="python -m hpctrain.resilience.probe")
     parser.add_argument("attempt_dir")
     parser.add_argument("--gpus", type=int, default=0, help="GPUs each node must show")
     parser.add_argument("config")

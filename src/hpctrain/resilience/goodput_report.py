@@ -1,5 +1,5 @@
 """`hpctrain status RUN_DIR --goodput`: read a run's records and SLURM's accounting, account
-for its hours (`launch/goodput.py`) and say it in lines, JSON or a PNG (`hpctrain plot`).
+for its hours (`resilience/goodput.py`) and say it in lines, JSON or a PNG (`hpctrain plot`).
 
 The allocations come from sacct (every job and requeue of the run folder: start, end, nodes,
 the GPUs or CPUs allocated, when it was queued). Without an answer from sacct (no accounting
@@ -18,8 +18,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from hpctrain.launch.attempts import read_records
-from hpctrain.launch.goodput import (
+from hpctrain.observe.timeline import read_timeline
+from hpctrain.resilience.attempts import read_records
+from hpctrain.resilience.goodput import (
     PARTS,
     STARTUP_PHASES,
     Allocation,
@@ -28,9 +29,8 @@ from hpctrain.launch.goodput import (
     account,
     processes,
 )
-from hpctrain.launch.restart_policy import AttemptRecord
-from hpctrain.launch.status import SACCT_TIMEOUT_S, read_job_record, recorded_job_ids
-from hpctrain.observe.timeline import read_timeline
+from hpctrain.resilience.job_records import SACCT_TIMEOUT_S, read_job_record, recorded_job_ids
+from hpctrain.resilience.restart_policy import AttemptRecord
 
 SACCT_FIELDS = "JobID,State,Submit,Start,End,NNodes,AllocTRES"
 LABELS = {

@@ -1,11 +1,11 @@
-"""What a job does after one attempt of training: the pure decisions of `launch/attempts.py`.
+"""What a job does after one attempt of training: the pure decisions of `resilience/attempts.py`.
 
 A job is a sequence of *attempts* inside its allocation (docs/clusters.md, "When a rank
 dies"). After each one, `classify` reads how every rank ended (the records of
-`launch/watch.py`) and names the failure; `decide` turns that and the run's earlier attempts
+`resilience/watch.py`) and names the failure; `decide` turns that and the run's earlier attempts
 into done, restart (in this allocation), requeue (through the queue) or stop; before each
-attempt, `place` picks the nodes that passed the health probe (`launch/probe.py`). No I/O
-here: the job script's steps (`python -m hpctrain.launch.attempts`) read the files, call
+attempt, `place` picks the nodes that passed the health probe (`resilience/probe.py`). No I/O
+here: the job script's steps (`python -m hpctrain.resilience.attempts`) read the files, call
 these functions and print their verdicts, and the tests drive them with made-up ranks.
 
 How a rank's end is read:
@@ -70,7 +70,7 @@ NOT_COUNTED: frozenset[str] = frozenset({"preempted", "time_limit", "cancelled",
 
 @dataclass(frozen=True)
 class RankEnd:
-    """How one rank of an attempt ended (`launch/watch.py` writes it, rank by rank)."""
+    """How one rank of an attempt ended (`resilience/watch.py` writes it, rank by rank)."""
 
     rank: int
     node: str
@@ -393,7 +393,7 @@ def _exit_code(culprit: RankEnd | None) -> int:
 
 @dataclass(frozen=True)
 class ProbeResult:
-    """One node's health probe (`launch/probe.py`)."""
+    """One node's health probe (`resilience/probe.py`)."""
 
     node: str
     failed_check: str = ""  # "" when it passed

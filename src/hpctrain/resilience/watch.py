@@ -1,12 +1,12 @@
-"""Run one task of an attempt and record how it ended: `python -m hpctrain.launch.watch DIR -- ARGS`.
+"""Run one task of an attempt and record how it ended: `python -m hpctrain.resilience.watch DIR -- ARGS`.
 
 The job script starts every task of an attempt through this watcher (`srun ... python -m
-hpctrain.launch.watch ATTEMPT_DIR -- train CONFIG ...`): it runs `python -m hpctrain ARGS` as
+hpctrain.resilience.watch ATTEMPT_DIR -- train CONFIG ...`): it runs `python -m hpctrain ARGS` as
 its child, writes `ATTEMPT_DIR/rank-<R>.json` when the child starts and again when it ends
 (its exit code, or the signal that killed it: a SIGKILL from the OOM killer or `kill -9`
 leaves no word from the rank itself), and exits with the child's status (128 + N for a
-signal, as a shell does). `launch/attempts.py end` reads the records to tell which rank failed
-first, on which node, and how (`launch/restart_policy.py`).
+signal, as a shell does). `resilience/attempts.py end` reads the records to tell which rank failed
+first, on which node, and how (`resilience/restart_policy.py`).
 
 The watcher is small (stdlib only, no torch) and stays out of the way: SLURM signals every
 process of a step (`--signal`, `scancel --signal`, the TERM of a step being ended), so the
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) < 3 or argv[1] != "--":
         print(
-            "usage: python -m hpctrain.launch.watch ATTEMPT_DIR -- HPCTRAIN_ARGS...",
+            "usage: python -m hpctrain.resilience.watch ATTEMPT_DIR -- HPCTRAIN_ARGS...",
             file=sys.stderr,
         )
         return 2

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpctrain.launch.restart_policy import AttemptRecord
+from hpctrain.resilience.restart_policy import AttemptRecord
 
 PARTS = (
     "productive",

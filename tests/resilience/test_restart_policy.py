@@ -1,4 +1,4 @@
-"""The decisions after an attempt (launch/restart_policy.py), from made-up rank ends.
+"""The decisions after an attempt (resilience/restart_policy.py), from made-up rank ends.
 
 No processes: each case writes how the ranks of an attempt ended, as the watchers would, and
 checks the failure named and what the job does next.
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpctrain.launch.restart_policy import (
+from hpctrain.resilience.restart_policy import (
     REQUEUE_EXIT_CODE,
     AttemptRecord,
     Failure,
