@@ -178,8 +178,10 @@ def probe_record(folder: Path, node: str, check: str = "") -> None:
 
 
 def commit(run_dir: Path, step: int) -> None:
+    """What a checkpoint commit leaves: `latest` replaced by a rename (checkpoint/commit.py)."""
     (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-    (run_dir / "checkpoints" / "latest").write_text(f"step-{step}\n")
+    (run_dir / "checkpoints" / ".latest.tmp").write_text(f"step-{step}\n")
+    os.replace(run_dir / "checkpoints" / ".latest.tmp", run_dir / "checkpoints" / "latest")
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"kind": "train", "step": step + 1}) + "\n")
 
@@ -275,6 +277,34 @@ def test_an_attempt_the_job_never_finished_is_closed_by_the_next(tmp_path: Path)
     assert folder.is_dir()
 
 
+def test_failures_over_the_share_of_the_allocation_stop_the_job(tmp_path: Path) -> None:
+    """A 1000 s allocation: an earlier attempt lost 300 s (half its 600 s was past its last
+    checkpoint), the one now fails too: 30 % > slurm.max_failure_share=0.25."""
+    now = time.time()
+    job = JobFacts(**{**JOB.__dict__, "start_time": now - 650, "end_time": now + 350})
+    for share, action in (("0.25", "stop"), ("0.5", "restart")):
+        (tmp_path / share).mkdir()
+        cfg = config(tmp_path / share, f"slurm.max_failure_share={share}")
+        run_dir = Path(cfg.run_dir)
+        (run_dir / "slurm").mkdir(parents=True)
+        attempts_mod.append_record(run_dir, attempts_mod.AttemptRecord(
+            attempt=1, job_id="42", restart=0, start=now - 640, end=now - 40, nodes=["n1", "n2"],
+            excluded=[], num_tasks=4, kind="distributed", decision="restart", reason="",
+            step_reached=20, resumed_from=None, committed=10,
+        ))  # fmt: skip
+        folder = Path(shell(begin(cfg, job))["ATTEMPT_DIR"])
+        place_attempt(cfg, job)
+        commit(run_dir, 30)
+        for rank in range(6):
+            rank_record(folder, rank, f"n{rank // 2 + 1}", exit_code=7)
+        ended = shell(end_attempt(cfg, job, srun_status=7, state="RUNNING"))
+        assert ended["NEXT"] == action
+    (last,) = [r for r in read_records(tmp_path / "0.25" / "run") if r.attempt == 2]
+    assert last.reason.startswith(
+        "stopped: failures took 30 % of this allocation (slurm.max_failure_share=0.25)"
+    )
+
+
 @pytest.mark.slow  # a process or two (seconds)
 def test_the_steps_run_as_a_module_with_the_jobs_variables(tmp_path: Path) -> None:
     cfg_file = tmp_path / "c.yaml"
@@ -317,3 +347,10 @@ def test_the_nodes_to_train_on_are_the_allocations_less_the_spares(tmp_path: Pat
     assert nodes_to_train(config(tmp_path), JOB) == 3
     assert nodes_to_train(config(tmp_path, "slurm.spare_nodes=1"), JOB) == 2
     assert nodes_to_train(config(tmp_path), JobFacts("", 0, (), 1, None)) == 2  # slurm.nodes
+
+
+def test_restarts_are_not_counted_unless_max_restarts_is_set(tmp_path: Path) -> None:
+    from hpctrain.resilience.attempts import policy_of
+
+    assert policy_of(config(tmp_path), JOB).max_restarts == 0  # bounded by progress and time
+    assert policy_of(config(tmp_path, "slurm.max_restarts=3"), JOB).max_restarts == 3

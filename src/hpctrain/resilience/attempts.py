@@ -44,6 +44,8 @@ from hpctrain.resilience.restart_policy import (
     Verdict,
     classify,
     decide,
+    failure_seconds,
+    lost_seconds,
     place,
 )
 
@@ -126,6 +128,7 @@ def policy_of(cfg: Config, job: JobFacts) -> Policy:
         max_restarts=s.max_restarts,
         max_requeues=s.max_requeues,
         max_no_progress=s.max_no_progress,
+        max_failure_share=s.max_failure_share,
     )
 
 
@@ -146,6 +149,7 @@ class JobFacts:
     allocation: tuple[str, ...]
     tasks_per_node: int
     end_time: float | None
+    start_time: float | None = None  # SLURM_JOB_START_TIME (SLURM 23.02 on)
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str]) -> JobFacts:
@@ -155,12 +159,14 @@ class JobFacts:
         nodes = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
         tasks = env.get("SLURM_NTASKS_PER_NODE", "") or env.get("SLURM_TASKS_PER_NODE", "1")
         end = env.get("SLURM_JOB_END_TIME", "")
+        start = env.get("SLURM_JOB_START_TIME", "")
         return cls(
             job_id=job,
             restart=int(env.get("SLURM_RESTART_COUNT", "0") or 0),
             allocation=tuple(expand_hostlist(nodes)) if nodes else (),
             tasks_per_node=int(tasks.split("(")[0].split(",")[0] or 1),
             end_time=float(end) if end.isdigit() else None,
+            start_time=float(start) if start.isdigit() else None,
         )
 
 
@@ -366,6 +372,19 @@ def read_ranks(folder: Path, nodes: Sequence[str], tasks_per_node: int) -> list[
     return ranks
 
 
+def allocation_share(
+    job: JobFacts, here: Sequence[AttemptRecord], started: float, seconds: float
+) -> float:
+    """`seconds` as a share of this allocation's length, from its start (SLURM's, else its
+    first attempt's) to its end time; 0 when the end time is unknown (the job scripts ask
+    squeue for it where SLURM does not export it)."""
+    if job.end_time is None:
+        return 0.0
+    start = job.start_time or min([started, *(r.start for r in here)])
+    length = job.end_time - start
+    return seconds / length if length > 0 else 0.0
+
+
 def end_attempt(cfg: Config, job: JobFacts, *, srun_status: int, state: str) -> str:
     """After the training step: the attempt's record, and what the job does next."""
     run_dir = Path(cfg.run_dir)
@@ -378,18 +397,28 @@ def end_attempt(cfg: Config, job: JobFacts, *, srun_status: int, state: str) -> 
     excluded = {*begun.get("excluded", []), *placed.get("set_aside", {})}
     available = [n for n in job.allocation if n not in excluded]
     margin = max(cfg.slurm.signal_margin_s, cfg.checkpoint.deadline_margin_s) + TIME_LIMIT_SLACK_S
+    now = time.time()
+    failure = classify(ranks, srun_status=srun_status)
+    committed_end = newest_committed(cfg.checkpoint_root())
+    step_reached = steps_logged_since(run_dir, begun.get("metrics_offset", 0))
+    here = [r for r in records if same_allocation(r, job)]
+    lost = failure_seconds(here) + lost_seconds(
+        float(begun["start"]), now, kind=failure.kind, resumed_from=begun.get("committed"),
+        committed=committed_end, step_reached=step_reached,
+    )  # fmt: skip
     verdict = decide(
-        classify(ranks, srun_status=srun_status),
+        failure,
         history=records,
         policy=policy_of(cfg, job),
-        step_reached=steps_logged_since(run_dir, begun.get("metrics_offset", 0)),
+        step_reached=step_reached,
         committed_start=begun.get("committed"),
-        committed_end=newest_committed(cfg.checkpoint_root()),
-        restarts_here=sum(same_allocation(r, job) for r in records),
+        committed_end=committed_end,
+        restarts_here=len(here),
         requeues=job.restart,
         job_running=state in ("RUNNING", ""),
-        near_time_limit=job.end_time is not None and job.end_time - time.time() <= margin,
+        near_time_limit=job.end_time is not None and job.end_time - now <= margin,
         healthy_spares=len(available) - nodes_to_train(cfg, job),
+        failure_share=allocation_share(job, here, float(begun["start"]), lost),
     )
     return _finish(cfg, job, folder, begun, verdict, ranks=ranks, srun_status=srun_status)
 
