@@ -95,6 +95,27 @@ def newest_committed(root: str) -> int | None:
     return int(text[5:]) if text.startswith("step-") and text[5:].isdigit() else None
 
 
+def pointer_mark(root: str) -> str | None:
+    """What tells one commit of the `latest` pointer from another, even of the same step (a
+    rollback that saves step 20 again): its text, and when and as what file it was written
+    (each commit replaces it by a rename). None: no pointer."""
+    try:
+        if "://" in root:
+            import fsspec
+
+            fs, path = fsspec.core.url_to_fs(f"{root.rstrip('/')}/{LATEST_POINTER}")
+            info = fs.info(path)
+            with fs.open(path, "rt") as f:
+                text = f.read().strip()
+            stamp = info.get("LastModified") or info.get("mtime") or info.get("ETag") or ""
+            return f"{text}|{stamp}"
+        path = Path(os.path.expandvars(root)) / LATEST_POINTER
+        stat = path.stat()
+        return f"{path.read_text().strip()}|{stat.st_mtime_ns}|{stat.st_ino}"
+    except (OSError, ValueError):
+        return None
+
+
 def steps_logged_since(run_dir: Path, offset: int) -> int | None:
     """The highest training step metrics.jsonl got after byte `offset` (None: none)."""
     path = run_dir / "metrics.jsonl"
@@ -240,6 +261,37 @@ def close_unfinished(run_dir: Path, records: list[AttemptRecord], root: str) -> 
     return records
 
 
+def submission_start(
+    folders: Path, number: int, job: JobFacts, records: Sequence[AttemptRecord]
+) -> dict[str, Any] | None:
+    """Where the submission (the job id, its requeues included) attempt `number` belongs to
+    started: what the previous attempt's `begin.json` says, when it was of this job and did
+    not end it (done, stop). None: this attempt starts the submission."""
+    ended = {r.attempt for r in records if r.decision in ("done", "stop")}
+    start: dict[str, Any] | None = None
+    for earlier in range(number - 1, 0, -1):
+        begun = _read_json(folders / str(earlier) / "begin.json")
+        if not begun:
+            continue  # a folder its job shell was killed in before it wrote begin.json
+        if begun.get("job_id") != job.job_id or earlier in ended:
+            break
+        if isinstance(begun.get("submission"), dict):
+            return dict(begun["submission"])
+        # an older job script's record, without the submission: its first attempt's step
+        start = {k: begun.get(k) for k in ("job_id", "restart", "attempt", "committed")}
+    return start
+
+
+def committed_here(submission: Mapping[str, Any], committed: int | None, mark: str | None) -> bool:
+    """The newest checkpoint was committed by this submission: the `latest` pointer was
+    written since it started (its step alone, for records without the pointer's mark)."""
+    if committed is None:
+        return False
+    if "pointer" in submission:
+        return mark != submission["pointer"]
+    return committed != submission.get("committed")
+
+
 def begin(cfg: Config, job: JobFacts, *, down: Sequence[str] = ()) -> str:
     """Start an attempt: its number and folder, the nodes to probe, the resume to ask for."""
     run_dir = Path(cfg.run_dir)
@@ -255,20 +307,27 @@ def begin(cfg: Config, job: JobFacts, *, down: Sequence[str] = ()) -> str:
         {n for r in records if same_allocation(r, job) for n in r.set_aside}
         | (set(down) & set(job.allocation))
     )
-    committed = newest_committed(root)
+    committed, mark = newest_committed(root), pointer_mark(root)
+    submission = submission_start(folders, number, job, records) or {
+        "job_id": job.job_id, "restart": job.restart, "attempt": number,
+        "committed": committed, "pointer": mark,
+    }  # fmt: skip
     _write_json(
         folder / "begin.json",
         {
             "attempt": number, "job_id": job.job_id, "restart": job.restart,
             "start": time.time(), "excluded": excluded, "committed": committed,
-            "metrics_offset": _size(run_dir / "metrics.jsonl"),
+            "metrics_offset": _size(run_dir / "metrics.jsonl"), "submission": submission,
         },
     )  # fmt: skip
     probe = [n for n in job.allocation if n not in excluded]
-    # After a failure or a requeue, continue from the run's own newest checkpoint, whatever
-    # the config's checkpoint.resume says (none, or a path: the run's start).
-    again = (bool(records) and records[-1].decision in ("restart", "requeue")) or job.restart > 0
-    resume = ["checkpoint.resume=latest"] if again and committed is not None else []
+    # A later attempt of the same submission (a restart, a requeue) continues from the
+    # checkpoint that submission committed, whatever its checkpoint.resume says (none, or a
+    # path: where the submission started). Until it has committed one, the user's choice
+    # stands: a new job that rolls back to a path after an interrupted one, a `--resume none`
+    # job whose first attempt failed its probe.
+    own = committed_here(submission, committed, mark)
+    resume = ["checkpoint.resume=latest"] if own else []
     aside = f", {','.join(excluded)} set aside" if excluded else ""
     _say(
         f"attempt {number} (job {job.job_id}, restart {job.restart}) probes {','.join(probe)}{aside}"
@@ -450,9 +509,12 @@ def _finish(
         resumed_from=begun.get("committed"), committed=newest_committed(cfg.checkpoint_root()),
         set_aside=set_aside, srun_status=srun_status, exit_code=verdict.exit_code,
     )  # fmt: skip
+    # A requeue excludes every node set aside in this allocation, not this attempt's only:
+    # an earlier attempt's blamed node would come back in the next allocation otherwise.
+    earlier = [r for r in read_records(run_dir) if same_allocation(r, job)]
     append_record(run_dir, record)
     _say(f"attempt {record.attempt}: {verdict.line}")
-    exclude = sorted(set(verdict.exclude) | set(placed.get("set_aside", {})))
+    exclude = sorted({n for r in [*earlier, record] for n in r.set_aside})
     return _shell(NEXT=verdict.action, EXCLUDE=",".join(exclude), EXIT=verdict.exit_code)
 
 
