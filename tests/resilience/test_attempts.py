@@ -408,6 +408,8 @@ def test_the_nodes_to_train_on_are_the_allocations_less_the_spares(tmp_path: Pat
     assert nodes_to_train(config(tmp_path), JOB) == 3
     assert nodes_to_train(config(tmp_path, "slurm.spare_nodes=1"), JOB) == 2
     assert nodes_to_train(config(tmp_path), JobFacts("", 0, (), 1, None)) == 2  # slurm.nodes
+    # auto: the spares chosen when the job was rendered are what slurm.nodes leaves
+    assert nodes_to_train(config(tmp_path, "slurm.spare_nodes=auto"), JOB) == 2
 
 
 def test_restarts_are_not_counted_unless_max_restarts_is_set(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ job script does between attempts (restarts, spares, the probe; docs/clusters.md)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from hpctrain.config.fields import _f
 
@@ -41,10 +42,13 @@ class SlurmConfig:
         min=0.0,
         max=1.0,
     )
-    spare_nodes: int = _f(
+    spare_nodes: int | Literal["auto"] = _f(
         0,
         "extra nodes the job asks for; each attempt trains on slurm.nodes of the nodes that "
-        "pass the health probe, the others stand by for one that goes bad",
+        "pass the health probe, the others stand by for one that goes bad; auto: the number "
+        "that maximises expected goodput from the profile's mtbf_node_hours, slurm.nodes, "
+        "slurm.time and the queue wait (sacct, else the profile's queue_wait_hours), chosen "
+        "and explained when the job is rendered (docs/clusters.md)",
         min=0,
     )
     probe: bool = _f(

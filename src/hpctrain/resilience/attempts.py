@@ -155,10 +155,12 @@ def policy_of(cfg: Config, job: JobFacts) -> Policy:
 
 def nodes_to_train(cfg: Config, job: JobFacts) -> int:
     """The allocation's nodes less `slurm.spare_nodes`: what `#SBATCH --nodes` asked for, so a
-    script edited by hand (more nodes) trains on them all. `slurm.nodes` outside a job."""
-    if not job.allocation:
+    script edited by hand (more nodes) trains on them all. `slurm.nodes` outside a job, and
+    with `slurm.spare_nodes: auto` (the spares chosen when the job was rendered are the rest)."""
+    spares = cfg.slurm.spare_nodes
+    if not job.allocation or spares == "auto":
         return cfg.slurm.nodes
-    return max(1, len(job.allocation) - cfg.slurm.spare_nodes)
+    return max(1, len(job.allocation) - spares)
 
 
 @dataclass(frozen=True)
