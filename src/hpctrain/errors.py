@@ -11,11 +11,12 @@ one of the kinds below, so the CLI needs to know only these.
 |-----------|------------------------------------------------------------------------|
 | 1         | an unexpected error (a bug): printed with its traceback                |
 | 2         | config or command line: a bad key, value, option, or argument path     |
-| 3         | data: index, shards, manifest, loader workers                          |
+| 3         | data: index, shards, manifest, samples (the data's own fault)          |
 | 4         | checkpoint: missing, damaged, untrusted, or a failed save              |
 | 5         | the run folder is locked by another run                                |
 | 6         | launch: cluster profile, preflight, submission                         |
 | 7         | distributed: a peer rank, the network or a collective failed (retried) |
+| 8         | transient data fault: a loader worker died or stuck, an outage (retried)|
 | 75        | not an error: saved after a preemption signal, requeue me (EX_TEMPFAIL)|
 """
 
@@ -32,6 +33,7 @@ EXIT_CHECKPOINT = 4
 EXIT_LOCKED = 5
 EXIT_LAUNCH = 6
 EXIT_DISTRIBUTED = 7
+EXIT_TRANSIENT = 8
 
 
 class HpctrainError(Exception):
@@ -53,6 +55,17 @@ class DataError(HpctrainError):
 
     exit_code = EXIT_DATA
     label = "data error"
+
+
+class TransientDataError(DataError):
+    """A data fault a new attempt can cure, not the data's own: a loader worker killed (the
+    OOM killer's likeliest victim), a worker stuck on a hung file system (`data.timeout_s`),
+    a shard still unreadable after its retries (an object store outage). The job script
+    restarts the run (docs/clusters.md); a missing, forbidden or damaged index or shard stays
+    a `DataError` (exit 3, the user's, never retried)."""
+
+    exit_code = EXIT_TRANSIENT
+    label = "data error (transient)"
 
 
 class CheckpointFailure(HpctrainError):

@@ -124,6 +124,65 @@ def training(
             proc.communicate(timeout=30)
 
 
+def loader_workers(trainer: int) -> list[int]:
+    """The loader workers of a training process: its descendants running the same command
+    (forked), not the helpers multiprocessing starts with commands of their own."""
+    command = Path(f"/proc/{trainer}/cmdline").read_bytes()
+    found = []
+    for pid in descendants(trainer):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/cmdline").read_bytes() == command:
+                found.append(pid)
+    return found
+
+
+def test_a_loader_worker_killed_mid_training_is_a_transient_exit_that_is_restarted(
+    shapes_shards, tmp_path
+):
+    """The OOM killer's likeliest victim on a node: SIGKILL of a loader worker of one
+    training process, run as the job script runs each rank (under the attempt's watcher).
+    The rank leaves exit 8 (srun's status, and the rank's record), one line naming the worker
+    and the signal; `attempts end` names it `transient` and restarts (it was exit 3, the
+    user's data error, and the job stopped)."""
+    from hpctrain.resilience.attempts import read_ranks
+    from hpctrain.resilience.restart_policy import Policy, classify, decide
+
+    run_dir, attempt = tmp_path / "run", tmp_path / "attempt"
+    attempt.mkdir()
+    env = {**os.environ, "SLURM_PROCID": "0", "SLURMD_NODENAME": "n1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hpctrain.resilience.watch", str(attempt), "--", "train",
+         *slow_run_args(run_dir, shapes_shards)],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while logged_steps(run_dir) < 2:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the run made no progress"
+            time.sleep(0.1)
+        (trainer,) = children(proc.pid)
+        (worker,) = loader_workers(trainer)  # data.workers_per_rank=1
+        os.kill(worker, signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        for pid in [proc.pid, *descendants(proc.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 8, err[-3000:]  # what srun returns the job script
+    assert (
+        f"hpctrain train: data error (transient): loader worker 0 (pid {worker}) exited "
+        "unexpectedly (killed by SIGKILL)"
+    ) in err, err[-3000:]
+    ranks = read_ranks(attempt, ["n1"], 1)
+    assert (ranks[0].exit_code, ranks[0].signal) == (8, None)
+    failure = classify(ranks, srun_status=8)
+    verdict = decide(failure, history=[], policy=Policy(nodes=1), step_reached=3,
+                     committed_start=None, committed_end=2, restarts_here=0, requeues=0,
+                     job_running=True)  # fmt: skip
+    assert (failure.kind, verdict.action, verdict.exclude) == ("transient", "restart", ())
+
+
 def test_killed_rank_fails_the_job_in_seconds_naming_it(shapes_shards, tmp_path):
     run_dir = tmp_path / "run"
     with training(run_dir, shapes_shards) as proc:

@@ -309,3 +309,51 @@ def test_an_empty_account_the_site_wants_is_a_warning_without_preflight(
     for args in ([run, "slurm.account=abc@h100", "--profile", "jean-zay-h100"],
                  [run, "--profile", "generic"]):  # fmt: skip
         assert "warning" not in sbatch_verb(capsys, *args)[2]
+
+
+# -- slurm.spare_nodes: auto (#47): chosen from the numbers when the job is rendered --------
+
+
+def test_auto_spares_are_chosen_from_the_profile_and_the_measured_queue_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """8 nodes x 20 h on a site whose nodes fail every 100 h, and your last jobs waited 1, 3
+    and 5 h (sacct stubbed): one spare; the script asks for 9 nodes and says why, and so
+    does the verb's stderr line."""
+    from hpctrain.resilience.spares import SpareModel, choose_spares
+
+    profile = tmp_path / "flaky.yaml"
+    text = (REPO / "configs" / "clusters" / "local-dev.yaml").read_text()
+    profile.write_text(text.replace("mtbf_node_hours: 12600", "mtbf_node_hours: 100"))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sacct").write_text(
+        "#!/bin/sh\n"  # the user's recent jobs (the run has none): Submit|Start
+        "echo '2026-01-01T10:00:00|2026-01-01T11:00:00'\n"
+        "echo '2026-01-01T10:00:00|2026-01-01T13:00:00'\n"
+        "echo '2026-01-01T10:00:00|2026-01-01T15:00:00'\n"
+    )
+    (bin_dir / "sacct").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    code, script, err = sbatch_verb(
+        capsys, "--profile", str(profile), f"run_dir={tmp_path / 'run'}", "slurm.nodes=8",
+        "slurm.time=20:00:00", "slurm.spare_nodes=auto",
+    )  # fmt: skip
+    assert code == 0, err
+    expected = choose_spares(
+        SpareModel(8, 20.0, 100.0, 3.0), "median of 3 of your jobs of the last 14 days, sacct"
+    )
+    assert expected.spares == 1
+    assert "#SBATCH --nodes=9  " in script and "# 8 to train on + 1 spare" in script
+    assert f"\n# {expected.line}\n" in script
+    assert f"hpctrain sbatch: {expected.line}\n" in err
+    # the job's steps train on slurm.nodes of them: the rest stand by
+    assert "slurm.spare_nodes=auto" in script
+
+
+def test_a_profile_queue_wait_that_is_not_hours_is_refused(tmp_path: Path) -> None:
+    profile = tmp_path / "bad.yaml"
+    text = (REPO / "configs" / "clusters" / "local-dev.yaml").read_text()
+    profile.write_text(text.replace("queue_wait_hours: 0.0033", "queue_wait_hours: soon"))
+    with pytest.raises(LaunchError, match=r"bad.yaml: queue_wait_hours='soon' is not a number"):
+        load_profile(str(profile))

@@ -198,6 +198,12 @@ def test_the_report_reads_the_run_folder_and_says_every_part(tmp_path: Path) -> 
     assert "queue wait: 21 s in the queue" in text
     assert "attempt 1 (job 7): signal, 2 task(s), 48 s" in text
     assert json.loads(json.dumps(goodput.to_json()))["lost_steps"] == 4
+    # no spare (1 node): one would have idled 139 s x 8 CPUs, and no requeue set a node aside
+    assert (
+        "  spare nodes: none; one would have cost 0.3089 CPU core-hours idle and saved 0.0000 "
+        "CPU core-hours (0 requeue(s) x 10 s of queue wait at the job's size)"
+    ) in lines
+    assert goodput.to_json()["spare"]["cost_hours"] == pytest.approx(139 * 8 / 3600)
 
 
 def test_without_sacct_the_attempts_give_the_allocations(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from hpctrain.resilience.restart_policy import (
     REQUEUE_EXIT_CODE,
+    RETRYABLE,
     AttemptRecord,
     Failure,
     Policy,
@@ -21,6 +22,7 @@ from hpctrain.resilience.restart_policy import (
     RankEnd,
     classify,
     decide,
+    lost_seconds,
     no_progress_run,
     place,
 )
@@ -182,6 +184,60 @@ def test_restarts_run_out_into_a_requeue_then_a_stop() -> None:
     assert done.action == "stop" and "slurm.max_restarts, slurm.max_requeues" in done.line
 
 
+def test_restarts_go_on_while_attempts_progress_without_a_count() -> None:
+    """slurm.max_restarts unset (0): a fourth, a tenth failure in one allocation restarts in
+    it as long as each attempt committed a new checkpoint."""
+    failure = classify([ended(0, 1.0, sig=KILL)], srun_status=137)
+    progressing = [
+        record("distributed", committed=10 * i, resumed=10 * (i - 1)) for i in range(1, 10)
+    ]
+    tenth = decide(failure, history=progressing, policy=Policy(nodes=2), step_reached=95,
+                   committed_start=90, committed_end=93, restarts_here=9, requeues=0,
+                   job_running=True)  # fmt: skip
+    assert tenth.action == "restart" and tenth.line.endswith(
+        "at step 95; restarting in this allocation (restart 10)"
+    )
+    counted = Policy(nodes=2, max_restarts=3)  # those who set it keep their bound
+    assert decide(failure, history=progressing, policy=counted, step_reached=95,
+                  committed_start=90, committed_end=93, restarts_here=3, requeues=0,
+                  job_running=True).action == "requeue"  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kind", "resumed", "committed", "step", "lost"),
+    [
+        ("signal", 10, 10, 18, 100.0),  # committed nothing new: all of it
+        ("signal", None, None, 5, 100.0),  # nothing committed at all
+        ("signal", 10, 20, 30, 50.0),  # 20 steps trained, 10 past the commit: half
+        ("hang", None, 10, 40, 75.0),  # from step 0: 30 of 40 past the commit
+        ("transient", 10, 20, 20, 0.0),  # failed right at its commit
+        ("user", 10, 10, 12, 0.0),  # not a failure the budget counts (never retried anyway)
+        ("completed", 10, 20, 30, 0.0),
+        ("preempted", 10, 10, 12, 0.0),  # announced: saved for
+    ],
+)
+def test_the_seconds_a_failure_lost(kind: str, resumed: int | None, committed: int | None,
+                                    step: int, lost: float) -> None:  # fmt: skip
+    assert lost_seconds(0.0, 100.0, kind=kind, resumed_from=resumed, committed=committed,
+                        step_reached=step) == pytest.approx(lost)  # fmt: skip
+
+
+def test_failures_over_max_failure_share_of_the_allocation_stop_the_run() -> None:
+    failure = classify([ended(0, 1.0, sig=KILL)], srun_status=137)
+    bounded = Policy(nodes=2, max_failure_share=0.25)
+    args = {"history": [], "step_reached": 12, "committed_start": 10, "committed_end": 11,
+            "restarts_here": 0, "requeues": 0, "job_running": True}  # fmt: skip
+    stop = decide(failure, policy=bounded, failure_share=0.3, **args)  # type: ignore[arg-type]
+    assert (stop.action, stop.exit_code) == ("stop", 128 + KILL)
+    assert stop.line == (
+        "stopped: failures took 30 % of this allocation (slurm.max_failure_share=0.25); "
+        "last failure: rank 0 on n1 killed by SIGKILL at step 12"
+    )
+    assert decide(failure, policy=bounded, failure_share=0.2, **args).action == "restart"  # type: ignore[arg-type]
+    unbounded = decide(failure, policy=Policy(nodes=2), failure_share=0.9, **args)  # type: ignore[arg-type]
+    assert unbounded.action == "restart"
+
+
 def test_preemption_and_time_limit_requeue_within_max_requeues() -> None:
     saved = Failure("preempted", ended(0, 1.0, code=REQUEUE_EXIT_CODE))
     assert (verdict(saved).action, verdict(saved).kind) == ("requeue", "preempted")
@@ -237,35 +293,167 @@ def test_place_trains_anyway_when_every_node_fails_the_same_shared_check() -> No
     )
 
 
+# ------------------------------------------------------------------------------ the table
+# One case per row of docs/clusters.md's "which failures are retried": how the ranks ended,
+# the history before, the kind named and what follows.
+STUCK = record("signal", committed=10, resumed=10, code=None, node="n2")  # committed nothing
+ROWS = {
+    "exit 2-6 on any rank: the user's, whatever else happened": (
+        [ended(0, 2.0, sig=KILL), ended(1, 1.0, code=4), ended(2, 3.0, code=7)], [],
+        "user", "stop",
+    ),
+    "exit 1 at a new step": ([ended(0, 1.0, code=1), ended(1, 1.2, code=7)], [], "error", "restart"),
+    "exit 1 at the step of the attempt before": (
+        [ended(0, 1.0, code=1)], [record("error", step=12)], "bug", "stop",
+    ),
+    "exit 8: a loader worker killed (OOM) or stuck, a shard read past its retries": (
+        [ended(0, 1.0, code=7), ended(1, 0.9, code=8), ended(2, 1.1, sig=TERM)], [],
+        "transient", "restart",
+    ),
+    "killed by a signal SLURM does not send": (
+        [ended(0, 1.0, code=7), ended(1, 0.9, sig=KILL)], [], "signal", "restart",
+    ),
+    "exit 7 on every failed rank": ([ended(0, 1.0, code=7), ended(1, 1.1, code=7)], [],
+                                    "distributed", "restart"),
+    "exit 7 on the others while one rank never ended": (
+        [ended(0, 9.0, code=7), RankEnd(1, "n1", started=0.0)], [], "hang", "restart",
+    ),
+    "ranks that never started, nothing else failed": (
+        [ended(0, 1.0, code=7), ended(1, 1.0, code=7), RankEnd(2, "n2"), RankEnd(3, "n2")], [],
+        "lost", "requeue",  # set aside: without a spare, through the queue
+    ),
+    "exit 75 (saved after USR2/TERM) or SLURM's own TERM": (
+        [ended(0, 1.0, code=REQUEUE_EXIT_CODE), ended(1, 1.1, sig=TERM)], [],
+        "preempted", "requeue",
+    ),
+    "a retried failure after attempts that committed nothing (slurm.max_no_progress)": (
+        [ended(0, 1.0, code=8)], [STUCK], "transient", "stop",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("row", list(ROWS))
+def test_each_row_of_the_retry_table(row: str) -> None:
+    ranks, history, kind, action = ROWS[row]
+    progress = {} if history == [STUCK] else {"committed_end": 12}
+    result = verdict(classify(ranks, srun_status=1), history, **progress)
+    assert (result.kind, result.action) == (kind, action), result.line
+    if kind == "user":
+        assert result.exit_code == 4 and result.culprit is not None and result.culprit.rank == 1
+    if kind == "transient":
+        assert result.exclude == () and "exited 8" in result.line  # no node blamed
+
+
+def test_a_job_no_longer_running_and_a_failed_probe_are_the_tables_last_rows() -> None:
+    gone = verdict(classify([ended(0, 1.0, code=8)], srun_status=8), job_running=False)
+    assert (gone.kind, gone.action) == ("cancelled", "stop")
+    probe = verdict(Failure("probe"), set_aside=["n2"], committed_end=10)
+    assert (probe.kind, probe.action, probe.exclude) == ("probe", "requeue", ("n2",))
+
+
+def test_a_user_error_before_sruns_sigkill_of_a_slow_peer_is_still_the_users() -> None:
+    """srun ends a step whose task failed with TERM, then SIGKILL after KillWait: the rank
+    that was slow to leave dies of a signal, and was not the failure."""
+    ranks = [ended(0, 1.0, code=2), ended(1, 31.0, sig=KILL)]
+    assert classify(ranks, srun_status=2) == Failure("user", ranks[0])
+
+
 # ------------------------------------------------------------------------------ properties
+EXITS = [0, 1, 2, 3, 4, 5, 6, 7, 8, 75, 137]
 rank_end = st.builds(
     RankEnd,
     rank=st.integers(0, 7),
     node=st.sampled_from(["n1", "n2", "n3"]),
     started=st.one_of(st.none(), st.floats(0, 10)),
-    ended=st.one_of(st.none(), st.floats(10, 20)),
-    exit_code=st.one_of(st.none(), st.sampled_from([0, 1, 2, 3, 4, 5, 6, 7, 75, 137])),
+    ended=st.one_of(st.none(), st.floats(10, 20)),  # none: no end record
+    exit_code=st.one_of(st.none(), st.sampled_from(EXITS)),
     signal=st.one_of(st.none(), st.sampled_from([KILL, TERM, SEGV, int(signal.SIGUSR2)])),
+)
+steps = st.one_of(st.none(), st.integers(0, 30))
+past = st.builds(
+    record,
+    st.sampled_from(["error", "bug", "transient", "signal", "distributed", "hang", "lost",
+                     "probe", "preempted", "time_limit", "interrupted", "cancelled"]),
+    committed=steps, resumed=steps, step=steps, code=st.sampled_from([None, 1, 7, 8]),
+    node=st.sampled_from(["n1", "n2", "n3"]),
+)  # fmt: skip
+policies = st.builds(
+    Policy,
+    nodes=st.just(2),
+    max_restarts=st.integers(0, 3),
+    max_requeues=st.integers(0, 3),
+    max_no_progress=st.integers(0, 3),
+    max_failure_share=st.sampled_from([0.0, 0.1, 0.5]),
 )
 
 
-@settings(max_examples=300, deadline=None)
-@given(ranks=st.lists(rank_end, min_size=1, max_size=8), restarts=st.integers(0, 5),
-       requeues=st.integers(0, 5), spares=st.integers(0, 2))  # fmt: skip
-def test_every_outcome_gets_a_verdict_and_the_users_error_is_never_retried(
-    ranks: list[RankEnd], restarts: int, requeues: int, spares: int
-) -> None:
+def users_exit(ranks: list[RankEnd]) -> int | None:
+    """The first (by end) exit 2-6 of a rank that ended by itself, if any."""
+    codes = sorted((r.ended, r.rank, r.exit_code) for r in ranks
+                   if r.ended is not None and r.signal is None and r.exit_code in range(2, 7))  # fmt: skip
+    return codes[0][2] if codes else None
+
+
+def stalled(history: list[AttemptRecord], progressed: bool) -> int:
+    """Attempts in a row, this one included, that committed nothing (the table's rule)."""
+    if progressed:
+        return 0
+    count = 1
+    for r in reversed(history):
+        if r.committed is not None and (r.resumed_from is None or r.committed > r.resumed_from):
+            break
+        count += r.kind not in ("preempted", "time_limit", "cancelled", "interrupted")
+    return count
+
+
+@settings(max_examples=200, deadline=None)
+@given(ranks=st.lists(rank_end, min_size=1, max_size=8), history=st.lists(past, max_size=4),
+       policy=policies, restarts=st.integers(0, 5), requeues=st.integers(0, 4),
+       spares=st.integers(0, 2), start=steps, end=steps, step=steps,
+       share=st.floats(0, 1), running=st.booleans())  # fmt: skip
+def test_no_user_error_is_retried_and_no_transient_failure_stops_but_by_the_rules(
+    ranks: list[RankEnd], history: list[AttemptRecord], policy: Policy, restarts: int,
+    requeues: int, spares: int, start: int | None, end: int | None, step: int | None,
+    share: float, running: bool,
+) -> None:  # fmt: skip
+    """Any combination of rank ends (exit codes, signals, missing records, orders), history
+    and budget. A user's exit 2-6 on any rank stops the job with that code; a failure that
+    is not the user's is restarted or requeued, and stops only by one of the table's rules:
+    the job is no longer running, the same exit 1 at the same step (a bug), no progress
+    (`slurm.max_no_progress` attempts in a row without a new checkpoint), failures over
+    `slurm.max_failure_share` of the allocation, or no requeue left when it had to requeue."""
     failure = classify(ranks, srun_status=1)
     if failure.culprit is not None:
         assert failure.culprit in ranks
-    result = verdict(failure, restarts_here=restarts, requeues=requeues, healthy_spares=spares)
+    result = decide(
+        failure, history=history, policy=policy, step_reached=step, committed_start=start,
+        committed_end=end, restarts_here=restarts, requeues=requeues, job_running=running,
+        healthy_spares=spares, failure_share=share,
+    )  # fmt: skip
     assert result.action in ("done", "restart", "requeue", "stop") and "\n" not in result.line
-    if failure.kind == "user":
-        assert result.action == "stop" and 2 <= result.exit_code <= 6
-    if result.action == "restart":
-        assert restarts < POLICY.max_restarts and (not result.exclude or spares > 0)
-    if result.action == "requeue":
-        assert requeues < POLICY.max_requeues
+    code = users_exit(ranks)
+    if code is not None:
+        assert failure.kind == "user" and result.action == "stop"
+        assert result.exit_code == code or not running
+        return
+    assert failure.kind != "user"
+    if failure.kind not in RETRYABLE or result.action != "stop":
+        if result.action == "requeue":
+            assert requeues < policy.max_requeues
+        return
+    progressed = end is not None and (start is None or end > start)
+    may_stop = [
+        not running and result.kind == "cancelled",
+        result.kind == "bug" and failure.kind == "error",
+        bool(policy.max_no_progress)
+        and stalled(history, progressed) >= policy.max_no_progress
+        and "no progress" in result.line,
+        bool(policy.max_failure_share)
+        and share > policy.max_failure_share
+        and "slurm.max_failure_share" in result.line,
+        requeues >= policy.max_requeues and "requeues done" in result.line,
+    ]
+    assert any(may_stop), (failure, result)
 
 
 def test_the_requeue_code_is_the_trainers() -> None:

@@ -59,7 +59,7 @@ from hpctrain.distributed.signals import (
     start_forkserver,
     unblock_job_signals,
 )
-from hpctrain.errors import DataError
+from hpctrain.errors import TransientDataError
 
 _DONE = object()
 POLL_S = 1.0  # how often a waiting worker checks that the training process is alive
@@ -68,12 +68,18 @@ ACTIVITY_BYTES = 512  # a worker's "what I am reading" text, shared with the tra
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-class WorkerDiedError(DataError, RuntimeError):
-    """A loader worker process ended without being asked to (killed, crashed, out of memory)."""
+class WorkerDiedError(TransientDataError, RuntimeError):
+    """A loader worker process ended without being asked to (killed, crashed, out of memory).
+
+    Transient (exit 8, retried by the job script): the OOM killer's likeliest victim on a node
+    is a loader worker, and a new attempt starts new workers. A worker that keeps dying at the
+    same place stops the run by `slurm.max_no_progress`.
+    """
 
 
 class WorkerTimeoutError(WorkerDiedError):
-    """A loader worker that sent nothing for `data.timeout_s` (names it and its shard)."""
+    """A loader worker that sent nothing for `data.timeout_s` (names it and its shard): stuck
+    on a hung file system or a stalled read; transient like a death."""
 
 
 # In a worker: its shared activity text (None in the training process).

@@ -23,10 +23,14 @@ from hpctrain.config.load import load_yaml
 from hpctrain.errors import LaunchError  # defined there since resilience/ raises it too
 from hpctrain.launch.container import container_binds
 from hpctrain.resilience import failure_rate
+from hpctrain.resilience.spares import SpareModel, choose_spares
 
 PROFILES_ENV = "HPCTRAIN_CLUSTERS_DIR"
 CONTAINER_RUNTIMES = ("apptainer", "singularity")
 FABRICS = ("", "infiniband", "ethernet")  # distributed/fabric.py checks NCCL uses it
+# A requeue's wait in the queue where neither sacct nor the profile says (slurm.spare_nodes:
+# auto): a stated guess for a busy site's multi-node job, not a measurement.
+DEFAULT_QUEUE_WAIT_HOURS = 1.0
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,9 @@ class ClusterProfile:
     # One node's mean time between failures, hours: the prior of checkpoint.every_minutes=auto
     # (hpctrain.resilience.failure_rate); a job on N nodes fails N times as often.
     mtbf_node_hours: float = DEFAULT_NODE_MTBF_HOURS
+    # A requeue's typical wait in the queue, hours: what `slurm.spare_nodes: auto` weighs a
+    # spare against when sacct knows no earlier job (hpctrain.resilience.spares).
+    queue_wait_hours: float = DEFAULT_QUEUE_WAIT_HOURS
     # The newest CUDA the nodes' NVIDIA driver runs (nvidia-smi's "CUDA Version", e.g. 12.4),
     # as the site documents it; "": unknown. A torch built for a newer CUDA major cannot start.
     driver_cuda: str = ""
@@ -106,6 +113,7 @@ class JobSpec:
     probe: bool = True  # the health probe before each attempt (resilience/probe.py)
     fabric: str = ""  # the profile's interconnect, exported to the tasks (HPCTRAIN_FABRIC)
     driver_cuda: str = ""  # the profile's documented driver CUDA version; "": unknown
+    spare_reason: str = ""  # slurm.spare_nodes=auto: why `spare_nodes` spares, in one line
 
     @property
     def allocated_nodes(self) -> int:
@@ -181,7 +189,7 @@ def parse_profile(data: Any, source: str) -> ClusterProfile:
         "name", "description", "account_suffix", "hint", "request_gpus", "default_partition",
         "partitions", "qos", "default_qos", "default_time", "precisions", "setup", "run_root",
         "cache_root", "gpu_arch", "container_runtime", "qos_max_gpus", "qos_max_nodes",
-        "node_local_dir", "fabric", "mtbf_node_hours", "driver_cuda",
+        "node_local_dir", "fabric", "mtbf_node_hours", "driver_cuda", "queue_wait_hours",
     }  # fmt: skip
     unknown = sorted(set(data) - known)
     if unknown:
@@ -238,6 +246,7 @@ def parse_profile(data: Any, source: str) -> ClusterProfile:
         qos_max_nodes=per_job["qos_max_nodes"],
         fabric=str(data.get("fabric", "") or ""),
         mtbf_node_hours=_mtbf_node_hours(data, source),
+        queue_wait_hours=_queue_wait_hours(data, source),
         driver_cuda=str(data.get("driver_cuda", "") or ""),
     )
     driver = data.get("driver_cuda", "") or ""
@@ -278,6 +287,16 @@ def _mtbf_node_hours(data: dict[str, Any], source: str) -> float:
         raise LaunchError(
             f"{source}: mtbf_node_hours={value!r} is not a positive number (hours between "
             "failures of one node)"
+        )
+    return float(value)
+
+
+def _queue_wait_hours(data: dict[str, Any], source: str) -> float:
+    value = data.get("queue_wait_hours", DEFAULT_QUEUE_WAIT_HOURS)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise LaunchError(
+            f"{source}: queue_wait_hours={value!r} is not a number of hours >= 0 (a requeue's "
+            "wait in the queue)"
         )
     return float(value)
 
@@ -371,8 +390,13 @@ def check_job_size(profile: ClusterProfile, qos: str, nodes: int, gpus_per_node:
         )
 
 
-def resolve_job(cfg: Config, profile: ClusterProfile) -> JobSpec:
+def resolve_job(
+    cfg: Config, profile: ClusterProfile, *, queue_wait: tuple[float, str] | None = None
+) -> JobSpec:
     """Merge the profile with `cfg.slurm` overrides and check the result against the profile.
+
+    `queue_wait`: (hours, where from) measured for `slurm.spare_nodes: auto`
+    (`resilience.spares.measured_queue_wait`); None: the profile's `queue_wait_hours`.
 
     Raises:
         LaunchError: one line naming the key, the value and what is allowed.
@@ -420,6 +444,15 @@ def resolve_job(cfg: Config, profile: ClusterProfile) -> JobSpec:
         raise LaunchError(
             f"slurm.signal_margin_s={s.signal_margin_s}: must be below the wall time ({minutes * 60} s)"
         )
+    spares, reason = s.spare_nodes, ""
+    if spares == "auto":
+        hours, where = queue_wait or (
+            profile.queue_wait_hours,
+            f"profile {profile.name}'s queue_wait_hours",
+        )
+        model = SpareModel(s.nodes, minutes / 60, profile.mtbf_node_hours, hours)
+        choice = choose_spares(model, where)
+        spares, reason = choice.spares, choice.line
     return JobSpec(
         profile=profile.name,
         job_name=job_name_for(cfg),
@@ -441,7 +474,8 @@ def resolve_job(cfg: Config, profile: ClusterProfile) -> JobSpec:
         container=s.container,
         container_runtime=profile.container_runtime,
         container_binds=container_binds(cfg) if s.container else (),
-        spare_nodes=s.spare_nodes,
+        spare_nodes=spares,
+        spare_reason=reason,
         probe=s.probe,
         fabric=profile.fabric,
         driver_cuda=profile.driver_cuda,

@@ -186,6 +186,8 @@ def _header_lines(job: JobSpec, log_path: str, description: str, array: str) -> 
     if description:
         lines.append(f"# {check_setup_line(description, 'description')}")
     lines.append("# Edit freely; submit with: sbatch THIS_FILE")
+    if job.spare_reason:  # how many spares slurm.spare_nodes=auto chose, and why
+        lines.append(f"# {' '.join(job.spare_reason.split())}")
     options = sbatch_options(job, log_path=log_path)
     if array:
         options.append(("array", array, "one task per sweep point, %N: at most N at once"))

@@ -44,6 +44,8 @@ from hpctrain.resilience.restart_policy import (
     Verdict,
     classify,
     decide,
+    failure_seconds,
+    lost_seconds,
     place,
 )
 
@@ -93,6 +95,27 @@ def newest_committed(root: str) -> int | None:
     return int(text[5:]) if text.startswith("step-") and text[5:].isdigit() else None
 
 
+def pointer_mark(root: str) -> str | None:
+    """What tells one commit of the `latest` pointer from another, even of the same step (a
+    rollback that saves step 20 again): its text, and when and as what file it was written
+    (each commit replaces it by a rename). None: no pointer."""
+    try:
+        if "://" in root:
+            import fsspec
+
+            fs, path = fsspec.core.url_to_fs(f"{root.rstrip('/')}/{LATEST_POINTER}")
+            info = fs.info(path)
+            with fs.open(path, "rt") as f:
+                text = f.read().strip()
+            stamp = info.get("LastModified") or info.get("mtime") or info.get("ETag") or ""
+            return f"{text}|{stamp}"
+        path = Path(os.path.expandvars(root)) / LATEST_POINTER
+        stat = path.stat()
+        return f"{path.read_text().strip()}|{stat.st_mtime_ns}|{stat.st_ino}"
+    except (OSError, ValueError):
+        return None
+
+
 def steps_logged_since(run_dir: Path, offset: int) -> int | None:
     """The highest training step metrics.jsonl got after byte `offset` (None: none)."""
     path = run_dir / "metrics.jsonl"
@@ -126,15 +149,18 @@ def policy_of(cfg: Config, job: JobFacts) -> Policy:
         max_restarts=s.max_restarts,
         max_requeues=s.max_requeues,
         max_no_progress=s.max_no_progress,
+        max_failure_share=s.max_failure_share,
     )
 
 
 def nodes_to_train(cfg: Config, job: JobFacts) -> int:
     """The allocation's nodes less `slurm.spare_nodes`: what `#SBATCH --nodes` asked for, so a
-    script edited by hand (more nodes) trains on them all. `slurm.nodes` outside a job."""
-    if not job.allocation:
+    script edited by hand (more nodes) trains on them all. `slurm.nodes` outside a job, and
+    with `slurm.spare_nodes: auto` (the spares chosen when the job was rendered are the rest)."""
+    spares = cfg.slurm.spare_nodes
+    if not job.allocation or spares == "auto":
         return cfg.slurm.nodes
-    return max(1, len(job.allocation) - cfg.slurm.spare_nodes)
+    return max(1, len(job.allocation) - spares)
 
 
 @dataclass(frozen=True)
@@ -146,6 +172,7 @@ class JobFacts:
     allocation: tuple[str, ...]
     tasks_per_node: int
     end_time: float | None
+    start_time: float | None = None  # SLURM_JOB_START_TIME (SLURM 23.02 on)
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str]) -> JobFacts:
@@ -155,12 +182,14 @@ class JobFacts:
         nodes = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
         tasks = env.get("SLURM_NTASKS_PER_NODE", "") or env.get("SLURM_TASKS_PER_NODE", "1")
         end = env.get("SLURM_JOB_END_TIME", "")
+        start = env.get("SLURM_JOB_START_TIME", "")
         return cls(
             job_id=job,
             restart=int(env.get("SLURM_RESTART_COUNT", "0") or 0),
             allocation=tuple(expand_hostlist(nodes)) if nodes else (),
             tasks_per_node=int(tasks.split("(")[0].split(",")[0] or 1),
             end_time=float(end) if end.isdigit() else None,
+            start_time=float(start) if start.isdigit() else None,
         )
 
 
@@ -234,6 +263,37 @@ def close_unfinished(run_dir: Path, records: list[AttemptRecord], root: str) -> 
     return records
 
 
+def submission_start(
+    folders: Path, number: int, job: JobFacts, records: Sequence[AttemptRecord]
+) -> dict[str, Any] | None:
+    """Where the submission (the job id, its requeues included) attempt `number` belongs to
+    started: what the previous attempt's `begin.json` says, when it was of this job and did
+    not end it (done, stop). None: this attempt starts the submission."""
+    ended = {r.attempt for r in records if r.decision in ("done", "stop")}
+    start: dict[str, Any] | None = None
+    for earlier in range(number - 1, 0, -1):
+        begun = _read_json(folders / str(earlier) / "begin.json")
+        if not begun:
+            continue  # a folder its job shell was killed in before it wrote begin.json
+        if begun.get("job_id") != job.job_id or earlier in ended:
+            break
+        if isinstance(begun.get("submission"), dict):
+            return dict(begun["submission"])
+        # an older job script's record, without the submission: its first attempt's step
+        start = {k: begun.get(k) for k in ("job_id", "restart", "attempt", "committed")}
+    return start
+
+
+def committed_here(submission: Mapping[str, Any], committed: int | None, mark: str | None) -> bool:
+    """The newest checkpoint was committed by this submission: the `latest` pointer was
+    written since it started (its step alone, for records without the pointer's mark)."""
+    if committed is None:
+        return False
+    if "pointer" in submission:
+        return mark != submission["pointer"]
+    return committed != submission.get("committed")
+
+
 def begin(cfg: Config, job: JobFacts, *, down: Sequence[str] = ()) -> str:
     """Start an attempt: its number and folder, the nodes to probe, the resume to ask for."""
     run_dir = Path(cfg.run_dir)
@@ -249,20 +309,27 @@ def begin(cfg: Config, job: JobFacts, *, down: Sequence[str] = ()) -> str:
         {n for r in records if same_allocation(r, job) for n in r.set_aside}
         | (set(down) & set(job.allocation))
     )
-    committed = newest_committed(root)
+    committed, mark = newest_committed(root), pointer_mark(root)
+    submission = submission_start(folders, number, job, records) or {
+        "job_id": job.job_id, "restart": job.restart, "attempt": number,
+        "committed": committed, "pointer": mark,
+    }  # fmt: skip
     _write_json(
         folder / "begin.json",
         {
             "attempt": number, "job_id": job.job_id, "restart": job.restart,
             "start": time.time(), "excluded": excluded, "committed": committed,
-            "metrics_offset": _size(run_dir / "metrics.jsonl"),
+            "metrics_offset": _size(run_dir / "metrics.jsonl"), "submission": submission,
         },
     )  # fmt: skip
     probe = [n for n in job.allocation if n not in excluded]
-    # After a failure or a requeue, continue from the run's own newest checkpoint, whatever
-    # the config's checkpoint.resume says (none, or a path: the run's start).
-    again = (bool(records) and records[-1].decision in ("restart", "requeue")) or job.restart > 0
-    resume = ["checkpoint.resume=latest"] if again and committed is not None else []
+    # A later attempt of the same submission (a restart, a requeue) continues from the
+    # checkpoint that submission committed, whatever its checkpoint.resume says (none, or a
+    # path: where the submission started). Until it has committed one, the user's choice
+    # stands: a new job that rolls back to a path after an interrupted one, a `--resume none`
+    # job whose first attempt failed its probe.
+    own = committed_here(submission, committed, mark)
+    resume = ["checkpoint.resume=latest"] if own else []
     aside = f", {','.join(excluded)} set aside" if excluded else ""
     _say(
         f"attempt {number} (job {job.job_id}, restart {job.restart}) probes {','.join(probe)}{aside}"
@@ -366,6 +433,19 @@ def read_ranks(folder: Path, nodes: Sequence[str], tasks_per_node: int) -> list[
     return ranks
 
 
+def allocation_share(
+    job: JobFacts, here: Sequence[AttemptRecord], started: float, seconds: float
+) -> float:
+    """`seconds` as a share of this allocation's length, from its start (SLURM's, else its
+    first attempt's) to its end time; 0 when the end time is unknown (the job scripts ask
+    squeue for it where SLURM does not export it)."""
+    if job.end_time is None:
+        return 0.0
+    start = job.start_time or min([started, *(r.start for r in here)])
+    length = job.end_time - start
+    return seconds / length if length > 0 else 0.0
+
+
 def end_attempt(cfg: Config, job: JobFacts, *, srun_status: int, state: str) -> str:
     """After the training step: the attempt's record, and what the job does next."""
     run_dir = Path(cfg.run_dir)
@@ -378,18 +458,28 @@ def end_attempt(cfg: Config, job: JobFacts, *, srun_status: int, state: str) -> 
     excluded = {*begun.get("excluded", []), *placed.get("set_aside", {})}
     available = [n for n in job.allocation if n not in excluded]
     margin = max(cfg.slurm.signal_margin_s, cfg.checkpoint.deadline_margin_s) + TIME_LIMIT_SLACK_S
+    now = time.time()
+    failure = classify(ranks, srun_status=srun_status)
+    committed_end = newest_committed(cfg.checkpoint_root())
+    step_reached = steps_logged_since(run_dir, begun.get("metrics_offset", 0))
+    here = [r for r in records if same_allocation(r, job)]
+    lost = failure_seconds(here) + lost_seconds(
+        float(begun["start"]), now, kind=failure.kind, resumed_from=begun.get("committed"),
+        committed=committed_end, step_reached=step_reached,
+    )  # fmt: skip
     verdict = decide(
-        classify(ranks, srun_status=srun_status),
+        failure,
         history=records,
         policy=policy_of(cfg, job),
-        step_reached=steps_logged_since(run_dir, begun.get("metrics_offset", 0)),
+        step_reached=step_reached,
         committed_start=begun.get("committed"),
-        committed_end=newest_committed(cfg.checkpoint_root()),
-        restarts_here=sum(same_allocation(r, job) for r in records),
+        committed_end=committed_end,
+        restarts_here=len(here),
         requeues=job.restart,
         job_running=state in ("RUNNING", ""),
-        near_time_limit=job.end_time is not None and job.end_time - time.time() <= margin,
+        near_time_limit=job.end_time is not None and job.end_time - now <= margin,
         healthy_spares=len(available) - nodes_to_train(cfg, job),
+        failure_share=allocation_share(job, here, float(begun["start"]), lost),
     )
     return _finish(cfg, job, folder, begun, verdict, ranks=ranks, srun_status=srun_status)
 
@@ -421,9 +511,12 @@ def _finish(
         resumed_from=begun.get("committed"), committed=newest_committed(cfg.checkpoint_root()),
         set_aside=set_aside, srun_status=srun_status, exit_code=verdict.exit_code,
     )  # fmt: skip
+    # A requeue excludes every node set aside in this allocation, not this attempt's only:
+    # an earlier attempt's blamed node would come back in the next allocation otherwise.
+    earlier = [r for r in read_records(run_dir) if same_allocation(r, job)]
     append_record(run_dir, record)
     _say(f"attempt {record.attempt}: {verdict.line}")
-    exclude = sorted(set(verdict.exclude) | set(placed.get("set_aside", {})))
+    exclude = sorted({n for r in [*earlier, record] for n in r.set_aside})
     return _shell(NEXT=verdict.action, EXCLUDE=",".join(exclude), EXIT=verdict.exit_code)
 
 

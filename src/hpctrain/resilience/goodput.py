@@ -165,6 +165,7 @@ class Goodput:
     rows: list[Row]
     source: str  # where the allocations came from: "sacct", "attempts" or "processes"
     notes: list[str] = field(default_factory=list)
+    spare: dict[str, Any] | None = None  # what a spare node saved or cost (resilience/spares.py)
 
     def part_hours(self) -> dict[str, float]:
         """Every part in the allocation's unit (hours x GPUs or CPUs)."""
@@ -229,6 +230,7 @@ class Goodput:
                 for r in self.rows
             ],
             "notes": self.notes,
+            "spare": self.spare,
         }  # fmt: skip
 
 

@@ -31,6 +31,7 @@ from hpctrain.resilience.goodput import (
 )
 from hpctrain.resilience.job_records import SACCT_TIMEOUT_S, read_job_record, recorded_job_ids
 from hpctrain.resilience.restart_policy import AttemptRecord
+from hpctrain.resilience.spares import SpareAllocation, describe_hindsight, spare_hindsight
 
 SACCT_FIELDS = "JobID,State,Submit,Start,End,NNodes,AllocTRES"
 LABELS = {
@@ -190,6 +191,7 @@ def run_goodput(
             allocations, unit = parse_allocations(text, records, time.time())
             goodput = account(allocations, records, trainers, unit=unit, source="sacct")
             goodput.notes = notes
+            goodput.spare = hindsight(goodput, records)
             return goodput
         notes.append(
             "sacct did not answer: each allocation is taken as the span of its attempts "
@@ -203,7 +205,28 @@ def run_goodput(
         notes.append("no SLURM job: each trainer process is counted from its start")
     goodput = account(allocations, records, trainers, unit="task-hours", source=source)
     goodput.notes = notes
+    goodput.spare = hindsight(goodput, records) if records else None
     return goodput
+
+
+def hindsight(goodput: Goodput, records: Sequence[AttemptRecord]) -> dict[str, Any] | None:
+    """What a spare node saved or cost this run (`resilience/spares.py`)."""
+    per_node = tasks_per_node(records)
+    return spare_hindsight(
+        [
+            SpareAllocation(
+                job_id=a.job_id,
+                restart=a.restart,
+                hours=(a.end - a.start) / 3600,
+                nodes=max(1, a.tasks // per_node),
+                units_per_node=a.units_per_task * per_node,
+                queue_wait_s=max(0.0, a.start - a.submit) if a.submit is not None else None,
+            )
+            for a in goodput.allocations
+        ],
+        records,
+        goodput.unit,
+    )
 
 
 def describe(goodput: Goodput) -> list[str]:
@@ -232,6 +255,8 @@ def describe(goodput: Goodput) -> list[str]:
             f"  queue wait: {wait:.0f} s in the queue, not allocated "
             f"({goodput.queue_wait_hours or 0.0:.4f} {goodput.unit} at the size asked for)"
         )
+    if goodput.spare is not None:
+        lines.append(describe_hindsight(goodput.spare))
     for r in goodput.rows:
         if r.attempt is None:
             continue

@@ -13,16 +13,24 @@ How a rank's end is read:
   SIGSEGV, SIGBUS, SIGABRT...) died of its own: the first one is the failure and its node is
   suspect;
 - an exit 2-6 is the user's (config, data, checkpoint, lock, launch: `hpctrain.errors`):
-  never retried; an exit 1 (an unexpected error) is retried unless the previous attempt
-  failed the same way at the same step (a bug);
+  never retried, whichever rank has it and whatever else happened (no new attempt cures
+  it); an exit 1 (an unexpected error) is retried unless the previous attempt failed the
+  same way at the same step (a bug);
+- an exit 8 (`EXIT_TRANSIENT`: a loader worker killed or stuck, a shard unreadable after its
+  retries) is a transient data fault: retried, no node blamed;
 - an exit 7 (`EXIT_DISTRIBUTED`: a peer vanished, a collective timed out) is what the other
   ranks see when one fails: it is the failure only when nothing else is; when such ranks
   gave up while another never ended (it was still stuck when srun killed the step) that one
   hung, and its node is suspect;
 - a rank without an end record died with its watcher (its node went away, or it hung until
   srun's SIGKILL).
-The earliest end wins among failures of one kind: the first rank to fail ends the step
-(`srun --kill-on-bad-exit=1`), and every other rank's end follows from it.
+Otherwise the earliest end wins among failures of one kind: the first rank to fail ends the
+step (`srun --kill-on-bad-exit=1`), and every other rank's end follows from it.
+
+What follows is bounded by progress and time, not by a count (docs/clusters.md): restarts go
+on while attempts commit new checkpoints; `slurm.max_no_progress` attempts in a row without
+one stop the run, and so does `slurm.max_failure_share` of the allocation lost to failures
+when it is set. `slurm.max_restarts` bounds the restarts of one allocation only when set.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from hpctrain.errors import EXIT_BUG, EXIT_DISTRIBUTED
+from hpctrain.errors import EXIT_BUG, EXIT_DISTRIBUTED, EXIT_TRANSIENT
 
 REQUEUE_EXIT_CODE = 75  # hpctrain.train.preemption's (checked by a test; no torch import here)
 USER_EXIT_CODES = frozenset(range(2, 7))  # config, data, checkpoint, locked, launch
@@ -54,6 +62,7 @@ Kind = Literal[
     "user",  # exit 2-6: config, data, checkpoint, lock, launch; never retried
     "bug",  # exit 1 at the same step as the attempt before: never retried
     "error",  # exit 1 (or another unexpected code) at a new step
+    "transient",  # exit 8: a loader worker killed or stuck, a shard unreadable after retries
     "signal",  # a rank killed by a signal SLURM does not send: OOM killer, kill -9, SIGSEGV
     "distributed",  # every failure is a distributed error: network, peer, collective timeout
     "hang",  # ranks gave up on a collective while one never ended
@@ -63,7 +72,9 @@ Kind = Literal[
 Action = Literal["done", "restart", "requeue", "stop"]
 
 # Failures hpctrain retries: not the user's (docs/clusters.md)
-RETRYABLE: frozenset[str] = frozenset({"error", "signal", "distributed", "hang", "lost", "probe"})
+RETRYABLE: frozenset[str] = frozenset(
+    {"error", "transient", "signal", "distributed", "hang", "lost", "probe"}
+)
 # Attempts that do not count against the run's progress: the scheduler ended them
 NOT_COUNTED: frozenset[str] = frozenset({"preempted", "time_limit", "cancelled", "interrupted"})
 
@@ -139,17 +150,20 @@ def classify(ranks: Sequence[RankEnd], *, srun_status: int) -> Failure:
     failed = sorted((r for r in ended if r.failed), key=lambda r: (r.ended or 0.0, r.rank))
     if failed and all(r.exit_code == REQUEUE_EXIT_CODE for r in failed):
         return Failure("preempted", failed[0])  # the ranks saved together and asked for it
-    by_itself = [r for r in failed if r.killed_by_itself]
-    if by_itself:
-        return Failure("signal", by_itself[0], by_itself[0].node)
     own = [
         r
         for r in failed
         if r.signal is None and r.exit_code not in (EXIT_DISTRIBUTED, REQUEUE_EXIT_CODE)
     ]
+    users = [r for r in own if r.exit_code in USER_EXIT_CODES]
+    if users:  # before a signal too: srun's SIGKILL of a rank slow to leave after it
+        return Failure("user", users[0])
+    by_itself = [r for r in failed if r.killed_by_itself]
+    if by_itself:
+        return Failure("signal", by_itself[0], by_itself[0].node)
     if own:
         first = own[0]
-        kind: Kind = "user" if first.exit_code in USER_EXIT_CODES else "error"
+        kind: Kind = "transient" if first.exit_code == EXIT_TRANSIENT else "error"
         return Failure(kind, first)
     never_started = [r for r in ranks if r.started is None]
     never_ended = [r for r in ranks if r.started is not None and r.ended is None]
@@ -217,9 +231,10 @@ class Policy:
     """The `slurm.*` keys the decisions follow."""
 
     nodes: int  # nodes an attempt trains on (slurm.nodes)
-    max_restarts: int = 3  # restarts inside one allocation
+    max_restarts: int = 0  # restarts inside one allocation; 0: no count limit
     max_requeues: int = 3  # requeues of the job (SLURM_RESTART_COUNT)
     max_no_progress: int = 2  # attempts in a row without a new checkpoint; 0: no limit
+    max_failure_share: float = 0.0  # of the allocation lost to failures; 0: no bound
 
 
 @dataclass(frozen=True)
@@ -248,6 +263,45 @@ def no_progress_run(history: Sequence[AttemptRecord]) -> int:
             continue
         count += 1
     return count
+
+
+def lost_seconds(
+    start: float,
+    end: float,
+    *,
+    kind: str,
+    resumed_from: int | None,
+    committed: int | None,
+    step_reached: int | None,
+) -> float:
+    """Seconds of one attempt lost to its failure: all of it when it committed no new
+    checkpoint, else the share of its steps past the newest commit (the next attempt trains
+    them again). Attempts that did not fail (done, preempted, the user's) lose none here.
+    An estimate from the attempts record alone; `status --goodput` measures it."""
+    if kind not in RETRYABLE:
+        return 0.0
+    span = max(0.0, end - start)
+    if committed is None or (resumed_from is not None and committed <= resumed_from):
+        return span
+    base = resumed_from or 0
+    if step_reached is None or step_reached <= committed:
+        return 0.0
+    return span * (step_reached - committed) / max(1, step_reached - base)
+
+
+def failure_seconds(records: Sequence[AttemptRecord]) -> float:
+    """`lost_seconds` of these attempts together."""
+    return sum(
+        lost_seconds(
+            r.start,
+            r.end,
+            kind=r.kind,
+            resumed_from=r.resumed_from,
+            committed=r.committed,
+            step_reached=r.step_reached,
+        )
+        for r in records
+    )
 
 
 def _same_bug(culprit: RankEnd, step: int | None, history: Sequence[AttemptRecord]) -> bool:
@@ -289,6 +343,7 @@ def decide(
     near_time_limit: bool = False,
     healthy_spares: int = 0,
     set_aside: Sequence[str] = (),
+    failure_share: float = 0.0,
 ) -> Verdict:
     """Done, restart, requeue or stop after an attempt that ended as `failure` says.
 
@@ -302,6 +357,8 @@ def decide(
         near_time_limit: the job's end time is within its signal margin.
         healthy_spares: nodes of the allocation beyond `policy.nodes` not set aside.
         set_aside: for a failed probe ("probe"): the nodes that failed it.
+        failure_share: the share of this allocation lost to failures so far, this one
+            included (`failure_seconds` over the allocation's length).
     """
     kind, culprit = failure.kind, failure.culprit
     if kind == "completed":
@@ -352,17 +409,28 @@ def decide(
             f"stopped: no progress ({stalled} attempts in a row committed no checkpoint, slurm.max_no_progress={policy.max_no_progress}); last failure: {last}",
             exit_code=code, culprit=culprit,
         )  # fmt: skip
+    if policy.max_failure_share and failure_share > policy.max_failure_share:
+        return Verdict(
+            "stop", kind,
+            f"stopped: failures took {100 * failure_share:.0f} % of this allocation (slurm.max_failure_share={policy.max_failure_share:g}); last failure: {last}",
+            exit_code=code, culprit=culprit,
+        )  # fmt: skip
     exclude: tuple[str, ...] = tuple(set_aside)
     node = failure.suspect_node
     if node and (kind == "lost" or healthy_spares > 0 or _suspect_again(node, history)):
         exclude = (node,)  # set aside: a spare takes its place, or it failed twice running
     node = ", ".join(exclude)
     in_place = kind != "probe" and not (exclude and healthy_spares == 0)
-    if restarts_here < policy.max_restarts and in_place:
+    counted = policy.max_restarts > 0  # 0: restarts go on while attempts progress
+    if in_place and (not counted or restarts_here < policy.max_restarts):
         aside = f"; {node} set aside" if exclude else ""
+        count = (
+            f"{restarts_here + 1}/{policy.max_restarts}, slurm.max_restarts"
+            if counted
+            else f"restart {restarts_here + 1}"
+        )
         return Verdict(
-            "restart", kind,
-            f"{last}; restarting in this allocation ({restarts_here + 1}/{policy.max_restarts}, slurm.max_restarts){aside}",
+            "restart", kind, f"{last}; restarting in this allocation ({count}){aside}",
             exclude=exclude, culprit=culprit,
         )  # fmt: skip
     if requeues < policy.max_requeues:
@@ -375,9 +443,11 @@ def decide(
         return Verdict(
             "requeue", kind, f"{last}; requeueing ({why})", exclude=exclude, culprit=culprit
         )
+    restarts = f"{policy.max_restarts} restarts and " if counted and in_place else ""
+    keys = "slurm.max_restarts, slurm.max_requeues" if restarts else "slurm.max_requeues"
     return Verdict(
         "stop", kind,
-        f"{last}; {policy.max_restarts} restarts and {policy.max_requeues} requeues done (slurm.max_restarts, slurm.max_requeues)",
+        f"{last}; {restarts}{policy.max_requeues} requeues done ({keys})",
         exit_code=code, culprit=culprit,
     )  # fmt: skip
 
@@ -468,6 +538,8 @@ __all__ = [
     "Verdict",
     "classify",
     "decide",
+    "failure_seconds",
+    "lost_seconds",
     "no_progress_run",
     "place",
 ]
