@@ -292,6 +292,7 @@ def read_probes(folder: Path) -> list[ProbeResult]:
     results = []
     for path in sorted(folder.glob("probe-*.json")):
         data = _read_json(path)
+        reached = data.get("peers_reached")  # the collective's hub only
         if data.get("node"):
             results.append(
                 ProbeResult(
@@ -299,6 +300,8 @@ def read_probes(folder: Path) -> list[ProbeResult]:
                     failed_check=str(data.get("failed_check", "")),
                     message=str(data.get("message", "")),
                     shared=bool(data.get("shared", False)),
+                    blames=str(data.get("blames", "")),
+                    peers_reached=reached if isinstance(reached, int) else None,
                 )
             )
     return results
