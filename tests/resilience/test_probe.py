@@ -102,3 +102,58 @@ def test_a_dead_hub_is_blamed_alone_and_the_others_train(tmp_path: Path) -> None
     assert (
         "the hub, reached by 0 node(s); 2 could not reach it (n2, n3)" in placed["set_aside"]["n0"]
     )
+
+
+@pytest.mark.slow  # two probes in threads (a fraction of a second)
+def test_on_an_infiniband_profile_the_probe_runs_on_the_fabric_and_hands_its_address_on(
+    tmp_path: Path,
+) -> None:
+    """The profile's `fabric_interface` is the loopback interface here (no InfiniBand): the
+    hub listens on it alone, each record holds the node's fabric address, and `place` hands
+    the first training node's to the ranks (their store's MASTER_ADDR)."""
+    from hpctrain.distributed import resolve_env
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "index.json").write_text("{}")
+    cfg = load_config(None, [f"run_dir={tmp_path / 'run'}", f"data.train={data / 'index.json'}"])
+    job = JobFacts(job_id="42", restart=0, allocation=("n1", "n2"), tasks_per_node=1,
+                   end_time=None)  # fmt: skip
+    begin(cfg, job)
+    folder = tmp_path / "run" / "slurm" / "attempts" / "1"
+    environ = {"HPCTRAIN_FABRIC": "infiniband", "HPCTRAIN_FABRIC_INTERFACE": "lo"}
+    records: dict[str, dict[str, object]] = {}
+
+    def probe(rank: int, node: str) -> None:
+        records[node] = run_probe(
+            folder, cfg, gpus=0, rank=rank, num_nodes=2, node=node, timeout_s=30, environ=environ
+        )
+
+    threads = [threading.Thread(target=probe, args=(r, n)) for r, n in enumerate(job.allocation)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert (folder / ADDRESS_FILE).read_text().split()[:2] == ["n1", "127.0.0.1"]
+    assert [records[n]["failed_check"] for n in ("n1", "n2")] == ["", ""]
+    assert records["n2"]["fabric_address"] == "127.0.0.1"
+    out = place_attempt(cfg, job)
+    assert "export HPCTRAIN_FABRIC_MASTER=n1=127.0.0.1" in out.splitlines()
+    step = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "n[1-2]",
+            "HPCTRAIN_FABRIC_MASTER": "n1=127.0.0.1"}  # fmt: skip
+    env = resolve_env(step)
+    assert (env.master_addr, env.master_from) == (
+        "127.0.0.1",
+        "n1's fabric address, from its health probe",
+    )
+    # the address of another step's first node is never taken
+    assert resolve_env({**step, "SLURM_STEP_NODELIST": "n[2-3]"}).master_addr == "n2"
+    # a node without the profile's interface fails the probe's fabric check
+    missing = run_probe(
+        tmp_path, cfg, gpus=0, rank=0, num_nodes=1, node="n3",
+        environ={**environ, "HPCTRAIN_FABRIC_INTERFACE": "ib9"},
+    )  # fmt: skip
+    assert missing["failed_check"] == "fabric"
+    assert str(missing["message"]).startswith(
+        "the cluster profile's fabric_interface=ib9: no such interface with an IPv4 address on n3"
+    )

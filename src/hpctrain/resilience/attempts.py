@@ -169,7 +169,8 @@ def same_allocation(record: AttemptRecord, job: JobFacts) -> bool:
 
 
 # Read by the tasks (the run lock takes over an earlier attempt's: checkpoint/lock.py)
-EXPORTED = frozenset({"HPCTRAIN_ATTEMPT"})
+# and the rendezvous (distributed/env.py: the first node's fabric address, from its probe)
+EXPORTED = frozenset({"HPCTRAIN_ATTEMPT", "HPCTRAIN_FABRIC_MASTER"})
 
 
 def _shell(**values: object) -> str:
@@ -326,11 +327,14 @@ def place_attempt(cfg: Config, job: JobFacts) -> str:
         {"nodes": list(placement.nodes), "num_tasks": num_tasks, "set_aside": placement.set_aside},
     )
     if placement.nodes:
+        first = placement.nodes[0]  # rank 0's node: the store's address on the fabric, if any
+        address = str(_read_json(folder / f"probe-{first}.json").get("fabric_address") or "")
         return _shell(
             NEXT="train",
             TRAIN_NODES=",".join(placement.nodes),
             NUM_NODES=len(placement.nodes),
             NUM_TASKS=num_tasks,
+            HPCTRAIN_FABRIC_MASTER=f"{first}={address}" if address else "",
         )
     records = read_records(run_dir)
     verdict = decide(

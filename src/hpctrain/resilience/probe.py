@@ -12,6 +12,7 @@ The job script runs it as one task per node of the allocation not set aside (`sr
 | local temp | node | the node's temp folder (TMPDIR) cannot take a file |
 | /dev/shm | node | /dev/shm (the loader's shared memory) has under 64 MiB free |
 | gpus | node | fewer GPUs are visible than the job asked for (`--gpus`; CUDA's driver API) |
+| fabric | node | on an InfiniBand profile, the profile's `fabric_interface` is not on the node |
 | collective | node | the node cannot reach the first node of the probe, or it none of the others |
 
 and writes `ATTEMPT_DIR/probe-<node>.json`; a failure is also one line on stdout naming the
@@ -44,12 +45,19 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from hpctrain.config import Config, ConfigError, load_config
 from hpctrain.distributed.env import expand_hostlist
+from hpctrain.distributed.fabric import FABRIC_ENV
+from hpctrain.distributed.interfaces import (
+    FabricInterfaceError,
+    Interface,
+    fabric_interface,
+    local_interfaces,
+)
 from hpctrain.files import write_atomic
 from hpctrain.resilience.watch import node_name
 
@@ -150,6 +158,19 @@ def check_checkpoint_disk(cfg: Config) -> None:
     root = cfg.checkpoint_root()
     if "://" not in root:  # an object store has no disk to fill
         check_free(Path(os.path.expandvars(root)), MIN_CHECKPOINT_FREE, "checkpoint disk")
+
+
+def check_fabric(environ: Mapping[str, str], node: str) -> Interface | None:
+    """On an InfiniBand profile (`HPCTRAIN_FABRIC`): this node's fabric interface, which the
+    hub listens on and whose address becomes the store's (`attempts place`); None elsewhere,
+    or when the node has none (no IPoIB: the default route is used)."""
+    if environ.get(FABRIC_ENV, "") != "infiniband":
+        return None
+    try:
+        choice = fabric_interface(environ, local_interfaces(), node=node)
+    except FabricInterfaceError as exc:
+        raise CheckFailed("fabric", str(exc)) from None
+    return choice.interface if choice else None
 
 
 def check_gpus(expected: int, count: Callable[[], int] = visible_gpus) -> None:
@@ -322,17 +343,24 @@ def run_probe(
     node: str,
     timeout_s: float = RENDEZVOUS_TIMEOUT_S,
     hub: str = "",
-    bind_address: str = "",
+    environ: Mapping[str, str] | None = None,
 ) -> dict[str, object]:
     """Every check on this node, the collective last; the record written to the attempt folder.
 
     `hub`: the node of rank 0 (the step's first node), named by a peer that cannot find it.
-    `bind_address`: the hub listens there only (the fabric's interface: `fabric_address`).
+    `environ`: the task's environment, for the fabric's interface (`check_fabric`): the hub
+    listens on it, and the record holds its address (`fabric_address`).
     The record holds, besides the failure, what `place` needs to blame the right node: the
     node a collective failure names (`blames`), and for the hub how many peers reached it.
     """
     timings: dict[str, float] = {}
     failure: CheckFailed | None = None
+    fabric: list[Interface] = []  # this node's fabric interface, on an InfiniBand profile
+
+    def find_fabric() -> None:
+        found = check_fabric(environ or {}, node)
+        fabric.extend([found] if found else [])
+
     local: list[tuple[str, Callable[[], None]]] = [
         ("run folder", lambda: check_run_folder(Path(cfg.run_dir), node)),
         ("data", lambda: check_data(cfg)),
@@ -340,6 +368,7 @@ def run_probe(
         ("/dev/shm", check_shm),
         ("checkpoint disk", lambda: check_checkpoint_disk(cfg)),
         ("gpus", lambda: check_gpus(gpus)),
+        ("fabric", find_fabric),
     ]
     for name, check in local:
         started = time.monotonic()
@@ -354,6 +383,7 @@ def run_probe(
         try:
             if rank == 0:
                 hub_facts["peers_reached"] = 0
+                bind_address = fabric[0].address if fabric else ""
                 gathered = serve_collective(
                     attempt_dir, node, num_nodes - 1, timeout_s, bind_address=bind_address
                 )
@@ -372,6 +402,11 @@ def run_probe(
         "shared": bool(failure and failure.check in SHARED_CHECKS),
         "blames": failure.blames if failure else "",
         **hub_facts,
+        **(
+            {"fabric_address": fabric[0].address, "fabric_interface": fabric[0].name}
+            if fabric
+            else {}
+        ),
         "seconds": timings,
     }
     write_atomic(probe_file(attempt_dir, node), (json.dumps(record) + "\n").encode())
@@ -405,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         num_nodes=int(os.environ.get("SLURM_NTASKS", "1")),
         node=node_name(),
         hub=expand_hostlist(step_nodes)[0] if step_nodes else "",  # rank 0's, one per node
+        environ=os.environ,
     )
     return 0
 
