@@ -48,6 +48,7 @@ TINY = {
         ["--num-images", "20", "--size", "32", "--samples-per-shard", "10", "--rounds", "1"],
     ),
     "gpu-lm-dry-run": ("gpu-lm", ["--preset", "gpt-1b", "--steps", "2", "--dry-run"]),
+    "probe": ("probe", ["--peers", "16", "--processes", "2", "--rounds", "1"]),
     "lora": (
         "lora",
         [
@@ -131,6 +132,8 @@ def test_a_case_runs_as_shipped(
         assert kinds == {"full", "lora"}, out
     elif case == "generate":
         assert all(row["identical"] for row in json.loads(out)["rows"]), out
+    elif case == "probe":  # the serial hub (the baseline) and the shipped one, side by side
+        assert "\nconcurrent " in out and "16/16" in out and "budget: met" in out, out
     else:  # the dry run: the Trainer of the one-H200 plan built on the CPU, nothing trained
         assert "lm gpt-1b config valid: none (single process), bf16, " in out
         assert not (tmp_path / "lm" / "run").exists()

@@ -12,19 +12,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hpctrain.resilience.placement import ProbeResult, place
 from hpctrain.resilience.restart_policy import (
     REQUEUE_EXIT_CODE,
     RETRYABLE,
     AttemptRecord,
     Failure,
     Policy,
-    ProbeResult,
     RankEnd,
     classify,
     decide,
     lost_seconds,
     no_progress_run,
-    place,
 )
 
 KILL, TERM, SEGV = int(signal.SIGKILL), int(signal.SIGTERM), int(signal.SIGSEGV)
@@ -358,6 +357,56 @@ def test_a_user_error_before_sruns_sigkill_of_a_slow_peer_is_still_the_users() -
     assert classify(ranks, srun_status=2) == Failure("user", ranks[0])
 
 
+def unreached(node: str, hub: str = "n1") -> ProbeResult:
+    return ProbeResult(node, "collective", f"cannot reach {hub} (n1:4000): timed out", blames=hub)
+
+
+def test_a_hub_nobody_reached_is_blamed_alone() -> None:
+    """The collective is a star around the first node: its dead network fails every node."""
+    hub = ProbeResult("n1", "collective", "no other node reached n1 within 60 s", peers_reached=0)
+    probes = [hub, *(unreached(f"n{i}") for i in range(2, 6))]
+    placed = place([f"n{i}" for i in range(1, 6)], [], probes, nodes=4)
+    assert placed.nodes == ("n2", "n3", "n4", "n5") and list(placed.set_aside) == ["n1"]
+    assert placed.set_aside["n1"].startswith(
+        "collective: the hub, reached by 0 node(s); 4 could not reach it (n2, n3, n4, n5)"
+    )
+    # its probe never answered at all: the same
+    silent = place([f"n{i}" for i in range(1, 6)], [], probes[1:], nodes=4)
+    assert list(silent.set_aside) == ["n1"] and silent.nodes == ("n2", "n3", "n4", "n5")
+    # a node that also failed a check of its own stays set aside for it
+    own = place(["n1", "n2", "n3"], [], [hub, unreached("n2"), ProbeResult("n3", "gpus", "0")],
+                nodes=1)  # fmt: skip
+    assert list(own.set_aside) == ["n1", "n3"] and own.nodes == ("n2",)
+
+
+def test_nodes_that_cannot_reach_a_hub_most_others_reached_are_at_fault() -> None:
+    hub = ProbeResult("n1", peers_reached=3)
+    probes = [hub, unreached("n2"), *(ProbeResult(f"n{i}") for i in range(3, 6))]
+    placed = place([f"n{i}" for i in range(1, 6)], [], probes, nodes=4)
+    assert list(placed.set_aside) == ["n2"] and placed.nodes == ("n1", "n3", "n4", "n5")
+
+
+def test_one_probe_sets_aside_at_most_a_sixteenth_of_the_nodes_and_says_so() -> None:
+    nodes = [f"n{i:03d}" for i in range(64)]
+    probes = [ProbeResult(n, "gpus", "0 GPU(s) visible, 4 expected") if i % 4 == 0
+              else ProbeResult(n) for i, n in enumerate(nodes)]  # fmt: skip
+    placed = place(nodes, [], probes, nodes=40)
+    assert len(placed.set_aside) == 4 == 64 // 16  # of 16 that failed
+    assert list(placed.set_aside) == ["n000", "n004", "n008", "n012"]
+    assert "; 12 more failed (n016, n020, n024, n028 and 8 more) but are not set aside: one " \
+        "probe sets aside at most 4 of 64 nodes" in placed.line  # fmt: skip
+    assert len(placed.nodes) == 40 and not set(placed.nodes) & {n for n in nodes[::4]}
+    # too few left: the requeue excludes the four only
+    short = place(nodes, [], probes, nodes=60)
+    assert short.nodes == () and len(short.set_aside) == 4
+    assert verdict(Failure("probe"), set_aside=sorted(short.set_aside)).exclude == tuple(
+        sorted(short.set_aside)
+    )
+    # small jobs: two at least
+    few = [ProbeResult("n1", "gpus", "0"), ProbeResult("n2", "gpus", "0"), ProbeResult("n3")]
+    assert list(place(["n1", "n2", "n3"], [], few, nodes=1).set_aside) == ["n1", "n2"]
+
+
 # ------------------------------------------------------------------------------ properties
 EXITS = [0, 1, 2, 3, 4, 5, 6, 7, 8, 75, 137]
 rank_end = st.builds(
@@ -407,7 +456,8 @@ def stalled(history: list[AttemptRecord], progressed: bool) -> int:
 
 
 @settings(max_examples=200, deadline=None)
-@given(ranks=st.lists(rank_end, min_size=1, max_size=8), history=st.lists(past, max_size=4),
+@given(ranks=st.lists(rank_end, min_size=1, max_size=8, unique_by=lambda r: r.rank),
+       history=st.lists(past, max_size=4),
        policy=policies, restarts=st.integers(0, 5), requeues=st.integers(0, 4),
        spares=st.integers(0, 2), start=steps, end=steps, step=steps,
        share=st.floats(0, 1), running=st.booleans())  # fmt: skip

@@ -46,6 +46,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "hpctrain.bench.mesh",
         "HSDP (and TP) step vs flat FSDP2 on 4 gloo CPU ranks (paired ratios, A/A control)",
     ),
+    "probe": (
+        "hpctrain.bench.probe",
+        "the health probe's gather of N peers on loopback: seconds of the hub, serial vs concurrent",
+    ),
     "index": (
         "hpctrain.bench.index",
         "per-rank CPU and memory, and per-node bytes read, of index.json vs the compact index",

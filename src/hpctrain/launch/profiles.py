@@ -73,6 +73,9 @@ class ClusterProfile:
     qos_max_gpus: dict[str, int] = field(default_factory=dict)
     qos_max_nodes: dict[str, int] = field(default_factory=dict)
     fabric: str = ""  # the nodes' interconnect NCCL should use (infiniband); "": unchecked
+    # the fabric's network interface on the nodes (ib0): the rendezvous store, gloo and the
+    # probe use it (distributed/interfaces.py); "": found from NCCL's choice or IPoIB
+    fabric_interface: str = ""
     # One node's mean time between failures, hours: the prior of checkpoint.every_minutes=auto
     # (hpctrain.resilience.failure_rate); a job on N nodes fails N times as often.
     mtbf_node_hours: float = DEFAULT_NODE_MTBF_HOURS
@@ -112,6 +115,7 @@ class JobSpec:
     spare_nodes: int = 0  # asked for beyond `nodes`: standbys for a node that goes bad
     probe: bool = True  # the health probe before each attempt (resilience/probe.py)
     fabric: str = ""  # the profile's interconnect, exported to the tasks (HPCTRAIN_FABRIC)
+    fabric_interface: str = ""  # its interface (HPCTRAIN_FABRIC_INTERFACE); "": found
     driver_cuda: str = ""  # the profile's documented driver CUDA version; "": unknown
     spare_reason: str = ""  # slurm.spare_nodes=auto: why `spare_nodes` spares, in one line
 
@@ -189,7 +193,8 @@ def parse_profile(data: Any, source: str) -> ClusterProfile:
         "name", "description", "account_suffix", "hint", "request_gpus", "default_partition",
         "partitions", "qos", "default_qos", "default_time", "precisions", "setup", "run_root",
         "cache_root", "gpu_arch", "container_runtime", "qos_max_gpus", "qos_max_nodes",
-        "node_local_dir", "fabric", "mtbf_node_hours", "driver_cuda", "queue_wait_hours",
+        "node_local_dir", "fabric", "fabric_interface", "mtbf_node_hours", "driver_cuda",
+        "queue_wait_hours",
     }  # fmt: skip
     unknown = sorted(set(data) - known)
     if unknown:
@@ -245,6 +250,7 @@ def parse_profile(data: Any, source: str) -> ClusterProfile:
         qos_max_gpus=per_job["qos_max_gpus"],
         qos_max_nodes=per_job["qos_max_nodes"],
         fabric=str(data.get("fabric", "") or ""),
+        fabric_interface=str(data.get("fabric_interface", "") or ""),
         mtbf_node_hours=_mtbf_node_hours(data, source),
         queue_wait_hours=_queue_wait_hours(data, source),
         driver_cuda=str(data.get("driver_cuda", "") or ""),
@@ -262,6 +268,12 @@ def parse_profile(data: Any, source: str) -> ClusterProfile:
     if profile.fabric not in FABRICS:
         raise LaunchError(
             f"{source}: fabric={profile.fabric!r} is not one of {', '.join(FABRICS[1:])} (or empty)"
+        )
+    if profile.fabric_interface and not re.fullmatch(
+        r"[A-Za-z0-9_.:-]{1,15}", profile.fabric_interface
+    ):
+        raise LaunchError(
+            f"{source}: fabric_interface={profile.fabric_interface!r} is not a network interface name (like ib0)"
         )
     if profile.container_runtime not in CONTAINER_RUNTIMES:
         raise LaunchError(
@@ -478,6 +490,7 @@ def resolve_job(
         spare_reason=reason,
         probe=s.probe,
         fabric=profile.fabric,
+        fabric_interface=profile.fabric_interface,
         driver_cuda=profile.driver_cuda,
     )
 

@@ -249,6 +249,10 @@ def environment_lines(job: JobSpec, *, tasks: bool = True) -> list[str]:
         lines.append(
             f"export HPCTRAIN_FABRIC={job.fabric}  # NCCL must use it, not sockets (slurm.require_fabric)"
         )
+    if job.fabric_interface:
+        lines.append(
+            f"export HPCTRAIN_FABRIC_INTERFACE={job.fabric_interface}  # the store, gloo and the probe use it"
+        )
     return lines
 
 

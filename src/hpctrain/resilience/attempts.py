@@ -35,18 +35,17 @@ from typing import Any
 from hpctrain.config import Config, ConfigError, load_config
 from hpctrain.distributed.env import expand_hostlist
 from hpctrain.files import write_atomic
+from hpctrain.resilience.placement import ProbeResult, place
 from hpctrain.resilience.restart_policy import (
     AttemptRecord,
     Failure,
     Policy,
-    ProbeResult,
     RankEnd,
     Verdict,
     classify,
     decide,
     failure_seconds,
     lost_seconds,
-    place,
 )
 
 RECORDS = "attempts.jsonl"
@@ -198,7 +197,8 @@ def same_allocation(record: AttemptRecord, job: JobFacts) -> bool:
 
 
 # Read by the tasks (the run lock takes over an earlier attempt's: checkpoint/lock.py)
-EXPORTED = frozenset({"HPCTRAIN_ATTEMPT"})
+# and the rendezvous (distributed/env.py: the first node's fabric address, from its probe)
+EXPORTED = frozenset({"HPCTRAIN_ATTEMPT", "HPCTRAIN_FABRIC_MASTER"})
 
 
 def _shell(**values: object) -> str:
@@ -359,6 +359,7 @@ def read_probes(folder: Path) -> list[ProbeResult]:
     results = []
     for path in sorted(folder.glob("probe-*.json")):
         data = _read_json(path)
+        reached = data.get("peers_reached")  # the collective's hub only
         if data.get("node"):
             results.append(
                 ProbeResult(
@@ -366,6 +367,8 @@ def read_probes(folder: Path) -> list[ProbeResult]:
                     failed_check=str(data.get("failed_check", "")),
                     message=str(data.get("message", "")),
                     shared=bool(data.get("shared", False)),
+                    blames=str(data.get("blames", "")),
+                    peers_reached=reached if isinstance(reached, int) else None,
                 )
             )
     return results
@@ -390,11 +393,14 @@ def place_attempt(cfg: Config, job: JobFacts) -> str:
         {"nodes": list(placement.nodes), "num_tasks": num_tasks, "set_aside": placement.set_aside},
     )
     if placement.nodes:
+        first = placement.nodes[0]  # rank 0's node: the store's address on the fabric, if any
+        address = str(_read_json(folder / f"probe-{first}.json").get("fabric_address") or "")
         return _shell(
             NEXT="train",
             TRAIN_NODES=",".join(placement.nodes),
             NUM_NODES=len(placement.nodes),
             NUM_TASKS=num_tasks,
+            HPCTRAIN_FABRIC_MASTER=f"{first}={address}" if address else "",
         )
     records = read_records(run_dir)
     verdict = decide(

@@ -461,79 +461,11 @@ def _exit_code(culprit: RankEnd | None) -> int:
     return culprit.exit_code if culprit.exit_code else EXIT_BUG
 
 
-@dataclass(frozen=True)
-class ProbeResult:
-    """One node's health probe (`resilience/probe.py`)."""
-
-    node: str
-    failed_check: str = ""  # "" when it passed
-    message: str = ""
-    shared: bool = False  # the failed check reads a path every node shares (run folder, data)
-
-    @property
-    def ok(self) -> bool:
-        return not self.failed_check
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where the next attempt trains, or why it cannot."""
-
-    nodes: tuple[str, ...]  # empty: no attempt here
-    set_aside: dict[str, str]  # node → "check: why", failed the probe now
-    line: str  # the log line ("" when every probed node passed)
-
-
-def place(
-    allocation: Sequence[str],
-    excluded: Sequence[str],
-    probes: Sequence[ProbeResult],
-    *,
-    nodes: int,
-) -> Placement:
-    """The `nodes` nodes of the allocation an attempt trains on, after the health probe.
-
-    Nodes that failed the probe are set aside when others passed: the failure is theirs. When
-    every probed node failed a check that reads a shared path (the run folder, the data),
-    the path is at fault, not the nodes: they train, and the trainer names the problem. A
-    node with no probe result (it never answered) failed; with no result at all (the probe
-    is off, or its step could not start) every node not set aside trains.
-    """
-    candidates = [n for n in allocation if n not in excluded]
-    if len(candidates) < nodes:
-        aside = ", ".join(n for n in allocation if n in excluded)
-        return Placement(
-            (), {}, f"{len(candidates)} node(s) left ({aside} set aside), {nodes} needed"
-        )
-    if not probes:  # the probe is off (slurm.probe=false), or its srun could not start
-        return Placement(tuple(candidates[:nodes]) if len(candidates) >= nodes else (), {}, "")
-    found = {p.node: p for p in probes}
-    results = [
-        found.get(n, ProbeResult(n, "answer", "no probe result (node unreachable?)"))
-        for n in candidates
-    ]
-    failed = {r.node: f"{r.failed_check}: {r.message}" for r in results if not r.ok}
-    healthy = [r.node for r in results if r.ok]
-    shared_only = all(r.shared for r in results if not r.ok)
-    if failed and not healthy and shared_only:
-        chosen = tuple(candidates[:nodes])
-        return Placement(
-            chosen, {},
-            "every node failed the same shared check (not a node's fault): training anyway, the trainer names the problem",
-        )  # fmt: skip
-    lines = "; ".join(f"{node} failed {why}" for node, why in failed.items())
-    if len(healthy) >= nodes:
-        return Placement(tuple(healthy[:nodes]), failed, f"probe: {lines}" if failed else "")
-    return Placement((), failed, f"probe: {lines}; {len(healthy)} healthy node(s), {nodes} needed")
-
-
 __all__ = [
     "RETRYABLE",
     "AttemptRecord",
     "Failure",
-    "Placement",
     "Policy",
-    "ProbeResult",
     "RankEnd",
     "Verdict",
     "classify",
@@ -541,5 +473,4 @@ __all__ = [
     "failure_seconds",
     "lost_seconds",
     "no_progress_run",
-    "place",
 ]
