@@ -135,7 +135,10 @@ def test_killed_rank_fails_the_job_in_seconds_naming_it(shapes_shards, tmp_path)
 
 def test_stopped_rank_ends_the_job_within_the_collective_timeout(shapes_shards, tmp_path):
     run_dir = tmp_path / "run"
-    with training(run_dir, shapes_shards, "train.collective_timeout_s=10") as proc:
+    # no watcher here (a local run): the collective timeout is what ends it (a heartbeat
+    # floor above it would be refused: docs/clusters.md, timeouts)
+    timeouts = ("train.collective_timeout_s=10", "train.heartbeat_timeout_s=0")
+    with training(run_dir, shapes_shards, *timeouts) as proc:
         os.kill(rank_pids(proc.pid)[1], signal.SIGSTOP)
         stopped = time.monotonic()
         # 10 s of timeout + the launcher's 5 s grace; the bound only proves it does not hang
@@ -187,6 +190,8 @@ def test_a_step_over_step_timeout_s_writes_the_stacks_and_ends_the_run(shapes_sh
         "task=tests.support.hang_tasks:StuckImageClassification",
         "train.max_steps=20",
         "train.step_timeout_s=3",
+        "train.collective_timeout_s=2",  # below the step's deadline (docs/clusters.md, timeouts)
+        "train.heartbeat_timeout_s=0",
         "data.val=",
         "checkpoint.monitor=",  # the demo config ranks checkpoints by val_accuracy
         "checkpoint.keep_best=0",
