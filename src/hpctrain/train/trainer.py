@@ -469,7 +469,10 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             )
             metrics.close(status)
             self.checkpoints.close()
-            self.preemption.uninstall()
+            # A failed rank of a job keeps noting TERM until it exits: srun's TERM (a peer
+            # failed too) must not kill it while it unwinds, or its end would read as stopped
+            # by SLURM rather than as its own exit (7: a peer went away).
+            self.preemption.uninstall(keep_term=status == "failed" and self.env.is_distributed)
             for loader in (self.loader, self.val_loader):
                 if loader is not None:
                     loader.close()  # its workers too, now rather than at exit
