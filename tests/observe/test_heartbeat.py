@@ -28,6 +28,9 @@ def test_the_allowance_is_learnt_from_the_slowest_recent_step(tmp_path: Path) ->
     after = read_beat(path)
     assert after is not None and (after.phase, after.allowance_s) == ("step", 45)
     assert after.beats == beat.beats + 1
+    with progress.step(5):  # an epoch starts inside it: its workers may start again
+        progress.loading()
+        assert read_beat(path).allowance_s == 1800  # type: ignore[union-attr]
     progress.ending()
     assert read_beat(path).allowance_s == 0  # type: ignore[union-attr]
     off = Progress(path, floor_s=0)

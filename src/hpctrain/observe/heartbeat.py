@@ -17,6 +17,7 @@ its section timeouts from observed ones), per phase:
   (0: not watched);
 - a step: max(`train.heartbeat_timeout_s`, `train.heartbeat_factor` x the slowest of the
   recent steps of this process); before a second step was measured, the first one stands in;
+  a step in which the loader starts an epoch (its workers may start again): as a first step;
 - an evaluation: the first of the process as the first step, then max(floor, factor x the
   slowest evaluation so far);
 - a save: `checkpoint.save_timeout_s` when set, else max(floor, factor x the slowest save
@@ -191,6 +192,12 @@ class Progress:
         else:
             self.steps.add(took)
         self._beat(self._next_step, 3, self.step_allowance())
+
+    def loading(self) -> None:
+        """The loader starts an epoch (its workers, its first shards): this step may take
+        as long as a first step."""
+        if self.allowance:
+            self._beat(self.step_no, self.phase_no, max(self.allowance, self.first_s))
 
     def data_ready(self) -> None:
         """The step's batches are here (a rank stuck in its loader beats no further)."""

@@ -170,7 +170,8 @@ class Checkpointing:
     def wait_for_saves(self) -> None:
         """Block until background saves are committed (before exiting); counted as saving."""
         start = time.monotonic()
-        self.checkpoints.wait()
+        with self.progress.phase("save"):  # a save's allowance, not a step's
+            self.checkpoints.wait()
         self.save_wait_s += time.monotonic() - start
 
     def checkpoint_metadata(self) -> dict[str, Any]:

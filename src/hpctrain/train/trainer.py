@@ -511,6 +511,7 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
         while True:
             if not self.resumed_loader:
                 self.loader.set_epoch(self.state.epoch)
+                self.progress.loading()  # a new epoch may start its workers: a first step's time
             self.resumed_loader = False
             yield from self.loader
             self.state.epoch += 1
