@@ -89,7 +89,7 @@ def test_every_srun_gets_the_cpus_of_its_tasks() -> None:
              if "srun " in line and not line.lstrip().startswith("#")]  # fmt: skip
     assert len(sruns) == 2  # the health probe, the training
     assert all("--cpus-per-task=" in line for line in sruns), sruns
-    train = sruns[1]
+    train = sruns[1].removeprefix("{ ").partition(" 2>&1 1>&3 ")[0]  # srun's lines kept aside
     assert (
         train.startswith("srun --kill-on-bad-exit=1 ")
         and '--cpus-per-task="$SLURM_CPUS_PER_TASK"' in train

@@ -44,16 +44,18 @@ def watch(tmp_path: Path, script: str, *, rank: int = 1, node: str = "n2",
         from hpctrain.resilience.watch import Watcher
         sys.exit(Watcher(Path({str(tmp_path)!r}), [sys.executable, "-c", {script!r}]).run())
     """)
-    env = {**os.environ, "SLURM_PROCID": str(rank), "SLURMD_NODENAME": node}
+    env = {**os.environ, "SLURM_PROCID": str(rank), "SLURMD_NODENAME": node,
+           "HPCTRAIN_WATCH_DIR": str(tmp_path / "shm")}  # fmt: skip
     proc = subprocess.Popen([sys.executable, "-c", runner], env=env)
+    path = tmp_path / f"node-{node}.json"
     if signal_watcher is not None:
-        path = tmp_path / f"rank-{rank}.json"
         deadline = time.monotonic() + 60
         while not path.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         proc.send_signal(signal_watcher)  # the watcher alone: its rank runs on
     code = proc.wait(timeout=120)
-    return code, json.loads((tmp_path / f"rank-{rank}.json").read_text())
+    (record,) = json.loads(path.read_text())["ranks"]
+    return code, record
 
 
 @pytest.mark.slow  # a process or two (seconds)
@@ -222,6 +224,7 @@ def test_a_killed_rank_on_a_spare_allocation_restarts_without_its_node(tmp_path:
         "exit_code": None,
         "signal": "SIGKILL",
         "time": 5.0,
+        "detected": 5.0,
     }
     assert (rec.resumed_from, rec.committed, rec.step_reached) == (None, 10, 11)
     assert rec.set_aside == {"n2": "signal: rank 2 on n2 killed by SIGKILL"}

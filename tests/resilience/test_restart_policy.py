@@ -6,6 +6,7 @@ checks the failure named and what the job does next.
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 
 import pytest
@@ -74,12 +75,115 @@ def test_the_earliest_own_failure_wins_and_exit_2_to_6_is_the_users() -> None:
     assert classify([ended(0, 1.0, code=1), ended(1, 2.0, code=7)], srun_status=1).kind == "error"
 
 
-def test_peers_that_gave_up_while_one_never_ended_point_at_the_hung_rank() -> None:
-    hung = RankEnd(3, "n2", started=0.0)  # killed with its watcher when srun ended the step
+def test_peers_that_gave_up_while_one_outlived_sruns_term_point_at_the_hung_rank() -> None:
+    # its watcher saw srun's TERM while it ran; then srun's KILL took both
+    hung = RankEnd(3, "n2", started=0.0, alive_at_term=True)
     failure = classify([ended(0, 9.0, code=7), ended(1, 9.1, code=7), ended(2, 9.0, code=7), hung],
                        srun_status=7)  # fmt: skip
     assert (failure.kind, failure.suspect_node) == ("hang", "n2")
     assert failure.culprit == hung
+    assert hung.describe() == (
+        "rank 3 on n2 never ended (it outlived srun's TERM: hung, killed with its watcher)"
+    )
+
+
+def test_a_peer_that_went_away_is_lost_whether_the_survivor_exited_7_or_died_of_term() -> None:
+    """The same injection (n2's watcher, rank and slurmd killed) was `hang` in one run and
+    `lost` in another (#47): the survivor saw gloo's "connection closed" and exited 7, or
+    srun's TERM killed it while it unwound. A rank whose watcher went without a word, and
+    whose node nothing shows was there, is a lost node either way."""
+    gone = [RankEnd(2, "n2", started=0.0), RankEnd(3, "n2", started=0.0)]
+    for survivors in ([ended(0, 9.0, code=7), ended(1, 9.1, code=7)],
+                      [ended(0, 9.0, sig=TERM), ended(1, 9.1, sig=TERM)]):  # fmt: skip
+        failure = classify([*survivors, *gone], srun_status=1)
+        assert (failure.kind, failure.culprit, failure.suspect_node) == ("lost", gone[0], "n2")
+        assert verdict(failure).exclude == ("n2",)  # a lost node is always set aside
+    assert (
+        gone[0].describe()
+        == "rank 2 on n2 never ended (its watcher went with it: its node was lost)"
+    )
+
+
+def stuck(rank: int, at: float, *, beats: int, last: float, stopped: bool = False,
+          node: str = "") -> RankEnd:  # fmt: skip
+    """A rank its watcher ended for making no progress (killed after its stacks)."""
+    return RankEnd(rank, node or f"n{rank // 2 + 1}", started=0.0, ended=at, signal=KILL,
+                   hung=True, stopped=stopped, beats=beats, last_progress=last)  # fmt: skip
+
+
+def test_ranks_ended_for_no_progress_blame_the_stopped_one_not_its_waiting_peers() -> None:
+    """A stopped rank's peers wait for it in a collective: they stop beating too and their
+    watchers end them as well, maybe first. The stopped process is the hang."""
+    ranks = [stuck(0, 40.0, beats=31, last=9.0), stuck(1, 40.2, beats=31, last=9.0),
+             stuck(2, 41.0, beats=31, last=9.1, stopped=True), stuck(3, 40.1, beats=31, last=9.0)]  # fmt: skip
+    failure = classify(ranks, srun_status=137)
+    assert (failure.kind, failure.culprit, failure.suspect_node) == ("hang", ranks[2], "n2")
+    assert (failure.time, failure.detected) == (9.1, 41.0)  # its last progress; its end
+    assert failure.culprit.describe() == (
+        "rank 2 on n2 hung (no progress, ended by its watcher, the process was stopped)"
+    )
+    # none stopped (a deadlock in Python): the one that got least far, then the first stuck
+    ranks = [stuck(0, 40.0, beats=31, last=9.0), stuck(1, 40.2, beats=30, last=9.3),
+             stuck(2, 40.5, beats=31, last=8.0)]  # fmt: skip
+    assert classify(ranks, srun_status=137).culprit == ranks[1]
+    ranks = [stuck(0, 40.0, beats=31, last=9.0), stuck(1, 40.2, beats=31, last=8.5)]
+    assert classify(ranks, srun_status=137).culprit == ranks[1]
+
+
+def test_a_rank_seen_stopped_is_the_hang_even_after_srun_woke_it() -> None:
+    """srun sends SIGCONT with its TERM as it ends the step: the stopped rank may then end
+    by exit 7 like its peers. Its watcher saw it stopped before."""
+    woken = RankEnd(3, "n2", started=0.0, ended=41.0, exit_code=7, stopped=True, beats=20,
+                    last_progress=9.0)  # fmt: skip
+    failure = classify([stuck(0, 40.0, beats=21, last=9.2), ended(1, 40.5, code=7),
+                        ended(2, 40.6, code=7), woken], srun_status=137)  # fmt: skip
+    assert (failure.kind, failure.culprit, failure.time) == ("hang", woken, 9.0)
+    # with the heartbeat off: the peers' collectives timed out, srun woke it: still the hang
+    failure = classify([ended(0, 610.0, code=7), woken], srun_status=7)
+    assert (failure.kind, failure.culprit) == ("hang", woken)
+
+
+def test_a_frozen_node_is_blamed_not_the_peers_its_watchers_ended() -> None:
+    """A frozen node's watchers are frozen too: no end record. The other node's ranks
+    stalled in a collective waiting for it and were ended by their own watchers."""
+    frozen = [RankEnd(2, "n2", started=0.0), RankEnd(3, "n2", started=0.0)]
+    failure = classify([stuck(0, 40.0, beats=31, last=9.0), stuck(1, 40.1, beats=31, last=9.2),
+                        *frozen], srun_status=137)  # fmt: skip
+    assert (failure.kind, failure.culprit, failure.suspect_node) == ("lost", frozen[0], "n2")
+    assert failure.time == 9.0  # when the healthy ranks stopped hearing from it
+
+
+def test_every_rank_started_and_none_ended_blames_the_node_slurm_says_went_away() -> None:
+    """A node frozen for good (#47): SLURM marked it down after minutes, srun killed the
+    healthy rank with its watcher, no rank had an end record; the lowest rank's node, the
+    healthy one, was blamed and set aside."""
+    none_ended = [RankEnd(r, f"n{r // 2 + 1}", started=0.0) for r in range(4)]
+    failure = classify(none_ended, srun_status=1, gone=["n2"])  # sinfo: n2 down
+    assert (failure.kind, failure.culprit, failure.suspect_node) == ("lost", none_ended[2], "n2")
+    assert verdict(failure, healthy_spares=1).exclude == ("n2",)
+    # without SLURM's word: n1's watchers saw srun's TERM (or srun reported n1's tasks
+    # killed), n2 never answered
+    alive = [RankEnd(r, "n1", started=0.0, alive_at_term=True) for r in (0, 1)]
+    failure = classify([*alive, *none_ended[2:]], srun_status=1)
+    assert (failure.kind, failure.suspect_node) == ("lost", "n2")
+
+
+def test_first_failure_time_is_given_for_every_kind() -> None:
+    """Goodput books the time from a failure to its detection (#47: it was null for `hang`
+    and `lost`, so nothing said when the failure happened)."""
+    kinds = {
+        "signal": [ended(0, 10.2, code=7), ended(1, 10.0, sig=KILL)],
+        "error": [ended(0, 5.0, code=1), ended(1, 5.5, code=7)],
+        "distributed": [ended(0, 5.0, code=7), ended(1, 5.1, code=7)],
+        "hang": [stuck(0, 40.0, beats=3, last=9.0), stuck(1, 40.0, beats=3, last=9.5)],
+        "lost": [ended(0, 7.0, code=7), RankEnd(1, "n1", started=0.0)],
+    }
+    for kind, ranks in kinds.items():
+        failure = classify(ranks, srun_status=1)
+        summary = failure.summary()
+        assert failure.kind == kind and summary is not None
+        assert isinstance(summary["time"], float), (kind, summary)
+    assert classify(kinds["lost"], srun_status=1).summary()["time"] == 7.0  # type: ignore[index]
 
 
 def test_distributed_errors_alone_blame_no_node() -> None:
@@ -89,7 +193,8 @@ def test_distributed_errors_alone_blame_no_node() -> None:
 
 def test_ranks_that_never_started_are_a_lost_node_unless_none_started() -> None:
     ranks = [ended(0, 1.0, code=7), ended(1, 1.0, code=7), RankEnd(2, "n2"), RankEnd(3, "n2")]
-    assert classify(ranks, srun_status=1) == Failure("lost", ranks[2], "n2")
+    failure = classify(ranks, srun_status=1)
+    assert (failure.kind, failure.culprit, failure.suspect_node) == ("lost", ranks[2], "n2")
     assert classify([RankEnd(0, "n1"), RankEnd(1, "n1")], srun_status=1) == Failure("lost")
 
 
@@ -314,8 +419,17 @@ ROWS = {
     ),
     "exit 7 on every failed rank": ([ended(0, 1.0, code=7), ended(1, 1.1, code=7)], [],
                                     "distributed", "restart"),
-    "exit 7 on the others while one rank never ended": (
-        [ended(0, 9.0, code=7), RankEnd(1, "n1", started=0.0)], [], "hang", "restart",
+    "its watcher ended it for making no progress (a stopped process)": (
+        [ended(0, 40.0, code=7), dataclasses.replace(ended(1, 31.0, sig=KILL), hung=True,
+                                                     stopped=True, last_progress=1.0)],
+        [], "hang", "restart",
+    ),
+    "exit 7 on the others while one rank outlived srun's TERM": (
+        [ended(0, 9.0, code=7), RankEnd(1, "n1", started=0.0, alive_at_term=True)], [],
+        "hang", "restart",
+    ),
+    "exit 7 on the others while one rank's watcher went without a word": (
+        [ended(0, 9.0, code=7), RankEnd(1, "n1", started=0.0)], [], "lost", "requeue",
     ),
     "ranks that never started, nothing else failed": (
         [ended(0, 1.0, code=7), ended(1, 1.0, code=7), RankEnd(2, "n2"), RankEnd(3, "n2")], [],
@@ -354,7 +468,8 @@ def test_a_user_error_before_sruns_sigkill_of_a_slow_peer_is_still_the_users() -
     """srun ends a step whose task failed with TERM, then SIGKILL after KillWait: the rank
     that was slow to leave dies of a signal, and was not the failure."""
     ranks = [ended(0, 1.0, code=2), ended(1, 31.0, sig=KILL)]
-    assert classify(ranks, srun_status=2) == Failure("user", ranks[0])
+    failure = classify(ranks, srun_status=2)
+    assert (failure.kind, failure.culprit, failure.time) == ("user", ranks[0], 1.0)
 
 
 def unreached(node: str, hub: str = "n1") -> ProbeResult:
@@ -417,6 +532,11 @@ rank_end = st.builds(
     ended=st.one_of(st.none(), st.floats(10, 20)),  # none: no end record
     exit_code=st.one_of(st.none(), st.sampled_from(EXITS)),
     signal=st.one_of(st.none(), st.sampled_from([KILL, TERM, SEGV, int(signal.SIGUSR2)])),
+    hung=st.booleans(),
+    stopped=st.booleans(),
+    beats=st.one_of(st.none(), st.integers(0, 50)),
+    last_progress=st.one_of(st.none(), st.floats(0, 20)),
+    alive_at_term=st.booleans(),
 )
 steps = st.one_of(st.none(), st.integers(0, 30))
 past = st.builds(
@@ -437,9 +557,11 @@ policies = st.builds(
 
 
 def users_exit(ranks: list[RankEnd]) -> int | None:
-    """The first (by end) exit 2-6 of a rank that ended by itself, if any."""
+    """The first (by end) exit 2-6 of a rank that ended by itself (not ended by its watcher
+    for making no progress), if any."""
     codes = sorted((r.ended, r.rank, r.exit_code) for r in ranks
-                   if r.ended is not None and r.signal is None and r.exit_code in range(2, 7))  # fmt: skip
+                   if r.ended is not None and r.signal is None and not r.hung
+                   and r.exit_code in range(2, 7))  # fmt: skip
     return codes[0][2] if codes else None
 
 
@@ -472,9 +594,11 @@ def test_no_user_error_is_retried_and_no_transient_failure_stops_but_by_the_rule
     the job is no longer running, the same exit 1 at the same step (a bug), no progress
     (`slurm.max_no_progress` attempts in a row without a new checkpoint), failures over
     `slurm.max_failure_share` of the allocation, or no requeue left when it had to requeue."""
-    failure = classify(ranks, srun_status=1)
+    failure = classify(ranks, srun_status=1, gone=["n3"])
     if failure.culprit is not None:
         assert failure.culprit in ranks
+    if failure.kind == "hang" and any(r.stopped and r.hung and r.failed for r in ranks):
+        assert failure.culprit is not None and failure.culprit.stopped  # never its peers
     result = decide(
         failure, history=history, policy=policy, step_reached=step, committed_start=start,
         committed_end=end, restarts_here=restarts, requeues=requeues, job_running=running,

@@ -66,6 +66,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "hpctrain.bench.generate",
         "greedy decoding: hpctrain's KV cache vs transformers' generate on one exported model",
     ),
+    "attempts": (
+        "hpctrain.bench.attempts",
+        "records of one attempt at scale (per node vs per rank): files, bytes, seconds to decide",
+    ),
 }
 # name -> the older names it still answers to (`bench gpu` ran the LLM case before `gpu-lm`)
 ALIASES: dict[str, list[str]] = {"gpu-lm": ["gpu"]}

@@ -350,6 +350,16 @@ class TrainConfig:
         False,
         "debug mode: one process, in-process loading, anomaly detection, errors raised at once",
     )
+    heartbeat_timeout_s: float = _f(
+        30.0,
+        "under a job script: the least seconds a rank may go without progress (a step, an evaluation, a save) before its watcher writes its stacks, kills it and the attempt restarts as a hang; learnt above it from the run (train.heartbeat_factor x the slowest recent step); below train.collective_timeout_s (docs/clusters.md, timeouts); 0: not watched",
+        min=0.0,
+    )
+    heartbeat_factor: float = _f(
+        5.0,
+        "the allowance of a step, an evaluation or a save: this many times the slowest recent one (at least train.heartbeat_timeout_s)",
+        min=1.0,
+    )
     collective_timeout_s: float = _f(
         600.0,
         "seconds any collective (training, checkpoint, flags) waits for the other ranks before the job fails; a hung rank then ends the job instead of holding the allocation",
@@ -428,6 +438,11 @@ class CheckpointConfig:
     signals: list[str] = _f(["USR2", "TERM"], "signals that request checkpoint-and-requeue")
     deadline_margin_s: float = _f(
         180.0, "save this long before SLURM_JOB_END_TIME; 0 disables", min=0.0
+    )
+    save_timeout_s: float = _f(
+        0.0,
+        "under a job script: seconds a save may take before its rank's watcher ends it as hung; 0: learnt (train.heartbeat_factor x the slowest save measured, the run's last one before this process saved; train.first_step_timeout_s before any)",
+        min=0.0,
     )
     monitor: str = _f(
         "",

@@ -358,10 +358,12 @@ def attempt_loop_lines(job: JobSpec) -> list[str]:
         "    step place || break",
         '    [ "$NEXT" = train ] || break',
         "    # One task per GPU, all running the same command; ranks come from SLURM_PROCID/LOCALID.",
-        "    # A task that fails (also one whose collective timed out on a hung rank) ends them all.",
-        f'    srun {SRUN_KILL_ON_BAD_EXIT} --nodelist="$TRAIN_NODES" --nodes="$NUM_NODES" --ntasks="$NUM_TASKS" --ntasks-per-node="$SLURM_NTASKS_PER_NODE" --cpus-per-task="$SLURM_CPUS_PER_TASK" {py} -m hpctrain.resilience.watch "$ATTEMPT_DIR" -- train "${{TRAIN_ARGS[@]}}" "${{RESUME[@]}}"',
-        "    status=$?",
-        '    step end --status "$status" --state "$(squeue -h -j "$SLURM_JOB_ID" -o %T 2>/dev/null)" || break',
+        "    # A task that fails (also one its watcher ended for making no progress) ends them all.",
+        "    # srun's own lines (a node failure, how each task ended) are kept for `step end`.",
+        f'    {{ srun {SRUN_KILL_ON_BAD_EXIT} --nodelist="$TRAIN_NODES" --nodes="$NUM_NODES" --ntasks="$NUM_TASKS" --ntasks-per-node="$SLURM_NTASKS_PER_NODE" --cpus-per-task="$SLURM_CPUS_PER_TASK" {py} -m hpctrain.resilience.watch "$ATTEMPT_DIR" -- train "${{TRAIN_ARGS[@]}}" "${{RESUME[@]}}" 2>&1 1>&3 3>&- | (trap "" TERM INT HUP; exec awk -v out="$ATTEMPT_DIR/srun.log" \'/^srun: /{{print >> out; fflush(out)}} {{print > "/dev/stderr"; fflush("/dev/stderr")}}\'); status=${{PIPESTATUS[0]}}; }} 3>&1',
+        "    # nodes SLURM took out of service while the step ran (a node that went away)",
+        '    down=$(sinfo -h -N -n "$TRAIN_NODES" -t down,drain,fail,no_respond -o %N 2>/dev/null | sort -u | paste -sd, -)',
+        '    step end --status "$status" --state "$(squeue -h -j "$SLURM_JOB_ID" -o %T 2>/dev/null)" --down "$down" || break',
         "done",
     ]  # fmt: skip
 

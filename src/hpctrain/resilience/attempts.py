@@ -16,12 +16,15 @@ log on stderr. The decisions themselves are the pure functions of `resilience/re
 
 Files, all under RUN_DIR/slurm: `attempts.jsonl` (one `AttemptRecord` a line, the run's
 history: docs/clusters.md) and `attempts/<N>/` (the attempt's own: `begin.json`,
-`place.json`, `probe-<node>.json`, `rank-<R>.json`).
+`place.json`, `probe-<node>.json`, `node-<name>.json`: how the node's ranks started and
+ended (`resilience/node_records.py`; `rank-<R>.json` in attempts begun before), and
+`srun.log`: srun's own lines about the training step, which the job script keeps).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -36,6 +39,7 @@ from hpctrain.config import Config, ConfigError, load_config
 from hpctrain.distributed.env import expand_hostlist
 from hpctrain.files import write_atomic
 from hpctrain.resilience.placement import ProbeResult, place
+from hpctrain.resilience.rank_ends import read_ranks, read_srun_log
 from hpctrain.resilience.restart_policy import (
     AttemptRecord,
     Failure,
@@ -419,26 +423,6 @@ def place_attempt(cfg: Config, job: JobFacts) -> str:
 
 
 # ------------------------------------------------------------------------------ end
-def read_ranks(folder: Path, nodes: Sequence[str], tasks_per_node: int) -> list[RankEnd]:
-    """Every rank of the attempt, from its watcher's record or, without one, as never started
-    (on the node srun's block distribution gave it)."""
-    ranks = []
-    for rank in range(len(nodes) * tasks_per_node):
-        data = _read_json(folder / f"rank-{rank}.json")
-        ranks.append(
-            RankEnd(
-                rank=rank,
-                node=str(data.get("node") or nodes[rank // tasks_per_node]),
-                started=data.get("started"),
-                ended=data.get("ended"),
-                exit_code=data.get("exit_code"),
-                signal=data.get("signal"),
-                received=tuple(data.get("received") or ()),
-            )
-        )
-    return ranks
-
-
 def allocation_share(
     job: JobFacts, here: Sequence[AttemptRecord], started: float, seconds: float
 ) -> float:
@@ -452,20 +436,35 @@ def allocation_share(
     return seconds / length if length > 0 else 0.0
 
 
-def end_attempt(cfg: Config, job: JobFacts, *, srun_status: int, state: str) -> str:
-    """After the training step: the attempt's record, and what the job does next."""
+def end_attempt(
+    cfg: Config, job: JobFacts, *, srun_status: int, state: str, down: Sequence[str] = ()
+) -> str:
+    """After the training step: the attempt's record, and what the job does next.
+
+    `down`: the nodes SLURM lists as down, drained or failing once the step ended.
+    """
     run_dir = Path(cfg.run_dir)
     folder = current_folder(run_dir)
     begun = _read_json(folder / "begin.json")
     placed = _read_json(folder / "place.json")
     nodes = placed.get("nodes", [])
     ranks = read_ranks(folder, nodes, job.tasks_per_node)
+    failed_nodes, answered = read_srun_log(folder)
+    # a rank whose node told srun how its task ended was there when the step was ended
+    ranks = [
+        dataclasses.replace(r, alive_at_term=True)
+        if r.ended is None and r.node in answered and r.node not in down
+        else r
+        for r in ranks
+    ]
+    failure = classify(
+        ranks, srun_status=srun_status, gone=sorted((set(down) | failed_nodes) & set(nodes))
+    )
     records = read_records(run_dir)
     excluded = {*begun.get("excluded", []), *placed.get("set_aside", {})}
     available = [n for n in job.allocation if n not in excluded]
     margin = max(cfg.slurm.signal_margin_s, cfg.checkpoint.deadline_margin_s) + TIME_LIMIT_SLACK_S
     now = time.time()
-    failure = classify(ranks, srun_status=srun_status)
     committed_end = newest_committed(cfg.checkpoint_root())
     step_reached = steps_logged_since(run_dir, begun.get("metrics_offset", 0))
     here = [r for r in records if same_allocation(r, job)]
@@ -487,7 +486,9 @@ def end_attempt(cfg: Config, job: JobFacts, *, srun_status: int, state: str) -> 
         healthy_spares=len(available) - nodes_to_train(cfg, job),
         failure_share=allocation_share(job, here, float(begun["start"]), lost),
     )
-    return _finish(cfg, job, folder, begun, verdict, ranks=ranks, srun_status=srun_status)
+    return _finish(
+        cfg, job, folder, begun, verdict, ranks=ranks, srun_status=srun_status, failure=failure
+    )
 
 
 def _finish(
@@ -499,6 +500,7 @@ def _finish(
     *,
     ranks: Sequence[RankEnd],
     srun_status: int | None,
+    failure: Failure | None = None,
 ) -> str:
     run_dir = Path(cfg.run_dir)
     placed = _read_json(folder / "place.json")
@@ -512,7 +514,7 @@ def _finish(
         start=float(begun["start"]), end=time.time(), nodes=list(placed.get("nodes", [])),
         excluded=list(begun.get("excluded", [])), num_tasks=len(ranks),
         kind=verdict.kind, decision=verdict.action, reason=verdict.line,
-        first_failure=verdict.culprit.summary() if verdict.culprit else None,
+        first_failure=_first_failure(verdict, failure),
         step_reached=steps_logged_since(run_dir, begun.get("metrics_offset", 0)),
         resumed_from=begun.get("committed"), committed=newest_committed(cfg.checkpoint_root()),
         set_aside=set_aside, srun_status=srun_status, exit_code=verdict.exit_code,
@@ -526,11 +528,21 @@ def _finish(
     return _shell(NEXT=verdict.action, EXCLUDE=",".join(exclude), EXIT=verdict.exit_code)
 
 
+def _first_failure(verdict: Verdict, failure: Failure | None) -> dict[str, Any] | None:
+    if verdict.culprit is None:
+        return None
+    if failure is not None and failure.culprit == verdict.culprit:
+        return failure.summary()
+    return verdict.culprit.summary()
+
+
 # ------------------------------------------------------------------------------ main
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpctrain.resilience.attempts")
     parser.add_argument("step", choices=("begin", "place", "end"))
-    parser.add_argument("--down", default="", help="begin: nodes SLURM lists as down or drained")
+    parser.add_argument(
+        "--down", default="", help="begin, end: nodes SLURM lists as down, drained or failing"
+    )
     parser.add_argument("--status", type=int, default=0, help="end: srun's exit status")
     parser.add_argument("--state", default="", help="end: the job's state (squeue %%T)")
     parser.add_argument("config")
@@ -543,13 +555,13 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         _say(f"attempts {args.step}: config error: {exc}")
         return exc.exit_code
     job = JobFacts.from_environ(env)
+    down = expand_hostlist(args.down.replace(" ", ",")) if args.down.strip() else []
     if args.step == "begin":
-        down = expand_hostlist(args.down.replace(" ", ",")) if args.down.strip() else []
         print(begin(cfg, job, down=down))
     elif args.step == "place":
         print(place_attempt(cfg, job))
     else:
-        print(end_attempt(cfg, job, srun_status=args.status, state=args.state.strip()))
+        print(end_attempt(cfg, job, srun_status=args.status, state=args.state.strip(), down=down))
     return 0
 
 

@@ -18,10 +18,14 @@ each attempt recorded (`RUN_DIR/timeline.jsonl`: start-up phases, saves, the end
   for the last save at the end);
 - `evaluation`: periodic and final evaluations;
 - `lost`: after a failure, everything past the newest committed checkpoint up to the failure
-  (the steps the next attempt trains again; `lost_steps` counts them);
+  (the steps the next attempt trains again; `lost_steps` counts them, up to the step the
+  trainer's end record or metrics reached);
+- `hung`: after a `hang` or a `lost` node, from the failure (the culprit's last progress;
+  for a lost node, when its peers stopped hearing from it) to its detection (its watcher
+  ended it; srun ended the step): every task waited on the one that stopped;
 - `loop_overhead`: the rest of the loop's time (logging, the ranks' flag exchange, Python);
-- `tail`: from the last step (or the failure) to the attempt's end (exit, teardown), and from
-  the last attempt's end to the job's end;
+- `tail`: from the last step (or the failure, or its detection) to the attempt's end (exit,
+  teardown, the decision), and from the last attempt's end to the job's end;
 - `idle`: allocated nodes no task ran on (spares, nodes set aside).
 
 The parts of one allocation add up to its elapsed time times its tasks by construction
@@ -47,11 +51,13 @@ PARTS = (
     "checkpoint",
     "evaluation",
     "lost",
+    "hung",
     "startup",
     "loop_overhead",
     "tail",
     "idle",
 )
+HUNG_KINDS = ("hang", "lost")  # failures every task waits on until they are detected
 STARTUP_PHASES = (
     "job_script",
     "probe_and_launch",
@@ -101,7 +107,10 @@ class Process:
 
     @property
     def step_reached(self) -> int:
-        steps = (int(r["step"]) for r in (*self.train, *self.saves))
+        """The last step it trained: its end record says so before any logged interval."""
+        steps = (
+            int(r["step"]) for r in (*self.train, *self.saves, *([self.end] if self.end else []))
+        )
         return max([int(self.startup.get("step", 0)), *steps])
 
 
@@ -276,8 +285,20 @@ def account_attempt(
         cut = _between(saved[-1] if saved else first, first, loop_end)
     _count_loop(row, process, first, cut, lost_from if cut < loop_end else None)
     row.add("lost", (loop_end - cut) * tasks)
-    row.add("tail", (end - loop_end) * tasks)
+    found = _between(_detected(record, end), loop_end, end)
+    row.add("hung", (found - loop_end) * tasks)
+    row.add("tail", (end - found) * tasks)
     return row
+
+
+def _detected(record: AttemptRecord, end: float) -> float:
+    """When a hang or a lost node was found (the failure until then is `hung`); other
+    failures are found at once."""
+    failure = record.first_failure or {}
+    if record.kind not in HUNG_KINDS or not isinstance(failure.get("time"), (int, float)):
+        return float("-inf")
+    found = failure.get("detected")
+    return float(found) if isinstance(found, (int, float)) else end
 
 
 def _count_startup(row: Row, process: Process, start: float, first: float) -> None:

@@ -40,6 +40,7 @@ LABELS = {
     "checkpoint": "checkpoint (blocking)",
     "evaluation": "evaluation",
     "lost": "lost work (trained again)",
+    "hung": "hung (waiting on a stuck rank)",
     "startup": "start-up",
     "loop_overhead": "loop overhead",
     "tail": "tail (after the last step)",

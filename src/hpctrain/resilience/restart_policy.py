@@ -22,10 +22,18 @@ How a rank's end is read:
   ranks see when one fails: it is the failure only when nothing else is; when such ranks
   gave up while another never ended (it was still stuck when srun killed the step) that one
   hung, and its node is suspect;
-- a rank without an end record died with its watcher (its node went away, or it hung until
-  srun's SIGKILL).
-Otherwise the earliest end wins among failures of one kind: the first rank to fail ends the
-step (`srun --kill-on-bad-exit=1`), and every other rank's end follows from it.
+- a rank its watcher ended for making no progress (`resilience/watch.py`: its heartbeat
+  stopped for longer than its allowance) hung. Its peers, stuck in a collective waiting for
+  it, stop beating too and are ended alike: the rank whose process was stopped is blamed,
+  else the one that got least far (fewest beats), else the one whose progress stopped first;
+- a rank without an end record died with its watcher. Its node went away (`lost`) unless
+  something shows the node was there when srun ended the step: its watcher noted srun's TERM
+  while the rank still ran, or srun reported how the task ended; such a rank outlived the
+  TERM and was killed with its watcher (`hang`). A node SLURM reports down or failed (the
+  job script's `sinfo`, srun's "Node failure on" line) is named first: when every rank
+  started and none ended, a healthy node whose rank srun killed is never the one blamed.
+The earliest end wins among failures of one kind: the first rank to fail ends the step
+(`srun --kill-on-bad-exit=1`), and every other rank's end follows from it.
 
 What follows is bounded by progress and time, not by a count (docs/clusters.md): restarts go
 on while attempts commit new checkpoints; `slurm.max_no_progress` attempts in a row without
@@ -90,6 +98,11 @@ class RankEnd:
     exit_code: int | None = None  # None when killed by a signal, or not ended
     signal: int | None = None  # the signal that killed it
     received: tuple[str, ...] = ()  # signals its watcher got before it ended (SIGTERM...)
+    hung: bool = False  # its watcher ended it: no progress for longer than its allowance
+    stopped: bool = False  # ... and the process was stopped (kill -STOP, frozen)
+    beats: int | None = None  # heartbeats it made (ranks beat at the same points)
+    last_progress: float | None = None  # wall time of its last heartbeat
+    alive_at_term: bool = False  # still running when srun's TERM reached its node
 
     @property
     def failed(self) -> bool:
@@ -105,8 +118,13 @@ class RankEnd:
         where = f"rank {self.rank} on {self.node}"
         if self.started is None:
             return f"{where} never started"
+        if self.ended is None and self.alive_at_term:
+            return f"{where} never ended (it outlived srun's TERM: hung, killed with its watcher)"
         if self.ended is None:
-            return f"{where} never ended (killed with its watcher: hung, or its node was lost)"
+            return f"{where} never ended (its watcher went with it: its node was lost)"
+        if self.hung:
+            stopped = ", the process was stopped" if self.stopped else ""
+            return f"{where} hung (no progress, ended by its watcher{stopped})"
         if self.signal is not None:
             return f"{where} killed by {signal_name(self.signal)}"
         return f"{where} exited {self.exit_code}"
@@ -136,20 +154,71 @@ class Failure:
     kind: Kind
     culprit: RankEnd | None = None
     suspect_node: str = ""  # the node to blame: a rank killed by a signal, hung or lost
+    time: float | None = None  # when it failed (a hang: its last progress); None: unknown
+    detected: float | None = None  # when it was found (a hang: its watcher ended it)
+
+    def summary(self) -> dict[str, Any] | None:
+        """The `first_failure` of an attempt record (None without a culprit)."""
+        if self.culprit is None:
+            return None
+        found = self.culprit.summary()
+        found["time"] = self.time if self.time is not None else found["time"]
+        found["detected"] = self.detected
+        if self.culprit.hung:
+            found["stopped"] = self.culprit.stopped
+        return found
 
 
-def classify(ranks: Sequence[RankEnd], *, srun_status: int) -> Failure:
+def _failed_at(kind: Kind, culprit: RankEnd, ranks: Sequence[RankEnd]) -> Failure:
+    """`kind` blamed on `culprit`, with when it happened and when it was found."""
+    if culprit.hung or (kind == "hang" and culprit.last_progress is not None):
+        return Failure(kind, culprit, culprit.node, culprit.last_progress, culprit.ended)
+    if culprit.ended is not None:
+        return Failure(kind, culprit, culprit.node, culprit.ended, culprit.ended)
+    # Gone without a word: the others' last progress tells when (peers stuck waiting for
+    # it stopped beating then), else their first end (they noticed), else their start.
+    others = [r for r in ranks if r is not culprit]
+    progress = [r.last_progress for r in others if r.hung and r.last_progress is not None]
+    ends = [r.ended for r in others if r.ended is not None]
+    starts = [r.started for r in others if r.started is not None]
+    known = progress or ends or starts
+    return Failure(
+        kind, culprit, culprit.node, min(known) if known else None, min(ends) if ends else None
+    )
+
+
+def _least_progress(hung: Sequence[RankEnd]) -> RankEnd:
+    """Among ranks ended for no progress: a stopped process, else the one that got least
+    far, else the one whose progress stopped first."""
+    return min(
+        hung,
+        key=lambda r: (
+            not r.stopped,
+            r.beats if r.beats is not None else -1,
+            r.last_progress if r.last_progress is not None else 0.0,
+            r.rank,
+        ),
+    )
+
+
+def classify(ranks: Sequence[RankEnd], *, srun_status: int, gone: Sequence[str] = ()) -> Failure:
     """The failure of one attempt from how its ranks ended (see the module docstring).
 
     `srun_status` is srun's own exit status: it decides only when no rank left a record.
-    Preemption, time limits and cancels are read by `decide` (they need the job's state).
+    `gone`: nodes SLURM said went away during the attempt (down or failed after it; srun's
+    "Node failure on" lines). Preemption, time limits and cancels are read by `decide`
+    (they need the job's state).
     """
     ended = [r for r in ranks if r.ended is not None]
     if ranks and len(ended) == len(ranks) and not any(r.failed for r in ranks):
         return Failure("completed")
     failed = sorted((r for r in ended if r.failed), key=lambda r: (r.ended or 0.0, r.rank))
-    if failed and all(r.exit_code == REQUEUE_EXIT_CODE for r in failed):
-        return Failure("preempted", failed[0])  # the ranks saved together and asked for it
+    hung = [r for r in failed if r.hung]
+    failed = [r for r in failed if not r.hung]
+    # A process seen stopped (kill -STOP, frozen) hung, however it ended after srun woke it
+    stuck = hung + [r for r in failed if r.stopped and not r.killed_by_itself]
+    if failed and not stuck and all(r.exit_code == REQUEUE_EXIT_CODE for r in failed):
+        return _failed_at("preempted", failed[0], ranks)  # the ranks saved together
     own = [
         r
         for r in failed
@@ -157,29 +226,38 @@ def classify(ranks: Sequence[RankEnd], *, srun_status: int) -> Failure:
     ]
     users = [r for r in own if r.exit_code in USER_EXIT_CODES]
     if users:  # before a signal too: srun's SIGKILL of a rank slow to leave after it
-        return Failure("user", users[0])
+        culprit = _failed_at("user", users[0], ranks)
+        return Failure("user", users[0], time=culprit.time, detected=culprit.detected)
     by_itself = [r for r in failed if r.killed_by_itself]
     if by_itself:
-        return Failure("signal", by_itself[0], by_itself[0].node)
+        return _failed_at("signal", by_itself[0], ranks)
     if own:
         first = own[0]
         kind: Kind = "transient" if first.exit_code == EXIT_TRANSIENT else "error"
-        return Failure(kind, first)
+        culprit = _failed_at(kind, first, ranks)
+        return Failure(kind, first, time=culprit.time, detected=culprit.detected)
     never_started = [r for r in ranks if r.started is None]
     never_ended = [r for r in ranks if r.started is not None and r.ended is None]
-    victims = [r for r in failed if r.exit_code == EXIT_DISTRIBUTED]
-    if victims and never_ended:
-        return Failure("hang", never_ended[0], never_ended[0].node)
+    on_gone = [r for r in (*never_ended, *never_started) if r.node in gone]
+    if on_gone:  # SLURM's own word: that node went away
+        return _failed_at("lost", on_gone[0], ranks)
+    vanished = [r for r in never_ended if not r.alive_at_term]
+    if vanished:  # its watcher went without a word, and nothing says its node was there
+        return _failed_at("lost", vanished[0], ranks)
+    if stuck:
+        return _failed_at("hang", _least_progress(stuck), ranks)
+    if never_ended:  # outlived srun's TERM, killed with its watcher
+        return _failed_at("hang", never_ended[0], ranks)
     if never_started and len(never_started) < len(ranks):  # a node whose tasks never ran
-        return Failure("lost", never_started[0], never_started[0].node)
+        return _failed_at("lost", never_started[0], ranks)
     if never_started:  # no rank started at all: srun could not start the step
         return Failure("lost")
+    victims = [r for r in failed if r.exit_code == EXIT_DISTRIBUTED]
     if victims:
-        return Failure("distributed", victims[0])
-    if never_ended:
-        return Failure("lost", never_ended[0], never_ended[0].node)
+        culprit = _failed_at("distributed", victims[0], ranks)
+        return Failure("distributed", victims[0], time=culprit.time, detected=culprit.detected)
     if failed:  # stopped by SLURM's signals only (before the trainer handled them)
-        return Failure("preempted", failed[0])
+        return _failed_at("preempted", failed[0], ranks)
     return Failure("error" if srun_status else "completed")
 
 

@@ -84,10 +84,20 @@ class PreemptionFlag:
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
 
-    def uninstall(self) -> None:
-        """Restore the previous handlers, unless `exit_on_signal` armed them (kept to the end)."""
+    def uninstall(self, *, keep_term: bool = False) -> None:
+        """Restore the previous handlers, unless `exit_on_signal` armed them (kept to the end).
+
+        `keep_term`: TERM stays noted (this handler, or one put there now) until the process
+        exits: a failed rank of a job unwinds (loaders, process group) before it leaves with
+        its exit code, and srun's TERM, sent once another rank has exited, must not kill it
+        there (its end would read as stopped by SLURM instead of, say, a peer gone: exit 7).
+        """
         if self._exit_code is not None:
             return
+        main = threading.current_thread() is threading.main_thread()
+        # ours stays installed (not restored), or one is put there now
+        if keep_term and main and self._previous.pop(signal.SIGTERM, None) is None:
+            signal.signal(signal.SIGTERM, self._handle)
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()

@@ -20,6 +20,7 @@ from hpctrain.distributed import DistEnv, all_reduce_sum
 from hpctrain.files import write_atomic
 from hpctrain.models.flops import throughput_fields
 from hpctrain.observe.gpu_stats import GpuCounters
+from hpctrain.observe.heartbeat import Progress
 from hpctrain.observe.metrics import IntervalMeter, peak_memory_mb
 from hpctrain.parallel.parallelize import broadcast_buffers
 from hpctrain.parallel.precision import Precision, TrainingPlan
@@ -49,9 +50,15 @@ class RunRecords:
     lr: float
     grad_norm: torch.Tensor
     free_gradients: Callable[[], None]  # Checkpointing's
+    progress: Progress  # the rank's heartbeat for its watcher
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
+        """`evaluate_now` with the watcher's allowance of an evaluation."""
+        with self.progress.phase("eval"):
+            return self.evaluate_now()
+
+    def evaluate_now(self) -> dict[str, Any]:
         """Metrics over all of `data.val` (padded samples are masked out, so counted once).
 
         The task's sums are added over batches here and over ranks in one all-reduce, then

@@ -23,6 +23,7 @@ from hpctrain.checkpoint.storage import open_store
 from hpctrain.config import Config, ConfigError, config_to_yaml
 from hpctrain.config.load import check_rules
 from hpctrain.config.lora_rules import check_lora
+from hpctrain.config.rules import describe_timeouts
 from hpctrain.data import ShardedLoader, open_index
 from hpctrain.data.index import ShardIndex
 from hpctrain.data.mixture_index import describe as describe_train
@@ -33,6 +34,7 @@ from hpctrain.distributed.signals import start_compile_workers
 from hpctrain.models import lora, lora_base
 from hpctrain.observe.gpu_stats import GpuCounters
 from hpctrain.observe.hangs import HangWatch
+from hpctrain.observe.heartbeat import Progress
 from hpctrain.observe.memory import OOMSnapshots
 from hpctrain.observe.metrics import IntervalMeter, MetricMonitor, MetricsWriter
 from hpctrain.observe.profiling import StepProfiler
@@ -57,6 +59,17 @@ from hpctrain.train.records import RunRecords
 from hpctrain.train.step import OptimizerStep
 
 log = logging.getLogger("hpctrain")
+
+
+def heartbeat_of(cfg: Config) -> Progress:
+    """The heartbeat its watcher named (`HPCTRAIN_HEARTBEAT`), with the config's allowances."""
+    return Progress.from_environ(
+        floor_s=cfg.train.heartbeat_timeout_s,
+        factor=cfg.train.heartbeat_factor,
+        first_s=cfg.train.first_step_timeout_s,
+        save_s=cfg.checkpoint.save_timeout_s,
+        prior_save_s=last_save_cost(Path(cfg.run_dir)),
+    )
 
 
 def seed_everything(seed: int) -> None:
@@ -91,10 +104,13 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
         *,
         startup: StartupClock | None = None,
         failure_rate: FailureRate = DEFAULT_FAILURE_RATE,
+        progress: Progress | None = None,
     ) -> None:
         """`startup`: the process's start-up phases so far (`run_training` starts it);
-        `failure_rate`: for `checkpoint.every_minutes: auto` (`checkpoint/interval.py`)."""
+        `failure_rate`: for `checkpoint.every_minutes: auto` (`checkpoint/interval.py`);
+        `progress`: the heartbeat its watcher reads (`run_training` starts it)."""
         self.cfg, self.env, self.device = cfg, env, device
+        self.progress = progress or heartbeat_of(cfg)
         self.run_dir = Path(cfg.run_dir)
         self.startup = startup or StartupClock()  # phases, then RUN_DIR/timeline.jsonl
         self.check_config()
@@ -135,6 +151,8 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
                 f"checkpoint.monitor={cfg.checkpoint.monitor}: needs data.val (evaluations to rank by)"
             )
         check_monitor(cfg)  # a metric the task's evaluation reports
+        if self.env.is_main:
+            log.info(describe_timeouts(cfg))
         # Both refuse bad settings here; they hold the run's state from here on.
         self.monitor = MetricMonitor(
             cfg.checkpoint.monitor,
@@ -322,6 +340,7 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             first_step_timeout_s=cfg.train.first_step_timeout_s,
             collective_timeout_s=cfg.train.collective_timeout_s,
             dump_on_usr1=signal.SIGUSR1 not in self.preemption.signals,
+            on_dump=self.progress.dumped,  # the watcher waits for the stacks, then kills
         )
         self.meter = IntervalMeter()
         self.empty_steps, self.warned_empty, self.first_step = 0, False, 0
@@ -395,9 +414,11 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
         )
         try:
             self.hangs.install()  # SIGUSR1 and train.step_timeout_s: stacks in RUN_DIR/hangs
+            self.progress.arm_dumps(self.hangs.dump_signal)
             while self.state.step < self.total_steps:
                 self.profiler.at_step(self.state.step)
-                with self.memory.watch(self.state.step + 1), self.hangs.step(self.state.step + 1):
+                step = self.state.step + 1
+                with self.memory.watch(step), self.hangs.step(step), self.progress.step(step):
                     self.train_step(batches)
                 if self.step_boundary(metrics):
                     status = "preempted"
@@ -429,6 +450,7 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
                         score=self.monitor.score_at(self.state.step),
                     )
             self.wait_for_saves()
+            self.progress.ending()
             if self.env.is_main:
                 self.print_summary(final_eval)
             status = "finished"
@@ -437,6 +459,8 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             self.hangs.report_timeout(exc)  # a timed-out collective: dump, name the folder
             raise
         finally:
+            self.progress.ending()
+            self.progress.arm_dumps(0)
             self.hangs.uninstall()
             self.profiler.close()
             self.memory.close()
@@ -445,7 +469,10 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             )
             metrics.close(status)
             self.checkpoints.close()
-            self.preemption.uninstall()
+            # A failed rank of a job keeps noting TERM until it exits: srun's TERM (a peer
+            # failed too) must not kill it while it unwinds, or its end would read as stopped
+            # by SLURM rather than as its own exit (7: a peer went away).
+            self.preemption.uninstall(keep_term=status == "failed" and self.env.is_distributed)
             for loader in (self.loader, self.val_loader):
                 if loader is not None:
                     loader.close()  # its workers too, now rather than at exit
@@ -484,6 +511,7 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
         while True:
             if not self.resumed_loader:
                 self.loader.set_epoch(self.state.epoch)
+                self.progress.loading()  # a new epoch may start its workers: a first step's time
             self.resumed_loader = False
             yield from self.loader
             self.state.epoch += 1
