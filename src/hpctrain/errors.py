@@ -17,6 +17,7 @@ one of the kinds below, so the CLI needs to know only these.
 | 6         | launch: cluster profile, preflight, submission                         |
 | 7         | distributed: a peer rank, the network or a collective failed (retried) |
 | 75        | not an error: saved after a preemption signal, requeue me (EX_TEMPFAIL)|
+| 130       | interrupted (Ctrl-C); `train` saved the step first                    |
 """
 
 from __future__ import annotations

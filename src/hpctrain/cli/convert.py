@@ -348,3 +348,14 @@ def _submit(args: argparse.Namespace, options: ConvertOptions) -> int:
             print(f"job {job_id}: {what}")
         print(f"logs in {aj.log_dir}; the index is written by job {done.job_ids[-1]}")
     return 0
+
+
+def interrupted(args: argparse.Namespace) -> str:
+    """After Ctrl-C: the shards written so far are whole (each is renamed into place), the
+    index is not written: nothing reads DEST as a dataset until a rerun finishes it."""
+    if not args.dest or getattr(args, "slurm", False):
+        return ""
+    return (
+        f"{args.dest} keeps its finished shards and has no index yet; the same command with "
+        "--resume finishes it (--overwrite starts again)"
+    )

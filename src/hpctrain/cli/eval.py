@@ -146,3 +146,8 @@ def run(args: argparse.Namespace) -> int:
     from hpctrain.inference.evaluate import run_eval
 
     return run_eval(cfg, checkpoint=checkpoint, out=args.out)
+
+
+def interrupted(args: argparse.Namespace) -> str:
+    """After Ctrl-C: the evaluation record is written whole, at the end."""
+    return "nothing written: run the same command again"

@@ -498,7 +498,8 @@ class MetricsWriter:
 
     def close(self, status: str = "finished") -> None:
         """Close the file, the bar and the trackers; `status` is how the run ends for the
-        trackers: "finished", "preempted" (saved, to be requeued) or "failed"."""
+        trackers: "finished", "preempted" (saved, to be requeued), "interrupted" (Ctrl-C, saved)
+        or "failed"."""
         if not self.enabled:
             return
         if self.bar is not None:

@@ -284,7 +284,9 @@ class WandbTracker:
     def close(self, status: str) -> None:
         if status == "preempted":
             self.run.mark_preempting()
-        self.run.finish(exit_code={"finished": 0, "preempted": 75}.get(status, 1))
+        self.run.finish(
+            exit_code={"finished": 0, "preempted": 75, "interrupted": 130}.get(status, 1)
+        )
 
 
 class MlflowTracker:
@@ -372,8 +374,8 @@ class MlflowTracker:
         try:
             self._wait()
         finally:
-            mlflow_status = {"finished": "FINISHED", "preempted": "KILLED"}.get(status, "FAILED")
-            self.client.set_terminated(self.id, status=mlflow_status)
+            ended = {"finished": "FINISHED", "preempted": "KILLED", "interrupted": "KILLED"}
+            self.client.set_terminated(self.id, status=ended.get(status, "FAILED"))
 
 
 # ------------------------------------------------------------------------- the run's record
@@ -418,7 +420,7 @@ class Trackers:
     """The trackers `logging.*` turns on, fed every metrics record (rank 0 only).
 
     Use `Trackers.start(cfg, world_size)` once the run folder exists; `log(record)` for each
-    record `metrics.jsonl` gets; `close(status)` with "finished", "preempted" or "failed".
+    record `metrics.jsonl` gets; `close(status)` with "finished", "preempted", "interrupted" (Ctrl-C, saved) or "failed".
     """
 
     def __init__(self, run_dir: Path, trackers: dict[str, Tracker], state: dict[str, Any]):

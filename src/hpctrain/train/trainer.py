@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import random
 import signal
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -52,11 +53,15 @@ from hpctrain.train.checkpointing import Checkpointing, TrainState
 from hpctrain.train.ema import build_ema
 from hpctrain.train.evaluation import require_items
 from hpctrain.train.optim import build_optimizer, build_scheduler, freeze_parameters
-from hpctrain.train.preemption import REQUEUE_EXIT_CODE, PreemptionFlag
+from hpctrain.train.preemption import INTERRUPT_EXIT_CODE, REQUEUE_EXIT_CODE, PreemptionFlag
 from hpctrain.train.records import RunRecords
 from hpctrain.train.step import OptimizerStep
 
 log = logging.getLogger("hpctrain")
+# What rank 0 says when a second Ctrl-C ends the run at once (during a save, an evaluation).
+INTERRUPTED_AGAIN = (
+    "hpctrain train: interrupted again: stopped at once (committed checkpoints are kept)\n"
+)
 
 
 def seed_everything(seed: int) -> None:
@@ -314,7 +319,11 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             mode=cfg.checkpoint.mode,
             keep_best=cfg.checkpoint.keep_best,
         )
-        self.preemption = PreemptionFlag(cfg.checkpoint.signals, cfg.checkpoint.deadline_margin_s)
+        self.preemption = PreemptionFlag(
+            cfg.checkpoint.signals,
+            cfg.checkpoint.deadline_margin_s,
+            interrupt_line=INTERRUPTED_AGAIN if self.env.is_main else "",
+        )
         self.hangs = HangWatch(
             self.run_dir,
             self.env.rank,
@@ -399,9 +408,10 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
                 self.profiler.at_step(self.state.step)
                 with self.memory.watch(self.state.step + 1), self.hangs.step(self.state.step + 1):
                     self.train_step(batches)
-                if self.step_boundary(metrics):
-                    status = "preempted"
-                    return REQUEUE_EXIT_CODE
+                stopped = self.step_boundary(metrics)
+                if stopped:
+                    status = "preempted" if stopped == REQUEUE_EXIT_CODE else "interrupted"
+                    return stopped
                 if self.monitor.should_stop:  # every rank has the same evaluations
                     log.warning(
                         "early stop at step %d: %d evaluations without a better %s",
@@ -450,8 +460,9 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
                 if loader is not None:
                     loader.close()  # its workers too, now rather than at exit
 
-    def step_boundary(self, metrics: MetricsWriter) -> bool:
-        """Log, evaluate and save as due after a step; True once saved for a preemption."""
+    def step_boundary(self, metrics: MetricsWriter) -> int:
+        """Log, evaluate and save as due after a step; once saved for a preemption or a
+        Ctrl-C, the exit code to end with (REQUEUE_EXIT_CODE or INTERRUPT_EXIT_CODE), else 0."""
         step = self.state.step
         if self.is_log_step(step):
             metrics.write(self.log_record())
@@ -463,18 +474,27 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             if self.monitor.observe(record):  # among the checkpoint.keep_best best so far
                 self.save()
                 saved = True
-        stop_requested, time_due = self.agree_on_flags()
-        if stop_requested:
-            log.warning("preemption requested: saving step %d, then exiting for requeue", step)
+        stop_requested, time_due, interrupted = self.agree_on_flags()
+        if stop_requested or interrupted:
+            # a preemption wins over a Ctrl-C: the job script must see 75 to requeue
+            code = REQUEUE_EXIT_CODE if stop_requested else INTERRUPT_EXIT_CODE
+            if stop_requested:
+                log.warning("preemption requested: saving step %d, then exiting for requeue", step)
             if not saved:
                 self.save()
             self.wait_for_saves()
-            self.preemption.exit_on_signal(REQUEUE_EXIT_CODE)  # saved: a TERM now only ends us
-            return True
+            self.preemption.exit_on_signal(code)  # saved: a TERM (or ^C) now only ends us
+            if interrupted and not stop_requested and self.env.is_main:
+                sys.stderr.write(
+                    f"hpctrain train: interrupted at step {step}: saved; "
+                    "run the same command to resume\n"
+                )
+                sys.stderr.flush()
+            return code
         every_steps = self.cfg.checkpoint.every_steps
         if not saved and (time_due or (every_steps and step % every_steps == 0)):
             self.save()
-        return False
+        return 0
 
     def batch_stream(self) -> Iterator[Batch]:
         """Batches across epochs; after a resume the first epoch continues where it stopped."""
@@ -499,25 +519,27 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
         while True:
             yield from cached
 
-    def agree_on_flags(self) -> tuple[bool, bool]:
-        """One all-reduce at the step boundary: does any rank want to stop, is a timed save due?
+    def agree_on_flags(self) -> tuple[bool, bool, bool]:
+        """One all-reduce at the step boundary: does any rank want to stop (preempted), is a
+        timed save due, did any rank get Ctrl-C?
 
         Signals reach ranks at different moments and clocks differ, so every rank must act on
         the same answer, or some would enter a collective save that others never join.
         """
         interval = self.save_interval.seconds  # None: no timed saves
         time_due = interval is not None and time.monotonic() - self.last_save >= interval
+        flag = self.preemption
         if self.flag_group is None:
-            return self.preemption.requested, time_due
+            return flag.requested, time_due, flag.interrupted
         flags = torch.tensor(
-            [float(self.preemption.requested), float(time_due)], dtype=torch.float64
+            [float(flag.requested), float(time_due), float(flag.interrupted)], dtype=torch.float64
         )
         self.meter.clock.mark("boundary")  # this rank's arrival: the straggler check
         dist.all_reduce(flags, group=self.flag_group)
         self.meter.add_arrivals()
         self.meter.clock.leave_boundary()  # every rank leaves at the same moment
-        stop, due = flags.tolist()
-        return stop > 0, due > 0
+        stop, due, interrupted = flags.tolist()
+        return stop > 0, due > 0, interrupted > 0
 
     def prepare_run_dir(self) -> None:
         if self.env.is_main:
