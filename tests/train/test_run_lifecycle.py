@@ -438,3 +438,26 @@ def test_a_resume_on_data_of_other_classes_is_refused_before_any_step(
     del manifest["metadata"]["class_names"]
     manifest_path.write_text(json.dumps(manifest))
     assert fit(make_config(data, run_dir)).state.step == 4
+
+
+def test_a_finished_run_started_again_says_it_is_complete_and_trains_nothing(
+    shapes_shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = make_config(shapes_shards, tmp_path, "train.max_steps=2")
+    fit(cfg)
+    metrics = (tmp_path / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    trainer = fit(cfg)
+    out = capsys.readouterr().out
+    assert out.strip() == (
+        f"run complete: {tmp_path} is at step 2 of 2 (train.max_steps=2): nothing trained; "
+        "to train further, a larger train.max_steps; to start again, another run_dir "
+        "(or --checkpoint none)"
+    )
+    assert trainer.state.step == 2
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r for r in steps if "loss" in r or "val_loss" in r] == [
+        r
+        for r in (json.loads(line) for line in metrics.splitlines())
+        if "loss" in r or "val_loss" in r
+    ]  # no step and no evaluation added

@@ -404,6 +404,11 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
         )
         try:
             self.hangs.install()  # SIGUSR1 and train.step_timeout_s: stacks in RUN_DIR/hangs
+            if self.first_step >= self.total_steps:  # a finished run, started again
+                if self.env.is_main:
+                    print(self.complete_line(), flush=True)
+                status = "finished"
+                return 0
             while self.state.step < self.total_steps:
                 self.profiler.at_step(self.state.step)
                 with self.memory.watch(self.state.step + 1), self.hangs.step(self.state.step + 1):
@@ -459,6 +464,17 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             for loader in (self.loader, self.val_loader):
                 if loader is not None:
                     loader.close()  # its workers too, now rather than at exit
+
+    def complete_line(self) -> str:
+        """What a run resumed at (or past) its last step says instead of training."""
+        train = self.cfg.train
+        key = "train.max_steps" if train.max_steps else "train.max_epochs"
+        value = train.max_steps or train.max_epochs
+        return (
+            f"run complete: {self.run_dir} is at step {self.first_step} of {self.total_steps} "
+            f"({key}={value}): nothing trained; to train further, a larger {key}; "
+            "to start again, another run_dir (or --checkpoint none)"
+        )
 
     def step_boundary(self, metrics: MetricsWriter) -> int:
         """Log, evaluate and save as due after a step; once saved for a preemption or a
