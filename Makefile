@@ -13,6 +13,8 @@ RUN_STAMP := $(VENV)/.runtime-stamp
 # terminal; torch alone is a few GB.
 PIP := $(BIN)/pip install --disable-pip-version-check
 DEMO_DATA := data/demo
+# The demos' last line: the docs type bare `hpctrain` and `python`, which live in the venv.
+export ON_PATH := make: hpctrain and python are in $(BIN), not on your PATH: source $(BIN)/activate (or type $(BIN)/hpctrain)
 LM_DATA := data/demo-lm
 
 .PHONY: venv demo demo-lm test test-fast lint format docs clean
@@ -52,6 +54,7 @@ demo: $(RUN_STAMP) $(DEMO_DATA)/shards/train/index.json
 	rm -rf runs/demo
 	$(BIN)/hpctrain train configs/demo.yaml
 	$(BIN)/hpctrain plot runs/demo
+	@echo "$$ON_PATH"
 
 # The language-model demo's text: the top-level modules of this Python's standard library.
 $(LM_DATA)/text/SOURCES.txt: tools/stdlib_corpus.py | $(RUN_STAMP)
@@ -70,6 +73,7 @@ demo-lm: $(RUN_STAMP) $(LM_DATA)/shards/train/index.json
 	$(BIN)/python tools/lm_report.py runs/demo-lm
 	$(BIN)/hpctrain plot runs/demo-lm
 	$(BIN)/hpctrain generate runs/demo-lm --prompt 'def __init__(self' --max-new-tokens 200 --temperature 0.8 --top-k 20
+	@echo "$$ON_PATH"
 
 # The whole suite; the SLURM tier runs against a local dev cluster that tools/run-tests starts.
 test: $(STAMP)

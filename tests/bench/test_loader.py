@@ -14,7 +14,7 @@ from hpctrain.bench import loader as bench
 from hpctrain.bench import loader_peers as peers
 from hpctrain.bench.loader_setup import SegmentationTransform, prepare, synthetic_images
 from hpctrain.cli.main import main
-from hpctrain.errors import UsageError
+from hpctrain.errors import UsageError, install_hint
 
 # limit, side by side, ImageFolder, webdataset, hpctrain x2, segmentation x2, remote x3
 HPCTRAIN_CASES = 11
@@ -61,7 +61,7 @@ def test_bench_loader_runs_all_cases(capsys, no_peers):
     assert set(out["meta"]["skipped"]) == {peer.name for peer in peers.PEERS}
     for peer in peers.PEERS:
         assert f"{peer.name}: skipped, {peer.module} is not installed" in captured.err
-        assert "pip install 'hpctrain[bench]'" in captured.err
+        assert install_hint("bench") in captured.err
 
 
 def test_missing_peer_is_skipped_with_a_line(capsys, no_peers):
@@ -89,7 +89,7 @@ def test_missing_peer_is_skipped_with_a_line(capsys, no_peers):
     lines = bench.format_report(meta, summary, {}).splitlines()
     assert (
         f"{peers.STREAMING}: skipped, streaming is not installed (import of streaming halted; "
-        "None in sys.modules); pip install 'hpctrain[bench]'"
+        f"None in sys.modules); {install_hint('bench')}"
     ) in lines
 
 

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.docs
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
 BLOCKS = shell_blocks(ROOT, DOCS)
-NEEDS = ("slurm", "gpu", "s3", "network", "site", "long")
+NEEDS = ("slurm", "gpu", "s3", "network", "site", "long", "install")
 BLOCK_TIMEOUT_S = 300
 
 # Step caps written into the scratch copies of the configs the docs train (key paths -> value).

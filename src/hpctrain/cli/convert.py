@@ -36,7 +36,7 @@ examples:
 SRC is a folder SRC/<class>/<image> (classes sorted -> labels); a .csv/.jsonl manifest (every
 column a member: path/label, file columns like mask.png, cls/txt/json, the rest gathered into
 .json); a Python callable pkg.module:function returning dict samples; a Hugging Face
-save_to_disk folder or parquet files (pip install 'hpctrain[arrow]'); or shards (a folder with
+save_to_disk folder or parquet files (pip install -e '.[arrow]'); or shards (a folder with
 index.json or .tar files, a brace pattern). docs/conversion.md has the mapping rules.
 DEST (or -o DEST) is a folder or an fsspec URL (s3://..., memory://...). Output is identical for any
 --workers; the index is written last, so a killed run leaves no index (finish it with --resume).

@@ -65,7 +65,7 @@ def add_answer_arguments(parser: argparse.ArgumentParser) -> None:
 def add_harness_arguments(parser: argparse.ArgumentParser) -> None:
     """`--harness TASKS` and its options: lm-evaluation-harness on the run's model."""
     group = parser.add_argument_group(
-        "lm-evaluation-harness (pip install 'hpctrain[eval]'; offline, one process)"
+        "lm-evaluation-harness (pip install -e '.[eval]'; offline, one process)"
     )
     group.add_argument("--harness", default="", metavar="TASK[,TASK...]", help="harness tasks")
     group.add_argument(

@@ -58,7 +58,7 @@ class LoraConfig:
     quantize_base: str = _f(
         "none",
         "QLoRA: the adapted layers' base weights in 4-bit NormalFloat (nf4, torchao's NF4Tensor; "
-        "pip install 'hpctrain[qlora]'), dequantized per layer in the forward pass",
+        "pip install -e '.[qlora]'), dequantized per layer in the forward pass",
         choices=("none", "nf4"),
     )
 

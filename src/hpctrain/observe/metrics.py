@@ -22,6 +22,7 @@ from hpctrain.distributed import (
     all_reduce_max,
     all_reduce_sum,
 )
+from hpctrain.errors import install_hint
 
 if TYPE_CHECKING:
     from hpctrain.observe.trackers import Trackers
@@ -448,7 +449,8 @@ class MetricsWriter:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 raise RuntimeError(
-                    "logging.tensorboard=true needs the tensorboard extra: pip install 'hpctrain[tensorboard]'"
+                    "logging.tensorboard=true needs the tensorboard extra: "
+                    + install_hint("tensorboard")
                 ) from None
             self.tb = SummaryWriter(str(run_dir / "tensorboard"))
         self._file = self.path.open("a")

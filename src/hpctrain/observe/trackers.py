@@ -43,6 +43,7 @@ import torch
 
 import hpctrain
 from hpctrain.config import Config, ConfigError, LoggingConfig, config_to_dict
+from hpctrain.errors import install_hint
 from hpctrain.files import write_atomic
 
 log = logging.getLogger("hpctrain")
@@ -60,12 +61,12 @@ def requirements(cfg: LoggingConfig) -> list[tuple[str, str, str]]:
     """(config key, module, pip line) of every tracker the config turns on."""
     needed = []
     if cfg.wandb != "off":
-        needed.append((f"logging.wandb={cfg.wandb}", "wandb", "pip install 'hpctrain[wandb]'"))
+        needed.append((f"logging.wandb={cfg.wandb}", "wandb", install_hint("wandb")))
     if cfg.mlflow != "off":
-        needed.append((f"logging.mlflow={cfg.mlflow}", "mlflow", "pip install 'hpctrain[mlflow]'"))
+        needed.append((f"logging.mlflow={cfg.mlflow}", "mlflow", install_hint("mlflow")))
         if _is_sqlite(cfg.mlflow):  # MLflow's database stores need SQLAlchemy and alembic
             needed += [
-                (f"logging.mlflow={cfg.mlflow}", name, "pip install 'hpctrain[mlflow]'")
+                (f"logging.mlflow={cfg.mlflow}", name, install_hint("mlflow"))
                 for name in ("sqlalchemy", "alembic")
             ]
     return needed

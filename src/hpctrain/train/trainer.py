@@ -31,6 +31,7 @@ from hpctrain.data.mixture_index import open_train_index
 from hpctrain.data.plan_report import dropped_note
 from hpctrain.distributed import DistEnv, new_cpu_group
 from hpctrain.distributed.signals import start_compile_workers
+from hpctrain.errors import install_hint
 from hpctrain.models import lora, lora_base
 from hpctrain.observe.gpu_stats import GpuCounters
 from hpctrain.observe.hangs import HangWatch
@@ -77,7 +78,7 @@ def require_tensorboard() -> None:
     except ImportError:
         raise ConfigError(
             "logging.tensorboard=true needs the tensorboard package: "
-            "pip install 'hpctrain[tensorboard]' (or set logging.tensorboard=false)"
+            f"{install_hint('tensorboard')} (or set logging.tensorboard=false)"
         ) from None
 
 
