@@ -53,7 +53,12 @@ from hpctrain.tasks.task import Batch, check_monitor, load_task
 from hpctrain.train.checkpointing import Checkpointing, TrainState
 from hpctrain.train.ema import build_ema
 from hpctrain.train.evaluation import require_items
-from hpctrain.train.optim import build_optimizer, build_scheduler, freeze_parameters
+from hpctrain.train.optim import (
+    build_optimizer,
+    build_scheduler,
+    freeze_parameters,
+    warmup_warning,
+)
 from hpctrain.train.preemption import INTERRUPT_EXIT_CODE, REQUEUE_EXIT_CODE, PreemptionFlag
 from hpctrain.train.records import RunRecords
 from hpctrain.train.step import OptimizerStep
@@ -176,6 +181,8 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
         self.precision = self.plan.precision
         if self.plan.why_precision:
             log.info(self.plan.why_precision)
+        if self.plan.precision_cost and self.env.is_main:
+            log.warning(self.plan.precision_cost)
         if self.env.is_distributed:
             log.info("mesh: %s (train.strategy=%s)", self.plan.describe_mesh(), self.plan.strategy)
         if self.plan.strategy == "fsdp" and self.env.local_world_size < self.env.world_size:
@@ -291,6 +298,8 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
         self.total_steps = cfg.train.max_steps or cfg.train.max_epochs * self.steps_per_epoch
         if self.total_steps == 0:
             raise ConfigError("train.max_steps=0 and train.max_epochs=0: set one of them")
+        if (warning := warmup_warning(cfg.train, self.total_steps)) and self.env.is_main:
+            log.warning("%s", warning)
         epoch_plan = self.loader.plan()
         if epoch_plan.num_dropped:
             # a tenth of the data out of every epoch is worth a look: say it louder
