@@ -12,8 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from hpctrain.config import ConfigError
+from hpctrain.config import Config, ConfigError
 from hpctrain.data import ShardedLoader
+from hpctrain.data.planning import EpochPlan
 from hpctrain.distributed import all_reduce_tensors
 from hpctrain.tasks.answers import Share
 from hpctrain.tasks.task import Batch, Task, divide_by_count
@@ -50,6 +51,24 @@ def require_items(loader: ShardedLoader, key: str, spec: str, seq_len: int) -> N
         else "no samples"
     )
     raise ConfigError(f"{key}={spec}: {why}")
+
+
+def too_few_batches(cfg: Config, plan: EpochPlan, data: str) -> str:
+    """Why an epoch of `data` gives no optimizer step: the batch, or the batches one step
+    accumulates, against the samples each rank reads, in the user's words."""
+    ranks, accum, batch = plan.world_size, cfg.train.grad_accum_steps, cfg.data.batch_size
+    kind = "sequences" if cfg.data.seq_len else "samples"
+    per_rank = plan.num_samples // ranks
+    where = f"{per_rank} {kind} per rank ({data}: {plan.num_samples} over {ranks} rank(s))"
+    if accum == 1:
+        return (
+            f"data.batch_size={batch}: batch_size {batch} > {where}; "
+            f"set data.batch_size to {max(1, per_rank)} or less"
+        )
+    return (
+        f"data.batch_size={batch}: train.grad_accum_steps={accum} batches of {batch} "
+        f"({batch * accum}) > {where}; lower data.batch_size or train.grad_accum_steps"
+    )
 
 
 @torch.no_grad()

@@ -52,7 +52,7 @@ from hpctrain.tasks.classes import check_class_names
 from hpctrain.tasks.task import Batch, check_monitor, load_task
 from hpctrain.train.checkpointing import Checkpointing, TrainState
 from hpctrain.train.ema import build_ema
-from hpctrain.train.evaluation import require_items
+from hpctrain.train.evaluation import require_items, too_few_batches
 from hpctrain.train.optim import (
     build_optimizer,
     build_scheduler,
@@ -292,8 +292,7 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             self.steps_per_epoch = max(1, cfg.train.overfit_batches // cfg.train.grad_accum_steps)
         if self.steps_per_epoch == 0:
             raise ConfigError(
-                f"data.batch_size={cfg.data.batch_size}: {describe_train(cfg.data.train)} gives each of {self.env.world_size} ranks "
-                f"fewer than train.grad_accum_steps={cfg.train.grad_accum_steps} batches per epoch"
+                too_few_batches(cfg, self.loader.plan(), describe_train(cfg.data.train))
             )
         self.total_steps = cfg.train.max_steps or cfg.train.max_epochs * self.steps_per_epoch
         if self.total_steps == 0:
