@@ -78,13 +78,14 @@ def test_after_the_requeue_save_a_signal_exits_with_the_requeue_code():
 
 def test_ctrl_c_is_an_interrupt_not_a_preemption_unless_configured_as_one():
     flag = PreemptionFlag(["USR2", "TERM"])
+    before = signal.getsignal(signal.SIGINT)
     flag.install()
     try:
         os.kill(os.getpid(), signal.SIGINT)
         assert flag.interrupted and not flag.requested
     finally:
         flag.uninstall()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before
     preempt = PreemptionFlag(["INT"])  # checkpoint.signals: [INT] makes ^C a requeue signal
     preempt.install()
     try:

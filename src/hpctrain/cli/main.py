@@ -150,6 +150,7 @@ def requested_verb(argv: Sequence[str]) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    as_program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     # Import only the verb asked for: some verbs import torch (seconds; BENCHMARKS.md), and
     # `hpctrain plan` or `hpctrain inspect` should not pay for it.
@@ -177,7 +178,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # first (an export, a predictions part, convert's index last), so an interrupted one
         # leaves nothing a rerun would take for finished. A second Ctrl-C, while Python
         # shuts down (loader workers, threads), ends the process at once.
-        signal.signal(signal.SIGINT, lambda *_: os._exit(EXIT_INTERRUPTED))
+        if as_program:  # not when a test or a program calls main(argv) in-process
+            signal.signal(signal.SIGINT, lambda *_: os._exit(EXIT_INTERRUPTED))
         if show_tracebacks(args):
             traceback.print_exc()
         if rank_tag().strip() in ("", "[rank 0]"):  # one line for a run of --nproc N ranks
