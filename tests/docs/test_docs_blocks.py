@@ -159,6 +159,26 @@ def test_block(
         _run_shell(block, cwd)
 
 
+@pytest.fixture(scope="module")
+def one_clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One scratch folder for every page, as one clone a user walks page after page."""
+    return _scratch(tmp_path_factory.mktemp("one_clone"))
+
+
+@pytest.mark.parametrize(
+    "block", [pytest.param(b, id=f"in-sequence:{b.id}", marks=[pytest.mark.slow]) for b in RUN]
+)
+def test_every_page_runs_after_the_pages_before_it(block: Block, one_clone: Path) -> None:
+    """The README and then every page, in order, in one folder (#49): what one page makes
+    (`data/demo/shards`, `qa.jsonl`, `runs/qa`) must not make another's commands fail or
+    silently read it. The run above gives each page a fresh folder: no page may need what
+    another page made."""
+    if block.transcript:
+        _run_transcript(block, one_clone)
+    else:
+        _run_shell(block, one_clone)
+
+
 def test_every_skip_says_why() -> None:
     """A block or line that is not run names a need this machine lacks."""
     reasons = [(b.id, b.skip) for b in BLOCKS if b.skip]

@@ -255,6 +255,7 @@ def _pairs(values: list[str], flag: str) -> tuple[tuple[str, str], ...]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hpctrain.convert.errors import ConvertedAlready
     from hpctrain.convert.layout import parse_size
     from hpctrain.convert.options import ConvertOptions
     from hpctrain.convert.run import convert, result_summary
@@ -294,7 +295,10 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.parts or args.run_part is not None or args.merge or args.slurm:
         return _run_parts(args, options)
-    print(result_summary(convert(options)))  # ConvertError/ShardIndexError: data errors (3)
+    try:
+        print(result_summary(convert(options)))  # ConvertError/ShardIndexError: data errors (3)
+    except ConvertedAlready as done:
+        print(done)
     return 0
 
 

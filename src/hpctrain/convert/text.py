@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import posixpath
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
@@ -271,6 +271,8 @@ class TextPlan:
     plans: dict[str, list[ShardPlan]]
     settings: dict[str, Any]  # what decides the output bytes (the index's extra)
     fingerprint: str
+    # split -> its documents (packed into fewer samples); not known to a merge of parts
+    num_documents: dict[str, int] = field(default_factory=dict)
 
 
 def text_plan(
@@ -297,7 +299,8 @@ def text_plan(
         **(setup.records.settings() if setup.records is not None else {}),
     }
     fingerprint = plan_fingerprint({}, {**output_settings, "chunks": digests})
-    return TextPlan(plans, output_settings, fingerprint)
+    documents = {split: len(order) for split, order in orders.items()}
+    return TextPlan(plans, output_settings, fingerprint, documents)
 
 
 def write_or_keep(
@@ -380,6 +383,8 @@ def text_indexes(
     for split, split_plans in tp.plans.items():
         shards = tuple(index_entry(p, results[p.url]) for p in split_plans)
         extra = {**tp.settings, "split": split or None, "num_skipped_documents": num_skipped}
+        if split in tp.num_documents:
+            extra["num_documents"] = tp.num_documents[split]
         extra.pop("tokenizer")  # the index's own key
         indexes[split] = ShardIndex(
             shards=shards,

@@ -20,7 +20,7 @@ from hpctrain.distributed import DistEnv, all_reduce_sum
 from hpctrain.files import write_atomic
 from hpctrain.models.flops import throughput_fields
 from hpctrain.observe.gpu_stats import GpuCounters
-from hpctrain.observe.metrics import IntervalMeter, peak_memory_mb
+from hpctrain.observe.metrics import IntervalMeter, epoch_text, peak_memory_mb
 from hpctrain.parallel.parallelize import broadcast_buffers
 from hpctrain.parallel.precision import Precision, TrainingPlan
 from hpctrain.tasks.answers import Share
@@ -49,6 +49,7 @@ class RunRecords:
     lr: float
     grad_norm: torch.Tensor
     free_gradients: Callable[[], None]  # Checkpointing's
+    num_epochs: int  # the epochs the console counts to (0: not shown)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
@@ -153,7 +154,8 @@ class RunRecords:
 
     def print_summary(self, final_eval: dict[str, Any] | None) -> None:
         lines = [
-            f"finished {self.state.step} steps ({self.state.samples_seen} samples, epoch {self.state.epoch})"
+            f"finished {self.state.step} steps ({self.state.samples_seen} samples, "
+            f"epoch {epoch_text(self.state.epoch, self.num_epochs)})"
         ]
         if final_eval is not None:
             lines.append(summary_line(self.task, final_eval))
