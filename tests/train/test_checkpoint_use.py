@@ -312,7 +312,13 @@ def test_predict_on_a_folder_of_images_names_each_file(
     new, out = new_images(tmp_path / "new"), tmp_path / "preds"
     temporary = set(Path(tempfile.gettempdir()).glob("hpctrain-predict-*"))
     assert main(["predict", str(run), "--data", str(new), "-o", str(out)]) == 0
-    assert f"3 images of {new} converted for this prediction" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert f"3 images of {new} converted for this prediction" in captured.err
+    # a line to read, not the manifest's JSON again (#49)
+    [done] = [line for line in captured.out.splitlines() if line.startswith("predicted ")]
+    assert done.startswith(f"predicted 3 samples of {new} with ") and done.endswith(
+        f"on 1 rank(s) -> {out}/manifest.json (jsonl, 1 part(s))"
+    )
     rows = prediction_rows(out)
     assert [r["source"] for r in rows] == ["a.jpg", "b.jpg", "more/c.png"]
     assert all(r["class"] in CLASSES for r in rows) and len({r["key"] for r in rows}) == 3

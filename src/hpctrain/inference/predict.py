@@ -398,9 +398,13 @@ def run_predict(
             (json.dumps(manifest, indent=1) + "\n").encode(),
             what="the predictions' manifest",
         )
-        summary = {k: v for k, v in manifest.items() if k != "parts"}
-        summary["manifest"] = f"{redact_url(out).rstrip('/')}/{MANIFEST_NAME}"
-        print(json.dumps(summary), flush=True)
+        # A line to read, not the manifest's JSON again: manifest.json holds all of it.
+        print(
+            f"predicted {total} samples of {manifest['data']} with {run.checkpoint} (step "
+            f"{run.step}, {run.weights} weights) on {env.world_size} rank(s) -> "
+            f"{redact_url(out).rstrip('/')}/{MANIFEST_NAME} ({fmt}, {len(entries)} part(s))",
+            flush=True,
+        )
         if any(lost.values()):
             log.warning(
                 "prediction lost data under data.on_error=skip: %s (not in the predictions)",
