@@ -42,6 +42,7 @@ def setup(tmp_path):
     return prepare(tmp_path, images, batch_size=8, workers=1, crop=32)
 
 
+@pytest.mark.slow  # seconds (subprocesses, a trained run): out of make test-fast (#49)
 def test_bench_loader_runs_all_cases(capsys, no_peers):
     args = ["bench", "loader", "--images", "24", "--rounds", "1", "--workers", "1"]
     assert (

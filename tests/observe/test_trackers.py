@@ -90,6 +90,7 @@ except ConfigError as exc:
 """
 
 
+@pytest.mark.slow  # seconds (subprocesses, a trained run): out of make test-fast (#49)
 @pytest.mark.parametrize("tracker", ["mlflow", "wandb"])
 def test_a_server_that_does_not_answer_fails_in_seconds_naming_it(tmp_path, tracker):
     """Issue 32: MLflow's HTTP retries took 4 minutes on a closed port (W&B waits 90 s)."""

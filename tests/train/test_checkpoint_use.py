@@ -117,6 +117,7 @@ def other_classes(run: Path) -> Path:
     return image_shards(run.parent / "other", ("circle", "star"))
 
 
+@pytest.mark.slow  # seconds (subprocesses, a trained run): out of make test-fast (#49)
 def test_train_refuses_validation_data_of_other_classes(
     run: Path, other_classes: Path, tmp_path: Path
 ) -> None:
@@ -206,6 +207,7 @@ def test_predict_of_a_causal_lm_writes_one_line_a_sequence(lm_run: Path, tmp_pat
     assert 0 < lines[0]["loss"] < 10 and 0 <= lines[0]["next_token"] < 257
 
 
+@pytest.mark.slow  # seconds (subprocesses, a trained run): out of make test-fast (#49)
 def test_generate_bad_options_are_one_line(
     lm_run: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -268,6 +270,7 @@ def test_export_and_generate_choose_a_checkpoint_as_eval_does(
     assert f"{tmp_path / 'nope'}: no committed checkpoint" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # seconds (subprocesses, a trained run): out of make test-fast (#49)
 def test_export_of_an_ema_eval_run_writes_the_ema_unless_told(tmp_path: Path) -> None:
     """#32 item 7: `export --best` of a `train.ema_eval` run wrote the trained weights, not the
     EMA whose evaluation picked the checkpoint (eval, predict and generate read the EMA)."""

@@ -78,6 +78,7 @@ class RunRecords:
                     self.val_loader,
                     self.precision,
                     self.device,
+                    label=f"evaluation of step {self.state.step}",
                     copies=self.plan.tp,  # a TP group evaluates the same batches
                     share=Share(
                         rank=self.plan.data_parallel_rank(self.env.rank),

@@ -443,6 +443,8 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             if final_eval is not None and final_eval["step"] != self.state.step:
                 final_eval = None
             if final_eval is None and self.val_loader is not None:
+                if self.env.is_main:
+                    log.info("final evaluation of step %d on data.val", self.state.step)
                 final_eval = self.evaluate()
                 metrics.write(final_eval)
                 self.monitor.observe(final_eval)
