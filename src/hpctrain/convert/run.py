@@ -244,7 +244,7 @@ def result_summary(result: ConvertResult) -> str:
     """Human-readable lines about a finished conversion."""
     lines = []
     for split, index in result.indexes.items():
-        documents = index.extra.get("num_documents")
+        documents = result.num_documents.get(split)
         if index.num_tokens is not None and isinstance(documents, int):
             # token shards pack whole documents into samples: say both, or "1 samples" for
             # 270 records reads as 269 lost

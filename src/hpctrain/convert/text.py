@@ -329,7 +329,9 @@ def convert_text(options: ConvertOptions, spool_dir: str, layout: Layout) -> Con
             num_resumed += kept
     indexes = text_indexes(options, tp, results, layout, setup.info, len(skipped))
     destination.commit(options, layout, indexes, skipped)
-    return ConvertResult(indexes, destination.index_urls_of(layout), skipped, num_resumed)
+    return ConvertResult(
+        indexes, destination.index_urls_of(layout), skipped, num_resumed, tp.num_documents
+    )
 
 
 def _split_and_order(options: ConvertOptions, num_docs: int) -> dict[str, np.ndarray]:
@@ -383,8 +385,6 @@ def text_indexes(
     for split, split_plans in tp.plans.items():
         shards = tuple(index_entry(p, results[p.url]) for p in split_plans)
         extra = {**tp.settings, "split": split or None, "num_skipped_documents": num_skipped}
-        if split in tp.num_documents:
-            extra["num_documents"] = tp.num_documents[split]
         extra.pop("tokenizer")  # the index's own key
         indexes[split] = ShardIndex(
             shards=shards,
