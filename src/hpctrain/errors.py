@@ -18,6 +18,7 @@ one of the kinds below, so the CLI needs to know only these.
 | 7         | distributed: a peer rank, the network or a collective failed (retried) |
 | 8         | transient data fault: a loader worker died or stuck, an outage (retried)|
 | 75        | not an error: saved after a preemption signal, requeue me (EX_TEMPFAIL)|
+| 130       | interrupted (Ctrl-C); `train` saved the step first                    |
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 
 EXIT_BUG = 1
 EXIT_CONFIG = 2
@@ -126,3 +128,34 @@ def print_error_line(verb: str, exc: HpctrainError, *, tag: str = "") -> None:
     message = " ".join(str(exc).splitlines())  # one line, even from a multi-line cause
     sys.stderr.write(f"hpctrain {verb}{tag}: {exc.label}: {message}\n")
     sys.stderr.flush()
+
+
+def source_clone() -> Path | None:
+    """The clone hpctrain runs from (an editable install of `CLONE/src/hpctrain`), or None
+    for an installed package (site-packages)."""
+    package = Path(__file__).resolve().parent
+    root = package.parent.parent
+    pyproject = root / "pyproject.toml"
+    if package.parent.name != "src" or not pyproject.is_file():
+        return None
+    try:
+        text = pyproject.read_text(errors="replace")
+    except OSError:
+        return None
+    return root if 'name = "hpctrain"' in text else None
+
+
+def install_hint(*extras: str) -> str:
+    """The command that installs hpctrain's optional `extras` where hpctrain comes from: the
+    clone it runs from (`pip install -e '.[text]'`, its path when run elsewhere), else the
+    package index (`pip install 'hpctrain[text]'`). A hint naming the index to someone who
+    works in a clone would fetch a second hpctrain over their own."""
+    names = ",".join(extras)
+    clone = source_clone()
+    if clone is None:
+        return f"pip install 'hpctrain[{names}]'"
+    try:
+        here = Path.cwd().resolve() == clone
+    except OSError:  # the current folder was removed
+        here = False
+    return f"pip install -e '{'.' if here else clone}[{names}]'"

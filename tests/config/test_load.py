@@ -457,3 +457,25 @@ def test_every_minutes_takes_minutes_or_the_word_auto(tmp_path: Path) -> None:
         load_config(None, ["checkpoint.every_minutes=soon"])
     with pytest.raises(ConfigError, match=r"every_minutes=-1.0 \(command line\): must be >= 0.0"):
         load_config(None, ["checkpoint.every_minutes=-1"])
+
+
+def test_fsdp2_as_the_docs_write_it_is_fsdp() -> None:
+    for spelling in ("fsdp2", "FSDP2", "fsdp"):
+        assert load_config(None, [f"train.strategy={spelling}"]).train.strategy == "fsdp"
+
+
+def test_a_misspelt_key_or_value_gets_a_did_you_mean() -> None:
+    with pytest.raises(
+        ConfigError,
+        match=r"^unknown key 'train\.max_step' \(command line\): did you mean "
+        r"'train\.max_steps'\? allowed here: ",
+    ):
+        load_config(None, ["train.max_step=3"])
+    with pytest.raises(
+        ConfigError,
+        match=r"^train\.strategy='fdsp' \(command line\): must be one of none\|ddp\|fsdp\|hsdp; "
+        r"did you mean 'fsdp'\?$",
+    ):
+        load_config(None, ["train.strategy=fdsp"])
+    with pytest.raises(ConfigError, match=r"must be one of none\|ddp\|fsdp\|hsdp$"):
+        load_config(None, ["train.strategy=zzz"])  # nothing close: no guess

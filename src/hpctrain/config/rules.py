@@ -25,6 +25,12 @@ def broken_rule(cfg: Config, sources: Mapping[str, str] | None = None) -> str | 
     order = timeout_order(cfg, named)
     if order is not None:
         return order
+    ema = cfg.train.ema_decay
+    if ema >= 1 or (cfg.train.ema_eval and not ema):
+        return (
+            f"{named('train.ema_decay', ema)}: must be in (0, 1) (e.g. 0.999); "
+            "0 disables the EMA (and then train.ema_eval must be false)"
+        )
     tp, seq_len = cfg.train.tp_degree, cfg.data.seq_len
     if tp > 1 and seq_len % tp:
         # Sequence parallelism splits every sequence into tp equal parts along its length

@@ -58,7 +58,7 @@ class LoraConfig:
     quantize_base: str = _f(
         "none",
         "QLoRA: the adapted layers' base weights in 4-bit NormalFloat (nf4, torchao's NF4Tensor; "
-        "pip install 'hpctrain[qlora]'), dequantized per layer in the forward pass",
+        "pip install -e '.[qlora]'), dequantized per layer in the forward pass",
         choices=("none", "nf4"),
     )
 
@@ -298,8 +298,10 @@ class TrainConfig:
     strategy: str = _f(
         "ddp",
         "data parallelism over ranks; a single process is never wrapped. hsdp: FSDP2 shards "
-        "inside groups of train.shard_degree ranks (a node) and replicates across them",
+        "inside groups of train.shard_degree ranks (a node) and replicates across them; "
+        "fsdp is FSDP2 (fully_shard), also spelled fsdp2",
         choices=("none", "ddp", "fsdp", "hsdp"),
+        aliases={"fsdp2": "fsdp"},
     )
     tp_degree: int = _f(
         1,

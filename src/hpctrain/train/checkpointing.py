@@ -210,10 +210,14 @@ class Checkpointing:
             changes = config_changes(self.cfg, tried["metadata"].get("config")) if tried else []
             if not changes:
                 raise
+            # The cause first; what torch said ("Missing key in checkpoint state_dict: ...")
+            # last, as the detail it is.
+            where, _, detail = str(exc).rstrip(".").partition(": load failed: ")
             raise type(exc)(
-                f"{str(exc).rstrip('.')}; the config differs from the checkpoint's in "
-                f"{', '.join(changes)}: set back the key that changes what the checkpoint "
-                "holds (model, optimizer, precision), or start over with --resume none"
+                f"{where}: the config differs from the checkpoint's in {', '.join(changes)}: "
+                "set back the key that changes what the checkpoint holds (model, optimizer, "
+                "precision), or start over with --checkpoint none"
+                + (f" (the load failed: {detail})" if detail else "")
             ) from None
         except ValueError:  # DCP's own when the optimizer's groups differ: say which key
             check_same_groups(self.cfg.train, self.checkpoints.tried_manifest)

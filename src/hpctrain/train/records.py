@@ -21,7 +21,7 @@ from hpctrain.files import write_atomic
 from hpctrain.models.flops import throughput_fields
 from hpctrain.observe.gpu_stats import GpuCounters
 from hpctrain.observe.heartbeat import Progress
-from hpctrain.observe.metrics import IntervalMeter, peak_memory_mb
+from hpctrain.observe.metrics import IntervalMeter, epoch_text, peak_memory_mb
 from hpctrain.parallel.parallelize import broadcast_buffers
 from hpctrain.parallel.precision import Precision, TrainingPlan
 from hpctrain.tasks.answers import Share
@@ -51,6 +51,7 @@ class RunRecords:
     grad_norm: torch.Tensor
     free_gradients: Callable[[], None]  # Checkpointing's
     progress: Progress  # the rank's heartbeat for its watcher
+    num_epochs: int  # the epochs the console counts to (0: not shown)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
@@ -84,6 +85,7 @@ class RunRecords:
                     self.val_loader,
                     self.precision,
                     self.device,
+                    label=f"evaluation of step {self.state.step}",
                     copies=self.plan.tp,  # a TP group evaluates the same batches
                     share=Share(
                         rank=self.plan.data_parallel_rank(self.env.rank),
@@ -160,7 +162,8 @@ class RunRecords:
 
     def print_summary(self, final_eval: dict[str, Any] | None) -> None:
         lines = [
-            f"finished {self.state.step} steps ({self.state.samples_seen} samples, epoch {self.state.epoch})"
+            f"finished {self.state.step} steps ({self.state.samples_seen} samples, "
+            f"epoch {epoch_text(self.state.epoch, self.num_epochs)})"
         ]
         if final_eval is not None:
             lines.append(summary_line(self.task, final_eval))
