@@ -370,6 +370,47 @@ def test_failures_over_the_share_of_the_allocation_stop_the_job(tmp_path: Path) 
     )
 
 
+# srun's own lines on the dev cluster (SLURM 22.05) when n2's watcher, rank and slurmd were
+# killed: n2's slurmstepd reports its task killed, then srun ends the step
+# (--kill-on-bad-exit) and n1's rank, its peer gone, exits 7.
+NODE_WENT_AWAY = """srun: error: n2: tasks 2-3: Killed
+srun: launch/slurm: _step_signal: Terminating StepId=42.1
+srun: error: n1: tasks 0-1: Exited with exit code 7
+srun: Force Terminated StepId=42.1
+"""
+# A rank that outlived srun's TERM (heartbeat off, its peers' collectives timed out):
+# srun reports it killed after it began ending the step.
+OUTLIVED_TERM = """srun: error: n1: tasks 0-1: Exited with exit code 7
+srun: launch/slurm: _step_signal: Terminating StepId=42.1
+srun: error: n2: tasks 2-3: Killed
+srun: Force Terminated StepId=42.1
+"""
+
+
+@pytest.mark.parametrize(("lines", "kind"), [(NODE_WENT_AWAY, "lost"), (OUTLIVED_TERM, "hang")])
+def test_a_task_srun_reports_killed_before_it_ended_the_step_went_away_with_its_node(
+    tmp_path: Path, lines: str, kind: str
+) -> None:
+    """n2's watchers and ranks killed with its slurmd (the chaos test's lost node): srun
+    reported n2's tasks killed before it ended the step, so they did not outlive its TERM:
+    the node went away (`lost`). Was `hang` (#47): any task line counted as the node having
+    been there when srun ended the step. One that srun reports killed after it began
+    ending the step did outlive the TERM: still a `hang`."""
+    cfg = config(tmp_path, "slurm.spare_nodes=1")
+    folder = Path(shell(begin(cfg, JOB))["ATTEMPT_DIR"])
+    place_attempt(cfg, JOB)
+    commit(Path(cfg.run_dir), 10)
+    for rank in (0, 1):
+        rank_record(folder, rank, "n1", ended=5.0, exit_code=7, received=["SIGTERM"])
+    for rank in (2, 3):
+        rank_record(folder, rank, "n2", ended=None, exit_code=None)
+    (folder / "srun.log").write_text(lines)
+    ended = shell(end_attempt(cfg, JOB, srun_status=137, state="RUNNING"))
+    assert (ended["NEXT"], ended["EXCLUDE"]) == ("restart", "n2")
+    (rec,) = read_records(Path(cfg.run_dir))
+    assert (rec.kind, rec.first_failure["node"]) == (kind, "n2"), rec  # type: ignore[index]
+
+
 @pytest.mark.slow  # a process or two (seconds)
 def test_the_steps_run_as_a_module_with_the_jobs_variables(tmp_path: Path) -> None:
     cfg_file = tmp_path / "c.yaml"

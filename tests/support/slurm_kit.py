@@ -120,18 +120,31 @@ def sacct_nodes(job_id: str) -> str:
 def trainer_pid(job_id: str, rank: int) -> int | None:
     """The pid of rank `rank`'s `hpctrain train` process in the job (not its watcher, not its
     loader workers): the one process of the job's task whose command is `-m hpctrain train`."""
+    parents = _train_processes(job_id, rank)
+    # loader workers started by fork share the command line: the trainer is their parent
+    trainers = [pid for pid, parent in parents.items() if parent not in parents]
+    return trainers[0] if len(trainers) == 1 else None
+
+
+def loader_worker_pid(job_id: str, rank: int) -> int | None:
+    """The pid of a loader worker of rank `rank`'s trainer (forked: the same command line,
+    the trainer its parent), or None before it has one."""
+    trainer = trainer_pid(job_id, rank)
+    workers = [pid for pid, parent in _train_processes(job_id, rank).items() if parent == trainer]
+    return min(workers) if trainer is not None and workers else None
+
+
+def _train_processes(job_id: str, rank: int) -> dict[int, int]:
+    """pid → parent pid of every `-m hpctrain train` process of the job's task `rank`."""
     wanted = {f"SLURM_JOB_ID={job_id}".encode(), f"SLURM_PROCID={rank}".encode()}
-    found = []
+    found = {}
     for proc in Path("/proc").glob("[0-9]*"):
         with contextlib.suppress(OSError, IndexError, ValueError):
             if not wanted <= set((proc / "environ").read_bytes().split(b"\0")):
                 continue
             if b"\0-m\0hpctrain\0train\0" in (proc / "cmdline").read_bytes():
-                found.append(int(proc.name))
-    # loader workers started by fork share the command line: the trainer is their parent
-    parents = {pid: _parent(pid) for pid in found}
-    trainers = [pid for pid, parent in parents.items() if parent not in parents]
-    return trainers[0] if len(trainers) == 1 else None
+                found[int(proc.name)] = _parent(int(proc.name))
+    return found
 
 
 def _parent(pid: int) -> int:

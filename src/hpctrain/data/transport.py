@@ -445,8 +445,11 @@ class WorkerPool:
         self._settle()
         self.generation += 1
         generation = self.generation
-        for orders in self.workers.orders:
-            orders.send(generation)
+        for worker, orders in enumerate(self.workers.orders):
+            try:
+                orders.send(generation)
+            except OSError:  # no reader: the worker died between passes (the OOM killer)
+                raise self._died(worker) from None
         count = len(self.workers.processes)
         self.unfinished = set(range(count))
         worker = 0
@@ -490,10 +493,14 @@ class WorkerPool:
                 return message
         except (EOFError, OSError):
             pass
+        raise self._died(worker)
+
+    def _died(self, worker: int) -> WorkerDiedError:
+        """The error of a worker found gone; the pool cannot run again."""
         self.broken = True
         process = self.workers.processes[worker]
         process.join(timeout=1)
-        raise WorkerDiedError(
+        return WorkerDiedError(
             f"loader worker {worker} (pid {process.pid}) exited unexpectedly "
             f"({_describe_exit(process.exitcode)}){self._doing(worker)}"
         )

@@ -55,11 +55,21 @@ def rank_end(rank: int, data: Mapping[str, Any], node: str) -> RankEnd:
 # answered.
 NODE_FAILURE = re.compile(r"Node failure on (\S+)")
 TASK_ENDED = re.compile(r"srun: error: (\S+): tasks? [\d,\-\[\]]+: ")
+# srun ending the step: --kill-on-bad-exit ("launch/slurm: _step_signal: Terminating
+# StepId=7.1"), a node failure, a cancel. A task reported ended before it died on its own.
+STEP_ENDING = re.compile(
+    r"_step_signal: Terminating|Force Terminated|Node failure on|Job step aborted|CANCELLED"
+)
 
 
 def read_srun_log(folder: Path) -> tuple[set[str], set[str]]:
     """From the step's srun lines (`srun.log`): the nodes that failed, and those that
-    reported a task's end (their slurmd answered)."""
+    reported a task's end once srun was ending the step (their node was there then).
+
+    A task reported killed before srun began ending the step was not killed by srun: its
+    watcher died with it (n2's watcher, rank and slurmd killed, its slurmstepd left to tell),
+    which says nothing of the node being there at srun's TERM (#47: was `hang`, not `lost`).
+    Without any such line from srun, every task's end counts."""
     try:
         text = (folder / SRUN_LOG).read_text(errors="replace")
     except OSError:
@@ -67,5 +77,7 @@ def read_srun_log(folder: Path) -> tuple[set[str], set[str]]:
     failed: set[str] = set()
     for match in NODE_FAILURE.finditer(text):
         failed.update(expand_hostlist(match.group(1)))
-    answered = {m.group(1) for m in TASK_ENDED.finditer(text)}
+    ending = STEP_ENDING.search(text)
+    since = text[ending.start() :] if ending else text
+    answered = {m.group(1) for m in TASK_ENDED.finditer(since)}
     return failed, answered - failed

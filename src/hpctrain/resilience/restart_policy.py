@@ -28,7 +28,8 @@ How a rank's end is read:
   else the one that got least far (fewest beats), else the one whose progress stopped first;
 - a rank without an end record died with its watcher. Its node went away (`lost`) unless
   something shows the node was there when srun ended the step: its watcher noted srun's TERM
-  while the rank still ran, or srun reported how the task ended; such a rank outlived the
+  while the rank still ran, or srun reported how the task ended once it was ending the step
+  (a task it reports killed before that died on its own); such a rank outlived the
   TERM and was killed with its watcher (`hang`). A node SLURM reports down or failed (the
   job script's `sinfo`, srun's "Node failure on" line) is named first: when every rank
   started and none ended, a healthy node whose rank srun killed is never the one blamed.
