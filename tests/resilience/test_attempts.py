@@ -224,13 +224,12 @@ def test_a_killed_rank_on_a_spare_allocation_restarts_without_its_node(tmp_path:
     assert rec.set_aside == {"n2": "signal: rank 2 on n2 killed by SIGKILL"}
 
     second = shell(begin(cfg, JOB))
-    assert (second["ATTEMPT"], second["PROBE_NODES"]) == ("2", "n1,n3")  # n2 stays aside
+    # no probe after a SIGKILL (slurm.probe_after_kill), and n2 stays aside
+    assert (second["ATTEMPT"], second["PROBE_NODES"], second["NUM_PROBE_NODES"]) == ("2", "", "0")
     assert (
         second["RESUME"] == "checkpoint.resume=latest"
     )  # the run's own newest, whatever the config
     folder = Path(second["ATTEMPT_DIR"])
-    for node in ("n1", "n3"):
-        probe_record(folder, node)
     assert shell(place_attempt(cfg, JOB))["TRAIN_NODES"] == "n1,n3"
     for rank, node in enumerate(("n1", "n1", "n3", "n3")):
         rank_record(folder, rank, node)

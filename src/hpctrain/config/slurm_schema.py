@@ -43,6 +43,11 @@ class SlurmConfig:
         "before each attempt, check every node (run folder, data, disks, /dev/shm, GPUs, a "
         "timed exchange between nodes) and set aside those that fail",
     )
+    probe_after_kill: bool = _f(
+        False,
+        "probe before an attempt that follows a rank killed by SIGKILL (the OOM killer, kill "
+        "-9); false: that restart skips the probe, none of whose checks explains such a death",
+    )
     require_fabric: bool = _f(
         False,
         "fail at start-up when NCCL does not use the profile's fabric (InfiniBand) but falls "

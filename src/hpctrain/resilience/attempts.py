@@ -35,6 +35,8 @@ from typing import Any
 from hpctrain.config import Config, ConfigError, load_config
 from hpctrain.distributed.env import expand_hostlist
 from hpctrain.files import write_atomic
+from hpctrain.observe.timeline import process_start_time, read_timeline
+from hpctrain.resilience.recovery import recovery, trainer_records
 from hpctrain.resilience.restart_policy import (
     AttemptRecord,
     Failure,
@@ -234,6 +236,17 @@ def close_unfinished(run_dir: Path, records: list[AttemptRecord], root: str) -> 
     return records
 
 
+def killed_before(records: Sequence[AttemptRecord], job: JobFacts) -> bool:
+    """Whether the attempt before, in this allocation, was restarted after its first rank was
+    killed by SIGKILL (the OOM killer, `kill -9`): what the health probe checks (folders,
+    disks, /dev/shm, GPUs, the network) cannot explain it, so the restart goes without it."""
+    if not records or not same_allocation(records[-1], job):
+        return False
+    last = records[-1]
+    failure = last.first_failure or {}
+    return (last.kind, last.decision, failure.get("signal")) == ("signal", "restart", "SIGKILL")
+
+
 def begin(cfg: Config, job: JobFacts, *, down: Sequence[str] = ()) -> str:
     """Start an attempt: its number and folder, the nodes to probe, the resume to ask for."""
     run_dir = Path(cfg.run_dir)
@@ -250,23 +263,30 @@ def begin(cfg: Config, job: JobFacts, *, down: Sequence[str] = ()) -> str:
         | (set(down) & set(job.allocation))
     )
     committed = newest_committed(root)
+    probe = [n for n in job.allocation if n not in excluded]
+    unexplained = killed_before(records, job) and not cfg.slurm.probe_after_kill
+    probe = [] if unexplained else probe
     _write_json(
         folder / "begin.json",
         {
             "attempt": number, "job_id": job.job_id, "restart": job.restart,
             "start": time.time(), "excluded": excluded, "committed": committed,
             "metrics_offset": _size(run_dir / "metrics.jsonl"),
+            "probe": probe if cfg.slurm.probe else [],  # the nodes the probe checks
         },
     )  # fmt: skip
-    probe = [n for n in job.allocation if n not in excluded]
     # After a failure or a requeue, continue from the run's own newest checkpoint, whatever
     # the config's checkpoint.resume says (none, or a path: the run's start).
     again = (bool(records) and records[-1].decision in ("restart", "requeue")) or job.restart > 0
     resume = ["checkpoint.resume=latest"] if again and committed is not None else []
     aside = f", {','.join(excluded)} set aside" if excluded else ""
-    _say(
-        f"attempt {number} (job {job.job_id}, restart {job.restart}) probes {','.join(probe)}{aside}"
+    probes = (
+        "skips the probe (a rank killed by SIGKILL: no check of it explains that; "
+        "slurm.probe_after_kill)"
+        if unexplained
+        else f"probes {','.join(probe)}"
     )
+    _say(f"attempt {number} (job {job.job_id}, restart {job.restart}) {probes}{aside}")
     return _shell(
         ATTEMPT=number,
         ATTEMPT_DIR=str(folder),
@@ -275,6 +295,32 @@ def begin(cfg: Config, job: JobFacts, *, down: Sequence[str] = ()) -> str:
         HPCTRAIN_ATTEMPT=number,
         RESUME=resume,
     )
+
+
+def begin_and_place(cfg: Config, job: JobFacts, *, down: Sequence[str] = ()) -> str:
+    """`begin`, and when the attempt runs no probe, its placement too (`PLACED=1` and the
+    nodes: one process less before the training's srun). A placement that finds too few
+    nodes is left to `attempts place`, which decides what follows."""
+    text = begin(cfg, job, down=down)
+    folder = current_folder(Path(cfg.run_dir))
+    begun = _read_json(folder / "begin.json")
+    if begun.get("probe"):
+        return text
+    placement = place(job.allocation, begun.get("excluded", []), [], nodes=nodes_to_train(cfg, job))
+    if not placement.nodes:
+        return text
+    num_tasks = len(placement.nodes) * job.tasks_per_node
+    _write_json(
+        folder / "place.json",
+        {"nodes": list(placement.nodes), "num_tasks": num_tasks, "set_aside": {}, "time": time.time()},
+    )  # fmt: skip
+    placed = _shell(
+        PLACED=1,
+        TRAIN_NODES=",".join(placement.nodes),
+        NUM_NODES=len(placement.nodes),
+        NUM_TASKS=num_tasks,
+    )
+    return f"{text}\n{placed}"
 
 
 def current_folder(run_dir: Path) -> Path:
@@ -320,8 +366,11 @@ def place_attempt(cfg: Config, job: JobFacts) -> str:
     num_tasks = len(placement.nodes) * job.tasks_per_node
     _write_json(
         folder / "place.json",
-        {"nodes": list(placement.nodes), "num_tasks": num_tasks, "set_aside": placement.set_aside},
-    )
+        {
+            "nodes": list(placement.nodes), "num_tasks": num_tasks,
+            "set_aside": placement.set_aside, "time": time.time(),
+        },
+    )  # fmt: skip
     if placement.nodes:
         return _shell(
             NEXT="train",
@@ -366,8 +415,14 @@ def read_ranks(folder: Path, nodes: Sequence[str], tasks_per_node: int) -> list[
     return ranks
 
 
-def end_attempt(cfg: Config, job: JobFacts, *, srun_status: int, state: str) -> str:
-    """After the training step: the attempt's record, and what the job does next."""
+def end_attempt(
+    cfg: Config, job: JobFacts, *, srun_status: int, state: str, step_end: float | None = None
+) -> str:
+    """After the training step: the attempt's record, and what the job does next.
+
+    `step_end`: when the training step had ended (default: when this process started, as
+    srun returned and squeue answered)."""
+    step_end = process_start_time() if step_end is None else step_end
     run_dir = Path(cfg.run_dir)
     folder = current_folder(run_dir)
     begun = _read_json(folder / "begin.json")
@@ -391,7 +446,25 @@ def end_attempt(cfg: Config, job: JobFacts, *, srun_status: int, state: str) -> 
         near_time_limit=job.end_time is not None and job.end_time - time.time() <= margin,
         healthy_spares=len(available) - nodes_to_train(cfg, job),
     )
-    return _finish(cfg, job, folder, begun, verdict, ranks=ranks, srun_status=srun_status)
+    return _finish(
+        cfg, job, folder, begun, verdict, ranks=ranks, srun_status=srun_status,
+        step_end=step_end, recovered=restart_phases(run_dir, records, job, begun, placed),
+    )  # fmt: skip
+
+
+def restart_phases(
+    run_dir: Path,
+    records: Sequence[AttemptRecord],
+    job: JobFacts,
+    begun: Mapping[str, Any],
+    placed: Mapping[str, Any],
+) -> dict[str, Any] | None:
+    """The restart that led to this attempt, phase by phase (`resilience/recovery.py`): when
+    the attempt before it, in the same allocation, failed and was restarted; else None."""
+    if not records or records[-1].decision != "restart" or not same_allocation(records[-1], job):
+        return None
+    startup, first = trainer_records(read_timeline(run_dir), int(begun["attempt"]))
+    return recovery(records[-1], begun, placed, startup, first)
 
 
 def _finish(
@@ -403,6 +476,8 @@ def _finish(
     *,
     ranks: Sequence[RankEnd],
     srun_status: int | None,
+    step_end: float | None = None,
+    recovered: dict[str, Any] | None = None,
 ) -> str:
     run_dir = Path(cfg.run_dir)
     placed = _read_json(folder / "place.json")
@@ -420,6 +495,7 @@ def _finish(
         step_reached=steps_logged_since(run_dir, begun.get("metrics_offset", 0)),
         resumed_from=begun.get("committed"), committed=newest_committed(cfg.checkpoint_root()),
         set_aside=set_aside, srun_status=srun_status, exit_code=verdict.exit_code,
+        step_end=step_end, recovery=recovered,
     )  # fmt: skip
     append_record(run_dir, record)
     _say(f"attempt {record.attempt}: {verdict.line}")
@@ -431,7 +507,9 @@ def _finish(
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpctrain.resilience.attempts")
     parser.add_argument("step", choices=("begin", "place", "end"))
-    parser.add_argument("--down", default="", help="begin: nodes SLURM lists as down or drained")
+    parser.add_argument(
+        "--down", default="", help="begin, end: nodes SLURM lists as down or drained"
+    )
     parser.add_argument("--status", type=int, default=0, help="end: srun's exit status")
     parser.add_argument("--state", default="", help="end: the job's state (squeue %%T)")
     parser.add_argument("config")
@@ -444,13 +522,17 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         _say(f"attempts {args.step}: config error: {exc}")
         return exc.exit_code
     job = JobFacts.from_environ(env)
+    down = expand_hostlist(args.down.replace(" ", ",")) if args.down.strip() else []
     if args.step == "begin":
-        down = expand_hostlist(args.down.replace(" ", ",")) if args.down.strip() else []
-        print(begin(cfg, job, down=down))
+        print(begin_and_place(cfg, job, down=down))
     elif args.step == "place":
         print(place_attempt(cfg, job))
     else:
         print(end_attempt(cfg, job, srun_status=args.status, state=args.state.strip()))
+        if read_records(Path(cfg.run_dir))[-1].decision == "restart":
+            # the next attempt begins here: one process less between the two trainings
+            print(begin_and_place(cfg, job, down=down))
+            print("BEGUN=1")
     return 0
 
 

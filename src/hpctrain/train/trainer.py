@@ -399,6 +399,10 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
                 self.profiler.at_step(self.state.step)
                 with self.memory.watch(self.state.step + 1), self.hangs.step(self.state.step + 1):
                     self.train_step(batches)
+                if (
+                    self.state.step == self.first_step + 1
+                ):  # a restart's end (resilience/recovery.py)
+                    self.timeline.write("first_step", step=self.state.step)
                 if self.step_boundary(metrics):
                     status = "preempted"
                     return REQUEUE_EXIT_CODE
