@@ -119,18 +119,29 @@ def sacct_nodes(job_id: str) -> str:
 
 def trainer_pid(job_id: str, rank: int) -> int | None:
     """The pid of rank `rank`'s `hpctrain train` process in the job (not its watcher, not its
-    loader workers): the one process of the job's task whose command is `-m hpctrain train`."""
+    loader workers): the one process of the job's task whose command is `-m hpctrain train`,
+    or, for a rank the node's fork server forked (its command line and first environment
+    are the server's), the pid its watcher recorded."""
     wanted = {f"SLURM_JOB_ID={job_id}".encode(), f"SLURM_PROCID={rank}".encode()}
-    found = []
+    found, watchers = [], []
     for proc in Path("/proc").glob("[0-9]*"):
         with contextlib.suppress(OSError, IndexError, ValueError):
             if not wanted <= set((proc / "environ").read_bytes().split(b"\0")):
                 continue
-            if b"\0-m\0hpctrain\0train\0" in (proc / "cmdline").read_bytes():
+            command = (proc / "cmdline").read_bytes()
+            if b"\0-m\0hpctrain\0train\0" in command:
                 found.append(int(proc.name))
+            elif b"\0-m\0hpctrain.resilience.watch\0" in command:
+                watchers.append(command.split(b"\0"))
     # loader workers started by fork share the command line: the trainer is their parent
     parents = {pid: _parent(pid) for pid in found}
     trainers = [pid for pid, parent in parents.items() if parent not in parents]
+    if not trainers and len(watchers) == 1:  # python -m hpctrain.resilience.watch DIR -- ...
+        words = watchers[0]
+        folder = Path(words[words.index(b"hpctrain.resilience.watch") + 1].decode())
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            pid = int(json.loads((folder / f"rank-{rank}.json").read_text())["pid"])
+            return pid if Path(f"/proc/{pid}").exists() else None
     return trainers[0] if len(trainers) == 1 else None
 
 

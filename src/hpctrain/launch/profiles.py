@@ -104,6 +104,7 @@ class JobSpec:
     max_parallel: int = 0  # a job array runs at most this many tasks at once; 0: no limit
     spare_nodes: int = 0  # asked for beyond `nodes`: standbys for a node that goes bad
     probe: bool = True  # the health probe before each attempt (resilience/probe.py)
+    forkserver: bool = True  # ranks forked by a warm process per node (resilience/forkserver.py)
     fabric: str = ""  # the profile's interconnect, exported to the tasks (HPCTRAIN_FABRIC)
     driver_cuda: str = ""  # the profile's documented driver CUDA version; "": unknown
 
@@ -443,6 +444,7 @@ def resolve_job(cfg: Config, profile: ClusterProfile) -> JobSpec:
         container_binds=container_binds(cfg) if s.container else (),
         spare_nodes=s.spare_nodes,
         probe=s.probe,
+        forkserver=s.forkserver,
         fabric=profile.fabric,
         driver_cuda=profile.driver_cuda,
     )

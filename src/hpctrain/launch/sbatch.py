@@ -328,6 +328,15 @@ def attempt_loop_lines(job: JobSpec) -> list[str]:
         "    # answers) is set aside, its line says why.",
         f'    [ "$NUM_PROBE_NODES" -gt 0 ] && srun --nodelist="$PROBE_NODES" --nodes="$NUM_PROBE_NODES" --ntasks="$NUM_PROBE_NODES" --ntasks-per-node=1 --cpus-per-task=1 --time=3 ${{SLURM_GPUS_ON_NODE:+--gres=gpu:$SLURM_GPUS_ON_NODE}} {py} -m hpctrain.resilience.probe "$ATTEMPT_DIR" --gpus "${{SLURM_GPUS_ON_NODE:-0}}" "${{TRAIN_ARGS[@]}}"',
     ]  # fmt: skip
+    forkserver = [
+        "# A warm process per node for the whole allocation (slurm.forkserver): it imports torch",
+        "# and the trainer once, and each attempt's ranks are forked from it (`attempts begin`",
+        "# exports HPCTRAIN_FORKSERVER=1 for their watchers), so that a restart skips the",
+        "# interpreter and its imports. A rank it cannot fork starts afresh.",
+        f'srun --overlap --quiet --no-kill --kill-on-bad-exit=0 --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" --mem=0 ${{SLURM_GPUS_ON_NODE:+--gres=gpu:$SLURM_GPUS_ON_NODE}} {py} -m hpctrain.resilience.forkserver -- train "${{TRAIN_ARGS[@]}}" </dev/null &',
+        "FORKSERVER=$!",
+        "trap 'kill \"$FORKSERVER\" 2>/dev/null' EXIT",
+    ]  # fmt: skip
     return [
         "",
         "# Attempts (docs/clusters.md): train; after a failure that is not yours (a rank killed,",
@@ -344,6 +353,7 @@ def attempt_loop_lines(job: JobSpec) -> list[str]:
         "STOPPING=",
         "trap 'STOPPING=1' TERM",
         "NEXT=restart EXIT=0 EXCLUDE= BEGUN= PLACED=",
+        *(forkserver if job.forkserver else []),
         "# nodes SLURM itself took out of service (down, drained: e.g. a task it could not kill)",
         'down_nodes() { sinfo -h -N -n "$SLURM_JOB_NODELIST" -t down,drain,fail -o %N 2>/dev/null | sort -u | paste -sd, -; }',
         'while [ "$NEXT" = restart ] && [ -z "$STOPPING" ]; do',

@@ -170,8 +170,9 @@ def same_allocation(record: AttemptRecord, job: JobFacts) -> bool:
     return record.job_id == job.job_id and record.restart == job.restart
 
 
-# Read by the tasks (the run lock takes over an earlier attempt's: checkpoint/lock.py)
-EXPORTED = frozenset({"HPCTRAIN_ATTEMPT"})
+# Read by the tasks (the run lock takes over an earlier attempt's: checkpoint/lock.py) and their
+# watchers (the job script started a fork server per node: resilience/forkserver.py)
+EXPORTED = frozenset({"HPCTRAIN_ATTEMPT", "HPCTRAIN_FORKSERVER"})
 
 
 def _shell(**values: object) -> str:
@@ -293,6 +294,7 @@ def begin(cfg: Config, job: JobFacts, *, down: Sequence[str] = ()) -> str:
         PROBE_NODES=",".join(probe),
         NUM_PROBE_NODES=len(probe),
         HPCTRAIN_ATTEMPT=number,
+        HPCTRAIN_FORKSERVER=int(cfg.slurm.forkserver),
         RESUME=resume,
     )
 

@@ -13,7 +13,8 @@ process of a step (`--signal`, `scancel --signal`, the TERM of a step being ende
 child gets them directly; the watcher only notes them (a rank that ends after a TERM was
 stopped, it did not fail) and keeps waiting. A watcher killed with its rank (its node lost,
 or the SIGKILL srun sends a step that did not end after its TERM) leaves the start record
-alone: the rank never ended.
+alone: the rank never ended. A rank forked by the node's fork server (`resilience/forkserver.py`)
+is not a process of the step: `start` forwards to it the signals noted here.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,6 +30,7 @@ from types import FrameType
 from typing import Any
 
 from hpctrain.files import write_atomic
+from hpctrain.resilience.forked import start
 
 # What SLURM may send the step; noted, never acted on (the child got them too).
 NOTED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
@@ -72,7 +73,7 @@ class Watcher:
     def run(self) -> int:
         for sig in NOTED_SIGNALS:
             signal.signal(sig, self._note)  # the child starts with the default handlers again
-        child = subprocess.Popen(self.command)
+        child = start(self.command)  # forked by the node's warm process, else a subprocess
         self.record.update(started=time.time(), pid=child.pid)
         self._write()
         status = child.wait()  # retried by Python across our signal handlers (PEP 475)
