@@ -87,9 +87,9 @@ def test_every_srun_gets_the_cpus_of_its_tasks() -> None:
     assert 'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"' in script
     sruns = [line.strip().partition("&& ")[2] or line.strip() for line in script.splitlines()
              if "srun " in line and not line.lstrip().startswith("#")]  # fmt: skip
-    assert len(sruns) == 2  # the health probe, the training
+    assert len(sruns) == 3  # the fork server, the health probe, the training
     assert all("--cpus-per-task=" in line for line in sruns), sruns
-    train = sruns[1].removeprefix("{ ").partition(" 2>&1 1>&3 ")[0]  # srun's lines kept aside
+    train = sruns[2].removeprefix("{ ").partition(" 2>&1 1>&3 ")[0]  # srun's lines kept aside
     assert (
         train.startswith("srun --kill-on-bad-exit=1 ")
         and '--cpus-per-task="$SLURM_CPUS_PER_TASK"' in train
@@ -107,6 +107,21 @@ def test_spare_nodes_are_asked_for_and_the_probe_can_be_switched_off() -> None:
     assert "HPCTRAIN_FABRIC" not in render(
         resolve_job(with_overrides(Config(), ["slurm.profile=generic"]), load_profile("generic"))
     )
+
+
+def test_the_fork_server_runs_beside_the_attempts_unless_switched_off() -> None:
+    """One per node for the allocation, in the background, sharing the job's resources
+    (--overlap), never ending the job (--no-kill, no kill-on-bad-exit), stopped on exit."""
+    script = render(a100_job("slurm.spare_nodes=1"))
+    (line,) = [x for x in script.splitlines() if "hpctrain.resilience.forkserver" in x]
+    assert line.startswith("srun --overlap ") and line.endswith(" </dev/null &"), line
+    for option in ("--no-kill", "--kill-on-bad-exit=0", '--nodes="$SLURM_JOB_NUM_NODES"',
+                   "--ntasks-per-node=1", '--cpus-per-task="$SLURM_CPUS_ON_NODE"'):  # fmt: skip
+        assert option in line, option
+    assert script.index(line) < script.index("while [ ")  # before the first attempt
+    assert "trap 'kill \"$FORKSERVER\" 2>/dev/null' EXIT" in script
+    off = render(a100_job("slurm.forkserver=false"))
+    assert "forkserver" not in off.lower() and "FORKSERVER" not in off
 
 
 def test_free_arguments_are_shell_quoted() -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from hpctrain.resilience.recovery import PHASES
 from tests.launch.test_slurm_cluster import SLOW_STEPS, assert_same_weights
 from tests.support.slurm_kit import (
     DEMO,
@@ -89,7 +90,14 @@ def test_kill_9_of_a_rank_restarts_in_the_job_to_the_same_weights(
     assert first["first_failure"]["rank"] == 1 and first["first_failure"]["signal"] == "SIGKILL"
     assert first["first_failure"]["node"] == "n1" and first["committed"] >= 10
     assert (second["kind"], second["resumed_from"]) == ("completed", first["committed"])
+    # the restart's seconds, phase by phase: every one measured, and they add up
+    phases = second["recovery"]["phases"]
+    assert all(isinstance(phases[p], float) for p in PHASES), second["recovery"]
+    assert second["recovery"]["total_s"] == pytest.approx(sum(phases.values()))
+    assert not list((killed / "slurm" / "attempts" / "2").glob("probe-*.json"))  # none then
     log = log_text(killed)
+    # every rank of both attempts forked by the node's fork server
+    assert "fork server on n1: ready" in log and "starts afresh" not in log, log[-3000:]
     assert "hpctrain: attempt 1: rank 1 on n1 killed by SIGKILL at step" in log, log[-3000:]
     assert wait_finished(straight, 240).state == "COMPLETED"
     assert_same_weights(killed / "checkpoints" / "step-60", straight / "checkpoints" / "step-60",

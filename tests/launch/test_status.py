@@ -122,7 +122,7 @@ def test_last_error_line_prefers_the_newest_log(tmp_path: Path) -> None:
 def test_status_lists_the_attempts_and_says_why_the_run_stopped(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from hpctrain.resilience.attempts import append_record
+    from hpctrain.resilience.records import append_record
     from hpctrain.resilience.restart_policy import AttemptRecord
 
     (tmp_path / "slurm").mkdir()

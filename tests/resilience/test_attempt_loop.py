@@ -32,9 +32,10 @@ COMMIT = 'mkdir -p "$RUN/checkpoints" && echo step-{step} > "$RUN/checkpoints/la
 def run_job(tmp_path: Path, scenario: dict[tuple[int, int], str], *, nodes: int = 2,
             spare: int = 0, allocation: str = "n[1-3]", state: str = "RUNNING",
             env: dict[str, str] | None = None,
-            slurm: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], Path]:  # fmt: skip
+            slurm: dict[str, str] | None = None,
+            extra: tuple[str, ...] = ()) -> tuple[subprocess.CompletedProcess[str], Path]:  # fmt: skip
     """`slurm`: what SLURM says after an attempt's step, by file: `down-A` (sinfo's down
-    nodes), `srun-lines-A` (srun's own lines)."""
+    nodes), `srun-lines-A` (srun's own lines). `extra`: overrides of the job's config."""
     run_dir, folder = tmp_path / "run", tmp_path / "scenario"
     folder.mkdir(parents=True)
     for (attempt, rank), line in scenario.items():
@@ -51,7 +52,7 @@ def run_job(tmp_path: Path, scenario: dict[tuple[int, int], str], *, nodes: int 
     script = render_sbatch(
         job,
         config_path=str(config),
-        overrides=[f"slurm.nodes={nodes}", f"slurm.spare_nodes={spare}"],
+        overrides=[f"slurm.nodes={nodes}", f"slurm.spare_nodes={spare}", *extra],
         run_dir=str(run_dir),
         python=str(FAKE / "python"),
     )
@@ -77,17 +78,24 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in text.splitlines()]
 
 
-def test_a_killed_rank_restarts_on_the_spare_and_the_job_completes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("probe_after_kill", [False, True])
+def test_a_killed_rank_restarts_on_the_spare_and_the_job_completes(
+    tmp_path: Path, probe_after_kill: bool
+) -> None:
+    """The restart after a SIGKILL skips the probe (none of its checks explains one), unless
+    slurm.probe_after_kill asks for it."""
     done, run_dir = run_job(
         tmp_path,
         {(1, 2): f"{COMMIT.format(step=4)}; sleep 0.2; kill -9 $$",
          (1, 0): "sleep 1; exit 7", (1, 1): "sleep 1; exit 7", (1, 3): "sleep 1; exit 7"},
-        spare=1,
+        spare=1, extra=(f"slurm.probe_after_kill={str(probe_after_kill).lower()}",),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert calls(tmp_path) == [
-        "srun probe n1,n2,n3 3", "srun train n1,n2 4", "srun probe n1,n3 2", "srun train n1,n3 4",
-    ]  # fmt: skip
+    probe = ["srun probe n1,n3 2"] if probe_after_kill else []
+    assert calls(tmp_path) == ["srun probe n1,n2,n3 3", "srun train n1,n2 4", *probe,
+                               "srun train n1,n3 4"]  # fmt: skip
+    skipped = "attempt 2 (job 42, restart 0) skips the probe (a rank killed by SIGKILL"
+    assert (skipped in done.stderr) != probe_after_kill, done.stderr
     first, second = records(run_dir)
     assert (first["kind"], first["decision"], first["set_aside"]) == (
         "signal", "restart", {"n2": "signal: rank 2 on n2 killed by SIGKILL"},

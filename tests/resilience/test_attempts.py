@@ -22,6 +22,7 @@ import pytest
 
 from hpctrain.config import load_config
 from hpctrain.resilience import attempts as attempts_mod
+from hpctrain.resilience import records as records_mod
 from hpctrain.resilience.attempts import JobFacts, begin, end_attempt, place_attempt, read_records
 from hpctrain.resilience.probe import (
     CheckFailed,
@@ -230,13 +231,12 @@ def test_a_killed_rank_on_a_spare_allocation_restarts_without_its_node(tmp_path:
     assert rec.set_aside == {"n2": "signal: rank 2 on n2 killed by SIGKILL"}
 
     second = shell(begin(cfg, JOB))
-    assert (second["ATTEMPT"], second["PROBE_NODES"]) == ("2", "n1,n3")  # n2 stays aside
+    # no probe after a SIGKILL (slurm.probe_after_kill), and n2 stays aside
+    assert (second["ATTEMPT"], second["PROBE_NODES"], second["NUM_PROBE_NODES"]) == ("2", "", "0")
     assert (
         second["RESUME"] == "checkpoint.resume=latest"
     )  # the run's own newest, whatever the config
     folder = Path(second["ATTEMPT_DIR"])
-    for node in ("n1", "n3"):
-        probe_record(folder, node)
     assert shell(place_attempt(cfg, JOB))["TRAIN_NODES"] == "n1,n3"
     for rank, node in enumerate(("n1", "n1", "n3", "n3")):
         rank_record(folder, rank, node)
@@ -352,7 +352,7 @@ def test_failures_over_the_share_of_the_allocation_stop_the_job(tmp_path: Path) 
         cfg = config(tmp_path / share, f"slurm.max_failure_share={share}")
         run_dir = Path(cfg.run_dir)
         (run_dir / "slurm").mkdir(parents=True)
-        attempts_mod.append_record(run_dir, attempts_mod.AttemptRecord(
+        records_mod.append_record(run_dir, attempts_mod.AttemptRecord(
             attempt=1, job_id="42", restart=0, start=now - 640, end=now - 40, nodes=["n1", "n2"],
             excluded=[], num_tasks=4, kind="distributed", decision="restart", reason="",
             step_reached=20, resumed_from=None, committed=10,
@@ -442,7 +442,7 @@ def test_the_module_steps_import_no_torch() -> None:
 
 def test_unreadable_history_lines_are_skipped(tmp_path: Path) -> None:
     (tmp_path / "slurm").mkdir()
-    (tmp_path / "slurm" / attempts_mod.RECORDS).write_text('{"attempt": 1, "job_id": "1"\n')
+    (tmp_path / "slurm" / records_mod.RECORDS).write_text('{"attempt": 1, "job_id": "1"\n')
     assert read_records(tmp_path) == []
 
 

@@ -56,6 +56,17 @@ class SlurmConfig:
         "before each attempt, check every node (run folder, data, disks, /dev/shm, GPUs, a "
         "timed exchange between nodes) and set aside those that fail",
     )
+    probe_after_kill: bool = _f(
+        False,
+        "probe before an attempt that follows a rank killed by SIGKILL (the OOM killer, kill "
+        "-9); false: that restart skips the probe, none of whose checks explains such a death",
+    )
+    forkserver: bool = _f(
+        True,
+        "one warm process per node for the allocation, with torch and the trainer imported, "
+        "forks each attempt's ranks: a restart skips the interpreter and its imports "
+        "(docs/clusters.md); false: every rank starts a fresh interpreter",
+    )
     require_fabric: bool = _f(
         False,
         "fail at start-up when NCCL does not use the profile's fabric (InfiniBand) but falls "

@@ -114,6 +114,7 @@ class JobSpec:
     max_parallel: int = 0  # a job array runs at most this many tasks at once; 0: no limit
     spare_nodes: int = 0  # asked for beyond `nodes`: standbys for a node that goes bad
     probe: bool = True  # the health probe before each attempt (resilience/probe.py)
+    forkserver: bool = True  # ranks forked by a warm process per node (resilience/forkserver.py)
     fabric: str = ""  # the profile's interconnect, exported to the tasks (HPCTRAIN_FABRIC)
     fabric_interface: str = ""  # its interface (HPCTRAIN_FABRIC_INTERFACE); "": found
     driver_cuda: str = ""  # the profile's documented driver CUDA version; "": unknown
@@ -489,6 +490,7 @@ def resolve_job(
         spare_nodes=spares,
         spare_reason=reason,
         probe=s.probe,
+        forkserver=s.forkserver,
         fabric=profile.fabric,
         fabric_interface=profile.fabric_interface,
         driver_cuda=profile.driver_cuda,

@@ -46,7 +46,7 @@ from hpctrain.launch.sbatch import (
     sbatch_options,
 )
 from hpctrain.launch.script_values import check_no_credential, check_path, check_setup_line
-from hpctrain.resilience.attempts import read_records
+from hpctrain.resilience.records import read_records
 from hpctrain.resilience.restart_policy import REQUEUE_EXIT_CODE
 
 JOB_FILE = "job.json"

@@ -38,8 +38,20 @@ from typing import Any
 from hpctrain.config import Config, ConfigError, load_config
 from hpctrain.distributed.env import expand_hostlist
 from hpctrain.files import write_atomic
+from hpctrain.observe.timeline import process_start_time, read_timeline
 from hpctrain.resilience.placement import ProbeResult, place
 from hpctrain.resilience.rank_ends import read_ranks, read_srun_log
+from hpctrain.resilience.records import (
+    FOLDERS,
+    append_record,
+    file_size,
+    newest_committed,
+    pointer_mark,
+    read_records,
+    slurm_folder,
+    steps_logged_since,
+)
+from hpctrain.resilience.recovery import recovery, trainer_records
 from hpctrain.resilience.restart_policy import (
     AttemptRecord,
     Failure,
@@ -52,97 +64,7 @@ from hpctrain.resilience.restart_policy import (
     lost_seconds,
 )
 
-RECORDS = "attempts.jsonl"
-FOLDERS = "attempts"
-LATEST_POINTER = "latest"  # hpctrain.checkpoint.manifest's (read here without torch)
 TIME_LIMIT_SLACK_S = 60.0  # SLURM checks limits every ~30 s: its warning may come that early
-
-
-def slurm_folder(run_dir: Path) -> Path:
-    return run_dir / "slurm"
-
-
-def read_records(run_dir: Path) -> list[AttemptRecord]:
-    """The run's attempts, oldest first; a line cut by a kill is skipped."""
-    path = slurm_folder(run_dir) / RECORDS
-    records = []
-    if path.is_file():
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                records.append(AttemptRecord.from_json(json.loads(line)))
-            except (ValueError, TypeError):
-                continue
-    return records
-
-
-def append_record(run_dir: Path, record: AttemptRecord) -> None:
-    # One write of one line: the job shell is the only writer of its run folder's history.
-    with open(slurm_folder(run_dir) / RECORDS, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record.to_json()) + "\n")
-
-
-def newest_committed(root: str) -> int | None:
-    """The step the checkpoint root's `latest` pointer names (None: no committed checkpoint)."""
-    text = ""
-    try:
-        if "://" in root:
-            import fsspec
-
-            with fsspec.open(f"{root.rstrip('/')}/{LATEST_POINTER}", "rt") as f:
-                text = f.read()
-        else:
-            text = (Path(os.path.expandvars(root)) / LATEST_POINTER).read_text()
-    except (OSError, ValueError):
-        return None
-    text = text.strip()
-    return int(text[5:]) if text.startswith("step-") and text[5:].isdigit() else None
-
-
-def pointer_mark(root: str) -> str | None:
-    """What tells one commit of the `latest` pointer from another, even of the same step (a
-    rollback that saves step 20 again): its text, and when and as what file it was written
-    (each commit replaces it by a rename). None: no pointer."""
-    try:
-        if "://" in root:
-            import fsspec
-
-            fs, path = fsspec.core.url_to_fs(f"{root.rstrip('/')}/{LATEST_POINTER}")
-            info = fs.info(path)
-            with fs.open(path, "rt") as f:
-                text = f.read().strip()
-            stamp = info.get("LastModified") or info.get("mtime") or info.get("ETag") or ""
-            return f"{text}|{stamp}"
-        path = Path(os.path.expandvars(root)) / LATEST_POINTER
-        stat = path.stat()
-        return f"{path.read_text().strip()}|{stat.st_mtime_ns}|{stat.st_ino}"
-    except (OSError, ValueError):
-        return None
-
-
-def steps_logged_since(run_dir: Path, offset: int) -> int | None:
-    """The highest training step metrics.jsonl got after byte `offset` (None: none)."""
-    path = run_dir / "metrics.jsonl"
-    step = None
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue  # a line cut by a kill
-                if isinstance(record, dict) and isinstance(record.get("step"), int):
-                    step = max(step or 0, record["step"])
-    except OSError:
-        return None
-    return step
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
 
 
 def policy_of(cfg: Config, job: JobFacts) -> Policy:
@@ -200,9 +122,10 @@ def same_allocation(record: AttemptRecord, job: JobFacts) -> bool:
     return record.job_id == job.job_id and record.restart == job.restart
 
 
-# Read by the tasks (the run lock takes over an earlier attempt's: checkpoint/lock.py)
-# and the rendezvous (distributed/env.py: the first node's fabric address, from its probe)
-EXPORTED = frozenset({"HPCTRAIN_ATTEMPT", "HPCTRAIN_FABRIC_MASTER"})
+# Read by the tasks (the run lock takes over an earlier attempt's: checkpoint/lock.py), the
+# rendezvous (distributed/env.py: the first node's fabric address, from its probe) and the
+# watchers (the job script started a fork server per node: resilience/forkserver.py)
+EXPORTED = frozenset({"HPCTRAIN_ATTEMPT", "HPCTRAIN_FABRIC_MASTER", "HPCTRAIN_FORKSERVER"})
 
 
 def _shell(**values: object) -> str:
@@ -298,6 +221,17 @@ def committed_here(submission: Mapping[str, Any], committed: int | None, mark: s
     return committed != submission.get("committed")
 
 
+def killed_before(records: Sequence[AttemptRecord], job: JobFacts) -> bool:
+    """Whether the attempt before, in this allocation, was restarted after its first rank was
+    killed by SIGKILL (the OOM killer, `kill -9`): what the health probe checks (folders,
+    disks, /dev/shm, GPUs, the network) cannot explain it, so the restart goes without it."""
+    if not records or not same_allocation(records[-1], job):
+        return False
+    last = records[-1]
+    failure = last.first_failure or {}
+    return (last.kind, last.decision, failure.get("signal")) == ("signal", "restart", "SIGKILL")
+
+
 def begin(cfg: Config, job: JobFacts, *, down: Sequence[str] = ()) -> str:
     """Start an attempt: its number and folder, the nodes to probe, the resume to ask for."""
     run_dir = Path(cfg.run_dir)
@@ -318,15 +252,18 @@ def begin(cfg: Config, job: JobFacts, *, down: Sequence[str] = ()) -> str:
         "job_id": job.job_id, "restart": job.restart, "attempt": number,
         "committed": committed, "pointer": mark,
     }  # fmt: skip
+    probe = [n for n in job.allocation if n not in excluded]
+    unexplained = killed_before(records, job) and not cfg.slurm.probe_after_kill
+    probe = [] if unexplained else probe
     _write_json(
         folder / "begin.json",
         {
             "attempt": number, "job_id": job.job_id, "restart": job.restart,
             "start": time.time(), "excluded": excluded, "committed": committed,
-            "metrics_offset": _size(run_dir / "metrics.jsonl"), "submission": submission,
+            "metrics_offset": file_size(run_dir / "metrics.jsonl"), "submission": submission,
+            "probe": probe if cfg.slurm.probe else [],  # the nodes the probe checks
         },
     )  # fmt: skip
-    probe = [n for n in job.allocation if n not in excluded]
     # A later attempt of the same submission (a restart, a requeue) continues from the
     # checkpoint that submission committed, whatever its checkpoint.resume says (none, or a
     # path: where the submission started). Until it has committed one, the user's choice
@@ -335,17 +272,48 @@ def begin(cfg: Config, job: JobFacts, *, down: Sequence[str] = ()) -> str:
     own = committed_here(submission, committed, mark)
     resume = ["checkpoint.resume=latest"] if own else []
     aside = f", {','.join(excluded)} set aside" if excluded else ""
-    _say(
-        f"attempt {number} (job {job.job_id}, restart {job.restart}) probes {','.join(probe)}{aside}"
+    probes = (
+        "skips the probe (a rank killed by SIGKILL: no check of it explains that; "
+        "slurm.probe_after_kill)"
+        if unexplained
+        else f"probes {','.join(probe)}"
     )
+    _say(f"attempt {number} (job {job.job_id}, restart {job.restart}) {probes}{aside}")
     return _shell(
         ATTEMPT=number,
         ATTEMPT_DIR=str(folder),
         PROBE_NODES=",".join(probe),
         NUM_PROBE_NODES=len(probe),
         HPCTRAIN_ATTEMPT=number,
+        HPCTRAIN_FORKSERVER=int(cfg.slurm.forkserver),
         RESUME=resume,
     )
+
+
+def begin_and_place(cfg: Config, job: JobFacts, *, down: Sequence[str] = ()) -> str:
+    """`begin`, and when the attempt runs no probe, its placement too (`PLACED=1` and the
+    nodes: one process less before the training's srun). A placement that finds too few
+    nodes is left to `attempts place`, which decides what follows."""
+    text = begin(cfg, job, down=down)
+    folder = current_folder(Path(cfg.run_dir))
+    begun = _read_json(folder / "begin.json")
+    if begun.get("probe"):
+        return text
+    placement = place(job.allocation, begun.get("excluded", []), [], nodes=nodes_to_train(cfg, job))
+    if not placement.nodes:
+        return text
+    num_tasks = len(placement.nodes) * job.tasks_per_node
+    _write_json(
+        folder / "place.json",
+        {"nodes": list(placement.nodes), "num_tasks": num_tasks, "set_aside": {}, "time": time.time()},
+    )  # fmt: skip
+    placed = _shell(
+        PLACED=1,
+        TRAIN_NODES=",".join(placement.nodes),
+        NUM_NODES=len(placement.nodes),
+        NUM_TASKS=num_tasks,
+    )
+    return f"{text}\n{placed}"
 
 
 def current_folder(run_dir: Path) -> Path:
@@ -394,8 +362,11 @@ def place_attempt(cfg: Config, job: JobFacts) -> str:
     num_tasks = len(placement.nodes) * job.tasks_per_node
     _write_json(
         folder / "place.json",
-        {"nodes": list(placement.nodes), "num_tasks": num_tasks, "set_aside": placement.set_aside},
-    )
+        {
+            "nodes": list(placement.nodes), "num_tasks": num_tasks,
+            "set_aside": placement.set_aside, "time": time.time(),
+        },
+    )  # fmt: skip
     if placement.nodes:
         first = placement.nodes[0]  # rank 0's node: the store's address on the fabric, if any
         address = str(_read_json(folder / f"probe-{first}.json").get("fabric_address") or "")
@@ -437,12 +408,20 @@ def allocation_share(
 
 
 def end_attempt(
-    cfg: Config, job: JobFacts, *, srun_status: int, state: str, down: Sequence[str] = ()
+    cfg: Config,
+    job: JobFacts,
+    *,
+    srun_status: int,
+    state: str,
+    down: Sequence[str] = (),
+    step_end: float | None = None,
 ) -> str:
     """After the training step: the attempt's record, and what the job does next.
 
     `down`: the nodes SLURM lists as down, drained or failing once the step ended.
-    """
+    `step_end`: when the training step had ended (default: when this process started, as
+    srun returned and squeue answered)."""
+    step_end = process_start_time() if step_end is None else step_end
     run_dir = Path(cfg.run_dir)
     folder = current_folder(run_dir)
     begun = _read_json(folder / "begin.json")
@@ -487,8 +466,25 @@ def end_attempt(
         failure_share=allocation_share(job, here, float(begun["start"]), lost),
     )
     return _finish(
-        cfg, job, folder, begun, verdict, ranks=ranks, srun_status=srun_status, failure=failure
-    )
+        cfg, job, folder, begun, verdict, ranks=ranks, srun_status=srun_status,
+        failure=failure, step_end=step_end,
+        recovered=restart_phases(run_dir, records, job, begun, placed),
+    )  # fmt: skip
+
+
+def restart_phases(
+    run_dir: Path,
+    records: Sequence[AttemptRecord],
+    job: JobFacts,
+    begun: Mapping[str, Any],
+    placed: Mapping[str, Any],
+) -> dict[str, Any] | None:
+    """The restart that led to this attempt, phase by phase (`resilience/recovery.py`): when
+    the attempt before it, in the same allocation, failed and was restarted; else None."""
+    if not records or records[-1].decision != "restart" or not same_allocation(records[-1], job):
+        return None
+    startup, first = trainer_records(read_timeline(run_dir), int(begun["attempt"]))
+    return recovery(records[-1], begun, placed, startup, first)
 
 
 def _finish(
@@ -501,6 +497,8 @@ def _finish(
     ranks: Sequence[RankEnd],
     srun_status: int | None,
     failure: Failure | None = None,
+    step_end: float | None = None,
+    recovered: dict[str, Any] | None = None,
 ) -> str:
     run_dir = Path(cfg.run_dir)
     placed = _read_json(folder / "place.json")
@@ -518,6 +516,7 @@ def _finish(
         step_reached=steps_logged_since(run_dir, begun.get("metrics_offset", 0)),
         resumed_from=begun.get("committed"), committed=newest_committed(cfg.checkpoint_root()),
         set_aside=set_aside, srun_status=srun_status, exit_code=verdict.exit_code,
+        step_end=step_end, recovery=recovered,
     )  # fmt: skip
     # A requeue excludes every node set aside in this allocation, not this attempt's only:
     # an earlier attempt's blamed node would come back in the next allocation otherwise.
@@ -557,11 +556,15 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     job = JobFacts.from_environ(env)
     down = expand_hostlist(args.down.replace(" ", ",")) if args.down.strip() else []
     if args.step == "begin":
-        print(begin(cfg, job, down=down))
+        print(begin_and_place(cfg, job, down=down))
     elif args.step == "place":
         print(place_attempt(cfg, job))
     else:
         print(end_attempt(cfg, job, srun_status=args.status, state=args.state.strip(), down=down))
+        if read_records(Path(cfg.run_dir))[-1].decision == "restart":
+            # the next attempt begins here: one process less between the two trainings
+            print(begin_and_place(cfg, job, down=down))
+            print("BEGUN=1")
     return 0
 
 

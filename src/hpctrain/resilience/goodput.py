@@ -175,6 +175,9 @@ class Goodput:
     source: str  # where the allocations came from: "sacct", "attempts" or "processes"
     notes: list[str] = field(default_factory=list)
     spare: dict[str, Any] | None = None  # what a spare node saved or cost (resilience/spares.py)
+    # each restart inside an allocation, phase by phase (resilience/recovery.py), with the
+    # attempt it led to (`attempt`)
+    recoveries: list[dict[str, Any]] = field(default_factory=list)
 
     def part_hours(self) -> dict[str, float]:
         """Every part in the allocation's unit (hours x GPUs or CPUs)."""
@@ -240,6 +243,7 @@ class Goodput:
             ],
             "notes": self.notes,
             "spare": self.spare,
+            "recoveries": self.recoveries,
         }  # fmt: skip
 
 
@@ -404,7 +408,10 @@ def account(
         script.add("tail", (allocation.end - now) * allocation.tasks)
         if allocation.job_id:  # a trainer without SLURM has no job script around it
             rows.append(script)
-    return Goodput(unit=unit, allocations=list(allocations), rows=rows, source=source)
+    recoveries = [{"attempt": r.attempt, **r.recovery} for r in records if r.recovery]
+    return Goodput(
+        unit=unit, allocations=list(allocations), rows=rows, source=source, recoveries=recoveries
+    )
 
 
 def _stand_in(allocation: Allocation, process: Process | None, start: float) -> AttemptRecord:

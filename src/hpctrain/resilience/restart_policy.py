@@ -288,6 +288,8 @@ class AttemptRecord:
     set_aside: dict[str, str] = field(default_factory=dict)  # node → why (probe check, blame)
     srun_status: int | None = None  # srun's exit status (None: it did not train)
     exit_code: int = 0  # the job's exit status when it stopped here
+    step_end: float | None = None  # `attempts end` began: srun had returned (None: no train)
+    recovery: dict[str, Any] | None = None  # the restart before it, phase by phase (recovery.py)
 
     @property
     def progressed(self) -> bool:

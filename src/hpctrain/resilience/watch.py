@@ -28,6 +28,8 @@ child gets them directly; the watcher only notes them (a rank that ends after a 
 stopped, it did not fail), marks its node's ranks still running as alive at that TERM, and
 keeps waiting. A watcher killed with its rank (its node lost, or the SIGKILL srun sends a
 step that did not end after its TERM) leaves the start record alone: the rank never ended.
+A rank forked by the node's fork server (`resilience/forkserver.py`) is not a process of the
+step: `start_child` forwards to it the signals noted here.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from types import FrameType
 from typing import Any
 
 from hpctrain.observe.heartbeat import HEARTBEAT_ENV, Beat, read_beat
+from hpctrain.resilience.forked import Child, start
 from hpctrain.resilience.node_records import (
     NodeGather,
     local_base,
@@ -70,9 +73,10 @@ def node_name(environ: Mapping[str, str] | None = None) -> str:
     return env.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
 
 
-def start_child(command: list[str], env: Mapping[str, str]) -> subprocess.Popen[bytes]:
-    """The rank's process (kept in one place: how a rank starts is its own concern)."""
-    return subprocess.Popen(command, env=dict(env))
+def start_child(command: list[str], env: Mapping[str, str]) -> Child:
+    """The rank's process: forked by the node's warm process when the job runs one, else a
+    subprocess (`resilience/forked.py`)."""
+    return start(command, env=env)
 
 
 def process_state(pid: int) -> str:
@@ -149,7 +153,7 @@ class Watcher:
             return -status not in SLURM_SENT
         return status not in (0, EXIT_DISTRIBUTED, EXIT_REQUEUE)
 
-    def wait(self, child: subprocess.Popen[bytes]) -> int:
+    def wait(self, child: Child) -> int:
         """The child's status, watching its heartbeat meanwhile."""
         try:
             ready = os.pidfd_open(child.pid)
@@ -190,7 +194,7 @@ class Watcher:
         else:
             self.stopped_polls = 0
 
-    def end_hung(self, child: subprocess.Popen[bytes], beat: Beat, idle: float) -> int:
+    def end_hung(self, child: Child, beat: Beat, idle: float) -> int:
         """Note where the rank stopped, ask for its stacks, kill it; its status."""
         stopped = process_state(child.pid) in ("T", "t") or bool(self.record.get("stopped"))
         if stopped:

@@ -52,6 +52,8 @@ class RunRecords:
     free_gradients: Callable[[], None]  # Checkpointing's
     progress: Progress  # the rank's heartbeat for its watcher
     num_epochs: int  # the epochs the console counts to (0: not shown)
+    first_step: int  # the step this process started from
+    total_steps: int
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
@@ -174,3 +176,14 @@ class RunRecords:
         else:
             lines.append(f"checkpoint: {self.checkpoints.root}/step-{latest}")
         print("\n".join(lines), flush=True)
+
+    def complete_line(self) -> str:
+        """What a run resumed at (or past) its last step says instead of training."""
+        train = self.cfg.train
+        key = "train.max_steps" if train.max_steps else "train.max_epochs"
+        value = train.max_steps or train.max_epochs
+        return (
+            f"run complete: {self.run_dir} is at step {self.first_step} of {self.total_steps} "
+            f"({key}={value}): nothing trained; to train further, a larger {key}; "
+            "to start again, another run_dir (or --checkpoint none)"
+        )

@@ -424,6 +424,10 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
                 step = self.state.step + 1
                 with self.memory.watch(step), self.hangs.step(step), self.progress.step(step):
                     self.train_step(batches)
+                if (
+                    self.state.step == self.first_step + 1
+                ):  # a restart's end (resilience/recovery.py)
+                    self.timeline.write("first_step", step=self.state.step)
                 stopped = self.step_boundary(metrics)
                 if stopped:
                     status = "preempted" if stopped == REQUEUE_EXIT_CODE else "interrupted"
@@ -483,17 +487,6 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             for loader in (self.loader, self.val_loader):
                 if loader is not None:
                     loader.close()  # its workers too, now rather than at exit
-
-    def complete_line(self) -> str:
-        """What a run resumed at (or past) its last step says instead of training."""
-        train = self.cfg.train
-        key = "train.max_steps" if train.max_steps else "train.max_epochs"
-        value = train.max_steps or train.max_epochs
-        return (
-            f"run complete: {self.run_dir} is at step {self.first_step} of {self.total_steps} "
-            f"({key}={value}): nothing trained; to train further, a larger {key}; "
-            "to start again, another run_dir (or --checkpoint none)"
-        )
 
     def step_boundary(self, metrics: MetricsWriter) -> int:
         """Log, evaluate and save as due after a step; once saved for a preemption or a
