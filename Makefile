@@ -14,7 +14,9 @@ RUN_STAMP := $(VENV)/.runtime-stamp
 PIP := $(BIN)/pip install --disable-pip-version-check
 # pip prints each package as it fetches it, then "Installing collected packages: ..." and nothing
 # more while it unpacks them (2-3 minutes on 2 cores for torch's 5 GB): say so before it starts.
-export PIP_QUIET := make: after pip's line "Installing collected packages", expect 2-3 minutes without output while it writes the files
+# Never name an exported variable PIP_*: pip reads those as its own options (PIP_QUIET=text
+# made every install fail).
+export INSTALL_WAIT := make: after pip's line "Installing collected packages", expect 2-3 minutes without output while it writes the files
 # `make demo TORCH=cpu` (and `make test TORCH=cpu`): torch and torchvision's CPU builds from
 # PyTorch's own index first (torch about 0.8 GB installed, against 5.3 GB for the CUDA build with
 # its CUDA libraries and triton, which `pip install torch` takes from PyPI on Linux x86_64); pip
@@ -52,7 +54,7 @@ $(RUN_STAMP): pyproject.toml | $(BIN)/python
 	else \
 		$(NO_DRIVER_HINT); \
 		echo "make: installing hpctrain, torch and what running needs into $(VENV) (about 5 GB: minutes)"; \
-		echo "$$PIP_QUIET"; \
+		echo "$$INSTALL_WAIT"; \
 		$(TORCH_FIRST) $(PIP) -e . ; \
 	fi
 	$(CHECK_TORCHVISION)
@@ -61,7 +63,7 @@ $(RUN_STAMP): pyproject.toml | $(BIN)/python
 $(STAMP): pyproject.toml | $(BIN)/python
 	@echo "make: installing hpctrain with its dev extra into $(VENV) (torch, tests, lint, trackers: about 6.5 GB: minutes)"
 	@$(NO_DRIVER_HINT)
-	@echo "$$PIP_QUIET"
+	@echo "$$INSTALL_WAIT"
 	$(TORCH_FIRST) $(PIP) -e '.[dev]'
 	$(CHECK_TORCHVISION)
 	touch $@
