@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,4 +37,17 @@ def test_torch_cpu_installs_torch_and_torchvision_from_pytorch_s_cpu_index_first
 def test_an_unknown_torch_is_refused_and_the_pip_wait_is_announced() -> None:
     assert "TORCH=gpu: only TORCH=cpu is known" in recipe("demo", "TORCH=gpu")
     text = recipe(".venv/.runtime-stamp")
-    assert "no NVIDIA driver here" in text and "PIP_QUIET" in text
+    assert "no NVIDIA driver here" in text and "INSTALL_WAIT" in text
+
+
+def test_pip_runs_under_the_variables_the_makefile_exports() -> None:
+    """make exports its variables to every recipe, pip included: pip reads any PIP_* as an
+    option (an exported PIP_QUIET=<text> once made every install fail)."""
+    makefile = (ROOT / "Makefile").read_text()
+    exported = re.findall(r"^export (\w+) :?= ?(.*)$", makefile, flags=re.MULTILINE)
+    assert exported
+    env = {**os.environ, **dict(exported)}
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "--version"], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
