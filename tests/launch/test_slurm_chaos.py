@@ -50,6 +50,7 @@ from tests.support.slurm_kit import (
     trainer_pid,
     wait_finished,
     wait_for,
+    watcher_pid,
 )
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
@@ -89,23 +90,28 @@ def slurmd_pid_file(node: str) -> Path:
 
 
 def lose_node(job_id: str, rank: int) -> str:
-    """Kill rank `rank`'s watcher, its trainer and its node's slurmd (a node that went away:
-    its slurmstepd alone is left); the node's name."""
+    """Kill rank `rank`'s watcher, its trainer, the node's fork server (the trainer's parent
+    when the server forked it) and the node's slurmd (a node that went away: its slurmstepd
+    alone is left); the node's name."""
     trainer = wait_for(f"rank {rank}'s trainer", lambda: trainer_pid(job_id, rank), 30)
-    watcher = _parent(trainer)
+    watcher = wait_for(f"rank {rank}'s watcher", lambda: watcher_pid(job_id, rank), 30)
     environ = Path(f"/proc/{watcher}/environ").read_bytes().split(b"\0")
     node = next(v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"SLURMD_NODENAME="))
+    server = _parent(trainer)
     slurmd = int(slurmd_pid_file(node).read_text())
-    for pid in (watcher, trainer, slurmd):  # the watcher first: it must not see its rank die
-        os.kill(pid, signal.SIGKILL)
+    # the watcher first: it must not see its rank die
+    for pid in (watcher, *([server] if server != watcher else []), trainer, slurmd):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     return node
 
 
 def restore_node(node: str) -> None:
     """Start `node`'s slurmd again (if it is not running) and put the node back in service."""
     pid_file = slurmd_pid_file(node)
-    try:
-        alive = pid_file.exists() and os.kill(int(pid_file.read_text()), 0) is None
+    try:  # the pid file's process, if it is still that node's slurmd (not a pid reused)
+        command = Path(f"/proc/{int(pid_file.read_text())}/cmdline").read_bytes().split(b"\0")
+        alive = b"-N" in command and node.encode() in command and b"slurmd" in command[0]
     except (OSError, ValueError):
         alive = False
     if not alive:

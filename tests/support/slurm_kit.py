@@ -122,7 +122,7 @@ def trainer_pid(job_id: str, rank: int) -> int | None:
     loader workers): the one process of the job's task whose command is `-m hpctrain train`,
     or, for a rank the node's fork server forked (its command line and first environment
     are the server's), the pid its watcher recorded."""
-    parents, watchers = _task_processes(job_id, rank)
+    parents, watchers, _ = _task_processes(job_id, rank)
     # loader workers started by fork share the command line: the trainer is their parent
     trainers = [pid for pid, parent in parents.items() if parent not in parents]
     if trainers:
@@ -150,21 +150,32 @@ def loader_worker_pid(job_id: str, rank: int) -> int | None:
     return None
 
 
-def _task_processes(job_id: str, rank: int) -> tuple[dict[int, int], list[list[bytes]]]:
-    """pid → parent pid of every `-m hpctrain train` process of the job's task `rank`, and
-    the command lines of its watchers."""
+def watcher_pid(job_id: str, rank: int) -> int | None:
+    """The pid of the watcher of the job's task `rank` (`-m hpctrain.resilience.watch`)."""
+    pids = list(_task_processes(job_id, rank)[2])
+    return pids[0] if len(pids) == 1 else None
+
+
+def _task_processes(
+    job_id: str, rank: int
+) -> tuple[dict[int, int], list[list[bytes]], dict[int, list[bytes]]]:
+    """pid → parent pid of every `-m hpctrain train` process of the job's task `rank`, the
+    command lines of its watchers, and the watchers by pid."""
     wanted = {f"SLURM_JOB_ID={job_id}".encode(), f"SLURM_PROCID={rank}".encode()}
-    found, watchers = {}, []
+    found, watchers, by_pid = {}, [], {}
     for proc in Path("/proc").glob("[0-9]*"):
         with contextlib.suppress(OSError, IndexError, ValueError):
             if not wanted <= set((proc / "environ").read_bytes().split(b"\0")):
                 continue
-            command = (proc / "cmdline").read_bytes()
-            if b"\0-m\0hpctrain\0train\0" in command:
+            # the program's own module (argv[1:]), not srun's command line in the batch step
+            # (whose environment has SLURM_PROCID=0 too)
+            command = (proc / "cmdline").read_bytes().split(b"\0")
+            if command[1:4] == [b"-m", b"hpctrain", b"train"]:
                 found[int(proc.name)] = _parent(int(proc.name))
-            elif b"\0-m\0hpctrain.resilience.watch\0" in command:
-                watchers.append(command.split(b"\0"))
-    return found, watchers
+            elif command[1:3] == [b"-m", b"hpctrain.resilience.watch"]:
+                watchers.append(command)
+                by_pid[int(proc.name)] = command
+    return found, watchers, by_pid
 
 
 def _recorded_pid(watcher: list[bytes], rank: int) -> int | None:
