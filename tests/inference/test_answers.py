@@ -4,9 +4,11 @@ DDP/FSDP2/HSDP/TP, and `hpctrain eval --data FILE.jsonl` with its predictions.""
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from hpctrain.cli.main import main
 from hpctrain.config import ConfigError, load_config
@@ -52,6 +54,14 @@ def test_ddp_fsdp2_hsdp_and_tp_answer_as_one_process_does(qa_run: Path, tmp_path
         (record,) = evals(tmp_path / case)
         for key in ("val_exact_match", "val_token_f1", "val_answers"):
             assert record[key] == pytest.approx(partial[key], abs=1e-9), (case, key)
+    from hpctrain.inference.generate import load_gpt
+    from hpctrain.models.decoding import decode
+
+    plain = load_gpt(str(checkpoint)).model
+    for name in ("fsdp-window-0", "fsdp-window-1", "tp-window-0", "tp-window-1"):
+        rows = json.loads((tmp_path / f"{name}.json").read_text())  # decoded in lockstep
+        for prompt, row in zip(rows["prompts"], rows["rows"], strict=True):
+            assert decode(plain, [prompt], max_new_tokens=20, window=8) == [row], name
     val = json.loads((tmp_path / "val.json").read_text())  # `hpctrain eval` on 2 ranks
     assert val["world_size"] == 2 and val["val_answers"] == 30
     assert val["val_exact_match"] == pytest.approx(partial["val_exact_match"], abs=1e-9)
@@ -90,6 +100,54 @@ def test_a_held_out_file_is_scored_with_its_predictions_beside(
     assert all(p["match"] == (p["answer"] == p["reference"]) for p in predictions)
     matches = [p["match"] for p in predictions]
     assert record["val_exact_match"] == pytest.approx(sum(matches) / 6) and any(matches)
+
+
+@pytest.mark.slow
+def test_answers_near_the_window_do_not_depend_on_the_batch(
+    qa_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Prompts of 40 to 63 tokens reach the window (data.seq_len 64) at different steps and
+    restart there: each is answered as alone, whatever `eval.generate_batch_size` puts beside
+    it. The model: a Llama of large random weights (greedy choices that follow the context,
+    never the end of document), one step at lr 0 on the questions' tokens."""
+    from tests.models.test_hf import LM_VOCAB, save_hf
+
+    folder = tmp_path / "llama"
+    model = save_hf(folder, "llama", vocab_size=LM_VOCAB)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.mul_(8)
+    model.save_pretrained(folder)
+    tokens = qa_run.parent / "tokens"
+    run_dir = tmp_path / "run"
+    overrides = [
+        *(o for o in qa_overrides(tokens, run_dir) if not o.startswith("causal_lm.")),
+        f"model.init_from={folder}",
+        "train.max_steps=1",
+        "train.lr=0",
+        "eval.generate=false",
+        "checkpoint.every_steps=1",
+    ]
+    from tests.train.test_trainer import build
+
+    assert build(load_config(None, overrides)).fit() == 0
+    rng = random.Random(4)
+    qa = tmp_path / "long.jsonl"
+    with qa.open("w") as f:
+        for length in rng.sample(range(40, 63), 8):
+            letters = "".join(rng.choice("abcd") for _ in range(length))
+            f.write(json.dumps({"prompt": letters + "\n", "response": letters[0].upper()}) + "\n")
+    answers = {}
+    for size in (1, 3, 8):
+        args = ["eval", str(run_dir), "--data", str(qa), "--prompt-field", "prompt"]
+        args += ["--response-field", "response", "--out", str(tmp_path / f"b{size}.json")]
+        assert main([*args, f"eval.generate_batch_size={size}", "eval.max_new_tokens=40"]) == 0
+        record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        lines = Path(record["predictions"]).read_text().splitlines()
+        answers[size] = [json.loads(line)["answer"] for line in lines]
+    assert all(len(answer) > 30 for answer in answers[1])  # past the window, never stopped
+    assert answers[3] == answers[1] and answers[8] == answers[1]
 
 
 @pytest.mark.slow
