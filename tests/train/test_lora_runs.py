@@ -193,10 +193,13 @@ def test_a_changed_base_is_refused_naming_both_fingerprints(tmp_path: Path, lm: 
         train(root, root / "run", "train.max_steps=2")
     message = str(info.value)
     digest = old["metadata"]["lora"]["base"]["digest"][:12]
-    assert message.startswith(f"model.init_from={(root / 'llama').resolve()}: not the base")
-    assert f"its base: {(root / 'llama').resolve()} (digest {digest})" in message
-    assert "now:" in message and "\n" not in message
-    with pytest.raises(CheckpointError, match=r"a LoRA run whose base is unusable: .*not the base"):
+    assert message.startswith(
+        f"model.init_from={(root / 'llama').resolve()}: the base changed since the checkpoint "
+        "of step 1 was trained on it: model.safetensors (other content)"
+    )
+    assert f"(digest then {digest}, now " in message and "\n" not in message
+    assert "put that base's files back at this path" in message
+    with pytest.raises(CheckpointError, match=r"a LoRA run whose base is unusable: .*changed"):
         read_model_weights_merged(root / "run")
     assert main(["eval", str(root / "run")]) == 4
 

@@ -3,8 +3,8 @@ weights merged into the base.
 
 A LoRA run's checkpoints hold the adapters (and what trains in full beside them), never the
 base: the base stays where `model.init_from` names it. So every checkpoint records the base's
-*fingerprint* (its folder and a digest, `fingerprint`), a resume refuses a base whose digest
-changed (the adapters were trained on other weights), and every verb that reads a LoRA run's
+*fingerprint* (its folder and a digest of every byte: `hpctrain.models.lora_fingerprint`), a
+resume refuses a base whose digest changed (the adapters were trained on other weights), and every verb that reads a LoRA run's
 weights (eval, predict, generate, export) reads the base from the fingerprinted path, checks
 it, and merges the adapters into it (`read_weights`: `W + (alpha / rank) B A`), so the
 result is a plain model of the task, exported and evaluated like any other.
@@ -12,8 +12,6 @@ result is a plain model of the task, exported and evaluated like any other.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -27,75 +25,13 @@ from hpctrain.checkpoint.weights import read_model_weights
 from hpctrain.config import Config, ConfigError
 from hpctrain.models import hf, init_from, lora
 from hpctrain.models.gpt import GPTConfig
+from hpctrain.models.lora_fingerprint import check_same_base, describe, fingerprint, same_base
 from hpctrain.models.lora_peft import CONFIG as PEFT_CONFIG
 from hpctrain.models.lora_peft import check_settings, read_peft_folder
 
 log = logging.getLogger(__name__)
 KEY = "lora"  # the checkpoint manifest's metadata entry of a LoRA run
 ADAPTERS_KEY = "model.lora.init_from"
-SAMPLE_BYTES = 2**20
-
-
-def fingerprint(path: str, *, ema: bool = False) -> dict[str, Any]:
-    """{path, kind, digest} of the base `path` (a `model.init_from`).
-
-    The digest is a sha256 over each weight file's name, size and first and last MiB (the
-    safetensors header and a sample of the weights: a re-saved, fine-tuned or re-quantized
-    folder differs there), plus the folder's config.json; for an hpctrain run, over its
-    checkpoint's manifest (a CRC32C per item). Not whole files: hashing an 8B model's 16 GB at
-    every start would cost minutes on a parallel filesystem.
-    """
-    kind = init_from.kind_of(path)
-    digest = hashlib.sha256()
-    if kind == "run":
-        _, name, manifest, _ = init_from.open_run(path, ema=ema)
-        digest.update(json.dumps([name, ema, manifest.get("files")], sort_keys=True).encode())
-    else:
-        files = sorted(set(hf.weight_files(path).values())) if kind == "hf" else [Path(path)]
-        if kind == "hf":
-            files.append(Path(path) / hf.CONFIG)
-        for file in files:
-            digest.update(sample(file))
-    return {
-        "path": str(Path(path).resolve()),
-        "kind": kind,
-        "ema": ema,
-        "digest": digest.hexdigest(),
-    }
-
-
-def sample(file: Path) -> bytes:
-    """A file's name and size, and the sha256 of its first and last `SAMPLE_BYTES`."""
-    try:
-        with open(file, "rb") as f:
-            size = f.seek(0, 2)
-            f.seek(0)
-            head = f.read(SAMPLE_BYTES)
-            f.seek(max(0, size - SAMPLE_BYTES))
-            tail = f.read(SAMPLE_BYTES)
-    except OSError as exc:
-        raise ConfigError(f"{init_from.KEY}: cannot read {file}: {exc.strerror or exc}") from None
-    return f"{file.name}:{size}:".encode() + hashlib.sha256(head + tail).digest()
-
-
-def describe(base: dict[str, Any]) -> str:
-    return f"{base.get('path')} (digest {str(base.get('digest'))[:12]})"
-
-
-def check_same_base(saved: dict[str, Any] | None, current: dict[str, Any], step: Any) -> None:
-    """Refuse to go on with adapters trained on another base.
-
-    Raises:
-        ConfigError: the checkpoint's base fingerprint is not `current`'s, naming both.
-    """
-    if saved is None or saved.get("digest") == current["digest"]:
-        return
-    raise ConfigError(
-        f"model.init_from={current['path']}: not the base the checkpoint of step {step} was "
-        f"trained on (its base: {describe(saved)}; now: {describe(current)}); the adapters "
-        "fit their own base only: set model.init_from back to it, or start over in a new run "
-        "folder"
-    )
 
 
 def prepare(model: nn.Module, cfg: Config, task: Any) -> lora.Adapted:
@@ -149,7 +85,7 @@ def read_weights(
     where = store.path(name)
     saved = entry["base"]
     try:
-        current = fingerprint(saved["path"], ema=bool(saved.get("ema")))
+        current = fingerprint(saved["path"], ema=bool(saved.get("ema")), known=saved)
         check_same_base(saved, current, manifest.get("step"))
         base = read_base(saved["path"], manifest, ema=bool(saved.get("ema")))
     except ConfigError as exc:
@@ -259,8 +195,8 @@ def read_lora_run(
                 "nor a LoRA run"
             )
         check_settings(source, entry["rank"], entry["alpha"], cfg)
-        base = fingerprint(cfg.model.init_from, ema=cfg.model.init_from_ema)
-        if entry["base"].get("digest") != base["digest"]:
+        base = fingerprint(cfg.model.init_from, ema=cfg.model.init_from_ema, known=entry["base"])
+        if not same_base(entry["base"], base):
             raise ConfigError(
                 f"{ADAPTERS_KEY}={source}: adapters of another base "
                 f"({describe(entry['base'])}; this run's model.init_from: {describe(base)})"
