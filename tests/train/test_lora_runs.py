@@ -167,6 +167,47 @@ def test_adapters_come_back_in_from_peft_and_from_the_run(
         Trainer(load_config(None, [*warm, "model.lora.rank=0"]), SINGLE, torch.device("cpu"))
 
 
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_peft_equals_the_merged_export_when_the_embedding_trains_in_full(
+    lm: Path, tmp_path: Path, tied: bool
+) -> None:
+    """A tied base's embedding is also its output head: trained in full, the peft adapter
+    holds it for both (peft keeps a copy of each module to save, and its lm_head would
+    stay tied to the base's untrained embedding)."""
+    (tmp_path / "shards").symlink_to(lm / "shards")
+    save_hf(tmp_path / "llama", "llama", vocab_size=LM_VOCAB, tie_word_embeddings=tied)
+    run_dir = tmp_path / "run"
+    saved = "model.lora.modules_to_save=[tok_embeddings,norm]"
+    trainer = train(tmp_path, run_dir, "train.max_steps=2", saved)
+    expected = logits(trainer.model)
+    assert main(["export", str(run_dir), str(tmp_path / "merged"), "--format", "hf"]) == 0
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").float()
+    torch.testing.assert_close(logits(merged), expected, rtol=0, atol=1e-4)
+    adapter_out = tmp_path / "adapter"
+    assert main(["export", str(run_dir), str(adapter_out), "--format", "peft"]) == 0
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "llama").float()
+    with_adapter = peft.PeftModel.from_pretrained(base, adapter_out)
+    torch.testing.assert_close(logits(with_adapter), expected, rtol=0, atol=1e-4)
+    # and back in: the same embedding, norm and adapters
+    again = train(
+        tmp_path,
+        tmp_path / "again",
+        "train.max_steps=1",
+        "train.lr=0",
+        saved,
+        f"model.lora.init_from={adapter_out}",
+    )
+    torch.testing.assert_close(logits(again.model), expected, rtol=0, atol=0)
+    if tied:  # a head other than the embedding cannot be tied to it
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(adapter_out / "adapter_model.safetensors")
+        tensors["base_model.model.lm_head.weight"] += 1
+        save_file(tensors, adapter_out / "adapter_model.safetensors")
+        with pytest.raises(ConfigError, match="holds an lm_head other than its embedding"):
+            train(tmp_path, tmp_path / "other", saved, f"model.lora.init_from={adapter_out}")
+
+
 def test_a_preempted_run_resumes_exactly(lm: Path, tmp_path: Path) -> None:
     from tests.support.finetune_worker import signal_after_step
 
