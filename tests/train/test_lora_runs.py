@@ -264,6 +264,14 @@ def test_bf16_compute_on_a_bf16_base(lm: Path, tmp_path: Path) -> None:
     wq = trainer.model.blocks[0].attention.wq
     assert wq.weight.dtype == torch.bfloat16 and wq.lora_A.weight.dtype == torch.float32
     assert wq.lora_B.weight.abs().sum() > 0
+    # merged into the base as the run held it: its bf16 values (the frozen norm, exactly)
+    from safetensors.torch import load_file
+
+    out = tmp_path / "bf16.safetensors"
+    assert main(["export", str(tmp_path / "bf16"), str(out)]) == 0
+    held = trainer.model.norm.weight
+    assert held.dtype == torch.bfloat16 and torch.equal(load_file(out)["norm.weight"], held.float())
+    assert json.loads((tmp_path / "bf16.safetensors.json").read_text())["lora_base"] == "run (bf16)"
 
 
 def test_qlora_trains_resumes_and_exports_merged(lm: Path, tmp_path: Path) -> None:
@@ -277,6 +285,41 @@ def test_qlora_trains_resumes_and_exports_merged(lm: Path, tmp_path: Path) -> No
     assert not any(lora.is_adapter(k) for k in weights)
     entries = read_model_weights(*locate_checkpoint(str(run_dir)))
     assert all(lora.is_adapter(k) for k in entries)
+
+
+def test_qlora_is_evaluated_and_exported_on_the_base_it_trained_on(
+    lm: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Training evaluates QLoRA on its NF4 base: `hpctrain eval` scores the same by default,
+    the full-precision merge on request; exports merge into the NF4 base and say so."""
+    pytest.importorskip("torchao")
+    run_dir = tmp_path / "qlora"
+    trainer = train(lm, run_dir, "train.max_steps=2", "model.lora.quantize_base=nf4")
+    expected = logits(trainer.model)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    trained = [r for r in map(json.loads, lines) if r.get("kind") == "eval"][-1]["val_loss"]
+    assert main(["eval", str(run_dir), "--out", str(tmp_path / "run.json")]) == 0
+    record = json.loads((tmp_path / "run.json").read_text())
+    assert record["val_loss"] == pytest.approx(trained, abs=1e-5)  # the run's own score
+    assert record["lora_base"] == "run (nf4)"
+    full_eval = ["eval", str(run_dir), "eval.lora_base=full", "--out", str(tmp_path / "f.json")]
+    assert main(full_eval) == 0
+    record = json.loads((tmp_path / "f.json").read_text())
+    assert record["lora_base"] == "full"
+    assert abs(record["val_loss"] - trained) > 1e-4  # another model: the full base
+    capsys.readouterr()
+    assert main(["export", str(run_dir), str(tmp_path / "merged"), "--format", "hf"]) == 0
+    assert "adapters merged into the base as the run held it: (nf4)" in capsys.readouterr().out
+    config = json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert config["hpctrain_lora_base"] == "run (nf4)"
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").float()
+    torch.testing.assert_close(logits(merged), expected, rtol=0, atol=1e-4)
+    full = tmp_path / "full.safetensors"
+    assert main(["export", str(run_dir), str(full), "--lora-base", "full"]) == 0
+    assert "merged into the base's own weights (--lora-base full)" in capsys.readouterr().out
+    assert json.loads((tmp_path / "full.safetensors.json").read_text())["lora_base"] == "full"
+    assert main(["export", str(run_dir), str(tmp_path / "adapter"), "--format", "peft"]) == 0
+    assert "trained these adapters on its base held in nf4" in capsys.readouterr().out
 
 
 def test_a_vit_with_a_new_head_exports_merged_safetensors(

@@ -175,6 +175,7 @@ def run_answers(
             "step": run.step,
             "checkpoint": run.checkpoint,
             "weights": run.weights,
+            **({"lora_base": run.lora_base} if run.lora_base else {}),
             "data": redact_url(data),
             "world_size": env.world_size,
             **{f"val_{name}": value for name, value in metrics.items()},

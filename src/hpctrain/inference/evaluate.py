@@ -85,6 +85,7 @@ def run_eval(cfg: Config, *, checkpoint: str = "latest", out: str = "") -> int:
             "step": run.step,
             "checkpoint": run.checkpoint,
             "weights": run.weights,
+            **({"lora_base": run.lora_base} if run.lora_base else {}),
             "data": run.data,
             "world_size": run.env.world_size,
             **metrics,

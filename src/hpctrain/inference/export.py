@@ -37,7 +37,7 @@ import torch
 from hpctrain.checkpoint.weights import locate_checkpoint
 from hpctrain.errors import UsageError
 from hpctrain.files import write_atomic
-from hpctrain.models.lora_base import read_weights  # a LoRA run: merged into its base
+from hpctrain.models.lora_base import describe_base, read_weights  # LoRA: merged into its base
 from hpctrain.tasks.task import DEFAULT_TASK
 from hpctrain.tasks.task import model_card as task_model_card
 
@@ -55,6 +55,8 @@ class ExportResult:
     out: Path
     model_card: Path | None = None  # the JSON that rebuilds a built-in model, if written
     ema: bool = False  # the parameters are the EMA's
+    lora_base: str | None = None  # a LoRA run: the base merged into ("run (nf4)", "full")
+    held: str | None = None  # --format peft: how the run held its base (nf4, bf16, fp32)
 
 
 def format_of(out: str | Path, fmt: str | None) -> str:
@@ -73,6 +75,7 @@ def export_weights(
     fmt: str | None = None,
     best: bool = False,
     ema: bool | None = None,
+    lora_base: str = "run",
 ) -> ExportResult:
     """Write the consolidated model weights of the checkpoint at `path` to `out` (atomically).
 
@@ -83,6 +86,8 @@ def export_weights(
         best: export the checkpoint `best` names instead of the newest.
         ema: export the EMA of the weights (`train.ema_decay`) or (False) the trained weights;
             None: those the training evaluated with (the EMA under its `train.ema_eval`).
+        lora_base: a LoRA run's adapters merged into its base as the run held it ("run") or
+            into its own weights ("full"): `hpctrain.models.lora_base.read_weights`.
     """
     fmt = format_of(out, fmt)
     if Path(out).is_dir():
@@ -106,7 +111,8 @@ def export_weights(
     store, name, manifest = locate_checkpoint(path, best=best)
     if ema is None:  # `--best` picked it by the weights the training evaluated with
         ema = bool(((config_tree(manifest) or {}).get("train") or {}).get("ema_eval"))
-    weights = read_weights(store, name, manifest, ema=ema)
+    weights = read_weights(store, name, manifest, ema=ema, lora_base=lora_base)
+    merged_into = describe_base(manifest, lora_base)
     out = Path(out)
     step = int(manifest["step"])
     card = model_card(manifest, weights, fmt)
@@ -122,6 +128,8 @@ def export_weights(
             metadata = {"hpctrain_step": str(step), "format": "pt"}
             if ema:
                 metadata["hpctrain_weights"] = "ema"
+            if merged_into:
+                metadata["hpctrain_lora_base"] = merged_into
             f.write(save(weights, metadata=metadata))
 
     write_atomic(out, write_weights, what="the export")
@@ -129,6 +137,8 @@ def export_weights(
         card["weights"] = out.name
         if ema:
             card["ema"] = True  # the weights are the EMA's (train.ema_decay)
+        if merged_into:
+            card["lora_base"] = merged_into  # the base the adapters were merged into
         card_bytes = (json.dumps(card, indent=1) + "\n").encode()
         write_atomic(card_path, card_bytes, what="the export")
     return ExportResult(
@@ -139,6 +149,7 @@ def export_weights(
         out=out,
         model_card=card_path,
         ema=ema,
+        lora_base=merged_into,
     )
 
 
@@ -202,6 +213,7 @@ def export_hf(
     ema: bool | None = None,
     shard_bytes: int = HF_SHARD_BYTES,
     tokenizer_spec: str = "",
+    lora_base: str = "run",
 ) -> ExportResult:
     """Write a causal_lm checkpoint as a Hugging Face model folder `out` (`--format hf`).
 
@@ -245,7 +257,8 @@ def export_hf(
         )
     if ema is None:
         ema = bool((tree.get("train") or {}).get("ema_eval"))
-    weights = read_weights(store, name, manifest, ema=ema)
+    weights = read_weights(store, name, manifest, ema=ema, lora_base=lora_base)
+    merged_into = describe_base(manifest, lora_base)
     cfg = gpt_config_for(tree, weights, store.path(name), manifest)
     metadata = manifest.get("metadata") or {}
     # The source folder's entries as the run recorded them; an older checkpoint: the folder's
@@ -260,6 +273,8 @@ def export_hf(
     )
     eos = tokenizer.eod_id
     config = hf.hf_config(cfg, source_config, eos)
+    if merged_into:  # transformers keeps unknown entries as attributes of the config
+        config["hpctrain_lora_base"] = merged_into
     tensors = hf.hf_state_dict(weights, cfg)
     step = int(manifest["step"])
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
@@ -311,6 +326,7 @@ def export_hf(
         num_elements=sum(v.numel() for v in tensors.values()),
         out=Path(out),
         ema=ema,
+        lora_base=merged_into,
     )
 
 
@@ -449,7 +465,7 @@ def export_peft(
     from hpctrain.checkpoint.weights import read_model_weights
     from hpctrain.models.gpt import GPTConfig
     from hpctrain.models.lora import is_adapter
-    from hpctrain.models.lora_base import lora_metadata
+    from hpctrain.models.lora_base import held_as, lora_metadata
     from hpctrain.models.lora_peft import CONFIG, WEIGHTS, peft_adapter
 
     out = Path(out)
@@ -501,4 +517,5 @@ def export_peft(
         num_elements=sum(v.numel() for v in tensors.values()),
         out=out,
         ema=ema,
+        held=held_as(manifest),
     )

@@ -43,6 +43,7 @@ from hpctrain.errors import UsageError
 from hpctrain.files import write_atomic
 from hpctrain.inference.generate import generation_precision, load_gpt, run_tokenizer
 from hpctrain.models.decoding import decode
+from hpctrain.models.lora_base import describe_configured_base
 
 log = logging.getLogger("hpctrain")
 
@@ -226,6 +227,12 @@ def harness_lm(
     return HpctrainLM()
 
 
+def lora_base_entry(tree: dict[str, Any], lora_base: str) -> dict[str, str]:
+    """{"lora_base": ...} for a LoRA run's record (which base its adapters were merged into)."""
+    held = describe_configured_base(tree, lora_base)
+    return {"lora_base": held} if held else {}
+
+
 def harness_record_path(run_dir: str, names: list[str], step: int) -> Path:
     """`RUN_DIR/eval/harness-<tasks>-step-<N>.json` (the names made file-name safe)."""
     joined = re.sub(r"[^A-Za-z0-9_.,+-]", "_", ",".join(names))
@@ -260,7 +267,11 @@ def run_harness(
     which = cfg.checkpoint_root() if checkpoint in ("", "latest", "best") else checkpoint
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, tree, step, recorded = load_gpt(
-        which, best=checkpoint == "best", device=device, ema=cfg.train.ema_eval
+        which,
+        best=checkpoint == "best",
+        device=device,
+        ema=cfg.train.ema_eval,
+        lora_base=cfg.eval.lora_base,
     )
     tokenizer = run_tokenizer(tree, "", recorded)  # the one the checkpoint records
     window = max_length or cfg.data.seq_len or 2048
@@ -295,6 +306,7 @@ def run_harness(
         "step": step,
         "checkpoint": str(which),
         "weights": "ema" if cfg.train.ema_eval else "model",
+        **lora_base_entry(tree, cfg.eval.lora_base),
         "tasks": names,
         "num_fewshot": num_fewshot,
         "limit": limit,

@@ -10,7 +10,9 @@ flagged `valid=False`, so every sample is seen exactly once in the job.
 The weights are those the training evaluated with: the EMA's (`ema.<name>`, with the model's
 buffers) when the run's `train.ema_eval` is true, so that `hpctrain eval --checkpoint best`
 measures what picked the best checkpoint; `train.ema_eval=false` on the command line reads the
-trained weights instead.
+trained weights instead. A LoRA run's adapters are merged into its base as the run held it
+(QLoRA's NF4 copy: what its evaluations scored), or with `eval.lora_base=full` into the base's
+own weights (`hpctrain.models.lora_base.read_weights`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from hpctrain.data.mixture_index import open_train_index
 from hpctrain.data.tokenizer import check_recorded_tokenizer
 from hpctrain.distributed import DistEnv, process_group, start_process
 from hpctrain.distributed.signals import start_compile_workers
-from hpctrain.models.lora_base import read_weights  # a LoRA run: merged into its base
+from hpctrain.models.lora_base import describe_base, read_weights
 from hpctrain.parallel.parallelize import parallelize
 from hpctrain.parallel.precision import (
     Precision,
@@ -172,6 +174,7 @@ class InferenceRun:
     checkpoint: str  # its folder (credentials stripped)
     weights: str  # "ema" (train.ema_eval) or "model"
     data: str  # the data spec (credentials stripped)
+    lora_base: str | None = None  # a LoRA run: the base merged into (`describe_base`)
 
 
 @contextmanager
@@ -212,7 +215,8 @@ def inference_session(
     store, name, manifest = find_checkpoint(cfg, checkpoint)
     where = redact_url(store.path(name))
     ema = cfg.train.ema_eval  # the weights the training evaluated with: see the module
-    weights = read_weights(store, name, manifest, ema=ema)  # this process alone
+    # this process alone; a LoRA run: merged into its base as eval.lora_base says
+    weights = read_weights(store, name, manifest, ema=ema, lora_base=cfg.eval.lora_base)
     classes = model_classes(cfg, manifest, data_index, key, strict=not predict)
     log.info("rank %d/%d on %s: %s, data %s", env.rank, env.world_size, device, where, data)
     # A caller that already joined the job's process group (a test, a notebook) keeps it.
@@ -270,6 +274,7 @@ def inference_session(
                 checkpoint=where,
                 weights="ema" if ema else "model",
                 data=redact_url(data),
+                lora_base=describe_base(manifest, cfg.eval.lora_base),
             )
         finally:
             if loader is not None:
