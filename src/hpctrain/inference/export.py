@@ -26,6 +26,7 @@ the GPT's shape (`GPTConfig`), the sequence length and how to rebuild the model.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from dataclasses import dataclass
@@ -186,25 +187,6 @@ def model_card(
 HF_SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
 
 
-# The files of a tokenizer that transformers' AutoTokenizer reads besides tokenizer.json
-# (`transformers.tokenization_utils_base`, `transformers.utils.hub`): carried from the folder
-# the run's tokenizer came from, so that the export's chat template and special tokens are
-# the source's (`apply_chat_template` works on it).
-TOKENIZER_FILES = (
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "vocab.txt",
-)
-CHAT_TEMPLATES_DIR = "additional_chat_templates"
-TOKENIZER_CONFIG = "tokenizer_config.json"
-
-
 def export_hf(
     path: str,
     out: str | Path,
@@ -244,6 +226,7 @@ def export_hf(
 
     from hpctrain.data.tokenizer import JSON
     from hpctrain.inference.generate import run_tokenizer
+    from hpctrain.inference.hf_tokenizer import check_auto_tokenizer, write_tokenizer
     from hpctrain.models import hf
     from hpctrain.tasks.lm_shape import CAUSAL_LM, gpt_config_for
 
@@ -298,24 +281,14 @@ def export_hf(
         if "bos_token_id" in config:
             generation["bos_token_id"] = config["bos_token_id"]
         writer.write_json("generation_config.json", generation)
+        warning = None
         if tokenizer.kind == JSON:  # other kinds (bytes, sentencepiece, tiktoken): no file
-            writer.copy(Path(tokenizer.name), "tokenizer.json")
-            companions = tokenizer_folder(Path(tokenizer.name), tokenizer.sha256, init_from)
-            for file in TOKENIZER_FILES:
-                if companions is not None and (companions / file).is_file():
-                    writer.copy(companions / file, file)
-            if companions is not None and (companions / CHAT_TEMPLATES_DIR).is_dir():
-                for template in sorted((companions / CHAT_TEMPLATES_DIR).glob("*.jinja")):
-                    writer.copy(template, f"{CHAT_TEMPLATES_DIR}/{template.name}")
-            writer.write_json(
-                TOKENIZER_CONFIG,
-                tokenizer_config(
-                    writer.read_json(TOKENIZER_CONFIG),
-                    hf.special_token(Path(tokenizer.name), eos),
-                    config["max_position_embeddings"],
-                ),
-            )
+            write_tokenizer(writer, tokenizer, init_from, eos, config["max_position_embeddings"])
+            # what transformers' AutoTokenizer makes of the folder, against the run's encodings
+            warning = check_auto_tokenizer(writer, tokenizer, Path(out))
         writer.commit()
+        if warning:
+            logging.getLogger("hpctrain").warning("%s", warning)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -403,32 +376,6 @@ class FolderWriter:
         self.attempt(self.target, lambda: os.replace(self.tmp, self.target))
 
 
-def tokenizer_folder(tokenizer_json: Path, sha256: str, init_from: str) -> Path | None:
-    """The folder whose `TOKENIZER_FILES` go with the run's tokenizer: the tokenizer.json's
-    own folder when it has any of them, else the `model.init_from` folder when its
-    tokenizer.json is the same file (by sha256); None when neither."""
-    from hpctrain.data.tokenizer import file_sha256
-
-    own = tokenizer_json.parent
-    if any((own / f).is_file() for f in TOKENIZER_FILES):
-        return own
-    source = Path(init_from) / "tokenizer.json" if init_from else None
-    if source is not None and source.is_file() and file_sha256(str(source)) == sha256:
-        return source.parent
-    return None
-
-
-def tokenizer_config(source: dict[str, Any], eos_token: str, context: int) -> dict[str, Any]:
-    """The export's `tokenizer_config.json`: the source folder's (its chat template, special
-    tokens, class), with `model_max_length` the model's context (not the training
-    `data.seq_len`, which would make transformers warn of indexing errors on longer texts)
-    and the end-of-document token as EOS where the source names none."""
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", **source}
-    config.setdefault("eos_token", eos_token)
-    config["model_max_length"] = context
-    return config
-
-
 def split_shards(
     tensors: dict[str, torch.Tensor], shard_bytes: int
 ) -> list[dict[str, torch.Tensor]]:
@@ -458,7 +405,6 @@ def export_peft(
     Raises:
         UsageError: not a LoRA run, or `out` in the way.
     """
-    import logging
 
     from safetensors.torch import save
 
