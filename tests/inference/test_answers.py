@@ -151,6 +151,61 @@ def test_answers_near_the_window_do_not_depend_on_the_batch(
 
 
 @pytest.mark.slow
+def test_eval_takes_the_tokenizer_where_it_has_moved(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """#48 item 8: the run's tokenizer file moved away, `eval --data` and `eval --harness`
+    say to give `--tokenizer PATH`, and take it (checked by sha256: another one is refused)."""
+    import shutil
+
+    from tests.support.finetune_kit import convert_text, save_bpe_folder, train
+
+    tok = save_bpe_folder(tmp_path / "tok", chat_template=False)
+    other = save_bpe_folder(tmp_path / "other", seed=5, chat_template=False)
+    data = tmp_path / "data"
+    convert_text(data / "train", str(tok), seed=1, documents=30)
+    convert_text(data / "val", str(tok), seed=2, documents=6)
+    run = tmp_path / "run"
+    train(run, data)
+    shutil.move(tmp_path / "tok", tmp_path / "moved")
+    qa = tmp_path / "qa.jsonl"
+    write_qa(qa, 3, seed=1)
+    answers = ["eval", str(run), "--data", str(qa), "--prompt-field", "prompt"]
+    answers += ["--response-field", "response", "--out", str(tmp_path / "qa.json")]
+    harness = ["eval", str(run), "--harness", "letters", "--harness-include", str(tmp_path)]
+    harness += ["--out", str(tmp_path / "h.json"), "--limit", "2"]
+    (tmp_path / "letters.yaml").write_text(LETTERS_TASK.replace("QA", str(qa)))
+    for command in (answers, harness):
+        capsys.readouterr()
+        assert main(command) == 3
+        assert "give that tokenizer with --tokenizer PATH" in capsys.readouterr().err
+        assert main([*command, "--tokenizer", str(tmp_path / "moved" / "tokenizer.json")]) == 0
+        assert main([*command, "--tokenizer", str(other)]) == 2
+        assert "is not the tokenizer the checkpoint's model was trained on" in (
+            capsys.readouterr().err
+        )
+    assert json.loads((tmp_path / "qa.json").read_text())["val_answers"] == 3
+
+
+LETTERS_TASK = """task: letters
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: QA
+test_split: test
+output_type: generate_until
+doc_to_text: "{{prompt}}"
+doc_to_target: "{{response}}"
+target_delimiter: ""
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 2
+metric_list:
+  - metric: exact_match
+"""
+
+
+@pytest.mark.slow
 def test_answer_settings_are_refused_where_they_cannot_work(qa_run: Path, tmp_path: Path) -> None:
     tokens = qa_run.parent / "tokens"
     base = qa_overrides(tokens, tmp_path / "r")

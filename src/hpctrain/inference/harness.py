@@ -250,8 +250,10 @@ def run_harness(
     max_length: int = 0,
     batch_size: int = 0,
     out: str = "",
+    tokenizer_spec: str = "",
 ) -> int:
-    """`hpctrain eval --harness` (see the module); returns the exit code.
+    """`hpctrain eval --harness` (see the module); returns the exit code. `tokenizer_spec`:
+    `--tokenizer`, where the run's has moved (checked by sha256, as `generate` checks it).
 
     Raises:
         UsageError: the harness missing, an unknown task, a task needing the internet, a
@@ -273,7 +275,7 @@ def run_harness(
         ema=cfg.train.ema_eval,
         lora_base=cfg.eval.lora_base,
     )
-    tokenizer = run_tokenizer(tree, "", recorded)  # the one the checkpoint records
+    tokenizer = run_tokenizer(tree, tokenizer_spec, recorded)  # the one the checkpoint records
     window = max_length or cfg.data.seq_len or 2048
     lm = harness_lm(
         model,

@@ -36,6 +36,7 @@ from hpctrain.data.mixture_index import open_train_index
 from hpctrain.data.tokenizer import check_recorded_tokenizer
 from hpctrain.distributed import DistEnv, process_group, start_process
 from hpctrain.distributed.signals import start_compile_workers
+from hpctrain.errors import UsageError
 from hpctrain.models.lora_base import describe_base, read_weights
 from hpctrain.parallel.parallelize import parallelize
 from hpctrain.parallel.precision import (
@@ -159,6 +160,25 @@ def load_weights(model: nn.Module, weights: dict[str, torch.Tensor], where: str)
     model.load_state_dict(weights)
 
 
+def use_run_tokenizer(task: Task, cfg: Config, manifest: dict[str, Any], spec: str) -> None:
+    """Give a text task the run's tokenizer (see `inference_session`).
+
+    Raises:
+        UsageError: `spec` for a task without text, or not the checkpoint's tokenizer.
+        DataError: the recorded tokenizer is gone and none given (naming `--tokenizer`).
+    """
+    from hpctrain.inference.generate import run_tokenizer
+
+    use = getattr(task, "use_text_tokenizer", None)
+    if use is None:
+        if spec:
+            raise UsageError(f"--tokenizer {spec}: task {cfg.task} reads no text")
+        return
+    recorded = (manifest.get("metadata") or {}).get("tokenizer")
+    tree = {"data": {"train": cfg.data.train, "tokenizer": cfg.data.tokenizer}}
+    use(run_tokenizer(tree, spec, recorded if isinstance(recorded, dict) else None))
+
+
 @dataclass
 class InferenceRun:
     """One rank's share of an eval or predict job."""
@@ -179,7 +199,14 @@ class InferenceRun:
 
 @contextmanager
 def inference_session(
-    cfg: Config, checkpoint: str, data: str, *, key: str, predict: bool
+    cfg: Config,
+    checkpoint: str,
+    data: str,
+    *,
+    key: str,
+    predict: bool,
+    tokenizer_spec: str = "",
+    text: bool = False,
 ) -> Iterator[InferenceRun]:
     """This process as one rank: the checkpoint's model, wrapped, and a loader over `data`.
 
@@ -190,6 +217,10 @@ def inference_session(
             (answers to a JSONL file: `hpctrain.inference.answers`).
         predict: read samples with the task's `predict_transform` (when it has one), in
             batches that carry the samples' source paths (`__source__`).
+        tokenizer_spec: `--tokenizer` (bytes or a file), where the run's has moved; `text`:
+            the task's text tokenizer is needed (answers). Either: the tokenizer the
+            checkpoint records, found as `generate` and `export` find it (`run_tokenizer`:
+            `--tokenizer` checked by sha256), is the task's (`use_text_tokenizer`).
 
     Raises:
         ConfigError: no data given; ShardIndexError: the data cannot be read (naming it);
@@ -234,6 +265,8 @@ def inference_session(
             log.info(note)
         task = load_task(cfg, classes, manifest)  # the model the checkpoint records
         check_data_tokenizer(manifest, data_index, key, where)
+        if tokenizer_spec or text:
+            use_run_tokenizer(task, cfg, manifest, tokenizer_spec)
         torch.manual_seed(cfg.seed)  # FSDP2 needs equal weights everywhere: they are loaded
         model = task.build_model()
         load_weights(model, weights, where)
