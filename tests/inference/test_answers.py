@@ -75,7 +75,10 @@ def test_ddp_fsdp2_hsdp_and_tp_answer_as_one_process_does(qa_run: Path, tmp_path
 
 @pytest.mark.slow
 def test_a_held_out_file_is_scored_with_its_predictions_beside(
-    qa_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    qa_run: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     qa = tmp_path / "qa.jsonl"
     rows = write_qa(qa, 6, seed=5)
@@ -87,7 +90,10 @@ def test_a_held_out_file_is_scored_with_its_predictions_beside(
     assert main(args) == 3  # a data error naming the line
     assert f"{qa}:7:" in capsys.readouterr().err
     assert main([*args, "data.on_error=skip"]) == 0
-    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    out, err = capsys.readouterr()
+    record = json.loads(out.strip().splitlines()[-1])
+    ranks = [line for line in err.splitlines() if " rank 0/1 on " in line]
+    assert ranks and all(line.endswith(f", data {qa}") for line in ranks)  # was: "data "
     assert record["records_skipped"] == 1 and record["val_answers"] == 6
     summary = Path(record["record"])
     assert summary.parent == qa_run / "eval" and summary.name.startswith("step-60.qa-")

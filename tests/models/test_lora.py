@@ -245,6 +245,30 @@ def test_an_unchanged_base_is_checked_by_its_files_records_without_reading_them(
         lora_base.check_same_base({**old, "digest": "0" * 64}, touched, 1)
 
 
+def test_the_peft_adapter_names_its_base_by_its_hub_name_where_known(tmp_path: Path) -> None:
+    """adapter_config.json's base_model_name_or_path: a Hub cache snapshot gives the Hub
+    name and revision; else the path the run read (an absolute path of the training machine),
+    also where config.json names another model (a fine-tune names its own base there)."""
+    import json
+
+    from hpctrain.models.lora_peft import peft_adapter
+
+    def config_for(path: Path) -> dict:
+        entry = {"base": {"path": str(path)}, "rank": 4, "alpha": 8, "modules": []}
+        return peft_adapter({}, entry, None, "causal_lm")[0]
+
+    snapshot = tmp_path / "hub" / "models--meta-llama--Llama-3.2-1B" / "snapshots" / "4e20de3"
+    snapshot.mkdir(parents=True)
+    config = config_for(snapshot)
+    assert config["base_model_name_or_path"] == "meta-llama/Llama-3.2-1B"
+    assert config["revision"] == "4e20de3"
+    plain = tmp_path / "llama"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps({"_name_or_path": "Qwen/Qwen2-0.5B"}))
+    config = config_for(plain)
+    assert config["base_model_name_or_path"] == str(plain) and config["revision"] is None
+
+
 def lora_config(*overrides: str) -> Config:
     return load_config(None, ["model.init_from=/base", *overrides])
 

@@ -144,7 +144,14 @@ def run_answers(
     check_record_path(out)
     # the tokenizer the checkpoint records, or `--tokenizer` where it has moved
     session = inference_session(
-        cfg, checkpoint, "", key="", predict=False, tokenizer_spec=tokenizer_spec, text=True
+        cfg,
+        checkpoint,
+        "",
+        key="",
+        predict=False,
+        tokenizer_spec=tokenizer_spec,
+        text=True,
+        label=data,
     )
     with session as run:
         text_tokenizer = getattr(run.task, "text_tokenizer", None)

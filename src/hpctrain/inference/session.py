@@ -207,6 +207,7 @@ def inference_session(
     predict: bool,
     tokenizer_spec: str = "",
     text: bool = False,
+    label: str = "",
 ) -> Iterator[InferenceRun]:
     """This process as one rank: the checkpoint's model, wrapped, and a loader over `data`.
 
@@ -221,6 +222,7 @@ def inference_session(
             the task's text tokenizer is needed (answers). Either: the tokenizer the
             checkpoint records, found as `generate` and `export` find it (`run_tokenizer`:
             `--tokenizer` checked by sha256), is the task's (`use_text_tokenizer`).
+        label: what the log line names as the data where `data` is "" (eval --data's file).
 
     Raises:
         ConfigError: no data given; ShardIndexError: the data cannot be read (naming it);
@@ -249,7 +251,8 @@ def inference_session(
     # this process alone; a LoRA run: merged into its base as eval.lora_base says
     weights = read_weights(store, name, manifest, ema=ema, lora_base=cfg.eval.lora_base)
     classes = model_classes(cfg, manifest, data_index, key, strict=not predict)
-    log.info("rank %d/%d on %s: %s, data %s", env.rank, env.world_size, device, where, data)
+    shown = redact_url(label or data or "data.train's model")
+    log.info("rank %d/%d on %s: %s, data %s", env.rank, env.world_size, device, where, shown)
     # A caller that already joined the job's process group (a test, a notebook) keeps it.
     group = (
         nullcontext()

@@ -89,10 +89,12 @@ def peft_adapter(
         # `ensure_weight_tying` option would need peft 0.18 or newer).
         tensors[PREFIX + HEAD + ".weight"] = trained[EMBEDDING].clone()  # its own bytes
         saved_modules = sorted({*saved_modules, HEAD})
+    name, revision = base_name(str(entry["base"]["path"]))
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM" if task == "causal_lm" else None,
-        "base_model_name_or_path": entry["base"]["path"],
+        "base_model_name_or_path": name,
+        "revision": revision,
         "r": int(entry["rank"]),
         "lora_alpha": float(entry["alpha"]),
         "lora_dropout": float(entry.get("dropout", 0.0)),
@@ -106,6 +108,21 @@ def peft_adapter(
         "inference_mode": True,
     }
     return config, tensors
+
+
+def base_name(path: str) -> tuple[str, str | None]:
+    """(`base_model_name_or_path`, `revision`) of the base at `path`: its Hugging Face Hub name
+    and revision where the folder is a snapshot of the Hub's cache
+    (`.../models--ORG--NAME/snapshots/REV`, what `hf download ORG/NAME` without `--local-dir`
+    writes), so that peft (`AutoPeftModel`) and other machines find the base by it; else the
+    absolute path the run read it from. (A `config.json`'s `_name_or_path` is not taken: a
+    fine-tune's often names the model it was tuned from.)"""
+    folder = Path(path)
+    if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
+        org_name = folder.parent.parent.name.removeprefix("models--")
+        if "--" in org_name:
+            return org_name.replace("--", "/", 1), folder.name
+    return path, None
 
 
 def check_settings(source: str, rank: Any, alpha: Any, cfg: Config) -> None:
