@@ -309,7 +309,7 @@ def test_qlora_is_evaluated_and_exported_on_the_base_it_trained_on(
     assert abs(record["val_loss"] - trained) > 1e-4  # another model: the full base
     capsys.readouterr()
     assert main(["export", str(run_dir), str(tmp_path / "merged"), "--format", "hf"]) == 0
-    assert "adapters merged into the base as the run held it: (nf4)" in capsys.readouterr().out
+    assert "adapters merged into the base as the run held it (nf4)" in capsys.readouterr().out
     config = json.loads((tmp_path / "merged" / "config.json").read_text())
     assert config["hpctrain_lora_base"] == "run (nf4)"
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").float()

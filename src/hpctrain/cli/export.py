@@ -73,7 +73,7 @@ def merged_into(lora_base: str | None) -> str:
         return ""
     if lora_base == "full":
         return ", adapters merged into the base's own weights (--lora-base full)"
-    return f", adapters merged into the base as the run held it: {lora_base.removeprefix('run ')}"
+    return f", adapters merged into the base as the run held it {lora_base.removeprefix('run ')}"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -40,8 +40,11 @@ from hpctrain.compat_torch import foreach_mul_
 def row_norms(grad: torch.Tensor) -> torch.Tensor:
     """The fp32 norm of each row of `grad` (see the module): one reduction over the row, in
     the order a row of its length always has."""
-    rows = grad.reshape(grad.shape[0], -1) if grad.dim() > 1 else grad.reshape(-1, 1)
-    if rows.shape[0] == 1 and rows.numel():  # two rows at least: one output would be split
+    count = grad.shape[0] if grad.dim() > 1 else grad.numel()
+    if not grad.numel():  # an empty shard (fewer rows than ranks), or rows of no elements
+        return torch.zeros(count, dtype=torch.float32, device=grad.device)
+    rows = grad.reshape(count, -1) if grad.dim() > 1 else grad.reshape(-1, 1)
+    if rows.shape[0] == 1:  # two rows at least: one output would be split
         return row_norms(torch.cat([rows, torch.zeros_like(rows)]))[:1]  # over threads
     return torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32)
 
