@@ -37,6 +37,7 @@ def run_python(code: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow  # seconds (subprocesses, a trained run): out of make test-fast (#49)
 def test_a_custom_task_written_against_the_old_paths_imports_and_warns_once() -> None:
     done = run_python(
         """

@@ -11,12 +11,14 @@ one of the kinds below, so the CLI needs to know only these.
 |-----------|------------------------------------------------------------------------|
 | 1         | an unexpected error (a bug): printed with its traceback                |
 | 2         | config or command line: a bad key, value, option, or argument path     |
-| 3         | data: index, shards, manifest, loader workers                          |
+| 3         | data: index, shards, manifest, samples (the data's own fault)          |
 | 4         | checkpoint: missing, damaged, untrusted, or a failed save              |
 | 5         | the run folder is locked by another run                                |
 | 6         | launch: cluster profile, preflight, submission                         |
 | 7         | distributed: a peer rank, the network or a collective failed (retried) |
+| 8         | transient data fault: a loader worker died or stuck, an outage (retried)|
 | 75        | not an error: saved after a preemption signal, requeue me (EX_TEMPFAIL)|
+| 130       | interrupted (Ctrl-C); `train` saved the step first                    |
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 
 EXIT_BUG = 1
 EXIT_CONFIG = 2
@@ -32,6 +35,7 @@ EXIT_CHECKPOINT = 4
 EXIT_LOCKED = 5
 EXIT_LAUNCH = 6
 EXIT_DISTRIBUTED = 7
+EXIT_TRANSIENT = 8
 
 
 class HpctrainError(Exception):
@@ -53,6 +57,17 @@ class DataError(HpctrainError):
 
     exit_code = EXIT_DATA
     label = "data error"
+
+
+class TransientDataError(DataError):
+    """A data fault a new attempt can cure, not the data's own: a loader worker killed (the
+    OOM killer's likeliest victim), a worker stuck on a hung file system (`data.timeout_s`),
+    a shard still unreadable after its retries (an object store outage). The job script
+    restarts the run (docs/clusters.md); a missing, forbidden or damaged index or shard stays
+    a `DataError` (exit 3, the user's, never retried)."""
+
+    exit_code = EXIT_TRANSIENT
+    label = "data error (transient)"
 
 
 class CheckpointFailure(HpctrainError):
@@ -113,3 +128,34 @@ def print_error_line(verb: str, exc: HpctrainError, *, tag: str = "") -> None:
     message = " ".join(str(exc).splitlines())  # one line, even from a multi-line cause
     sys.stderr.write(f"hpctrain {verb}{tag}: {exc.label}: {message}\n")
     sys.stderr.flush()
+
+
+def source_clone() -> Path | None:
+    """The clone hpctrain runs from (an editable install of `CLONE/src/hpctrain`), or None
+    for an installed package (site-packages)."""
+    package = Path(__file__).resolve().parent
+    root = package.parent.parent
+    pyproject = root / "pyproject.toml"
+    if package.parent.name != "src" or not pyproject.is_file():
+        return None
+    try:
+        text = pyproject.read_text(errors="replace")
+    except OSError:
+        return None
+    return root if 'name = "hpctrain"' in text else None
+
+
+def install_hint(*extras: str) -> str:
+    """The command that installs hpctrain's optional `extras` where hpctrain comes from: the
+    clone it runs from (`pip install -e '.[text]'`, its path when run elsewhere), else the
+    package index (`pip install 'hpctrain[text]'`). A hint naming the index to someone who
+    works in a clone would fetch a second hpctrain over their own."""
+    names = ",".join(extras)
+    clone = source_clone()
+    if clone is None:
+        return f"pip install 'hpctrain[{names}]'"
+    try:
+        here = Path.cwd().resolve() == clone
+    except OSError:  # the current folder was removed
+        here = False
+    return f"pip install -e '{'.' if here else clone}[{names}]'"

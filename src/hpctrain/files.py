@@ -13,9 +13,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-import fsspec
-from fsspec.implementations.local import LocalFileSystem
-
 from hpctrain.errors import UsageError
 
 TEMP_MARKER = ".tmp-"
@@ -38,6 +35,12 @@ def write_atomic(url: str | Path, data: Payload, *, durable: bool = True, what: 
     A temporary file is never left behind.
     """
     try:
+        if "://" not in str(url) and "::" not in str(url):  # a path: no fsspec to import
+            _write_local(os.path.abspath(os.path.expanduser(str(url))), data, durable)
+            return
+        import fsspec  # only for URLs: its import costs the job script's steps ~0.1 s each
+        from fsspec.implementations.local import LocalFileSystem
+
         fs, path = fsspec.core.url_to_fs(str(url))
         if isinstance(fs, LocalFileSystem):
             _write_local(path, data, durable)

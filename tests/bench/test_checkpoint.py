@@ -6,7 +6,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow  # seconds (subprocesses, a trained run): out of make test-fast (#49)
 def test_bench_checkpoint_tiny(tmp_path):
     args = ["--params", "2e5", "--rounds", "1", "--dir", str(tmp_path), "--json"]
     proc = subprocess.run(

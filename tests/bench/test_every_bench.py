@@ -48,6 +48,21 @@ TINY = {
         ["--num-images", "20", "--size", "32", "--samples-per-shard", "10", "--rounds", "1"],
     ),
     "gpu-lm-dry-run": ("gpu-lm", ["--preset", "gpt-1b", "--steps", "2", "--dry-run"]),
+    "probe": ("probe", ["--peers", "16", "--processes", "2", "--rounds", "1"]),
+    "attempts": (
+        "attempts",
+        [
+            "--nodes",
+            "4",
+            "--tasks-per-node",
+            "2",
+            "--per-rank-sample",
+            "4",
+            "--beat-steps",
+            "100",
+            "--json",
+        ],
+    ),
     "lora": (
         "lora",
         [
@@ -111,6 +126,8 @@ def test_a_case_runs_as_shipped(
         args += ["--work", str(tmp_path / "lm")]
     if name == "convert":
         args += ["--workdir", str(tmp_path / "convert")]
+    if name == "attempts":
+        args += ["--dir", str(tmp_path / "attempts")]
     threads, level = torch.get_num_threads(), logging.getLogger("hpctrain").level
     # in this process: the imports are paid once for every case; a case leaves the process as
     # it found it (`bench trainer` quietened the package's log for the tests after it)
@@ -129,8 +146,15 @@ def test_a_case_runs_as_shipped(
     elif case == "lora":  # the goals are for gpt-125m: only that every kind ran and was measured
         kinds = set(json.loads(out)["runs"])
         assert kinds == {"full", "lora"}, out
+    elif case == "attempts":  # one record per node; both forms read to the same verdict
+        result = json.loads(out)
+        assert result["per_node"]["files"] == 4 and result["per_rank"]["files"] == 8
+        assert result["per_node"]["kind"] == result["per_rank"]["kind"] == "signal"
+        assert not list((tmp_path / "attempts").iterdir())  # its files are gone
     elif case == "generate":
         assert all(row["identical"] for row in json.loads(out)["rows"]), out
+    elif case == "probe":  # the serial hub (the baseline) and the shipped one, side by side
+        assert "\nconcurrent " in out and "16/16" in out and "budget: met" in out, out
     else:  # the dry run: the Trainer of the one-H200 plan built on the CPU, nothing trained
         assert "lm gpt-1b config valid: none (single process), bf16, " in out
         assert not (tmp_path / "lm" / "run").exists()

@@ -94,6 +94,7 @@ def test_gpu_config_is_valid(tmp_path: Path) -> None:
         assert (cfg.train.strategy, cfg.train.tp_degree) == expected
 
 
+@pytest.mark.slow  # seconds (subprocesses, a trained run): out of make test-fast (#49)
 def test_cpu_run_reports_tokens_and_data_wait(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     gpu_lm.add_arguments(parser)

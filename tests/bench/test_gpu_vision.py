@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -70,44 +71,67 @@ def test_resnet50_training_flops_and_report(tmp_path: Path) -> None:
     assert "images/s" in text and "data wait" in text and "MFU" in text and "GiB" in text
 
 
+def header_example(flag: str) -> list[str]:
+    """The usage line of tools/gpu_bench.sh's header comment that holds `flag`, as words."""
+    header = (REPO / "tools" / "gpu_bench.sh").read_text().split("set -euo pipefail", 1)[0]
+    lines = [line[1:].split("#", 1)[0].split() for line in header.splitlines()]
+    found = [words for words in lines if words[:1] == ["tools/gpu_bench.sh"] and flag in words]
+    assert len(found) == 1, found
+    return found[0]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is for machines without GPUs")
 @pytest.mark.slow  # a subprocess or worker processes: seconds, not the unit tier's ms
-def test_dry_run_generates_shards_and_builds_every_trainer(tmp_path: Path) -> None:
-    """`--dry-run` builds each run's Trainer on the CPU as it will start on the GPU (issue
-    #44: a config that loads but cannot start must not read "config valid")."""
-    command = [
-        *(str(REPO / "tools" / "gpu_bench.sh"), "--dry-run", "--images", "64"),
-        *("--image-size", "32", "--batch-size", "8", "--steps", "7", "--work", str(tmp_path)),
-    ]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
+def test_the_headers_dry_run_generates_shards_and_builds_every_trainer(tmp_path: Path) -> None:
+    """The header's own `tools/gpu_bench.sh --dry-run --images 200`, as written (issue #49: it
+    failed, the planned batch of 256 larger than the 200 images), builds each run's Trainer on
+    the CPU as it will start on the GPU (issue #44: a config that loads but cannot start must
+    not read "config valid")."""
+    words = header_example("--dry-run")
+    assert words == ["tools/gpu_bench.sh", "--dry-run", "--images", "200"]
+    command = [str(REPO / words[0]), *words[1:]]
+    env = {**os.environ, "GPU_BENCH_DIR": str(tmp_path)}
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "resnet50: --images 200 gives each of 1 GPU(s) 200 images: batch 256 -> 200" in (
+        proc.stdout
+    )
     summary = proc.stdout.split("== summary\n", 1)[1]
     assert summary.endswith("dry run: config valid; not training\n"), summary
     for check in ("signals", "flex", "deterministic"):
         assert f"check {check:13s} dry run: config valid: " in summary, summary
     for cell in gpu_vision.SMOKE_CELLS:
         assert f"smoke {cell.name:22s} config valid: " in summary, summary
-    assert "resnet50 config valid: none (single process), bf16, 23.5 M parameters, 7 steps" in (
+    assert "resnet50 config valid: none (single process), bf16, 23.5 M parameters, 200 steps" in (
         summary
     )
-    # --steps reaches the LLM case too (#38 item 11)
-    assert "lm gpt-1b config valid: none (single process), bf16, 1040.3 M parameters, 7 steps" in (
-        summary
-    )
+    assert "lm gpt-1b config valid: none (single process), bf16, 1040.3 M parameters" in summary
     assert "lora: GPU only (hpctrain bench lora --device cuda); not in a dry run" in summary
     index = json.loads((tmp_path / "shards" / "index.json").read_text())
-    assert sum(s["num_samples"] for s in index["shards"]) == 64
+    assert sum(s["num_samples"] for s in index["shards"]) == 200
     cfg = load_config(str(tmp_path / "config.yaml"))
     assert (cfg.model.name, cfg.model.channels_last, cfg.train.strategy) == (
         "resnet50",
         True,
         "ddp",
     )
-    assert cfg.train.max_steps == 7 and cfg.data.workers_per_rank >= 1
+    assert cfg.train.max_steps == 200 and cfg.data.workers_per_rank >= 1
+    assert cfg.data.batch_size == 200
     assert not cfg.checkpoint.final and cfg.checkpoint.every_steps == 0  # nothing saved (#38)
     # A batch the shards cannot fill is a failure of the dry run, not "config valid".
-    too_big = with_overrides(cfg, ["data.batch_size=128"])
-    assert gpu_vision.dry_check(too_big, 0).startswith("FAILED: data.batch_size=128: ")
+    too_big = with_overrides(cfg, ["data.batch_size=256"])
+    assert gpu_vision.dry_check(too_big, 0).startswith("FAILED: data.batch_size=256: ")
+
+
+def test_a_plan_s_batch_shrinks_to_what_the_images_fill_and_says_so() -> None:
+    plan = gpu_vision.make_plan(4, "NVIDIA H100", 9, 80, cpus=32)
+    assert gpu_vision.batch_for_images(plan, 4 * 256) == (plan, "")
+    smaller, note = gpu_vision.batch_for_images(plan, 200)
+    assert smaller.batch_size == 50
+    assert note == (
+        "resnet50: --images 200 gives each of 4 GPU(s) 50 images: batch 256 -> 50 per GPU "
+        "(--images 1024 or more keeps the planned batch)"
+    )
 
 
 def test_smoke_cells_are_the_matrix_gpu_cells_and_outcomes(tmp_path: Path) -> None:

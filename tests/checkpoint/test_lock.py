@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import time
 import uuid
@@ -46,10 +47,14 @@ def test_a_live_flock_refuses_the_second_run_naming_the_holder(tmp_path):
     assert "\n" not in message
 
 
-def test_flock_released_by_a_dead_holder_on_this_host_is_taken_over(tmp_path):
+def test_flock_released_by_a_dead_holder_on_this_host_is_taken_over(tmp_path, caplog):
     write_record(tmp_path, record(host=holder_record()["host"]))  # no flock: the holder is gone
     lock = RunLock(str(tmp_path))
-    lock.acquire()
+    with caplog.at_level(logging.INFO, logger="hpctrain"):
+        lock.acquire()
+    # routine after a failed run (#49): a line in the log, not a warning
+    [taken] = [r for r in caplog.records if "taking over" in r.getMessage()]
+    assert taken.levelno == logging.INFO and "the holder on this host is gone" in taken.getMessage()
     try:
         on_disk = json.loads((tmp_path / LOCK_NAME).read_text())
         assert on_disk["token"] == lock.me["token"] and on_disk["pid"] == os.getpid()

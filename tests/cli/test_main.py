@@ -405,3 +405,14 @@ def test_a_verb_without_its_output_says_how_to_name_it(
 ) -> None:
     assert main(argv) == EXIT_CONFIG
     assert message in capsys.readouterr().err
+
+
+def test_convert_help_gives_the_positional_dest_as_the_docs_write_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The docs write `convert SRC DEST`; --help called DEST an older spelling (#49)."""
+    with pytest.raises(SystemExit):
+        main(["convert", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "DEST output folder or fsspec URL (or -o DEST: the same)" in text
+    assert "older spelling of -o" not in text

@@ -412,6 +412,39 @@ def test_a_sequence_length_tensor_parallelism_cannot_split_is_refused_on_load(
         Trainer(built, resolve_env({}), torch.device("cpu"))
 
 
+def test_the_timeouts_must_rise_from_the_heartbeat_to_the_signal_lead(tmp_path: Path) -> None:
+    """heartbeat < collective < step < save < signal lead (#47): a rank's watcher must see its
+    heartbeat stop before its peers' collectives give up on it (it names the hung rank), a
+    collective must time out before the step deadline ends a rank waiting in it (which would
+    read as that rank's own failure), and a save must fit in the signal's lead."""
+    from hpctrain.config.rules import describe_timeouts
+
+    config = tmp_path / "c.yaml"
+    config.write_text("train:\n  collective_timeout_s: 20\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(config, [])
+    assert str(info.value) == (
+        f"train.heartbeat_timeout_s=30 must be below train.collective_timeout_s=20 ({config}): "
+        "the timeouts fire from the finest to the coarsest (train.heartbeat_timeout_s < "
+        "train.collective_timeout_s < train.step_timeout_s < checkpoint.save_timeout_s < "
+        "slurm.signal_margin_s; 0: off or learnt)"
+    )
+    load_config(config, ["train.heartbeat_timeout_s=10"])  # below it: fine
+    load_config(config, ["train.heartbeat_timeout_s=0"])  # off: nothing to compare
+    with pytest.raises(ConfigError, match=r"^train.collective_timeout_s=600 must be below "
+                       r"train.step_timeout_s=60 \(command line\)"):  # fmt: skip
+        load_config(None, ["train.step_timeout_s=60"])
+    with pytest.raises(ConfigError, match=r"^checkpoint.save_timeout_s=300 \(command line\) "
+                       r"must be below slurm.signal_margin_s=120"):  # fmt: skip
+        load_config(None, ["checkpoint.save_timeout_s=300"])
+    load_config(None, ["checkpoint.save_timeout_s=300", "slurm.signal_margin_s=400"])
+    # the defaults keep the order, and the start-up line says it
+    assert describe_timeouts(load_config(None, [])) == (
+        "timeouts: heartbeat max(30 s, 5 x slowest recent step) < collective 600 s < step off "
+        "< save learnt < signal lead 120 s (docs/clusters.md, timeouts)"
+    )
+
+
 def test_every_minutes_takes_minutes_or_the_word_auto(tmp_path: Path) -> None:
     cfg = load_config(write(tmp_path, "checkpoint:\n  every_minutes: auto\n"))
     assert cfg.checkpoint.every_minutes == "auto"
@@ -424,3 +457,25 @@ def test_every_minutes_takes_minutes_or_the_word_auto(tmp_path: Path) -> None:
         load_config(None, ["checkpoint.every_minutes=soon"])
     with pytest.raises(ConfigError, match=r"every_minutes=-1.0 \(command line\): must be >= 0.0"):
         load_config(None, ["checkpoint.every_minutes=-1"])
+
+
+def test_fsdp2_as_the_docs_write_it_is_fsdp() -> None:
+    for spelling in ("fsdp2", "FSDP2", "fsdp"):
+        assert load_config(None, [f"train.strategy={spelling}"]).train.strategy == "fsdp"
+
+
+def test_a_misspelt_key_or_value_gets_a_did_you_mean() -> None:
+    with pytest.raises(
+        ConfigError,
+        match=r"^unknown key 'train\.max_step' \(command line\): did you mean "
+        r"'train\.max_steps'\? allowed here: ",
+    ):
+        load_config(None, ["train.max_step=3"])
+    with pytest.raises(
+        ConfigError,
+        match=r"^train\.strategy='fdsp' \(command line\): must be one of none\|ddp\|fsdp\|hsdp; "
+        r"did you mean 'fsdp'\?$",
+    ):
+        load_config(None, ["train.strategy=fdsp"])
+    with pytest.raises(ConfigError, match=r"must be one of none\|ddp\|fsdp\|hsdp$"):
+        load_config(None, ["train.strategy=zzz"])  # nothing close: no guess

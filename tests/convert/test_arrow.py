@@ -10,6 +10,7 @@ import pytest
 
 from hpctrain.cli.main import main
 from hpctrain.data.index import read_index
+from hpctrain.errors import install_hint
 
 from .conftest import image_bytes
 from .test_any_sample import palette_png, read_back
@@ -165,7 +166,7 @@ def test_missing_pyarrow_names_the_extra(
 ) -> None:
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow now raises ImportError
     assert convert(str(hf_folder), str(tmp_path / "out")) == 2
-    assert "pip install 'hpctrain[arrow]'" in capsys.readouterr().err
+    assert f"needs pyarrow: {install_hint('arrow')}" in capsys.readouterr().err
 
 
 def test_file_structs_that_are_not_images_keep_their_bytes(tmp_path: Path) -> None:

@@ -198,7 +198,10 @@ def test_refuses_to_overwrite_without_flag(
 ) -> None:
     dest = tmp_path / "shards"
     assert main(["convert", str(image_folder), str(dest), "--progress", "none"]) == 0
-    assert main(["convert", str(image_folder), str(dest), "--progress", "none"]) == 3
+    # the same command again has nothing to do (#49); another is refused
+    assert main(["convert", str(image_folder), str(dest), "--progress", "none"]) == 0
+    assert "converted already by the same command" in capsys.readouterr().out
+    assert main(["convert", str(image_folder), str(dest), "--shuffle", "--progress", "none"]) == 3
     assert "--overwrite" in capsys.readouterr().err
     # A finished conversion run again with --resume (a requeued job) is a no-op success.
     assert main(["convert", str(image_folder), str(dest), "--resume", "--progress", "none"]) == 0

@@ -153,3 +153,22 @@ def test_text_conversions_keep_one_layout_per_folder_too(
         "val/index.json",
         "val/val-000000.tar",
     ]
+
+
+def test_the_same_command_again_has_nothing_to_do_and_another_is_refused(
+    image_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A page of the docs after `make demo`, which converted the same images the same way."""
+    out = tmp_path / "shards"
+    same = ("--val-fraction", "0.2", "--samples-per-shard", "10", "--shuffle", "--seed", "0")
+    assert convert(image_folder, out, *same) == 0
+    before = snapshot(out)
+    capsys.readouterr()
+    assert convert(image_folder, out, *same) == 0
+    assert capsys.readouterr().out == (
+        f"{out}: converted already by the same command (its index.json says so): nothing to "
+        "do; --overwrite converts again\n"
+    )
+    assert snapshot(out) == before
+    assert convert(image_folder, out, "--val-fraction", "0.2") == 3  # other options
+    assert "already holds shards or an index; use --overwrite" in capsys.readouterr().err

@@ -158,8 +158,18 @@ def test_bad_records_and_options_name_what_is_wrong(tmp_path: Path) -> None:
         base = dict(tokenizer="bytes", prompt_field="prompt", response_field="response")
         return ConvertOptions(str(src), str(tmp_path / "out"), progress="none", **{**base, **kw})  # type: ignore[arg-type]
 
-    with pytest.raises(ConvertError, match=rf"{src}:2: no field 'response' \(--response-field\)"):
+    with pytest.raises(ConvertError) as info:
         convert(options())
+    # the fields the record has, and no --on-error skip, which would drop every record of a
+    # file whose flag names the wrong field (#49)
+    assert str(info.value) == (
+        f"{src}:2: no field 'response' (--response-field); the record's fields: 'prompt'"
+    )
+    with pytest.raises(ConvertError) as info:
+        convert(options(prompt_field="question", overwrite=True))
+    assert str(info.value) == (
+        f"{src}:1: no field 'question' (--prompt-field); the record's fields: 'prompt', 'response'"
+    )
     result = convert(options(on_error="skip", overwrite=True))
     assert [w for w, _ in result.skipped] == [f"{src}:2", f"{src}:3"]
     assert result.indexes[""].num_targets == 2  # "b" and the EOD

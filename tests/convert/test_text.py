@@ -552,3 +552,20 @@ def test_progress_counts_documents_and_tokens(
     lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("tokenize:")]
     assert lines[-1].startswith("tokenize: 2 documents, ")  # a table: no total known ahead
     assert "5 tokens (" in lines[-1] and "ETA" not in lines[-1]
+
+
+def test_the_summary_says_documents_packed_into_samples(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """270 records packed into one sample read "1 samples" (#49): say both counts."""
+    from hpctrain.cli.main import main
+
+    src = tmp_path / "qa.jsonl"
+    src.write_text("".join(json.dumps({"text": f"q{i}"}) + "\n" for i in range(270)))
+    out = tmp_path / "out"
+    assert main(["convert", str(src), str(out), "--tokenizer", "bytes", "--progress", "none"]) == 0
+    tokens = read_index(str(out / "index.json")).num_tokens
+    assert capsys.readouterr().out == (
+        f"shards: 270 documents ({tokens:,} tokens) packed into 1 sample of up to 8,192 tokens "
+        f"in 1 shards, 0.0 MB -> {out / 'index.json'}\n"
+    )

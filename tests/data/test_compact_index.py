@@ -303,3 +303,35 @@ def test_inspect_reads_either_form_alike_and_flags_a_stale_companion(tmp_path, c
     make_shards(tmp_path, [3, 4], prefix="other")  # a new index.json, the old companion
     assert main(["inspect", str(tmp_path)]) == 3
     assert "index.compact does not match index.json" in capsys.readouterr().out
+
+
+def test_shard_names_whose_number_overflows_int64_stay_literal_names(tmp_path, capsys, monkeypatch):
+    """A 20-digit id or timestamp as the last group of digits (past int64): `hpctrain index
+    compact` and a loader on the forced compact form read them as the JSON names them
+    (before: an OverflowError traceback)."""
+    from tests.support.loader_kit import write_shard
+
+    root = tmp_path / "d"
+    root.mkdir()
+    names = [f"shard-{20240101120000000000 + i}.tar" for i in range(3)]  # consecutive, 20 digits
+    names += ["x-9223372036854775807.tar", "x-9223372036854775808.tar"]  # int64's edge
+    infos = []
+    for shard, name in enumerate(names):
+        write_shard(root / name, shard, 2)
+        infos.append(ShardInfo(name, 2, (root / name).stat().st_size))
+    (root / "index.json").write_bytes(index_to_bytes(ShardIndex(shards=tuple(infos))))
+    assert main(["index", "compact", str(root)]) == 0
+    capsys.readouterr()
+    raw = (root / "index.compact").read_bytes()
+    data = json.loads((root / "index.json").read_text())
+    assert index_to_bytes(parse_compact(raw, "x/index.json")) == index_to_bytes(
+        parse_index(data, "x/index.json")
+    )
+    monkeypatch.setenv(FORM_ENV, "compact")
+    index = open_index(str(root))
+    assert isinstance(index.shards, CompactShards)
+    assert [index.shard_url(i) for i in range(5)] == [str(root / n) for n in names]
+    config = DataConfig(batch_size=2, workers_per_rank=0, shuffle_buffer=0)
+    loader = ShardedLoader(index, config, rank=0, world_size=1, seed=0)
+    keys = sorted(k for batch in loader for k in batch["key"])
+    assert keys == sorted(f"s{s:04d}-{i:05d}" for s in range(5) for i in range(2))

@@ -83,8 +83,9 @@ def test_http_404_and_403_fail_at_once_naming_the_url(shards, tmp_path):
         index = open_index(f"{url}/index.json")
         log.faults = {"train-000002.tar": ["403"] * 10}
         t = time.monotonic()
-        with pytest.raises(ShardReadError, match=r"train-000002.tar: HTTP 403"):
+        with pytest.raises(ShardReadError, match=r"train-000002.tar: HTTP 403") as refused:
             run(index, cfg(workers_per_rank=0, max_retries=5))
+        assert refused.value.exit_code == 3  # the user's: never retried
         assert time.monotonic() - t < 5
         assert [a for p, _r, a in log.requests if p == "train-000002.tar"] == ["403"]
     with serve_http(tmp_path) as (url, _log):  # an empty folder: every shard is missing
@@ -98,8 +99,9 @@ def test_http_persistent_failure_skip_counts_lost_samples(shards):
     with serve_http(root) as (url, log):
         index = open_index(f"{url}/index.json")
         log.faults = {"train-000001.tar": ["503"] * 20}
-        with pytest.raises(ShardReadError, match="still failing after 3 retries: HTTP 503"):
+        with pytest.raises(ShardReadError, match="still failing after 3 retries: HTTP 503") as out:
             run(index, cfg(max_retries=3, workers_per_rank=0))
+        assert out.value.exit_code == 8  # an outage: transient, the job script restarts
         log.faults = {"train-000001.tar": ["503"] * 20}
         batches, loader = run(index, cfg(max_retries=3, on_error="skip"))
     assert len(batches) == sum(SIZES) // 4

@@ -17,6 +17,7 @@ from hpctrain.data.stream import (
     ReadStats,
     ShardReadError,
     ShardStream,
+    ShardUnavailableError,
     open_shard,
 )
 from hpctrain.data.tar import iter_samples, split_key
@@ -131,6 +132,34 @@ def test_short_body_of_a_remote_shard_is_retried_then_reported(tmp_path):
     with pytest.raises(ShardReadError, match="still failing after 2 retries: TransientReadError"):
         stream.read(size + 512)
     assert stream.stats.retries == 2
+
+
+def test_a_shard_failing_past_its_retries_is_transient_and_a_missing_one_the_users(
+    tmp_path, monkeypatch
+):
+    """Exit 8 (retried by the job script) for an outage, exit 3 (never retried) for a shard
+    that is not there; the kind survives the trip from a loader worker."""
+    path = write_tar(tmp_path / "x.tar", [("k.jpg", b"x" * 5000)])
+    url = "memory://outage/x.tar"
+    fsspec.filesystem("memory").pipe_file(url, path.read_bytes())
+    stream = ShardStream(url, size=path.stat().st_size + 512, max_retries=1, sleep=lambda _s: None)
+    with pytest.raises(ShardUnavailableError, match="still failing after 1 retries") as read:
+        stream.read(path.stat().st_size + 512)
+    back = pickle.loads(pickle.dumps(read.value))
+    assert (type(back), back.exit_code, str(back)) == (
+        ShardUnavailableError, 8, str(read.value),
+    )  # fmt: skip
+    with pytest.raises(ShardReadError) as missing:
+        open_shard(str(tmp_path / "nowhere.tar"), max_retries=3, backoff_s=0)
+    assert missing.value.exit_code == 3 and not isinstance(missing.value, ShardUnavailableError)
+
+    def reset(*_a, **_k):
+        raise ConnectionResetError("connection reset by peer")
+
+    monkeypatch.setattr("hpctrain.data.stream.ShardStream.__init__", reset)
+    with pytest.raises(ShardUnavailableError, match="still failing after 2 retries") as opening:
+        open_shard(url, max_retries=2, backoff_s=0)
+    assert opening.value.exit_code == 8
 
 
 def test_a_truncated_local_shard_is_corrupt_at_once_naming_the_sizes(tmp_path):

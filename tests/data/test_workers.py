@@ -97,8 +97,9 @@ def test_a_killed_worker_fails_the_pass_at_once_and_the_loader_starts_new_ones(t
         batches = pool.run()
         next(batches)
         os.kill(pool.pids[1], signal.SIGKILL)
-        with pytest.raises(WorkerDiedError, match=r"loader worker 1 \(pid \d+\).*SIGKILL"):
+        with pytest.raises(WorkerDiedError, match=r"loader worker 1 \(pid \d+\).*SIGKILL") as died:
             list(batches)
+        assert died.value.exit_code == 8  # transient: the job script restarts the run
         assert pool.broken
         with pytest.raises(WorkerDiedError):
             list(pool.run())
@@ -118,6 +119,23 @@ def test_a_killed_worker_fails_the_pass_at_once_and_the_loader_starts_new_ones(t
     assert 1 <= done < len(full)
     assert [b["key"] for b in loader] == full[done:]  # the rest of the epoch, new workers
     loader.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_killed_between_passes_fails_the_next_pass_as_a_dead_worker():
+    """Persistent workers wait between epochs, and the OOM killer does not wait for a pass:
+    the next pass's order to the dead worker was a BrokenPipeError, exit 1, an `error`
+    (#47's chaos test on the dev cluster); it is the worker's death (exit 8, transient)."""
+    pool = make_pool(Counting([2, 2]), 2)
+    try:
+        list(pool.run())
+        os.kill(pool.pids[1], signal.SIGKILL)
+        pool.workers.processes[1].join(timeout=30)
+        with pytest.raises(WorkerDiedError, match=r"loader worker 1 \(pid \d+\).*SIGKILL") as died:
+            list(pool.run())
+        assert died.value.exit_code == 8 and pool.broken
+    finally:
+        pool.close()
 
 
 @pytest.mark.timeout(120)

@@ -17,6 +17,7 @@ them with the reason, and `test_every_skip_says_why` keeps the reasons to the kn
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.docs
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
 BLOCKS = shell_blocks(ROOT, DOCS)
-NEEDS = ("slurm", "gpu", "s3", "network", "site", "long")
+NEEDS = ("slurm", "gpu", "s3", "network", "site", "long", "install")
 BLOCK_TIMEOUT_S = 300
 
 # Step caps written into the scratch copies of the configs the docs train (key paths -> value).
@@ -157,6 +158,55 @@ def test_block(
         _run_transcript(block, cwd)
     else:
         _run_shell(block, cwd)
+
+
+# What pages share on purpose: `make demo`'s images, shards and run, made by the same commands
+# (a page's convert of them after `make demo` has nothing to do; its train resumes a complete
+# run and trains nothing). Any other file written by two pages is a collision.
+SHARED = ("data/demo/images/", "data/demo/shards/", "runs/demo/")
+CLONE = ("configs", "examples", "tools")
+
+
+def written(scratch: Path) -> set[str]:
+    """The files a page's blocks wrote into its scratch, relative to it."""
+    found = set()
+    for root, dirs, files in os.walk(scratch):
+        rel = Path(root).relative_to(scratch)
+        if rel.parts[:1] and rel.parts[0] in CLONE:
+            dirs[:] = []
+            continue
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        found |= {str(rel / name) for name in files}
+    return found
+
+
+def test_pages_run_one_after_another_in_one_clone(scratches: dict[str, Path]) -> None:
+    """Every page runs after every other in one clone (#49): no two pages write the same file
+    (fine-tuning.md's convert into make demo's `data/demo/shards` was refused; inference.md's
+    `qa.jsonl`, `data/qa` and `runs/qa` were fine-tuning.md's, and its train resumed that run),
+    and make demo's shards, which pages share, are made by one command.
+
+    Checked on the files each page wrote in its own scratch folder above (after the blocks
+    that ran: all of them in `make test`): a second run of every block in one shared folder
+    would find the same collisions at the cost of the whole tier again (#49: 648 s more on
+    the development machine, under load; CI is near its time budget).
+    """
+    owners: dict[str, list[str]] = {}
+    for doc, scratch in scratches.items():
+        for name in written(scratch):
+            owners.setdefault(name, []).append(doc)
+    clashes = {
+        name: docs for name, docs in owners.items() if len(docs) > 1 and not name.startswith(SHARED)
+    }
+    assert not clashes, "pages write the same files: " + "; ".join(
+        f"{name} ({', '.join(docs)})" for name, docs in sorted(clashes.items())[:20]
+    )
+    commands = {
+        doc: json.loads(index.read_text()).get("command")
+        for doc, scratch in scratches.items()
+        if (index := scratch / "data" / "demo" / "shards" / "train" / "index.json").exists()
+    }
+    assert len(set(commands.values())) <= 1, f"make demo's shards made differently: {commands}"
 
 
 def test_every_skip_says_why() -> None:

@@ -124,6 +124,65 @@ def training(
             proc.communicate(timeout=30)
 
 
+def loader_workers(trainer: int) -> list[int]:
+    """The loader workers of a training process: its descendants running the same command
+    (forked), not the helpers multiprocessing starts with commands of their own."""
+    command = Path(f"/proc/{trainer}/cmdline").read_bytes()
+    found = []
+    for pid in descendants(trainer):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/cmdline").read_bytes() == command:
+                found.append(pid)
+    return found
+
+
+def test_a_loader_worker_killed_mid_training_is_a_transient_exit_that_is_restarted(
+    shapes_shards, tmp_path
+):
+    """The OOM killer's likeliest victim on a node: SIGKILL of a loader worker of one
+    training process, run as the job script runs each rank (under the attempt's watcher).
+    The rank leaves exit 8 (srun's status, and the rank's record), one line naming the worker
+    and the signal; `attempts end` names it `transient` and restarts (it was exit 3, the
+    user's data error, and the job stopped)."""
+    from hpctrain.resilience.rank_ends import read_ranks
+    from hpctrain.resilience.restart_policy import Policy, classify, decide
+
+    run_dir, attempt = tmp_path / "run", tmp_path / "attempt"
+    attempt.mkdir()
+    env = {**os.environ, "SLURM_PROCID": "0", "SLURMD_NODENAME": "n1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hpctrain.resilience.watch", str(attempt), "--", "train",
+         *slow_run_args(run_dir, shapes_shards)],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while logged_steps(run_dir) < 2:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the run made no progress"
+            time.sleep(0.1)
+        (trainer,) = children(proc.pid)
+        (worker,) = loader_workers(trainer)  # data.workers_per_rank=1
+        os.kill(worker, signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        for pid in [proc.pid, *descendants(proc.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 8, err[-3000:]  # what srun returns the job script
+    assert (
+        f"hpctrain train: data error (transient): loader worker 0 (pid {worker}) exited "
+        "unexpectedly (killed by SIGKILL)"
+    ) in err, err[-3000:]
+    ranks = read_ranks(attempt, ["n1"], 1)
+    assert (ranks[0].exit_code, ranks[0].signal) == (8, None)
+    failure = classify(ranks, srun_status=8)
+    verdict = decide(failure, history=[], policy=Policy(nodes=1), step_reached=3,
+                     committed_start=None, committed_end=2, restarts_here=0, requeues=0,
+                     job_running=True)  # fmt: skip
+    assert (failure.kind, verdict.action, verdict.exclude) == ("transient", "restart", ())
+
+
 def test_killed_rank_fails_the_job_in_seconds_naming_it(shapes_shards, tmp_path):
     run_dir = tmp_path / "run"
     with training(run_dir, shapes_shards) as proc:
@@ -135,7 +194,10 @@ def test_killed_rank_fails_the_job_in_seconds_naming_it(shapes_shards, tmp_path)
 
 def test_stopped_rank_ends_the_job_within_the_collective_timeout(shapes_shards, tmp_path):
     run_dir = tmp_path / "run"
-    with training(run_dir, shapes_shards, "train.collective_timeout_s=10") as proc:
+    # no watcher here (a local run): the collective timeout is what ends it (a heartbeat
+    # floor above it would be refused: docs/clusters.md, timeouts)
+    timeouts = ("train.collective_timeout_s=10", "train.heartbeat_timeout_s=0")
+    with training(run_dir, shapes_shards, *timeouts) as proc:
         os.kill(rank_pids(proc.pid)[1], signal.SIGSTOP)
         stopped = time.monotonic()
         # 10 s of timeout + the launcher's 5 s grace; the bound only proves it does not hang
@@ -187,6 +249,8 @@ def test_a_step_over_step_timeout_s_writes_the_stacks_and_ends_the_run(shapes_sh
         "task=tests.support.hang_tasks:StuckImageClassification",
         "train.max_steps=20",
         "train.step_timeout_s=3",
+        "train.collective_timeout_s=2",  # below the step's deadline (docs/clusters.md, timeouts)
+        "train.heartbeat_timeout_s=0",
         "data.val=",
         "checkpoint.monitor=",  # the demo config ranks checkpoints by val_accuracy
         "checkpoint.keep_best=0",
@@ -329,3 +393,42 @@ def test_second_run_on_the_same_folder_fails_at_once_then_takes_over_a_dead_hold
         timeout=240,
     )
     assert f"resumed from step {saved}" in third.stderr, third.stderr[-3000:]
+
+
+def test_a_rank_whose_peer_died_exits_7_though_sruns_term_comes_while_it_unwinds(
+    shapes_shards, tmp_path
+):
+    """Under srun, once a rank has died the others get TERM (`--kill-on-bad-exit`) while they
+    unwind from the distributed error. The trainer used to give TERM back its default action
+    there: the survivor died of SIGTERM one run and exited 7 another, and the attempt was
+    `lost` or `hang` by chance (#47). It keeps noting TERM until it exits: always 7."""
+    from hpctrain.launch.local import free_port
+
+    run_dir, port = tmp_path / "run", free_port()
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "OMP_NUM_THREADS": "1"}  # fmt: skip
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "hpctrain", "train", *slow_run_args(run_dir, shapes_shards)],
+            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        ))  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while logged_steps(run_dir) < 2:
+            assert all(p.poll() is None for p in procs), procs[0].communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the run made no progress"
+            time.sleep(0.1)
+        procs[1].kill()
+        procs[1].wait(timeout=60)
+        while procs[0].poll() is None:  # srun's TERM, from now until it is gone
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(procs[0].pid, signal.SIGTERM)
+            time.sleep(0.01)
+        err = procs[0].communicate(timeout=60)[1]
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert procs[0].returncode == 7, err[-3000:]
+    assert "distributed error: a peer rank went away" in err, err[-3000:]

@@ -38,6 +38,7 @@ def test_hung_rank_costs_a_restart_within_the_collective_timeout(
     script = tmp_path / "job.sbatch"
     overrides = train_overrides(
         tiny_shards, run_dir, "train.max_steps=40", "train.collective_timeout_s=10",
+        "train.heartbeat_timeout_s=0",  # the collective timeout alone (the watcher's: R::)
         "checkpoint.every_steps=2", "task=tests.support.slow_tasks:SlowImageClassification",
         "task_options.step_s=0.1",
     )  # fmt: skip
@@ -62,9 +63,10 @@ def test_hung_rank_costs_a_restart_within_the_collective_timeout(
     assert any(text in log for text in timed_out), log[-3000:]
     assert "task 0: Exited with exit code 7" in log, log[-3000:]  # a distributed error
     first, second = attempts(run_dir)
-    # srun wakes the stopped rank (SIGCONT) as it ends the step: it dies of its peer's exit,
-    # so only distributed errors remain; a rank hung for good would be named (kind "hang")
-    assert first["kind"] in ("distributed", "hang") and first["decision"] == "restart", first
+    # srun wakes the stopped rank (SIGCONT) as it ends the step, and it dies of its peer's
+    # exit; its watcher saw it stopped before: the hang is named, not a distributed error
+    assert (first["kind"], first["decision"]) == ("hang", "restart"), first
+    assert first["first_failure"]["rank"] == 1, first
     assert second["kind"] == "completed"
 
 

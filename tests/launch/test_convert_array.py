@@ -92,6 +92,11 @@ def test_dry_run_prints_every_stage_and_the_merge_and_writes_nothing(tmp_path, c
         "# ---- merge ----",
     ]
     assert out.count("#SBATCH --array=0-3") == 2 and not dest.exists()
+    # every job after the first is cancelled when the one before fails, not left pending
+    tokenize, write, merge = out.split("# ---- ")[1:]
+    assert "--kill-on-invalid-dep=yes" not in tokenize
+    assert "#SBATCH --kill-on-invalid-dep=yes" in write.splitlines()
+    assert "#SBATCH --kill-on-invalid-dep=yes" in merge.splitlines()
 
 
 # -- the SLURM tier --------------------------------------------------------------------------
@@ -159,6 +164,31 @@ def test_a_conversion_as_job_arrays_reruns_its_failed_part_alone(tmp_path, jobs)
             assert (one / split / name).read_bytes() == (dest / split / name).read_bytes()
     assert not (dest / ".hpctrain-parts").exists()
     shutil.rmtree(logs)
+
+
+@pytest.mark.slurm
+@pytest.mark.usefixtures("slurm_cluster")
+def test_a_failed_tokenize_stage_cancels_the_write_array_and_the_merge(tmp_path, jobs):
+    """A stage before `write` that fails: every job after it is cancelled (before, the write
+    array and the merge stayed pending for ever: DependencyNeverSatisfied)."""
+    corpus, dest, logs = tmp_path / "corpus", tmp_path / "out", tmp_path / "logs"
+    corpus.mkdir()
+    logs.mkdir()
+    (corpus / "a.txt").write_text("hello world\n")
+    (corpus / "b.txt").write_bytes(b"not \xff\xfe UTF-8\n")  # its tokenize part fails (exit 3)
+    slurm = ["--slurm", "--parts", "2", "--profile", "local-dev", "--log-dir", str(logs)]
+    ids = submitted(
+        hpctrain("convert", str(corpus), str(dest), "--tokenizer", "bytes", *slurm).stdout
+    )
+    jobs.extend(ids)
+    assert len(ids) == 3  # tokenize, write, merge
+    wait_for(
+        "the write array and the merge to be cancelled",
+        lambda: all("CANCELLED" in sacct_states(job) for job in ids[1:]),
+        120,
+    )
+    assert "FAILED" in sacct_states(ids[0])
+    assert not (dest / "index.json").exists()
 
 
 @pytest.mark.slurm

@@ -254,3 +254,28 @@ def test_a_profile_s_node_local_dir_reaches_every_task_of_the_job(tmp_path: Path
     (tmp_path / "bad.yaml").write_text(text.replace("$TMPDIR/hpctrain", '"/tmp/x\'; rm -rf /"'))
     with pytest.raises(LaunchError, match="node_local_dir=.*not a folder path"):
         load_profile(str(tmp_path / "bad.yaml"))
+
+
+def test_a_profile_s_fabric_interface_reaches_every_task_of_the_job(tmp_path: Path) -> None:
+    """`fabric_interface: ib0` (#50): the tasks' rendezvous store, gloo and the probe use it."""
+    from hpctrain.launch.sbatch import environment_lines
+
+    text = (Path(load_profile("local-dev").source).read_text()).replace(
+        "name: local-dev", "name: ib-dev\nfabric: infiniband\nfabric_interface: ib0"
+    )
+    (tmp_path / "ib-dev.yaml").write_text(text)
+    job = resolve_job(
+        with_overrides(Config(), ["slurm.profile=ib-dev"]),
+        load_profile(str(tmp_path / "ib-dev.yaml")),
+    )
+    lines = environment_lines(job)
+    assert "export HPCTRAIN_FABRIC=infiniband" in "\n".join(lines)
+    assert any(line.startswith("export HPCTRAIN_FABRIC_INTERFACE=ib0  #") for line in lines)
+    assert not any(
+        "FABRIC_INTERFACE" in line for line in environment_lines(job_for("jean-zay-h100"))
+    )
+    (tmp_path / "bad.yaml").write_text(text.replace("ib0", '"ib0; rm -rf /"'))
+    with pytest.raises(
+        LaunchError, match="fabric_interface='ib0; rm -rf /' is not a network interface"
+    ):
+        load_profile(str(tmp_path / "bad.yaml"))

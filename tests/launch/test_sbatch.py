@@ -87,9 +87,9 @@ def test_every_srun_gets_the_cpus_of_its_tasks() -> None:
     assert 'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"' in script
     sruns = [line.strip().partition("&& ")[2] or line.strip() for line in script.splitlines()
              if "srun " in line and not line.lstrip().startswith("#")]  # fmt: skip
-    assert len(sruns) == 2  # the health probe, the training
+    assert len(sruns) == 3  # the fork server, the health probe, the training
     assert all("--cpus-per-task=" in line for line in sruns), sruns
-    train = sruns[1]
+    train = sruns[2].removeprefix("{ ").partition(" 2>&1 1>&3 ")[0]  # srun's lines kept aside
     assert (
         train.startswith("srun --kill-on-bad-exit=1 ")
         and '--cpus-per-task="$SLURM_CPUS_PER_TASK"' in train
@@ -107,6 +107,21 @@ def test_spare_nodes_are_asked_for_and_the_probe_can_be_switched_off() -> None:
     assert "HPCTRAIN_FABRIC" not in render(
         resolve_job(with_overrides(Config(), ["slurm.profile=generic"]), load_profile("generic"))
     )
+
+
+def test_the_fork_server_runs_beside_the_attempts_unless_switched_off() -> None:
+    """One per node for the allocation, in the background, sharing the job's resources
+    (--overlap), never ending the job (--no-kill, no kill-on-bad-exit), stopped on exit."""
+    script = render(a100_job("slurm.spare_nodes=1"))
+    (line,) = [x for x in script.splitlines() if "hpctrain.resilience.forkserver" in x]
+    assert line.startswith("srun --overlap ") and line.endswith(" </dev/null &"), line
+    for option in ("--no-kill", "--kill-on-bad-exit=0", '--nodes="$SLURM_JOB_NUM_NODES"',
+                   "--ntasks-per-node=1", '--cpus-per-task="$SLURM_CPUS_ON_NODE"'):  # fmt: skip
+        assert option in line, option
+    assert script.index(line) < script.index("while [ ")  # before the first attempt
+    assert "trap 'kill \"$FORKSERVER\" 2>/dev/null' EXIT" in script
+    off = render(a100_job("slurm.forkserver=false"))
+    assert "forkserver" not in off.lower() and "FORKSERVER" not in off
 
 
 def test_free_arguments_are_shell_quoted() -> None:
@@ -309,3 +324,51 @@ def test_an_empty_account_the_site_wants_is_a_warning_without_preflight(
     for args in ([run, "slurm.account=abc@h100", "--profile", "jean-zay-h100"],
                  [run, "--profile", "generic"]):  # fmt: skip
         assert "warning" not in sbatch_verb(capsys, *args)[2]
+
+
+# -- slurm.spare_nodes: auto (#47): chosen from the numbers when the job is rendered --------
+
+
+def test_auto_spares_are_chosen_from_the_profile_and_the_measured_queue_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """8 nodes x 20 h on a site whose nodes fail every 100 h, and your last jobs waited 1, 3
+    and 5 h (sacct stubbed): one spare; the script asks for 9 nodes and says why, and so
+    does the verb's stderr line."""
+    from hpctrain.resilience.spares import SpareModel, choose_spares
+
+    profile = tmp_path / "flaky.yaml"
+    text = (REPO / "configs" / "clusters" / "local-dev.yaml").read_text()
+    profile.write_text(text.replace("mtbf_node_hours: 12600", "mtbf_node_hours: 100"))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sacct").write_text(
+        "#!/bin/sh\n"  # the user's recent jobs (the run has none): Submit|Start
+        "echo '2026-01-01T10:00:00|2026-01-01T11:00:00'\n"
+        "echo '2026-01-01T10:00:00|2026-01-01T13:00:00'\n"
+        "echo '2026-01-01T10:00:00|2026-01-01T15:00:00'\n"
+    )
+    (bin_dir / "sacct").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    code, script, err = sbatch_verb(
+        capsys, "--profile", str(profile), f"run_dir={tmp_path / 'run'}", "slurm.nodes=8",
+        "slurm.time=20:00:00", "slurm.spare_nodes=auto",
+    )  # fmt: skip
+    assert code == 0, err
+    expected = choose_spares(
+        SpareModel(8, 20.0, 100.0, 3.0), "median of 3 of your jobs of the last 14 days, sacct"
+    )
+    assert expected.spares == 1
+    assert "#SBATCH --nodes=9  " in script and "# 8 to train on + 1 spare" in script
+    assert f"\n# {expected.line}\n" in script
+    assert f"hpctrain sbatch: {expected.line}\n" in err
+    # the job's steps train on slurm.nodes of them: the rest stand by
+    assert "slurm.spare_nodes=auto" in script
+
+
+def test_a_profile_queue_wait_that_is_not_hours_is_refused(tmp_path: Path) -> None:
+    profile = tmp_path / "bad.yaml"
+    text = (REPO / "configs" / "clusters" / "local-dev.yaml").read_text()
+    profile.write_text(text.replace("queue_wait_hours: 0.0033", "queue_wait_hours: soon"))
+    with pytest.raises(LaunchError, match=r"bad.yaml: queue_wait_hours='soon' is not a number"):
+        load_profile(str(profile))

@@ -7,15 +7,18 @@ script run by bash and SLURM stubbed, in test_attempt_loop.py.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from hpctrain.resilience.recovery import PHASES
 from tests.launch.test_slurm_cluster import SLOW_STEPS, assert_same_weights
 from tests.support.slurm_kit import (
     DEMO,
@@ -87,13 +90,53 @@ def test_kill_9_of_a_rank_restarts_in_the_job_to_the_same_weights(
     assert first["first_failure"]["rank"] == 1 and first["first_failure"]["signal"] == "SIGKILL"
     assert first["first_failure"]["node"] == "n1" and first["committed"] >= 10
     assert (second["kind"], second["resumed_from"]) == ("completed", first["committed"])
+    # the restart's seconds, phase by phase: every one measured, and they add up
+    phases = second["recovery"]["phases"]
+    assert all(isinstance(phases[p], float) for p in PHASES), second["recovery"]
+    assert second["recovery"]["total_s"] == pytest.approx(sum(phases.values()))
+    assert not list((killed / "slurm" / "attempts" / "2").glob("probe-*.json"))  # none then
     log = log_text(killed)
+    # every rank of both attempts forked by the node's fork server
+    assert "fork server on n1: ready" in log and "starts afresh" not in log, log[-3000:]
     assert "hpctrain: attempt 1: rank 1 on n1 killed by SIGKILL at step" in log, log[-3000:]
     assert wait_finished(straight, 240).state == "COMPLETED"
     assert_same_weights(killed / "checkpoints" / "step-60", straight / "checkpoints" / "step-60",
                         tmp_path)  # fmt: skip
     out = hpctrain("status", str(killed)).stdout
     assert "signal      restart  rank 1 on n1 killed by SIGKILL" in out, out
+
+
+def test_a_stopped_rank_is_found_by_its_watcher_with_the_default_timeouts(
+    tiny_shards: Path, tmp_path: Path, jobs: list[str]
+) -> None:
+    """`kill -STOP` of rank 1's trainer, every timeout at its default: no collective ever
+    times out for 600 s, but the rank's watcher sees its heartbeat stop, takes its stacks and
+    kills it after max(30 s, 5 x the slowest step); the attempt is a `hang` naming rank 1 (not
+    rank 0, stuck waiting for it), and the job trains on in its allocation (#47: 610 s)."""
+    run_dir = tmp_path / "run"
+    overrides = ("train.max_steps=40", *SLOW_STEPS, "task_options.step_s=0.1",
+                 "checkpoint.every_steps=10", "data.val=", "checkpoint.monitor=",
+                 "checkpoint.keep_best=0")  # fmt: skip
+    job_id = sbatch(tmp_path, *train_overrides(tiny_shards, run_dir, *overrides))
+    jobs.append(job_id)
+    wait_step(run_dir, 12, 180)
+    os.kill(wait_for("rank 1's trainer", lambda: trainer_pid(job_id, 1), 30), signal.SIGSTOP)
+    stopped = time.time()
+    # the bound only proves it is not the collective timeout (600 s); the goal is 60 s
+    first = wait_for("the attempt's decision", lambda: next(iter(attempts(run_dir)), None), 150)
+    print(f"stopped rank decided {first['end'] - stopped:.1f} s after kill -STOP")
+    assert (first["kind"], first["decision"]) == ("hang", "restart"), first
+    failure = first["first_failure"]
+    assert (failure["rank"], failure["node"], failure["stopped"]) == (1, "n1", True), failure
+    assert failure["time"] <= stopped + 1 < failure["detected"]  # its last beat, then found
+    status = wait_finished(run_dir, 240)
+    assert status.state == "COMPLETED" and status.requeues == 0, status
+    assert attempts(run_dir)[-1]["kind"] == "completed"
+    log = log_text(run_dir)
+    assert "hpctrain watch: rank 1 on n1 made no progress for" in log, log[-3000:]
+    assert list((run_dir / "hangs").glob("*/rank-1.txt")), "no stacks of the stopped rank"
+    report = json.loads(hpctrain("status", str(run_dir), "--goodput", "--json").stdout)
+    assert report["goodput"]["parts_hours"]["hung"] > 0  # the wait on it, not the tail
 
 
 def test_a_submitit_run_killed_three_times_completes_to_the_same_weights(

@@ -59,7 +59,10 @@ def test_status_exit_code_says_failed(
 
 def test_status_without_a_job(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["status", str(tmp_path)]) == 6  # a launch error
-    assert "no SLURM job recorded" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no SLURM job recorded" in err
+    # a local run: where its progress is, and the verb that reads its hours (#49)
+    assert f"{tmp_path}/metrics.jsonl" in err and f"hpctrain status {tmp_path} --goodput" in err
 
 
 def test_every_job_of_the_folder_with_the_last_error_line(
@@ -119,7 +122,7 @@ def test_last_error_line_prefers_the_newest_log(tmp_path: Path) -> None:
 def test_status_lists_the_attempts_and_says_why_the_run_stopped(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from hpctrain.resilience.attempts import append_record
+    from hpctrain.resilience.records import append_record
     from hpctrain.resilience.restart_policy import AttemptRecord
 
     (tmp_path / "slurm").mkdir()

@@ -378,3 +378,14 @@ def test_submit_eval_of_a_run_name_finds_the_run_under_run_root(
     assert f"hpctrain submit: run folder {here}\n" in capsys.readouterr().err
     assert main([*args[:1], "runs/other", *args[2:]]) == 2
     assert "runs/other: no such file or folder" in capsys.readouterr().err
+
+
+def test_a_dry_run_off_the_cluster_names_the_log_folder_as_the_cluster_will(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`$SCRATCH/...` unset here was shown as `<here>/$SCRATCH/...` (#49)."""
+    monkeypatch.chdir(tmp_path)
+    folder = Path("$SCRATCH/hpctrain/runs/demo/slurm/submitit")
+    script = submission_script(v100_job(), folder, training=True)
+    assert f"--output='{folder}/%j_0_log.out'" in script
+    assert str(tmp_path) not in script

@@ -65,3 +65,23 @@ def test_the_writer_prints_the_line_from_the_run_s_totals(
     first, second = capsys.readouterr().out.splitlines()
     assert first.startswith("step 10/40 epoch 1/4 ") and first.endswith("ETA 0:06")  # 30 x 0.2 s
     assert second.startswith("step 20/40 epoch 2/4 ") and " ETA 0:0" in second
+
+
+def test_an_evaluation_line_counts_epochs_as_the_training_lines_and_counts_as_integers() -> None:
+    """A run of 10 epochs showed `epoch 10/10` while training and `epoch=9` in its evaluation,
+    and `val_samples=30.0000` (#49)."""
+    from hpctrain.observe.metrics import eval_line
+
+    record = {
+        "kind": "eval",
+        "step": 40,
+        "epoch": 9,
+        "val_loss": 0.5,
+        "val_accuracy": 1.0,
+        "val_samples": 30.0,
+        "val_tokens_per_s": 1234.5,
+    }
+    assert eval_line(record, 10) == (
+        "eval step=40 epoch=10/10 val_loss=0.5000 val_accuracy=1.0000 val_samples=30 "
+        "val_tokens_per_s=1234.5000"
+    )

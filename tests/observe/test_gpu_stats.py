@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from hpctrain.errors import install_hint
 from hpctrain.observe.gpu_stats import GpuCounters, summarize_rows
 from tests.train.test_trainer import build, make_config, train_records
 
@@ -77,7 +78,7 @@ def test_without_nvml_one_line_says_why_and_nothing_is_written(
         assert counters.read() == {} and counters.read() == {}
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "pynvml module not found" in lines[0]
-    assert "hpctrain[gpu]" in lines[0]
+    assert install_hint("gpu") in lines[0]
     assert GpuCounters(torch.device("cpu")).read() == {}  # CPUs: no counters, no line
 
 

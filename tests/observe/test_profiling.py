@@ -80,6 +80,7 @@ profiler.close()
 """
 
 
+@pytest.mark.slow  # seconds (subprocesses, a trained run): out of make test-fast (#49)
 def test_profiling_without_a_gpu_prints_no_alarming_error(tmp_path):
     """Issue 32: torch's profiler logged `ERROR: ... gpuGetDeviceCount failed` on CPU-only
     machines. A fresh process: Kineto reads its log level once, at its first use."""

@@ -239,3 +239,24 @@ def test_vit_tiny_sizes() -> None:
         ConfigError, match=r"model\.image_size=18: vit_tiny needs a multiple of its 4 px"
     ):
         build_classifier("vit_tiny", 10, image_size=18)
+
+
+def test_bf16_on_a_cpu_without_bf16_units_states_its_cost(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    avx2 = tmp_path / "avx2"
+    avx2.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n")
+    amx = tmp_path / "amx"
+    amx.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16\n")
+    assert not precision_module.cpu_has_bf16_units(str(avx2))
+    assert precision_module.cpu_has_bf16_units(str(amx))
+    assert not precision_module.cpu_has_bf16_units(str(tmp_path / "absent"))
+    monkeypatch.setattr(precision_module, "cpu_has_bf16_units", lambda: False)
+    assert plan(CPU, 1, "train.precision=bf16").precision_cost.startswith(
+        "train.precision=bf16 on a CPU without AVX-512 BF16 or AMX: bf16 autocast runs about "
+        "40x slower than fp32 there"
+    )
+    assert plan(CPU, 1, "train.precision=fp32").precision_cost == ""
+    assert plan(A100, 1, "train.precision=bf16").precision_cost == ""
+    monkeypatch.setattr(precision_module, "cpu_has_bf16_units", lambda: True)
+    assert plan(CPU, 1, "train.precision=bf16").precision_cost == ""

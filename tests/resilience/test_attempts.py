@@ -22,6 +22,7 @@ import pytest
 
 from hpctrain.config import load_config
 from hpctrain.resilience import attempts as attempts_mod
+from hpctrain.resilience import records as records_mod
 from hpctrain.resilience.attempts import JobFacts, begin, end_attempt, place_attempt, read_records
 from hpctrain.resilience.probe import (
     CheckFailed,
@@ -44,16 +45,18 @@ def watch(tmp_path: Path, script: str, *, rank: int = 1, node: str = "n2",
         from hpctrain.resilience.watch import Watcher
         sys.exit(Watcher(Path({str(tmp_path)!r}), [sys.executable, "-c", {script!r}]).run())
     """)
-    env = {**os.environ, "SLURM_PROCID": str(rank), "SLURMD_NODENAME": node}
+    env = {**os.environ, "SLURM_PROCID": str(rank), "SLURMD_NODENAME": node,
+           "HPCTRAIN_WATCH_DIR": str(tmp_path / "shm")}  # fmt: skip
     proc = subprocess.Popen([sys.executable, "-c", runner], env=env)
+    path = tmp_path / f"node-{node}.json"
     if signal_watcher is not None:
-        path = tmp_path / f"rank-{rank}.json"
         deadline = time.monotonic() + 60
         while not path.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         proc.send_signal(signal_watcher)  # the watcher alone: its rank runs on
     code = proc.wait(timeout=120)
-    return code, json.loads((tmp_path / f"rank-{rank}.json").read_text())
+    (record,) = json.loads(path.read_text())["ranks"]
+    return code, record
 
 
 @pytest.mark.slow  # a process or two (seconds)
@@ -141,7 +144,8 @@ def test_the_collective_gathers_every_node_and_names_one_that_cannot_come(tmp_pa
     peers = [threading.Thread(target=join, args=(n,)) for n in ("n2", "n3")]
     for peer in peers:
         peer.start()
-    assert serve_collective(tmp_path, "n1", 2, 30) < 30
+    gathered = serve_collective(tmp_path, "n1", 2, 30)
+    assert gathered.seconds < 30 and sorted(gathered.reached) == ["n2", "n3"]
     for peer in peers:
         peer.join(30)
     assert set(results) == {"n2", "n3"}
@@ -178,8 +182,10 @@ def probe_record(folder: Path, node: str, check: str = "") -> None:
 
 
 def commit(run_dir: Path, step: int) -> None:
+    """What a checkpoint commit leaves: `latest` replaced by a rename (checkpoint/commit.py)."""
     (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-    (run_dir / "checkpoints" / "latest").write_text(f"step-{step}\n")
+    (run_dir / "checkpoints" / ".latest.tmp").write_text(f"step-{step}\n")
+    os.replace(run_dir / "checkpoints" / ".latest.tmp", run_dir / "checkpoints" / "latest")
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"kind": "train", "step": step + 1}) + "\n")
 
@@ -219,18 +225,18 @@ def test_a_killed_rank_on_a_spare_allocation_restarts_without_its_node(tmp_path:
         "exit_code": None,
         "signal": "SIGKILL",
         "time": 5.0,
+        "detected": 5.0,
     }
     assert (rec.resumed_from, rec.committed, rec.step_reached) == (None, 10, 11)
     assert rec.set_aside == {"n2": "signal: rank 2 on n2 killed by SIGKILL"}
 
     second = shell(begin(cfg, JOB))
-    assert (second["ATTEMPT"], second["PROBE_NODES"]) == ("2", "n1,n3")  # n2 stays aside
+    # no probe after a SIGKILL (slurm.probe_after_kill), and n2 stays aside
+    assert (second["ATTEMPT"], second["PROBE_NODES"], second["NUM_PROBE_NODES"]) == ("2", "", "0")
     assert (
         second["RESUME"] == "checkpoint.resume=latest"
     )  # the run's own newest, whatever the config
     folder = Path(second["ATTEMPT_DIR"])
-    for node in ("n1", "n3"):
-        probe_record(folder, node)
     assert shell(place_attempt(cfg, JOB))["TRAIN_NODES"] == "n1,n3"
     for rank, node in enumerate(("n1", "n1", "n3", "n3")):
         rank_record(folder, rank, node)
@@ -275,6 +281,136 @@ def test_an_attempt_the_job_never_finished_is_closed_by_the_next(tmp_path: Path)
     assert folder.is_dir()
 
 
+def test_a_new_job_keeps_its_own_resume_choice_after_an_interrupted_one(tmp_path: Path) -> None:
+    """A rollback (`checkpoint.resume=.../step-10`) submitted after a job the time limit
+    killed at step 20: the new job trains from step 10, not from the old job's `latest`;
+    once it has committed a checkpoint of its own, its restarts continue from that."""
+    cfg = config(tmp_path)
+    run_dir = Path(cfg.run_dir)
+    begin(cfg, JOB)  # job 42, killed under its attempt after committing step 20
+    commit(run_dir, 20)
+    rollback = JobFacts(**{**JOB.__dict__, "job_id": "43"})
+    first = shell(begin(cfg, rollback))
+    assert first["RESUME"] == ""  # the job's own checkpoint.resume stands
+    assert read_records(run_dir)[0].kind == "interrupted"
+    begun = json.loads((Path(first["ATTEMPT_DIR"]) / "begin.json").read_text())
+    assert begun["submission"]["job_id"] == "43" and begun["submission"]["committed"] == 20
+    place_attempt(cfg, rollback)
+    commit(run_dir, 20)  # trained from 10 again, and saved step 20 anew
+    for rank in range(6):
+        rank_record(Path(first["ATTEMPT_DIR"]), rank, f"n{rank // 2 + 1}",
+                    exit_code=None, signal=int(signal.SIGKILL) if rank == 1 else int(signal.SIGTERM))  # fmt: skip
+    assert shell(end_attempt(cfg, rollback, srun_status=137, state="RUNNING"))["NEXT"] == "restart"
+    again = shell(begin(cfg, rollback))
+    assert again["RESUME"] == "checkpoint.resume=latest"  # its own step 20, committed by it
+
+
+def test_a_requeued_fresh_start_whose_probe_failed_does_not_resume_the_old_run(
+    tmp_path: Path,
+) -> None:
+    """`--resume none` over an old run's checkpoints, the first attempt's probe failed and
+    the job requeued: the requeued attempt starts over as asked (it had resumed the old
+    run's `latest`)."""
+    cfg = config(tmp_path, "checkpoint.resume=none")
+    run_dir = Path(cfg.run_dir)
+    commit(run_dir, 30)  # an older run's
+    folder = Path(shell(begin(cfg, JOB))["ATTEMPT_DIR"])
+    for node, check in (("n1", "local temp"), ("n2", "/dev/shm"), ("n3", "")):
+        probe_record(folder, node, check)
+    assert shell(place_attempt(cfg, JOB))["NEXT"] == "requeue"
+    requeued = JobFacts(**{**JOB.__dict__, "allocation": ("n4", "n5"), "restart": 1})
+    assert shell(begin(cfg, requeued))["RESUME"] == ""
+
+
+def test_a_requeue_excludes_every_node_set_aside_in_its_allocation(tmp_path: Path) -> None:
+    """n2 killed (a spare takes its place), then n3 fails the probe: the requeue excludes
+    both (it named n3 only, and the job could land on n2 again)."""
+    cfg = config(tmp_path, "slurm.spare_nodes=1")
+    run_dir = Path(cfg.run_dir)
+    folder = Path(shell(begin(cfg, JOB))["ATTEMPT_DIR"])
+    place_attempt(cfg, JOB)
+    commit(run_dir, 10)
+    for rank, node in enumerate(("n1", "n1", "n2", "n2")):
+        rank_record(folder, rank, node, exit_code=7 if node == "n1" else None,
+                    signal=int(signal.SIGKILL) if rank == 2 else None)  # fmt: skip
+    first = shell(end_attempt(cfg, JOB, srun_status=137, state="RUNNING"))
+    assert (first["NEXT"], first["EXCLUDE"]) == ("restart", "n2")
+    folder = Path(shell(begin(cfg, JOB))["ATTEMPT_DIR"])
+    probe_record(folder, "n1")
+    probe_record(folder, "n3", "local temp")
+    placed = shell(place_attempt(cfg, JOB))
+    assert (placed["NEXT"], placed["EXCLUDE"]) == ("requeue", "n2,n3")
+
+
+def test_failures_over_the_share_of_the_allocation_stop_the_job(tmp_path: Path) -> None:
+    """A 1000 s allocation: an earlier attempt lost 300 s (half its 600 s was past its last
+    checkpoint), the one now fails too: 30 % > slurm.max_failure_share=0.25."""
+    now = time.time()
+    job = JobFacts(**{**JOB.__dict__, "start_time": now - 650, "end_time": now + 350})
+    for share, action in (("0.25", "stop"), ("0.5", "restart")):
+        (tmp_path / share).mkdir()
+        cfg = config(tmp_path / share, f"slurm.max_failure_share={share}")
+        run_dir = Path(cfg.run_dir)
+        (run_dir / "slurm").mkdir(parents=True)
+        records_mod.append_record(run_dir, attempts_mod.AttemptRecord(
+            attempt=1, job_id="42", restart=0, start=now - 640, end=now - 40, nodes=["n1", "n2"],
+            excluded=[], num_tasks=4, kind="distributed", decision="restart", reason="",
+            step_reached=20, resumed_from=None, committed=10,
+        ))  # fmt: skip
+        folder = Path(shell(begin(cfg, job))["ATTEMPT_DIR"])
+        place_attempt(cfg, job)
+        commit(run_dir, 30)
+        for rank in range(6):
+            rank_record(folder, rank, f"n{rank // 2 + 1}", exit_code=7)
+        ended = shell(end_attempt(cfg, job, srun_status=7, state="RUNNING"))
+        assert ended["NEXT"] == action
+    (last,) = [r for r in read_records(tmp_path / "0.25" / "run") if r.attempt == 2]
+    assert last.reason.startswith(
+        "stopped: failures took 30 % of this allocation (slurm.max_failure_share=0.25)"
+    )
+
+
+# srun's own lines on the dev cluster (SLURM 22.05) when n2's watcher, rank and slurmd were
+# killed: n2's slurmstepd reports its task killed, then srun ends the step
+# (--kill-on-bad-exit) and n1's rank, its peer gone, exits 7.
+NODE_WENT_AWAY = """srun: error: n2: tasks 2-3: Killed
+srun: launch/slurm: _step_signal: Terminating StepId=42.1
+srun: error: n1: tasks 0-1: Exited with exit code 7
+srun: Force Terminated StepId=42.1
+"""
+# A rank that outlived srun's TERM (heartbeat off, its peers' collectives timed out):
+# srun reports it killed after it began ending the step.
+OUTLIVED_TERM = """srun: error: n1: tasks 0-1: Exited with exit code 7
+srun: launch/slurm: _step_signal: Terminating StepId=42.1
+srun: error: n2: tasks 2-3: Killed
+srun: Force Terminated StepId=42.1
+"""
+
+
+@pytest.mark.parametrize(("lines", "kind"), [(NODE_WENT_AWAY, "lost"), (OUTLIVED_TERM, "hang")])
+def test_a_task_srun_reports_killed_before_it_ended_the_step_went_away_with_its_node(
+    tmp_path: Path, lines: str, kind: str
+) -> None:
+    """n2's watchers and ranks killed with its slurmd (the chaos test's lost node): srun
+    reported n2's tasks killed before it ended the step, so they did not outlive its TERM:
+    the node went away (`lost`). Was `hang` (#47): any task line counted as the node having
+    been there when srun ended the step. One that srun reports killed after it began
+    ending the step did outlive the TERM: still a `hang`."""
+    cfg = config(tmp_path, "slurm.spare_nodes=1")
+    folder = Path(shell(begin(cfg, JOB))["ATTEMPT_DIR"])
+    place_attempt(cfg, JOB)
+    commit(Path(cfg.run_dir), 10)
+    for rank in (0, 1):
+        rank_record(folder, rank, "n1", ended=5.0, exit_code=7, received=["SIGTERM"])
+    for rank in (2, 3):
+        rank_record(folder, rank, "n2", ended=None, exit_code=None)
+    (folder / "srun.log").write_text(lines)
+    ended = shell(end_attempt(cfg, JOB, srun_status=137, state="RUNNING"))
+    assert (ended["NEXT"], ended["EXCLUDE"]) == ("restart", "n2")
+    (rec,) = read_records(Path(cfg.run_dir))
+    assert (rec.kind, rec.first_failure["node"]) == (kind, "n2"), rec  # type: ignore[index]
+
+
 @pytest.mark.slow  # a process or two (seconds)
 def test_the_steps_run_as_a_module_with_the_jobs_variables(tmp_path: Path) -> None:
     cfg_file = tmp_path / "c.yaml"
@@ -306,7 +442,7 @@ def test_the_module_steps_import_no_torch() -> None:
 
 def test_unreadable_history_lines_are_skipped(tmp_path: Path) -> None:
     (tmp_path / "slurm").mkdir()
-    (tmp_path / "slurm" / attempts_mod.RECORDS).write_text('{"attempt": 1, "job_id": "1"\n')
+    (tmp_path / "slurm" / records_mod.RECORDS).write_text('{"attempt": 1, "job_id": "1"\n')
     assert read_records(tmp_path) == []
 
 
@@ -317,3 +453,12 @@ def test_the_nodes_to_train_on_are_the_allocations_less_the_spares(tmp_path: Pat
     assert nodes_to_train(config(tmp_path), JOB) == 3
     assert nodes_to_train(config(tmp_path, "slurm.spare_nodes=1"), JOB) == 2
     assert nodes_to_train(config(tmp_path), JobFacts("", 0, (), 1, None)) == 2  # slurm.nodes
+    # auto: the spares chosen when the job was rendered are what slurm.nodes leaves
+    assert nodes_to_train(config(tmp_path, "slurm.spare_nodes=auto"), JOB) == 2
+
+
+def test_restarts_are_not_counted_unless_max_restarts_is_set(tmp_path: Path) -> None:
+    from hpctrain.resilience.attempts import policy_of
+
+    assert policy_of(config(tmp_path), JOB).max_restarts == 0  # bounded by progress and time
+    assert policy_of(config(tmp_path, "slurm.max_restarts=3"), JOB).max_restarts == 3

@@ -83,7 +83,7 @@ def test_the_parts_of_a_run_with_a_restart_and_a_requeue_are_where_the_time_went
     # failure at 1040 (18 s, steps 11-14); tail: 1040 to 1050.
     assert first == pytest.approx({
         "productive": 2 * 6.5, "data_wait": 2 * 1.5, "checkpoint": 2 * 2.0, "evaluation": 0.0,
-        "lost": 2 * 18.0, "startup": 2 * 8.0, "loop_overhead": 2 * 2.0, "tail": 2 * 10.0,
+        "lost": 2 * 18.0, "hung": 0.0, "startup": 2 * 8.0, "loop_overhead": 2 * 2.0, "tail": 2 * 10.0,
         "idle": 0.0,
     })  # fmt: skip
     assert rows["attempt 1"].lost_steps == 4
@@ -91,7 +91,7 @@ def test_the_parts_of_a_run_with_a_restart_and_a_requeue_are_where_the_time_went
     # save 1.5 s and 0.5 s waiting for it at the end; overhead 20 - 14.5 = 5.5 s; tail 10 s.
     assert rows["attempt 2"].parts == pytest.approx({
         "productive": 2 * 8.0, "data_wait": 2 * 1.0, "checkpoint": 2 * 2.0, "evaluation": 2 * 3.5,
-        "lost": 0.0, "startup": 2 * 8.0, "loop_overhead": 2 * 5.5, "tail": 2 * 10.0,
+        "lost": 0.0, "hung": 0.0, "startup": 2 * 8.0, "loop_overhead": 2 * 5.5, "tail": 2 * 10.0,
         "idle": 0.0,
     })  # fmt: skip
     # the job script: 1000-1002 and 1050-1052 before the attempts, 1090-1100 after them
@@ -103,7 +103,7 @@ def test_the_parts_of_a_run_with_a_restart_and_a_requeue_are_where_the_time_went
     hours = goodput.part_hours()
     assert {part: round(h * 3600, 6) for part, h in hours.items()} == {
         "productive": 47.0, "data_wait": 5.0, "checkpoint": 12.0, "evaluation": 14.6,
-        "lost": 36.0, "startup": 58.0, "loop_overhead": 21.4, "tail": 84.0, "idle": 0.0,
+        "lost": 36.0, "hung": 0.0, "startup": 58.0, "loop_overhead": 21.4, "tail": 84.0, "idle": 0.0,
     }  # fmt: skip
     assert sum(hours.values()) == pytest.approx(goodput.allocated_hours)  # (100 + 39) x 2 s
     assert goodput.allocated_hours * 3600 == pytest.approx(278.0)
@@ -132,6 +132,44 @@ def test_work_past_a_save_inside_a_logged_interval_is_split_by_steps() -> None:
     assert row.parts["lost"] == pytest.approx(1030 - 1016)
     assert row.parts["loop_overhead"] == pytest.approx((1016 - 1010) - 3.0 - 1.0)
     assert sum(row.parts.values()) == pytest.approx(40.0)
+
+
+def test_the_wait_on_a_stopped_rank_is_hung_not_tail() -> None:
+    """A hang (#47): the stopped rank's last progress at 1030, its watcher ended it at
+    1040, the attempt was decided at 1046. 1030-1040 every task waited on it: `hung`, not
+    the tail; the tail is what followed its detection."""
+    allocation = Allocation(job_id="7", restart=0, start=1000, end=1050, tasks=2)
+    failure = {"rank": 1, "node": "n1", "time": 1030.0, "detected": 1040.0, "stopped": True}
+    record = attempt(1, 1000, 1046, "hang", committed=10, step_reached=14, first_failure=failure)
+    timeline = [startup(1, 0, 1002, 1010),
+                {"kind": "checkpoint", "step": 10, "time": 1022, "blocking_s": 2.0}]  # fmt: skip
+    metrics = [train(10, 1020, 10, 0.8, 0.0), train(14, 1028, 4, 1.0, 0.0)]
+    rows = {row.label: row for row in account([allocation], [record], processes(timeline, metrics),
+                                              unit="task-hours", source="test").rows}  # fmt: skip
+    parts = rows["attempt 1"].parts
+    assert parts["lost"] == pytest.approx(2 * (1030 - 1022))  # the steps after the save
+    assert parts["hung"] == pytest.approx(2 * (1040 - 1030))
+    assert parts["tail"] == pytest.approx(2 * (1046 - 1040))
+    assert sum(parts.values()) == pytest.approx(2 * 46.0)
+    # a lost node found only when srun ended the step: hung up to the decision
+    lost = attempt(1, 1000, 1046, "lost", committed=10, step_reached=14,
+                   first_failure={"rank": 2, "node": "n2", "time": 1030.0, "detected": None})  # fmt: skip
+    row = account([allocation], [lost], processes(timeline, metrics), unit="h", source="t").rows[0]
+    assert row.parts["hung"] == pytest.approx(2 * 16.0) and row.parts["tail"] == 0.0
+
+
+def test_a_failure_before_the_first_logged_interval_loses_the_steps_its_end_record_names() -> None:
+    """`train.log_every=10`, a failure at step 7: no interval was logged, but the trainer's
+    end record says step 7 (#47: booked as loop overhead with 0 lost steps)."""
+    allocation = Allocation(job_id="7", restart=0, start=1000, end=1040, tasks=1)
+    record = attempt(1, 1000, 1040, "hang", num_tasks=1, step_reached=None,
+                     first_failure={"time": 1030.0, "detected": 1035.0})  # fmt: skip
+    timeline = [startup(1, 0, 1002, 1010),
+                {"kind": "end", "step": 7, "time": 1036, "status": "failed", "save_wait_s": 0.0}]  # fmt: skip
+    row = account([allocation], [record], processes(timeline, []), unit="h", source="t").rows[0]
+    assert row.lost_steps == 7
+    assert row.parts["lost"] == pytest.approx(1030 - 1010) and row.parts["loop_overhead"] == 0.0
+    assert row.parts["hung"] == pytest.approx(5.0)
 
 
 def test_spare_nodes_are_idle_and_an_attempt_the_probe_stopped_is_start_up() -> None:
@@ -198,6 +236,12 @@ def test_the_report_reads_the_run_folder_and_says_every_part(tmp_path: Path) -> 
     assert "queue wait: 21 s in the queue" in text
     assert "attempt 1 (job 7): signal, 2 task(s), 48 s" in text
     assert json.loads(json.dumps(goodput.to_json()))["lost_steps"] == 4
+    # no spare (1 node): one would have idled 139 s x 8 CPUs, and no requeue set a node aside
+    assert (
+        "  spare nodes: none; one would have cost 0.3089 CPU core-hours idle and saved 0.0000 "
+        "CPU core-hours (0 requeue(s) x 10 s of queue wait at the job's size)"
+    ) in lines
+    assert goodput.to_json()["spare"]["cost_hours"] == pytest.approx(139 * 8 / 3600)
 
 
 def test_without_sacct_the_attempts_give_the_allocations(tmp_path: Path) -> None:

@@ -69,6 +69,11 @@ LINE_SKIPS: tuple[tuple[str, str], ...] = (
     (r"^hpctrain sync\b(?!.*--dry-run)", "network: uploads to W&B"),
     (r"^make (demo|demo-lm|test)\b", "long: the demos and the whole suite (run in CI)"),
     (r"^(hf|huggingface-cli) download\b", "network: downloads from the Hugging Face hub"),
+    (r"^source \S*bin/activate\b", "install: the suite runs in its own venv already"),
+    (
+        r"^(\S*/)?pip install\b",
+        "install: a page's install line (the suite's venv holds every extra: the dev extra)",
+    ),
 )
 
 # A documented hpctrain command (or a venv's `bin/hpctrain`): a skipped one still parses.

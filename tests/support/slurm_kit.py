@@ -119,19 +119,66 @@ def sacct_nodes(job_id: str) -> str:
 
 def trainer_pid(job_id: str, rank: int) -> int | None:
     """The pid of rank `rank`'s `hpctrain train` process in the job (not its watcher, not its
-    loader workers): the one process of the job's task whose command is `-m hpctrain train`."""
+    loader workers): the one process of the job's task whose command is `-m hpctrain train`,
+    or, for a rank the node's fork server forked (its command line and first environment
+    are the server's), the pid its watcher recorded."""
+    parents, watchers = _task_processes(job_id, rank)
+    # loader workers started by fork share the command line: the trainer is their parent
+    trainers = [pid for pid, parent in parents.items() if parent not in parents]
+    if trainers:
+        return trainers[0] if len(trainers) == 1 else None
+    if len(watchers) == 1:  # python -m hpctrain.resilience.watch DIR -- ...
+        return _recorded_pid(watchers[0], rank)
+    return None
+
+
+def loader_worker_pid(job_id: str, rank: int) -> int | None:
+    """The pid of a loader worker of rank `rank`'s trainer (forked: the trainer's command
+    line, the trainer its parent), or None before it has one."""
+    trainer = trainer_pid(job_id, rank)
+    if trainer is None:
+        return None
+    with contextlib.suppress(OSError):
+        command = Path(f"/proc/{trainer}/cmdline").read_bytes()
+        workers = []
+        for proc in Path("/proc").glob("[0-9]*"):
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                pid = int(proc.name)
+                if _parent(pid) == trainer and (proc / "cmdline").read_bytes() == command:
+                    workers.append(pid)
+        return min(workers) if workers else None
+    return None
+
+
+def _task_processes(job_id: str, rank: int) -> tuple[dict[int, int], list[list[bytes]]]:
+    """pid → parent pid of every `-m hpctrain train` process of the job's task `rank`, and
+    the command lines of its watchers."""
     wanted = {f"SLURM_JOB_ID={job_id}".encode(), f"SLURM_PROCID={rank}".encode()}
-    found = []
+    found, watchers = {}, []
     for proc in Path("/proc").glob("[0-9]*"):
         with contextlib.suppress(OSError, IndexError, ValueError):
             if not wanted <= set((proc / "environ").read_bytes().split(b"\0")):
                 continue
-            if b"\0-m\0hpctrain\0train\0" in (proc / "cmdline").read_bytes():
-                found.append(int(proc.name))
-    # loader workers started by fork share the command line: the trainer is their parent
-    parents = {pid: _parent(pid) for pid in found}
-    trainers = [pid for pid, parent in parents.items() if parent not in parents]
-    return trainers[0] if len(trainers) == 1 else None
+            command = (proc / "cmdline").read_bytes()
+            if b"\0-m\0hpctrain\0train\0" in command:
+                found[int(proc.name)] = _parent(int(proc.name))
+            elif b"\0-m\0hpctrain.resilience.watch\0" in command:
+                watchers.append(command.split(b"\0"))
+    return found, watchers
+
+
+def _recorded_pid(watcher: list[bytes], rank: int) -> int | None:
+    """The pid the watcher recorded for `rank`: in its node's record (`node-<name>.json`),
+    or its own (`rank-<R>.json`, attempts begun before node records)."""
+    folder = Path(watcher[watcher.index(b"hpctrain.resilience.watch") + 1].decode())
+    for path in [*sorted(folder.glob("node-*.json")), folder / f"rank-{rank}.json"]:
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            data = json.loads(path.read_text())
+            for record in data.get("ranks", [data]):
+                if record.get("rank") == rank and record.get("pid"):
+                    pid = int(record["pid"])
+                    return pid if Path(f"/proc/{pid}").exists() else None
+    return None
 
 
 def _parent(pid: int) -> int:

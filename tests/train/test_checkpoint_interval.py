@@ -22,8 +22,10 @@ def test_a_run_records_its_start_up_saves_evaluations_and_end(
 ) -> None:
     cfg = make_config(shapes_shards, tmp_path, "checkpoint.every_steps=2", "train.eval_every=2")
     assert Trainer(cfg, resolve_env({}), CPU).fit() == 0
-    startup, *saves, end = read_timeline(tmp_path)
+    startup, first, *saves, end = read_timeline(tmp_path)
     assert startup["kind"] == "startup" and startup["step"] == 0 and startup["world_size"] == 1
+    # the end of its first step: the end of a restart (resilience/recovery.py)
+    assert (first["kind"], first["step"]) == ("first_step", 1) and first["time"] >= startup["time"]
     assert startup["phases"].keys() >= STARTUP_PHASES, startup
     assert all(v >= 0 for v in startup["phases"].values())
     assert startup["process_start"] <= startup["time"]

@@ -117,6 +117,7 @@ def other_classes(run: Path) -> Path:
     return image_shards(run.parent / "other", ("circle", "star"))
 
 
+@pytest.mark.slow  # seconds (subprocesses, a trained run): out of make test-fast (#49)
 def test_train_refuses_validation_data_of_other_classes(
     run: Path, other_classes: Path, tmp_path: Path
 ) -> None:
@@ -206,6 +207,7 @@ def test_predict_of_a_causal_lm_writes_one_line_a_sequence(lm_run: Path, tmp_pat
     assert 0 < lines[0]["loss"] < 10 and 0 <= lines[0]["next_token"] < 257
 
 
+@pytest.mark.slow  # seconds (subprocesses, a trained run): out of make test-fast (#49)
 def test_generate_bad_options_are_one_line(
     lm_run: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -268,6 +270,7 @@ def test_export_and_generate_choose_a_checkpoint_as_eval_does(
     assert f"{tmp_path / 'nope'}: no committed checkpoint" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # seconds (subprocesses, a trained run): out of make test-fast (#49)
 def test_export_of_an_ema_eval_run_writes_the_ema_unless_told(tmp_path: Path) -> None:
     """#32 item 7: `export --best` of a `train.ema_eval` run wrote the trained weights, not the
     EMA whose evaluation picked the checkpoint (eval, predict and generate read the EMA)."""
@@ -312,7 +315,13 @@ def test_predict_on_a_folder_of_images_names_each_file(
     new, out = new_images(tmp_path / "new"), tmp_path / "preds"
     temporary = set(Path(tempfile.gettempdir()).glob("hpctrain-predict-*"))
     assert main(["predict", str(run), "--data", str(new), "-o", str(out)]) == 0
-    assert f"3 images of {new} converted for this prediction" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert f"3 images of {new} converted for this prediction" in captured.err
+    # a line to read, not the manifest's JSON again (#49)
+    [done] = [line for line in captured.out.splitlines() if line.startswith("predicted ")]
+    assert done.startswith(f"predicted 3 samples of {new} with ") and done.endswith(
+        f"on 1 rank(s) -> {out}/manifest.json (jsonl, 1 part(s))"
+    )
     rows = prediction_rows(out)
     assert [r["source"] for r in rows] == ["a.jpg", "b.jpg", "more/c.png"]
     assert all(r["class"] in CLASSES for r in rows) and len({r["key"] for r in rows}) == 3

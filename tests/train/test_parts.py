@@ -13,7 +13,13 @@ from hpctrain.parallel.parallelize import find_blocks
 from hpctrain.tasks.image_classification import ImageClassification
 from hpctrain.tasks.task import load_task
 from hpctrain.tasks.vision import normalize
-from hpctrain.train.optim import build_optimizer, fused_adamw_ok, keep_fused_adamw, lr_factor
+from hpctrain.train.optim import (
+    build_optimizer,
+    fused_adamw_ok,
+    keep_fused_adamw,
+    lr_factor,
+    warmup_warning,
+)
 
 INDEX = ShardIndex(shards=(ShardInfo("a.tar", 10),), class_names=tuple("abcdefghij"))
 
@@ -174,3 +180,16 @@ def test_training_loss_leaves_out_invalid_samples() -> None:
     assert torch.allclose(clean, mixed) and torch.allclose(
         clean_metrics["accuracy"], mixed_metrics["accuracy"]
     )
+
+
+def test_a_warmup_as_long_as_the_run_is_warned_of() -> None:
+    """configs/finetune-lora.yaml on 50 records: warmup_steps 100 against 6 steps (#49)."""
+    train = load_config(None, ["train.warmup_steps=100", "train.lr=0.0002"]).train
+    assert warmup_warning(train, 6) == (
+        "train.warmup_steps=100 reaches the run's 6 steps: the learning rate never rises to "
+        "train.lr=0.0002 and little is learnt; set train.warmup_steps below 6 (a tenth of the "
+        "steps: 0)"
+    )
+    assert warmup_warning(train, 100) != ""
+    assert warmup_warning(train, 101) == ""
+    assert warmup_warning(load_config(None, ["train.warmup_steps=0"]).train, 6) == ""

@@ -74,3 +74,37 @@ def test_after_the_requeue_save_a_signal_exits_with_the_requeue_code():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == REQUEUE_EXIT_CODE, proc.stderr
+
+
+def test_ctrl_c_is_an_interrupt_not_a_preemption_unless_configured_as_one():
+    flag = PreemptionFlag(["USR2", "TERM"])
+    before = signal.getsignal(signal.SIGINT)
+    flag.install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert flag.interrupted and not flag.requested
+    finally:
+        flag.uninstall()
+    assert signal.getsignal(signal.SIGINT) is before
+    preempt = PreemptionFlag(["INT"])  # checkpoint.signals: [INT] makes ^C a requeue signal
+    preempt.install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert preempt.requested and not preempt.interrupted
+    finally:
+        preempt.uninstall()
+
+
+def test_a_second_ctrl_c_ends_the_process_at_once_with_130_and_one_line():
+    code = (
+        "import os, signal, time\n"
+        "from hpctrain.train.preemption import PreemptionFlag\n"
+        "flag = PreemptionFlag(['USR2'], interrupt_line='stopped at once\\n')\n"
+        "flag.install()\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "assert flag.interrupted\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "time.sleep(30)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 130 and proc.stderr == "stopped at once\n", proc.stderr

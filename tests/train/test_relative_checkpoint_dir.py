@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.support.train_kit import REPO
 
 
@@ -24,6 +26,7 @@ def hpctrain(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return proc
 
 
+@pytest.mark.slow  # seconds (subprocesses, a trained run): out of make test-fast (#49)
 def test_eval_export_and_resume_from_another_directory_find_the_checkpoints(
     shapes_shards: Path, tmp_path: Path
 ) -> None:

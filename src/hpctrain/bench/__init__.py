@@ -13,6 +13,7 @@ of what they measure.
 - `gpu_vision`: the Python half of `tools/gpu_bench.sh` (ResNet-50, the precision matrix's GPU
   cells); `gpu_lm`: `hpctrain bench gpu-lm` (or `gpu`), the LLM case; `gpu_report`: the
   report both print;
+- `probe`: the health probe's gather of many peers (resilience/probe.py), serial vs concurrent;
 - `loopback`: an HTTP server on 127.0.0.1 (the loader's remote cases, the remote-storage tests);
 - `measure`: CPU-time accounting shared by the benchmarks.
 - `quick`: `make bench-quick`, the goals these benches check, one line each (`goal | ratio |

@@ -31,7 +31,7 @@ import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +155,24 @@ def make_data(out: Path, num_images: int, size: int, jobs: int, num_workers: int
     )
     shutil.rmtree(images)
     return shards
+
+
+def batch_for_images(plan: Plan, num_images: int) -> tuple[Plan, str]:
+    """The plan with a batch each GPU's share of `num_images` fills at least once per epoch,
+    and a line saying so when it had to shrink ("": unchanged). `--dry-run --images 200` (the
+    script's own example) then checks a startable run; a measurement wants many batches per
+    epoch (the default --images), since epoch starts are not steady state."""
+    ranks = max(1, plan.num_gpus)
+    per_rank = num_images // ranks
+    if per_rank >= plan.batch_size:
+        return plan, ""
+    batch = max(1, per_rank)
+    note = (
+        f"resnet50: --images {num_images} gives each of {ranks} GPU(s) {per_rank} images: "
+        f"batch {plan.batch_size} -> {batch} per GPU (--images {plan.batch_size * ranks} or "
+        "more keeps the planned batch)"
+    )
+    return replace(plan, batch_size=batch), note
 
 
 def samples_per_shard(num_images: int, num_workers: int) -> int:
@@ -441,6 +459,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"resnet50 {outcome}", flush=True)
         return 1 if outcome.startswith("FAILED") else 0
     elif args.command == "config":
+        index = json.loads((args.work / "shards" / "index.json").read_text())
+        plan, note = batch_for_images(plan, sum(s["num_samples"] for s in index["shards"]))
+        if note:
+            print(note, flush=True)
         path = write_config(plan, args.work / "shards", args.work, args.steps, args.compile)
         print(f"config: {path}")
     else:

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 
 from hpctrain.bench.loader_setup import PeerTransform, Setup, count_images, timed_epoch
 from hpctrain.compat_torch import dataloader_worker_pids, shutdown_dataloader_workers
+from hpctrain.errors import install_hint
 
 
 def dataloader_steady(loader: DataLoader) -> tuple[int, float, float]:
@@ -102,7 +103,6 @@ PEERS = (
     Peer(LITDATA, "litdata", "litdata", write_litdata, litdata_steady),
     Peer(STREAMING, "streaming", "mds", write_mds, streaming_steady),
 )
-BENCH_EXTRA = "pip install 'hpctrain[bench]'"
 
 
 def missing_peers() -> dict[str, str]:
@@ -112,7 +112,7 @@ def missing_peers() -> dict[str, str]:
         try:
             importlib.import_module(peer.module)
         except ImportError as exc:
-            skipped[peer.name] = f"{peer.module} is not installed ({exc}); {BENCH_EXTRA}"
+            skipped[peer.name] = f"{peer.module} is not installed ({exc}); {install_hint('bench')}"
     return skipped
 
 

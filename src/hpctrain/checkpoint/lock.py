@@ -179,7 +179,10 @@ class RunLock:
                 why = takeover_reason(record, self.me, time.time(), flock_granted=flock_granted)
                 if why is None:
                     raise RunLockedError(describe_holder(self.path, record))
-                log.warning(
+                # A holder whose flock the kernel released on this host is certainly gone (a
+                # run that failed or was killed): routine, not a warning. A lease judged
+                # expired, or a requeued job's previous run, is worth a look.
+                (log.info if flock_granted else log.warning)(
                     "taking over %s from host %s pid %s (job %s): %s",
                     self.path,
                     record.get("host"),

@@ -46,6 +46,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "hpctrain.bench.mesh",
         "HSDP (and TP) step vs flat FSDP2 on 4 gloo CPU ranks (paired ratios, A/A control)",
     ),
+    "probe": (
+        "hpctrain.bench.probe",
+        "the health probe's gather of N peers on loopback: seconds of the hub, serial vs concurrent",
+    ),
     "index": (
         "hpctrain.bench.index",
         "per-rank CPU and memory, and per-node bytes read, of index.json vs the compact index",
@@ -61,6 +65,10 @@ BENCHES: dict[str, tuple[str, str]] = {
     "generate": (
         "hpctrain.bench.generate",
         "greedy decoding: hpctrain's KV cache vs transformers' generate on one exported model",
+    ),
+    "attempts": (
+        "hpctrain.bench.attempts",
+        "records of one attempt at scale (per node vs per rank): files, bytes, seconds to decide",
     ),
 }
 # name -> the older names it still answers to (`bench gpu` ran the LLM case before `gpu-lm`)

@@ -36,7 +36,7 @@ examples:
 SRC is a folder SRC/<class>/<image> (classes sorted -> labels); a .csv/.jsonl manifest (every
 column a member: path/label, file columns like mask.png, cls/txt/json, the rest gathered into
 .json); a Python callable pkg.module:function returning dict samples; a Hugging Face
-save_to_disk folder or parquet files (pip install 'hpctrain[arrow]'); or shards (a folder with
+save_to_disk folder or parquet files (pip install -e '.[arrow]'); or shards (a folder with
 index.json or .tar files, a brace pattern). docs/conversion.md has the mapping rules.
 DEST (or -o DEST) is a folder or an fsspec URL (s3://..., memory://...). Output is identical for any
 --workers; the index is written last, so a killed run leaves no index (finish it with --resume).
@@ -255,6 +255,7 @@ def _pairs(values: list[str], flag: str) -> tuple[tuple[str, str], ...]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hpctrain.convert.errors import ConvertedAlready
     from hpctrain.convert.layout import parse_size
     from hpctrain.convert.options import ConvertOptions
     from hpctrain.convert.run import convert, result_summary
@@ -294,7 +295,10 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.parts or args.run_part is not None or args.merge or args.slurm:
         return _run_parts(args, options)
-    print(result_summary(convert(options)))  # ConvertError/ShardIndexError: data errors (3)
+    try:
+        print(result_summary(convert(options)))  # ConvertError/ShardIndexError: data errors (3)
+    except ConvertedAlready as done:
+        print(done)
     return 0
 
 
@@ -348,3 +352,14 @@ def _submit(args: argparse.Namespace, options: ConvertOptions) -> int:
             print(f"job {job_id}: {what}")
         print(f"logs in {aj.log_dir}; the index is written by job {done.job_ids[-1]}")
     return 0
+
+
+def interrupted(args: argparse.Namespace) -> str:
+    """After Ctrl-C: the shards written so far are whole (each is renamed into place), the
+    index is not written: nothing reads DEST as a dataset until a rerun finishes it."""
+    if not args.dest or getattr(args, "slurm", False):
+        return ""
+    return (
+        f"{args.dest} keeps its finished shards and has no index yet; the same command with "
+        "--resume finishes it (--overwrite starts again)"
+    )

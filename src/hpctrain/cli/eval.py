@@ -77,7 +77,7 @@ def add_answer_arguments(parser: argparse.ArgumentParser) -> None:
 def add_harness_arguments(parser: argparse.ArgumentParser) -> None:
     """`--harness TASKS` and its options: lm-evaluation-harness on the run's model."""
     group = parser.add_argument_group(
-        "lm-evaluation-harness (pip install 'hpctrain[eval]'; offline, one process)"
+        "lm-evaluation-harness (pip install -e '.[eval]'; offline, one process)"
     )
     group.add_argument("--harness", default="", metavar="TASK[,TASK...]", help="harness tasks")
     group.add_argument(
@@ -174,3 +174,8 @@ def run(args: argparse.Namespace) -> int:
     from hpctrain.inference.evaluate import run_eval
 
     return run_eval(cfg, checkpoint=checkpoint, out=args.out, tokenizer_spec=args.tokenizer)
+
+
+def interrupted(args: argparse.Namespace) -> str:
+    """After Ctrl-C: the evaluation record is written whole, at the end."""
+    return "nothing written: run the same command again"

@@ -125,3 +125,10 @@ def run(args: argparse.Namespace) -> int:
     if result.model_card is not None:
         print(f"model card (what rebuilds the model): {result.model_card}")
     return 0
+
+
+def interrupted(args: argparse.Namespace) -> str:
+    """After Ctrl-C: an export is written under a temporary name and renamed into place."""
+    if not args.out:
+        return ""
+    return f"nothing half-written at {args.out}: run the same command again"

@@ -1,7 +1,8 @@
 """Entry point of the `hpctrain` command.
 
 Each verb is a module `hpctrain.cli.<verb>` with `HELP` (one line), `EPILOG` (an example),
-`add_arguments(parser)` and `run(args) -> int`. Verbs listed here all work.
+`add_arguments(parser)` and `run(args) -> int`, and optionally `interrupted(args) -> str`: what
+Ctrl-C left behind and how to go on, for the one line it prints. Verbs listed here all work.
 
 `hpctrain --help` and every `hpctrain VERB --help` answer in well under a second: a verb module
 imports torch, numpy, fsspec or submitit only inside `run` (or, for what its arguments need,
@@ -14,6 +15,7 @@ import argparse
 import importlib
 import os
 import select
+import signal
 import sys
 import traceback
 from collections.abc import Sequence
@@ -29,6 +31,9 @@ DEBUG_ENV = "HPCTRAIN_DEBUG"
 # 128 + SIGPIPE, what the shell reports for a C tool such as `cat` killed by the same pipe, so
 # that `set -o pipefail` scripts see the usual status; not 0, since the output was cut short.
 EXIT_BROKEN_PIPE = 141
+# Ctrl-C: 128 + SIGINT, as the shell reports it (hpctrain.train.preemption.INTERRUPT_EXIT_CODE,
+# which the training loop returns after saving; not imported here: it would import torch).
+EXIT_INTERRUPTED = 130
 
 # Order is the order shown in `hpctrain --help`.
 VERBS = [
@@ -86,7 +91,8 @@ def build_parser(
         )
         if with_arguments:
             module.add_arguments(sub)
-        sub.set_defaults(_run=module.run)
+        # `interrupted(args)`, where a verb has one: what Ctrl-C left, after "interrupted: "
+        sub.set_defaults(_run=module.run, _interrupted=getattr(module, "interrupted", None))
     parser.set_defaults(_verb_parsers=verbs.choices)  # for parse_arguments
     return parser
 
@@ -144,6 +150,7 @@ def requested_verb(argv: Sequence[str]) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    as_program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     # Import only the verb asked for: some verbs import torch (seconds; BENCHMARKS.md), and
     # `hpctrain plan` or `hpctrain inspect` should not pay for it.
@@ -165,6 +172,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         tag = rank_tag() if args.verb in ("train", "eval", "predict") else ""
         print_error_line(args.verb, exc, tag=tag)
         code = exc.exit_code
+    except KeyboardInterrupt:
+        # Ctrl-C outside the training loop (which saves the step and says so itself): one
+        # line and 130, as a shell reports it. What a verb writes goes to a temporary name
+        # first (an export, a predictions part, convert's index last), so an interrupted one
+        # leaves nothing a rerun would take for finished. A second Ctrl-C, while Python
+        # shuts down (loader workers, threads), ends the process at once.
+        if as_program:  # not when a test or a program calls main(argv) in-process
+            signal.signal(signal.SIGINT, lambda *_: os._exit(EXIT_INTERRUPTED))
+        if show_tracebacks(args):
+            traceback.print_exc()
+        if rank_tag().strip() in ("", "[rank 0]"):  # one line for a run of --nproc N ranks
+            left = args._interrupted(args) if args._interrupted is not None else ""
+            sys.stderr.write(f"hpctrain {args.verb}: interrupted{': ' + left if left else ''}\n")
+            sys.stderr.flush()
+        code = EXIT_INTERRUPTED
     except BrokenPipeError:
         if not stdout_reader_gone():
             raise  # another pipe (a worker, a socket): a bug, with its traceback

@@ -8,7 +8,7 @@ One vocabulary across verbs (docs/inference.md#one-vocabulary):
   `submit --eval/--predict`).
 
 The older spellings stay as aliases: `export --best` (`--checkpoint best`), `train --resume`,
-`sbatch --output`, and the positional OUT of `export` and DEST of `convert`.
+`sbatch --output`; the positional OUT of `export` and DEST of `convert` are as good as `-o`.
 """
 
 from __future__ import annotations
@@ -109,7 +109,8 @@ def add_output_option(
     positional: str = "",
     metavar: str = "OUT",
 ) -> None:
-    """`-o/--out` (and `aliases`); with `positional`, the older positional word too.
+    """`-o/--out` (and `aliases`); with `positional`, the positional word too (the docs write
+    `convert SRC DEST`; both spellings stay).
 
     The value lands in `args.<dest>` ("" when none was given: a verb that needs one says so).
     """
@@ -120,7 +121,7 @@ def add_output_option(
             default=argparse.SUPPRESS,  # absent: leaves -o's value alone
             action=_OneOutput,
             metavar=positional,
-            help=f"{help}: an older spelling of -o {positional}",
+            help=f"{help} (or -o {positional}: the same)",
         )
     old = f" ({', '.join(aliases)}: the same, an older spelling)" if aliases else ""
     parser.add_argument(

@@ -77,3 +77,10 @@ def run(args: argparse.Namespace) -> int:
             fmt=args.format,
             data_name=data_name(data) if readable == data else data,
         )
+
+
+def interrupted(args: argparse.Namespace) -> str:
+    """After Ctrl-C: parts are written under temporary names and the manifest last."""
+    if not args.out:
+        return ""
+    return f"{args.out} has no manifest.json (written last): run the same command again"

@@ -66,6 +66,8 @@ def print_job_notes(verb: str, prep: Prepared, num_points: int = 1) -> None:
     warning = account_warning(prep.job, prep.profile)
     if warning:
         print(f"hpctrain {verb}: warning: {warning}", file=sys.stderr)
+    if prep.job.spare_reason:
+        print(f"hpctrain {verb}: {prep.job.spare_reason}", file=sys.stderr)
     print(f"hpctrain {verb}: {describe_run_dir(prep, num_points)}", file=sys.stderr)
 
 

@@ -53,7 +53,9 @@ def run(args: argparse.Namespace) -> int:
             return print_goodput(args)
         if not status.job_id:
             raise LaunchError(
-                f"{args.run_dir}: no SLURM job recorded (RUN_DIR/slurm/job.json or job_id)"
+                f"{args.run_dir}: no SLURM job recorded (RUN_DIR/slurm/job.json or job_id): a "
+                f"local run? its steps and evaluations are in {args.run_dir}/metrics.jsonl, "
+                f"and `hpctrain status {args.run_dir} --goodput` says where its hours went"
             )
     except (UsageError, LaunchError) as exc:
         if not args.json:

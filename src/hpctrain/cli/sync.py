@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hpctrain.errors import UsageError
+from hpctrain.errors import UsageError, install_hint
 
 HELP = "upload the offline W&B runs of a run folder (run it on a login node: it needs internet)"
 EPILOG = """examples:
@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     from hpctrain.observe.trackers import wandb_sync_command
 
     if importlib.util.find_spec("wandb") is None:
-        raise UsageError("hpctrain sync needs the wandb package: pip install 'hpctrain[wandb]'")
+        raise UsageError(f"hpctrain sync needs the wandb package: {install_hint('wandb')}")
     command = wandb_sync_command(Path(args.run_dir), dry_run=args.dry_run)
     # The same command as `python -m wandb` of this environment, in the form users type.
     print(shlex.join(["wandb", *command[3:]]), flush=True)

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import json
 import logging
 import math
 import re
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -166,17 +167,43 @@ def _is_non_finite_word(text: str) -> bool:
         return False
 
 
+def closest(word: Any, choices: Iterable[Any]) -> str | None:
+    """The one of `choices` `word` is likely a misspelling of (None when none is close)."""
+    names = [str(c) for c in choices]
+    lower = {n.lower(): n for n in names}
+    if str(word).lower() in lower:  # only the case differs
+        return lower[str(word).lower()]
+    close = difflib.get_close_matches(str(word), names, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def did_you_mean(word: Any, choices: Iterable[Any]) -> str:
+    """`; did you mean 'fsdp'?` for a word close to one of `choices` ("" when none is)."""
+    near = closest(word, choices)
+    return f"; did you mean {near!r}?" if near is not None else ""
+
+
+def _alias(value: Any, f: dataclasses.Field[Any]) -> Any:
+    """Another spelling a field accepts for one of its choices (`fsdp2` for `fsdp`)."""
+    aliases = f.metadata.get("aliases")
+    if aliases and isinstance(value, str):
+        return aliases.get(value.lower(), value)
+    return value
+
+
 def _check(value: Any, f: dataclasses.Field[Any], key: str, source: str) -> None:
     choices = f.metadata.get("choices")
     if choices is not None and isinstance(value, list):  # a list of choices: each one
         for item in value:
             if item not in choices:
                 raise ConfigError(
-                    f"{key}: {item!r} ({source}): must be one of {'|'.join(map(str, choices))}"
+                    f"{key}: {item!r} ({source}): must be one of "
+                    f"{'|'.join(map(str, choices))}{did_you_mean(item, choices)}"
                 )
     elif choices is not None and value not in choices:
         raise ConfigError(
-            f"{key}={value!r} ({source}): must be one of {'|'.join(map(str, choices))}"
+            f"{key}={value!r} ({source}): must be one of "
+            f"{'|'.join(map(str, choices))}{did_you_mean(value, choices)}"
         )
     if isinstance(value, str) and choices is None:
         return  # the word of a number field (`auto`): the bounds are the numbers'
@@ -210,7 +237,9 @@ def _build(
         source = sources.get(dotted, parent_source or sources.get("", "defaults"))
         if key not in fields:
             allowed = ", ".join(sorted(fields))
-            raise ConfigError(f"unknown key {dotted!r} ({source}); allowed here: {allowed}")
+            near = closest(key, fields)  # named dotted, as overrides spell it
+            hint = f": did you mean {prefix + near!r}? allowed" if near else "; allowed"
+            raise ConfigError(f"unknown key {dotted!r} ({source}){hint} here: {allowed}")
         f = fields[key]
         tp = hints[f.name]
         if dataclasses.is_dataclass(tp):
@@ -220,7 +249,7 @@ def _build(
                 )
             kwargs[f.name] = _build(tp, value, sources, f"{dotted}.", source)  # type: ignore[arg-type]
             continue
-        coerced = _coerce(value, tp, dotted, source, sources)
+        coerced = _alias(_coerce(value, tp, dotted, source, sources), f)
         _check(coerced, f, dotted, source)
         kwargs[f.name] = coerced
     return cls(**kwargs)

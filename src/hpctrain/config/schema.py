@@ -58,7 +58,7 @@ class LoraConfig:
     quantize_base: str = _f(
         "none",
         "QLoRA: the adapted layers' base weights in 4-bit NormalFloat (nf4, torchao's NF4Tensor; "
-        "pip install 'hpctrain[qlora]'), dequantized per layer in the forward pass",
+        "pip install -e '.[qlora]'), dequantized per layer in the forward pass",
         choices=("none", "nf4"),
     )
 
@@ -298,8 +298,10 @@ class TrainConfig:
     strategy: str = _f(
         "ddp",
         "data parallelism over ranks; a single process is never wrapped. hsdp: FSDP2 shards "
-        "inside groups of train.shard_degree ranks (a node) and replicates across them",
+        "inside groups of train.shard_degree ranks (a node) and replicates across them; "
+        "fsdp is FSDP2 (fully_shard), also spelled fsdp2",
         choices=("none", "ddp", "fsdp", "hsdp"),
+        aliases={"fsdp2": "fsdp"},
     )
     tp_degree: int = _f(
         1,
@@ -349,6 +351,16 @@ class TrainConfig:
     debug: bool = _f(
         False,
         "debug mode: one process, in-process loading, anomaly detection, errors raised at once",
+    )
+    heartbeat_timeout_s: float = _f(
+        30.0,
+        "under a job script: the least seconds a rank may go without progress (a step, an evaluation, a save) before its watcher writes its stacks, kills it and the attempt restarts as a hang; learnt above it from the run (train.heartbeat_factor x the slowest recent step); below train.collective_timeout_s (docs/clusters.md, timeouts); 0: not watched",
+        min=0.0,
+    )
+    heartbeat_factor: float = _f(
+        5.0,
+        "the allowance of a step, an evaluation or a save: this many times the slowest recent one (at least train.heartbeat_timeout_s)",
+        min=1.0,
     )
     collective_timeout_s: float = _f(
         600.0,
@@ -428,6 +440,11 @@ class CheckpointConfig:
     signals: list[str] = _f(["USR2", "TERM"], "signals that request checkpoint-and-requeue")
     deadline_margin_s: float = _f(
         180.0, "save this long before SLURM_JOB_END_TIME; 0 disables", min=0.0
+    )
+    save_timeout_s: float = _f(
+        0.0,
+        "under a job script: seconds a save may take before its rank's watcher ends it as hung; 0: learnt (train.heartbeat_factor x the slowest save measured, the run's last one before this process saved; train.first_step_timeout_s before any)",
+        min=0.0,
     )
     monitor: str = _f(
         "",

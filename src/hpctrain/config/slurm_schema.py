@@ -4,6 +4,7 @@ job script does between attempts (restarts, spares, the probe; docs/clusters.md)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from hpctrain.config.fields import _f
 
@@ -21,9 +22,11 @@ class SlurmConfig:
     time: str = _f("", "wall time (HH:MM:SS or minutes); empty takes the profile's default")
     max_requeues: int = _f(3, "automatic requeues after a time limit or preemption", min=0)
     max_restarts: int = _f(
-        3,
-        "restarts inside one allocation after a failure that is not the user's (a rank killed, "
-        "a lost node, a distributed error; docs/clusters.md); then the job requeues",
+        0,
+        "at most this many restarts inside one allocation after failures that are not the "
+        "user's, then the job requeues; 0: no count limit (restarts go on while attempts "
+        "commit new checkpoints: slurm.max_no_progress, slurm.max_failure_share; "
+        "docs/clusters.md)",
         min=0,
     )
     max_no_progress: int = _f(
@@ -32,16 +35,37 @@ class SlurmConfig:
         "checkpoint (preemptions and time limits do not count); 0: never stop for that",
         min=0,
     )
-    spare_nodes: int = _f(
+    max_failure_share: float = _f(
+        0.0,
+        "stop when failures (attempts' lost work, restarts that trained nothing) took more "
+        "than this share of the allocation's wall time, e.g. 0.25; 0: no bound",
+        min=0.0,
+        max=1.0,
+    )
+    spare_nodes: int | Literal["auto"] = _f(
         0,
         "extra nodes the job asks for; each attempt trains on slurm.nodes of the nodes that "
-        "pass the health probe, the others stand by for one that goes bad",
+        "pass the health probe, the others stand by for one that goes bad; auto: the number "
+        "that maximises expected goodput from the profile's mtbf_node_hours, slurm.nodes, "
+        "slurm.time and the queue wait (sacct, else the profile's queue_wait_hours), chosen "
+        "and explained when the job is rendered (docs/clusters.md)",
         min=0,
     )
     probe: bool = _f(
         True,
         "before each attempt, check every node (run folder, data, disks, /dev/shm, GPUs, a "
         "timed exchange between nodes) and set aside those that fail",
+    )
+    probe_after_kill: bool = _f(
+        False,
+        "probe before an attempt that follows a rank killed by SIGKILL (the OOM killer, kill "
+        "-9); false: that restart skips the probe, none of whose checks explains such a death",
+    )
+    forkserver: bool = _f(
+        True,
+        "one warm process per node for the allocation, with torch and the trainer imported, "
+        "forks each attempt's ranks: a restart skips the interpreter and its imports "
+        "(docs/clusters.md); false: every rank starts a fresh interpreter",
     )
     require_fabric: bool = _f(
         False,

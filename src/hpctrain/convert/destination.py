@@ -17,11 +17,12 @@ from __future__ import annotations
 import json
 import os
 import posixpath
+from collections.abc import Iterable
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from hpctrain.convert.errors import ConvertError, ConvertOptionError
+from hpctrain.convert.errors import ConvertedAlready, ConvertError, ConvertOptionError
 from hpctrain.convert.options import ConvertOptions, command_line
 from hpctrain.convert.sources.generated import is_python_spec
 from hpctrain.data.compact import companion_url
@@ -185,6 +186,18 @@ def _inside(path: str, folder: str) -> bool:
     return path.startswith(folder.rstrip("/") + "/")
 
 
+def _made_by(index_urls: Iterable[str], command: str) -> bool:
+    """Whether every index of the layout exists and records `command` (a finished run of it)."""
+    for url in index_urls:
+        try:
+            fs, path = fsspec.core.url_to_fs(url)
+            if json.loads(fs.cat_file(path)).get("command") != command:
+                return False
+        except (OSError, ValueError, AttributeError):  # absent, unreadable, not an index
+            return False
+    return True
+
+
 def prepare(
     options: ConvertOptions,
     layout: Layout,
@@ -215,6 +228,12 @@ def prepare(
             if options.resume:
                 raise ConvertError(
                     f"{dest}: no interrupted conversion to resume (finished already, or not ours)"
+                )
+            if _made_by(index_urls.values(), command_line(options)):
+                # the same command run again (a page of the docs after `make demo`): done
+                raise ConvertedAlready(
+                    f"{dest}: converted already by the same command (its index.json says so): "
+                    "nothing to do; --overwrite converts again"
                 )
             raise ConvertError(
                 f"{dest}: already holds shards or an index; use --overwrite to replace them"

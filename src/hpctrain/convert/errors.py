@@ -14,3 +14,8 @@ class ConvertOptionError(ConvertError, UsageError):
 
     exit_code = UsageError.exit_code
     label = UsageError.label
+
+
+class ConvertedAlready(Exception):
+    """DEST holds the finished output of the same command: nothing to do (not an error; the
+    CLI says so and exits 0). Not a `ConvertError`: nothing is wrong."""

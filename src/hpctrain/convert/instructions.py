@@ -209,9 +209,19 @@ def encode_record(
     return np.append(joined, eod), np.append(targets, last_is_target)
 
 
+# A field a flag names that a record lacks: the flag's mistake more likely than the record's
+# (`tokenize.assemble` then suggests no `--on-error skip`, which would drop every record).
+NO_FIELD = "no field "
+
+
+def no_field(name: str, flag: str, row: dict[str, Any]) -> RecordError:
+    fields = ", ".join(map(repr, row)) or "none"
+    return RecordError(f"{NO_FIELD}{name!r} ({flag}); the record's fields: {fields}")
+
+
 def _text_field(row: dict[str, Any], name: str, flag: str) -> str:
     if name not in row:
-        raise RecordError(f"no field {name!r} ({flag})")
+        raise no_field(name, flag, row)
     value = row[name]
     if not isinstance(value, str):
         raise RecordError(f"field {name!r} is {type(value).__name__}, not text")
@@ -220,7 +230,7 @@ def _text_field(row: dict[str, Any], name: str, flag: str) -> str:
 
 def _messages(row: dict[str, Any], name: str) -> list[dict[str, str]]:
     if name not in row:
-        raise RecordError(f"no field {name!r} (--messages-field)")
+        raise no_field(name, "--messages-field", row)
     value = row[name]
     if not isinstance(value, list) or not value:
         raise RecordError(f"field {name!r} is not a list of messages")

@@ -59,6 +59,9 @@ class ConvertResult:
     index_urls: dict[str, str]
     skipped: list[tuple[str, str]] = field(default_factory=list)
     num_resumed_shards: int = 0
+    # text to tokens: split -> documents, packed into fewer samples (for the summary line; not
+    # in the index, which a conversion in parts writes the same without counting them)
+    num_documents: dict[str, int] = field(default_factory=dict)
 
 
 def settings(options: ConvertOptions, kind: str) -> dict[str, object]:

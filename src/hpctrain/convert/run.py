@@ -244,8 +244,20 @@ def result_summary(result: ConvertResult) -> str:
     """Human-readable lines about a finished conversion."""
     lines = []
     for split, index in result.indexes.items():
+        documents = result.num_documents.get(split)
+        if index.num_tokens is not None and isinstance(documents, int):
+            # token shards pack whole documents into samples: say both, or "1 samples" for
+            # 270 records reads as 269 lost
+            tokens = index.extra.get("sample_tokens")
+            size = f" of up to {tokens:,} tokens" if isinstance(tokens, int) and tokens else ""
+            what = (
+                f"{documents:,} documents ({index.num_tokens:,} tokens) packed into "
+                f"{index.num_samples:,} {'sample' if index.num_samples == 1 else 'samples'}{size}"
+            )
+        else:
+            what = f"{index.num_samples} samples"
         lines.append(
-            f"{split or 'shards'}: {index.num_samples} samples in {len(index.shards)} shards, "
+            f"{split or 'shards'}: {what} in {len(index.shards)} shards, "
             f"{index.num_bytes / 1e6:.1f} MB -> {redact_url(result.index_urls[split])}"
         )
     if result.num_resumed_shards:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import posixpath
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
@@ -271,6 +271,8 @@ class TextPlan:
     plans: dict[str, list[ShardPlan]]
     settings: dict[str, Any]  # what decides the output bytes (the index's extra)
     fingerprint: str
+    # split -> its documents (packed into fewer samples); not known to a merge of parts
+    num_documents: dict[str, int] = field(default_factory=dict)
 
 
 def text_plan(
@@ -297,7 +299,8 @@ def text_plan(
         **(setup.records.settings() if setup.records is not None else {}),
     }
     fingerprint = plan_fingerprint({}, {**output_settings, "chunks": digests})
-    return TextPlan(plans, output_settings, fingerprint)
+    documents = {split: len(order) for split, order in orders.items()}
+    return TextPlan(plans, output_settings, fingerprint, documents)
 
 
 def write_or_keep(
@@ -326,7 +329,9 @@ def convert_text(options: ConvertOptions, spool_dir: str, layout: Layout) -> Con
             num_resumed += kept
     indexes = text_indexes(options, tp, results, layout, setup.info, len(skipped))
     destination.commit(options, layout, indexes, skipped)
-    return ConvertResult(indexes, destination.index_urls_of(layout), skipped, num_resumed)
+    return ConvertResult(
+        indexes, destination.index_urls_of(layout), skipped, num_resumed, tp.num_documents
+    )
 
 
 def _split_and_order(options: ConvertOptions, num_docs: int) -> dict[str, np.ndarray]:

@@ -218,6 +218,8 @@ def assemble(
     for result in results:
         if result.errors and options.on_error == "fail":
             where, reason = result.errors[0]
+            if reason.startswith(instructions.NO_FIELD):  # a flag naming another field
+                raise ConvertError(f"{where}: {reason}")
             raise ConvertError(
                 f"{where}: {reason} (use --on-error skip to skip and list such documents)"
             )

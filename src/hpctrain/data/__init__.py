@@ -16,7 +16,7 @@ from hpctrain.data.index import (
 )
 from hpctrain.data.locate import expand_braces, open_index
 from hpctrain.data.planning import EpochPlan, PlanError, Segment, StageParams, plan
-from hpctrain.data.stream import ReadStats, ShardReadError
+from hpctrain.data.stream import ReadStats, ShardReadError, ShardUnavailableError
 
 __all__ = [
     "INDEX_NAME",
@@ -30,6 +30,7 @@ __all__ = [
     "ShardIndexError",
     "ShardInfo",
     "ShardReadError",
+    "ShardUnavailableError",
     "ShardedLoader",
     "StageParams",
     "WorkerDiedError",

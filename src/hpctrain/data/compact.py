@@ -17,7 +17,8 @@ where each column lies: `num_samples`, `num_bytes` and, for token shards, `num_t
 `num_targets` as int64 (the dtype the plan computes in: a column is read with no copy);
 `sha256` as 32 raw bytes per shard (all zero: none recorded). URLs are stored once as *runs*:
 `train-000000.tar` ... `train-999999.tar` is one run (a prefix, a first number, a width and a
-suffix); a URL that continues no run is a run of one, its text stored whole. Shard `i`'s URL is
+suffix); a URL that continues no run is a run of one, its text stored whole, and so is a URL
+whose number does not fit the int64 column (a 20-digit id or timestamp). Shard `i`'s URL is
 found by a binary search over the runs' first shards.
 
 A compact index is data from whoever wrote the dataset, like the JSON: `parse_compact` checks
@@ -61,6 +62,7 @@ MAGIC = b"HPCIDX01"
 ALIGN = 64
 _PREFIX = struct.Struct("<8sQ")
 _NUMBERED = re.compile(r"(.*?)(\d+)(\D*)", re.S)  # the last group of digits of a URL
+_MAX_NUMBER = 2**63 - 1  # a run's first number is stored as int64
 RELATIVE = "relative"  # a URL kind: resolved against the index folder, its protocol
 
 
@@ -108,7 +110,9 @@ def url_runs(urls: Sequence[str]) -> list[_Run]:
     last: tuple[str, int, int, str] | None = None  # prefix, number, width, suffix of shard i-1
     for i, url in enumerate(urls):
         match = _NUMBERED.fullmatch(url)
-        if match is None:
+        # digits past int64 (a 20-digit id or timestamp): the URL is stored as its text, as
+        # one without digits (the length test first: int() refuses over 4,300 digits)
+        if match is None or len(match[2]) > 19 or int(match[2]) > _MAX_NUMBER:
             runs.append(_Run(i, -1, 0, url, ""))
             last = None
             continue

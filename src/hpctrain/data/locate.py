@@ -21,6 +21,7 @@ from hpctrain.data.stream import (
     PIPE_RULE,
     CorruptShardError,
     ShardReadError,
+    ShardUnavailableError,
     open_shard,
     pipe_label,
 )
@@ -121,6 +122,8 @@ def _count_pattern(
         try:
             num_samples = count_samples(url, storage_options, allow_pipe=allow_pipe)
             size = _size(url, storage_options)
+        except ShardUnavailableError:
+            raise  # an outage, not the pattern's fault: exit 8, retried
         except ShardReadError as exc:
             raise ShardIndexError(str(exc)) from None
         shards.append(ShardInfo(url=url, num_samples=num_samples, num_bytes=size))

@@ -30,7 +30,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from hpctrain.data.index import redact_url
-from hpctrain.errors import DataError
+from hpctrain.errors import DataError, TransientDataError
 
 BLOCK = 512
 READ_CHUNK = 1 << 20  # what a non-seekable stream reads ahead of what it was asked for
@@ -57,6 +57,12 @@ class ShardReadError(DataError, ValueError):
         if self.url:
             return (type(self), (self.url, self.reason))
         return (type(self), self.args)
+
+
+class ShardUnavailableError(ShardReadError, TransientDataError):
+    """A shard whose reads failed with faults a retry could cure (a reset connection, a 5xx,
+    a timeout) until its retries ran out: an outage of the store, not the shard's fault.
+    Exit 8, retried by the job script (a missing, forbidden or damaged shard is not)."""
 
 
 class TransientReadError(OSError):
@@ -229,7 +235,7 @@ class ShardStream:
         if not is_transient(exc):
             raise ShardReadError(self.url, _describe(exc)) from exc
         if self.retries_left <= 0:
-            raise ShardReadError(
+            raise ShardUnavailableError(
                 self.url, f"still failing after {self.max_retries} retries: {_describe(exc)}"
             ) from exc
         attempt = self.max_retries - self.retries_left
@@ -510,11 +516,11 @@ def _open_with_retries(
                 allow_pipe=allow_pipe,
             )
         except Exception as exc:
-            if not is_transient(exc) or attempt >= max_retries:
-                reason = _describe(exc)
-                if attempt:
-                    reason = f"still failing after {attempt} retries: {reason}"
-                raise ShardReadError(url, reason) from exc
+            if not is_transient(exc):
+                raise ShardReadError(url, _describe(exc)) from exc
+            if attempt >= max_retries:
+                reason = f"still failing after {attempt} retries: {_describe(exc)}"
+                raise ShardUnavailableError(url, reason) from exc
             if stats is not None:
                 stats.retries += 1
             time.sleep(min(backoff_s * (2**attempt), 5.0))

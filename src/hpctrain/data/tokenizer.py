@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from hpctrain.errors import UsageError
+from hpctrain.errors import UsageError, install_hint
 
 BYTES = "bytes"
 BYTES_EOD = 256
@@ -172,7 +172,7 @@ def _library(module: str, extra: str, what: str) -> Any:
         return importlib.import_module(module)
     except ImportError:
         raise TokenizerError(
-            f"reading {what} needs the {module} library: pip install 'hpctrain[{extra}]'"
+            f"reading {what} needs the {module} library: {install_hint(extra)}"
         ) from None
 
 

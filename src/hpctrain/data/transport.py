@@ -59,7 +59,7 @@ from hpctrain.distributed.signals import (
     start_forkserver,
     unblock_job_signals,
 )
-from hpctrain.errors import DataError
+from hpctrain.errors import TransientDataError
 
 _DONE = object()
 POLL_S = 1.0  # how often a waiting worker checks that the training process is alive
@@ -68,12 +68,18 @@ ACTIVITY_BYTES = 512  # a worker's "what I am reading" text, shared with the tra
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-class WorkerDiedError(DataError, RuntimeError):
-    """A loader worker process ended without being asked to (killed, crashed, out of memory)."""
+class WorkerDiedError(TransientDataError, RuntimeError):
+    """A loader worker process ended without being asked to (killed, crashed, out of memory).
+
+    Transient (exit 8, retried by the job script): the OOM killer's likeliest victim on a node
+    is a loader worker, and a new attempt starts new workers. A worker that keeps dying at the
+    same place stops the run by `slurm.max_no_progress`.
+    """
 
 
 class WorkerTimeoutError(WorkerDiedError):
-    """A loader worker that sent nothing for `data.timeout_s` (names it and its shard)."""
+    """A loader worker that sent nothing for `data.timeout_s` (names it and its shard): stuck
+    on a hung file system or a stalled read; transient like a death."""
 
 
 # In a worker: its shared activity text (None in the training process).
@@ -439,8 +445,11 @@ class WorkerPool:
         self._settle()
         self.generation += 1
         generation = self.generation
-        for orders in self.workers.orders:
-            orders.send(generation)
+        for worker, orders in enumerate(self.workers.orders):
+            try:
+                orders.send(generation)
+            except OSError:  # no reader: the worker died between passes (the OOM killer)
+                raise self._died(worker) from None
         count = len(self.workers.processes)
         self.unfinished = set(range(count))
         worker = 0
@@ -484,10 +493,14 @@ class WorkerPool:
                 return message
         except (EOFError, OSError):
             pass
+        raise self._died(worker)
+
+    def _died(self, worker: int) -> WorkerDiedError:
+        """The error of a worker found gone; the pool cannot run again."""
         self.broken = True
         process = self.workers.processes[worker]
         process.join(timeout=1)
-        raise WorkerDiedError(
+        return WorkerDiedError(
             f"loader worker {worker} (pid {process.pid}) exited unexpectedly "
             f"({_describe_exit(process.exitcode)}){self._doing(worker)}"
         )

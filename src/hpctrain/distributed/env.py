@@ -17,6 +17,9 @@ from dataclasses import dataclass
 # below the Linux ephemeral range (32768+).
 PORT_BASE = 20000
 PORT_SPAN = 10000
+# `NODE=ADDRESS`: the first training node's address on the fabric, from its health probe
+# (`resilience/attempts.py place` exports it; distributed/interfaces.py)
+FABRIC_MASTER_ENV = "HPCTRAIN_FABRIC_MASTER"
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,7 @@ class DistEnv:
     master_port: int
     source: str  # "slurm", "torchrun" or "single"
     job_id: str = ""
+    master_from: str = "MASTER_ADDR"  # where master_addr came from (the start-up log says)
 
     @property
     def is_main(self) -> bool:
@@ -150,12 +154,13 @@ def resolve_env(environ: Mapping[str, str] | None = None) -> DistEnv:
             local_rank=_int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
             world_size=num_tasks,
             local_world_size=local_world_size,
-            master_addr=env.get("MASTER_ADDR", hosts[0]),
+            master_addr=env["MASTER_ADDR"] if "MASTER_ADDR" in env else master_of(env, hosts),
             master_port=_int(env, "MASTER_PORT")
             if "MASTER_PORT" in env
             else port_from_job_id(job_id),
             source="slurm",
             job_id=job_id,
+            master_from=master_source(env, hosts),
         )
     return DistEnv(
         rank=0,
@@ -166,6 +171,27 @@ def resolve_env(environ: Mapping[str, str] | None = None) -> DistEnv:
         master_port=_int(env, "MASTER_PORT") if "MASTER_PORT" in env else 29500,
         source="single",
     )
+
+
+def fabric_master(environ: Mapping[str, str], first_node: str) -> str:
+    """The first node's fabric address its probe recorded, when it is that node's ("")."""
+    node, _, address = environ.get(FABRIC_MASTER_ENV, "").partition("=")
+    return address if address and node == first_node else ""
+
+
+def master_of(environ: Mapping[str, str], hosts: list[str]) -> str:
+    """The master address of a SLURM step: rank 0's node (the first of the step's nodes),
+    at its fabric address when its probe found one."""
+    return fabric_master(environ, hosts[0]) or hosts[0]
+
+
+def master_source(environ: Mapping[str, str], hosts: list[str]) -> str:
+    """Where a SLURM step's master address comes from, in words."""
+    if "MASTER_ADDR" in environ:
+        return "MASTER_ADDR"
+    if fabric_master(environ, hosts[0]):
+        return f"{hosts[0]}'s fabric address, from its health probe"
+    return "the step's first node"
 
 
 def _first_count(tasks_per_node: str, fallback: int) -> int:

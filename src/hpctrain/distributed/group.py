@@ -17,6 +17,14 @@ import torch.distributed as dist
 
 from hpctrain.distributed.env import DistEnv
 from hpctrain.distributed.fabric import FABRIC_ENV, check_fabric, nccl_log_env
+from hpctrain.distributed.interfaces import (
+    describe_channels,
+    fabric_interface,
+    gloo_interface,
+    local_interfaces,
+    this_node,
+)
+from hpctrain.distributed.rendezvous import agree_on_view, check_master, check_world
 from hpctrain.errors import DistributedError, LaunchFailure
 
 log = logging.getLogger("hpctrain")
@@ -127,9 +135,35 @@ def init_process_group(
     over several nodes of a cluster whose profile names a fabric (`HPCTRAIN_FABRIC`), NCCL's
     init log tells the network it uses: not the fabric is one warning line, or a
     `FabricError` with `require_fabric` (`slurm.require_fabric`; distributed/fabric.py).
+
+    Before any collective, a task of a SLURM step checks that it joins the step's world
+    (its size, the master address every node names) and the store's first exchange compares
+    every task's view with rank 0's: a world that would split is a `RendezvousError` (exit 6,
+    distributed/rendezvous.py). Over several nodes of an InfiniBand profile, gloo binds to the
+    fabric's interface; the start-up log names the interface of each channel
+    (distributed/interfaces.py).
     """
+    check_world(env, os.environ)
     if not env.is_distributed or dist.is_initialized():
         return
+    check_master(env, os.environ)
+    fabric = os.environ.get(FABRIC_ENV, "")
+    if env.local_world_size < env.world_size:  # over several nodes
+        interfaces = local_interfaces()
+        choice = (
+            fabric_interface(os.environ, interfaces, node=this_node(os.environ))
+            if fabric == "infiniband"
+            else None
+        )
+        os.environ.update(gloo_interface(os.environ, choice))
+        channels, warning = describe_channels(
+            f"{env.master_addr}:{env.master_port}", env.master_from, os.environ, interfaces,
+            choice, fabric=fabric,
+        )  # fmt: skip
+        if env.is_main:
+            log.info(channels)
+        if warning and env.local_rank == 0:  # once per node
+            log.warning(warning)
     os.environ["MASTER_ADDR"] = env.master_addr
     os.environ["MASTER_PORT"] = str(env.master_port)
     os.environ["RANK"] = str(env.rank)
@@ -140,7 +174,7 @@ def init_process_group(
     # in the same PrefixStore)
     store, _rank, _size = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
     store.set_timeout(timeout)
-    fabric = os.environ.get(FABRIC_ENV, "")
+    agree_on_view(store, env, os.environ)
     nccl_log: Path | None = None
     if device.type == "cuda":
         assert device.index is not None

@@ -85,7 +85,12 @@ def run_eval(
             check_trackers(cfg.logging)  # a missing package fails before the work, not after
         env = run.env  # with eval.generate, each rank answers its share of the prompts
         share = Share(rank=env.rank, size=env.world_size, lockstep=env.is_distributed)
-        metrics = evaluate(run.task, run.model, run.loader, run.precision, run.device, share=share)
+        label = f"evaluation of {run.checkpoint} (step {run.step})"
+        if env.is_main:
+            log.info("%s on %s: %d batches per rank", label, cfg.data.val, len(run.loader))
+        metrics = evaluate(
+            run.task, run.model, run.loader, run.precision, run.device, share=share, label=label
+        )
         lost = loss_counters(run.loader, run.device)
         if not run.env.is_main:
             return 0

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from hpctrain.checkpoint.weights import locate_checkpoint
-from hpctrain.errors import UsageError
+from hpctrain.errors import UsageError, install_hint
 from hpctrain.files import write_atomic
 from hpctrain.models.lora_base import describe_base, read_weights  # LoRA: merged into its base
 from hpctrain.tasks.task import DEFAULT_TASK
@@ -106,8 +106,7 @@ def export_weights(
             import safetensors.torch  # noqa: F401
         except ImportError:
             raise UsageError(
-                "--format safetensors needs the safetensors package: "
-                "pip install 'hpctrain[safetensors]'"
+                "--format safetensors needs the safetensors package: " + install_hint("safetensors")
             ) from None
     store, name, manifest = locate_checkpoint(path, best=best)
     if ema is None:  # `--best` picked it by the weights the training evaluated with
@@ -221,7 +220,7 @@ def export_hf(
         from safetensors.torch import save
     except ImportError:
         raise UsageError(
-            "--format hf needs the safetensors package: pip install 'hpctrain[safetensors]'"
+            "--format hf needs the safetensors package: " + install_hint("safetensors")
         ) from None
 
     from hpctrain.data.tokenizer import JSON

@@ -44,7 +44,7 @@ from torch import nn
 
 from hpctrain.config import Config
 from hpctrain.data.tokenizer import UNKNOWN, Tokenizer
-from hpctrain.errors import UsageError
+from hpctrain.errors import UsageError, install_hint
 from hpctrain.files import write_atomic
 from hpctrain.inference.generate import generation_precision, load_gpt, run_tokenizer
 from hpctrain.models.decoding import decode
@@ -76,9 +76,7 @@ def import_harness() -> Any:
         import lm_eval
         import lm_eval.tasks
     except ImportError:
-        raise UsageError(
-            "--harness needs lm-evaluation-harness: pip install 'hpctrain[eval]'"
-        ) from None
+        raise UsageError("--harness needs lm-evaluation-harness: " + install_hint("eval")) from None
     return lm_eval
 
 

@@ -52,6 +52,7 @@ from hpctrain.data.index import ShardIndex, ShardInfo, index_to_bytes, redact_ur
 from hpctrain.errors import UsageError
 from hpctrain.files import write_atomic
 from hpctrain.inference.session import inference_session
+from hpctrain.observe.waits import Ticker
 from hpctrain.train.evaluation import loss_counters, to_device
 
 log = logging.getLogger("hpctrain")
@@ -399,9 +400,13 @@ def run_predict(
             (json.dumps(manifest, indent=1) + "\n").encode(),
             what="the predictions' manifest",
         )
-        summary = {k: v for k, v in manifest.items() if k != "parts"}
-        summary["manifest"] = f"{redact_url(out).rstrip('/')}/{MANIFEST_NAME}"
-        print(json.dumps(summary), flush=True)
+        # A line to read, not the manifest's JSON again: manifest.json holds all of it.
+        print(
+            f"predicted {total} samples of {manifest['data']} with {run.checkpoint} (step "
+            f"{run.step}, {run.weights} weights) on {env.world_size} rank(s) -> "
+            f"{redact_url(out).rstrip('/')}/{MANIFEST_NAME} ({fmt}, {len(entries)} part(s))",
+            flush=True,
+        )
         if any(lost.values()):
             log.warning(
                 "prediction lost data under data.on_error=skip: %s (not in the predictions)",
@@ -415,7 +420,11 @@ def predict_part(run: Any, predict: Any, writer: PartWriter) -> dict[str, Any]:
     """This rank's batches through `predict`; valid samples into `writer`, then committed."""
     run.model.eval()
     run.loader.set_epoch(0)
+    ticker = Ticker(f"prediction with {run.checkpoint}", len(run.loader), enabled=run.env.is_main)
+    if run.env.is_main:
+        log.info("%s: %d batches per rank", ticker.label, len(run.loader))
     for batch in run.loader:
+        ticker.update()
         keys = batch["key"]
         sources = batch.pop(SOURCE_FIELD, None) or [""] * len(keys)  # not the task's to see
         with run.precision.autocast():

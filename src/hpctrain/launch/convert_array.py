@@ -4,8 +4,10 @@ Each stage of the conversion (`hpctrain.convert.parts`: `tokenize` or `list`, th
 is one job array of its missing parts, `--array=...%K` throttled like a training sweep; the
 next stage starts after it (`--dependency=afterok`), and one merge job after the last writes
 the index and checks it. A part that fails leaves its array, and so the jobs after it,
-unfinished (`--kill-on-invalid-dep=yes`: they are cancelled, not left pending); the same
-command with `--resume` submits only the parts that did not finish.
+unfinished: every job after the first has `--kill-on-invalid-dep=yes`, so a failed tokenize
+(or Arrow list) stage cancels the write array and the merge instead of leaving them pending
+forever (`DependencyNeverSatisfied`); the same command with `--resume` submits only the parts
+that did not finish.
 
 Rendering is a pure function of its inputs (`render_stage`, `render_merge`); `--dry-run` prints
 the scripts. The job takes the profile's account notation, partition, QoS limits and setup
@@ -79,6 +81,11 @@ def array_job(
     )
 
 
+# A job whose dependency can no longer be met is cancelled (SLURM's default leaves it
+# pending for ever, "DependencyNeverSatisfied"): every job of the chain after the first.
+KILL_ON_INVALID_DEP = "#SBATCH --kill-on-invalid-dep=yes"
+
+
 def _header(aj: ArrayJob, name: str, cpus: int, output: str, description: str) -> list[str]:
     job = aj.job
     lines = ["#!/bin/bash", f"# {check_setup_line(description, 'description')}"]
@@ -127,9 +134,19 @@ def array_option(parts: Sequence[int], max_parallel: int) -> str:
 
 
 def render_stage(
-    aj: ArrayJob, options: ConvertOptions, num_parts: int, stage: str, parts: Sequence[int]
+    aj: ArrayJob,
+    options: ConvertOptions,
+    num_parts: int,
+    stage: str,
+    parts: Sequence[int],
+    *,
+    after_another: bool = False,
 ) -> str:
-    """The array job script of `stage` for `parts` (a pure function of its inputs)."""
+    """The array job script of `stage` for `parts` (a pure function of its inputs).
+
+    `after_another`: it waits for an earlier job of the chain (`--dependency=afterok`), and
+    is cancelled when that one fails (`--kill-on-invalid-dep=yes`), not left pending.
+    """
     lines = _header(
         aj,
         f"hpctrain-convert-{stage}",
@@ -139,6 +156,8 @@ def render_stage(
         f"(cluster profile {aj.job.profile}); one array task per part",
     )
     lines.append(f"#SBATCH --array={array_option(parts, aj.max_parallel)}")
+    if after_another:
+        lines.append(KILL_ON_INVALID_DEP)
     tail = f' --run-part "$SLURM_ARRAY_TASK_ID" --stage {stage}'
     return "\n".join([*lines, *_body(aj, part_words(options, num_parts), tail), ""])
 
@@ -153,7 +172,7 @@ def render_merge(aj: ArrayJob, options: ConvertOptions, num_parts: int) -> str:
         f"hpctrain convert, the merge of a conversion in {num_parts} parts (cluster profile "
         f"{aj.job.profile}): submitted after the parts (--dependency=afterok)",
     )
-    lines.append("#SBATCH --kill-on-invalid-dep=yes")
+    lines.append(KILL_ON_INVALID_DEP)
     return "\n".join([*lines, *_body(aj, [*part_words(options, num_parts), "--merge"]), ""])
 
 
@@ -173,11 +192,12 @@ def submit_conversion(
     check_parts(options, num_parts, aj.max_parallel)
     if not dry_run and prepare_parts(options, num_parts) is not None:
         return Submitted([], [], finished=True)
-    scripts = []
+    scripts: list[tuple[str, str]] = []
     for stage in stages_of(options):
         todo = list(range(num_parts)) if dry_run else missing_parts(options, num_parts, stage)
         if todo:
-            scripts.append((f"stage {stage}", render_stage(aj, options, num_parts, stage, todo)))
+            script = render_stage(aj, options, num_parts, stage, todo, after_another=bool(scripts))
+            scripts.append((f"stage {stage}", script))
     scripts.append(("merge", render_merge(aj, options, num_parts)))
     if dry_run:
         return Submitted(scripts, [])

@@ -88,7 +88,8 @@ def run_local(
     as `hpctrain bench mesh` lays out two nodes of two on one machine.
 
     Signals the launcher receives (TERM, INT, USR1, USR2) are forwarded to every rank, so a
-    local run exercises the same preemption path as a SLURM job. When one rank fails, the
+    local run exercises the same preemption path as a SLURM job, and Ctrl-C reaches each rank
+    once (the ranks run in process groups of their own). When one rank fails, the
     others get `grace_s` to exit on their own (e.g. after the same save), then SIGTERM, then
     SIGKILL after `term_wait_s`; a stopped rank (hung in SIGSTOP) is killed at once. Failures
     are reported on stderr, one line naming each rank and how it ended, and the folder of
@@ -116,7 +117,15 @@ def run_local(
         )
         env[LAUNCHER_PID_ENV] = str(os.getpid())
         env[LAUNCHER_ENV] = f"local spawn: hpctrain {verb} --nproc {nproc}"
-        procs.append(subprocess.Popen([sys.executable, "-m", "hpctrain", verb, *argv], env=env))
+        # Each rank in a process group of its own: Ctrl-C at a terminal signals the foreground
+        # group, the launcher alone, which forwards it once. Were the ranks in that group too,
+        # each would get it twice (the terminal's and the forwarded one), and a second Ctrl-C
+        # means "stop at once, without saving" (`train/preemption.py`).
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "hpctrain", verb, *argv], env=env, start_new_session=True
+            )
+        )
 
     def forward(signum: int, _frame: object) -> None:
         for p in procs:

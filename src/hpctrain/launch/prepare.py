@@ -117,7 +117,23 @@ def _prepared(cfg: Config, *, place: bool = True) -> Prepared:
     prof = load_profile(cfg.slurm.profile)
     placed = cluster_run_dir(cfg, prof) if place else absolute_run_dir(cfg)
     moved = cfg.run_dir if place and is_relative(cfg.run_dir) and prof.run_root else ""
-    return Prepared(cfg=placed, profile=prof, job=resolve_job(placed, prof), relative_run_dir=moved)
+    wait = queue_wait(placed) if placed.slurm.spare_nodes == "auto" else None
+    job = resolve_job(placed, prof, queue_wait=wait)
+    return Prepared(cfg=placed, profile=prof, job=job, relative_run_dir=moved)
+
+
+def queue_wait(cfg: Config) -> tuple[float, str] | None:
+    """The queue wait sacct measured for this run (its earlier jobs, else the user's recent
+    ones), for `slurm.spare_nodes: auto`; None: sacct does not answer here."""
+    from hpctrain.resilience.job_records import read_job_record, recorded_job_ids
+    from hpctrain.resilience.spares import measured_queue_wait
+
+    run_dir = Path(expand_set_variables(cfg.run_dir))
+    try:
+        job_ids = recorded_job_ids(run_dir, read_job_record(run_dir))
+    except (LaunchError, OSError):
+        job_ids = []
+    return measured_queue_wait(job_ids)
 
 
 def prepare(config_path: str, overrides: Sequence[str], profile: str | None = None) -> Prepared:

@@ -23,10 +23,14 @@ from hpctrain.config.load import load_yaml
 from hpctrain.errors import LaunchError  # defined there since resilience/ raises it too
 from hpctrain.launch.container import container_binds
 from hpctrain.resilience import failure_rate
+from hpctrain.resilience.spares import SpareModel, choose_spares
 
 PROFILES_ENV = "HPCTRAIN_CLUSTERS_DIR"
 CONTAINER_RUNTIMES = ("apptainer", "singularity")
 FABRICS = ("", "infiniband", "ethernet")  # distributed/fabric.py checks NCCL uses it
+# A requeue's wait in the queue where neither sacct nor the profile says (slurm.spare_nodes:
+# auto): a stated guess for a busy site's multi-node job, not a measurement.
+DEFAULT_QUEUE_WAIT_HOURS = 1.0
 
 
 @dataclass(frozen=True)
@@ -69,9 +73,15 @@ class ClusterProfile:
     qos_max_gpus: dict[str, int] = field(default_factory=dict)
     qos_max_nodes: dict[str, int] = field(default_factory=dict)
     fabric: str = ""  # the nodes' interconnect NCCL should use (infiniband); "": unchecked
+    # the fabric's network interface on the nodes (ib0): the rendezvous store, gloo and the
+    # probe use it (distributed/interfaces.py); "": found from NCCL's choice or IPoIB
+    fabric_interface: str = ""
     # One node's mean time between failures, hours: the prior of checkpoint.every_minutes=auto
     # (hpctrain.resilience.failure_rate); a job on N nodes fails N times as often.
     mtbf_node_hours: float = DEFAULT_NODE_MTBF_HOURS
+    # A requeue's typical wait in the queue, hours: what `slurm.spare_nodes: auto` weighs a
+    # spare against when sacct knows no earlier job (hpctrain.resilience.spares).
+    queue_wait_hours: float = DEFAULT_QUEUE_WAIT_HOURS
     # The newest CUDA the nodes' NVIDIA driver runs (nvidia-smi's "CUDA Version", e.g. 12.4),
     # as the site documents it; "": unknown. A torch built for a newer CUDA major cannot start.
     driver_cuda: str = ""
@@ -104,8 +114,11 @@ class JobSpec:
     max_parallel: int = 0  # a job array runs at most this many tasks at once; 0: no limit
     spare_nodes: int = 0  # asked for beyond `nodes`: standbys for a node that goes bad
     probe: bool = True  # the health probe before each attempt (resilience/probe.py)
+    forkserver: bool = True  # ranks forked by a warm process per node (resilience/forkserver.py)
     fabric: str = ""  # the profile's interconnect, exported to the tasks (HPCTRAIN_FABRIC)
+    fabric_interface: str = ""  # its interface (HPCTRAIN_FABRIC_INTERFACE); "": found
     driver_cuda: str = ""  # the profile's documented driver CUDA version; "": unknown
+    spare_reason: str = ""  # slurm.spare_nodes=auto: why `spare_nodes` spares, in one line
 
     @property
     def allocated_nodes(self) -> int:
@@ -181,7 +194,8 @@ def parse_profile(data: Any, source: str) -> ClusterProfile:
         "name", "description", "account_suffix", "hint", "request_gpus", "default_partition",
         "partitions", "qos", "default_qos", "default_time", "precisions", "setup", "run_root",
         "cache_root", "gpu_arch", "container_runtime", "qos_max_gpus", "qos_max_nodes",
-        "node_local_dir", "fabric", "mtbf_node_hours", "driver_cuda",
+        "node_local_dir", "fabric", "fabric_interface", "mtbf_node_hours", "driver_cuda",
+        "queue_wait_hours",
     }  # fmt: skip
     unknown = sorted(set(data) - known)
     if unknown:
@@ -237,7 +251,9 @@ def parse_profile(data: Any, source: str) -> ClusterProfile:
         qos_max_gpus=per_job["qos_max_gpus"],
         qos_max_nodes=per_job["qos_max_nodes"],
         fabric=str(data.get("fabric", "") or ""),
+        fabric_interface=str(data.get("fabric_interface", "") or ""),
         mtbf_node_hours=_mtbf_node_hours(data, source),
+        queue_wait_hours=_queue_wait_hours(data, source),
         driver_cuda=str(data.get("driver_cuda", "") or ""),
     )
     driver = data.get("driver_cuda", "") or ""
@@ -253,6 +269,12 @@ def parse_profile(data: Any, source: str) -> ClusterProfile:
     if profile.fabric not in FABRICS:
         raise LaunchError(
             f"{source}: fabric={profile.fabric!r} is not one of {', '.join(FABRICS[1:])} (or empty)"
+        )
+    if profile.fabric_interface and not re.fullmatch(
+        r"[A-Za-z0-9_.:-]{1,15}", profile.fabric_interface
+    ):
+        raise LaunchError(
+            f"{source}: fabric_interface={profile.fabric_interface!r} is not a network interface name (like ib0)"
         )
     if profile.container_runtime not in CONTAINER_RUNTIMES:
         raise LaunchError(
@@ -278,6 +300,16 @@ def _mtbf_node_hours(data: dict[str, Any], source: str) -> float:
         raise LaunchError(
             f"{source}: mtbf_node_hours={value!r} is not a positive number (hours between "
             "failures of one node)"
+        )
+    return float(value)
+
+
+def _queue_wait_hours(data: dict[str, Any], source: str) -> float:
+    value = data.get("queue_wait_hours", DEFAULT_QUEUE_WAIT_HOURS)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise LaunchError(
+            f"{source}: queue_wait_hours={value!r} is not a number of hours >= 0 (a requeue's "
+            "wait in the queue)"
         )
     return float(value)
 
@@ -371,8 +403,13 @@ def check_job_size(profile: ClusterProfile, qos: str, nodes: int, gpus_per_node:
         )
 
 
-def resolve_job(cfg: Config, profile: ClusterProfile) -> JobSpec:
+def resolve_job(
+    cfg: Config, profile: ClusterProfile, *, queue_wait: tuple[float, str] | None = None
+) -> JobSpec:
     """Merge the profile with `cfg.slurm` overrides and check the result against the profile.
+
+    `queue_wait`: (hours, where from) measured for `slurm.spare_nodes: auto`
+    (`resilience.spares.measured_queue_wait`); None: the profile's `queue_wait_hours`.
 
     Raises:
         LaunchError: one line naming the key, the value and what is allowed.
@@ -420,6 +457,15 @@ def resolve_job(cfg: Config, profile: ClusterProfile) -> JobSpec:
         raise LaunchError(
             f"slurm.signal_margin_s={s.signal_margin_s}: must be below the wall time ({minutes * 60} s)"
         )
+    spares, reason = s.spare_nodes, ""
+    if spares == "auto":
+        hours, where = queue_wait or (
+            profile.queue_wait_hours,
+            f"profile {profile.name}'s queue_wait_hours",
+        )
+        model = SpareModel(s.nodes, minutes / 60, profile.mtbf_node_hours, hours)
+        choice = choose_spares(model, where)
+        spares, reason = choice.spares, choice.line
     return JobSpec(
         profile=profile.name,
         job_name=job_name_for(cfg),
@@ -441,9 +487,12 @@ def resolve_job(cfg: Config, profile: ClusterProfile) -> JobSpec:
         container=s.container,
         container_runtime=profile.container_runtime,
         container_binds=container_binds(cfg) if s.container else (),
-        spare_nodes=s.spare_nodes,
+        spare_nodes=spares,
+        spare_reason=reason,
         probe=s.probe,
+        forkserver=s.forkserver,
         fabric=profile.fabric,
+        fabric_interface=profile.fabric_interface,
         driver_cuda=profile.driver_cuda,
     )
 

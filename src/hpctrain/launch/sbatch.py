@@ -186,6 +186,8 @@ def _header_lines(job: JobSpec, log_path: str, description: str, array: str) -> 
     if description:
         lines.append(f"# {check_setup_line(description, 'description')}")
     lines.append("# Edit freely; submit with: sbatch THIS_FILE")
+    if job.spare_reason:  # how many spares slurm.spare_nodes=auto chose, and why
+        lines.append(f"# {' '.join(job.spare_reason.split())}")
     options = sbatch_options(job, log_path=log_path)
     if array:
         options.append(("array", array, "one task per sweep point, %N: at most N at once"))
@@ -246,6 +248,10 @@ def environment_lines(job: JobSpec, *, tasks: bool = True) -> list[str]:
     if job.fabric:
         lines.append(
             f"export HPCTRAIN_FABRIC={job.fabric}  # NCCL must use it, not sockets (slurm.require_fabric)"
+        )
+    if job.fabric_interface:
+        lines.append(
+            f"export HPCTRAIN_FABRIC_INTERFACE={job.fabric_interface}  # the store, gloo and the probe use it"
         )
     return lines
 
@@ -328,6 +334,15 @@ def attempt_loop_lines(job: JobSpec) -> list[str]:
         "    # answers) is set aside, its line says why.",
         f'    [ "$NUM_PROBE_NODES" -gt 0 ] && srun --nodelist="$PROBE_NODES" --nodes="$NUM_PROBE_NODES" --ntasks="$NUM_PROBE_NODES" --ntasks-per-node=1 --cpus-per-task=1 --time=3 ${{SLURM_GPUS_ON_NODE:+--gres=gpu:$SLURM_GPUS_ON_NODE}} {py} -m hpctrain.resilience.probe "$ATTEMPT_DIR" --gpus "${{SLURM_GPUS_ON_NODE:-0}}" "${{TRAIN_ARGS[@]}}"',
     ]  # fmt: skip
+    forkserver = [
+        "# A warm process per node for the whole allocation (slurm.forkserver): it imports torch",
+        "# and the trainer once, and each attempt's ranks are forked from it (`attempts begin`",
+        "# exports HPCTRAIN_FORKSERVER=1 for their watchers), so that a restart skips the",
+        "# interpreter and its imports. A rank it cannot fork starts afresh.",
+        f'srun --overlap --quiet --no-kill --kill-on-bad-exit=0 --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" --mem=0 ${{SLURM_GPUS_ON_NODE:+--gres=gpu:$SLURM_GPUS_ON_NODE}} {py} -m hpctrain.resilience.forkserver -- train "${{TRAIN_ARGS[@]}}" </dev/null &',
+        "FORKSERVER=$!",
+        "trap 'kill \"$FORKSERVER\" 2>/dev/null' EXIT",
+    ]  # fmt: skip
     return [
         "",
         "# Attempts (docs/clusters.md): train; after a failure that is not yours (a rank killed,",
@@ -343,19 +358,24 @@ def attempt_loop_lines(job: JobSpec) -> list[str]:
         "# SLURM's TERM (scancel, preemption) reaches this shell too: finish the attempt, then stop.",
         "STOPPING=",
         "trap 'STOPPING=1' TERM",
-        "NEXT=restart EXIT=0 EXCLUDE=",
+        "NEXT=restart EXIT=0 EXCLUDE= BEGUN= PLACED=",
+        *(forkserver if job.forkserver else []),
+        "# nodes SLURM itself took out of service (down, drained: e.g. a task it could not kill;",
+        "# not responding: a node that went away)",
+        'down_nodes() { sinfo -h -N -n "$SLURM_JOB_NODELIST" -t down,drain,fail,no_respond -o %N 2>/dev/null | sort -u | paste -sd, -; }',
         'while [ "$NEXT" = restart ] && [ -z "$STOPPING" ]; do',
-        "    # nodes SLURM itself took out of service (down, drained: e.g. a task it could not kill)",
-        '    down=$(sinfo -h -N -n "$SLURM_JOB_NODELIST" -t down,drain,fail -o %N 2>/dev/null | sort -u | paste -sd, -)',
-        '    step begin --down "$down" || break',
+        '    [ -n "$BEGUN" ] || step begin --down "$(down_nodes)" || break',
         *(probe if job.probe else []),
-        "    step place || break",
-        '    [ "$NEXT" = train ] || break',
+        "    # (an attempt that runs no probe was placed as it began: PLACED=1)",
+        '    if [ -z "$PLACED" ]; then step place || break; [ "$NEXT" = train ] || break; fi',
+        "    BEGUN= PLACED=",
         "    # One task per GPU, all running the same command; ranks come from SLURM_PROCID/LOCALID.",
-        "    # A task that fails (also one whose collective timed out on a hung rank) ends them all.",
-        f'    srun {SRUN_KILL_ON_BAD_EXIT} --nodelist="$TRAIN_NODES" --nodes="$NUM_NODES" --ntasks="$NUM_TASKS" --ntasks-per-node="$SLURM_NTASKS_PER_NODE" --cpus-per-task="$SLURM_CPUS_PER_TASK" {py} -m hpctrain.resilience.watch "$ATTEMPT_DIR" -- train "${{TRAIN_ARGS[@]}}" "${{RESUME[@]}}"',
-        "    status=$?",
-        '    step end --status "$status" --state "$(squeue -h -j "$SLURM_JOB_ID" -o %T 2>/dev/null)" || break',
+        "    # A task that fails (also one its watcher ended for making no progress) ends them all.",
+        "    # srun's own lines (a node failure, how each task ended) are kept for `step end`.",
+        f'    {{ srun {SRUN_KILL_ON_BAD_EXIT} --nodelist="$TRAIN_NODES" --nodes="$NUM_NODES" --ntasks="$NUM_TASKS" --ntasks-per-node="$SLURM_NTASKS_PER_NODE" --cpus-per-task="$SLURM_CPUS_PER_TASK" {py} -m hpctrain.resilience.watch "$ATTEMPT_DIR" -- train "${{TRAIN_ARGS[@]}}" "${{RESUME[@]}}" 2>&1 1>&3 3>&- | (trap "" TERM INT HUP; exec awk -v out="$ATTEMPT_DIR/srun.log" \'/^srun: /{{print >> out; fflush(out)}} {{print > "/dev/stderr"; fflush("/dev/stderr")}}\'); status=${{PIPESTATUS[0]}}; }} 3>&1',
+        "    # The verdict, with the nodes SLURM took out of service while the step ran (a node",
+        "    # that went away); a restart's next attempt begins in the same step (BEGUN=1).",
+        '    step end --status "$status" --state "$(squeue -h -j "$SLURM_JOB_ID" -o %T 2>/dev/null)" --down "$(down_nodes)" || break',
         "done",
     ]  # fmt: skip
 

@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.observe.hangs import newest_dump
-from hpctrain.resilience.attempts import read_records
 from hpctrain.resilience.job_records import (
     SACCT_TIMEOUT_S,
     log_folder,
     read_job_record,
     recorded_job_ids,
 )
+from hpctrain.resilience.records import read_records
 
 # States after which the job will not run again by itself.
 DONE_STATES = frozenset({"COMPLETED"})

@@ -46,7 +46,7 @@ from hpctrain.launch.sbatch import (
     sbatch_options,
 )
 from hpctrain.launch.script_values import check_no_credential, check_path, check_setup_line
-from hpctrain.resilience.attempts import read_records
+from hpctrain.resilience.records import read_records
 from hpctrain.resilience.restart_policy import REQUEUE_EXIT_CODE
 
 JOB_FILE = "job.json"
@@ -267,12 +267,19 @@ def submission_script(
     command = " ".join([start, "-u -m submitit.core._submit", shlex.quote(str(folder))])
     if max_parallel:
         job = dataclasses.replace(job, max_parallel=max_parallel)
-    return render_submission(
+    script = render_submission(
         training_parameters(job) if training else executor_parameters(job),
         command=command,
         folder=folder,
         map_count=num_tasks if num_tasks > 1 else None,
     )
+    if str(folder).startswith("$"):
+        # A folder under a variable this machine lacks (`$SCRATCH` off the cluster): submitit
+        # anchors it at the current folder (`/here/$SCRATCH/...`), which is no path the job
+        # will use; show it as the cluster's shell will name it.
+        for anchored in {str(Path.cwd() / folder), str((Path.cwd() / folder).resolve())}:
+            script = script.replace(anchored, str(folder))
+    return script
 
 
 def parse_sweep(specs: Sequence[str]) -> list[list[str]]:

@@ -34,6 +34,7 @@ from torch import nn
 
 from hpctrain.config import ConfigError
 from hpctrain.config.schema import LoraConfig
+from hpctrain.errors import install_hint
 from hpctrain.models.hf import ADAPTERS, canonical_name
 
 # The adapted layers of the built-in models when `model.lora.targets` is empty: the attention
@@ -274,8 +275,7 @@ def require_nf4() -> None:
     except ImportError:
         raise ConfigError(
             "model.lora.quantize_base=nf4: no NF4 backend runs here (torchao's NF4Tensor is "
-            "not importable): pip install 'hpctrain[qlora]', or set model.lora.quantize_base "
-            "none"
+            f"not importable): {install_hint('qlora')}, or set model.lora.quantize_base none"
         ) from None
 
 

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hpctrain.errors import install_hint
+
 log = logging.getLogger("hpctrain")
 
 MB = 2**20
@@ -69,8 +71,9 @@ class GpuCounters:
         if not self.available:
             log.info(
                 "GPU utilisation and memory are not logged: NVML is not available (%s); "
-                "pip install 'hpctrain[gpu]' (nvidia-ml-py)",
+                "%s (nvidia-ml-py)",
                 reason,
+                install_hint("gpu"),
             )
 
     def read_local(self) -> tuple[float, float, float]:

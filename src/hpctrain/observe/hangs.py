@@ -39,6 +39,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -149,6 +150,7 @@ class HangWatch:
             `step_timeout_s`); 0: that step is not timed.
         collective_timeout_s: named in the error line of a timed-out collective.
         dump_on_usr1: False where USR1 is a preemption signal (`checkpoint.signals`).
+        on_dump: called after each USR1 dump is written (the rank's watcher waits for it).
     """
 
     def __init__(
@@ -160,6 +162,7 @@ class HangWatch:
         first_step_timeout_s: float = 0.0,
         collective_timeout_s: float = 0.0,
         dump_on_usr1: bool = True,
+        on_dump: Callable[[], None] | None = None,
     ) -> None:
         self.run_dir, self.rank = run_dir, rank
         self.step_timeout_s = step_timeout_s
@@ -170,6 +173,7 @@ class HangWatch:
         self._deadline_s = step_timeout_s  # of the running step (the first has its own)
         self.collective_timeout_s = collective_timeout_s
         self.dump_on_usr1 = dump_on_usr1
+        self.on_dump = on_dump
         self._step = 0
         self._step_start: float | None = None  # monotonic start of the running step
         self._thread: threading.Thread | None = None
@@ -220,6 +224,11 @@ class HangWatch:
         self._thread = threading.Thread(target=self._watch, name="hpctrain-hangs", daemon=True)
         self._thread.start()
 
+    @property
+    def dump_signal(self) -> int:
+        """The signal that makes this rank write its stacks now (0: none: not installed)."""
+        return int(signal.SIGUSR1) if self.dump_on_usr1 and self._thread is not None else 0
+
     def uninstall(self) -> None:
         if self._thread is None or self._sockets is None:
             return
@@ -250,6 +259,8 @@ class HangWatch:
                         file=sys.stderr,
                         flush=True,
                     )
+                    if self.on_dump is not None:
+                        self.on_dump()
             start, deadline_s = self._step_start, self._deadline_s
             if self.step_timeout_s and start is not None:
                 ran_s = time.monotonic() - start

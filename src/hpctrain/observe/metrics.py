@@ -22,6 +22,7 @@ from hpctrain.distributed import (
     all_reduce_max,
     all_reduce_sum,
 )
+from hpctrain.errors import install_hint
 
 if TYPE_CHECKING:
     from hpctrain.observe.trackers import Trackers
@@ -448,7 +449,8 @@ class MetricsWriter:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 raise RuntimeError(
-                    "logging.tensorboard=true needs the tensorboard extra: pip install 'hpctrain[tensorboard]'"
+                    "logging.tensorboard=true needs the tensorboard extra: "
+                    + install_hint("tensorboard")
                 ) from None
             self.tb = SummaryWriter(str(run_dir / "tensorboard"))
         self._file = self.path.open("a")
@@ -474,8 +476,7 @@ class MetricsWriter:
                         f"{record.get('kind', 'train')}/{name}", value, record["step"]
                     )
         if record.get("kind") == "eval":
-            line = " ".join(f"{k}={_fmt(v)}" for k, v in record.items() if k != "kind")
-            self._print(f"eval {line}")
+            self._print(eval_line(record, self.num_epochs))
             return
         if self.bar is not None:  # tqdm shows the step of the total and its own ETA
             self.bar.update(record["step"] - self.bar.n)
@@ -498,7 +499,8 @@ class MetricsWriter:
 
     def close(self, status: str = "finished") -> None:
         """Close the file, the bar and the trackers; `status` is how the run ends for the
-        trackers: "finished", "preempted" (saved, to be requeued) or "failed"."""
+        trackers: "finished", "preempted" (saved, to be requeued), "interrupted" (Ctrl-C, saved)
+        or "failed"."""
         if not self.enabled:
             return
         if self.bar is not None:
@@ -510,8 +512,27 @@ class MetricsWriter:
         self._file.close()
 
 
-def _fmt(value: Any) -> str:
+# Fields that count things: shown as integers even where a sum over ranks made them floats.
+COUNT_WORDS = ("samples", "tokens", "targets", "records", "count", "num_")
+
+
+def _fmt(name: str, value: Any) -> str:
+    is_count = any(word in name for word in COUNT_WORDS) and "_per_" not in name
+    if isinstance(value, float) and is_count and value.is_integer():
+        return str(int(value))  # "30", not "30.0000"
     return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+def eval_line(record: dict[str, Any], num_epochs: int) -> str:
+    """An evaluation record as a console line, its epoch counted from 1 as the training lines
+    count it (`epoch=10/10`, where the record holds 9), counts as integers."""
+    words = []
+    for name, value in record.items():
+        if name == "kind":
+            continue
+        text = epoch_text(value, num_epochs) if name == "epoch" else _fmt(name, value)
+        words.append(f"{name}={text}")
+    return "eval " + " ".join(words)
 
 
 class Eta:

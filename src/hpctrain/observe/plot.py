@@ -177,6 +177,7 @@ GOODPUT_COLORS = {
     "checkpoint": "#1f77b4",
     "evaluation": "#17becf",
     "lost": "#d62728",
+    "hung": "#e377c2",
     "startup": "#ff7f0e",
     "loop_overhead": "#9467bd",
     "tail": "#8c564b",

@@ -6,6 +6,8 @@ epoch) and `kind`:
   the seconds each start-up phase took (`phases`: interpreter and imports, process group,
   index, model build, checkpoint load, other), the step it starts from, the job, attempt and
   world size;
+- `first_step`: when the process's first optimizer step ended (its step): with the
+  `startup` record, the end of a restart (`hpctrain.resilience.recovery`);
 - `checkpoint`: after each save: its step and the seconds training was blocked (`blocking_s`;
   with `checkpoint.async` only the staging), and with `checkpoint.every_minutes: auto` the
   interval chosen next and its inputs;

@@ -43,6 +43,7 @@ import torch
 
 import hpctrain
 from hpctrain.config import Config, ConfigError, LoggingConfig, config_to_dict
+from hpctrain.errors import install_hint
 from hpctrain.files import write_atomic
 
 log = logging.getLogger("hpctrain")
@@ -60,12 +61,12 @@ def requirements(cfg: LoggingConfig) -> list[tuple[str, str, str]]:
     """(config key, module, pip line) of every tracker the config turns on."""
     needed = []
     if cfg.wandb != "off":
-        needed.append((f"logging.wandb={cfg.wandb}", "wandb", "pip install 'hpctrain[wandb]'"))
+        needed.append((f"logging.wandb={cfg.wandb}", "wandb", install_hint("wandb")))
     if cfg.mlflow != "off":
-        needed.append((f"logging.mlflow={cfg.mlflow}", "mlflow", "pip install 'hpctrain[mlflow]'"))
+        needed.append((f"logging.mlflow={cfg.mlflow}", "mlflow", install_hint("mlflow")))
         if _is_sqlite(cfg.mlflow):  # MLflow's database stores need SQLAlchemy and alembic
             needed += [
-                (f"logging.mlflow={cfg.mlflow}", name, "pip install 'hpctrain[mlflow]'")
+                (f"logging.mlflow={cfg.mlflow}", name, install_hint("mlflow"))
                 for name in ("sqlalchemy", "alembic")
             ]
     return needed
@@ -85,6 +86,19 @@ def check_trackers(cfg: LoggingConfig) -> None:
     for key, module, pip in requirements(cfg):
         if importlib.util.find_spec(module) is None:
             raise ConfigError(f"{key} needs the {module} package: {pip} (or set it to off)")
+    if cfg.tensorboard:
+        require_tensorboard()
+
+
+def require_tensorboard() -> None:
+    """Fail before any work when `logging.tensorboard` is on but tensorboard is missing."""
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "logging.tensorboard=true needs the tensorboard package: "
+            f"{install_hint('tensorboard')} (or set logging.tensorboard=false)"
+        ) from None
 
 
 def _is_file_store(uri: str) -> bool:
@@ -284,7 +298,9 @@ class WandbTracker:
     def close(self, status: str) -> None:
         if status == "preempted":
             self.run.mark_preempting()
-        self.run.finish(exit_code={"finished": 0, "preempted": 75}.get(status, 1))
+        self.run.finish(
+            exit_code={"finished": 0, "preempted": 75, "interrupted": 130}.get(status, 1)
+        )
 
 
 class MlflowTracker:
@@ -372,8 +388,8 @@ class MlflowTracker:
         try:
             self._wait()
         finally:
-            mlflow_status = {"finished": "FINISHED", "preempted": "KILLED"}.get(status, "FAILED")
-            self.client.set_terminated(self.id, status=mlflow_status)
+            ended = {"finished": "FINISHED", "preempted": "KILLED", "interrupted": "KILLED"}
+            self.client.set_terminated(self.id, status=ended.get(status, "FAILED"))
 
 
 # ------------------------------------------------------------------------- the run's record
@@ -418,7 +434,7 @@ class Trackers:
     """The trackers `logging.*` turns on, fed every metrics record (rank 0 only).
 
     Use `Trackers.start(cfg, world_size)` once the run folder exists; `log(record)` for each
-    record `metrics.jsonl` gets; `close(status)` with "finished", "preempted" or "failed".
+    record `metrics.jsonl` gets; `close(status)` with "finished", "preempted", "interrupted" (Ctrl-C, saved) or "failed".
     """
 
     def __init__(self, run_dir: Path, trackers: dict[str, Tracker], state: dict[str, Any]):

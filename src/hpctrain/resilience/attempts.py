@@ -16,12 +16,15 @@ log on stderr. The decisions themselves are the pure functions of `resilience/re
 
 Files, all under RUN_DIR/slurm: `attempts.jsonl` (one `AttemptRecord` a line, the run's
 history: docs/clusters.md) and `attempts/<N>/` (the attempt's own: `begin.json`,
-`place.json`, `probe-<node>.json`, `rank-<R>.json`).
+`place.json`, `probe-<node>.json`, `node-<name>.json`: how the node's ranks started and
+ended (`resilience/node_records.py`; `rank-<R>.json` in attempts begun before), and
+`srun.log`: srun's own lines about the training step, which the job script keeps).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -35,88 +38,33 @@ from typing import Any
 from hpctrain.config import Config, ConfigError, load_config
 from hpctrain.distributed.env import expand_hostlist
 from hpctrain.files import write_atomic
+from hpctrain.observe.timeline import process_start_time, read_timeline
+from hpctrain.resilience.placement import ProbeResult, place
+from hpctrain.resilience.rank_ends import read_ranks, read_srun_log
+from hpctrain.resilience.records import (
+    FOLDERS,
+    append_record,
+    file_size,
+    newest_committed,
+    pointer_mark,
+    read_records,
+    slurm_folder,
+    steps_logged_since,
+)
+from hpctrain.resilience.recovery import recovery, trainer_records
 from hpctrain.resilience.restart_policy import (
     AttemptRecord,
     Failure,
     Policy,
-    ProbeResult,
     RankEnd,
     Verdict,
     classify,
     decide,
-    place,
+    failure_seconds,
+    lost_seconds,
 )
 
-RECORDS = "attempts.jsonl"
-FOLDERS = "attempts"
-LATEST_POINTER = "latest"  # hpctrain.checkpoint.manifest's (read here without torch)
 TIME_LIMIT_SLACK_S = 60.0  # SLURM checks limits every ~30 s: its warning may come that early
-
-
-def slurm_folder(run_dir: Path) -> Path:
-    return run_dir / "slurm"
-
-
-def read_records(run_dir: Path) -> list[AttemptRecord]:
-    """The run's attempts, oldest first; a line cut by a kill is skipped."""
-    path = slurm_folder(run_dir) / RECORDS
-    records = []
-    if path.is_file():
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                records.append(AttemptRecord.from_json(json.loads(line)))
-            except (ValueError, TypeError):
-                continue
-    return records
-
-
-def append_record(run_dir: Path, record: AttemptRecord) -> None:
-    # One write of one line: the job shell is the only writer of its run folder's history.
-    with open(slurm_folder(run_dir) / RECORDS, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record.to_json()) + "\n")
-
-
-def newest_committed(root: str) -> int | None:
-    """The step the checkpoint root's `latest` pointer names (None: no committed checkpoint)."""
-    text = ""
-    try:
-        if "://" in root:
-            import fsspec
-
-            with fsspec.open(f"{root.rstrip('/')}/{LATEST_POINTER}", "rt") as f:
-                text = f.read()
-        else:
-            text = (Path(os.path.expandvars(root)) / LATEST_POINTER).read_text()
-    except (OSError, ValueError):
-        return None
-    text = text.strip()
-    return int(text[5:]) if text.startswith("step-") and text[5:].isdigit() else None
-
-
-def steps_logged_since(run_dir: Path, offset: int) -> int | None:
-    """The highest training step metrics.jsonl got after byte `offset` (None: none)."""
-    path = run_dir / "metrics.jsonl"
-    step = None
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue  # a line cut by a kill
-                if isinstance(record, dict) and isinstance(record.get("step"), int):
-                    step = max(step or 0, record["step"])
-    except OSError:
-        return None
-    return step
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
 
 
 def policy_of(cfg: Config, job: JobFacts) -> Policy:
@@ -126,15 +74,18 @@ def policy_of(cfg: Config, job: JobFacts) -> Policy:
         max_restarts=s.max_restarts,
         max_requeues=s.max_requeues,
         max_no_progress=s.max_no_progress,
+        max_failure_share=s.max_failure_share,
     )
 
 
 def nodes_to_train(cfg: Config, job: JobFacts) -> int:
     """The allocation's nodes less `slurm.spare_nodes`: what `#SBATCH --nodes` asked for, so a
-    script edited by hand (more nodes) trains on them all. `slurm.nodes` outside a job."""
-    if not job.allocation:
+    script edited by hand (more nodes) trains on them all. `slurm.nodes` outside a job, and
+    with `slurm.spare_nodes: auto` (the spares chosen when the job was rendered are the rest)."""
+    spares = cfg.slurm.spare_nodes
+    if not job.allocation or spares == "auto":
         return cfg.slurm.nodes
-    return max(1, len(job.allocation) - cfg.slurm.spare_nodes)
+    return max(1, len(job.allocation) - spares)
 
 
 @dataclass(frozen=True)
@@ -146,6 +97,7 @@ class JobFacts:
     allocation: tuple[str, ...]
     tasks_per_node: int
     end_time: float | None
+    start_time: float | None = None  # SLURM_JOB_START_TIME (SLURM 23.02 on)
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str]) -> JobFacts:
@@ -155,12 +107,14 @@ class JobFacts:
         nodes = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
         tasks = env.get("SLURM_NTASKS_PER_NODE", "") or env.get("SLURM_TASKS_PER_NODE", "1")
         end = env.get("SLURM_JOB_END_TIME", "")
+        start = env.get("SLURM_JOB_START_TIME", "")
         return cls(
             job_id=job,
             restart=int(env.get("SLURM_RESTART_COUNT", "0") or 0),
             allocation=tuple(expand_hostlist(nodes)) if nodes else (),
             tasks_per_node=int(tasks.split("(")[0].split(",")[0] or 1),
             end_time=float(end) if end.isdigit() else None,
+            start_time=float(start) if start.isdigit() else None,
         )
 
 
@@ -168,8 +122,10 @@ def same_allocation(record: AttemptRecord, job: JobFacts) -> bool:
     return record.job_id == job.job_id and record.restart == job.restart
 
 
-# Read by the tasks (the run lock takes over an earlier attempt's: checkpoint/lock.py)
-EXPORTED = frozenset({"HPCTRAIN_ATTEMPT"})
+# Read by the tasks (the run lock takes over an earlier attempt's: checkpoint/lock.py), the
+# rendezvous (distributed/env.py: the first node's fabric address, from its probe) and the
+# watchers (the job script started a fork server per node: resilience/forkserver.py)
+EXPORTED = frozenset({"HPCTRAIN_ATTEMPT", "HPCTRAIN_FABRIC_MASTER", "HPCTRAIN_FORKSERVER"})
 
 
 def _shell(**values: object) -> str:
@@ -234,6 +190,48 @@ def close_unfinished(run_dir: Path, records: list[AttemptRecord], root: str) -> 
     return records
 
 
+def submission_start(
+    folders: Path, number: int, job: JobFacts, records: Sequence[AttemptRecord]
+) -> dict[str, Any] | None:
+    """Where the submission (the job id, its requeues included) attempt `number` belongs to
+    started: what the previous attempt's `begin.json` says, when it was of this job and did
+    not end it (done, stop). None: this attempt starts the submission."""
+    ended = {r.attempt for r in records if r.decision in ("done", "stop")}
+    start: dict[str, Any] | None = None
+    for earlier in range(number - 1, 0, -1):
+        begun = _read_json(folders / str(earlier) / "begin.json")
+        if not begun:
+            continue  # a folder its job shell was killed in before it wrote begin.json
+        if begun.get("job_id") != job.job_id or earlier in ended:
+            break
+        if isinstance(begun.get("submission"), dict):
+            return dict(begun["submission"])
+        # an older job script's record, without the submission: its first attempt's step
+        start = {k: begun.get(k) for k in ("job_id", "restart", "attempt", "committed")}
+    return start
+
+
+def committed_here(submission: Mapping[str, Any], committed: int | None, mark: str | None) -> bool:
+    """The newest checkpoint was committed by this submission: the `latest` pointer was
+    written since it started (its step alone, for records without the pointer's mark)."""
+    if committed is None:
+        return False
+    if "pointer" in submission:
+        return mark != submission["pointer"]
+    return committed != submission.get("committed")
+
+
+def killed_before(records: Sequence[AttemptRecord], job: JobFacts) -> bool:
+    """Whether the attempt before, in this allocation, was restarted after its first rank was
+    killed by SIGKILL (the OOM killer, `kill -9`): what the health probe checks (folders,
+    disks, /dev/shm, GPUs, the network) cannot explain it, so the restart goes without it."""
+    if not records or not same_allocation(records[-1], job):
+        return False
+    last = records[-1]
+    failure = last.first_failure or {}
+    return (last.kind, last.decision, failure.get("signal")) == ("signal", "restart", "SIGKILL")
+
+
 def begin(cfg: Config, job: JobFacts, *, down: Sequence[str] = ()) -> str:
     """Start an attempt: its number and folder, the nodes to probe, the resume to ask for."""
     run_dir = Path(cfg.run_dir)
@@ -249,32 +247,73 @@ def begin(cfg: Config, job: JobFacts, *, down: Sequence[str] = ()) -> str:
         {n for r in records if same_allocation(r, job) for n in r.set_aside}
         | (set(down) & set(job.allocation))
     )
-    committed = newest_committed(root)
+    committed, mark = newest_committed(root), pointer_mark(root)
+    submission = submission_start(folders, number, job, records) or {
+        "job_id": job.job_id, "restart": job.restart, "attempt": number,
+        "committed": committed, "pointer": mark,
+    }  # fmt: skip
+    probe = [n for n in job.allocation if n not in excluded]
+    unexplained = killed_before(records, job) and not cfg.slurm.probe_after_kill
+    probe = [] if unexplained else probe
     _write_json(
         folder / "begin.json",
         {
             "attempt": number, "job_id": job.job_id, "restart": job.restart,
             "start": time.time(), "excluded": excluded, "committed": committed,
-            "metrics_offset": _size(run_dir / "metrics.jsonl"),
+            "metrics_offset": file_size(run_dir / "metrics.jsonl"), "submission": submission,
+            "probe": probe if cfg.slurm.probe else [],  # the nodes the probe checks
         },
     )  # fmt: skip
-    probe = [n for n in job.allocation if n not in excluded]
-    # After a failure or a requeue, continue from the run's own newest checkpoint, whatever
-    # the config's checkpoint.resume says (none, or a path: the run's start).
-    again = (bool(records) and records[-1].decision in ("restart", "requeue")) or job.restart > 0
-    resume = ["checkpoint.resume=latest"] if again and committed is not None else []
+    # A later attempt of the same submission (a restart, a requeue) continues from the
+    # checkpoint that submission committed, whatever its checkpoint.resume says (none, or a
+    # path: where the submission started). Until it has committed one, the user's choice
+    # stands: a new job that rolls back to a path after an interrupted one, a `--resume none`
+    # job whose first attempt failed its probe.
+    own = committed_here(submission, committed, mark)
+    resume = ["checkpoint.resume=latest"] if own else []
     aside = f", {','.join(excluded)} set aside" if excluded else ""
-    _say(
-        f"attempt {number} (job {job.job_id}, restart {job.restart}) probes {','.join(probe)}{aside}"
+    probes = (
+        "skips the probe (a rank killed by SIGKILL: no check of it explains that; "
+        "slurm.probe_after_kill)"
+        if unexplained
+        else f"probes {','.join(probe)}"
     )
+    _say(f"attempt {number} (job {job.job_id}, restart {job.restart}) {probes}{aside}")
     return _shell(
         ATTEMPT=number,
         ATTEMPT_DIR=str(folder),
         PROBE_NODES=",".join(probe),
         NUM_PROBE_NODES=len(probe),
         HPCTRAIN_ATTEMPT=number,
+        HPCTRAIN_FORKSERVER=int(cfg.slurm.forkserver),
         RESUME=resume,
     )
+
+
+def begin_and_place(cfg: Config, job: JobFacts, *, down: Sequence[str] = ()) -> str:
+    """`begin`, and when the attempt runs no probe, its placement too (`PLACED=1` and the
+    nodes: one process less before the training's srun). A placement that finds too few
+    nodes is left to `attempts place`, which decides what follows."""
+    text = begin(cfg, job, down=down)
+    folder = current_folder(Path(cfg.run_dir))
+    begun = _read_json(folder / "begin.json")
+    if begun.get("probe"):
+        return text
+    placement = place(job.allocation, begun.get("excluded", []), [], nodes=nodes_to_train(cfg, job))
+    if not placement.nodes:
+        return text
+    num_tasks = len(placement.nodes) * job.tasks_per_node
+    _write_json(
+        folder / "place.json",
+        {"nodes": list(placement.nodes), "num_tasks": num_tasks, "set_aside": {}, "time": time.time()},
+    )  # fmt: skip
+    placed = _shell(
+        PLACED=1,
+        TRAIN_NODES=",".join(placement.nodes),
+        NUM_NODES=len(placement.nodes),
+        NUM_TASKS=num_tasks,
+    )
+    return f"{text}\n{placed}"
 
 
 def current_folder(run_dir: Path) -> Path:
@@ -292,6 +331,7 @@ def read_probes(folder: Path) -> list[ProbeResult]:
     results = []
     for path in sorted(folder.glob("probe-*.json")):
         data = _read_json(path)
+        reached = data.get("peers_reached")  # the collective's hub only
         if data.get("node"):
             results.append(
                 ProbeResult(
@@ -299,6 +339,8 @@ def read_probes(folder: Path) -> list[ProbeResult]:
                     failed_check=str(data.get("failed_check", "")),
                     message=str(data.get("message", "")),
                     shared=bool(data.get("shared", False)),
+                    blames=str(data.get("blames", "")),
+                    peers_reached=reached if isinstance(reached, int) else None,
                 )
             )
     return results
@@ -320,14 +362,20 @@ def place_attempt(cfg: Config, job: JobFacts) -> str:
     num_tasks = len(placement.nodes) * job.tasks_per_node
     _write_json(
         folder / "place.json",
-        {"nodes": list(placement.nodes), "num_tasks": num_tasks, "set_aside": placement.set_aside},
-    )
+        {
+            "nodes": list(placement.nodes), "num_tasks": num_tasks,
+            "set_aside": placement.set_aside, "time": time.time(),
+        },
+    )  # fmt: skip
     if placement.nodes:
+        first = placement.nodes[0]  # rank 0's node: the store's address on the fabric, if any
+        address = str(_read_json(folder / f"probe-{first}.json").get("fabric_address") or "")
         return _shell(
             NEXT="train",
             TRAIN_NODES=",".join(placement.nodes),
             NUM_NODES=len(placement.nodes),
             NUM_TASKS=num_tasks,
+            HPCTRAIN_FABRIC_MASTER=f"{first}={address}" if address else "",
         )
     records = read_records(run_dir)
     verdict = decide(
@@ -346,52 +394,97 @@ def place_attempt(cfg: Config, job: JobFacts) -> str:
 
 
 # ------------------------------------------------------------------------------ end
-def read_ranks(folder: Path, nodes: Sequence[str], tasks_per_node: int) -> list[RankEnd]:
-    """Every rank of the attempt, from its watcher's record or, without one, as never started
-    (on the node srun's block distribution gave it)."""
-    ranks = []
-    for rank in range(len(nodes) * tasks_per_node):
-        data = _read_json(folder / f"rank-{rank}.json")
-        ranks.append(
-            RankEnd(
-                rank=rank,
-                node=str(data.get("node") or nodes[rank // tasks_per_node]),
-                started=data.get("started"),
-                ended=data.get("ended"),
-                exit_code=data.get("exit_code"),
-                signal=data.get("signal"),
-                received=tuple(data.get("received") or ()),
-            )
-        )
-    return ranks
+def allocation_share(
+    job: JobFacts, here: Sequence[AttemptRecord], started: float, seconds: float
+) -> float:
+    """`seconds` as a share of this allocation's length, from its start (SLURM's, else its
+    first attempt's) to its end time; 0 when the end time is unknown (the job scripts ask
+    squeue for it where SLURM does not export it)."""
+    if job.end_time is None:
+        return 0.0
+    start = job.start_time or min([started, *(r.start for r in here)])
+    length = job.end_time - start
+    return seconds / length if length > 0 else 0.0
 
 
-def end_attempt(cfg: Config, job: JobFacts, *, srun_status: int, state: str) -> str:
-    """After the training step: the attempt's record, and what the job does next."""
+def end_attempt(
+    cfg: Config,
+    job: JobFacts,
+    *,
+    srun_status: int,
+    state: str,
+    down: Sequence[str] = (),
+    step_end: float | None = None,
+) -> str:
+    """After the training step: the attempt's record, and what the job does next.
+
+    `down`: the nodes SLURM lists as down, drained or failing once the step ended.
+    `step_end`: when the training step had ended (default: when this process started, as
+    srun returned and squeue answered)."""
+    step_end = process_start_time() if step_end is None else step_end
     run_dir = Path(cfg.run_dir)
     folder = current_folder(run_dir)
     begun = _read_json(folder / "begin.json")
     placed = _read_json(folder / "place.json")
     nodes = placed.get("nodes", [])
     ranks = read_ranks(folder, nodes, job.tasks_per_node)
+    failed_nodes, answered = read_srun_log(folder)
+    # a rank whose node told srun how its task ended was there when the step was ended
+    ranks = [
+        dataclasses.replace(r, alive_at_term=True)
+        if r.ended is None and r.node in answered and r.node not in down
+        else r
+        for r in ranks
+    ]
+    failure = classify(
+        ranks, srun_status=srun_status, gone=sorted((set(down) | failed_nodes) & set(nodes))
+    )
     records = read_records(run_dir)
     excluded = {*begun.get("excluded", []), *placed.get("set_aside", {})}
     available = [n for n in job.allocation if n not in excluded]
     margin = max(cfg.slurm.signal_margin_s, cfg.checkpoint.deadline_margin_s) + TIME_LIMIT_SLACK_S
+    now = time.time()
+    committed_end = newest_committed(cfg.checkpoint_root())
+    step_reached = steps_logged_since(run_dir, begun.get("metrics_offset", 0))
+    here = [r for r in records if same_allocation(r, job)]
+    lost = failure_seconds(here) + lost_seconds(
+        float(begun["start"]), now, kind=failure.kind, resumed_from=begun.get("committed"),
+        committed=committed_end, step_reached=step_reached,
+    )  # fmt: skip
     verdict = decide(
-        classify(ranks, srun_status=srun_status),
+        failure,
         history=records,
         policy=policy_of(cfg, job),
-        step_reached=steps_logged_since(run_dir, begun.get("metrics_offset", 0)),
+        step_reached=step_reached,
         committed_start=begun.get("committed"),
-        committed_end=newest_committed(cfg.checkpoint_root()),
-        restarts_here=sum(same_allocation(r, job) for r in records),
+        committed_end=committed_end,
+        restarts_here=len(here),
         requeues=job.restart,
         job_running=state in ("RUNNING", ""),
-        near_time_limit=job.end_time is not None and job.end_time - time.time() <= margin,
+        near_time_limit=job.end_time is not None and job.end_time - now <= margin,
         healthy_spares=len(available) - nodes_to_train(cfg, job),
+        failure_share=allocation_share(job, here, float(begun["start"]), lost),
     )
-    return _finish(cfg, job, folder, begun, verdict, ranks=ranks, srun_status=srun_status)
+    return _finish(
+        cfg, job, folder, begun, verdict, ranks=ranks, srun_status=srun_status,
+        failure=failure, step_end=step_end,
+        recovered=restart_phases(run_dir, records, job, begun, placed),
+    )  # fmt: skip
+
+
+def restart_phases(
+    run_dir: Path,
+    records: Sequence[AttemptRecord],
+    job: JobFacts,
+    begun: Mapping[str, Any],
+    placed: Mapping[str, Any],
+) -> dict[str, Any] | None:
+    """The restart that led to this attempt, phase by phase (`resilience/recovery.py`): when
+    the attempt before it, in the same allocation, failed and was restarted; else None."""
+    if not records or records[-1].decision != "restart" or not same_allocation(records[-1], job):
+        return None
+    startup, first = trainer_records(read_timeline(run_dir), int(begun["attempt"]))
+    return recovery(records[-1], begun, placed, startup, first)
 
 
 def _finish(
@@ -403,6 +496,9 @@ def _finish(
     *,
     ranks: Sequence[RankEnd],
     srun_status: int | None,
+    failure: Failure | None = None,
+    step_end: float | None = None,
+    recovered: dict[str, Any] | None = None,
 ) -> str:
     run_dir = Path(cfg.run_dir)
     placed = _read_json(folder / "place.json")
@@ -416,22 +512,36 @@ def _finish(
         start=float(begun["start"]), end=time.time(), nodes=list(placed.get("nodes", [])),
         excluded=list(begun.get("excluded", [])), num_tasks=len(ranks),
         kind=verdict.kind, decision=verdict.action, reason=verdict.line,
-        first_failure=verdict.culprit.summary() if verdict.culprit else None,
+        first_failure=_first_failure(verdict, failure),
         step_reached=steps_logged_since(run_dir, begun.get("metrics_offset", 0)),
         resumed_from=begun.get("committed"), committed=newest_committed(cfg.checkpoint_root()),
         set_aside=set_aside, srun_status=srun_status, exit_code=verdict.exit_code,
+        step_end=step_end, recovery=recovered,
     )  # fmt: skip
+    # A requeue excludes every node set aside in this allocation, not this attempt's only:
+    # an earlier attempt's blamed node would come back in the next allocation otherwise.
+    earlier = [r for r in read_records(run_dir) if same_allocation(r, job)]
     append_record(run_dir, record)
     _say(f"attempt {record.attempt}: {verdict.line}")
-    exclude = sorted(set(verdict.exclude) | set(placed.get("set_aside", {})))
+    exclude = sorted({n for r in [*earlier, record] for n in r.set_aside})
     return _shell(NEXT=verdict.action, EXCLUDE=",".join(exclude), EXIT=verdict.exit_code)
+
+
+def _first_failure(verdict: Verdict, failure: Failure | None) -> dict[str, Any] | None:
+    if verdict.culprit is None:
+        return None
+    if failure is not None and failure.culprit == verdict.culprit:
+        return failure.summary()
+    return verdict.culprit.summary()
 
 
 # ------------------------------------------------------------------------------ main
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpctrain.resilience.attempts")
     parser.add_argument("step", choices=("begin", "place", "end"))
-    parser.add_argument("--down", default="", help="begin: nodes SLURM lists as down or drained")
+    parser.add_argument(
+        "--down", default="", help="begin, end: nodes SLURM lists as down, drained or failing"
+    )
     parser.add_argument("--status", type=int, default=0, help="end: srun's exit status")
     parser.add_argument("--state", default="", help="end: the job's state (squeue %%T)")
     parser.add_argument("config")
@@ -444,13 +554,17 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         _say(f"attempts {args.step}: config error: {exc}")
         return exc.exit_code
     job = JobFacts.from_environ(env)
+    down = expand_hostlist(args.down.replace(" ", ",")) if args.down.strip() else []
     if args.step == "begin":
-        down = expand_hostlist(args.down.replace(" ", ",")) if args.down.strip() else []
-        print(begin(cfg, job, down=down))
+        print(begin_and_place(cfg, job, down=down))
     elif args.step == "place":
         print(place_attempt(cfg, job))
     else:
-        print(end_attempt(cfg, job, srun_status=args.status, state=args.state.strip()))
+        print(end_attempt(cfg, job, srun_status=args.status, state=args.state.strip(), down=down))
+        if read_records(Path(cfg.run_dir))[-1].decision == "restart":
+            # the next attempt begins here: one process less between the two trainings
+            print(begin_and_place(cfg, job, down=down))
+            print("BEGUN=1")
     return 0
 
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hpctrain.checkpoint.interval import FailureRate
-from hpctrain.resilience.attempts import read_records
+from hpctrain.resilience.records import read_records
 from hpctrain.resilience.restart_policy import RETRYABLE, AttemptRecord
 
 # Failures that ended training without warning and were not the user's: a rank killed, a

@@ -18,10 +18,14 @@ each attempt recorded (`RUN_DIR/timeline.jsonl`: start-up phases, saves, the end
   for the last save at the end);
 - `evaluation`: periodic and final evaluations;
 - `lost`: after a failure, everything past the newest committed checkpoint up to the failure
-  (the steps the next attempt trains again; `lost_steps` counts them);
+  (the steps the next attempt trains again; `lost_steps` counts them, up to the step the
+  trainer's end record or metrics reached);
+- `hung`: after a `hang` or a `lost` node, from the failure (the culprit's last progress;
+  for a lost node, when its peers stopped hearing from it) to its detection (its watcher
+  ended it; srun ended the step): every task waited on the one that stopped;
 - `loop_overhead`: the rest of the loop's time (logging, the ranks' flag exchange, Python);
-- `tail`: from the last step (or the failure) to the attempt's end (exit, teardown), and from
-  the last attempt's end to the job's end;
+- `tail`: from the last step (or the failure, or its detection) to the attempt's end (exit,
+  teardown, the decision), and from the last attempt's end to the job's end;
 - `idle`: allocated nodes no task ran on (spares, nodes set aside).
 
 The parts of one allocation add up to its elapsed time times its tasks by construction
@@ -47,11 +51,13 @@ PARTS = (
     "checkpoint",
     "evaluation",
     "lost",
+    "hung",
     "startup",
     "loop_overhead",
     "tail",
     "idle",
 )
+HUNG_KINDS = ("hang", "lost")  # failures every task waits on until they are detected
 STARTUP_PHASES = (
     "job_script",
     "probe_and_launch",
@@ -101,7 +107,10 @@ class Process:
 
     @property
     def step_reached(self) -> int:
-        steps = (int(r["step"]) for r in (*self.train, *self.saves))
+        """The last step it trained: its end record says so before any logged interval."""
+        steps = (
+            int(r["step"]) for r in (*self.train, *self.saves, *([self.end] if self.end else []))
+        )
         return max([int(self.startup.get("step", 0)), *steps])
 
 
@@ -165,6 +174,10 @@ class Goodput:
     rows: list[Row]
     source: str  # where the allocations came from: "sacct", "attempts" or "processes"
     notes: list[str] = field(default_factory=list)
+    spare: dict[str, Any] | None = None  # what a spare node saved or cost (resilience/spares.py)
+    # each restart inside an allocation, phase by phase (resilience/recovery.py), with the
+    # attempt it led to (`attempt`)
+    recoveries: list[dict[str, Any]] = field(default_factory=list)
 
     def part_hours(self) -> dict[str, float]:
         """Every part in the allocation's unit (hours x GPUs or CPUs)."""
@@ -229,6 +242,8 @@ class Goodput:
                 for r in self.rows
             ],
             "notes": self.notes,
+            "spare": self.spare,
+            "recoveries": self.recoveries,
         }  # fmt: skip
 
 
@@ -274,8 +289,20 @@ def account_attempt(
         cut = _between(saved[-1] if saved else first, first, loop_end)
     _count_loop(row, process, first, cut, lost_from if cut < loop_end else None)
     row.add("lost", (loop_end - cut) * tasks)
-    row.add("tail", (end - loop_end) * tasks)
+    found = _between(_detected(record, end), loop_end, end)
+    row.add("hung", (found - loop_end) * tasks)
+    row.add("tail", (end - found) * tasks)
     return row
+
+
+def _detected(record: AttemptRecord, end: float) -> float:
+    """When a hang or a lost node was found (the failure until then is `hung`); other
+    failures are found at once."""
+    failure = record.first_failure or {}
+    if record.kind not in HUNG_KINDS or not isinstance(failure.get("time"), (int, float)):
+        return float("-inf")
+    found = failure.get("detected")
+    return float(found) if isinstance(found, (int, float)) else end
 
 
 def _count_startup(row: Row, process: Process, start: float, first: float) -> None:
@@ -381,7 +408,10 @@ def account(
         script.add("tail", (allocation.end - now) * allocation.tasks)
         if allocation.job_id:  # a trainer without SLURM has no job script around it
             rows.append(script)
-    return Goodput(unit=unit, allocations=list(allocations), rows=rows, source=source)
+    recoveries = [{"attempt": r.attempt, **r.recovery} for r in records if r.recovery]
+    return Goodput(
+        unit=unit, allocations=list(allocations), rows=rows, source=source, recoveries=recoveries
+    )
 
 
 def _stand_in(allocation: Allocation, process: Process | None, start: float) -> AttemptRecord:

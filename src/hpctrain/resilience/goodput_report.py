@@ -18,8 +18,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from hpctrain.config import ConfigError
 from hpctrain.observe.timeline import read_timeline
-from hpctrain.resilience.attempts import read_records
+from hpctrain.resilience.attempts import (
+    JobFacts,
+    current_folder,
+    read_records,
+    restart_phases,
+)
 from hpctrain.resilience.goodput import (
     PARTS,
     STARTUP_PHASES,
@@ -30,7 +36,9 @@ from hpctrain.resilience.goodput import (
     processes,
 )
 from hpctrain.resilience.job_records import SACCT_TIMEOUT_S, read_job_record, recorded_job_ids
+from hpctrain.resilience.recovery import describe_recovery
 from hpctrain.resilience.restart_policy import AttemptRecord
+from hpctrain.resilience.spares import SpareAllocation, describe_hindsight, spare_hindsight
 
 SACCT_FIELDS = "JobID,State,Submit,Start,End,NNodes,AllocTRES"
 LABELS = {
@@ -39,6 +47,7 @@ LABELS = {
     "checkpoint": "checkpoint (blocking)",
     "evaluation": "evaluation",
     "lost": "lost work (trained again)",
+    "hung": "hung (waiting on a stuck rank)",
     "startup": "start-up",
     "loop_overhead": "loop overhead",
     "tail": "tail (after the last step)",
@@ -174,11 +183,43 @@ def read_metrics_records(run_dir: Path) -> list[dict[str, Any]]:
     return records
 
 
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def running_recovery(run_dir: Path, records: Sequence[AttemptRecord]) -> dict[str, Any] | None:
+    """The restart into the attempt still under way (begun, no record yet), so far."""
+    try:
+        folder = current_folder(run_dir)
+    except ConfigError:
+        return None
+    begun = _read_json(folder / "begin.json")
+    if not begun or any(r.attempt == begun.get("attempt") for r in records):
+        return None
+    job = JobFacts(
+        job_id=str(begun.get("job_id", "")), restart=int(begun.get("restart", 0)),
+        allocation=(), tasks_per_node=1, end_time=None,
+    )  # fmt: skip
+    found = restart_phases(run_dir, records, job, begun, _read_json(folder / "place.json"))
+    return None if found is None else {"attempt": begun["attempt"], **found}
+
+
 def run_goodput(
     run_dir: str | Path, *, query: Callable[[list[str]], str | None] = query_allocations
 ) -> Goodput:
     """The goodput of the run in `run_dir` (`query`: asks sacct about these job ids)."""
-    folder = Path(run_dir)
+    goodput = _run_goodput(Path(run_dir), query)
+    running = running_recovery(Path(run_dir), read_records(Path(run_dir)))
+    if running is not None:
+        goodput.recoveries.append(running)
+    return goodput
+
+
+def _run_goodput(folder: Path, query: Callable[[list[str]], str | None]) -> Goodput:
     records = read_records(folder)
     trainers = processes(read_timeline(folder), read_metrics_records(folder))
     job_ids = recorded_job_ids(folder, read_job_record(folder))
@@ -190,6 +231,7 @@ def run_goodput(
             allocations, unit = parse_allocations(text, records, time.time())
             goodput = account(allocations, records, trainers, unit=unit, source="sacct")
             goodput.notes = notes
+            goodput.spare = hindsight(goodput, records)
             return goodput
         notes.append(
             "sacct did not answer: each allocation is taken as the span of its attempts "
@@ -203,7 +245,28 @@ def run_goodput(
         notes.append("no SLURM job: each trainer process is counted from its start")
     goodput = account(allocations, records, trainers, unit="task-hours", source=source)
     goodput.notes = notes
+    goodput.spare = hindsight(goodput, records) if records else None
     return goodput
+
+
+def hindsight(goodput: Goodput, records: Sequence[AttemptRecord]) -> dict[str, Any] | None:
+    """What a spare node saved or cost this run (`resilience/spares.py`)."""
+    per_node = tasks_per_node(records)
+    return spare_hindsight(
+        [
+            SpareAllocation(
+                job_id=a.job_id,
+                restart=a.restart,
+                hours=(a.end - a.start) / 3600,
+                nodes=max(1, a.tasks // per_node),
+                units_per_node=a.units_per_task * per_node,
+                queue_wait_s=max(0.0, a.start - a.submit) if a.submit is not None else None,
+            )
+            for a in goodput.allocations
+        ],
+        records,
+        goodput.unit,
+    )
 
 
 def describe(goodput: Goodput) -> list[str]:
@@ -232,6 +295,8 @@ def describe(goodput: Goodput) -> list[str]:
             f"  queue wait: {wait:.0f} s in the queue, not allocated "
             f"({goodput.queue_wait_hours or 0.0:.4f} {goodput.unit} at the size asked for)"
         )
+    if goodput.spare is not None:
+        lines.append(describe_hindsight(goodput.spare))
     for r in goodput.rows:
         if r.attempt is None:
             continue
@@ -243,6 +308,8 @@ def describe(goodput: Goodput) -> list[str]:
         lines.append(
             f"  {r.label}{job}: {r.kind}, {r.tasks} task(s), {r.end - r.start:.0f} s: {shares}"
         )
+    for found in goodput.recoveries:
+        lines += describe_recovery(found["attempt"], found)
     lines += [f"  note: {note}" for note in goodput.notes]
     return lines
 

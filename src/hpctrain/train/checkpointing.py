@@ -27,6 +27,7 @@ from hpctrain.config import Config, config_to_yaml
 from hpctrain.data import ShardedLoader
 from hpctrain.models import lora, lora_base
 from hpctrain.models.init_from import load_initial_weights
+from hpctrain.observe.heartbeat import Progress
 from hpctrain.observe.metrics import MetricMonitor
 from hpctrain.observe.timeline import Timeline
 from hpctrain.parallel.parallelize import broadcast_buffers
@@ -115,6 +116,7 @@ class Checkpointing:
     save_wait_s: float  # blocked on background saves (checkpoint.async) at the end
     resumed_loader: bool
     truncate_sample_log: Callable[[], None]  # RunRecords'
+    progress: Progress  # the rank's heartbeat for its watcher
 
     def checkpoint_states(self) -> dict[str, Any]:
         # A LoRA run saves what trains (adapters, a new head) and buffers: the frozen base
@@ -149,14 +151,15 @@ class Checkpointing:
         """Save (and commit) a checkpoint of this step; its blocking time goes to the
         timeline and, with `checkpoint.every_minutes: auto`, into the next interval."""
         start = time.monotonic()
-        self.free_gradients()
-        broadcast_buffers(self.model)  # FSDP2: one set of BatchNorm statistics, rank 0's
-        self.checkpoints.save(
-            self.state.step,
-            self.checkpoint_states(),
-            metadata=self.checkpoint_metadata(),
-            score=self.monitor.score_at(self.state.step),
-        )
+        with self.progress.phase("save"):  # the watcher's allowance: a save's, not a step's
+            self.free_gradients()
+            broadcast_buffers(self.model)  # FSDP2: one set of BatchNorm statistics, rank 0's
+            self.checkpoints.save(
+                self.state.step,
+                self.checkpoint_states(),
+                metadata=self.checkpoint_metadata(),
+                score=self.monitor.score_at(self.state.step),
+            )
         self.last_save = time.monotonic()
         blocking_s = self.last_save - start  # with checkpoint.async: the staging only
         self.save_interval.after_save(blocking_s)
@@ -167,7 +170,8 @@ class Checkpointing:
     def wait_for_saves(self) -> None:
         """Block until background saves are committed (before exiting); counted as saving."""
         start = time.monotonic()
-        self.checkpoints.wait()
+        with self.progress.phase("save"):  # a save's allowance, not a step's
+            self.checkpoints.wait()
         self.save_wait_s += time.monotonic() - start
 
     def checkpoint_metadata(self) -> dict[str, Any]:
@@ -206,10 +210,14 @@ class Checkpointing:
             changes = config_changes(self.cfg, tried["metadata"].get("config")) if tried else []
             if not changes:
                 raise
+            # The cause first; what torch said ("Missing key in checkpoint state_dict: ...")
+            # last, as the detail it is.
+            where, _, detail = str(exc).rstrip(".").partition(": load failed: ")
             raise type(exc)(
-                f"{str(exc).rstrip('.')}; the config differs from the checkpoint's in "
-                f"{', '.join(changes)}: set back the key that changes what the checkpoint "
-                "holds (model, optimizer, precision), or start over with --resume none"
+                f"{where}: the config differs from the checkpoint's in {', '.join(changes)}: "
+                "set back the key that changes what the checkpoint holds (model, optimizer, "
+                "precision), or start over with --checkpoint none"
+                + (f" (the load failed: {detail})" if detail else "")
             ) from None
         except ValueError:  # DCP's own when the optimizer's groups differ: say which key
             check_same_groups(self.cfg.train, self.checkpoints.tried_manifest)

@@ -13,7 +13,7 @@ from hpctrain.config import Config
 from hpctrain.distributed import process_group, start_process
 from hpctrain.distributed.startup import log_usable_cpus
 from hpctrain.observe.timeline import StartupClock
-from hpctrain.train.trainer import Trainer
+from hpctrain.train.trainer import Trainer, heartbeat_of
 
 log = logging.getLogger("hpctrain")
 
@@ -27,6 +27,8 @@ def run_training(cfg: Config, *, failure_rate: FailureRate = DEFAULT_FAILURE_RAT
     side works it out from the cluster profile and the run's attempts).
     """
     startup = StartupClock()  # since the process started: the interpreter and the imports
+    progress = heartbeat_of(cfg)  # under a watcher: start-up has its own allowance
+    progress.starting()
     env, device = start_process(deterministic=cfg.train.deterministic)
     log.info(
         "rank %d/%d on %s (%s), run folder %s",
@@ -51,5 +53,7 @@ def run_training(cfg: Config, *, failure_rate: FailureRate = DEFAULT_FAILURE_RAT
         torch.autograd.set_detect_anomaly(cfg.train.debug),
     ):
         startup.mark("process_group")
-        trainer = Trainer(cfg, env, device, startup=startup, failure_rate=failure_rate)
+        trainer = Trainer(
+            cfg, env, device, startup=startup, failure_rate=failure_rate, progress=progress
+        )
         return trainer.fit()

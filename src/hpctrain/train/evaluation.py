@@ -10,11 +10,14 @@ import logging
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from hpctrain.config import ConfigError
+from hpctrain.config import Config, ConfigError
 from hpctrain.data import ShardedLoader
+from hpctrain.data.planning import EpochPlan
 from hpctrain.distributed import all_reduce_tensors
+from hpctrain.observe.waits import Ticker
 from hpctrain.tasks.answers import Share
 from hpctrain.tasks.task import Batch, Task, divide_by_count
 
@@ -52,6 +55,24 @@ def require_items(loader: ShardedLoader, key: str, spec: str, seq_len: int) -> N
     raise ConfigError(f"{key}={spec}: {why}")
 
 
+def too_few_batches(cfg: Config, plan: EpochPlan, data: str) -> str:
+    """Why an epoch of `data` gives no optimizer step: the batch, or the batches one step
+    accumulates, against the samples each rank reads, in the user's words."""
+    ranks, accum, batch = plan.world_size, cfg.train.grad_accum_steps, cfg.data.batch_size
+    kind = "sequences" if cfg.data.seq_len else "samples"
+    per_rank = plan.num_samples // ranks
+    where = f"{per_rank} {kind} per rank ({data}: {plan.num_samples} over {ranks} rank(s))"
+    if accum == 1:
+        return (
+            f"data.batch_size={batch}: batch_size {batch} > {where}; "
+            f"set data.batch_size to {max(1, per_rank)} or less"
+        )
+    return (
+        f"data.batch_size={batch}: train.grad_accum_steps={accum} batches of {batch} "
+        f"({batch * accum}) > {where}; lower data.batch_size or train.grad_accum_steps"
+    )
+
+
 @torch.no_grad()
 def evaluate(
     task: Task,
@@ -62,6 +83,7 @@ def evaluate(
     *,
     copies: int = 1,
     share: Share | None = None,
+    label: str = "evaluation",
 ) -> dict[str, Any]:
     """`val_<metric>` over all of `loader`'s data once, and `val_samples`; with a task that
     answers prompts (`eval.generate`), `val_exact_match` and `val_token_f1` too.
@@ -76,18 +98,24 @@ def evaluate(
         copies: ranks that evaluate the same batches (a tensor-parallel group), counted once.
         share: this rank's share of the prompts a task answers (`eval.generate`: its
             `answer_sums`, counts added to the same all-reduce); default: this process alone.
+        label: what the progress lines of a long evaluation call it (rank 0 only).
     """
     was_training = model.training
     model.eval()
     loader.set_epoch(0)
     sums: dict[str, torch.Tensor] = {}
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    ticker = Ticker(label, total=len(loader), enabled=main)
     for batch in loader:
         with precision.autocast():
             values = task.eval_metrics(model, to_device(batch, device))
         for name, value in values.items():
             value = value.detach().double()
             sums[name] = sums[name] + value if name in sums else value
+        ticker.update()
     if getattr(task, "generates_answers", False):
+        if main:  # greedy decoding, token by token: seconds to minutes
+            log.info("%s: generating the answers to the held-out prompts (eval.generate)", label)
         with precision.autocast():
             answered = task.answer_sums(model, share or Share())  # type: ignore[attr-defined]
         sums.update({name: value.double() for name, value in answered.items()})

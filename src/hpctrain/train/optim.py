@@ -203,6 +203,18 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str) -> 
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def warmup_warning(cfg: TrainConfig, total_steps: int) -> str:
+    """A line when `train.warmup_steps` reaches the run's steps ("" otherwise): the learning
+    rate would still be rising when the run ends, never at `train.lr`."""
+    if not cfg.warmup_steps or cfg.warmup_steps < total_steps:
+        return ""
+    return (
+        f"train.warmup_steps={cfg.warmup_steps} reaches the run's {total_steps} steps: the "
+        f"learning rate never rises to train.lr={cfg.lr:g} and little is learnt; set "
+        f"train.warmup_steps below {total_steps} (a tenth of the steps: {total_steps // 10})"
+    )
+
+
 def build_scheduler(
     optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:

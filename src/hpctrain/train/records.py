@@ -20,7 +20,8 @@ from hpctrain.distributed import DistEnv, all_reduce_sum
 from hpctrain.files import write_atomic
 from hpctrain.models.flops import throughput_fields
 from hpctrain.observe.gpu_stats import GpuCounters
-from hpctrain.observe.metrics import IntervalMeter, peak_memory_mb
+from hpctrain.observe.heartbeat import Progress
+from hpctrain.observe.metrics import IntervalMeter, epoch_text, peak_memory_mb
 from hpctrain.parallel.parallelize import broadcast_buffers
 from hpctrain.parallel.precision import Precision, TrainingPlan
 from hpctrain.tasks.answers import Share
@@ -49,9 +50,18 @@ class RunRecords:
     lr: float
     grad_norm: torch.Tensor
     free_gradients: Callable[[], None]  # Checkpointing's
+    progress: Progress  # the rank's heartbeat for its watcher
+    num_epochs: int  # the epochs the console counts to (0: not shown)
+    first_step: int  # the step this process started from
+    total_steps: int
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
+        """`evaluate_now` with the watcher's allowance of an evaluation."""
+        with self.progress.phase("eval"):
+            return self.evaluate_now()
+
+    def evaluate_now(self) -> dict[str, Any]:
         """Metrics over all of `data.val` (padded samples are masked out, so counted once).
 
         The task's sums are added over batches here and over ranks in one all-reduce, then
@@ -77,6 +87,7 @@ class RunRecords:
                     self.val_loader,
                     self.precision,
                     self.device,
+                    label=f"evaluation of step {self.state.step}",
                     copies=self.plan.tp,  # a TP group evaluates the same batches
                     share=Share(
                         rank=self.plan.data_parallel_rank(self.env.rank),
@@ -153,7 +164,8 @@ class RunRecords:
 
     def print_summary(self, final_eval: dict[str, Any] | None) -> None:
         lines = [
-            f"finished {self.state.step} steps ({self.state.samples_seen} samples, epoch {self.state.epoch})"
+            f"finished {self.state.step} steps ({self.state.samples_seen} samples, "
+            f"epoch {epoch_text(self.state.epoch, self.num_epochs)})"
         ]
         if final_eval is not None:
             lines.append(summary_line(self.task, final_eval))
@@ -164,3 +176,14 @@ class RunRecords:
         else:
             lines.append(f"checkpoint: {self.checkpoints.root}/step-{latest}")
         print("\n".join(lines), flush=True)
+
+    def complete_line(self) -> str:
+        """What a run resumed at (or past) its last step says instead of training."""
+        train = self.cfg.train
+        key = "train.max_steps" if train.max_steps else "train.max_epochs"
+        value = train.max_steps or train.max_epochs
+        return (
+            f"run complete: {self.run_dir} is at step {self.first_step} of {self.total_steps} "
+            f"({key}={value}): nothing trained; to train further, a larger {key}; "
+            "to start again, another run_dir (or --checkpoint none)"
+        )

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from hpctrain.config import Config
 from hpctrain.distributed import DistEnv
+from hpctrain.observe.heartbeat import Progress
 from hpctrain.observe.metrics import GpuForwardTimer, IntervalMeter
 from hpctrain.parallel.grad_norm import clip_grad_norm, global_grad_norm
 from hpctrain.parallel.parallelize import no_gradient_sync
@@ -53,6 +54,7 @@ class OptimizerStep:
     empty_steps: int  # steps of this start without any target (`watch_empty_steps`)
     warned_empty: bool
     first_step: int  # the step this start began at
+    progress: Progress  # the rank's heartbeat for its watcher
 
     def train_step(self, batches: Iterator[Batch]) -> None:
         """One optimizer step over `grad_accum_steps` micro-batches.
@@ -77,6 +79,7 @@ class OptimizerStep:
             self.log_samples(batch)
             num_samples += len(batch["key"])
             micro_batches.append(batch)
+        self.progress.data_ready()  # a rank stuck in its loader beats no further
         counts = [count_targets(self.task, batch) for batch in micro_batches]
         step_targets = self.count_step_targets(sum(counts))
         # DDP and FSDP average the gradients over the data-parallel ranks: weigh by that

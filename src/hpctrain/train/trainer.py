@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import random
 import signal
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -23,6 +24,7 @@ from hpctrain.checkpoint.storage import open_store
 from hpctrain.config import Config, ConfigError, config_to_yaml
 from hpctrain.config.load import check_rules
 from hpctrain.config.lora_rules import check_lora
+from hpctrain.config.rules import describe_timeouts
 from hpctrain.data import ShardedLoader, open_index
 from hpctrain.data.index import ShardIndex
 from hpctrain.data.mixture_index import describe as describe_train
@@ -33,6 +35,7 @@ from hpctrain.distributed.signals import start_compile_workers
 from hpctrain.models import lora, lora_base
 from hpctrain.observe.gpu_stats import GpuCounters
 from hpctrain.observe.hangs import HangWatch
+from hpctrain.observe.heartbeat import Progress
 from hpctrain.observe.memory import OOMSnapshots
 from hpctrain.observe.metrics import IntervalMeter, MetricMonitor, MetricsWriter
 from hpctrain.observe.profiling import StepProfiler
@@ -50,30 +53,39 @@ from hpctrain.tasks.classes import check_class_names
 from hpctrain.tasks.task import Batch, check_monitor, load_task
 from hpctrain.train.checkpointing import Checkpointing, TrainState
 from hpctrain.train.ema import build_ema
-from hpctrain.train.evaluation import require_items
-from hpctrain.train.optim import build_optimizer, build_scheduler, freeze_parameters
-from hpctrain.train.preemption import REQUEUE_EXIT_CODE, PreemptionFlag
+from hpctrain.train.evaluation import require_items, too_few_batches
+from hpctrain.train.optim import (
+    build_optimizer,
+    build_scheduler,
+    freeze_parameters,
+    warmup_warning,
+)
+from hpctrain.train.preemption import INTERRUPT_EXIT_CODE, REQUEUE_EXIT_CODE, PreemptionFlag
 from hpctrain.train.records import RunRecords
 from hpctrain.train.step import OptimizerStep
 
 log = logging.getLogger("hpctrain")
+# What rank 0 says when a second Ctrl-C ends the run at once (during a save, an evaluation).
+INTERRUPTED_AGAIN = (
+    "hpctrain train: interrupted again: stopped at once (committed checkpoints are kept)\n"
+)
+
+
+def heartbeat_of(cfg: Config) -> Progress:
+    """The heartbeat its watcher named (`HPCTRAIN_HEARTBEAT`), with the config's allowances."""
+    return Progress.from_environ(
+        floor_s=cfg.train.heartbeat_timeout_s,
+        factor=cfg.train.heartbeat_factor,
+        first_s=cfg.train.first_step_timeout_s,
+        save_s=cfg.checkpoint.save_timeout_s,
+        prior_save_s=last_save_cost(Path(cfg.run_dir)),
+    )
 
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def require_tensorboard() -> None:
-    """Fail before any work when `logging.tensorboard` is on but tensorboard is missing."""
-    try:
-        import torch.utils.tensorboard  # noqa: F401
-    except ImportError:
-        raise ConfigError(
-            "logging.tensorboard=true needs the tensorboard package: "
-            "pip install 'hpctrain[tensorboard]' (or set logging.tensorboard=false)"
-        ) from None
 
 
 class Trainer(Checkpointing, RunRecords, OptimizerStep):
@@ -91,10 +103,13 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
         *,
         startup: StartupClock | None = None,
         failure_rate: FailureRate = DEFAULT_FAILURE_RATE,
+        progress: Progress | None = None,
     ) -> None:
         """`startup`: the process's start-up phases so far (`run_training` starts it);
-        `failure_rate`: for `checkpoint.every_minutes: auto` (`checkpoint/interval.py`)."""
+        `failure_rate`: for `checkpoint.every_minutes: auto` (`checkpoint/interval.py`);
+        `progress`: the heartbeat its watcher reads (`run_training` starts it)."""
         self.cfg, self.env, self.device = cfg, env, device
+        self.progress = progress or heartbeat_of(cfg)
         self.run_dir = Path(cfg.run_dir)
         self.startup = startup or StartupClock()  # phases, then RUN_DIR/timeline.jsonl
         self.check_config()
@@ -120,10 +135,8 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
         check_rules(cfg)  # as loading does: this config may have been built in code
         if not cfg.data.train:
             raise ConfigError("data.train is empty: give an index.json path/URL or a shard pattern")
-        if cfg.logging.tensorboard and self.env.is_main:
-            require_tensorboard()
         if self.env.is_main:
-            check_trackers(cfg.logging)
+            check_trackers(cfg.logging)  # tensorboard, W&B, MLflow: their packages
         check_lora(cfg)
         if cfg.train.tp_degree > 1 and cfg.task in ("image_classification", "segmentation"):
             raise ConfigError(
@@ -135,6 +148,8 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
                 f"checkpoint.monitor={cfg.checkpoint.monitor}: needs data.val (evaluations to rank by)"
             )
         check_monitor(cfg)  # a metric the task's evaluation reports
+        if self.env.is_main:
+            log.info(describe_timeouts(cfg))
         # Both refuse bad settings here; they hold the run's state from here on.
         self.monitor = MetricMonitor(
             cfg.checkpoint.monitor,
@@ -150,11 +165,6 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             run_dir=self.run_dir,
             device=self.device,
         )
-        if cfg.train.ema_decay >= 1 or (cfg.train.ema_eval and not cfg.train.ema_decay):
-            raise ConfigError(
-                f"train.ema_decay={cfg.train.ema_decay}: must be in (0, 1) (e.g. 0.999); "
-                "0 disables the EMA (and then train.ema_eval must be false)"
-            )
         # Before the model is built: a recorded allocation history then shows its weights too.
         self.memory = OOMSnapshots(
             self.device,
@@ -170,6 +180,8 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
         self.precision = self.plan.precision
         if self.plan.why_precision:
             log.info(self.plan.why_precision)
+        if self.plan.precision_cost and self.env.is_main:
+            log.warning(self.plan.precision_cost)
         if self.env.is_distributed:
             log.info("mesh: %s (train.strategy=%s)", self.plan.describe_mesh(), self.plan.strategy)
         if self.plan.strategy == "fsdp" and self.env.local_world_size < self.env.world_size:
@@ -284,12 +296,13 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             self.steps_per_epoch = max(1, cfg.train.overfit_batches // cfg.train.grad_accum_steps)
         if self.steps_per_epoch == 0:
             raise ConfigError(
-                f"data.batch_size={cfg.data.batch_size}: {describe_train(cfg.data.train)} gives each of {self.env.world_size} ranks "
-                f"fewer than train.grad_accum_steps={cfg.train.grad_accum_steps} batches per epoch"
+                too_few_batches(cfg, self.loader.plan(), describe_train(cfg.data.train))
             )
         self.total_steps = cfg.train.max_steps or cfg.train.max_epochs * self.steps_per_epoch
         if self.total_steps == 0:
             raise ConfigError("train.max_steps=0 and train.max_epochs=0: set one of them")
+        if (warning := warmup_warning(cfg.train, self.total_steps)) and self.env.is_main:
+            log.warning("%s", warning)
         epoch_plan = self.loader.plan()
         if epoch_plan.num_dropped:
             # a tenth of the data out of every epoch is worth a look: say it louder
@@ -319,7 +332,11 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             mode=cfg.checkpoint.mode,
             keep_best=cfg.checkpoint.keep_best,
         )
-        self.preemption = PreemptionFlag(cfg.checkpoint.signals, cfg.checkpoint.deadline_margin_s)
+        self.preemption = PreemptionFlag(
+            cfg.checkpoint.signals,
+            cfg.checkpoint.deadline_margin_s,
+            interrupt_line=INTERRUPTED_AGAIN if self.env.is_main else "",
+        )
         self.hangs = HangWatch(
             self.run_dir,
             self.env.rank,
@@ -327,6 +344,7 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             first_step_timeout_s=cfg.train.first_step_timeout_s,
             collective_timeout_s=cfg.train.collective_timeout_s,
             dump_on_usr1=signal.SIGUSR1 not in self.preemption.signals,
+            on_dump=self.progress.dumped,  # the watcher waits for the stacks, then kills
         )
         self.meter = IntervalMeter()
         self.empty_steps, self.warned_empty, self.first_step = 0, False, 0
@@ -400,13 +418,25 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
         )
         try:
             self.hangs.install()  # SIGUSR1 and train.step_timeout_s: stacks in RUN_DIR/hangs
+            self.progress.arm_dumps(self.hangs.dump_signal)
+            if self.first_step >= self.total_steps:  # a finished run, started again
+                if self.env.is_main:
+                    print(self.complete_line(), flush=True)
+                status = "finished"
+                return 0
             while self.state.step < self.total_steps:
                 self.profiler.at_step(self.state.step)
-                with self.memory.watch(self.state.step + 1), self.hangs.step(self.state.step + 1):
+                step = self.state.step + 1
+                with self.memory.watch(step), self.hangs.step(step), self.progress.step(step):
                     self.train_step(batches)
-                if self.step_boundary(metrics):
-                    status = "preempted"
-                    return REQUEUE_EXIT_CODE
+                if (
+                    self.state.step == self.first_step + 1
+                ):  # a restart's end (resilience/recovery.py)
+                    self.timeline.write("first_step", step=self.state.step)
+                stopped = self.step_boundary(metrics)
+                if stopped:
+                    status = "preempted" if stopped == REQUEUE_EXIT_CODE else "interrupted"
+                    return stopped
                 if self.monitor.should_stop:  # every rank has the same evaluations
                     log.warning(
                         "early stop at step %d: %d evaluations without a better %s",
@@ -424,6 +454,8 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             if final_eval is not None and final_eval["step"] != self.state.step:
                 final_eval = None
             if final_eval is None and self.val_loader is not None:
+                if self.env.is_main:
+                    log.info("final evaluation of step %d on data.val", self.state.step)
                 final_eval = self.evaluate()
                 metrics.write(final_eval)
                 self.monitor.observe(final_eval)
@@ -434,6 +466,7 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
                         score=self.monitor.score_at(self.state.step),
                     )
             self.wait_for_saves()
+            self.progress.ending()
             if self.env.is_main:
                 self.print_summary(final_eval)
             status = "finished"
@@ -442,6 +475,8 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             self.hangs.report_timeout(exc)  # a timed-out collective: dump, name the folder
             raise
         finally:
+            self.progress.ending()
+            self.progress.arm_dumps(0)
             self.hangs.uninstall()
             self.profiler.close()
             self.memory.close()
@@ -450,13 +485,17 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             )
             metrics.close(status)
             self.checkpoints.close()
-            self.preemption.uninstall()
+            # A failed rank of a job keeps noting TERM until it exits: srun's TERM (a peer
+            # failed too) must not kill it while it unwinds, or its end would read as stopped
+            # by SLURM rather than as its own exit (7: a peer went away).
+            self.preemption.uninstall(keep_term=status == "failed" and self.env.is_distributed)
             for loader in (self.loader, self.val_loader):
                 if loader is not None:
                     loader.close()  # its workers too, now rather than at exit
 
-    def step_boundary(self, metrics: MetricsWriter) -> bool:
-        """Log, evaluate and save as due after a step; True once saved for a preemption."""
+    def step_boundary(self, metrics: MetricsWriter) -> int:
+        """Log, evaluate and save as due after a step; once saved for a preemption or a
+        Ctrl-C, the exit code to end with (REQUEUE_EXIT_CODE or INTERRUPT_EXIT_CODE), else 0."""
         step = self.state.step
         if self.is_log_step(step):
             metrics.write(self.log_record())
@@ -468,18 +507,27 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
             if self.monitor.observe(record):  # among the checkpoint.keep_best best so far
                 self.save()
                 saved = True
-        stop_requested, time_due = self.agree_on_flags()
-        if stop_requested:
-            log.warning("preemption requested: saving step %d, then exiting for requeue", step)
+        stop_requested, time_due, interrupted = self.agree_on_flags()
+        if stop_requested or interrupted:
+            # a preemption wins over a Ctrl-C: the job script must see 75 to requeue
+            code = REQUEUE_EXIT_CODE if stop_requested else INTERRUPT_EXIT_CODE
+            if stop_requested:
+                log.warning("preemption requested: saving step %d, then exiting for requeue", step)
             if not saved:
                 self.save()
             self.wait_for_saves()
-            self.preemption.exit_on_signal(REQUEUE_EXIT_CODE)  # saved: a TERM now only ends us
-            return True
+            self.preemption.exit_on_signal(code)  # saved: a TERM (or ^C) now only ends us
+            if interrupted and not stop_requested and self.env.is_main:
+                sys.stderr.write(
+                    f"hpctrain train: interrupted at step {step}: saved; "
+                    "run the same command to resume\n"
+                )
+                sys.stderr.flush()
+            return code
         every_steps = self.cfg.checkpoint.every_steps
         if not saved and (time_due or (every_steps and step % every_steps == 0)):
             self.save()
-        return False
+        return 0
 
     def batch_stream(self) -> Iterator[Batch]:
         """Batches across epochs; after a resume the first epoch continues where it stopped."""
@@ -489,6 +537,7 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
         while True:
             if not self.resumed_loader:
                 self.loader.set_epoch(self.state.epoch)
+                self.progress.loading()  # a new epoch may start its workers: a first step's time
             self.resumed_loader = False
             yield from self.loader
             self.state.epoch += 1
@@ -504,25 +553,27 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
         while True:
             yield from cached
 
-    def agree_on_flags(self) -> tuple[bool, bool]:
-        """One all-reduce at the step boundary: does any rank want to stop, is a timed save due?
+    def agree_on_flags(self) -> tuple[bool, bool, bool]:
+        """One all-reduce at the step boundary: does any rank want to stop (preempted), is a
+        timed save due, did any rank get Ctrl-C?
 
         Signals reach ranks at different moments and clocks differ, so every rank must act on
         the same answer, or some would enter a collective save that others never join.
         """
         interval = self.save_interval.seconds  # None: no timed saves
         time_due = interval is not None and time.monotonic() - self.last_save >= interval
+        flag = self.preemption
         if self.flag_group is None:
-            return self.preemption.requested, time_due
+            return flag.requested, time_due, flag.interrupted
         flags = torch.tensor(
-            [float(self.preemption.requested), float(time_due)], dtype=torch.float64
+            [float(flag.requested), float(time_due), float(flag.interrupted)], dtype=torch.float64
         )
         self.meter.clock.mark("boundary")  # this rank's arrival: the straggler check
         dist.all_reduce(flags, group=self.flag_group)
         self.meter.add_arrivals()
         self.meter.clock.leave_boundary()  # every rank leaves at the same moment
-        stop, due = flags.tolist()
-        return stop > 0, due > 0
+        stop, due, interrupted = flags.tolist()
+        return stop > 0, due > 0, interrupted > 0
 
     def prepare_run_dir(self) -> None:
         if self.env.is_main:

@@ -57,9 +57,8 @@ from hpctrain.convert.sources.base import (
 from hpctrain.convert.sources.generated import Spool, check_key
 from hpctrain.convert.sources.manifest import label_class_names
 from hpctrain.data.index import redact_url
-from hpctrain.errors import DataError
+from hpctrain.errors import DataError, install_hint
 
-EXTRA_HINT = "reading Arrow/parquet needs pyarrow: pip install 'hpctrain[arrow]'"
 BATCH_ROWS = 256
 
 
@@ -69,7 +68,9 @@ def import_pyarrow() -> Any:
         import pyarrow.ipc
         import pyarrow.parquet
     except ImportError:
-        raise ConvertOptionError(EXTRA_HINT) from None
+        raise ConvertOptionError(
+            f"reading Arrow/parquet needs pyarrow: {install_hint('arrow')}"
+        ) from None
     return pyarrow
 
 
