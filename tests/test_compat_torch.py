@@ -127,16 +127,19 @@ def test_the_fallbacks_of_a_torch_without_them_give_the_same(tmp_path):
 
 
 # --- tasks ---
-def test_foreach_lerp_and_copy_match_their_loops(monkeypatch):
+def test_foreach_lerp_copy_and_mul_match_their_loops(monkeypatch):
     import pytest
 
-    from hpctrain.compat_torch import foreach_copy_, foreach_lerp_
+    from hpctrain.compat_torch import foreach_copy_, foreach_lerp_, foreach_mul_
 
     weights = [torch.zeros(3), torch.ones(2)]
     foreach_lerp_(weights, [torch.full((3,), 4.0), torch.full((2,), 3.0)], 0.25, strict=True)
     assert weights[0].tolist() == [1.0] * 3 and weights[1].tolist() == [1.5] * 2
     foreach_copy_(weights, [torch.full((3,), 7.0), torch.full((2,), 8.0)], strict=True)
     assert weights[0].tolist() == [7.0] * 3 and weights[1].tolist() == [8.0] * 2
+    foreach_mul_(weights, torch.tensor(0.5), strict=True)
+    assert weights[0].tolist() == [3.5] * 3 and weights[1].tolist() == [4.0] * 2
+    foreach_copy_(weights, [torch.full((3,), 7.0), torch.full((2,), 8.0)], strict=True)
     monkeypatch.delattr(torch, "_foreach_lerp_")  # a torch without it: the loop, and a warning
     with pytest.warns(RuntimeWarning, match="torch._foreach_lerp_"):
         foreach_lerp_(weights, [torch.zeros(3), torch.zeros(2)], 0.5)

@@ -18,6 +18,7 @@ version and the API, instead of the fallback hiding the change.
 | `checkpoint.filesystem._StorageInfo`, `_StorageWriterTransforms` | item checksums while DCP writes (subclassed) | none (`TorchAPIChanged`); watch for a public `StorageInfo` and stream-transform extension |
 | `FileSystemReader._slice_file` (overridden)     | item checksums while DCP reads       | none: tested only; watch for a public read-stream hook |
 | `DistributedDataParallel._set_params_and_buffers_to_ignore_for_model` | DDP leaves QLoRA's NF4 base alone | the attribute it sets; watch for a public ignore list |
+| `torch._foreach_mul_`                            | `train.grad_clip` scales gradients in one call (`parallel/grad_norm.py`) | `mul_` per gradient |
 | `torch.utils._python_dispatch.TorchDispatchMode`, `UntypedStorage._cdata` | record a model's initialisation on the meta device (`models/deferred_init.py`) | none: the model is built whole, as before; watch for a public deferred init |
 
 Public replacements to watch for: a public way to close a `DataLoader`'s persistent workers
@@ -261,6 +262,20 @@ def foreach_lerp_(
         return
     for tensor, end in zip(tensors, ends, strict=True):
         tensor.lerp_(end, weight)
+
+
+def foreach_mul_(tensors: list[torch.Tensor], value: torch.Tensor, *, strict: bool = False) -> None:
+    """`t.mul_(value)` for every tensor (one device and dtype), in one fused call where torch
+    has it (what `clip_grad_norm_` does)."""
+    try:
+        fused = torch._foreach_mul_
+    except AttributeError as exc:
+        _fallback("torch._foreach_mul_", exc, strict)
+    else:
+        fused(tensors, value)
+        return
+    for tensor in tensors:
+        tensor.mul_(value)
 
 
 def foreach_copy_(

@@ -1,17 +1,18 @@
 """lm-evaluation-harness on a run's model, offline: a local multiple-choice task, a local
 generation task and a local perplexity task (YAML + JSONL written here) score the same through
 hpctrain's model as through the harness's own `hf` model type on the exported Hugging Face
-folder."""
+folder, run by the `lm_eval` command line the record gives (standard errors included)."""
 
 from __future__ import annotations
 
 import json
+import shlex
+import sys
 from pathlib import Path
 
 import pytest
 
 from hpctrain.cli.main import main
-from hpctrain.inference.harness import task_manager
 from tests.support.answer_kit import LETTERS, qa_rows
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -80,7 +81,10 @@ def write_tasks(folder: Path) -> Path:
 
 @pytest.mark.slow
 def test_the_harness_scores_the_run_as_it_scores_the_exported_folder(
-    qa_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    qa_run: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     tasks = write_tasks(tmp_path / "tasks")
     args = ["--harness", ",".join(TASKS), "--harness-include", str(tasks)]
@@ -90,22 +94,24 @@ def test_the_harness_scores_the_run_as_it_scores_the_exported_folder(
     assert Path(record["record"]) == qa_run / "eval" / name
     ours = record["results"]
     assert ours["qa_choice"]["acc,none"] > 0.5 and ours["qa_answer"]["exact_match,none"] > 0.5
+    assert record["max_length"] == 64  # data.seq_len, not the export's context (128)
+    for task, metric in (("qa_choice", "acc"), ("qa_answer", "exact_match")):
+        assert isinstance(ours[task][f"{metric}_stderr,none"], float)  # as lm-eval prints it
+    # the command the record gives, on the exported folder: lm-eval's own command line
     out = tmp_path / "exported"
     assert main(["export", str(qa_run), str(out), "--format", "hf"]) == 0
-    theirs = lm_eval.simple_evaluate(
-        model="hf",
-        model_args={"pretrained": str(out), "dtype": "float32", "max_length": 64, "device": "cpu"},
-        tasks=TASKS,
-        num_fewshot=0,
-        task_manager=task_manager(str(tasks)),  # the one hpctrain built (a cache)
-        bootstrap_iters=0,
-        random_seed=0,
-        numpy_random_seed=0,
-        torch_random_seed=0,
-        fewshot_random_seed=0,
-    )["results"]
-    assert ours["qa_choice"]["acc,none"] == theirs["qa_choice"]["acc,none"]
-    assert ours["qa_answer"]["exact_match,none"] == theirs["qa_answer"]["exact_match,none"]
+    command = shlex.split(record["lm_eval_command"].replace("pretrained=OUT", f"pretrained={out}"))
+    assert command[:3] == ["lm_eval", "--model", "hf"]
+    from lm_eval.__main__ import cli_evaluate  # `lm_eval`'s entry point, in this process
+
+    monkeypatch.setattr(sys, "argv", [*command, "--output_path", str(tmp_path / "lm")])
+    cli_evaluate()
+    (written,) = (tmp_path / "lm").rglob("results_*.json")
+    theirs = json.loads(written.read_text())["results"]
+    for key in ("acc,none", "acc_stderr,none"):
+        assert ours["qa_choice"][key] == pytest.approx(theirs["qa_choice"][key], rel=1e-9)
+    for key in ("exact_match,none", "exact_match_stderr,none"):
+        assert ours["qa_answer"][key] == pytest.approx(theirs["qa_answer"][key], rel=1e-9)
     for metric in ("word_perplexity,none", "bits_per_byte,none"):  # sums of log-probabilities
         assert ours["qa_text"][metric] == pytest.approx(theirs["qa_text"][metric], rel=1e-5)
 

@@ -64,6 +64,38 @@ def test_stop_ids_end_a_row_and_the_window_restarts_the_cache() -> None:
     assert len(long) == 10
 
 
+@torch.no_grad()
+def alone(model: GPT, prompt: list[int], steps: int, window: int) -> list[int]:
+    """Greedy ids of one prompt recomputed whole at every step, with decoding's window rule:
+    the last `window - 1` tokens of the prompt, and past `window` tokens a restart from the
+    last `window // 2` (positions from there)."""
+    context, new = list(prompt)[-(window - 1) :], []
+    for _ in range(steps):
+        token = int(model(torch.tensor([context]))[0, -1].argmax())
+        new.append(token)
+        context.append(token)
+        if len(context) > window:
+            context = context[-(window // 2) :]
+    return new
+
+
+def test_rows_past_the_window_decode_as_each_would_alone() -> None:
+    """Rows of several lengths reach a window of 8 at different steps, several times: each
+    row's ids are those of that prompt decoded alone, in any batch, in any order."""
+    model = noisy_gpt()
+    prompts = [*PROMPTS, [3, 1, 4, 1, 5, 9, 2], [8] * 6]
+    expected = [alone(model, prompt, 20, window=8) for prompt in prompts]
+    assert [decode(model, [p], max_new_tokens=20, window=8)[0] for p in prompts] == expected
+    assert decode(model, prompts, max_new_tokens=20, window=8) == expected
+    backwards = decode(model, prompts[::-1], max_new_tokens=20, window=8)
+    assert backwards[::-1] == expected
+    # a row that stops early leaves the others as they were
+    stop = expected[1][2]
+    stopped = decode(model, prompts, max_new_tokens=20, window=8, stop_ids={stop})
+    for row, full in zip(stopped, expected, strict=True):
+        assert row == (full[: full.index(stop) + 1] if stop in full else full)
+
+
 def test_padding_slots_are_masked_and_a_full_cache_refuses_more() -> None:
     tokens, positions, valid = left_padded([[5, 6], [7, 8, 9]], torch.device("cpu"), 2)
     assert tokens.tolist() == [[0, 0, 5, 6], [0, 7, 8, 9]]

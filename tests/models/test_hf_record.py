@@ -28,6 +28,7 @@ from tests.support.finetune_kit import (
     convert_text,
     eval_records,
     save_bpe_folder,
+    save_metaspace_tokenizer,
     tokens,
     train,
     trainer,
@@ -182,6 +183,46 @@ def test_an_export_carries_the_chat_template_and_the_models_context(
     config = json.loads((out / hf.CONFIG).read_text())
     assert exported.model_max_length == config["max_position_embeddings"] == 128 > SEQ_LEN
     assert exported.eos_token == "<|im_end|>"  # the source folder's
+
+
+def test_an_export_whose_tokenizer_transformers_loads_otherwise_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """#48 item 7: transformers 5 loads its own Qwen2Tokenizer for any qwen2 folder, which
+    drops a sentencepiece-style tokenizer's spaces and newlines: the export checks what
+    AutoTokenizer encodes, warns once naming the fix, and writes OUT/tokenizer (the files
+    alone), which loads right. A Llama folder with the same tokenizer: nothing to say."""
+    import tokenizers
+
+    tok = save_metaspace_tokenizer(tmp_path / "tok")
+    data = tmp_path / "data"
+    convert_text(data / "train", str(tok), seed=1, documents=30)
+    convert_text(data / "val", str(tok), seed=2, documents=6)
+    exports = {}
+    for kind in ("qwen2", "llama"):
+        save_hf(tmp_path / kind, kind, vocab_size=VOCAB)
+        train(tmp_path / f"run-{kind}", data, f"model.init_from={tmp_path / kind}")
+        out = tmp_path / f"out-{kind}"
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="hpctrain"):
+            assert main(["export", str(tmp_path / f"run-{kind}"), str(out), "--format", "hf"]) == 0
+        exports[kind] = (
+            out,
+            [r.getMessage() for r in caplog.records if "AutoTokenizer" in r.getMessage()],
+        )
+    out, warnings = exports["qwen2"]
+    (warning,) = warnings
+    assert "Qwen2Tokenizer encodes 'The cat sat on the mat." in warning
+    assert "catsatonthemat" in warning  # its ids, decoded: the spaces are gone
+    assert f"--model_args pretrained={out},tokenizer={out / 'tokenizer'}" in warning
+    text = "the cat\n sat  on a log, 3 times"
+    fixed = transformers.AutoTokenizer.from_pretrained(out / "tokenizer")
+    ours = tokenizers.Tokenizer.from_file(str(tok)).encode(text).ids
+    assert fixed(text, add_special_tokens=False)["input_ids"] == ours
+    plain = transformers.AutoTokenizer.from_pretrained(out)
+    assert plain(text, add_special_tokens=False)["input_ids"] != ours  # transformers' own
+    out, warnings = exports["llama"]
+    assert warnings == [] and not (out / "tokenizer").exists()
 
 
 def test_export_and_generate_work_from_another_folder(

@@ -5,6 +5,7 @@ tests/train/test_lora_runs.py, ranks in tests/parallel/test_lora_ranks.py."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -160,7 +161,112 @@ def test_the_fingerprint_follows_the_weights_not_the_folder_name(tmp_path: Path)
     again = lora_base.fingerprint(str(first))
     assert again["digest"] != print_one["digest"] and again["path"] == print_one["path"]
     with pytest.raises(ConfigError, match=r"not the base the checkpoint of step 4 was trained on"):
-        lora_base.check_same_base(print_one, again, 4)
+        lora_base.check_same_base({**print_one, "path": str(moved)}, again, 4)
+
+
+def save_base(folder: Path) -> tuple[Path, int]:
+    """A Hugging Face-like folder whose model.safetensors (4.5 MiB) holds `embed`, `layer`
+    and `norm`, in that order: `layer` lies between the first and the last MiB. Returns the
+    file and the offset of `layer`'s bytes."""
+    import json
+
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    tensors = {
+        "embed": torch.ones(512, 768),
+        "layer": torch.arange(512 * 512, dtype=torch.float32).reshape(512, 512),
+        "norm": torch.ones(512, 768),
+    }
+    file = folder / "model.safetensors"
+    save_file(tensors, file)
+    header = int.from_bytes(file.read_bytes()[:8], "little")
+    offsets = json.loads(file.read_bytes()[8 : 8 + header])["layer"]["data_offsets"]
+    return file, 8 + header + offsets[0]
+
+
+def rewrite_in_place(file: Path, offset: int, data: bytes) -> None:
+    with open(file, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def test_a_tensor_rewritten_in_the_middle_of_a_file_changes_the_fingerprint(
+    tmp_path: Path,
+) -> None:
+    file, layer = save_base(tmp_path / "base")
+    before = lora_base.fingerprint(str(tmp_path / "base"))
+    stat = file.stat()
+    # a few rows of `layer` rewritten in place: same size, same header
+    rewrite_in_place(file, layer + 512 * 4 * 100, torch.zeros(512 * 8).numpy().tobytes())
+    os.utime(file, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # even with its mtime set back
+    assert file.stat().st_size == stat.st_size
+    after = lora_base.fingerprint(str(tmp_path / "base"), known=before)
+    assert after["digest"] != before["digest"]
+    with pytest.raises(ConfigError) as info:
+        lora_base.check_same_base(before, after, 7)
+    message = str(info.value)
+    assert message.startswith(f"model.init_from={(tmp_path / 'base').resolve()}: the base changed")
+    assert "model.safetensors (other content)" in message and "step 7" in message
+    assert "set model.init_from back" not in message and "\n" not in message
+
+
+def test_an_unchanged_base_is_checked_by_its_files_records_without_reading_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hpctrain.models import lora_fingerprint
+
+    monkeypatch.setattr(lora_fingerprint, "RECENT_S", 0.0)  # files written a moment ago
+    file, _ = save_base(tmp_path / "base")
+    first = lora_base.fingerprint(str(tmp_path / "base"))
+    assert set(first["files"]) == {"model.safetensors", "config.json"}
+    hashed: list[str] = []
+    real = lora_fingerprint.hash_file
+    monkeypatch.setattr(lora_fingerprint, "hash_file", lambda f: hashed.append(f.name) or real(f))
+    again = lora_base.fingerprint(str(tmp_path / "base"), known=first)
+    assert again == first and hashed == []  # size, mtime, ctime and inode: nothing read
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (copy / name).write_bytes((tmp_path / "base" / name).read_bytes())
+    moved = lora_base.fingerprint(str(copy), known=first)  # elsewhere: hashed, same digest
+    assert moved["digest"] == first["digest"] and len(hashed) == 2
+    os.utime(file)  # touched, not changed: hashed again, the same base
+    touched = lora_base.fingerprint(str(tmp_path / "base"), known=first)
+    assert touched["digest"] == first["digest"] and hashed[2:] == ["model.safetensors"]
+    lora_base.check_same_base(first, touched, 1)
+    # a checkpoint of an older hpctrain: its digest of each file's first and last MiB
+    old = {"path": first["path"], "kind": "hf", "ema": False}
+    lora_base.check_same_base(
+        {**old, "digest": lora_fingerprint.legacy_digest(first["path"])}, touched, 1
+    )
+    with pytest.raises(ConfigError, match="the base changed since"):
+        lora_base.check_same_base({**old, "digest": "0" * 64}, touched, 1)
+
+
+def test_the_peft_adapter_names_its_base_by_its_hub_name_where_known(tmp_path: Path) -> None:
+    """adapter_config.json's base_model_name_or_path: a Hub cache snapshot gives the Hub
+    name and revision; else the path the run read (an absolute path of the training machine),
+    also where config.json names another model (a fine-tune names its own base there)."""
+    import json
+
+    from hpctrain.models.lora_peft import peft_adapter
+
+    def config_for(path: Path) -> dict:
+        entry = {"base": {"path": str(path)}, "rank": 4, "alpha": 8, "modules": []}
+        return peft_adapter({}, entry, None, "causal_lm")[0]
+
+    snapshot = tmp_path / "hub" / "models--meta-llama--Llama-3.2-1B" / "snapshots" / "4e20de3"
+    snapshot.mkdir(parents=True)
+    config = config_for(snapshot)
+    assert config["base_model_name_or_path"] == "meta-llama/Llama-3.2-1B"
+    assert config["revision"] == "4e20de3"
+    plain = tmp_path / "llama"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps({"_name_or_path": "Qwen/Qwen2-0.5B"}))
+    config = config_for(plain)
+    assert config["base_model_name_or_path"] == str(plain) and config["revision"] is None
 
 
 def lora_config(*overrides: str) -> Config:

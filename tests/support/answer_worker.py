@@ -12,9 +12,11 @@ eval.generate: each rank answers its share of the validation prompts. Then `hpct
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -35,6 +37,29 @@ CASES = {
 }
 
 
+# Prompts that reach a window of 8 at different steps, other ones on each data-parallel rank
+# (the tensor-parallel ranks share theirs)
+WINDOW_PROMPTS = [[10, 11, 12, 13, 14, 15, 16], [20, 21], [30, 31, 32, 33, 34]]
+
+
+def window_prompts(rank: int) -> list[list[int]]:
+    return [[t + 7 * rank for t in p] for p in WINDOW_PROMPTS[rank:] + WINDOW_PROMPTS[:rank]]
+
+
+def window_rows(model: torch.nn.Module, env: Any, out: Path) -> None:
+    """Decode in lockstep past a window of 8 (restarts at different steps on each rank);
+    `tests/inference/test_answers.py` compares each row with its prompt decoded alone."""
+    from hpctrain.models.decoding import decode, sequence_multiple
+
+    if sequence_multiple(model) > 1:  # tensor parallelism: both ranks hold the same rows
+        prompts = window_prompts(0)
+    else:  # data parallelism: batches of other prompts and sizes
+        prompts = window_prompts(env.rank)[: 3 - env.rank]
+    model.eval()
+    rows = decode(model, prompts, max_new_tokens=20, window=8, lockstep=True)
+    out.write_text(json.dumps({"prompts": prompts, "rows": rows}))
+
+
 def main() -> None:
     tokens, checkpoint, qa, out = (Path(a) for a in sys.argv[1:5])
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -51,7 +76,10 @@ def main() -> None:
                 "train.max_steps=1",
                 *extra,
             )
-            assert Trainer(load_config(None, overrides), env, device).fit() == 0
+            trainer = Trainer(load_config(None, overrides), env, device)
+            assert trainer.fit() == 0
+            if name in ("fsdp", "tp"):
+                window_rows(trainer.model, env, out / f"{name}-window-{env.rank}.json")
         from hpctrain.inference.answers import run_answers
 
         cfg = load_config(None, qa_overrides(tokens, out / "answers", "train.strategy=fsdp"))

@@ -102,6 +102,22 @@ def save_bpe_folder(folder: Path, *, seed: int = 0, chat_template: bool = True) 
     return folder / "tokenizer.json"
 
 
+def save_metaspace_tokenizer(folder: Path) -> Path:
+    """`folder/tokenizer.json`: a BPE of `VOCAB` ids whose words start with `▁`
+    (sentencepiece's Metaspace, as Llama 2's and Mistral's), trained on `sentences(0)`: not
+    Qwen's byte-level pre-tokenizer."""
+    import tokenizers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
+    tok.decoder = tokenizers.decoders.Metaspace()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=[*SPECIALS, "<unk>"])
+    tok.train_from_iterator([*sentences(0, 60), "a\nb, c: 1.5\t(d)"], trainer=trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    return folder / "tokenizer.json"
+
+
 def convert_text(dest: Path, tokenizer: str, *, seed: int, documents: int) -> Path:
     """`documents` documents of `sentences(seed)` converted by `hpctrain convert` with
     `tokenizer` into `dest`; returns its index.json."""

@@ -9,6 +9,7 @@ fp32 unless named, and rank 0 writes the final adapters, gathered whole, to OUT_
 - `fsdp-preempted`: a real SIGUSR2 on both ranks after step 1 (the run saves and returns the
   requeue code), then a fresh Trainer resumes to step 3;
 - `ddp-qlora`, `fsdp-qlora`: the adapted layers' base in NF4;
+- `ddp-clip`, `fsdp-clip`, `hsdp-clip`: 12 steps, each clipped (`train.grad_clip=0.01`);
 - `fsdp-bf16`: bf16 compute on a bf16 base, one step (bf16 is ~40x slower on this CPU).
 """
 
@@ -40,6 +41,15 @@ CASES_ALL = {
     "fsdp-preempted": ["train.strategy=fsdp"],
     "ddp-qlora": ["train.strategy=ddp", "model.lora.quantize_base=nf4"],
     "fsdp-qlora": ["train.strategy=fsdp", "model.lora.quantize_base=nf4"],
+    # 12 steps clipped at every step (the norm is near 0.1 here)
+    "ddp-clip": ["train.strategy=ddp", "train.grad_clip=0.01", "train.max_steps=12"],
+    "fsdp-clip": ["train.strategy=fsdp", "train.grad_clip=0.01", "train.max_steps=12"],
+    "hsdp-clip": [
+        "train.strategy=hsdp",
+        "train.shard_degree=1",
+        "train.grad_clip=0.01",
+        "train.max_steps=12",
+    ],
     "fsdp-bf16": [
         "train.strategy=fsdp",
         "train.precision=bf16",

@@ -4,6 +4,8 @@ an instruction document is the prompt and which the reference, documents read wh
 from __future__ import annotations
 
 import io
+import re
+import string
 import tarfile
 from pathlib import Path
 
@@ -36,6 +38,36 @@ def test_normalisation_steps_and_token_f1() -> None:
     assert token_f1("cat sat", "cat sat") == 1.0
     assert token_f1("the cat", "cat sat down") == pytest.approx(2 * 0.5 * (1 / 3) / (0.5 + 1 / 3))
     assert token_f1("", "") == 1.0 and token_f1("cat", "") == 0.0 and token_f1("a", "b") == 0.0
+
+
+def squad_normalized(text: str) -> str:
+    """SQuAD v1.1's published `normalize_answer` (evaluate-v1.1.py), restated: lower case,
+    ASCII punctuation deleted, the articles a/an/the replaced by a space, whitespace fixed."""
+    text = "".join(c for c in text.lower() if c not in set(string.punctuation))
+    return " ".join(re.sub(r"\b(a|an|the)\b", " ", text).split())
+
+
+SQUAD = ("whitespace", "case", "punctuation", "articles")
+
+
+@pytest.mark.parametrize(
+    ("answer", "reference"),
+    [
+        ("U.S.", "US"),
+        ("3,000", "3000"),
+        ("don't", "dont"),
+        ("The  Eiffel\tTower!", "eiffel tower"),
+        ("an apple, a pear", "apple pear"),
+        ("theatre", "theatre"),  # an article inside a word stays
+        ("  A\n", ""),
+        ("e.g. (x-ray)", "eg xray"),
+        ("café – naïve", "café – naïve"),  # not ASCII punctuation: SQuAD keeps it
+    ],
+)
+def test_squad_options_normalise_as_squads_scorer(answer: str, reference: str) -> None:
+    assert normalize(answer, SQUAD) == squad_normalized(answer) == squad_normalized(reference)
+    assert normalize(reference, SQUAD) == squad_normalized(reference)
+    assert token_f1(normalize(answer, SQUAD), normalize(reference, SQUAD)) == 1.0
 
 
 def doc(ids: list[int], targets: list[int]) -> Document:

@@ -43,7 +43,7 @@ def test_ddp_and_fsdp2_fp32_end_bitwise_equal(trained: Path) -> None:
         for case in ("ddp-fp32", "fsdp-fp32")
     }
     assert len(norms["ddp-fp32"]) == 3 and all(n > 0 for n in norms["ddp-fp32"])
-    assert norms["ddp-fp32"] == pytest.approx(norms["fsdp-fp32"], rel=1e-5)
+    assert norms["ddp-fp32"] == norms["fsdp-fp32"]  # one order of summation: the same bits
 
 
 @pytest.mark.distributed

@@ -167,6 +167,47 @@ def test_adapters_come_back_in_from_peft_and_from_the_run(
         Trainer(load_config(None, [*warm, "model.lora.rank=0"]), SINGLE, torch.device("cpu"))
 
 
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_peft_equals_the_merged_export_when_the_embedding_trains_in_full(
+    lm: Path, tmp_path: Path, tied: bool
+) -> None:
+    """A tied base's embedding is also its output head: trained in full, the peft adapter
+    holds it for both (peft keeps a copy of each module to save, and its lm_head would
+    stay tied to the base's untrained embedding)."""
+    (tmp_path / "shards").symlink_to(lm / "shards")
+    save_hf(tmp_path / "llama", "llama", vocab_size=LM_VOCAB, tie_word_embeddings=tied)
+    run_dir = tmp_path / "run"
+    saved = "model.lora.modules_to_save=[tok_embeddings,norm]"
+    trainer = train(tmp_path, run_dir, "train.max_steps=2", saved)
+    expected = logits(trainer.model)
+    assert main(["export", str(run_dir), str(tmp_path / "merged"), "--format", "hf"]) == 0
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").float()
+    torch.testing.assert_close(logits(merged), expected, rtol=0, atol=1e-4)
+    adapter_out = tmp_path / "adapter"
+    assert main(["export", str(run_dir), str(adapter_out), "--format", "peft"]) == 0
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "llama").float()
+    with_adapter = peft.PeftModel.from_pretrained(base, adapter_out)
+    torch.testing.assert_close(logits(with_adapter), expected, rtol=0, atol=1e-4)
+    # and back in: the same embedding, norm and adapters
+    again = train(
+        tmp_path,
+        tmp_path / "again",
+        "train.max_steps=1",
+        "train.lr=0",
+        saved,
+        f"model.lora.init_from={adapter_out}",
+    )
+    torch.testing.assert_close(logits(again.model), expected, rtol=0, atol=0)
+    if tied:  # a head other than the embedding cannot be tied to it
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(adapter_out / "adapter_model.safetensors")
+        tensors["base_model.model.lm_head.weight"] += 1
+        save_file(tensors, adapter_out / "adapter_model.safetensors")
+        with pytest.raises(ConfigError, match="holds an lm_head other than its embedding"):
+            train(tmp_path, tmp_path / "other", saved, f"model.lora.init_from={adapter_out}")
+
+
 def test_a_preempted_run_resumes_exactly(lm: Path, tmp_path: Path) -> None:
     from tests.support.finetune_worker import signal_after_step
 
@@ -193,10 +234,13 @@ def test_a_changed_base_is_refused_naming_both_fingerprints(tmp_path: Path, lm: 
         train(root, root / "run", "train.max_steps=2")
     message = str(info.value)
     digest = old["metadata"]["lora"]["base"]["digest"][:12]
-    assert message.startswith(f"model.init_from={(root / 'llama').resolve()}: not the base")
-    assert f"its base: {(root / 'llama').resolve()} (digest {digest})" in message
-    assert "now:" in message and "\n" not in message
-    with pytest.raises(CheckpointError, match=r"a LoRA run whose base is unusable: .*not the base"):
+    assert message.startswith(
+        f"model.init_from={(root / 'llama').resolve()}: the base changed since the checkpoint "
+        "of step 1 was trained on it: model.safetensors (other content)"
+    )
+    assert f"(digest then {digest}, now " in message and "\n" not in message
+    assert "put that base's files back at this path" in message
+    with pytest.raises(CheckpointError, match=r"a LoRA run whose base is unusable: .*changed"):
         read_model_weights_merged(root / "run")
     assert main(["eval", str(root / "run")]) == 4
 
@@ -220,6 +264,14 @@ def test_bf16_compute_on_a_bf16_base(lm: Path, tmp_path: Path) -> None:
     wq = trainer.model.blocks[0].attention.wq
     assert wq.weight.dtype == torch.bfloat16 and wq.lora_A.weight.dtype == torch.float32
     assert wq.lora_B.weight.abs().sum() > 0
+    # merged into the base as the run held it: its bf16 values (the frozen norm, exactly)
+    from safetensors.torch import load_file
+
+    out = tmp_path / "bf16.safetensors"
+    assert main(["export", str(tmp_path / "bf16"), str(out)]) == 0
+    held = trainer.model.norm.weight
+    assert held.dtype == torch.bfloat16 and torch.equal(load_file(out)["norm.weight"], held.float())
+    assert json.loads((tmp_path / "bf16.safetensors.json").read_text())["lora_base"] == "run (bf16)"
 
 
 def test_qlora_trains_resumes_and_exports_merged(lm: Path, tmp_path: Path) -> None:
@@ -233,6 +285,41 @@ def test_qlora_trains_resumes_and_exports_merged(lm: Path, tmp_path: Path) -> No
     assert not any(lora.is_adapter(k) for k in weights)
     entries = read_model_weights(*locate_checkpoint(str(run_dir)))
     assert all(lora.is_adapter(k) for k in entries)
+
+
+def test_qlora_is_evaluated_and_exported_on_the_base_it_trained_on(
+    lm: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Training evaluates QLoRA on its NF4 base: `hpctrain eval` scores the same by default,
+    the full-precision merge on request; exports merge into the NF4 base and say so."""
+    pytest.importorskip("torchao")
+    run_dir = tmp_path / "qlora"
+    trainer = train(lm, run_dir, "train.max_steps=2", "model.lora.quantize_base=nf4")
+    expected = logits(trainer.model)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    trained = [r for r in map(json.loads, lines) if r.get("kind") == "eval"][-1]["val_loss"]
+    assert main(["eval", str(run_dir), "--out", str(tmp_path / "run.json")]) == 0
+    record = json.loads((tmp_path / "run.json").read_text())
+    assert record["val_loss"] == pytest.approx(trained, abs=1e-5)  # the run's own score
+    assert record["lora_base"] == "run (nf4)"
+    full_eval = ["eval", str(run_dir), "eval.lora_base=full", "--out", str(tmp_path / "f.json")]
+    assert main(full_eval) == 0
+    record = json.loads((tmp_path / "f.json").read_text())
+    assert record["lora_base"] == "full"
+    assert abs(record["val_loss"] - trained) > 1e-4  # another model: the full base
+    capsys.readouterr()
+    assert main(["export", str(run_dir), str(tmp_path / "merged"), "--format", "hf"]) == 0
+    assert "adapters merged into the base as the run held it (nf4)" in capsys.readouterr().out
+    config = json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert config["hpctrain_lora_base"] == "run (nf4)"
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").float()
+    torch.testing.assert_close(logits(merged), expected, rtol=0, atol=1e-4)
+    full = tmp_path / "full.safetensors"
+    assert main(["export", str(run_dir), str(full), "--lora-base", "full"]) == 0
+    assert "merged into the base's own weights (--lora-base full)" in capsys.readouterr().out
+    assert json.loads((tmp_path / "full.safetensors.json").read_text())["lora_base"] == "full"
+    assert main(["export", str(run_dir), str(tmp_path / "adapter"), "--format", "peft"]) == 0
+    assert "trained these adapters on its base held in nf4" in capsys.readouterr().out
 
 
 def test_a_vit_with_a_new_head_exports_merged_safetensors(

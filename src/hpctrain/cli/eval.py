@@ -45,8 +45,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_output_option(
         parser, "the record's file (default RUN_DIR/eval/step-<N>.<data>-<hash>.json)"
     )
+    add_tokenizer_argument(parser)
     add_answer_arguments(parser)
     add_harness_arguments(parser)
+
+
+def add_tokenizer_argument(parser: argparse.ArgumentParser) -> None:
+    """`--tokenizer bytes|PATH`, as `generate` and `export` take it (also `submit --eval`)."""
+    parser.add_argument(
+        "--tokenizer",
+        default="",
+        metavar="bytes|PATH",
+        help="the run's tokenizer file, where the one the checkpoint records has moved (it "
+        "must be the same tokenizer: checked by sha256); for --data, --harness, eval.generate",
+    )
 
 
 def add_answer_arguments(parser: argparse.ArgumentParser) -> None:
@@ -133,19 +145,35 @@ def run(args: argparse.Namespace) -> int:
             num_fewshot=args.num_fewshot,
             limit=args.limit,
             out=args.out,
+            tokenizer_spec=args.tokenizer,
         )
     fields = answer_fields(args) if args.data else {}
     if args.nproc > 1:
-        names = ("checkpoint", "out", "data", "prompt_field", "response_field", "messages_field")
+        names = (
+            "checkpoint",
+            "out",
+            "data",
+            "prompt_field",
+            "response_field",
+            "messages_field",
+            "tokenizer",
+        )
         forwarded = [args.source, *args.overrides, *forwarded_options(args, names)]
         return run_local(forwarded, args.nproc, verb="eval")
     if args.data:
         from hpctrain.inference.answers import run_answers
 
-        return run_answers(cfg, data=args.data, fields=fields, checkpoint=checkpoint, out=args.out)
+        return run_answers(
+            cfg,
+            data=args.data,
+            fields=fields,
+            checkpoint=checkpoint,
+            out=args.out,
+            tokenizer_spec=args.tokenizer,
+        )
     from hpctrain.inference.evaluate import run_eval
 
-    return run_eval(cfg, checkpoint=checkpoint, out=args.out)
+    return run_eval(cfg, checkpoint=checkpoint, out=args.out, tokenizer_spec=args.tokenizer)
 
 
 def interrupted(args: argparse.Namespace) -> str:

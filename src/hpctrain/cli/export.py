@@ -8,6 +8,7 @@ import argparse
 from hpctrain.cli.options import (
     add_best_alias,
     add_checkpoint_option,
+    add_lora_base_option,
     add_output_option,
     checkpoint_location,
 )
@@ -56,6 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="--format hf: the run's tokenizer file, where the one the checkpoint records has "
         "moved (it must be the same tokenizer: checked by sha256)",
     )
+    add_lora_base_option(parser)
     parser.add_argument(
         "--ema",
         action=argparse.BooleanOptionalAction,
@@ -63,6 +65,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the EMA of the weights (train.ema_decay) or, with --no-ema, the trained weights "
         "(default: those the run evaluated with, its train.ema_eval)",
     )
+
+
+def merged_into(lora_base: str | None) -> str:
+    """A LoRA run's line: which base the adapters were merged into."""
+    if lora_base is None:
+        return ""
+    if lora_base == "full":
+        return ", adapters merged into the base's own weights (--lora-base full)"
+    return f", adapters merged into the base as the run held it {lora_base.removeprefix('run ')}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -80,21 +91,35 @@ def run(args: argparse.Namespace) -> int:
             f"{result.num_tensors} adapter tensors -> {result.out} "
             "(peft.PeftModel.from_pretrained(base, OUT))"
         )
+        if result.held in ("nf4", "bf16"):
+            print(
+                f"the run trained these adapters on its base held in {result.held}; peft adds "
+                "them to the base you load (from its folder: what --lora-base full merges)"
+            )
         return 0
     if args.format == "hf":
-        result = export_hf(source, args.out, best=best, ema=args.ema, tokenizer_spec=args.tokenizer)
+        result = export_hf(
+            source,
+            args.out,
+            best=best,
+            ema=args.ema,
+            tokenizer_spec=args.tokenizer,
+            lora_base=args.lora_base,
+        )
         print(
-            f"exported {result.source} (step {result.step}{', EMA' if result.ema else ''}): "
-            f"{result.num_tensors} tensors -> {result.out} "
+            f"exported {result.source} (step {result.step}{', EMA' if result.ema else ''}"
+            f"{merged_into(result.lora_base)}): {result.num_tensors} tensors -> {result.out} "
             "(transformers.AutoModelForCausalLM.from_pretrained)"
         )
         return 0
     if args.tokenizer:
         raise UsageError("--tokenizer: only for --format hf (a weights file holds no tokenizer)")
-    result = export_weights(source, args.out, fmt=args.format, best=best, ema=args.ema)
+    result = export_weights(
+        source, args.out, fmt=args.format, best=best, ema=args.ema, lora_base=args.lora_base
+    )
     print(
-        f"exported {result.source} (step {result.step}{', EMA' if result.ema else ''}): "
-        f"{result.num_tensors} tensors, "
+        f"exported {result.source} (step {result.step}{', EMA' if result.ema else ''}"
+        f"{merged_into(result.lora_base)}): {result.num_tensors} tensors, "
         f"{result.num_elements:,} values -> {result.out}"
     )
     if result.model_card is not None:

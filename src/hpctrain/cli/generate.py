@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from hpctrain.cli.options import add_checkpoint_option, checkpoint_location
+from hpctrain.cli.options import add_checkpoint_option, add_lora_base_option, checkpoint_location
 
 HELP = "print a causal_lm checkpoint's continuation of a prompt (CPU or one GPU)"
 EPILOG = """examples:
@@ -44,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="",
         help="bytes or a tokenizer file (default: the run's data.tokenizer, else its index's)",
     )
+    add_lora_base_option(parser)
     parser.add_argument(
         "--device",
         default="",
@@ -67,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         tokenizer_spec=args.tokenizer,
         ema=args.ema,
+        lora_base=args.lora_base,
     )
     print(text, flush=True)
     return 0

@@ -57,6 +57,19 @@ def add_best_alias(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_lora_base_option(parser: argparse.ArgumentParser) -> None:
+    """`--lora-base run|full`: which base a LoRA run's adapters are merged into (`export`,
+    `generate`; `eval` and `predict` take `eval.lora_base`)."""
+    parser.add_argument(
+        "--lora-base",
+        choices=("run", "full"),
+        default="run",
+        help="a LoRA run: merge its adapters into the base as the run held it and evaluated "
+        "with it (run, default: QLoRA's NF4 copy, a bf16 model.lora.base_dtype) or into the "
+        "base's own full-precision weights (full)",
+    )
+
+
 def checkpoint_location(source: str, checkpoint: str) -> tuple[str, bool]:
     """(where to look, whether to take `best` there) for SOURCE and `--checkpoint`.
 

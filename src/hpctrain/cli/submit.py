@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hpctrain.cli.eval import add_harness_arguments, answer_fields
+from hpctrain.cli.eval import add_harness_arguments, add_tokenizer_argument, answer_fields
 from hpctrain.cli.options import add_checkpoint_option, add_output_option
 from hpctrain.cli.sbatch import (
     add_profile_arguments,
@@ -55,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             f"--{field}-field", default="", help=f"--eval --data FILE.jsonl: the {field} field"
         )
     add_harness_arguments(parser)
+    add_tokenizer_argument(parser)
 
 
 def run_inference(args: argparse.Namespace) -> int:
@@ -93,6 +94,7 @@ def run_inference(args: argparse.Namespace) -> int:
         harness_include=args.harness_include,
         num_fewshot=args.num_fewshot,
         limit=args.limit,
+        tokenizer=args.tokenizer,
         after=training_job(cfg.run_dir) if args.eval else "",
     )
     if not args.no_preflight:

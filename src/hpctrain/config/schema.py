@@ -484,6 +484,13 @@ class EvalConfig:
         "eval.generate: how answers are normalised before they are compared",
         choices=("whitespace", "case", "punctuation", "articles"),
     )
+    lora_base: str = _f(
+        "run",
+        "a LoRA run's adapters, for `hpctrain eval` and `predict`, are merged into its base as "
+        "the run held it and evaluated with it (run: QLoRA's NF4 copy, a bf16 "
+        "model.lora.base_dtype) or into the base's own full-precision weights (full)",
+        choices=("run", "full"),
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

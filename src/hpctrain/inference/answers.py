@@ -126,7 +126,13 @@ def prediction_line(answer: Answer) -> dict[str, Any]:
 
 
 def run_answers(
-    cfg: Config, *, data: str, fields: dict[str, str], checkpoint: str = "latest", out: str = ""
+    cfg: Config,
+    *,
+    data: str,
+    fields: dict[str, str],
+    checkpoint: str = "latest",
+    out: str = "",
+    tokenizer_spec: str = "",
 ) -> int:
     """`hpctrain eval --data FILE.jsonl` in this process, as one rank of the job (see the
     module); returns the exit code.
@@ -136,7 +142,18 @@ def run_answers(
         AnswersDataError: see `read_examples`.
     """
     check_record_path(out)
-    with inference_session(cfg, checkpoint, "", key="", predict=False) as run:
+    # the tokenizer the checkpoint records, or `--tokenizer` where it has moved
+    session = inference_session(
+        cfg,
+        checkpoint,
+        "",
+        key="",
+        predict=False,
+        tokenizer_spec=tokenizer_spec,
+        text=True,
+        label=data,
+    )
+    with session as run:
         text_tokenizer = getattr(run.task, "text_tokenizer", None)
         if not callable(getattr(run.task, "answer_sums", None)) or text_tokenizer is None:
             raise UsageError(f"--data {data}: task {cfg.task} answers no prompts (causal_lm does)")
@@ -175,6 +192,7 @@ def run_answers(
             "step": run.step,
             "checkpoint": run.checkpoint,
             "weights": run.weights,
+            **({"lora_base": run.lora_base} if run.lora_base else {}),
             "data": redact_url(data),
             "world_size": env.world_size,
             **{f"val_{name}": value for name, value in metrics.items()},

@@ -55,7 +55,9 @@ def check_record_path(out: str) -> None:
         raise UsageError(f"--out {out}: is a folder; give the record's file name")
 
 
-def run_eval(cfg: Config, *, checkpoint: str = "latest", out: str = "") -> int:
+def run_eval(
+    cfg: Config, *, checkpoint: str = "latest", out: str = "", tokenizer_spec: str = ""
+) -> int:
     """`hpctrain eval` in this process, as one rank of the job; returns the exit code.
 
     Loads the model of `checkpoint` (`latest`, `best`, or a path: see
@@ -68,7 +70,15 @@ def run_eval(cfg: Config, *, checkpoint: str = "latest", out: str = "") -> int:
         UsageError: `out` is a folder or cannot be written.
     """
     check_record_path(out)
-    with inference_session(cfg, checkpoint, cfg.data.val, key="data.val", predict=False) as run:
+    session = inference_session(
+        cfg,
+        checkpoint,
+        cfg.data.val,
+        key="data.val",
+        predict=False,
+        tokenizer_spec=tokenizer_spec,  # `--tokenizer`: eval.generate decodes with it
+    )
+    with session as run:
         assert run.loader is not None  # a session over data.val
         require_items(run.loader, "data.val", cfg.data.val, cfg.data.seq_len)
         if run.env.is_main:
@@ -90,6 +100,7 @@ def run_eval(cfg: Config, *, checkpoint: str = "latest", out: str = "") -> int:
             "step": run.step,
             "checkpoint": run.checkpoint,
             "weights": run.weights,
+            **({"lora_base": run.lora_base} if run.lora_base else {}),
             "data": run.data,
             "world_size": run.env.world_size,
             **metrics,

@@ -26,6 +26,7 @@ the GPT's shape (`GPTConfig`), the sequence length and how to rebuild the model.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ import torch
 from hpctrain.checkpoint.weights import locate_checkpoint
 from hpctrain.errors import UsageError, install_hint
 from hpctrain.files import write_atomic
-from hpctrain.models.lora_base import read_weights  # a LoRA run: merged into its base
+from hpctrain.models.lora_base import describe_base, read_weights  # LoRA: merged into its base
 from hpctrain.tasks.task import DEFAULT_TASK
 from hpctrain.tasks.task import model_card as task_model_card
 
@@ -55,6 +56,8 @@ class ExportResult:
     out: Path
     model_card: Path | None = None  # the JSON that rebuilds a built-in model, if written
     ema: bool = False  # the parameters are the EMA's
+    lora_base: str | None = None  # a LoRA run: the base merged into ("run (nf4)", "full")
+    held: str | None = None  # --format peft: how the run held its base (nf4, bf16, fp32)
 
 
 def format_of(out: str | Path, fmt: str | None) -> str:
@@ -73,6 +76,7 @@ def export_weights(
     fmt: str | None = None,
     best: bool = False,
     ema: bool | None = None,
+    lora_base: str = "run",
 ) -> ExportResult:
     """Write the consolidated model weights of the checkpoint at `path` to `out` (atomically).
 
@@ -83,6 +87,8 @@ def export_weights(
         best: export the checkpoint `best` names instead of the newest.
         ema: export the EMA of the weights (`train.ema_decay`) or (False) the trained weights;
             None: those the training evaluated with (the EMA under its `train.ema_eval`).
+        lora_base: a LoRA run's adapters merged into its base as the run held it ("run") or
+            into its own weights ("full"): `hpctrain.models.lora_base.read_weights`.
     """
     fmt = format_of(out, fmt)
     if Path(out).is_dir():
@@ -105,7 +111,8 @@ def export_weights(
     store, name, manifest = locate_checkpoint(path, best=best)
     if ema is None:  # `--best` picked it by the weights the training evaluated with
         ema = bool(((config_tree(manifest) or {}).get("train") or {}).get("ema_eval"))
-    weights = read_weights(store, name, manifest, ema=ema)
+    weights = read_weights(store, name, manifest, ema=ema, lora_base=lora_base)
+    merged_into = describe_base(manifest, lora_base)
     out = Path(out)
     step = int(manifest["step"])
     card = model_card(manifest, weights, fmt)
@@ -121,6 +128,8 @@ def export_weights(
             metadata = {"hpctrain_step": str(step), "format": "pt"}
             if ema:
                 metadata["hpctrain_weights"] = "ema"
+            if merged_into:
+                metadata["hpctrain_lora_base"] = merged_into
             f.write(save(weights, metadata=metadata))
 
     write_atomic(out, write_weights, what="the export")
@@ -128,6 +137,8 @@ def export_weights(
         card["weights"] = out.name
         if ema:
             card["ema"] = True  # the weights are the EMA's (train.ema_decay)
+        if merged_into:
+            card["lora_base"] = merged_into  # the base the adapters were merged into
         card_bytes = (json.dumps(card, indent=1) + "\n").encode()
         write_atomic(card_path, card_bytes, what="the export")
     return ExportResult(
@@ -138,6 +149,7 @@ def export_weights(
         out=out,
         model_card=card_path,
         ema=ema,
+        lora_base=merged_into,
     )
 
 
@@ -174,25 +186,6 @@ def model_card(
 HF_SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
 
 
-# The files of a tokenizer that transformers' AutoTokenizer reads besides tokenizer.json
-# (`transformers.tokenization_utils_base`, `transformers.utils.hub`): carried from the folder
-# the run's tokenizer came from, so that the export's chat template and special tokens are
-# the source's (`apply_chat_template` works on it).
-TOKENIZER_FILES = (
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "vocab.txt",
-)
-CHAT_TEMPLATES_DIR = "additional_chat_templates"
-TOKENIZER_CONFIG = "tokenizer_config.json"
-
-
 def export_hf(
     path: str,
     out: str | Path,
@@ -201,6 +194,7 @@ def export_hf(
     ema: bool | None = None,
     shard_bytes: int = HF_SHARD_BYTES,
     tokenizer_spec: str = "",
+    lora_base: str = "run",
 ) -> ExportResult:
     """Write a causal_lm checkpoint as a Hugging Face model folder `out` (`--format hf`).
 
@@ -231,6 +225,7 @@ def export_hf(
 
     from hpctrain.data.tokenizer import JSON
     from hpctrain.inference.generate import run_tokenizer
+    from hpctrain.inference.hf_tokenizer import check_auto_tokenizer, write_tokenizer
     from hpctrain.models import hf
     from hpctrain.tasks.lm_shape import CAUSAL_LM, gpt_config_for
 
@@ -244,7 +239,8 @@ def export_hf(
         )
     if ema is None:
         ema = bool((tree.get("train") or {}).get("ema_eval"))
-    weights = read_weights(store, name, manifest, ema=ema)
+    weights = read_weights(store, name, manifest, ema=ema, lora_base=lora_base)
+    merged_into = describe_base(manifest, lora_base)
     cfg = gpt_config_for(tree, weights, store.path(name), manifest)
     metadata = manifest.get("metadata") or {}
     # The source folder's entries as the run recorded them; an older checkpoint: the folder's
@@ -259,6 +255,8 @@ def export_hf(
     )
     eos = tokenizer.eod_id
     config = hf.hf_config(cfg, source_config, eos)
+    if merged_into:  # transformers keeps unknown entries as attributes of the config
+        config["hpctrain_lora_base"] = merged_into
     tensors = hf.hf_state_dict(weights, cfg)
     step = int(manifest["step"])
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
@@ -282,24 +280,14 @@ def export_hf(
         if "bos_token_id" in config:
             generation["bos_token_id"] = config["bos_token_id"]
         writer.write_json("generation_config.json", generation)
+        warning = None
         if tokenizer.kind == JSON:  # other kinds (bytes, sentencepiece, tiktoken): no file
-            writer.copy(Path(tokenizer.name), "tokenizer.json")
-            companions = tokenizer_folder(Path(tokenizer.name), tokenizer.sha256, init_from)
-            for file in TOKENIZER_FILES:
-                if companions is not None and (companions / file).is_file():
-                    writer.copy(companions / file, file)
-            if companions is not None and (companions / CHAT_TEMPLATES_DIR).is_dir():
-                for template in sorted((companions / CHAT_TEMPLATES_DIR).glob("*.jinja")):
-                    writer.copy(template, f"{CHAT_TEMPLATES_DIR}/{template.name}")
-            writer.write_json(
-                TOKENIZER_CONFIG,
-                tokenizer_config(
-                    writer.read_json(TOKENIZER_CONFIG),
-                    hf.special_token(Path(tokenizer.name), eos),
-                    config["max_position_embeddings"],
-                ),
-            )
+            write_tokenizer(writer, tokenizer, init_from, eos, config["max_position_embeddings"])
+            # what transformers' AutoTokenizer makes of the folder, against the run's encodings
+            warning = check_auto_tokenizer(writer, tokenizer, Path(out))
         writer.commit()
+        if warning:
+            logging.getLogger("hpctrain").warning("%s", warning)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -310,6 +298,7 @@ def export_hf(
         num_elements=sum(v.numel() for v in tensors.values()),
         out=Path(out),
         ema=ema,
+        lora_base=merged_into,
     )
 
 
@@ -386,32 +375,6 @@ class FolderWriter:
         self.attempt(self.target, lambda: os.replace(self.tmp, self.target))
 
 
-def tokenizer_folder(tokenizer_json: Path, sha256: str, init_from: str) -> Path | None:
-    """The folder whose `TOKENIZER_FILES` go with the run's tokenizer: the tokenizer.json's
-    own folder when it has any of them, else the `model.init_from` folder when its
-    tokenizer.json is the same file (by sha256); None when neither."""
-    from hpctrain.data.tokenizer import file_sha256
-
-    own = tokenizer_json.parent
-    if any((own / f).is_file() for f in TOKENIZER_FILES):
-        return own
-    source = Path(init_from) / "tokenizer.json" if init_from else None
-    if source is not None and source.is_file() and file_sha256(str(source)) == sha256:
-        return source.parent
-    return None
-
-
-def tokenizer_config(source: dict[str, Any], eos_token: str, context: int) -> dict[str, Any]:
-    """The export's `tokenizer_config.json`: the source folder's (its chat template, special
-    tokens, class), with `model_max_length` the model's context (not the training
-    `data.seq_len`, which would make transformers warn of indexing errors on longer texts)
-    and the end-of-document token as EOS where the source names none."""
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", **source}
-    config.setdefault("eos_token", eos_token)
-    config["model_max_length"] = context
-    return config
-
-
 def split_shards(
     tensors: dict[str, torch.Tensor], shard_bytes: int
 ) -> list[dict[str, torch.Tensor]]:
@@ -441,14 +404,13 @@ def export_peft(
     Raises:
         UsageError: not a LoRA run, or `out` in the way.
     """
-    import logging
 
     from safetensors.torch import save
 
     from hpctrain.checkpoint.weights import read_model_weights
     from hpctrain.models.gpt import GPTConfig
     from hpctrain.models.lora import is_adapter
-    from hpctrain.models.lora_base import lora_metadata
+    from hpctrain.models.lora_base import held_as, lora_metadata
     from hpctrain.models.lora_peft import CONFIG, WEIGHTS, peft_adapter
 
     out = Path(out)
@@ -500,4 +462,5 @@ def export_peft(
         num_elements=sum(v.numel() for v in tensors.values()),
         out=out,
         ema=ema,
+        held=held_as(manifest),
     )

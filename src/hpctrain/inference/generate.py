@@ -68,11 +68,13 @@ def load_gpt(
     best: bool = False,
     device: torch.device | None = None,
     ema: bool | None = None,
+    lora_base: str = "run",
 ) -> LoadedGPT:
     """The model of a run folder or checkpoint, with the run's config and its tokenizer record.
 
     `ema`: read the EMA of the weights (`train.ema_decay`) instead of the trained ones; None
     (default): the weights the training evaluated with (EMA when its `train.ema_eval` was on).
+    `lora_base`: a LoRA run's base, "run" (as the run held it) or "full" (`read_weights`).
     """
     store, name, manifest = locate_checkpoint(source, best=best)
     where = store.path(name)
@@ -82,7 +84,7 @@ def load_gpt(
     with warnings.catch_warnings():
         # DCP's note that it loads without a process group: what this one process means to do
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        weights = read_weights(store, name, manifest, ema=ema)
+        weights = read_weights(store, name, manifest, ema=ema, lora_base=lora_base)
     cfg = gpt_config_for(tree, weights, where, manifest)
     model = GPT(cfg)
     model.load_state_dict(weights)
@@ -184,6 +186,7 @@ def generate_text(
     device: str = "",
     tokenizer_spec: str = "",
     ema: bool | None = None,
+    lora_base: str = "run",
 ) -> str:
     """The continuation of `prompt` by the causal_lm checkpoint at `source` (see `generate_ids`)
     with its trained weights or their EMA (`ema`, see `load_gpt`).
@@ -206,7 +209,9 @@ def generate_text(
     except UnicodeEncodeError:  # bytes of another encoding, kept by Python as surrogates
         raise UsageError("--prompt: not UTF-8 text (convert it, e.g. with iconv)") from None
     target = generation_device(device)
-    model, tree, _, recorded = load_gpt(source, best=best, device=target, ema=ema)
+    model, tree, _, recorded = load_gpt(
+        source, best=best, device=target, ema=ema, lora_base=lora_base
+    )
     tokenizer = run_tokenizer(tree, tokenizer_spec, recorded)
     ids = tokenizer.encode(prompt)
     if not ids:

@@ -19,8 +19,12 @@ harness's task YAML files (`--harness-include DIR`) whose `dataset_path` is `jso
 the Hugging Face cache filled beforehand on a login node.
 
 The scores go to `RUN_DIR/eval/harness-<tasks>-step-<N>.json` (or `--out`) and, as
-`harness.<task>/<metric>`, to the run's trackers. One process (CPU or one GPU), in the run's
-precision on GPUs.
+`harness.<task>/<metric>`, to the run's trackers, with the harness's standard errors (its
+default `bootstrap_iters`, as its command line computes them) and the record of what decides
+the scores: `max_length` (the window) and `lm_eval_command`, the `lm_eval` command line that
+gives the same scores on the run's `export --format hf` folder (which keeps the model's
+context, `max_position_embeddings`: lm-eval's default window, not `data.seq_len`). One process
+(CPU or one GPU), in the run's precision on GPUs.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import json
 import logging
 import os
 import re
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +48,14 @@ from hpctrain.errors import UsageError, install_hint
 from hpctrain.files import write_atomic
 from hpctrain.inference.generate import generation_precision, load_gpt, run_tokenizer
 from hpctrain.models.decoding import decode
+from hpctrain.models.lora_base import describe_configured_base
 
 log = logging.getLogger("hpctrain")
 
+# lm-eval's own default (its command line's too): its standard errors, as it prints them
+# (closed forms for means such as acc and exact_match, bootstraps for the others)
+BOOTSTRAP_ITERS = 100_000
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 OFFLINE_HINT = (
     "compute nodes have no internet: copy the data to local files named in a task YAML "
     "(dataset_path: json|parquet|csv, dataset_kwargs: {data_files: ...}) in a folder given as "
@@ -224,6 +234,12 @@ def harness_lm(
     return HpctrainLM()
 
 
+def lora_base_entry(tree: dict[str, Any], lora_base: str) -> dict[str, str]:
+    """{"lora_base": ...} for a LoRA run's record (which base its adapters were merged into)."""
+    held = describe_configured_base(tree, lora_base)
+    return {"lora_base": held} if held else {}
+
+
 def harness_record_path(run_dir: str, names: list[str], step: int) -> Path:
     """`RUN_DIR/eval/harness-<tasks>-step-<N>.json` (the names made file-name safe)."""
     joined = re.sub(r"[^A-Za-z0-9_.,+-]", "_", ",".join(names))
@@ -241,8 +257,10 @@ def run_harness(
     max_length: int = 0,
     batch_size: int = 0,
     out: str = "",
+    tokenizer_spec: str = "",
 ) -> int:
-    """`hpctrain eval --harness` (see the module); returns the exit code.
+    """`hpctrain eval --harness` (see the module); returns the exit code. `tokenizer_spec`:
+    `--tokenizer`, where the run's has moved (checked by sha256, as `generate` checks it).
 
     Raises:
         UsageError: the harness missing, an unknown task, a task needing the internet, a
@@ -258,17 +276,17 @@ def run_harness(
     which = cfg.checkpoint_root() if checkpoint in ("", "latest", "best") else checkpoint
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, tree, step, recorded = load_gpt(
-        which, best=checkpoint == "best", device=device, ema=cfg.train.ema_eval
+        which,
+        best=checkpoint == "best",
+        device=device,
+        ema=cfg.train.ema_eval,
+        lora_base=cfg.eval.lora_base,
     )
-    tokenizer = run_tokenizer(tree, "", recorded)  # the one the checkpoint records
+    tokenizer = run_tokenizer(tree, tokenizer_spec, recorded)  # the one the checkpoint records
     window = max_length or cfg.data.seq_len or 2048
-    lm = harness_lm(
-        model,
-        tokenizer,
-        max_length=window,
-        batch_size=batch_size or cfg.data.batch_size,
-        precision=generation_precision(tree, device),
-    )
+    precision = generation_precision(tree, device)
+    batch = batch_size or cfg.data.batch_size
+    lm = harness_lm(model, tokenizer, max_length=window, batch_size=batch, precision=precision)
     try:
         results = lm_eval.simple_evaluate(
             model=lm,
@@ -276,7 +294,7 @@ def run_harness(
             num_fewshot=num_fewshot,
             limit=limit,
             task_manager=manager,
-            bootstrap_iters=0,
+            bootstrap_iters=BOOTSTRAP_ITERS,
             log_samples=False,
             random_seed=cfg.seed,
             numpy_random_seed=cfg.seed,
@@ -293,10 +311,23 @@ def run_harness(
         "step": step,
         "checkpoint": str(which),
         "weights": "ema" if cfg.train.ema_eval else "model",
+        **lora_base_entry(tree, cfg.eval.lora_base),
         "tasks": names,
         "num_fewshot": num_fewshot,
         "limit": limit,
         "max_length": window,
+        "bootstrap_iters": BOOTSTRAP_ITERS,
+        "lm_eval_command": lm_eval_command(
+            names,
+            include=include,
+            num_fewshot=num_fewshot,
+            limit=limit,
+            max_length=window,
+            seed=cfg.seed,
+            dtype=DTYPE_NAMES.get(precision.name, "float32"),
+            batch_size=batch,
+            device=device.type,
+        ),
         "results": results["results"],
         "versions": results.get("versions", {}),
         "n_samples": results.get("n-samples", {}),
@@ -306,9 +337,43 @@ def run_harness(
     write_atomic(
         path, (json.dumps(record, indent=1, default=str) + "\n").encode(), what="the record"
     )
+    log.info(
+        "the same scores from lm-evaluation-harness on this checkpoint's export (hpctrain "
+        "export RUN OUT --format hf; lm-eval defaults max_length to the model's context, "
+        "not data.seq_len): %s",
+        record["lm_eval_command"],
+    )
     print(json.dumps(record, default=str), flush=True)
     log_harness(cfg, record)
     return 0
+
+
+def lm_eval_command(
+    names: list[str],
+    *,
+    include: str,
+    num_fewshot: int | None,
+    limit: float | None,
+    max_length: int,
+    seed: int,
+    dtype: str,
+    batch_size: int,
+    device: str,
+) -> str:
+    """The `lm_eval` command line that scores the export (`OUT`: `hpctrain export RUN OUT
+    --format hf`) as this evaluation scored the run: the same window (`max_length`: the
+    export keeps the model's context, which lm-eval would take instead), tasks, shots, limit,
+    seeds, precision and batch size."""
+    model_args = f"pretrained=OUT,max_length={max_length},dtype={dtype}"
+    words = ["lm_eval", "--model", "hf", "--model_args", model_args, "--tasks", ",".join(names)]
+    if include:
+        words += ["--include_path", str(Path(include).resolve())]
+    if num_fewshot is not None:
+        words += ["--num_fewshot", str(num_fewshot)]
+    if limit is not None:
+        words += ["--limit", f"{limit:g}"]
+    words += ["--seed", str(seed), "--batch_size", str(batch_size), "--device", device]
+    return shlex.join(words)
 
 
 def harness_scores(record: dict[str, Any]) -> dict[str, float]:

@@ -374,6 +374,7 @@ def run_predict(
             "task": cfg.task,
             "checkpoint": run.checkpoint,
             "weights": run.weights,
+            **({"lora_base": run.lora_base} if run.lora_base else {}),
             "step": run.step,
             "data": redact_url(data_name) if data_name else run.data,
             "data_num_samples": run.loader.index.num_samples,

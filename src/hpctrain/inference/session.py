@@ -10,7 +10,9 @@ flagged `valid=False`, so every sample is seen exactly once in the job.
 The weights are those the training evaluated with: the EMA's (`ema.<name>`, with the model's
 buffers) when the run's `train.ema_eval` is true, so that `hpctrain eval --checkpoint best`
 measures what picked the best checkpoint; `train.ema_eval=false` on the command line reads the
-trained weights instead.
+trained weights instead. A LoRA run's adapters are merged into its base as the run held it
+(QLoRA's NF4 copy: what its evaluations scored), or with `eval.lora_base=full` into the base's
+own weights (`hpctrain.models.lora_base.read_weights`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from hpctrain.data.mixture_index import open_train_index
 from hpctrain.data.tokenizer import check_recorded_tokenizer
 from hpctrain.distributed import DistEnv, process_group, start_process
 from hpctrain.distributed.signals import start_compile_workers
-from hpctrain.models.lora_base import read_weights  # a LoRA run: merged into its base
+from hpctrain.errors import UsageError
+from hpctrain.models.lora_base import describe_base, read_weights
 from hpctrain.parallel.parallelize import parallelize
 from hpctrain.parallel.precision import (
     Precision,
@@ -157,6 +160,25 @@ def load_weights(model: nn.Module, weights: dict[str, torch.Tensor], where: str)
     model.load_state_dict(weights)
 
 
+def use_run_tokenizer(task: Task, cfg: Config, manifest: dict[str, Any], spec: str) -> None:
+    """Give a text task the run's tokenizer (see `inference_session`).
+
+    Raises:
+        UsageError: `spec` for a task without text, or not the checkpoint's tokenizer.
+        DataError: the recorded tokenizer is gone and none given (naming `--tokenizer`).
+    """
+    from hpctrain.inference.generate import run_tokenizer
+
+    use = getattr(task, "use_text_tokenizer", None)
+    if use is None:
+        if spec:
+            raise UsageError(f"--tokenizer {spec}: task {cfg.task} reads no text")
+        return
+    recorded = (manifest.get("metadata") or {}).get("tokenizer")
+    tree = {"data": {"train": cfg.data.train, "tokenizer": cfg.data.tokenizer}}
+    use(run_tokenizer(tree, spec, recorded if isinstance(recorded, dict) else None))
+
+
 @dataclass
 class InferenceRun:
     """One rank's share of an eval or predict job."""
@@ -172,11 +194,20 @@ class InferenceRun:
     checkpoint: str  # its folder (credentials stripped)
     weights: str  # "ema" (train.ema_eval) or "model"
     data: str  # the data spec (credentials stripped)
+    lora_base: str | None = None  # a LoRA run: the base merged into (`describe_base`)
 
 
 @contextmanager
 def inference_session(
-    cfg: Config, checkpoint: str, data: str, *, key: str, predict: bool
+    cfg: Config,
+    checkpoint: str,
+    data: str,
+    *,
+    key: str,
+    predict: bool,
+    tokenizer_spec: str = "",
+    text: bool = False,
+    label: str = "",
 ) -> Iterator[InferenceRun]:
     """This process as one rank: the checkpoint's model, wrapped, and a loader over `data`.
 
@@ -187,6 +218,11 @@ def inference_session(
             (answers to a JSONL file: `hpctrain.inference.answers`).
         predict: read samples with the task's `predict_transform` (when it has one), in
             batches that carry the samples' source paths (`__source__`).
+        tokenizer_spec: `--tokenizer` (bytes or a file), where the run's has moved; `text`:
+            the task's text tokenizer is needed (answers). Either: the tokenizer the
+            checkpoint records, found as `generate` and `export` find it (`run_tokenizer`:
+            `--tokenizer` checked by sha256), is the task's (`use_text_tokenizer`).
+        label: what the log line names as the data where `data` is "" (eval --data's file).
 
     Raises:
         ConfigError: no data given; ShardIndexError: the data cannot be read (naming it);
@@ -212,9 +248,11 @@ def inference_session(
     store, name, manifest = find_checkpoint(cfg, checkpoint)
     where = redact_url(store.path(name))
     ema = cfg.train.ema_eval  # the weights the training evaluated with: see the module
-    weights = read_weights(store, name, manifest, ema=ema)  # this process alone
+    # this process alone; a LoRA run: merged into its base as eval.lora_base says
+    weights = read_weights(store, name, manifest, ema=ema, lora_base=cfg.eval.lora_base)
     classes = model_classes(cfg, manifest, data_index, key, strict=not predict)
-    log.info("rank %d/%d on %s: %s, data %s", env.rank, env.world_size, device, where, data)
+    shown = redact_url(label or data or "data.train's model")
+    log.info("rank %d/%d on %s: %s, data %s", env.rank, env.world_size, device, where, shown)
     # A caller that already joined the job's process group (a test, a notebook) keeps it.
     group = (
         nullcontext()
@@ -230,6 +268,8 @@ def inference_session(
             log.info(note)
         task = load_task(cfg, classes, manifest)  # the model the checkpoint records
         check_data_tokenizer(manifest, data_index, key, where)
+        if tokenizer_spec or text:
+            use_run_tokenizer(task, cfg, manifest, tokenizer_spec)
         torch.manual_seed(cfg.seed)  # FSDP2 needs equal weights everywhere: they are loaded
         model = task.build_model()
         load_weights(model, weights, where)
@@ -270,6 +310,7 @@ def inference_session(
                 checkpoint=where,
                 weights="ema" if ema else "model",
                 data=redact_url(data),
+                lora_base=describe_base(manifest, cfg.eval.lora_base),
             )
         finally:
             if loader is not None:

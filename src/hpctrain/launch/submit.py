@@ -421,6 +421,7 @@ class InferenceSpec:
     harness_include: str = ""
     num_fewshot: int | None = None
     limit: float | None = None
+    tokenizer: str = ""  # eval: --tokenizer, where the run's tokenizer has moved
     after: str = ""  # a job id this job waits for (afterok): the run's training job
 
     @property
@@ -456,6 +457,7 @@ class InferenceJob:
                     num_fewshot=spec.num_fewshot,
                     limit=spec.limit,
                     out=spec.out,
+                    tokenizer_spec=spec.tokenizer,
                 )
             elif spec.verb == "eval" and spec.data:
                 from hpctrain.inference.answers import run_answers
@@ -466,11 +468,17 @@ class InferenceJob:
                     fields=spec.fields,
                     checkpoint=spec.checkpoint,
                     out=spec.out,
+                    tokenizer_spec=spec.tokenizer,
                 )
             elif spec.verb == "eval":
                 from hpctrain.inference.evaluate import run_eval
 
-                code = run_eval(self.cfg, checkpoint=spec.checkpoint, out=spec.out)
+                code = run_eval(
+                    self.cfg,
+                    checkpoint=spec.checkpoint,
+                    out=spec.out,
+                    tokenizer_spec=spec.tokenizer,
+                )
             else:
                 from hpctrain.inference.predict import run_predict
 
@@ -508,6 +516,7 @@ def submit_inference(cfg: Config, job: JobSpec, spec: InferenceSpec) -> Submitte
         data=absolute_local(spec.data),
         out=absolute_local(spec.out),
         harness_include=absolute_local(spec.harness_include),
+        tokenizer=absolute_local(spec.tokenizer) if spec.tokenizer != "bytes" else "bytes",
     )
     check_submission(cfg, job)
     for key, value in (
@@ -515,6 +524,7 @@ def submit_inference(cfg: Config, job: JobSpec, spec: InferenceSpec) -> Submitte
         ("--data", spec.data),
         ("--out", spec.out),
         ("--harness-include", spec.harness_include),
+        ("--tokenizer", spec.tokenizer),
     ):
         check_no_credential(value, key)
     require_sbatch(job)

@@ -10,15 +10,18 @@ sampled from softmax(logits / temperature) among the `top_k` likeliest.
 Every row computes what it would alone: padding slots are masked out and rotary positions
 count from each prompt's first token (one prompt is one document, as `data.document_mask`
 trains). A model sees at most `window` tokens (the training `data.seq_len`): a longer prompt
-keeps its last `window - 1` tokens, and when the rows reach the window the cache restarts
-from the last half of each row (positions count from there: RoPE scores depend on distances
-only).
+keeps its last `window - 1` tokens, and a row that reaches the window restarts from its own
+last half (positions count from there: RoPE scores depend on distances only): that row alone,
+in a forward of the rows that restart at that step, whose keys and values then replace the
+row's in the cache; the other rows keep their context. So a row's tokens do not depend on the
+other prompts of its batch, their order or lengths (`tests/models/test_decoding.py`).
 
 Works on any wrapping of the GPT (plain, DDP, FSDP2, tensor-parallel): it calls the model's
 own forward. Where a forward is a collective (FSDP2 gathers parameters, tensor parallelism
-splits each matmul), every rank must run the same number of steps: `lockstep=True` agrees on
-"any row still running" over the ranks at every step (one all-reduce of one number), and
-callers give every rank the same number of batches.
+splits each matmul), every rank must run the same forwards: `lockstep=True` agrees on "any
+row still running" and "any row restarting" over the ranks at every step (one all-reduce of
+one number; a rank with no row to restart runs the restart forward on one padding token),
+and callers give every rank the same number of batches.
 """
 
 from __future__ import annotations
@@ -116,6 +119,7 @@ def decode(
     layers = len(unwrapped(model).blocks)  # type: ignore[arg-type]
     multiple = sequence_multiple(model)
     limit = window or max(len(p) for p in prompts) + max_new_tokens
+    keep = max(1, limit // 2)  # the tokens a row restarts from when it reaches the window
     rows = [list(prompt)[-(limit - 1) :] if limit > 1 else list(prompt)[-1:] for prompt in prompts]
     new: list[list[int]] = [[] for _ in prompts]
     running = torch.ones(len(prompts), dtype=torch.bool, device=device)
@@ -123,54 +127,102 @@ def decode(
     # A step feeds each row's new token; under tensor parallelism after `multiple - 1`
     # padding slots, so that the sequence splits evenly over the ranks.
     step_valid = torch.zeros(len(rows), multiple, dtype=torch.bool, device=device)
-    step_valid[:, -1] = True
     step_tokens = torch.zeros(len(rows), multiple, dtype=torch.long, device=device)
     step_positions = torch.zeros_like(step_tokens)
-    cache, logits, positions, held = _prefill(model, rows, layers, limit, multiple, device)
+    # Room for the longest context a row holds (a window) and some steps: a row that restarts
+    # drops its earlier slots, and once the cache is full the slots no row holds are dropped
+    # (`KVCache.drop_front`: a copy of the cache every `room` steps at most).
+    room = max(1, limit // 8)
+    capacity = (limit + 1 + room) * multiple
+    cache, logits, positions = _prefill(model, rows, layers, capacity, multiple, device)
+    held = [len(row) for row in rows]  # the tokens of each row the cache will hold
     for step in range(max_new_tokens):
         ids = next_tokens(logits, temperature, top_k, generator)
         for i, (token, alive) in enumerate(zip(ids.tolist(), running.tolist(), strict=True)):
             if alive:
                 new[i].append(token)
                 rows[i].append(token)
-        running &= ~torch.isin(ids, stops)
+                held[i] += 1
+        stopped = running & torch.isin(ids, stops)
         if stop_when is not None:
-            for i in running.nonzero()[:, 0].tolist():
-                if stop_when(new[i]):
-                    running[i] = False
+            for i in (running & ~stopped).nonzero()[:, 0].tolist():
+                stopped[i] = stop_when(new[i])
+        if stopped.any():  # a stopped row's slots are never read again: free them
+            running &= ~stopped
+            cache.valid[stopped] = False
         if step == max_new_tokens - 1:
             break
-        alive = float(running.any())
-        if not (all_reduce_max(alive, device) if lockstep else alive):
+        # A row that reaches the window restarts from its last `keep` tokens, as it would
+        # alone; the others go on with their own context (every row computes what it would
+        # alone, whatever the batch holds).
+        restart = [i for i, alive in enumerate(running.tolist()) if alive and held[i] > limit]
+        code = 2.0 if restart else float(running.any())
+        if lockstep:  # every rank runs the same forwards: a restart forward when any rank does
+            code = all_reduce_max(code, device)
+        if not code:
             break
-        held += 1  # the longest row's tokens the cache will hold with this one
-        if held > limit:  # the window is full: restart from the rows' last half
-            keep = max(1, limit // 2)
-            cache, logits, positions, held = _prefill(
-                model, [row[-keep:] for row in rows], layers, limit, multiple, device
-            )
-            continue  # the new prefill's last logits are those of the token just added
+        step_valid[:, -1] = running
+        if restart:
+            step_valid[restart, -1] = False  # its new token is in the restart forward
         step_tokens[:, -1], step_positions[:, -1] = ids, positions
+        if cache.length + multiple > cache.capacity:
+            cache.drop_front(_unused_front(cache, running, multiple))
         cache.extend(step_valid)
         logits = model(step_tokens, step_positions, cache=cache)[:, -1].float()
         positions = positions + 1
+        if code == 2.0:
+            restarted = _restart(
+                model, [rows[i][-keep:] for i in restart], layers, multiple, device
+            )
+            if restart:
+                again, logits_again, positions_again = restarted
+                cache.restart_rows(restart, again)
+                logits[restart] = logits_again
+                positions[restart] = positions_again
+                for i in restart:
+                    held[i] = keep
     return new
+
+
+def _unused_front(cache: KVCache, running: torch.Tensor, multiple: int) -> int:
+    """The number of leading slots no running row holds a token in (a multiple of
+    `multiple`)."""
+    filled = cache.valid[running, : cache.length]
+    if not filled.numel():
+        return cache.length // multiple * multiple
+    first = int(filled.int().argmax(dim=1).min())
+    return first // multiple * multiple
+
+
+def _restart(
+    model: nn.Module,
+    rows: list[list[int]],
+    layers: int,
+    multiple: int,
+    device: torch.device,
+) -> tuple[KVCache, torch.Tensor, torch.Tensor]:
+    """The forward of the rows that restart (`rows`: their last tokens, all of one length),
+    in a cache of their own; with no row (under `lockstep`, another rank restarts), one
+    padding token, so that this rank runs the same forwards."""
+    if not rows:
+        rows = [[0]]
+    width = -(-len(rows[0]) // multiple) * multiple
+    return _prefill(model, rows, layers, width, multiple, device)
 
 
 def _prefill(
     model: nn.Module,
     rows: list[list[int]],
     layers: int,
-    limit: int,
+    capacity: int,
     multiple: int,
     device: torch.device,
-) -> tuple[KVCache, torch.Tensor, torch.Tensor, int]:
-    """A fresh cache holding `rows`, with room for the steps up to the window `limit`; the
-    logits of each row's next token (fp32 [B, vocab]), the position of that token in each
-    row, and the longest row's length."""
+) -> tuple[KVCache, torch.Tensor, torch.Tensor]:
+    """A fresh cache of `capacity` slots (at least the rows' width) holding `rows`; the
+    logits of each row's next token (fp32 [B, vocab]) and the position of that token in
+    each row."""
     tokens, positions, valid = left_padded(rows, device, multiple)
-    held = max(len(row) for row in rows)
-    cache = KVCache(layers, len(rows), tokens.shape[1] + (limit - held) * multiple, device)
+    cache = KVCache(layers, len(rows), max(capacity, tokens.shape[1]), device)
     cache.extend(valid)
     logits: Any = model(tokens, positions, cache=cache)
-    return cache, logits[:, -1].float(), positions[:, -1] + 1, held
+    return cache, logits[:, -1].float(), positions[:, -1] + 1

@@ -94,3 +94,40 @@ class KVCache:
         self.length += self.pending
         self.pending = 0
         self.mask = None
+
+    @torch.no_grad()
+    def restart_rows(self, rows: list[int], other: KVCache) -> None:
+        """Rows `rows` start again from what `other` holds (their new, shorter context, one
+        row of `other` each, in order): its filled slots become these rows' last ones, and
+        every earlier slot of these rows is dropped. The other rows are left as they are.
+
+        Raises:
+            ValueError: `other` holds more slots than this cache has filled.
+        """
+        width, end = other.length, self.length
+        if width > end:
+            raise ValueError(f"a restart of {width} slots into a cache of {end}")
+        index = torch.tensor(rows, device=self.valid.device)
+        self.valid[index] = False
+        self.valid[index, end - width : end] = other.valid[:, :width]
+        for mine, theirs in zip(self.layers, other.layers, strict=True):
+            if mine.keys is None or mine.values is None or theirs.keys is None:
+                continue  # nothing computed yet in this block (no forward ran)
+            assert theirs.values is not None
+            mine.keys[index, :, end - width : end] = theirs.keys[:, :, :width]
+            mine.values[index, :, end - width : end] = theirs.values[:, :, :width]
+
+    @torch.no_grad()
+    def drop_front(self, count: int) -> None:
+        """Forget the first `count` slots (no row holds a token there any more): every slot
+        moves `count` places forward, freeing room at the end."""
+        if count <= 0:
+            return
+        end = self.length
+        self.valid[:, : end - count] = self.valid[:, count:end].clone()
+        self.valid[:, end - count :] = False
+        for layer in self.layers:
+            for buffer in (layer.keys, layer.values):
+                if buffer is not None:
+                    buffer[:, :, : end - count] = buffer[:, :, count:end].clone()
+        self.length = end - count

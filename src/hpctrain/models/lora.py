@@ -157,6 +157,7 @@ class Adapted:
     num_trainable: int  # parameter elements that train (adapters and the above)
     num_total: int  # all parameter elements, base included
     quantized: bool  # the adapted layers' base weights are NF4
+    buffers: tuple[str, ...] = ()  # the model's buffers (never held in base_dtype)
 
     def describe(self) -> str:
         fraction = self.num_trainable / max(1, self.num_total)
@@ -234,6 +235,7 @@ def apply_lora(model: nn.Module, lora: LoraConfig, *, fresh: Iterable[str] = ())
         num_trainable=trainable,
         num_total=total,
         quantized=lora.quantize_base == "nf4",
+        buffers=tuple(name for name, _ in model.named_buffers()),
     )
 
 

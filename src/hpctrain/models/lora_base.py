@@ -3,8 +3,8 @@ weights merged into the base.
 
 A LoRA run's checkpoints hold the adapters (and what trains in full beside them), never the
 base: the base stays where `model.init_from` names it. So every checkpoint records the base's
-*fingerprint* (its folder and a digest, `fingerprint`), a resume refuses a base whose digest
-changed (the adapters were trained on other weights), and every verb that reads a LoRA run's
+*fingerprint* (its folder and a digest of every byte: `hpctrain.models.lora_fingerprint`), a
+resume refuses a base whose digest changed (the adapters were trained on other weights), and every verb that reads a LoRA run's
 weights (eval, predict, generate, export) reads the base from the fingerprinted path, checks
 it, and merges the adapters into it (`read_weights`: `W + (alpha / rank) B A`), so the
 result is a plain model of the task, exported and evaluated like any other.
@@ -12,8 +12,6 @@ result is a plain model of the task, exported and evaluated like any other.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -25,77 +23,18 @@ from hpctrain.checkpoint import CheckpointError
 from hpctrain.checkpoint.storage import Store
 from hpctrain.checkpoint.weights import read_model_weights
 from hpctrain.config import Config, ConfigError
+from hpctrain.errors import UsageError
 from hpctrain.models import hf, init_from, lora
 from hpctrain.models.gpt import GPTConfig
+from hpctrain.models.lora_fingerprint import check_same_base, describe, fingerprint, same_base
 from hpctrain.models.lora_peft import CONFIG as PEFT_CONFIG
 from hpctrain.models.lora_peft import check_settings, read_peft_folder
 
 log = logging.getLogger(__name__)
+LORA_BASES = ("run", "full")  # the base a LoRA run's weights are merged into: `read_weights`
+BATCHNORM_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 KEY = "lora"  # the checkpoint manifest's metadata entry of a LoRA run
 ADAPTERS_KEY = "model.lora.init_from"
-SAMPLE_BYTES = 2**20
-
-
-def fingerprint(path: str, *, ema: bool = False) -> dict[str, Any]:
-    """{path, kind, digest} of the base `path` (a `model.init_from`).
-
-    The digest is a sha256 over each weight file's name, size and first and last MiB (the
-    safetensors header and a sample of the weights: a re-saved, fine-tuned or re-quantized
-    folder differs there), plus the folder's config.json; for an hpctrain run, over its
-    checkpoint's manifest (a CRC32C per item). Not whole files: hashing an 8B model's 16 GB at
-    every start would cost minutes on a parallel filesystem.
-    """
-    kind = init_from.kind_of(path)
-    digest = hashlib.sha256()
-    if kind == "run":
-        _, name, manifest, _ = init_from.open_run(path, ema=ema)
-        digest.update(json.dumps([name, ema, manifest.get("files")], sort_keys=True).encode())
-    else:
-        files = sorted(set(hf.weight_files(path).values())) if kind == "hf" else [Path(path)]
-        if kind == "hf":
-            files.append(Path(path) / hf.CONFIG)
-        for file in files:
-            digest.update(sample(file))
-    return {
-        "path": str(Path(path).resolve()),
-        "kind": kind,
-        "ema": ema,
-        "digest": digest.hexdigest(),
-    }
-
-
-def sample(file: Path) -> bytes:
-    """A file's name and size, and the sha256 of its first and last `SAMPLE_BYTES`."""
-    try:
-        with open(file, "rb") as f:
-            size = f.seek(0, 2)
-            f.seek(0)
-            head = f.read(SAMPLE_BYTES)
-            f.seek(max(0, size - SAMPLE_BYTES))
-            tail = f.read(SAMPLE_BYTES)
-    except OSError as exc:
-        raise ConfigError(f"{init_from.KEY}: cannot read {file}: {exc.strerror or exc}") from None
-    return f"{file.name}:{size}:".encode() + hashlib.sha256(head + tail).digest()
-
-
-def describe(base: dict[str, Any]) -> str:
-    return f"{base.get('path')} (digest {str(base.get('digest'))[:12]})"
-
-
-def check_same_base(saved: dict[str, Any] | None, current: dict[str, Any], step: Any) -> None:
-    """Refuse to go on with adapters trained on another base.
-
-    Raises:
-        ConfigError: the checkpoint's base fingerprint is not `current`'s, naming both.
-    """
-    if saved is None or saved.get("digest") == current["digest"]:
-        return
-    raise ConfigError(
-        f"model.init_from={current['path']}: not the base the checkpoint of step {step} was "
-        f"trained on (its base: {describe(saved)}; now: {describe(current)}); the adapters "
-        "fit their own base only: set model.init_from back to it, or start over in a new run "
-        "folder"
-    )
 
 
 def prepare(model: nn.Module, cfg: Config, task: Any) -> lora.Adapted:
@@ -123,6 +62,8 @@ def metadata(cfg: Config, base: dict[str, Any], adapted: lora.Adapted) -> dict[s
         "modules": list(adapted.modules),
         "trained_in_full": list(adapted.trained_in_full),
         "quantize_base": settings.quantize_base,
+        "base_dtype": settings.base_dtype,
+        "buffers": list(adapted.buffers),
         "base": base,
     }
 
@@ -134,27 +75,120 @@ def lora_metadata(manifest: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def read_weights(
-    store: Store, name: str, manifest: dict[str, Any], *, ema: bool = False
+    store: Store,
+    name: str,
+    manifest: dict[str, Any],
+    *,
+    ema: bool = False,
+    lora_base: str = "run",
 ) -> dict[str, torch.Tensor]:
     """The plain model weights of checkpoint `name`: `read_model_weights`, with a LoRA run's
     adapters merged into its base (read from the fingerprinted path and checked).
 
+    `lora_base`: "run", the base as the run held it and computed with (`held_base`: QLoRA's
+    NF4 copy of the adapted layers, a `model.lora.base_dtype: bf16` base rounded to bf16), so
+    that the merged model computes what the run's evaluations computed; "full": the base's
+    own weights, as its folder holds them. The same for a run whose base was held as is.
+
     Raises:
         CheckpointError: the base is missing, unreadable, or not the one trained on.
+        UsageError: a QLoRA base asked for as the run held it where torchao is missing.
     """
     trained = read_model_weights(store, name, manifest, ema=ema)
     entry = lora_metadata(manifest)
     if entry is None:
         return trained
+    if lora_base not in LORA_BASES:
+        raise UsageError(f"lora base {lora_base!r}: one of {', '.join(LORA_BASES)}")
     where = store.path(name)
     saved = entry["base"]
     try:
-        current = fingerprint(saved["path"], ema=bool(saved.get("ema")))
+        current = fingerprint(saved["path"], ema=bool(saved.get("ema")), known=saved)
         check_same_base(saved, current, manifest.get("step"))
         base = read_base(saved["path"], manifest, ema=bool(saved.get("ema")))
     except ConfigError as exc:
         raise CheckpointError(f"{where}: a LoRA run whose base is unusable: {exc}") from None
+    if lora_base == "run":
+        base = held_base(base, entry, manifest, where)
     return lora.merge_adapters(base, trained, float(entry["alpha"]) / int(entry["rank"]))
+
+
+def held_as(manifest: dict[str, Any]) -> str | None:
+    """How a LoRA run held its frozen base: "nf4" (QLoRA: the adapted layers in NF4), "bf16"
+    (`model.lora.base_dtype`), "fp32"; None for a run without adapters."""
+    entry = lora_metadata(manifest)
+    if entry is None:
+        return None
+    if entry.get("quantize_base") == "nf4":
+        return "nf4"
+    return base_dtype(entry, manifest)
+
+
+def base_dtype(entry: dict[str, Any], manifest: dict[str, Any]) -> str:
+    """The run's `model.lora.base_dtype` (an older checkpoint: from its recorded config)."""
+    if "base_dtype" in entry:
+        return str(entry["base_dtype"])
+    import yaml
+
+    text = (manifest.get("metadata") or {}).get("config")
+    try:
+        tree = yaml.safe_load(text) if isinstance(text, str) else None
+    except yaml.YAMLError:
+        tree = None
+    model = (tree or {}).get("model") if isinstance(tree, dict) else None
+    return str(((model or {}).get("lora") or {}).get("base_dtype") or "fp32")
+
+
+def describe_base(manifest: dict[str, Any], lora_base: str) -> str | None:
+    """Which base a LoRA run's weights were merged into, for a record or a line: "run (nf4)",
+    "full"; None for a run without adapters."""
+    held = held_as(manifest)
+    if held is None:
+        return None
+    return f"run ({held})" if lora_base == "run" else "full"
+
+
+def describe_configured_base(tree: dict[str, Any], lora_base: str) -> str | None:
+    """`describe_base` from a run's resolved config (`model.lora.*`)."""
+    settings = ((tree.get("model") or {}).get("lora") or {}) if isinstance(tree, dict) else {}
+    if not settings.get("rank"):
+        return None
+    nf4 = settings.get("quantize_base") == "nf4"
+    held = "nf4" if nf4 else str(settings.get("base_dtype") or "fp32")
+    return f"run ({held})" if lora_base == "run" else "full"
+
+
+@torch.no_grad()
+def held_base(
+    base: dict[str, torch.Tensor], entry: dict[str, Any], manifest: dict[str, Any], where: str
+) -> dict[str, torch.Tensor]:
+    """The base's tensors as the run held them (see `read_weights`): what `apply_lora` did
+    to the loaded base, done again (bf16 for every frozen parameter, then NF4 for each
+    adapted layer's weight: the same values, quantization being deterministic)."""
+    buffers = entry.get("buffers")
+    if buffers is None:  # an older checkpoint: BatchNorm's statistics are the buffers
+        buffers = [n for n in base if n.rsplit(".", 1)[-1] in BATCHNORM_BUFFERS]
+    # the model's parameters are fp32 (a folder's bf16 tensors are loaded into them)
+    held = {n: t.float() if t.is_floating_point() else t for n, t in base.items()}
+    if base_dtype(entry, manifest) == "bf16":
+        for name, tensor in held.items():
+            if name not in buffers and tensor.is_floating_point():
+                held[name] = tensor.to(torch.bfloat16)
+    if entry.get("quantize_base") == "nf4":
+        try:
+            lora.require_nf4()
+        except ConfigError:
+            raise UsageError(
+                f"{where}: a QLoRA run, evaluated on its NF4 base: that needs torchao (pip "
+                "install 'hpctrain[qlora]'); or merge into the base's own weights "
+                "(eval.lora_base=full, export/generate --lora-base full)"
+            ) from None
+        for module in entry.get("modules", []):
+            weight = f"{module}.weight"
+            if weight in held:
+                nf4: Any = lora.to_nf4(held[weight], weight)  # torchao's NF4Tensor
+                held[weight] = nf4.get_original_weight()
+    return held
 
 
 def read_base(path: str, manifest: dict[str, Any], *, ema: bool = False) -> dict[str, Any]:
@@ -259,8 +293,8 @@ def read_lora_run(
                 "nor a LoRA run"
             )
         check_settings(source, entry["rank"], entry["alpha"], cfg)
-        base = fingerprint(cfg.model.init_from, ema=cfg.model.init_from_ema)
-        if entry["base"].get("digest") != base["digest"]:
+        base = fingerprint(cfg.model.init_from, ema=cfg.model.init_from_ema, known=entry["base"])
+        if not same_base(entry["base"], base):
             raise ConfigError(
                 f"{ADAPTERS_KEY}={source}: adapters of another base "
                 f"({describe(entry['base'])}; this run's model.init_from: {describe(base)})"

@@ -5,7 +5,9 @@ A peft adapter folder is `adapter_config.json` (`peft_type: LORA`, `r`, `lora_al
 `target_modules`, `modules_to_save`, ...) and `adapter_model.safetensors`, whose keys are the
 base model's module names under `base_model.model.`, each adapter as `<module>.lora_A.weight`
 (rank x in) and `<module>.lora_B.weight` (out x rank), and each module trained in full as its
-own parameters (`<module>.weight`): the names peft 0.21 writes, read from its output. The
+own parameters (`<module>.weight`): the names peft 0.21 writes, read from its output. A base
+whose output head is tied to its embedding gets the trained embedding as `lm_head` too (see
+`peft_adapter`). The
 base model of a causal_lm run is the Hugging Face model (`transformers`), so the GPT's module
 names are mapped to Hugging Face's (`hf.hf_names`: `blocks.0.attention.wq` ->
 `model.layers.0.self_attn.q_proj`); any other task's base is its own module, names unchanged.
@@ -24,9 +26,16 @@ from hpctrain.models import hf, lora
 from hpctrain.models.gpt import GPTConfig
 
 CONFIG = "adapter_config.json"
+EMBEDDING = "tok_embeddings.weight"  # the GPT's; with tied embeddings, its output head too
+HEAD = "lm_head"  # the Hugging Face model's output head
 WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 KEY = "model.lora.init_from"
+
+
+def tied_head(gpt: GPTConfig | None) -> bool:
+    """Whether the base's output head is its embedding (`tie_word_embeddings`)."""
+    return gpt is not None and gpt.tie_embeddings
 
 
 def module_names(gpt: GPTConfig | None) -> dict[str, str]:
@@ -73,10 +82,19 @@ def peft_adapter(
         if lora.is_adapter(name) or name in in_full
     }
     saved_modules = sorted({modules.get(m, m) for m in (n.rpartition(".")[0] for n in in_full)})
+    if tied_head(gpt) and EMBEDDING in in_full:
+        # The GPT's output head is its embedding. peft keeps its own copy of each module to
+        # save, and the base's lm_head stays tied to the base's (untrained) embedding: so
+        # the trained embedding goes in as lm_head too (any peft version loads it so; its
+        # `ensure_weight_tying` option would need peft 0.18 or newer).
+        tensors[PREFIX + HEAD + ".weight"] = trained[EMBEDDING].clone()  # its own bytes
+        saved_modules = sorted({*saved_modules, HEAD})
+    name, revision = base_name(str(entry["base"]["path"]))
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM" if task == "causal_lm" else None,
-        "base_model_name_or_path": entry["base"]["path"],
+        "base_model_name_or_path": name,
+        "revision": revision,
         "r": int(entry["rank"]),
         "lora_alpha": float(entry["alpha"]),
         "lora_dropout": float(entry.get("dropout", 0.0)),
@@ -90,6 +108,21 @@ def peft_adapter(
         "inference_mode": True,
     }
     return config, tensors
+
+
+def base_name(path: str) -> tuple[str, str | None]:
+    """(`base_model_name_or_path`, `revision`) of the base at `path`: its Hugging Face Hub name
+    and revision where the folder is a snapshot of the Hub's cache
+    (`.../models--ORG--NAME/snapshots/REV`, what `hf download ORG/NAME` without `--local-dir`
+    writes), so that peft (`AutoPeftModel`) and other machines find the base by it; else the
+    absolute path the run read it from. (A `config.json`'s `_name_or_path` is not taken: a
+    fine-tune's often names the model it was tuned from.)"""
+    folder = Path(path)
+    if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
+        org_name = folder.parent.parent.name.removeprefix("models--")
+        if "--" in org_name:
+            return org_name.replace("--", "/", 1), folder.name
+    return path, None
 
 
 def check_settings(source: str, rank: Any, alpha: Any, cfg: Config) -> None:
@@ -129,4 +162,15 @@ def read_peft_folder(
             raise ConfigError(f"{where}: key {key!r} is not under {PREFIX!r}")
         name = rename(key[len(PREFIX) :], ours)
         (adapters if lora.is_adapter(name) else in_full)[name] = value
+    head = in_full.pop(f"{HEAD}.weight", None)
+    if head is not None and tied_head(gpt):
+        # a tied base: the head is the embedding (`peft_adapter` writes it as both)
+        embedding = in_full.get(EMBEDDING)
+        if embedding is None or not torch.equal(head, embedding):
+            raise ConfigError(
+                f"{where}: holds an lm_head other than its embedding; this run's base ties "
+                "them (tie_word_embeddings), so one matrix cannot hold both"
+            )
+    elif head is not None:
+        in_full[f"{HEAD}.weight"] = head  # not the GPT's: named as it is
     return adapters, in_full

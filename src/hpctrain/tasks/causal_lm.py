@@ -394,6 +394,11 @@ class CausalLM:
             metadata["hf_config"] = self.hf_source
         return metadata
 
+    def use_text_tokenizer(self, tokenizer: Tokenizer) -> None:
+        """Encode and decode text with `tokenizer` (an inference verb's, resolved against the
+        checkpoint's record: `hpctrain.inference.generate.run_tokenizer`)."""
+        self._text_tokenizer = tokenizer
+
     def text_tokenizer(self) -> Tokenizer:
         """The tokenizer itself (for decoding), see `load_index_tokenizer`."""
         if self._text_tokenizer is None:

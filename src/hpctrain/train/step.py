@@ -18,6 +18,7 @@ from hpctrain.config import Config
 from hpctrain.distributed import DistEnv
 from hpctrain.observe.heartbeat import Progress
 from hpctrain.observe.metrics import GpuForwardTimer, IntervalMeter
+from hpctrain.parallel.grad_norm import clip_grad_norm, global_grad_norm
 from hpctrain.parallel.parallelize import no_gradient_sync
 from hpctrain.parallel.precision import Precision, TrainingPlan
 from hpctrain.tasks.task import Batch, Task, count_targets
@@ -200,13 +201,11 @@ class OptimizerStep:
             return
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # the norm of the true gradients
+        # one order of summation under DDP, FSDP2 and HSDP: the same norm, bit for bit
         if clip:
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+            norm = clip_grad_norm(self.model.parameters(), clip)
         else:
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            norm = torch.nn.utils.get_total_norm(grads)
-        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor of the global norm
-            norm = norm.full_tensor()
+            norm = global_grad_norm(self.model.parameters())
         self.grad_norm = norm.detach().float()
 
     def is_log_step(self, step: int) -> bool:

@@ -217,8 +217,13 @@ class Trainer(Checkpointing, RunRecords, OptimizerStep):
         self.base_on_meta = built.on_meta
         self.adapted: lora.Adapted | None = None  # model.lora: the adapters, on the base
         if self.cfg.model.lora.rank:
+            # every rank at once: the files to hash are split over the ranks; a resume reuses
+            # the checkpoint's records of the files that did not change
+            known = lora_base.lora_metadata(self.resume_manifest or {})
             self.lora_base = lora_base.fingerprint(
-                self.cfg.model.init_from, ema=self.cfg.model.init_from_ema
+                self.cfg.model.init_from,
+                ema=self.cfg.model.init_from_ema,
+                known=known and known.get("base"),
             )
             self.adapted = lora_base.prepare(model, self.cfg, self.task)  # before wrapping
             log.info("model.lora: %s", self.adapted.describe())
