@@ -416,3 +416,44 @@ def test_convert_help_gives_the_positional_dest_as_the_docs_write_it(
     text = " ".join(capsys.readouterr().out.split())
     assert "DEST output folder or fsspec URL (or -o DEST: the same)" in text
     assert "older spelling of -o" not in text
+
+
+def _at_a_terminal(argv: list[str], env: dict[str, str]) -> str:
+    """What `python -m hpctrain ARGV` writes to a terminal (a pseudo-terminal as its stdout
+    and stderr)."""
+    import pty
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hpctrain", *argv], stdout=follower, stderr=follower, env=env
+    )
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # EIO: the process closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    proc.wait(timeout=120)
+    return b"".join(chunks).decode().replace("\r\n", "\n")
+
+
+@pytest.mark.slow  # three interpreters that import torch: ~12 s
+def test_a_slow_starting_verb_says_so_at_once_at_a_terminal_only(tmp_path: Path) -> None:
+    argv = ["export", str(tmp_path / "no-run"), "--out", str(tmp_path / "out.pt")]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    lines = _at_a_terminal(argv, env).splitlines()
+    assert lines[0].startswith("hpctrain: export: loading torch and the trainer"), lines
+    assert any(line.startswith("hpctrain export: ") for line in lines[1:]), lines  # its error
+    # a pipe (a SLURM log, a test) and each rank of a multi-process run say nothing of it
+    piped = subprocess.run(
+        [sys.executable, "-m", "hpctrain", *argv], capture_output=True, text=True, env=env
+    )
+    assert "loading torch" not in piped.stdout + piped.stderr and piped.returncode != 0
+    ranked = ["eval", str(tmp_path / "no-run")]  # eval's error line names its rank
+    rank = _at_a_terminal(ranked, {**env, "RANK": "1", "WORLD_SIZE": "2"})
+    assert "loading torch" not in rank and "hpctrain eval [rank 1]: " in rank, rank

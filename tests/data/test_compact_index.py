@@ -168,6 +168,22 @@ def test_a_stale_companion_is_derived_again_and_replaced(tmp_path, monkeypatch, 
     assert plan_of(open_index(str(tmp_path))) == plan_of(index)
 
 
+def test_a_large_index_says_when_its_read_starts(tmp_path, monkeypatch, caplog):
+    import hpctrain.data.node_index as node_index
+
+    make_shards(tmp_path, [3, 4])
+    caplog.set_level("INFO", logger="hpctrain")
+    open_index(str(tmp_path))
+    assert "reading the index" not in caplog.text  # a small one: nothing to wait for
+    monkeypatch.setattr(node_index, "SAY_READ_BYTES", 0)  # as if it were 16 MB or more
+    open_index(str(tmp_path))
+    assert f"reading the index {tmp_path}/index.json (0 MB)" in caplog.text
+    write_companion(str(tmp_path / "index.json"))
+    caplog.clear()
+    open_index(str(tmp_path))
+    assert "(0 MB, its compact form once per node)" in caplog.text
+
+
 def test_a_touched_json_with_the_same_bytes_keeps_its_companion(tmp_path):
     make_shards(tmp_path, [3, 4])
     write_companion(str(tmp_path / "index.json"))

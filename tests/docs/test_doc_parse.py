@@ -84,3 +84,32 @@ def test_a_documented_slurm_command_is_checked_up_to_its_job() -> None:
 def test_what_hpctrain_refuses_fails_the_parse(argv: list[str], error: type) -> None:
     with pytest.raises(error):
         check(argv)
+
+
+def unclosed_fences(text: str) -> list[str]:
+    """Code fences of a Markdown page that do not close where they should: a fence with an
+    info string (```bash) met inside an open block, or a block open at the end."""
+    problems, opened = [], 0
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.startswith("```"):
+            continue
+        if not opened:
+            opened = number
+        elif line.strip() == "```":
+            opened = 0
+        else:
+            problems.append(f"line {number}: {line.strip()} inside the block opened at {opened}")
+    return problems + ([f"the block opened at line {opened} never closes"] if opened else [])
+
+
+def test_every_page_closes_its_code_blocks() -> None:
+    """A merge that cut a block's closing fence ran the prose after it as shell commands."""
+    assert unclosed_fences("```bash\nls\n### Next\n```text\nx\n```\n") == [
+        "line 4: ```text inside the block opened at 1"
+    ]
+    assert unclosed_fences("```bash\nls\n```\n\n```\nx\n") == [
+        "the block opened at line 5 never closes"
+    ]
+    pages = [*sorted((ROOT / "docs").glob("*.md")), *sorted(ROOT.glob("*.md"))]
+    found = {p.name: unclosed_fences(p.read_text()) for p in pages}
+    assert not {name: problems for name, problems in found.items() if problems}

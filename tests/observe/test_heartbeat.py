@@ -28,8 +28,14 @@ def test_the_allowance_is_learnt_from_the_slowest_recent_step(tmp_path: Path) ->
     after = read_beat(path)
     assert after is not None and (after.phase, after.allowance_s) == ("step", 45)
     assert after.beats == beat.beats + 1
+    progress.first_step_s = 12.0  # the first step, which started the loader, took 12 s
     with progress.step(5):  # an epoch starts inside it: its workers may start again
         progress.loading()
+        assert read_beat(path).allowance_s == 60  # type: ignore[union-attr]  # 5 x 12 s
+    # not the first step's 30 minutes: a rank stopped at an epoch's start is found as soon
+    fresh = Progress(path, floor_s=30, factor=5, first_s=1800)
+    with fresh.step(1):  # the first epoch starts inside the process's first step
+        fresh.loading()
         assert read_beat(path).allowance_s == 1800  # type: ignore[union-attr]
     progress.ending()
     assert read_beat(path).allowance_s == 0  # type: ignore[union-attr]

@@ -35,6 +35,10 @@ EXIT_BROKEN_PIPE = 141
 # which the training loop returns after saving; not imported here: it would import torch).
 EXIT_INTERRUPTED = 130
 
+# Verbs whose first line comes after torch and the trainer are imported: 5-7 s on this 2-core
+# machine, up to 12 s on a busy node. At a terminal they say so at once (`starting_line`).
+SLOW_START = ("train", "eval", "predict", "generate", "export")
+
 # Order is the order shown in `hpctrain --help`.
 VERBS = [
     "train",
@@ -163,6 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.show_tracebacks:
         os.environ[DEBUG_ENV] = "1"
     try:
+        say_starting(args.verb)
         code = int(args._run(args))
     except HpctrainError as exc:
         # A mistake the user can fix: one line and the kind's exit code (hpctrain.errors).
@@ -196,6 +201,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         return stdout_closed(code or EXIT_BROKEN_PIPE)
     return code
+
+
+def starting_line(verb: str) -> str | None:
+    """What a slow-starting verb says before its imports, or None: only at a terminal (a
+    person waiting; a SLURM log or a pipe gets nothing), once per command (not in each rank
+    of a multi-process run: the command that started them says it)."""
+    if verb not in SLOW_START or rank_tag() or not sys.stderr.isatty():
+        return None
+    return f"hpctrain: {verb}: loading torch and the trainer (a few seconds; longer on a busy node)"
+
+
+def say_starting(verb: str) -> None:
+    line = starting_line(verb)
+    if line is not None:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
 
 
 def stdout_reader_gone() -> bool:

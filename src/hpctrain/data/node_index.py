@@ -68,6 +68,9 @@ NODE_LOCAL_ENV = "HPCTRAIN_NODE_LOCAL_DIR"
 INDEX_FORMS = ("auto", "json", "compact")
 PRUNE_AFTER_S = 86400.0  # node-local copies unused this long are removed (by the next copier)
 HINT_BYTES = 16 << 20  # an index.json this large without a companion gets a hint
+# An index.json this large says when its read starts: parsing it takes seconds (~50 MB/s of
+# JSON on one core here), the copy to a node's memory as long again.
+SAY_READ_BYTES = 16 << 20
 
 
 def index_form(form: str | None = None) -> str:
@@ -123,6 +126,11 @@ def load_index(
         raise ShardIndexError(f"{redact_url(json_url)}: index not found") from None
     except OSError as exc:
         raise ShardIndexError(f"{redact_url(json_url)}: cannot read index: {exc}") from None
+    if json_stat.size >= SAY_READ_BYTES:
+        log.info(
+            "reading the index %s (%d MB%s)", redact_url(json_url), json_stat.size >> 20,
+            ", its compact form once per node" if compact_stat is not None else "",
+        )  # fmt: skip
     if compact_stat is None and chosen == "auto":
         if json_stat.size >= HINT_BYTES:
             log.warning(

@@ -17,7 +17,11 @@ its section timeouts from observed ones), per phase:
   (0: not watched);
 - a step: max(`train.heartbeat_timeout_s`, `train.heartbeat_factor` x the slowest of the
   recent steps of this process); before a second step was measured, the first one stands in;
-  a step in which the loader starts an epoch (its workers may start again): as a first step;
+  a step in which the loader starts an epoch (its workers may start again): at least
+  `train.heartbeat_factor` x the process's first step, which started the loader too (a
+  step that starts the first epoch of the process is its first step: as above). Not the
+  first step's own allowance: a rank stopped at an epoch's start would hold every node for
+  `train.first_step_timeout_s` (30 min), as the chaos run found;
 - an evaluation: the first of the process as the first step, then max(floor, factor x the
   slowest evaluation so far);
 - a save: `checkpoint.save_timeout_s` when set, else max(floor, factor x the slowest save
@@ -194,10 +198,11 @@ class Progress:
         self._beat(self._next_step, 3, self.step_allowance())
 
     def loading(self) -> None:
-        """The loader starts an epoch (its workers, its first shards): this step may take
-        as long as a first step."""
+        """The loader starts an epoch (its workers, its first shards): this step may take as
+        long as the process's first step, which started the loader too, and then some."""
         if self.allowance:
-            self._beat(self.step_no, self.phase_no, max(self.allowance, self.first_s))
+            learnt = self.first_s if self.first_step_s is None else self.factor * self.first_step_s
+            self._beat(self.step_no, self.phase_no, max(self.allowance, learnt))
 
     def data_ready(self) -> None:
         """The step's batches are here (a rank stuck in its loader beats no further)."""
