@@ -8,10 +8,11 @@ indexes, exports). Remote URLs: one `pipe_file` (a single PUT, atomic on object 
 from __future__ import annotations
 
 import errno
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from hpctrain.errors import UsageError
 
@@ -20,6 +21,16 @@ TEMP_MARKER = ".tmp-"
 Payload = bytes | Callable[[IO[bytes]], object]
 # A full file system, or a full quota (what $WORK and $SCRATCH enforce per project).
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in the local file `path`; {} where it is missing, unreadable, not JSON
+    (a record cut by a kill) or not an object: records a failure may have left half-written."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def no_space(exc: BaseException) -> bool:

@@ -9,7 +9,6 @@ RUN_DIR/slurm/job_id (written by the sbatch script when it starts). The sbatch s
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 from collections import deque
@@ -24,7 +23,7 @@ from hpctrain.resilience.job_records import (
     read_job_record,
     recorded_job_ids,
 )
-from hpctrain.resilience.records import read_records
+from hpctrain.resilience.records import read_records, steps_logged_since
 
 # States after which the job will not run again by itself.
 DONE_STATES = frozenset({"COMPLETED"})
@@ -119,19 +118,8 @@ def query_state(job_id: str) -> tuple[str, str, int]:
 
 
 def last_step(run_dir: Path) -> int | None:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return None
-    step = None
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue  # a line cut by a kill
-            if isinstance(record, dict) and isinstance(record.get("step"), int):
-                step = record["step"] if step is None else max(step, record["step"])
-    return step
+    """The highest training step in the run's metrics.jsonl (None: none yet)."""
+    return steps_logged_since(run_dir, 0)
 
 
 def tail(path: Path, num_lines: int) -> list[str]:

@@ -37,7 +37,7 @@ from typing import Any
 
 from hpctrain.config import Config, ConfigError, load_config
 from hpctrain.distributed.env import expand_hostlist
-from hpctrain.files import write_atomic
+from hpctrain.files import read_json_object, write_atomic
 from hpctrain.observe.timeline import process_start_time, read_timeline
 from hpctrain.resilience.placement import ProbeResult, place
 from hpctrain.resilience.rank_ends import read_ranks, read_srun_log
@@ -145,14 +145,6 @@ def _say(line: str) -> None:
     sys.stderr.flush()
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def _write_json(path: Path, data: Mapping[str, Any]) -> None:
     write_atomic(path, (json.dumps(data) + "\n").encode())
 
@@ -171,10 +163,10 @@ def close_unfinished(run_dir: Path, records: list[AttemptRecord], root: str) -> 
     )
     for number in numbers:
         folder = folders / str(number)
-        begun = _read_json(folder / "begin.json")
+        begun = read_json_object(folder / "begin.json")
         if number in done or not begun:
             continue
-        placed = _read_json(folder / "place.json")
+        placed = read_json_object(folder / "place.json")
         last = max((p.stat().st_mtime for p in folder.iterdir()), default=begun["start"])
         record = AttemptRecord(
             attempt=number, job_id=begun["job_id"], restart=begun["restart"],
@@ -199,7 +191,7 @@ def submission_start(
     ended = {r.attempt for r in records if r.decision in ("done", "stop")}
     start: dict[str, Any] | None = None
     for earlier in range(number - 1, 0, -1):
-        begun = _read_json(folders / str(earlier) / "begin.json")
+        begun = read_json_object(folders / str(earlier) / "begin.json")
         if not begun:
             continue  # a folder its job shell was killed in before it wrote begin.json
         if begun.get("job_id") != job.job_id or earlier in ended:
@@ -296,7 +288,7 @@ def begin_and_place(cfg: Config, job: JobFacts, *, down: Sequence[str] = ()) -> 
     nodes is left to `attempts place`, which decides what follows."""
     text = begin(cfg, job, down=down)
     folder = current_folder(Path(cfg.run_dir))
-    begun = _read_json(folder / "begin.json")
+    begun = read_json_object(folder / "begin.json")
     if begun.get("probe"):
         return text
     placement = place(job.allocation, begun.get("excluded", []), [], nodes=nodes_to_train(cfg, job))
@@ -330,7 +322,7 @@ def current_folder(run_dir: Path) -> Path:
 def read_probes(folder: Path) -> list[ProbeResult]:
     results = []
     for path in sorted(folder.glob("probe-*.json")):
-        data = _read_json(path)
+        data = read_json_object(path)
         reached = data.get("peers_reached")  # the collective's hub only
         if data.get("node"):
             results.append(
@@ -350,7 +342,7 @@ def place_attempt(cfg: Config, job: JobFacts) -> str:
     """After the probe: the nodes this attempt trains on, or the requeue/stop without them."""
     run_dir = Path(cfg.run_dir)
     folder = current_folder(run_dir)
-    begun = _read_json(folder / "begin.json")
+    begun = read_json_object(folder / "begin.json")
     placement = place(
         job.allocation,
         begun.get("excluded", []),
@@ -369,7 +361,7 @@ def place_attempt(cfg: Config, job: JobFacts) -> str:
     )  # fmt: skip
     if placement.nodes:
         first = placement.nodes[0]  # rank 0's node: the store's address on the fabric, if any
-        address = str(_read_json(folder / f"probe-{first}.json").get("fabric_address") or "")
+        address = str(read_json_object(folder / f"probe-{first}.json").get("fabric_address") or "")
         return _shell(
             NEXT="train",
             TRAIN_NODES=",".join(placement.nodes),
@@ -424,8 +416,8 @@ def end_attempt(
     step_end = process_start_time() if step_end is None else step_end
     run_dir = Path(cfg.run_dir)
     folder = current_folder(run_dir)
-    begun = _read_json(folder / "begin.json")
-    placed = _read_json(folder / "place.json")
+    begun = read_json_object(folder / "begin.json")
+    placed = read_json_object(folder / "place.json")
     nodes = placed.get("nodes", [])
     ranks = read_ranks(folder, nodes, job.tasks_per_node)
     failed_nodes, answered = read_srun_log(folder)
@@ -501,7 +493,7 @@ def _finish(
     recovered: dict[str, Any] | None = None,
 ) -> str:
     run_dir = Path(cfg.run_dir)
-    placed = _read_json(folder / "place.json")
+    placed = read_json_object(folder / "place.json")
     set_aside = dict(placed.get("set_aside", {}))
     for node in verdict.exclude:
         set_aside.setdefault(

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.config import ConfigError
+from hpctrain.files import read_json_object
 from hpctrain.observe.timeline import read_timeline
 from hpctrain.resilience.attempts import (
     JobFacts,
@@ -183,28 +184,20 @@ def read_metrics_records(run_dir: Path) -> list[dict[str, Any]]:
     return records
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def running_recovery(run_dir: Path, records: Sequence[AttemptRecord]) -> dict[str, Any] | None:
     """The restart into the attempt still under way (begun, no record yet), so far."""
     try:
         folder = current_folder(run_dir)
     except ConfigError:
         return None
-    begun = _read_json(folder / "begin.json")
+    begun = read_json_object(folder / "begin.json")
     if not begun or any(r.attempt == begun.get("attempt") for r in records):
         return None
     job = JobFacts(
         job_id=str(begun.get("job_id", "")), restart=int(begun.get("restart", 0)),
         allocation=(), tasks_per_node=1, end_time=None,
     )  # fmt: skip
-    found = restart_phases(run_dir, records, job, begun, _read_json(folder / "place.json"))
+    found = restart_phases(run_dir, records, job, begun, read_json_object(folder / "place.json"))
     return None if found is None else {"attempt": begun["attempt"], **found}
 
 

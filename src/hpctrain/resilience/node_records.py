@@ -39,7 +39,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hpctrain.files import write_atomic
+from hpctrain.files import read_json_object, write_atomic
 
 LOCAL_BASE_ENV = "HPCTRAIN_WATCH_DIR"  # where node-local folders go (default /dev/shm)
 NODE_PREFIX = "node-"
@@ -89,14 +89,6 @@ def tasks_on_node(environ: Mapping[str, str]) -> int:
     return int(per_node) if per_node.isdigit() and int(per_node) > 0 else 1
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 class NodeGather:
     """The notes of one node's watchers for one attempt, and the node's record.
 
@@ -131,7 +123,7 @@ class NodeGather:
     def notes(self) -> dict[int, dict[str, Any]]:
         found: dict[int, dict[str, Any]] = {}
         for path in self.local.glob("rank-*.json"):
-            data = _read_json(path)
+            data = read_json_object(path)
             if isinstance(data.get("rank"), int):
                 found[data["rank"]] = data
         return found
@@ -145,7 +137,7 @@ class NodeGather:
     def _publish(self, notes: Mapping[int, Mapping[str, Any]], complete: bool) -> None:
         """The node's record: the union of the one written so far and the notes."""
         path = node_file(self.attempt_dir, self.node)
-        ranks = {int(r["rank"]): r for r in _read_json(path).get("ranks", []) if "rank" in r}
+        ranks = {int(r["rank"]): r for r in read_json_object(path).get("ranks", []) if "rank" in r}
         for rank, note in notes.items():
             ranks[rank] = {**ranks.get(rank, {}), **note}
         record = {
@@ -229,12 +221,12 @@ def read_rank_records(
     for node in nodes:
         name = f"{NODE_PREFIX}{node}.json"
         if name in names:
-            for record in _read_json(attempt_dir / name).get("ranks", []):
+            for record in read_json_object(attempt_dir / name).get("ranks", []):
                 if isinstance(record, dict) and isinstance(record.get("rank"), int):
                     found[record["rank"]] = {"node": node, **record}
     for rank in range(len(nodes) * tasks_per_node):
         if rank not in found and f"rank-{rank}.json" in names:
-            data = _read_json(rank_file(attempt_dir, rank))
+            data = read_json_object(rank_file(attempt_dir, rank))
             if data:
                 found[rank] = data
     return found
