@@ -70,3 +70,12 @@ def slurm_cluster() -> Iterator[str]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SLURM_CONF", conf)
         yield conf
+
+
+@pytest.fixture
+def jobs() -> Iterator[list[str]]:
+    """Job ids a test submits, cancelled after it whatever happened (an array's by its job)."""
+    ids: list[str] = []
+    yield ids
+    for job_id in ids:
+        subprocess.run(["scancel", job_id.split("_")[0]], capture_output=True, timeout=30)

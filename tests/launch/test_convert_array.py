@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-from collections.abc import Iterator
 
 import pytest
 
@@ -100,14 +99,6 @@ def test_dry_run_prints_every_stage_and_the_merge_and_writes_nothing(tmp_path, c
 
 
 # -- the SLURM tier --------------------------------------------------------------------------
-
-
-@pytest.fixture
-def jobs() -> Iterator[list[str]]:
-    ids: list[str] = []
-    yield ids
-    for job_id in ids:
-        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
 
 
 def sacct_states(job_id: str) -> list[str]:

@@ -65,14 +65,6 @@ SAME = ("train.max_steps=70", "train.deterministic=true", "data.workers_per_rank
 
 
 @pytest.fixture
-def jobs() -> Iterator[list[str]]:
-    ids: list[str] = []
-    yield ids
-    for job_id in ids:
-        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
-
-
-@pytest.fixture
 def lost_nodes() -> Iterator[list[str]]:
     """Nodes whose slurmd the test killed: running and in service again afterwards."""
     nodes: list[str] = []

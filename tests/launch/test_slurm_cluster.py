@@ -8,7 +8,6 @@ from __future__ import annotations
 import itertools
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,15 +36,6 @@ WORKER = HERE.parent / "support" / "allreduce_worker.py"  # a 2-rank all-reduce 
 # Tests that signal a run once it reached step 20 need the rest of the run to outlast the
 # signal's way there on any machine: a floor of 30 ms a step (see tests/support/slow_tasks.py).
 SLOW_STEPS = ("task=tests.support.slow_tasks:SlowImageClassification", "task_options.step_s=0.03")
-
-
-@pytest.fixture
-def jobs() -> Iterator[list[str]]:
-    """Job ids to cancel after the test, whatever happened."""
-    ids: list[str] = []
-    yield ids
-    for job_id in ids:
-        subprocess.run(["scancel", job_id.split("_")[0]], capture_output=True, timeout=30)
 
 
 def test_plumbing_sbatch_two_tasks_allreduce(tmp_path: Path, jobs: list[str]) -> None:

@@ -10,7 +10,6 @@ import json
 import re
 import subprocess
 import tarfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,14 +17,6 @@ import pytest
 from tests.support.slurm_kit import hpctrain, train_overrides, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
-
-
-@pytest.fixture
-def jobs() -> Iterator[list[str]]:
-    ids: list[str] = []
-    yield ids
-    for job_id in ids:
-        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
 
 
 def job_state(job_id: str) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,14 +25,6 @@ from tests.support.slurm_kit import (
 )
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
-
-
-@pytest.fixture
-def jobs() -> Iterator[list[str]]:
-    ids: list[str] = []
-    yield ids
-    for job_id in ids:
-        subprocess.run(["scancel", job_id.split("_")[0]], capture_output=True, timeout=30)
 
 
 def sacct_elapsed_s(job_id: str) -> list[int]:

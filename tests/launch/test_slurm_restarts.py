@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,14 +40,6 @@ pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
 EXACT = ("train.deterministic=true", "data.workers_per_rank=0", "checkpoint.every_steps=10",
          "data.val=", "checkpoint.monitor=", "checkpoint.keep_best=0")  # fmt: skip
 CRASHING = "task=tests.support.crash_tasks:CrashingImageClassification"
-
-
-@pytest.fixture
-def jobs() -> Iterator[list[str]]:
-    ids: list[str] = []
-    yield ids
-    for job_id in ids:
-        subprocess.run(["scancel", job_id.split("_")[0]], capture_output=True, timeout=30)
 
 
 def sbatch(tmp_path: Path, *overrides: str, options: tuple[str, ...] = (),

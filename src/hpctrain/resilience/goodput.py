@@ -43,6 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from hpctrain.resilience.recovery import TRAINER_PHASES
 from hpctrain.resilience.restart_policy import AttemptRecord
 
 PARTS = (
@@ -58,16 +59,8 @@ PARTS = (
     "idle",
 )
 HUNG_KINDS = ("hang", "lost")  # failures every task waits on until they are detected
-STARTUP_PHASES = (
-    "job_script",
-    "probe_and_launch",
-    "interpreter_and_imports",
-    "process_group",
-    "index",
-    "model_build",
-    "checkpoint_load",
-    "other",
-)
+# the job script's and the launch's share of a start-up, then the trainer's own phases
+STARTUP_PHASES = ("job_script", "probe_and_launch", *TRAINER_PHASES)
 
 
 @dataclass(frozen=True)
